@@ -1,0 +1,25 @@
+"""Where the shipped configs live (configs/ at the repository root, or $HETERMOE_CONFIG_DIR)."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def config_dir() -> Path:
+    return Path(os.environ.get("HETERMOE_CONFIG_DIR", REPO_ROOT / "configs"))
+
+
+def resolve_config(path_or_name: str, kind: str) -> Path:
+    """A config file path, or a bare name looked up in configs/<kind>/NAME.yaml."""
+    p = Path(path_or_name)
+    if p.exists():
+        return p
+    cand = config_dir() / kind / f"{path_or_name.lower()}.yaml"
+    if cand.exists():
+        return cand
+    known = sorted(f.stem for f in (config_dir() / kind).glob("*.yaml"))
+    raise FileNotFoundError(
+        f"{kind} config {path_or_name!r} not found: give a path to a YAML file or one of {known}"
+    )

@@ -1,0 +1,278 @@
+"""The HeterMoE plan: who does what, as a dataclass and a versioned JSON file.
+
+A plan is the single source of a rank's role. It names, for every rank, its GPU type; the ZP
+groups, each with M attention ranks and N expert ranks; and for every MoE layer of every group
+which rank holds which experts (`placement[layer] = {rank: [expert ids]}`). Experts may sit on
+attention ranks too (asymmetric expert assignment). Every group holds the same experts in the
+same positions, so expert e of layer l on the k-th member of group 0 is replicated by the k-th
+member of every other group (these replicas form that expert's data-parallel group).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Literal
+
+PLAN_VERSION = 1
+SCHEDULES = ("distep", "zebra")
+Role = Literal["attention", "expert"]
+
+
+class PlanError(ValueError):
+    """A plan that cannot run; the message names the bad value and the fix."""
+
+
+@dataclass
+class ZPGroup:
+    attention_ranks: list[int]
+    expert_ranks: list[int]
+    # placement[layer] maps a rank of this group to the sorted expert ids it holds in that layer.
+    placement: list[dict[int, list[int]]]
+
+    @property
+    def members(self) -> list[int]:
+        """Attention ranks first, then expert ranks: the order that lines groups up."""
+        return list(self.attention_ranks) + list(self.expert_ranks)
+
+    def owner(self, layer: int) -> dict[int, int]:
+        """expert id -> rank holding it, for one layer."""
+        return {e: r for r, es in self.placement[layer].items() for e in es}
+
+
+@dataclass
+class HeteroPlan:
+    num_layers: int
+    num_experts: int
+    gpu_types: list[str]  # gpu_types[rank]
+    groups: list[ZPGroup]
+    num_microbatches: int = 1  # R: microbatches per step on each attention rank
+    schedule: str = "distep"
+    version: int = PLAN_VERSION
+    meta: dict = field(default_factory=dict)  # free-form: model name, planner predictions
+
+    # ---- derived views -----------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return len(self.gpu_types)
+
+    @property
+    def attention_ranks(self) -> list[int]:
+        return [r for g in self.groups for r in g.attention_ranks]
+
+    @property
+    def expert_ranks(self) -> list[int]:
+        return [r for g in self.groups for r in g.expert_ranks]
+
+    def role(self, rank: int) -> Role:
+        for g in self.groups:
+            if rank in g.attention_ranks:
+                return "attention"
+            if rank in g.expert_ranks:
+                return "expert"
+        raise PlanError(f"rank {rank} is in no ZP group of the plan (world size {self.world_size})")
+
+    def group_of(self, rank: int) -> int:
+        for i, g in enumerate(self.groups):
+            if rank in g.members:
+                return i
+        raise PlanError(f"rank {rank} is in no ZP group of the plan (world size {self.world_size})")
+
+    def local_experts(self, rank: int, layer: int) -> list[int]:
+        """Expert ids of `layer` held by `rank` (empty for an attention rank without offload)."""
+        return list(self.groups[self.group_of(rank)].placement[layer].get(rank, []))
+
+    def experts_on_attention_ranks(self) -> int:
+        """How many (layer, expert) pairs per group are offloaded to attention ranks."""
+        g = self.groups[0]
+        return sum(len(g.placement[l].get(r, [])) for l in range(self.num_layers) for r in g.attention_ranks)
+
+    # ---- validation --------------------------------------------------------------------
+    def validate(self, world_size: int | None = None, known_gpu_types: Iterable[str] | None = None) -> None:
+        """Raise PlanError naming the bad value and the fix. Touches no process group."""
+        if self.version != PLAN_VERSION:
+            raise PlanError(f"plan version {self.version} is not supported; this build reads version {PLAN_VERSION}")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"plan schedule {self.schedule!r} is unknown; use one of {list(SCHEDULES)}")
+        for name in ("num_layers", "num_experts", "num_microbatches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise PlanError(f"plan {name}={v!r} must be a positive integer")
+        if not self.groups:
+            raise PlanError("plan has no ZP groups; add at least one group with attention and expert ranks")
+        if world_size is not None and world_size != self.world_size:
+            raise PlanError(
+                f"plan is for {self.world_size} ranks (len(gpu_types)) but the job has world size "
+                f"{world_size}; launch {self.world_size} processes or make a plan for {world_size}"
+            )
+        if known_gpu_types is not None:
+            known = set(known_gpu_types)
+            for r, t in enumerate(self.gpu_types):
+                if t not in known:
+                    raise PlanError(
+                        f"rank {r} has unknown GPU type {t!r}; known types: {sorted(known)} "
+                        f"(add a profile to configs/gpus/ for a new type)"
+                    )
+        seen: dict[int, str] = {}
+        for gi, g in enumerate(self.groups):
+            if not g.attention_ranks:
+                raise PlanError(f"ZP group {gi} has no attention ranks; give it at least one")
+            for role, ranks in (("attention", g.attention_ranks), ("expert", g.expert_ranks)):
+                for r in ranks:
+                    if not isinstance(r, int) or not 0 <= r < self.world_size:
+                        raise PlanError(
+                            f"ZP group {gi} names {role} rank {r!r}, outside 0..{self.world_size - 1} "
+                            f"(world size = len(gpu_types) = {self.world_size})"
+                        )
+                    where = f"{role} rank of ZP group {gi}"
+                    if r in seen:
+                        raise PlanError(f"rank {r} is both {seen[r]} and {where}; each rank has exactly one role")
+                    seen[r] = where
+        missing = sorted(set(range(self.world_size)) - set(seen))
+        if missing:
+            raise PlanError(
+                f"plan has {self.world_size} ranks but ranks {missing} are in no ZP group; "
+                f"assign them a role or shrink gpu_types"
+            )
+        shape = (len(self.groups[0].attention_ranks), len(self.groups[0].expert_ranks))
+        for gi, g in enumerate(self.groups):
+            if (len(g.attention_ranks), len(g.expert_ranks)) != shape:
+                raise PlanError(
+                    f"ZP group {gi} is {len(g.attention_ranks)}:{len(g.expert_ranks)} but group 0 is "
+                    f"{shape[0]}:{shape[1]}; all ZP groups must have the same M:N shape"
+                )
+            if len(g.placement) != self.num_layers:
+                raise PlanError(
+                    f"ZP group {gi} places experts for {len(g.placement)} layers but the plan has "
+                    f"num_layers={self.num_layers}; give one placement per MoE layer"
+                )
+            members = set(g.members)
+            for l, pl in enumerate(g.placement):
+                count: dict[int, int] = {}
+                for r, es in pl.items():
+                    if r not in members:
+                        raise PlanError(
+                            f"layer {l} of ZP group {gi} places experts {es} on rank {r}, which is not "
+                            f"a member of that group {sorted(members)}"
+                        )
+                    for e in es:
+                        if not isinstance(e, int) or not 0 <= e < self.num_experts:
+                            raise PlanError(
+                                f"layer {l} of ZP group {gi}: expert id {e!r} on rank {r} is outside "
+                                f"0..{self.num_experts - 1}"
+                            )
+                        count[e] = count.get(e, 0) + 1
+                twice = sorted(e for e, c in count.items() if c > 1)
+                if twice:
+                    raise PlanError(
+                        f"layer {l} of ZP group {gi}: expert(s) {twice} placed more than once; "
+                        f"place each expert on exactly one rank"
+                    )
+                never = sorted(set(range(self.num_experts)) - set(count))
+                if never:
+                    raise PlanError(
+                        f"layer {l} of ZP group {gi}: expert(s) {never} placed on no rank; "
+                        f"place each expert on exactly one rank"
+                    )
+            if gi:
+                ref = self.groups[0]
+                for l in range(self.num_layers):
+                    for k, (r0, r) in enumerate(zip(ref.members, g.members)):
+                        a = sorted(ref.placement[l].get(r0, []))
+                        b = sorted(g.placement[l].get(r, []))
+                        if a != b:
+                            raise PlanError(
+                                f"layer {l}: member {k} of ZP group {gi} (rank {r}) holds experts {b} "
+                                f"but member {k} of group 0 (rank {r0}) holds {a}; every group must "
+                                f"place experts alike so replicas line up"
+                            )
+
+    # ---- (de)serialization -------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for g in d["groups"]:
+            g["placement"] = [{str(r): sorted(es) for r, es in sorted(pl.items())} for pl in g["placement"]]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "HeteroPlan":
+        if not isinstance(d, dict):
+            raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
+        known = {"num_layers", "num_experts", "gpu_types", "groups", "num_microbatches", "schedule", "version", "meta"}
+        unknown = set(d) - known
+        if unknown:
+            raise PlanError(f"plan has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
+        for k in ("num_layers", "num_experts", "gpu_types", "groups"):
+            if k not in d:
+                raise PlanError(f"plan is missing the field {k!r}")
+        groups = []
+        for gi, g in enumerate(d["groups"]):
+            try:
+                placement = [{int(r): sorted(int(e) for e in es) for r, es in pl.items()} for pl in g["placement"]]
+                groups.append(ZPGroup(list(g["attention_ranks"]), list(g["expert_ranks"]), placement))
+            except (KeyError, TypeError, ValueError, AttributeError) as e:
+                raise PlanError(
+                    f"ZP group {gi} is malformed ({type(e).__name__}: {e}); it needs attention_ranks, "
+                    f"expert_ranks and placement (a list of {{rank: [experts]}})"
+                ) from None
+        rest = {k: d[k] for k in ("num_microbatches", "schedule", "version", "meta") if k in d}
+        return cls(num_layers=d["num_layers"], num_experts=d["num_experts"], gpu_types=list(d["gpu_types"]),
+                   groups=groups, **rest)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HeteroPlan":
+        try:
+            d = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{path}: not valid JSON ({e})") from None
+        return cls.from_dict(d)
+
+
+def split_evenly(items: list[int], holders: list[int]) -> dict[int, list[int]]:
+    """Contiguous, as-even-as-possible split: 8 experts over 3 ranks -> 3/3/2."""
+    n, k = len(items), len(holders)
+    out, start = {}, 0
+    for i, h in enumerate(holders):
+        size = n // k + (1 if i < n % k else 0)
+        out[h] = items[start:start + size]
+        start += size
+    return out
+
+
+def even_plan(
+    num_layers: int,
+    num_experts: int,
+    attention_ranks: int,
+    expert_ranks: int,
+    groups: int = 1,
+    gpu_types: list[str] | None = None,
+    attention_gpu: str = "cpu",
+    expert_gpu: str = "cpu",
+    num_microbatches: int = 1,
+    schedule: str = "distep",
+) -> HeteroPlan:
+    """G groups of M attention + N expert ranks laid out group by group; experts split evenly
+    over each group's expert ranks in every layer."""
+    M, N = attention_ranks, expert_ranks
+    if M < 1 or N < 1 or groups < 1:
+        raise PlanError(f"even plan needs M>=1, N>=1, groups>=1; got M={M}, N={N}, groups={groups}")
+    if N > num_experts:
+        raise PlanError(f"{N} expert ranks for {num_experts} experts leaves ranks idle; use at most {num_experts}")
+    zp = []
+    for g in range(groups):
+        base = g * (M + N)
+        a = list(range(base, base + M))
+        x = list(range(base + M, base + M + N))
+        placement = [split_evenly(list(range(num_experts)), x) for _ in range(num_layers)]
+        zp.append(ZPGroup(a, x, placement))
+    if gpu_types is None:
+        gpu_types = ([attention_gpu] * M + [expert_gpu] * N) * groups
+    plan = HeteroPlan(num_layers, num_experts, gpu_types, zp, num_microbatches, schedule)
+    plan.validate()
+    return plan
