@@ -1,0 +1,95 @@
+"""Golden values in Megatron's CI layout, and `hetermoe regress`.
+
+Layout: {"lm loss": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {"1": v, ...}}}.
+Comparison is exact in deterministic mode (--deterministic-mode among the trainer args), else
+Megatron's relative tolerance 0.05.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+DEFAULT_RTOL = 0.05
+
+
+def golden_dict(losses: list[float], metric: str = "lm loss") -> dict:
+    return {metric: {"start_step": 1, "end_step": len(losses), "step_interval": 1,
+                     "values": {str(i + 1): float(v) for i, v in enumerate(losses)}}}
+
+
+def write_golden(path: str | Path, losses: list[float]) -> None:
+    Path(path).write_text(json.dumps(golden_dict(losses), indent=2) + "\n")
+
+
+def read_golden(path: str | Path, metric: str = "lm loss") -> dict[int, float]:
+    d = json.loads(Path(path).read_text())
+    if metric not in d or "values" not in d[metric]:
+        raise ValueError(f"{path}: no {metric!r} golden values (keys: {sorted(d)})")
+    return {int(k): float(v) for k, v in d[metric]["values"].items()}
+
+
+def compare(golden: dict[int, float], losses: list[float], rtol: float, exact: bool) -> list[str]:
+    """Human-readable mismatches; empty when the run matches."""
+    problems = []
+    if len(losses) < max(golden):
+        problems.append(f"run has {len(losses)} steps but golden values go to step {max(golden)}")
+    for step, want in sorted(golden.items()):
+        if step > len(losses):
+            break
+        got = losses[step - 1]
+        if exact:
+            bad = got != want
+        else:
+            bad = not math.isfinite(got) or abs(got - want) > rtol * abs(want)
+        if bad:
+            rel = abs(got - want) / abs(want) if want else float("inf")
+            problems.append(f"step {step}: lm loss {got!r} vs golden {want!r} (rel diff {rel:.3e}, "
+                            f"{'exact match required' if exact else f'rtol {rtol}'})")
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        i = argv.index("--")
+        own, train_args = argv[:i], argv[i + 1:]
+    else:
+        own, train_args = argv, []
+    p = argparse.ArgumentParser(prog="hetermoe regress", usage="hetermoe regress --golden FILE [--rtol R] [--update] -- <trainer args>")
+    p.add_argument("--golden", required=True, help="golden values JSON (Megatron's layout)")
+    p.add_argument("--rtol", type=float, default=DEFAULT_RTOL)
+    p.add_argument("--update", action="store_true", help="write the run's losses as the new golden values")
+    a = p.parse_args(own)
+
+    from . import trainer
+
+    tp = argparse.ArgumentParser(prog="hetermoe regress -- (trainer args)")
+    trainer.add_megatron_args(tp)
+    tp.add_argument("--nproc", type=int, default=4)
+    ta = tp.parse_args(train_args)
+    cfg = trainer.config_from_args(ta)
+    cfg.quiet = True
+    import megatron.core  # noqa: F401  - import once, then fork ranks
+
+    losses = trainer.run(cfg, ta.nproc)["losses"]
+    if a.update:
+        write_golden(a.golden, losses)
+        print(f"wrote {len(losses)} golden values to {a.golden}")
+        return 0
+    golden = read_golden(a.golden)
+    problems = compare(golden, losses, a.rtol, exact=cfg.deterministic)
+    for step, v in enumerate(losses, 1):
+        want = golden.get(step)
+        print(f"step {step:>4}: lm loss {v:.8f}" + (f"  golden {want:.8f}" if want is not None else ""))
+    if problems:
+        print("REGRESSION:\n  " + "\n  ".join(problems))
+        return 1
+    print(f"OK: {len(golden)} steps match ({'exact' if cfg.deterministic else f'rtol {a.rtol}'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

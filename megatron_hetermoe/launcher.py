@@ -1,0 +1,151 @@
+"""Start N CPU ranks over gloo, for tests and tools.
+
+Ranks are forked from the parent after it imported megatron (an import costs ~3.5 s per process
+otherwise). A failing rank's traceback is shown, and nothing hangs: the parent watches every
+child, and as soon as one dies (exception, signal, os._exit) or the deadline passes it kills the
+rest and raises LaunchError naming the rank and its error. Collectives also carry a gloo timeout
+so a rank blocked on a dead peer gives up on its own.
+"""
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+
+class LaunchError(RuntimeError):
+    """A rank failed or the job ran out of time; the message holds the rank's traceback."""
+
+    def __init__(self, message: str, rank: int | None = None):
+        super().__init__(message)
+        self.rank = rank
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    world_size: int
+    timeout_s: float = 300.0  # whole job
+    collective_timeout_s: float = 60.0  # one gloo collective
+    threads_per_rank: int = 1
+
+
+def collective_timeout() -> datetime.timedelta:
+    """The gloo timeout of this job's collectives; pass it to every new_group."""
+    return datetime.timedelta(seconds=float(os.environ.get("HETERMOE_COLLECTIVE_TIMEOUT_S", "60")))
+
+
+def _child(rank: int, cfg: LaunchConfig, store_path: str, out_dir: str, fn: Callable, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from . import cpu_backend
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(cfg.world_size), LOCAL_RANK=str(rank),
+                      OMP_NUM_THREADS=str(cfg.threads_per_rank),
+                      HETERMOE_COLLECTIVE_TIMEOUT_S=str(cfg.collective_timeout_s))
+    torch.set_num_threads(cfg.threads_per_rank)
+    code = 0
+    try:
+        cpu_backend.apply()
+        store = dist.FileStore(store_path, cfg.world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.world_size,
+                                timeout=collective_timeout())
+        result = fn(rank, cfg.world_size, *args)
+        with open(Path(out_dir) / f"result.{rank}", "wb") as f:
+            pickle.dump(result, f)
+    except BaseException as e:  # noqa: BLE001 - everything must reach the parent
+        # First line: when it failed, so the parent can tell the first failure (the cause)
+        # from the peers that failed after it (connection closed by the dead rank).
+        (Path(out_dir) / f"error.{rank}").write_text(
+            f"{time.time():.6f}\n{type(e).__name__}: {e}\n\n" + traceback.format_exc()
+        )
+        code = 1
+    finally:
+        # Skip destroy_process_group and atexit handlers: peers may be dead, and a forked
+        # child must not run the parent's exit hooks.
+        os._exit(code)
+
+
+def _first_failure(tmp: str, procs: list, bad: list[int], grace_s: float = 1.0) -> int:
+    """The rank whose failure came first. Peers of a dead rank fail soon after it, so wait a
+    moment for their reports, then prefer the earliest reported error; a rank that died
+    without a report (signal, os._exit) is the cause when no report predates its death."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
+        time.sleep(0.02)
+    stamps = {}
+    for r in range(len(procs)):
+        f = Path(tmp) / f"error.{r}"
+        if f.exists():
+            try:
+                stamps[r] = float(f.read_text().split("\n", 1)[0])
+            except ValueError:
+                pass
+    silent = [r for r in bad if r not in stamps]
+    if silent:
+        return silent[0]
+    return min(stamps, key=stamps.get) if stamps else bad[0]
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
+           collective_timeout_s: float = 60.0) -> list[Any]:
+    """Run fn(rank, world_size, *args) on `world_size` forked gloo ranks; return their results.
+
+    fn and its results must be picklable only for the results (fork shares fn itself).
+    Raises LaunchError when a rank fails or the job exceeds timeout_s.
+    """
+    from . import cpu_backend
+
+    cpu_backend.apply()  # in the parent, so children inherit it
+    cfg = LaunchConfig(world_size, timeout_s, collective_timeout_s)
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="hetermoe-launch-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [ctx.Process(target=_child, args=(r, cfg, store_path, tmp, fn, args), daemon=False)
+                 for r in range(world_size)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        failed: int | None = None
+        try:
+            while True:
+                codes = [p.exitcode for p in procs]
+                bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
+                if bad:
+                    failed = _first_failure(tmp, procs, bad)
+                    break
+                if all(c == 0 for c in codes):
+                    break
+                if time.monotonic() > deadline:
+                    running = [r for r, c in enumerate(codes) if c is None]
+                    raise LaunchError(
+                        f"job of {world_size} ranks exceeded {timeout_s:.0f} s; ranks {running} were "
+                        f"still running (a hang or a too-small timeout_s)"
+                    )
+                time.sleep(0.02)
+        finally:
+            for p in procs:
+                if p.exitcode is None:
+                    os.kill(p.pid, signal.SIGKILL)
+            for p in procs:
+                p.join()
+        if failed is not None:
+            err = Path(tmp) / f"error.{failed}"
+            code = procs[failed].exitcode
+            detail = err.read_text().split("\n", 1)[1] if err.exists() else (
+                f"exited with {'signal ' + str(-code) if code < 0 else 'code ' + str(code)} "
+                f"without a Python traceback")
+            raise LaunchError(f"rank {failed} of {world_size} failed: {detail}", rank=failed)
+        out = []
+        for r in range(world_size):
+            with open(Path(tmp) / f"result.{r}", "rb") as f:
+                out.append(pickle.load(f))
+        return out

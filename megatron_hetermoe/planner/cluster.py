@@ -1,0 +1,170 @@
+"""A cluster: which GPU types, how many, how they sit in nodes, and the network between nodes.
+
+configs/clusters/NAME.yaml:
+    name: O1
+    node_groups:               # ranks are numbered in this order, node by node
+      - {gpu: A40, nodes: 1, gpus_per_node: 6, nic_gbps_per_gpu: 100}
+      - {gpu: V100-16GB, nodes: 1, gpus_per_node: 6, nic_gbps_per_gpu: 100}
+    network_latency_us: 10
+    notes: "where the numbers come from"
+
+Transfer model: a rank's bytes to ranks of its own node move at the GPU profile's
+`intra_node_gbs`; bytes to other nodes at its NIC share (`nic_gbps_per_gpu`). Sending and
+receiving are separate directions. A collective ends when its most loaded rank has pushed (and
+pulled) all its bytes: t = latency + max over ranks of max(send_intra, send_inter, recv_intra,
+recv_inter). This ignores switch congestion (non-blocking fabric assumed).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from ..paths import resolve_config
+from .profiles import GpuProfile
+
+
+class ClusterError(ValueError):
+    """A cluster file that cannot be used; the message names the bad value and the fix."""
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    gpu: str
+    nodes: int
+    gpus_per_node: int
+    nic_gbps_per_gpu: float
+
+    @property
+    def count(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    node_groups: tuple[NodeGroup, ...]
+    network_latency_us: float = 10.0
+    notes: str = ""
+
+    @classmethod
+    def load(cls, path_or_name: str | Path) -> "Cluster":
+        path = resolve_config(str(path_or_name), "clusters")
+        raw = yaml.safe_load(path.read_text()) or {}
+        try:
+            groups = tuple(NodeGroup(str(g["gpu"]), int(g["nodes"]), int(g["gpus_per_node"]),
+                                     float(g["nic_gbps_per_gpu"])) for g in raw["node_groups"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ClusterError(f"{path}: node_groups entries need gpu, nodes, gpus_per_node, nic_gbps_per_gpu "
+                               f"({type(e).__name__}: {e})") from None
+        for g in groups:
+            if g.nodes < 1 or g.gpus_per_node < 1 or g.nic_gbps_per_gpu <= 0:
+                raise ClusterError(f"{path}: node group {g} needs nodes>=1, gpus_per_node>=1, nic_gbps_per_gpu>0")
+        return cls(str(raw.get("name", path.stem)), groups, float(raw.get("network_latency_us", 10.0)),
+                   str(raw.get("notes", "")))
+
+    @classmethod
+    def of(cls, name: str, counts: dict[str, int], nic_gbps: float = 100.0, gpus_per_node: int = 8) -> "Cluster":
+        """A cluster built in code: `counts` GPUs of each type, packed into nodes of gpus_per_node."""
+        groups = []
+        for gpu, n in counts.items():
+            full, rest = divmod(n, gpus_per_node)
+            if full:
+                groups.append(NodeGroup(gpu, full, gpus_per_node, nic_gbps))
+            if rest:
+                groups.append(NodeGroup(gpu, 1, rest, nic_gbps))
+        return cls(name, tuple(groups))
+
+    # ---- rank views (rank order = node_groups order) ----------------------------------
+    @property
+    def world_size(self) -> int:
+        return sum(g.count for g in self.node_groups)
+
+    def gpu_types(self) -> list[str]:
+        return [g.gpu for g in self.node_groups for _ in range(g.count)]
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for g in self.node_groups:
+            out[g.gpu] = out.get(g.gpu, 0) + g.count
+        return out
+
+    def node_of(self) -> list[int]:
+        out, node = [], 0
+        for g in self.node_groups:
+            for _ in range(g.nodes):
+                out += [node] * g.gpus_per_node
+                node += 1
+        return out
+
+    def nic_gbs(self) -> list[float]:
+        """Per-rank NIC bandwidth in GB/s."""
+        return [g.nic_gbps_per_gpu / 8.0 for g in self.node_groups for _ in range(g.count)]
+
+    def ranks_of(self, gpu: str) -> list[int]:
+        return [r for r, t in enumerate(self.gpu_types()) if t == gpu]
+
+
+@dataclass(frozen=True)
+class Links:
+    """Per-rank link speeds for a set of ranks (GB/s), used by the transfer model."""
+
+    node: tuple[int, ...]
+    intra_gbs: tuple[float, ...]
+    inter_gbs: tuple[float, ...]
+    latency_s: float
+
+    @classmethod
+    def for_ranks(cls, cluster: Cluster, ranks: list[int], profiles: dict[str, GpuProfile]) -> "Links":
+        types, nodes, nics = cluster.gpu_types(), cluster.node_of(), cluster.nic_gbs()
+        intra = tuple(profiles[types[r]].intra_node_gbs for r in ranks)
+        lat = cluster.network_latency_us * 1e-6 + max(profiles[types[r]].link_latency_us for r in ranks) * 1e-6
+        return cls(tuple(nodes[r] for r in ranks), intra, tuple(nics[r] for r in ranks), lat)
+
+
+def collective_time(links: Links, nbytes: list[list[float]]) -> float:
+    """Seconds of one all-to-all where rank i (index into `links`) sends nbytes[i][j] to rank j."""
+    n = len(nbytes)
+    send_i = [0.0] * n
+    send_x = [0.0] * n
+    recv_i = [0.0] * n
+    recv_x = [0.0] * n
+    any_bytes = False
+    for i in range(n):
+        row = nbytes[i]
+        for j in range(n):
+            b = row[j]
+            if b <= 0 or i == j:
+                continue
+            any_bytes = True
+            if links.node[i] == links.node[j]:
+                send_i[i] += b
+                recv_i[j] += b
+            else:
+                send_x[i] += b
+                recv_x[j] += b
+    if not any_bytes:
+        return 0.0
+    worst = 0.0
+    for i in range(n):
+        worst = max(worst, send_i[i] / (links.intra_gbs[i] * 1e9), recv_i[i] / (links.intra_gbs[i] * 1e9),
+                    send_x[i] / (links.inter_gbs[i] * 1e9), recv_x[i] / (links.inter_gbs[i] * 1e9))
+    return links.latency_s + worst
+
+
+def transfer_time(cluster: Cluster, profiles: dict[str, GpuProfile], src: int, dst: int, nbytes: float) -> float:
+    """Seconds to move `nbytes` from rank src to rank dst of `cluster` (point to point)."""
+    links = Links.for_ranks(cluster, [src, dst], profiles)
+    return collective_time(links, [[0.0, nbytes], [0.0, 0.0]])
+
+
+def allreduce_time(links: Links, nbytes: float) -> float:
+    """Ring all-reduce of `nbytes` over the ranks of `links`: each moves 2(n-1)/n of the data
+    over its slowest link (inter-node if the ring leaves a node)."""
+    n = len(links.node)
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    multi_node = len(set(links.node)) > 1
+    bw = min(links.inter_gbs) if multi_node else min(links.intra_gbs)
+    return 2 * (n - 1) * links.latency_s + 2.0 * (n - 1) / n * nbytes / (bw * 1e9)

@@ -1,0 +1,249 @@
+"""GPU profiles: what the planner knows about one GPU type, and where each number comes from.
+
+A profile is a YAML file in configs/gpus/. Every number is a `{value: X, source: "..."}` pair,
+and the source starts with one of the tags in SOURCE_TAGS:
+  datasheet   - a vendor's public peak (dense fp16 tensor TFLOPS, memory bandwidth, memory size)
+  paper-ratio - derived from a ratio the HeterMoE paper measured (PAPER.md "Why")
+  measured    - measured on this kind of device by `hetermoe profile`
+  estimate    - our assumption; the source says what it is based on
+Two kinds of timing information can be present:
+  * analytic: datasheet peaks and efficiencies; the cost model runs a roofline over FLOPs/bytes.
+  * measured: tables from `hetermoe profile` (time of attention+router per (seq_len, tokens) and
+    of one expert per token count, for the profiled model shape); the cost model interpolates the
+    achieved FLOP rate and scales by FLOPs to other shapes. Measured tables win when present.
+A profile may instead give a speed *ratio* to another profile (`expert_speed_vs`,
+`attention_speed_vs`), e.g. the paper's "V100 runs an expert at 80% of A40 speed"; the loader
+turns the ratio into an efficiency, solving against the reference GPU with the same cost model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..paths import config_dir, resolve_config
+
+SOURCE_TAGS = ("datasheet", "paper-ratio", "measured", "estimate")
+
+
+class ProfileError(ValueError):
+    """A profile that cannot be used; the message names the bad value and the fix."""
+
+
+@dataclass(frozen=True)
+class AttentionSample:
+    """One measured attention(+router) call: `tokens` tokens in sequences of `seq_len`."""
+
+    seq_len: int
+    tokens: int
+    fwd_s: float
+    bwd_s: float
+
+
+@dataclass(frozen=True)
+class ExpertSample:
+    """One measured expert FFN call on `tokens` tokens."""
+
+    tokens: int
+    fwd_s: float
+    bwd_s: float
+
+
+@dataclass(frozen=True)
+class CommSample:
+    """One measured all_to_all: `nbytes` sent per rank took `seconds`."""
+
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class MeasuredTables:
+    """What `hetermoe profile` measured, for the model shape in `model` (a ModelConfig dict)."""
+
+    model: dict
+    attention: tuple[AttentionSample, ...]
+    expert: tuple[ExpertSample, ...]
+    all_to_all: tuple[CommSample, ...] = ()
+    info: dict = field(default_factory=dict)  # device name, software versions, date, memory findings
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    name: str
+    memory_gib: float
+    fp16: bool
+    bf16: bool
+    peak_fp16_tflops: float  # dense tensor-core FP16 (FP32 accumulate)
+    memory_bandwidth_gbs: float
+    gemm_efficiency: float  # fraction of peak that large expert / projection GEMMs reach
+    attention_core_efficiency: float  # fraction of peak for softmax(QK^T)V (flash or not)
+    flash_attention: bool
+    launch_overhead_us: float  # per kernel launch, added per module call
+    intra_node_gbs: float  # per-GPU bandwidth to a GPU in the same node (each direction)
+    link_latency_us: float  # fixed cost of one collective
+    usable_memory_fraction: float  # of memory_gib, after the CUDA context and fragmentation
+    sources: dict[str, str] = field(default_factory=dict)  # field name -> source string
+    measured: MeasuredTables | None = None
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, "unknown")
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_gib * 2**30 * self.usable_memory_fraction
+
+
+# Numeric fields that a profile YAML must give as {value, source} (unless derived from a ratio).
+_NUMERIC = (
+    "memory_gib", "peak_fp16_tflops", "memory_bandwidth_gbs", "gemm_efficiency",
+    "attention_core_efficiency", "launch_overhead_us", "intra_node_gbs", "link_latency_us",
+    "usable_memory_fraction",
+)
+_RATIO_FIELDS = {"expert_speed_vs": "gemm_efficiency", "attention_speed_vs": "attention_core_efficiency"}
+
+
+def known_gpu_types() -> list[str]:
+    """Names of the shipped profiles (configs/gpus/*.yaml, by the `name` inside each)."""
+    out = []
+    for p in sorted((config_dir() / "gpus").glob("*.yaml")):
+        raw = yaml.safe_load(p.read_text()) or {}
+        out.append(str(raw.get("name", p.stem)))
+    return out
+
+
+def _find_profile_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.exists():
+        return p
+    d = config_dir() / "gpus"
+    for f in sorted(d.glob("*.yaml")):
+        if f.stem.lower() == name_or_path.lower():
+            return f
+        raw = yaml.safe_load(f.read_text()) or {}
+        if str(raw.get("name", "")).lower() == name_or_path.lower():
+            return f
+    return resolve_config(name_or_path, "gpus")  # raises with the list of known names
+
+
+def _num(raw: dict, key: str, where: str) -> tuple[float, str]:
+    v = raw.get(key)
+    if not isinstance(v, dict) or "value" not in v or "source" not in v:
+        raise ProfileError(f"{where}: field {key!r} must be {{value: NUMBER, source: 'TAG: note'}}, got {v!r}")
+    src = str(v["source"])
+    if src.split(":")[0].strip() not in SOURCE_TAGS:
+        raise ProfileError(f"{where}: source of {key!r} is {src!r}; start it with one of {SOURCE_TAGS} and a colon")
+    try:
+        val = float(v["value"])
+    except (TypeError, ValueError):
+        raise ProfileError(f"{where}: value of {key!r} is {v['value']!r}, not a number") from None
+    if val < 0:
+        raise ProfileError(f"{where}: value of {key!r} is {val}, must be >= 0")
+    return val, src
+
+
+def _measured(raw: Any, where: str) -> MeasuredTables | None:
+    if raw is None:
+        return None
+    try:
+        att = tuple(AttentionSample(int(a["seq_len"]), int(a["tokens"]), float(a["fwd_s"]), float(a["bwd_s"]))
+                    for a in raw.get("attention", []))
+        exp = tuple(ExpertSample(int(e["tokens"]), float(e["fwd_s"]), float(e["bwd_s"])) for e in raw.get("expert", []))
+        a2a = tuple(CommSample(int(c["nbytes"]), float(c["seconds"])) for c in raw.get("all_to_all", []))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"{where}: malformed measured table ({type(e).__name__}: {e}); "
+                           f"regenerate it with `hetermoe profile`") from None
+    if not att or not exp:
+        raise ProfileError(f"{where}: measured section needs non-empty attention and expert tables")
+    if not isinstance(raw.get("model"), dict):
+        raise ProfileError(f"{where}: measured section needs the profiled model shape under 'model'")
+    return MeasuredTables(dict(raw["model"]), att, exp, a2a, dict(raw.get("info", {})))
+
+
+def load_profile(name_or_path: str) -> GpuProfile:
+    """Load a profile by GPU name (e.g. "A40"), file stem, or path; resolves speed ratios."""
+    return _load(str(name_or_path), ())
+
+
+@lru_cache(maxsize=None)
+def _load_cached(path: str) -> GpuProfile:
+    return _load_path(Path(path), ())
+
+
+def _load(name_or_path: str, chain: tuple[str, ...]) -> GpuProfile:
+    path = _find_profile_path(name_or_path)
+    if not chain:
+        return _load_cached(str(path.resolve()))
+    return _load_path(path, chain)
+
+
+def _load_path(path: Path, chain: tuple[str, ...]) -> GpuProfile:
+    where = str(path)
+    raw = yaml.safe_load(path.read_text()) or {}
+    name = str(raw.get("name", path.stem))
+    if name in chain:
+        raise ProfileError(f"{where}: speed ratios form a cycle {' -> '.join(chain + (name,))}; break it")
+    vals: dict[str, float] = {}
+    sources: dict[str, str] = {}
+    for key in _NUMERIC:
+        if key in raw:
+            vals[key], sources[key] = _num(raw, key, where)
+    for flag in ("fp16", "bf16", "flash_attention"):
+        if not isinstance(raw.get(flag), bool):
+            raise ProfileError(f"{where}: field {flag!r} must be true or false, got {raw.get(flag)!r}")
+    ratios = {k: raw[k] for k in _RATIO_FIELDS if k in raw}
+    missing = [k for k in _NUMERIC if k not in vals and k not in {_RATIO_FIELDS[r] for r in ratios}]
+    if missing:
+        raise ProfileError(f"{where}: missing field(s) {missing}; give each as {{value, source}}")
+    prof = GpuProfile(
+        name=name, fp16=raw["fp16"], bf16=raw["bf16"], flash_attention=raw["flash_attention"],
+        sources=sources, measured=_measured(raw.get("measured"), where),
+        **{k: vals.get(k, 0.0) for k in _NUMERIC},
+    )
+    if ratios:
+        prof = _resolve_ratios(prof, ratios, where, chain + (name,))
+    return prof
+
+
+def _resolve_ratios(prof: GpuProfile, ratios: dict, where: str, chain: tuple[str, ...]) -> GpuProfile:
+    # Imported here: the cost model imports this module for the dataclasses.
+    from .cost_model import calibrate_attention_efficiency, calibrate_gemm_efficiency
+
+    import dataclasses
+
+    for key, spec in ratios.items():
+        if not isinstance(spec, dict) or not {"gpu", "ratio", "source"} <= set(spec):
+            raise ProfileError(f"{where}: {key} needs gpu, ratio and source (and seq_len for attention), got {spec!r}")
+        ref = _load(str(spec["gpu"]), chain)
+        ratio = float(spec["ratio"])
+        if ratio <= 0:
+            raise ProfileError(f"{where}: {key}.ratio={ratio} must be > 0")
+        src = str(spec["source"])
+        if key == "expert_speed_vs":
+            eff = calibrate_gemm_efficiency(prof, ref, ratio)
+            prof = dataclasses.replace(prof, gemm_efficiency=eff)
+            field_name = "gemm_efficiency"
+        else:
+            seq = int(spec.get("seq_len", 0))
+            if seq <= 0:
+                raise ProfileError(f"{where}: attention_speed_vs needs seq_len (the length the ratio was measured at)")
+            eff = calibrate_attention_efficiency(prof, ref, ratio, seq)
+            prof = dataclasses.replace(prof, attention_core_efficiency=eff)
+            field_name = "attention_core_efficiency"
+        prof.sources[field_name] = f"{src} (solved: {field_name}={eff:.4f} so that {ref.name} / {prof.name} time = {ratio})"
+    return prof
+
+
+def load_profiles(names: list[str] | set[str]) -> dict[str, GpuProfile]:
+    return {n: load_profile(n) for n in sorted(set(names))}
+
+
+def profile_to_yaml(prof_fields: dict, measured: dict | None) -> str:
+    """YAML text for a profile dict (used by the profiler); keeps the key order given."""
+    d = dict(prof_fields)
+    if measured is not None:
+        d["measured"] = measured
+    return yaml.safe_dump(d, sort_keys=False, default_flow_style=None, width=110)

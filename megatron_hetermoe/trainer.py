@@ -1,0 +1,283 @@
+"""Baseline trainer: plain Megatron-Core MoE training (TP/PP/EP/DP) on CPU ranks or GPUs.
+
+This is the reference every HeterMoE feature is proven against: Megatron's own GPTModel,
+schedules (1F1B when PP>1), DDP and optimizer, with deterministic data and layout-invariant
+initial weights. `train(cfg)` runs on an initialized process group; `main(argv)` parses
+Megatron-style flags and starts CPU ranks with the launcher (or joins a torchrun job).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from functools import partial
+
+import torch
+
+from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, transformer_config
+from .model_config import ModelConfig
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    train_iters: int = 5
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    lr_warmup_iters: int = 0
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    seed: int = 1234
+    use_distributed_optimizer: bool = False
+    deterministic: bool = False
+    collect_grads: bool = False  # gather canonical gradients of every step (for parity tests)
+    log_interval: int = 1
+    quiet: bool = False
+
+    def num_microbatches(self, dp: int) -> int:
+        per = self.micro_batch_size * dp
+        if self.global_batch_size % per:
+            raise ValueError(
+                f"global batch size {self.global_batch_size} is not divisible by micro batch size "
+                f"{self.micro_batch_size} x data-parallel size {dp}; pick a multiple of {per}"
+            )
+        return self.global_batch_size // per
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Megatron's GPT loss: token-summed loss and token count, reported as 'lm loss'."""
+    losses = output_tensor.float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses.view(-1) * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach().clone(), num_tokens.float()])}
+
+
+def forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return out, partial(loss_func, batch["loss_mask"])
+
+
+def gather_canonical(model_chunks, names_per_chunk, attr: str) -> dict[str, torch.Tensor]:
+    """{canonical name: tensor} of params (attr='data') or grads (attr='main_grad') from every
+    rank, merged on all ranks. Replicas hold equal values, so the first copy is kept."""
+    import torch.distributed as dist
+
+    local = {}
+    for chunk, names in zip(model_chunks, names_per_chunk):
+        for n, p in chunk.named_parameters():
+            t = getattr(p, attr, None)
+            if t is None and attr == "main_grad":
+                t = p.grad
+            local[names[n]] = (t.detach().clone().float() if t is not None else torch.zeros_like(p, dtype=torch.float))
+    world = [None] * dist.get_world_size()
+    dist.all_gather_object(world, local)
+    merged: dict[str, torch.Tensor] = {}
+    for d in world:
+        for k, v in d.items():
+            merged.setdefault(k, v)
+    return merged
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Train on the current process group with Megatron's parallel state; return per-step
+    losses (and canonical grads when cfg.collect_grads) on every rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from .launcher import collective_timeout
+    from .mock_data import MarkovMockData
+
+    par = cfg.parallel
+    world = dist.get_world_size()
+    if world % (par.tp * par.pp):
+        raise ValueError(f"world size {world} is not divisible by TP {par.tp} x PP {par.pp}")
+    if cfg.deterministic:
+        torch.use_deterministic_algorithms(True)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        expert_model_parallel_size=par.ep,
+        distributed_timeout_minutes=max(1, int(collective_timeout().total_seconds() // 60)),
+    )
+    try:
+        model_parallel_cuda_manual_seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        dp = ps.get_data_parallel_world_size()
+        nmb = cfg.num_microbatches(dp)
+        mcfg = cfg.model
+        config = transformer_config(mcfg, par, deterministic_mode=cfg.deterministic)
+        pp_rank = ps.get_pipeline_model_parallel_rank()
+        module = build_gpt(mcfg, config, pre_process=ps.is_pipeline_first_stage(),
+                           post_process=ps.is_pipeline_last_stage())
+        names = canonical_names(module)
+        init_layout_invariant(module, cfg.seed, mcfg.num_layers, names)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.use_distributed_optimizer,
+        )
+        model = DistributedDataParallel(config, ddp_config, module)
+        model_names = {f"module.{k}": v for k, v in names.items()}
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+            adam_beta1=0.9, adam_beta2=0.95, clip_grad=cfg.clip_grad, bf16=False, fp16=False,
+            params_dtype=torch.float32, use_distributed_optimizer=cfg.use_distributed_optimizer,
+        )
+        optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False)
+        scheduler = OptimizerParamScheduler(
+            optimizer, init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
+            lr_warmup_steps=cfg.lr_warmup_iters, lr_decay_steps=max(cfg.train_iters, 1), lr_decay_style="cosine",
+            start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=max(cfg.train_iters, 1),
+            wd_incr_style="constant",
+        )
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = optimizer.scale_loss
+        config.no_sync_func = model.no_sync
+
+        data = MarkovMockData(mcfg.vocab_size, mcfg.seq_length, cfg.seed)
+        dp_rank = ps.get_data_parallel_rank()
+        fwd_bwd = get_forward_backward_func()
+        losses, grads, step_times = [], [], []
+        for it in range(cfg.train_iters):
+            t0 = time.perf_counter()
+            batches = iter([data.microbatch(it, dp_rank * nmb + m, cfg.micro_batch_size, cfg.global_batch_size)
+                            for m in range(nmb)])
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            reduced = fwd_bwd(
+                forward_step_func=forward_step, data_iterator=batches, model=[model],
+                num_microbatches=nmb, seq_length=mcfg.seq_length, micro_batch_size=cfg.micro_batch_size,
+                forward_only=False,
+            )
+            if cfg.collect_grads:
+                grads.append(gather_canonical([model], [model_names], "main_grad"))
+            lr_used = optimizer.param_groups[0]["lr"]
+            ok, grad_norm, _ = optimizer.step()
+            scheduler.step(increment=1)
+            # lm loss: token-weighted over microbatches and DP ranks, known on the last stage.
+            tot = torch.zeros(2)
+            if ps.is_pipeline_last_stage():
+                for r in reduced:
+                    tot += r["lm loss"]
+            dist.all_reduce(tot)  # last-stage ranks are the only non-zero ones
+            loss = (tot[0] / tot[1]).item()
+            losses.append(loss)
+            step_times.append(time.perf_counter() - t0)
+            if not cfg.quiet and dist.get_rank() == 0 and (it + 1) % cfg.log_interval == 0:
+                print(format_iteration(it + 1, cfg, step_times[-1], lr_used, loss, grad_norm), flush=True)
+        params = gather_canonical([model], [model_names], "data") if cfg.collect_grads else None
+        return {"losses": losses, "grads": grads, "params": params, "step_times": step_times,
+                "num_microbatches": nmb, "dp": dp}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def format_iteration(it: int, cfg: TrainConfig, dt: float, lr, loss: float, grad_norm) -> str:
+    """A Megatron-style iteration line."""
+    tokens = cfg.global_batch_size * cfg.model.seq_length
+    gn = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
+    return (f" iteration {it:>8}/{cfg.train_iters:>8} | consumed samples: {it * cfg.global_batch_size:>10} | "
+            f"elapsed time per iteration (ms): {dt * 1000:.1f} | tokens/s: {tokens / dt:.0f} | "
+            f"learning rate: {lr:.6E} | global batch size: {cfg.global_batch_size:>5} | "
+            f"lm loss: {loss:.6E} | grad norm: {gn} |")
+
+
+# ---- command line ------------------------------------------------------------------------
+def add_megatron_args(p: argparse.ArgumentParser) -> None:
+    """The subset of Megatron-LM pretrain_gpt.py flags the baseline trainer takes."""
+    p.add_argument("--model", default="tiny", help="model config: configs/models/NAME.yaml or a path")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--expert-model-parallel-size", type=int, default=1)
+    p.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["alltoall", "allgather"])
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--global-batch-size", type=int, default=8)
+    p.add_argument("--seq-length", type=int, default=None)
+    p.add_argument("--train-iters", type=int, default=5)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--min-lr", type=float, default=1e-4)
+    p.add_argument("--lr-warmup-iters", type=int, default=0)
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip-grad", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--deterministic-mode", action="store_true")
+    p.add_argument("--log-interval", type=int, default=1)
+    p.add_argument("--moe-aux-loss-coeff", type=float, default=None)
+
+
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    model = ModelConfig.load(a.model)
+    over = {}
+    if a.seq_length is not None:
+        over["seq_length"] = a.seq_length
+    if a.moe_aux_loss_coeff is not None:
+        over["moe_aux_loss_coeff"] = a.moe_aux_loss_coeff
+    if over:
+        model = model.replace(**over)
+    return TrainConfig(
+        model=model,
+        parallel=ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                                a.expert_model_parallel_size, a.moe_token_dispatcher_type),
+        micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
+        train_iters=a.train_iters, lr=a.lr, min_lr=a.min_lr, lr_warmup_iters=a.lr_warmup_iters,
+        weight_decay=a.weight_decay, clip_grad=a.clip_grad, seed=a.seed,
+        use_distributed_optimizer=a.use_distributed_optimizer, deterministic=a.deterministic_mode,
+        log_interval=a.log_interval,
+    )
+
+
+def _rank_main(rank: int, world: int, cfg: TrainConfig) -> dict:
+    return train(cfg)
+
+
+def run(cfg: TrainConfig, nproc: int, timeout_s: float = 900.0) -> dict:
+    """Train on `nproc` forked CPU ranks; return rank 0's result."""
+    from .launcher import launch
+
+    return launch(_rank_main, nproc, cfg, timeout_s=timeout_s)[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hetermoe train", description=__doc__.split("\n\n")[0])
+    add_megatron_args(p)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="CPU ranks to start (default: join a torchrun job if RANK is set, else 4)")
+    p.add_argument("--golden-values-out", default=None, help="write per-step lm loss as Megatron golden values JSON")
+    a = p.parse_args(argv)
+    cfg = config_from_args(a)
+    if "RANK" in os.environ and a.nproc is None:
+        import torch.distributed as dist
+
+        from . import cpu_backend
+        from .launcher import collective_timeout
+
+        cpu_backend.apply()
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl", timeout=collective_timeout())
+        result = train(cfg)
+    else:
+        import megatron.core  # noqa: F401  - import once in the parent, then fork ranks
+
+        result = run(cfg, a.nproc or 4)
+    if a.golden_values_out and int(os.environ.get("RANK", "0")) == 0:
+        from .golden import write_golden
+
+        write_golden(a.golden_values_out, result["losses"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_hetermoe.launcher import LaunchError, launch
+
+
+def _sum_ranks(rank, world):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _raise_on_2(rank, world):
+    if rank == 2:
+        raise ValueError("injected failure on rank 2")
+    t = torch.ones(1)
+    dist.all_reduce(t)  # peers block here on the dead rank
+    return 0
+
+
+def _die_on_1(rank, world):
+    if rank == 1:
+        os._exit(7)
+    dist.barrier()
+    return 0
+
+
+def _hang(rank, world):
+    time.sleep(3600)
+
+
+def test_results_come_back_in_rank_order():
+    assert launch(_sum_ranks, 4) == [6.0] * 4
+
+
+def test_failing_rank_ends_job_with_its_traceback():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as e:
+        launch(_raise_on_2, 4, timeout_s=60)
+    assert e.value.rank == 2
+    assert "injected failure on rank 2" in str(e.value) and "Traceback" in str(e.value)
+    assert time.monotonic() - t0 < 30
+
+
+def test_dead_rank_ends_job():
+    with pytest.raises(LaunchError, match="rank 1 of 3 failed: exited with code 7"):
+        launch(_die_on_1, 3, timeout_s=60)
+
+
+def test_hang_hits_the_deadline():
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError, match="exceeded 2 s"):
+        launch(_hang, 2, timeout_s=2)
+    assert time.monotonic() - t0 < 10
