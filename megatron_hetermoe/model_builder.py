@@ -102,7 +102,8 @@ _EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
 
 
 def canonical_names(model: torch.nn.Module) -> dict[str, str]:
-    """local parameter name -> canonical name (global layer and expert indices, no wrappers).
+    """local parameter name -> canonical name: the name in a plain Megatron model with PP=1 and
+    EP=1 (global layer and expert indices, no DDP wrapper).
 
     Layer numbers come from TransformerLayer.layer_number (global, 1-based) and expert ids
     from MoELayer.local_expert_indices, so PP and EP shards map onto one namespace.
@@ -128,7 +129,7 @@ def canonical_names(model: torch.nn.Module) -> dict[str, str]:
             canon = _LAYER.sub(f"decoder.layers.{layer_of[local]}.", name)
             e = _EXPERT.search(canon)
             if e:
-                canon = _EXPERT.sub(f".mlp.experts.{experts_of[local][int(e.group(1))]}.", canon)
+                canon = _EXPERT.sub(f".mlp.experts.local_experts.{experts_of[local][int(e.group(1))]}.", canon)
         out[name] = canon
     return out
 

@@ -1,0 +1,202 @@
+"""HeterMoE training step in DistEP mode: attention ranks run Megatron's own schedule with
+HeteroMoELayer; expert ranks run ExpertRuntime's mirror loop; both step their Megatron
+optimizers in lockstep on one global gradient norm.
+
+Data flows one way: plan -> process groups (hetero_parallel_state) -> model per role ->
+schedule -> step. Megatron's initialize_model_parallel is never called: every megatron-core
+piece gets an explicit ProcessGroupCollection, so a missed global read fails fast instead of
+joining a world-wide collective the expert ranks never enter.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from .hetero_parallel_state import HeteroParallelState, destroy_hetero_parallel, initialize_hetero_parallel
+from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, layer_spec, transformer_config
+from .plan import HeteroPlan, PlanError
+from .trainer import TrainConfig, format_iteration, forward_step
+
+
+@contextmanager
+def megatron_globals(hs: HeteroParallelState, seed: int):
+    """The few megatron-core globals that have no explicit-group path: the memory buffer, the
+    RNG tracker, and the tensor-parallel group read by vocab-parallel cross-entropy."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import random as mrandom
+
+    ps._set_global_memory_buffer()
+    ps._TENSOR_MODEL_PARALLEL_GROUP = hs.self_group
+    mrandom.initialize_rng_tracker(force_reset=True)
+    mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
+    try:
+        yield
+    finally:
+        ps._TENSOR_MODEL_PARALLEL_GROUP = None
+        ps.destroy_global_memory_buffer()
+
+
+def global_grad_norm(hs: HeteroParallelState, params_and_grads) -> float:
+    """The exact L2 norm of the whole model's gradient: each distinct parameter counted once
+    (dense ones on attention DP rank 0, experts in ZP group 0), summed over the world."""
+    sq = torch.zeros(1, dtype=torch.float64)
+    for p, g, is_expert in params_and_grads:
+        owner = hs.group_index == 0 if is_expert else hs.attention_dp_rank == 0
+        if owner:
+            sq += g.double().pow(2).sum()
+    dist.all_reduce(sq, group=hs.world_group)
+    return float(sq.sqrt())
+
+
+def _is_expert_param(p) -> bool:
+    return not getattr(p, "allreduce", True)
+
+
+def train_hetero(cfg: TrainConfig, plan: HeteroPlan) -> dict:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from .expert_runtime import ExpertRuntime
+    from .hetero_moe_layer import hetero_layer_spec
+    from .mock_data import MarkovMockData
+
+    mcfg = cfg.model
+    if plan.num_layers != mcfg.num_layers or plan.num_experts != mcfg.num_experts:
+        raise PlanError(
+            f"plan is for {plan.num_layers} layers x {plan.num_experts} experts but model {mcfg.name!r} has "
+            f"{mcfg.num_layers} x {mcfg.num_experts}; make the plan with --model {mcfg.name}"
+        )
+    if plan.schedule != "distep":
+        raise PlanError(f"plan schedule {plan.schedule!r} is not implemented yet; use distep")
+    n_attn = len(plan.attention_ranks)
+    nmb = cfg.num_microbatches(n_attn)
+    if nmb != plan.num_microbatches:
+        raise PlanError(
+            f"global batch {cfg.global_batch_size} = micro batch {cfg.micro_batch_size} x {nmb} microbatches x "
+            f"{n_attn} attention ranks, but the plan has R={plan.num_microbatches}; set --global-batch-size "
+            f"{cfg.micro_batch_size * plan.num_microbatches * n_attn} or remake the plan with R={nmb}"
+        )
+    hs = initialize_hetero_parallel(plan)
+    M = hs.num_attention_per_group
+    try:
+        with megatron_globals(hs, cfg.seed):
+            torch.manual_seed(cfg.seed)
+            pgc = hs.pg_collection()
+            # ep>1 only marks expert weights allreduce=False, so DDP reduces them over the
+            # expert replica group instead of the attention DP group.
+            config = transformer_config(mcfg, ParallelConfig(), expert_model_parallel_size=2,
+                                        deterministic_mode=cfg.deterministic)
+            base = layer_spec(mcfg)
+            if hs.role == "attention":
+                module = build_gpt(mcfg, config, spec=hetero_layer_spec(base, hs, pgc), pg_collection=pgc)
+                names = canonical_names(module)
+            else:
+                module = ExpertRuntime(config, base.submodules.mlp.submodules.experts, hs)
+                module.config = config
+                names = module.canonical_names()
+            init_layout_invariant(module, cfg.seed, mcfg.num_layers, names)
+            ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                                       use_distributed_optimizer=False)
+            model = DistributedDataParallel(config, ddp_config, _as_megatron_module(module, config), pg_collection=pgc)
+            model_names = {f"module.{k}": v for k, v in names.items()}
+            opt_config = OptimizerConfig(
+                optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+                adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,  # clipped here on the global norm
+                bf16=False, fp16=False, params_dtype=torch.float32, use_distributed_optimizer=False,
+            )
+            optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False, pg_collection=pgc)
+            scheduler = OptimizerParamScheduler(
+                optimizer, init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
+                lr_warmup_steps=cfg.lr_warmup_iters, lr_decay_steps=max(cfg.train_iters, 1),
+                lr_decay_style="cosine", start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
+                wd_incr_steps=max(cfg.train_iters, 1), wd_incr_style="constant",
+            )
+            if hs.role == "attention":
+                config.finalize_model_grads_func = lambda m, n=None, pg_collection=None, force_all_reduce=False: \
+                    finalize_model_grads(m, n, pg_collection=pgc, force_all_reduce=force_all_reduce)
+                config.grad_scale_func = optimizer.scale_loss
+                config.no_sync_func = model.no_sync
+            data = MarkovMockData(mcfg.vocab_size, mcfg.seq_length, cfg.seed)
+            fwd_bwd = get_forward_backward_func(pp_size=1, vp_size=None)
+            losses, grads, step_times = [], [], []
+            for it in range(cfg.train_iters):
+                t0 = time.perf_counter()
+                model.zero_grad_buffer()
+                optimizer.zero_grad()
+                tot = torch.zeros(2)
+                if hs.role == "attention":
+                    d = hs.attention_dp_rank
+                    batches = iter([data.microbatch(it, d * nmb + m, cfg.micro_batch_size, cfg.global_batch_size)
+                                    for m in range(nmb)])
+                    reduced = fwd_bwd(forward_step_func=forward_step, data_iterator=batches, model=[model],
+                                      num_microbatches=nmb, seq_length=mcfg.seq_length,
+                                      micro_batch_size=cfg.micro_batch_size, forward_only=False, pg_collection=pgc)
+                    for r in reduced:
+                        tot += r["lm loss"]
+                else:
+                    module.run_distep(nmb, mcfg.hidden_size)
+                    model.finish_grad_sync()
+                    # Each expert saw tokens of M attention ranks, each a local-mean loss:
+                    # Megatron's DP average needs 1/(M*G); DDP applied 1/G over replicas.
+                    for p in model.parameters():
+                        p.main_grad.mul_(1.0 / M)
+                params_and_grads = [(p, p.main_grad, _is_expert_param(p)) for p in model.parameters()]
+                grad_norm = global_grad_norm(hs, params_and_grads)
+                if cfg.clip_grad > 0:
+                    # Megatron's rule (clip_grad_by_total_norm_fp32).
+                    coeff = cfg.clip_grad / (grad_norm + 1.0e-6)
+                    if coeff < 1.0:
+                        for _, g, _ in params_and_grads:
+                            g.mul_(coeff)
+                if cfg.collect_grads:
+                    grads.append(_gather(hs, model, model_names, "main_grad", grad_scale=
+                                         (1.0 / coeff if cfg.clip_grad > 0 and coeff < 1.0 else 1.0)))
+                lr_used = optimizer.param_groups[0]["lr"]
+                optimizer.step()
+                scheduler.step(increment=1)
+                dist.all_reduce(tot, group=hs.world_group)
+                loss = (tot[0] / tot[1]).item()
+                losses.append(loss)
+                step_times.append(time.perf_counter() - t0)
+                if not cfg.quiet and dist.get_rank() == 0 and (it + 1) % cfg.log_interval == 0:
+                    print(format_iteration(it + 1, cfg, step_times[-1], lr_used, loss, grad_norm), flush=True)
+            params = _gather(hs, model, model_names, "data") if cfg.collect_grads else None
+            return {"losses": losses, "grads": grads, "params": params, "step_times": step_times,
+                    "num_microbatches": nmb, "dp": n_attn}
+    finally:
+        destroy_hetero_parallel()
+
+
+def _as_megatron_module(module, config):
+    """DDP wants a MegatronModule; GPTModel is one, ExpertRuntime is a plain container."""
+    from megatron.core.transformer.module import MegatronModule
+
+    if isinstance(module, MegatronModule):
+        return module
+
+    class _Wrapped(MegatronModule):
+        def __init__(self):
+            super().__init__(config=config)
+            self.decoder = module.decoder
+
+    w = _Wrapped()
+    return w
+
+
+def _gather(hs, model, names, attr: str, grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
+    local = {}
+    for n, p in model.named_parameters():
+        t = getattr(p, attr)
+        local[names[n]] = t.detach().clone().float() * grad_scale
+    world = [None] * dist.get_world_size()
+    dist.all_gather_object(world, local, group=hs.world_group)
+    merged: dict[str, torch.Tensor] = {}
+    for d in world:
+        for k, v in d.items():
+            merged.setdefault(k, v)
+    return merged
