@@ -8,6 +8,7 @@ probabilities. Megatron's MoELayer.forward drives the dispatcher methods unchang
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Optional
 
 import torch
@@ -17,6 +18,13 @@ from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from .expert_runtime import build_experts, run_local_experts
 from .hetero_comm import exchange, exchange_counts
 from .hetero_parallel_state import HeteroParallelState
+
+
+# TransformerLayer passes pg_collection only to exactly MoELayer and logs "Unknown MLP type"
+# for any subclass; the spec hands HeteroMoELayer its groups, so the warning says nothing.
+logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(
+    lambda rec: "Unknown MLP type" not in rec.getMessage()
+)
 
 
 class HeteroTokenDispatcher(MoETokenDispatcher):

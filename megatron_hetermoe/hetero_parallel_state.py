@@ -80,7 +80,9 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout=None) -> HeteroParallel
 
     global _STATE
     world, rank = dist.get_world_size(), dist.get_rank()
-    plan.validate(world_size=world)  # before any group is created
+    from .planner.profiles import known_gpu_types
+
+    plan.validate(world_size=world, known_gpu_types=known_gpu_types())  # before any group exists
     timeout = timeout or collective_timeout()
 
     def new(ranks):

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .hetero_parallel_state import HeteroParallelState, destroy_hetero_parallel, initialize_hetero_parallel
+from .layout import hetero_to_megatron, load_params, megatron_to_hetero
 from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, layer_spec, transformer_config
 from .plan import HeteroPlan, PlanError
 from .trainer import TrainConfig, format_iteration, forward_step
@@ -99,11 +100,13 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan) -> dict:
                 module = ExpertRuntime(config, base.submodules.mlp.submodules.experts, hs)
                 module.config = config
                 names = module.canonical_names()
-            init_layout_invariant(module, cfg.seed, mcfg.num_layers, names)
+            if cfg.init_state is not None:
+                load_params(module, megatron_to_hetero(cfg.init_state, plan, hs.rank))
+            else:
+                init_layout_invariant(module, cfg.seed, mcfg.num_layers, names)
             ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                        use_distributed_optimizer=False)
             model = DistributedDataParallel(config, ddp_config, _as_megatron_module(module, config), pg_collection=pgc)
-            model_names = {f"module.{k}": v for k, v in names.items()}
             opt_config = OptimizerConfig(
                 optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
                 adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,  # clipped here on the global norm
@@ -154,8 +157,9 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan) -> dict:
                         for _, g, _ in params_and_grads:
                             g.mul_(coeff)
                 if cfg.collect_grads:
-                    grads.append(_gather(hs, model, model_names, "main_grad", grad_scale=
-                                         (1.0 / coeff if cfg.clip_grad > 0 and coeff < 1.0 else 1.0)))
+                    # Reported before clipping, as Megatron's main_grad is before its step clips.
+                    unclip = 1.0 / coeff if cfg.clip_grad > 0 and coeff < 1.0 else 1.0
+                    grads.append(export_megatron(hs, model, "main_grad", scale=unclip))
                 lr_used = optimizer.param_groups[0]["lr"]
                 optimizer.step()
                 scheduler.step(increment=1)
@@ -165,7 +169,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan) -> dict:
                 step_times.append(time.perf_counter() - t0)
                 if not cfg.quiet and dist.get_rank() == 0 and (it + 1) % cfg.log_interval == 0:
                     print(format_iteration(it + 1, cfg, step_times[-1], lr_used, loss, grad_norm), flush=True)
-            params = _gather(hs, model, model_names, "data") if cfg.collect_grads else None
+            params = export_megatron(hs, model, "data") if cfg.collect_grads else None
             return {"losses": losses, "grads": grads, "params": params, "step_times": step_times,
                     "num_microbatches": nmb, "dp": n_attn}
     finally:
@@ -188,15 +192,11 @@ def _as_megatron_module(module, config):
     return w
 
 
-def _gather(hs, model, names, attr: str, grad_scale: float = 1.0) -> dict[str, torch.Tensor]:
-    local = {}
-    for n, p in model.named_parameters():
-        t = getattr(p, attr)
-        local[names[n]] = t.detach().clone().float() * grad_scale
+def export_megatron(hs: HeteroParallelState, model, attr: str = "data", scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Every rank's parameters (or main_grad) merged into a plain Megatron state dict, on all
+    ranks (layout.hetero_to_megatron over an all_gather)."""
+    local = {n.removeprefix("module."): getattr(p, attr).detach().clone().float() * scale
+             for n, p in model.named_parameters()}
     world = [None] * dist.get_world_size()
     dist.all_gather_object(world, local, group=hs.world_group)
-    merged: dict[str, torch.Tensor] = {}
-    for d in world:
-        for k, v in d.items():
-            merged.setdefault(k, v)
-    return merged
+    return hetero_to_megatron(world, hs.plan)

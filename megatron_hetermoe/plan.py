@@ -106,9 +106,10 @@ class HeteroPlan:
                 f"{world_size}; launch {self.world_size} processes or make a plan for {world_size}"
             )
         if known_gpu_types is not None:
-            known = set(known_gpu_types)
+            # Case-insensitive ("a40" = "A40"); "cpu" is always known: CPU ranks run unemulated.
+            known = {k.lower() for k in known_gpu_types} | {"cpu"}
             for r, t in enumerate(self.gpu_types):
-                if t not in known:
+                if not isinstance(t, str) or t.lower() not in known:
                     raise PlanError(
                         f"rank {r} has unknown GPU type {t!r}; known types: {sorted(known)} "
                         f"(add a profile to configs/gpus/ for a new type)"

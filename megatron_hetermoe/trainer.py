@@ -18,6 +18,7 @@ from functools import partial
 
 import torch
 
+from .layout import load_params
 from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, transformer_config
 from .model_config import ModelConfig
 
@@ -37,7 +38,8 @@ class TrainConfig:
     seed: int = 1234
     use_distributed_optimizer: bool = False
     deterministic: bool = False
-    collect_grads: bool = False  # gather canonical gradients of every step (for parity tests)
+    collect_grads: bool = False  # gather canonical params (first and last) and grads of every step
+    init_state: dict | None = None  # start from this plain Megatron state dict (canonical names)
     log_interval: int = 1
     quiet: bool = False
 
@@ -124,7 +126,10 @@ def train(cfg: TrainConfig) -> dict:
         module = build_gpt(mcfg, config, pre_process=ps.is_pipeline_first_stage(),
                            post_process=ps.is_pipeline_last_stage())
         names = canonical_names(module)
-        init_layout_invariant(module, cfg.seed, mcfg.num_layers, names)
+        if cfg.init_state is not None:
+            load_params(module, {local: cfg.init_state[canon] for local, canon in names.items()})
+        else:
+            init_layout_invariant(module, cfg.seed, mcfg.num_layers, names)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=cfg.use_distributed_optimizer,
@@ -151,6 +156,7 @@ def train(cfg: TrainConfig) -> dict:
         dp_rank = ps.get_data_parallel_rank()
         fwd_bwd = get_forward_backward_func()
         losses, grads, step_times = [], [], []
+        initial = gather_canonical([model], [model_names], "data") if cfg.collect_grads else None
         for it in range(cfg.train_iters):
             t0 = time.perf_counter()
             batches = iter([data.microbatch(it, dp_rank * nmb + m, cfg.micro_batch_size, cfg.global_batch_size)
@@ -179,8 +185,8 @@ def train(cfg: TrainConfig) -> dict:
             if not cfg.quiet and dist.get_rank() == 0 and (it + 1) % cfg.log_interval == 0:
                 print(format_iteration(it + 1, cfg, step_times[-1], lr_used, loss, grad_norm), flush=True)
         params = gather_canonical([model], [model_names], "data") if cfg.collect_grads else None
-        return {"losses": losses, "grads": grads, "params": params, "step_times": step_times,
-                "num_microbatches": nmb, "dp": dp}
+        return {"losses": losses, "grads": grads, "params": params, "initial_params": initial,
+                "step_times": step_times, "num_microbatches": nmb, "dp": dp}
     finally:
         ps.destroy_model_parallel()
 
@@ -240,15 +246,20 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     )
 
 
-def _rank_main(rank: int, world: int, cfg: TrainConfig) -> dict:
-    return train(cfg)
+def _rank_main(rank: int, world: int, cfg: TrainConfig, plan=None) -> dict:
+    if plan is None:
+        return train(cfg)
+    from .hetero_trainer import train_hetero
+
+    return train_hetero(cfg, plan)
 
 
-def run(cfg: TrainConfig, nproc: int, timeout_s: float = 900.0) -> dict:
-    """Train on `nproc` forked CPU ranks; return rank 0's result."""
+def run(cfg: TrainConfig, nproc: int, timeout_s: float = 900.0, plan=None) -> dict:
+    """Train on `nproc` forked CPU ranks (plain Megatron, or HeterMoE with a plan); return
+    rank 0's result."""
     from .launcher import launch
 
-    return launch(_rank_main, nproc, cfg, timeout_s=timeout_s)[0]
+    return launch(_rank_main, nproc, cfg, plan, timeout_s=timeout_s)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,8 +268,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, default=None,
                    help="CPU ranks to start (default: join a torchrun job if RANK is set, else 4)")
     p.add_argument("--golden-values-out", default=None, help="write per-step lm loss as Megatron golden values JSON")
+    p.add_argument("--hetero-plan", default=None, help="train with HeterMoE on this plan (hetermoe plan -o plan.json)")
     a = p.parse_args(argv)
     cfg = config_from_args(a)
+    if a.hetero_plan:
+        from .plan import HeteroPlan
+
+        plan = HeteroPlan.load(a.hetero_plan)
+        if cfg.parallel != ParallelConfig(dispatcher=cfg.parallel.dispatcher):
+            raise SystemExit("--hetero-plan replaces TP/PP/EP: leave the model-parallel sizes at 1")
+        if a.nproc not in (None, plan.world_size):
+            raise SystemExit(f"--nproc {a.nproc} but the plan has {plan.world_size} ranks; drop --nproc")
+        a.nproc = plan.world_size
     if "RANK" in os.environ and a.nproc is None:
         import torch.distributed as dist
 
@@ -267,11 +288,11 @@ def main(argv: list[str] | None = None) -> int:
 
         cpu_backend.apply()
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl", timeout=collective_timeout())
-        result = train(cfg)
+        result = _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg, plan if a.hetero_plan else None)
     else:
         import megatron.core  # noqa: F401  - import once in the parent, then fork ranks
 
-        result = run(cfg, a.nproc or 4)
+        result = run(cfg, a.nproc or 4, plan=plan if a.hetero_plan else None)
     if a.golden_values_out and int(os.environ.get("RANK", "0")) == 0:
         from .golden import write_golden
 

@@ -20,15 +20,15 @@ def test_two_groups_are_laid_out_group_by_group():
     (lambda d: d["groups"][0]["placement"][0]["1"].append(2), r"expert\(s\) \[2\] placed more than once"),
     (lambda d: d["groups"][0]["placement"][1]["2"].remove(3), r"expert\(s\) \[3\] placed on no rank"),
     (lambda d: d["groups"][0]["expert_ranks"].append(0), "rank 0 is both attention rank of ZP group 0 and expert rank"),
-    (lambda d: d["gpu_types"].__setitem__(1, "Z100"), "rank 1 has unknown GPU type 'Z100'"),
+    (lambda d: d["gpu_types"].__setitem__(1, "Z100"), "rank 1 has unknown GPU type .Z100."),
     (lambda d: d.__setitem__("schedule", "gpipe"), "schedule 'gpipe' is unknown"),
     (lambda d: d["groups"][0]["placement"].pop(), "places experts for 1 layers but the plan has num_layers=2"),
 ])
 def test_bad_plans_name_the_problem(mutate, message):
-    d = even_plan(2, 4, 1, 2, gpu_types=["cpu"] * 3).to_dict()
+    d = even_plan(2, 4, 1, 2, gpu_types=["A40", "V100", "V100"]).to_dict()
     mutate(d)
     with pytest.raises(PlanError, match=message):
-        HeteroPlan.from_dict(d).validate(known_gpu_types={"cpu"})
+        HeteroPlan.from_dict(d).validate(known_gpu_types={"a40", "V100"})
 
 
 def test_world_size_mismatch():
