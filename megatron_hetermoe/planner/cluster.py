@@ -16,6 +16,7 @@ recv_inter). This ignores switch congestion (non-blocking fabric assumed).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +75,20 @@ class Cluster:
                 groups.append(NodeGroup(gpu, full, gpus_per_node, nic_gbps))
             if rest:
                 groups.append(NodeGroup(gpu, 1, rest, nic_gbps))
+        return cls(name, tuple(groups))
+
+    @classmethod
+    def from_gpu_types(cls, name: str, gpu_types: list[str], nic_gbps: float = 100.0,
+                       gpus_per_node: int = 8) -> "Cluster":
+        """Nodes of consecutive ranks of one type (at most gpus_per_node each), in rank order."""
+        groups: list[NodeGroup] = []
+        i = 0
+        while i < len(gpu_types):
+            j = i
+            while j < len(gpu_types) and gpu_types[j] == gpu_types[i] and j - i < gpus_per_node:
+                j += 1
+            groups.append(NodeGroup(gpu_types[i], 1, j - i, nic_gbps))
+            i = j
         return cls(name, tuple(groups))
 
     # ---- rank views (rank order = node_groups order) ----------------------------------
@@ -159,12 +174,36 @@ def transfer_time(cluster: Cluster, profiles: dict[str, GpuProfile], src: int, d
     return collective_time(links, [[0.0, nbytes], [0.0, 0.0]])
 
 
+def rank1_collective_time(links: Links, s: list[float], w: list[float], c: float) -> float:
+    """`collective_time` for the bipartite all-to-alls of MoE, where rank i sends c*s[i]*w[j]
+    bytes to rank j (e.g. s = tokens of each attention rank, w = fraction of the layer's experts
+    each rank holds). O(n) instead of O(n^2), same result."""
+    n = len(s)
+    tot_s, tot_w = sum(s), sum(w)
+    node_s: dict[int, float] = {}
+    node_w: dict[int, float] = {}
+    for i in range(n):
+        node_s[links.node[i]] = node_s.get(links.node[i], 0.0) + s[i]
+        node_w[links.node[i]] = node_w.get(links.node[i], 0.0) + w[i]
+    worst = 0.0
+    for i in range(n):
+        nd = links.node[i]
+        send_intra = c * s[i] * (node_w[nd] - w[i])
+        send_inter = c * s[i] * (tot_w - node_w[nd])
+        recv_intra = c * w[i] * (node_s[nd] - s[i])
+        recv_inter = c * w[i] * (tot_s - node_s[nd])
+        worst = max(worst, max(send_intra, recv_intra) / (links.intra_gbs[i] * 1e9),
+                    max(send_inter, recv_inter) / (links.inter_gbs[i] * 1e9))
+    return links.latency_s + worst if worst > 0 else 0.0
+
+
 def allreduce_time(links: Links, nbytes: float) -> float:
-    """Ring all-reduce of `nbytes` over the ranks of `links`: each moves 2(n-1)/n of the data
-    over its slowest link (inter-node if the ring leaves a node)."""
+    """All-reduce of `nbytes` over the ranks of `links`: bandwidth term of a ring (each rank
+    moves 2(n-1)/n of the data over the slowest link; inter-node if the ranks span nodes),
+    latency term of a tree (2 log2 n steps), as NCCL picks per size."""
     n = len(links.node)
     if n <= 1 or nbytes <= 0:
         return 0.0
     multi_node = len(set(links.node)) > 1
     bw = min(links.inter_gbs) if multi_node else min(links.intra_gbs)
-    return 2 * (n - 1) * links.latency_s + 2.0 * (n - 1) / n * nbytes / (bw * 1e9)
+    return 2 * math.log2(n) * links.latency_s + 2.0 * (n - 1) / n * nbytes / (bw * 1e9)

@@ -164,6 +164,7 @@ class CostModel:
         self.model = model
         self.profiles = profiles
         self.settings = settings
+        self._memo: dict[tuple, float] = {}  # the search asks the same few calls many times
 
     def profile(self, gpu: str) -> GpuProfile:
         try:
@@ -192,6 +193,12 @@ class CostModel:
         """One expert FFN (SwiGLU) on `tokens` routed tokens."""
         if tokens <= 0:
             return 0.0
+        key = ("expert", gpu, tokens, backward)
+        if key not in self._memo:
+            self._memo[key] = self._expert_time(gpu, tokens, backward)
+        return self._memo[key]
+
+    def _expert_time(self, gpu: str, tokens: float, backward: bool) -> float:
         p = self.profile(gpu)
         if p.measured is not None:
             t = _measured_expert(p.measured, self.model, tokens, backward)
@@ -229,6 +236,16 @@ class CostModel:
     def stage_time(self, gpu: str, stage: int, tokens: float, backward: bool = False) -> float:
         """Attention stage s of the zebra task list (0..L): s=0 embedding + attention_1 + router_1;
         0<s<L combine of layer s-1 + residual + attention + router; s=L last combine + head + loss."""
+        L = self.model.num_layers
+        key = ("stage", gpu, 0 if stage == 0 else (2 if stage == L else 1), tokens, backward) if 0 <= stage <= L else None
+        if key is not None and key in self._memo:
+            return self._memo[key]
+        t = self._stage_time(gpu, stage, tokens, backward)
+        if key is not None:
+            self._memo[key] = t
+        return t
+
+    def _stage_time(self, gpu: str, stage: int, tokens: float, backward: bool) -> float:
         m = self.model
         L = m.num_layers
         if not 0 <= stage <= L:
@@ -258,33 +275,35 @@ class CostModel:
     def non_expert_state_bytes(self) -> float:
         return self.model.non_expert_params() * BYTES_PER_PARAM_STATE
 
-    def attention_activation_bytes(self, tokens_mb: float, microbatches_alive: int) -> float:
-        """Activations on an attention rank: with checkpointing, each stage's input for every live
-        microbatch plus one stage's working set and the fp32 logits; without, ~34 h bytes per
-        token per layer (flash attention, Korthikanti et al. 2022, an estimate)."""
+    def attention_rank_bytes(self, tokens_mb: float, microbatches_alive: int) -> float:
+        """An attention rank without offloaded experts: non-expert weights and optimizer state,
+        plus activations. With checkpointing: each stage's input for every live microbatch,
+        one stage's working set and the fp32 logits; without: ~34 h bytes per token per layer
+        (flash attention; Korthikanti et al. 2022; an estimate)."""
         m, b = self.model, self.settings.dtype_bytes
         h, L = m.hidden_size, m.num_layers
-        logits = tokens_mb * m.vocab_size * 4.0 * 2
+        logits = tokens_mb * m.vocab_size * 4.0  # estimate: fp16 logits + their fp16 gradient
         if self.settings.activation_checkpointing:
             kept = (L + 1) * tokens_mb * h * b * microbatches_alive
             working = tokens_mb * h * b * 20
         else:
             kept = L * tokens_mb * h * 34.0 * microbatches_alive
             working = 0.0
-        return kept + working + logits
+        return self.non_expert_state_bytes() + kept + working + logits
 
-    def expert_activation_bytes(self, routed_tokens_per_layer_mb: float, experts_per_layer: float,
-                                microbatches_alive: int) -> float:
-        """Activations on a rank holding experts: the routed tokens it received (per layer, per live
-        microbatch) and one expert's SwiGLU working set."""
+    def per_expert_bytes(self, tokens_per_expert_mb: float, microbatches_alive: int) -> float:
+        """What each held expert adds on any rank: its weights and optimizer state and the routed
+        tokens it keeps for backward (checkpointed input; without checkpointing also its SwiGLU
+        intermediates)."""
         m, b = self.model, self.settings.dtype_bytes
-        h, f, L = m.hidden_size, m.moe_ffn_hidden_size, m.num_layers
-        per_layer = routed_tokens_per_layer_mb * h * b * (1 if self.settings.activation_checkpointing else 2)
-        per_layer_extra = 0.0 if self.settings.activation_checkpointing else routed_tokens_per_layer_mb * f * b * 3
-        kept = L * (per_layer + per_layer_extra) * microbatches_alive
-        per_expert_tokens = routed_tokens_per_layer_mb / max(experts_per_layer, 1.0)
-        working = per_expert_tokens * f * b * 4
-        return kept + working
+        per_token = m.hidden_size * b
+        if not self.settings.activation_checkpointing:
+            per_token += 3 * m.moe_ffn_hidden_size * b
+        return self.expert_state_bytes() + tokens_per_expert_mb * per_token * microbatches_alive
+
+    def expert_working_bytes(self, tokens_per_expert_mb: float) -> float:
+        """Transient working set of the expert being computed (SwiGLU intermediates, grads)."""
+        return tokens_per_expert_mb * self.model.moe_ffn_hidden_size * self.settings.dtype_bytes * 4
 
 
 # ---------------------------------------------------------------- ratio calibration

@@ -1,0 +1,229 @@
+"""Plan search: pick the ZP group shape (M:N, number of groups), the microbatch count R and the
+expert placement for a cluster and model, by simulating every candidate; and predict every
+baseline on the same cost model, for the report.
+
+Candidates: each GPU type in turn takes the attention role and all other types the expert role
+(a homogeneous cluster is split at a few ratios instead); G divides both counts with N <= E;
+R divides the sequences each attention rank gets (microbatches are whole sequences). For each
+candidate the expert assignment comes from asym_ea (optimal by default); zebra without Asym-EA,
+DistEP and the paper's greedy are simulated alongside so the report can compare them.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+from ..model_config import ModelConfig
+from ..plan import HeteroPlan, PlanError, ZPGroup
+from . import asym_ea
+from .baselines import BaselineResult, physical_limit, simulate_ep, simulate_ep_ideal, simulate_hetero_pp
+from .cluster import Cluster
+from .cost_model import CostModel, TrainSettings
+from .profiles import load_profiles
+from .simulator import simulate_plan
+
+PICK = "HeterMoE (planner's pick)"
+ZEBRA = "Zebra + Asym-EA (optimal)"
+ZEBRA_GREEDY = "Zebra + Asym-EA (paper's greedy)"
+ZEBRA_NO_EA = "Zebra (no Asym-EA)"
+DISTEP = "DistEP"
+
+
+@dataclass
+class Prediction:
+    name: str
+    step_time_s: float
+    tokens_per_s: float
+    utilization: dict[str, float] = field(default_factory=dict)
+    ratio_to_limit: float = 0.0  # tokens/s over the physical limit's tokens/s
+    fits: bool = True
+    detail: dict = field(default_factory=dict)
+
+
+@dataclass
+class SearchResult:
+    plan: HeteroPlan | None
+    predictions: list[Prediction]
+    candidates: int
+    elapsed_s: float
+
+    def by_name(self) -> dict[str, Prediction]:
+        return {p.name: p for p in self.predictions}
+
+    def to_dict(self) -> dict:
+        return {"strategies": [asdict(p) for p in self.predictions], "candidates": self.candidates,
+                "elapsed_s": self.elapsed_s, "plan": self.plan.to_dict() if self.plan else None}
+
+
+@dataclass
+class Candidate:
+    attention_ranks: list[int]
+    expert_ranks: list[int]
+    G: int
+    R: int
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _role_splits(cluster: Cluster) -> list[tuple[list[int], list[int]]]:
+    types = cluster.gpu_types()
+    kinds = list(cluster.counts())
+    if len(kinds) >= 2:
+        out = []
+        for att in kinds:
+            a = [r for r, t in enumerate(types) if t == att]
+            x = [r for r, t in enumerate(types) if t != att]
+            out.append((a, x))
+        return out
+    W = len(types)
+    return [(list(range(A)), list(range(A, W))) for A in sorted({max(1, W // 4), max(1, W // 3), W // 2}) if 0 < A < W]
+
+
+def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert: list[int], G: int, R: int,
+                 global_batch: int, forward_only: bool) -> asym_ea.AsymProblem:
+    """Asym-EA inputs for one ZP group shape: per-microbatch times (forward, or forward+backward)
+    and memory limits, from the cost model. Mixed types on one side: the slowest / smallest."""
+    m = cost.model
+    L, E, k = m.num_layers, m.num_experts, m.moe_router_topk
+    M, N = len(attn), len(expert)
+    t_mb = global_batch * cost.settings.seq_len / (G * M * R)
+    tpe = M * t_mb * k / E
+    a_gpus = sorted({gpu_types[r] for r in attn})
+    x_gpus = sorted({gpu_types[r] for r in expert})
+
+    def both(f, *args) -> float:
+        return f(*args, False) + (0.0 if forward_only else f(*args, True))
+
+    t_attn = tuple(max(both(cost.stage_time, g, l, t_mb) for g in a_gpus) for l in range(L))
+    extra = max(both(cost.stage_time, g, L, t_mb) for g in a_gpus)
+    t_exp = max(both(cost.expert_time, g, tpe) for g in x_gpus)
+    t_x = max(both(cost.expert_time, g, tpe) for g in a_gpus)
+    per = cost.per_expert_bytes(tpe, R)
+    work = cost.expert_working_bytes(tpe)
+    free_a = min(cost.profile(g).usable_memory_bytes for g in a_gpus) - cost.attention_rank_bytes(t_mb, R) - work
+    free_x = min(cost.profile(g).usable_memory_bytes for g in x_gpus) - work
+    n_max = math.floor(free_a / per) if free_a >= 0 else -1
+    cap_x = max(0, math.floor(free_x / per))
+    return asym_ea.AsymProblem(L, E, M, N, t_attn, t_exp, t_x, n_max, cap_x, extra)
+
+
+def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int, R: int,
+               k: list[int], schedule: str = "zebra", validate: bool = True, skeleton: bool = False) -> HeteroPlan:
+    """G groups of M attention + N expert ranks (consecutive in `attn` / `expert`), experts placed
+    by asym_ea.placement(k) alike in every group. `skeleton`: only group 0 gets a placement (the
+    simulator reads no other); such a plan is for simulation inside the search only."""
+    M, N = len(attn) // G, len(expert) // G
+    local = asym_ea.placement(k, model.num_experts, list(range(M)), list(range(M, M + N)))
+    groups = []
+    for g in range(G):
+        a, x = attn[g * M:(g + 1) * M], expert[g * N:(g + 1) * N]
+        members = a + x
+        pl = [] if skeleton and g else [{members[i]: list(es) for i, es in p.items()} for p in local]
+        groups.append(ZPGroup(a, x, pl))
+    plan = HeteroPlan(model.num_layers, model.num_experts, list(gpu_types), groups, R, schedule)
+    if validate and not skeleton:
+        plan.validate()
+    return plan
+
+
+def candidates(cluster: Cluster, model: ModelConfig, global_batch: int, max_microbatches: int = 32) -> list[Candidate]:
+    out = []
+    for attn, expert in _role_splits(cluster):
+        if global_batch % len(attn):
+            continue  # every attention rank gets whole sequences
+        for G in _divisors(math.gcd(len(attn), len(expert))):
+            if len(expert) // G > model.num_experts:
+                continue
+            spr = global_batch // len(attn)
+            for R in _divisors(spr):
+                if R <= max_microbatches:
+                    out.append(Candidate(attn, expert, G, R))
+    return out
+
+
+def _pred(name: str, res, limit_tps: float, detail: dict | None = None) -> Prediction:
+    if isinstance(res, BaselineResult) and not res.fits:
+        return Prediction(name, float("inf"), 0.0, {}, 0.0, False, {"reason": res.reason})
+    return Prediction(name, res.step_time_s, res.tokens_per_s, dict(res.utilization),
+                      res.tokens_per_s / limit_tps if limit_tps else 0.0, True,
+                      dict(detail if detail is not None else getattr(res, "detail", {})))
+
+
+def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, asym: str = "optimal",
+           engine: str = "auto", max_microbatches: int = 32, baselines: bool = True,
+           activation_checkpointing: bool = True) -> SearchResult:
+    """Best HeterMoE plan for the cluster, with every strategy's predicted step."""
+    if asym not in ("optimal", "greedy", "none"):
+        raise ValueError(f"asym={asym!r}; use 'optimal', 'greedy' or 'none'")
+    t0 = time.perf_counter()
+    profiles = load_profiles(set(cluster.gpu_types()))
+    cost = CostModel(model.replace(seq_length=seq_len), profiles, TrainSettings(seq_len, activation_checkpointing))
+    types = cluster.gpu_types()
+    limit = physical_limit(cost, cluster, global_batch)
+    best: dict[str, tuple] = {}  # strategy -> (step, result, candidate, k)
+
+    def consider(name: str, cand: Candidate, k: list[int], schedule: str) -> None:
+        plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
+                          skeleton=True)  # the chosen plan is rebuilt in full below
+        res = simulate_plan(plan, cost, cluster, global_batch, engine=engine)
+        if name not in best or res.step_time_s < best[name][0]:
+            best[name] = (res.step_time_s, res, cand, k, schedule)
+
+    cands = candidates(cluster, model, global_batch, max_microbatches)
+    for cand in cands:
+        M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
+        grp_a, grp_x = cand.attention_ranks[:M], cand.expert_ranks[:N]
+        full = asym_problem(cost, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=False)
+        if full.n_max < 0:
+            continue  # attention ranks cannot hold the non-expert model and activations
+        zero = [0] * model.num_layers
+        if asym_ea.memory_ok(full, zero):
+            consider(ZEBRA_NO_EA, cand, zero, "zebra")
+            consider(DISTEP, cand, zero, "distep")
+        if asym != "none":
+            try:
+                consider(ZEBRA, cand, asym_ea.optimal(full) if asym == "optimal" else asym_ea.gather_squeeze(
+                    asym_problem(cost, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=True)), "zebra")
+            except PlanError:
+                pass
+        if asym == "optimal" and (N % M == 0 or M % N == 0):
+            try:
+                fwd = asym_problem(cost, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=True)
+                consider(ZEBRA_GREEDY, cand, asym_ea.gather_squeeze(fwd), "zebra")
+            except PlanError:
+                pass
+    zebras = [best[n] for n in (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA) if n in best]
+    if zebras:  # the planner keeps the fastest simulated zebra plan, whichever assignment made it
+        best[PICK] = min(zebras, key=lambda b: b[0])
+
+    preds: list[Prediction] = []
+    for name in (PICK, ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP):
+        if name in best:
+            step, res, cand, k, plan = best[name]
+            M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
+            preds.append(_pred(name, res, limit.tokens_per_s, {
+                "M": M, "N": N, "groups": cand.G, "microbatches": cand.R,
+                "attention_gpu": types[cand.attention_ranks[0]], "experts_on_attention_per_layer": list(k)}))
+        else:
+            preds.append(Prediction(name, float("inf"), 0.0, {}, 0.0, False, {"reason": "no candidate fits in memory"}))
+    if baselines:
+        for res in (simulate_ep(cost, cluster, global_batch), simulate_ep_ideal(cost, cluster, global_batch),
+                    simulate_hetero_pp(cost, cluster, global_batch)):
+            preds.append(_pred(res.name, res, limit.tokens_per_s))
+    preds.append(_pred(limit.name, limit, limit.tokens_per_s, {}))
+
+    plan = None
+    if PICK in best:
+        _, _, cand, k, schedule = best[PICK]
+        plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule)
+        source = next(n for n in (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA) if best.get(n) is best[PICK])
+        plan.meta = {
+            "model": model.name, "cluster": cluster.name, "seq_len": seq_len, "global_batch": global_batch,
+            "assignment": source, "experts_on_attention_per_layer": list(best[PICK][3]),
+            "predicted": {p.name: {"step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s}
+                          for p in preds if p.fits},
+        }
+    return SearchResult(plan, preds, len(cands), time.perf_counter() - t0)

@@ -1,0 +1,303 @@
+"""Event simulator of one HeterMoE training step (zebra or DistEP), running the task lists of
+`schedule_tasks` rank by rank.
+
+Semantics (the same in the C++ core, csrc/simulator.cpp):
+  * every rank walks its list in order; compute tasks run one at a time: a compute task starts
+    when the previous compute task of that rank has ended and the comm task it waits for
+    (`schedule_tasks.inputs`) has ended;
+  * a comm task is issued when the rank reaches it in its list (the end of the previous compute
+    task: the moment its send buffer exists); issuing does not block the rank;
+  * a comm task is one all_to_all over all members of the ZP group, on its stream (dispatch or
+    combine); it starts when every member has issued it and the stream is free, and lasts the
+    transfer time of its most loaded rank (cluster.rank1_collective_time).
+After the last task: gradient all-reduce (attention weights over all attention ranks, each
+expert over its replicas in the other groups) and the optimizer step, not overlapped.
+
+All ZP groups are alike, so one group is simulated. Ranks of a group that are indistinguishable
+(same role, GPU type and experts per layer) behave identically; `dedup=True` simulates one of
+each, which changes no time (a collective waits for the latest issuer, and twins issue together).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..plan import HeteroPlan, PlanError
+from .cluster import Cluster, Links, allreduce_time, rank1_collective_time
+from .cost_model import CostModel
+from .schedule_tasks import Task, distep_tasks, inputs, zebra_tasks
+
+STREAM_ID = {"dispatch": 0, "combine": 1}
+
+
+@dataclass
+class SimProblem:
+    """One group's step, flattened for the engines. Ranks here are representatives."""
+
+    ranks: list[int]  # plan rank of each representative
+    multiplicity: list[int]  # how many plan ranks each representative stands for
+    roles: list[str]
+    gpus: list[str]
+    tasks: list[list[Task]]
+    is_comm: list[list[int]]  # 1 for a comm task
+    dur: list[list[float]]  # compute duration (0 for comm)
+    ref: list[list[int]]  # comm: collective id; compute: id of the collective it waits for, or -1
+    coll_tasks: list[Task] = field(default_factory=list)
+    coll_stream: list[int] = field(default_factory=list)
+    coll_dur: list[float] = field(default_factory=list)
+    post_step: list[float] = field(default_factory=list)  # per representative: grad sync + optimizer
+    tokens_per_step: float = 0.0
+
+
+@dataclass
+class SimTrace:
+    start: list[list[float]]
+    end: list[list[float]]
+    coll_start: list[float]
+    coll_end: list[float]
+
+
+@dataclass
+class SimResult:
+    step_time_s: float
+    tokens_per_s: float
+    makespan_s: float  # the task lists alone, before grad sync and optimizer
+    utilization: dict[str, float]  # GPU type -> mean fraction of the step its compute stream is busy
+    problem: SimProblem | None = None
+    trace: SimTrace | None = None
+
+    def trace_of(self, rank: int) -> list[tuple[Task, float, float]]:
+        """(task, start, end) in list order for a plan rank (needs dedup=False or a representative)."""
+        assert self.problem is not None and self.trace is not None
+        i = self.problem.ranks.index(rank)
+        return list(zip(self.problem.tasks[i], self.trace.start[i], self.trace.end[i]))
+
+
+# ---------------------------------------------------------------- engine (reference)
+def run_python(p: SimProblem) -> SimTrace:
+    n = len(p.tasks)
+    nc = len(p.coll_dur)
+    issued = [0] * nc
+    issue_max = [0.0] * nc
+    cstart = [0.0] * nc
+    cend = [-1.0] * nc
+    stream_free = [0.0, 0.0]
+    pc = [0] * n
+    host = [0.0] * n
+    start = [[0.0] * len(t) for t in p.tasks]
+    end = [[0.0] * len(t) for t in p.tasks]
+    remaining = sum(len(t) for t in p.tasks)
+    while remaining:
+        progress = False
+        for r in range(n):
+            is_comm, dur, ref = p.is_comm[r], p.dur[r], p.ref[r]
+            i, h, m = pc[r], host[r], len(is_comm)
+            while i < m:
+                c = ref[i]
+                if is_comm[i]:
+                    issued[c] += 1
+                    if h > issue_max[c]:
+                        issue_max[c] = h
+                    if issued[c] == n:  # last member issued: all earlier ones on its stream are resolved
+                        s = p.coll_stream[c]
+                        t0 = max(issue_max[c], stream_free[s])
+                        cstart[c], cend[c] = t0, t0 + p.coll_dur[c]
+                        stream_free[s] = cend[c]
+                else:
+                    if c >= 0:
+                        if cend[c] < 0:
+                            break
+                        if cend[c] > h:
+                            h = cend[c]
+                    start[r][i] = h
+                    h += dur[i]
+                    end[r][i] = h
+                i += 1
+                remaining -= 1
+                progress = True
+            pc[r], host[r] = i, h
+        if not progress:
+            blocked = {p.ranks[r]: p.tasks[r][pc[r]] for r in range(n) if pc[r] < len(p.tasks[r])}
+            raise RuntimeError(f"task lists deadlock: each rank waits at {blocked}; the lists do not "
+                               f"issue collectives in one order (schedule_tasks.check_stream_order)")
+    for r in range(n):  # comm tasks: the collective's own times
+        for i, t in enumerate(p.is_comm[r]):
+            if t:
+                c = p.ref[r][i]
+                start[r][i], end[r][i] = cstart[c], cend[c]
+    return SimTrace(start, end, cstart, cend)
+
+
+def run_cpp(p: SimProblem) -> SimTrace:
+    from .. import _csim  # built by setup.py from csrc/simulator.cpp
+
+    offsets = [0]
+    for t in p.is_comm:
+        offsets.append(offsets[-1] + len(t))
+    flat = lambda rows: [x for row in rows for x in row]
+    st, en, cs, ce = _csim.run(offsets, flat(p.is_comm), flat(p.dur), flat(p.ref), p.coll_stream, p.coll_dur)
+    start = [list(st[offsets[r]:offsets[r + 1]]) for r in range(len(p.tasks))]
+    end = [list(en[offsets[r]:offsets[r + 1]]) for r in range(len(p.tasks))]
+    return SimTrace(start, end, list(cs), list(ce))
+
+
+def have_cpp() -> bool:
+    try:
+        from .. import _csim  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def run(p: SimProblem, engine: str = "auto") -> SimTrace:
+    if engine == "python" or (engine == "auto" and not have_cpp()):
+        return run_python(p)
+    if engine in ("cpp", "auto"):
+        return run_cpp(p)
+    raise ValueError(f"engine {engine!r} is not 'auto', 'python' or 'cpp'")
+
+
+# ---------------------------------------------------------------- building a group's problem
+def tokens_per_microbatch(plan: HeteroPlan, global_tokens: float) -> float:
+    """Tokens one attention rank processes per microbatch."""
+    return global_tokens / (len(plan.groups) * len(plan.groups[0].attention_ranks) * plan.num_microbatches)
+
+
+def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,
+                  schedule: str | None = None, group: int = 0, dedup: bool = True) -> SimProblem:
+    """The task lists and durations of ZP group `group` for a global batch of `global_batch`
+    sequences of cost.settings.seq_len tokens."""
+    if cluster.world_size != plan.world_size:
+        raise PlanError(f"plan has {plan.world_size} ranks but cluster {cluster.name!r} has "
+                        f"{cluster.world_size}; plan for this cluster or pick the matching cluster")
+    ctypes = cluster.gpu_types()
+    for r, t in enumerate(plan.gpu_types):
+        if ctypes[r] != t:
+            raise PlanError(f"rank {r} is {t!r} in the plan but {ctypes[r]!r} in cluster {cluster.name!r}")
+    schedule = schedule or plan.schedule
+    lister = {"zebra": zebra_tasks, "distep": distep_tasks}.get(schedule)
+    if lister is None:
+        raise PlanError(f"schedule {schedule!r} is unknown; use 'zebra' or 'distep'")
+    m = cost.model
+    L, E, k = plan.num_layers, plan.num_experts, m.moe_router_topk
+    if (L, E) != (m.num_layers, m.num_experts):
+        raise PlanError(f"plan is for {L} layers x {E} experts but model {m.name!r} has "
+                        f"{m.num_layers} x {m.num_experts}; plan for this model")
+    g = plan.groups[group]
+    members = g.members
+    G, M, R = len(plan.groups), len(g.attention_ranks), plan.num_microbatches
+    global_tokens = float(global_batch) * cost.settings.seq_len
+    t_mb = tokens_per_microbatch(plan, global_tokens)
+    per_expert_tokens = M * t_mb * k / E  # balanced routing: every expert gets the same share
+    counts = {r: [len(g.placement[l].get(r, [])) for l in range(L)] for r in members}
+    role = {r: plan.role(r) for r in members}
+
+    # collectives: one per (kind, layer, microbatch); durations from the bipartite byte matrix
+    links = Links.for_ranks(cluster, members, cost.profiles)
+    tb = cost.token_bytes()
+    s_tok = [t_mb if role[r] == "attention" else 0.0 for r in members]
+    layer_dur = []
+    seen: dict[tuple, dict] = {}
+    for l in range(L):
+        key = tuple(counts[r][l] for r in members)
+        if key not in seen:
+            w = [c / E for c in key]
+            fwd = rank1_collective_time(links, s_tok, w, k * tb)  # D_F and C_B
+            bwd = rank1_collective_time(links, w, s_tok, k * tb)  # C_F and D_B (transposed)
+            seen[key] = {"D_F": fwd, "C_B": fwd, "C_F": bwd, "D_B": bwd}
+        layer_dur.append(seen[key])
+
+    # representatives
+    keys: dict[tuple, int] = {}
+    reps: list[int] = []
+    mult: list[int] = []
+    for r in members:
+        key = (role[r], plan.gpu_types[r], tuple(counts[r])) if dedup else (r,)
+        if key in keys:
+            mult[keys[key]] += 1
+        else:
+            keys[key] = len(reps)
+            reps.append(r)
+            mult.append(1)
+
+    prob = SimProblem(ranks=reps, multiplicity=mult, roles=[role[r] for r in reps],
+                      gpus=[plan.gpu_types[r] for r in reps], tasks=[], is_comm=[], dur=[], ref=[],
+                      tokens_per_step=global_tokens)
+    coll_id: dict[Task, int] = {}
+
+    def cid(t: Task) -> int:
+        if t not in coll_id:
+            coll_id[t] = len(prob.coll_dur)
+            prob.coll_tasks.append(t)
+            prob.coll_stream.append(STREAM_ID[t.stream])
+            prob.coll_dur.append(layer_dur[t.layer][t.kind])
+        return coll_id[t]
+
+    cache: dict[tuple, float] = {}
+
+    def compute_dur(r: int, t: Task) -> float:
+        key = (plan.gpu_types[r], t.kind, t.layer, counts[r][t.layer] if t.kind[0] in "XE" else 0)
+        if key not in cache:
+            gpu, bwd = plan.gpu_types[r], t.kind.endswith("_B")
+            if t.kind[0] == "A":
+                cache[key] = cost.stage_time(gpu, t.layer, t_mb, bwd)
+            else:
+                cache[key] = key[3] * cost.expert_time(gpu, per_expert_tokens, bwd)
+        return cache[key]
+
+    for r in reps:
+        tl = lister(plan, r)
+        ic, du, rf = [], [], []
+        for t in tl:
+            if t.is_comm:
+                ic.append(1)
+                du.append(0.0)
+                rf.append(cid(t))
+            else:
+                ic.append(0)
+                du.append(compute_dur(r, t))
+                dep = inputs(t, L)
+                rf.append(cid(dep) if dep is not None else -1)
+        prob.tasks.append(tl)
+        prob.is_comm.append(ic)
+        prob.dur.append(du)
+        prob.ref.append(rf)
+
+    # after the lists: grad all-reduce and optimizer step, per representative
+    attn_all = plan.attention_ranks
+    attn_links = Links.for_ranks(cluster, attn_all, cost.profiles)
+    grad_bytes = cost.settings.dtype_bytes
+    for r in reps:
+        n_exp = sum(counts[r])
+        params = m.expert_params() * n_exp
+        t = 0.0
+        if role[r] == "attention":
+            t += allreduce_time(attn_links, m.non_expert_params() * grad_bytes)
+            params += m.non_expert_params()
+        if G > 1 and n_exp:
+            k_in_group = members.index(r)
+            replicas = [plan.groups[gi].members[k_in_group] for gi in range(G)]
+            t += allreduce_time(Links.for_ranks(cluster, replicas, cost.profiles), m.expert_params() * n_exp * grad_bytes)
+        t += cost.optimizer_time(plan.gpu_types[r], params)
+        prob.post_step.append(t)
+    return prob
+
+
+def result_of(p: SimProblem, tr: SimTrace, keep: bool = False) -> SimResult:
+    finish = [max(e) if e else 0.0 for e in tr.end]
+    makespan = max(finish + tr.coll_end + [0.0])
+    step = makespan + max(p.post_step + [0.0])
+    busy: dict[str, list[float]] = {}
+    for i, gpu in enumerate(p.gpus):
+        b = sum(d for d, c in zip(p.dur[i], p.is_comm[i]) if not c)
+        busy.setdefault(gpu, []).extend([b] * p.multiplicity[i])
+    util = {gpu: (sum(v) / len(v)) / step if step > 0 else 0.0 for gpu, v in busy.items()}
+    return SimResult(step, p.tokens_per_step / step if step > 0 else 0.0, makespan, util,
+                     p if keep else None, tr if keep else None)
+
+
+def simulate_plan(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,
+                  schedule: str | None = None, engine: str = "auto", dedup: bool = True,
+                  keep_trace: bool = False) -> SimResult:
+    """Predicted step of `plan` (its own schedule unless `schedule` is given)."""
+    p = build_problem(plan, cost, cluster, global_batch, schedule, dedup=dedup)
+    return result_of(p, run(p, engine), keep_trace)
