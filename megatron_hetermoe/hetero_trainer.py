@@ -1,5 +1,5 @@
-"""HeterMoE training step in DistEP mode: attention ranks run Megatron's own schedule with
-HeteroMoELayer; expert ranks run ExpertRuntime's mirror loop; both step their Megatron
+"""HeterMoE training: attention ranks run Megatron's own schedule with HeteroMoELayer (DistEP)
+or the zebra schedule; expert ranks run the mirror of either; both step their Megatron
 optimizers in lockstep on one global gradient norm.
 
 Data flows one way: plan -> process groups (hetero_parallel_state) -> model per role ->
@@ -9,6 +9,7 @@ joining a world-wide collective the expert ranks never enter.
 """
 from __future__ import annotations
 
+import resource
 import time
 from contextlib import contextmanager
 
@@ -19,6 +20,7 @@ from .hetero_parallel_state import HeteroParallelState, destroy_hetero_parallel,
 from .layout import hetero_to_megatron, load_params, megatron_to_hetero
 from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, layer_spec, transformer_config
 from .plan import HeteroPlan, PlanError
+from .timeline import TimelineRecorder
 from .trainer import TrainConfig, format_iteration, forward_step
 
 
@@ -56,11 +58,14 @@ def _is_expert_param(p) -> bool:
     return not getattr(p, "allreduce", True)
 
 
-def train_hetero(cfg: TrainConfig, plan: HeteroPlan) -> dict:
+def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None,
+                 zebra_config=None, run_dir: str | None = None) -> dict:
+    """Train on the current world with `plan` (schedule: the plan's, or "distep"/"zebra").
+    With run_dir, each rank writes its timeline there (hetermoe timeline RUN_DIR)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from .hetero_schedules import get_forward_backward_func
 
     from .expert_runtime import ExpertRuntime
     from .hetero_moe_layer import hetero_layer_spec
@@ -72,8 +77,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan) -> dict:
             f"plan is for {plan.num_layers} layers x {plan.num_experts} experts but model {mcfg.name!r} has "
             f"{mcfg.num_layers} x {mcfg.num_experts}; make the plan with --model {mcfg.name}"
         )
-    if plan.schedule != "distep":
-        raise PlanError(f"plan schedule {plan.schedule!r} is not implemented yet; use distep")
+    schedule = schedule or plan.schedule
     n_attn = len(plan.attention_ranks)
     nmb = cfg.num_microbatches(n_attn)
     if nmb != plan.num_microbatches:
@@ -83,7 +87,6 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan) -> dict:
             f"{cfg.micro_batch_size * plan.num_microbatches * n_attn} or remake the plan with R={nmb}"
         )
     hs = initialize_hetero_parallel(plan)
-    M = hs.num_attention_per_group
     try:
         with megatron_globals(hs, cfg.seed):
             torch.manual_seed(cfg.seed)
@@ -125,10 +128,15 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan) -> dict:
                 config.grad_scale_func = optimizer.scale_loss
                 config.no_sync_func = model.no_sync
             data = MarkovMockData(mcfg.vocab_size, mcfg.seq_length, cfg.seed)
-            fwd_bwd = get_forward_backward_func(pp_size=1, vp_size=None)
+            recorder = TimelineRecorder(hs.rank, hs.role)
+            executed: list = []
+            extra = {} if (hs.role == "attention" and schedule == "distep") else \
+                {"zebra_config": zebra_config, "recorder": recorder, "executed": executed}
+            fwd_bwd = get_forward_backward_func(hs, schedule, **extra)
             losses, grads, step_times = [], [], []
             for it in range(cfg.train_iters):
                 t0 = time.perf_counter()
+                recorder.step = it
                 model.zero_grad_buffer()
                 optimizer.zero_grad()
                 tot = torch.zeros(2)
@@ -142,12 +150,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan) -> dict:
                     for r in reduced:
                         tot += r["lm loss"]
                 else:
-                    module.run_distep(nmb, mcfg.hidden_size)
-                    model.finish_grad_sync()
-                    # Each expert saw tokens of M attention ranks, each a local-mean loss:
-                    # Megatron's DP average needs 1/(M*G); DDP applied 1/G over replicas.
-                    for p in model.parameters():
-                        p.main_grad.mul_(1.0 / M)
+                    fwd_bwd(model=[model], num_microbatches=nmb)
                 params_and_grads = [(p, p.main_grad, _is_expert_param(p)) for p in model.parameters()]
                 grad_norm = global_grad_norm(hs, params_and_grads)
                 if cfg.clip_grad > 0:
@@ -170,8 +173,15 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan) -> dict:
                 if not cfg.quiet and dist.get_rank() == 0 and (it + 1) % cfg.log_interval == 0:
                     print(format_iteration(it + 1, cfg, step_times[-1], lr_used, loss, grad_norm), flush=True)
             params = export_megatron(hs, model, "data") if cfg.collect_grads else None
+            if run_dir is not None:
+                recorder.save(run_dir)
+            peak = [None] * dist.get_world_size()
+            dist.all_gather_object(peak, (hs.role, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+                                   group=hs.world_group)
             return {"losses": losses, "grads": grads, "params": params, "step_times": step_times,
-                    "num_microbatches": nmb, "dp": n_attn}
+                    "num_microbatches": nmb, "dp": n_attn, "schedule": schedule,
+                    "executed": [(list(a), {k: list(v) for k, v in b.items()}) for a, b in executed],
+                    "peak_rss_mib": peak}
     finally:
         destroy_hetero_parallel()
 

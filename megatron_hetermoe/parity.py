@@ -63,7 +63,8 @@ def reference_ep(plan: HeteroPlan, num_experts: int) -> int:
 
 
 def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch_size: int = 2,
-               seed: int = 1234, timeout_s: float = 600.0) -> ParityReport:
+               seed: int = 1234, timeout_s: float = 600.0, schedule: str | None = None,
+               recompute: bool = False) -> ParityReport:
     from .hetero_trainer import train_hetero
     from .launcher import launch
     from .trainer import run
@@ -78,7 +79,7 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     het_cfg = TrainConfig(model, ParallelConfig(), micro_batch_size=micro_batch_size, global_batch_size=gbs,
                           train_iters=steps, seed=seed, collect_grads=True, quiet=True,
                           init_state=ref["initial_params"])
-    het = launch(_hetero_rank, plan.world_size, het_cfg, plan, timeout_s=timeout_s)[0]
+    het = launch(_hetero_rank, plan.world_size, het_cfg, plan, schedule, recompute, timeout_s=timeout_s)[0]
 
     loss_d = max(abs(a - b) / abs(b) for a, b in zip(het["losses"], ref["losses"]))
     by_cat: dict[str, float] = {}
@@ -92,10 +93,11 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     return ParityReport(ref["losses"], het["losses"], loss_d, max(by_cat.values()), by_cat, param_d)
 
 
-def _hetero_rank(rank, world, cfg, plan):
+def _hetero_rank(rank, world, cfg, plan, schedule, recompute):
     from .hetero_trainer import train_hetero
+    from .zebra import ZebraConfig
 
-    return train_hetero(cfg, plan)
+    return train_hetero(cfg, plan, schedule=schedule, zebra_config=ZebraConfig(recompute=recompute))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--schedule", choices=["distep", "zebra"], default=None, help="override the plan's schedule")
+    p.add_argument("--recompute", action="store_true", help="zebra: recompute attention stages in backward")
     p.add_argument("--loss-tol", type=float, default=LOSS_TOL)
     p.add_argument("--grad-tol", type=float, default=GRAD_TOL)
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -113,14 +117,15 @@ def main(argv: list[str] | None = None) -> int:
 
     plan = HeteroPlan.load(a.plan)
     model = ModelConfig.load(a.model)
-    r = run_parity(plan, model, a.steps, a.micro_batch_size, a.seed)
+    r = run_parity(plan, model, a.steps, a.micro_batch_size, a.seed, schedule=a.schedule, recompute=a.recompute)
     ok = r.ok(a.loss_tol, a.grad_tol)
     if a.json:
         print(json.dumps({**r.__dict__, "ok": ok}))
     else:
         g = plan.groups[0]
         print(f"plan: {len(plan.groups)} ZP group(s) of {len(g.attention_ranks)} attention + "
-              f"{len(g.expert_ranks)} expert ranks, R={plan.num_microbatches}; reference: Megatron EP="
+              f"{len(g.expert_ranks)} expert ranks, R={plan.num_microbatches}, schedule "
+              f"{a.schedule or plan.schedule}; reference: Megatron EP="
               f"{reference_ep(plan, model.num_experts)} on {len(plan.attention_ranks)} ranks")
         print(f"{'step':>4} {'megatron lm loss':>18} {'hetermoe lm loss':>18} {'rel diff':>10}")
         for i, (x, y) in enumerate(zip(r.ref_losses, r.het_losses), 1):

@@ -1,0 +1,341 @@
+"""Zebra parallelism: the runtime that executes planner.schedule_tasks' lists.
+
+Attention ranks cut each microbatch's forward into L+1 stages (embedding/attention/router,
+then combine + residual + the next attention/router, ..., then combine + head + loss) at
+detach points: every tensor crossing a stage boundary enters the next stage as a fresh leaf
+(the combined expert output, the residual, the routing probabilities). A stage's backward runs
+once all its outputs' gradients exist: the dispatched tokens' gradient from the expert ranks
+(D_B) and the residual and gate gradients from the next stage's leaves, summed by one autograd
+call, as the paper describes (backward stops at the attention output and resumes when the
+expert-input gradients are back). Expert ranks run their experts per (layer, microbatch) on
+received leaves.
+
+Transfers run on two worker threads per rank, the "dispatch" and "combine" streams, each owning
+one process group, executing its collectives in list order. A compute task waits only for the
+transfer named by schedule_tasks.inputs(); everything else overlaps. The R microbatches'
+activations are all alive at once; `recompute=True` recomputes attention stages in backward
+(Megatron's --recompute-granularity full, per stage).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from .expert_runtime import run_local_experts
+from .hetero_comm import _a2a, exchange_counts
+from .hetero_parallel_state import HeteroParallelState
+from .planner.schedule_tasks import Task, inputs, tasks_for_rank
+from .timeline import TimelineRecorder
+
+
+@dataclass
+class ZebraConfig:
+    recompute: bool = False
+    # Minimum duration of a compute task (emulation of a slower GPU); None: as fast as it runs.
+    stretch: Callable[[Task], float] | None = None
+    # Minimum duration of a transfer given its bytes (emulation of a link).
+    transfer_time: Callable[[Task, int], float] | None = None
+
+
+class _Stream:
+    """A worker thread running one stream's collectives in FIFO order (as a CUDA stream would)."""
+
+    def __init__(self, name: str, recorder: TimelineRecorder | None):
+        self.name, self.recorder = name, recorder
+        self.q: queue.Queue = queue.Queue()
+        self.executed: list[Task] = []
+        self.t = threading.Thread(target=self._loop, name=f"zebra-{name}", daemon=True)
+        self.t.start()
+
+    def _loop(self):
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            task, fn, fut = item
+            t0 = time.perf_counter()
+            try:
+                fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - surfaced to the main thread by wait()
+                fut.set_exception(e)
+                continue
+            self.executed.append(task)
+            if self.recorder is not None:
+                self.recorder.record(self.name, task.kind, task.layer, task.microbatch, t0, time.perf_counter())
+
+    def submit(self, task: Task, fn) -> Future:
+        fut: Future = Future()
+        self.q.put((task, fn, fut))
+        return fut
+
+    def close(self):
+        self.q.put(None)
+        self.t.join()
+
+
+@dataclass
+class _MB:
+    """What one rank keeps for one (layer, microbatch): stage outputs, routing state, transfers."""
+    disp: dict = field(default_factory=dict)  # HeteroTokenDispatcher state of this layer/microbatch
+    outputs: list = field(default_factory=list)  # stage outputs that get gradients
+    permuted: torch.Tensor | None = None
+    residual: torch.Tensor | None = None
+    probs: torch.Tensor | None = None
+    leaves: dict = field(default_factory=dict)  # next stage's input leaves (combined, residual, probs)
+    send_splits: list | None = None
+    recv_splits: list | None = None
+    local_counts: torch.Tensor | None = None
+    recv_tokens: torch.Tensor | None = None
+    expert_in: torch.Tensor | None = None
+    expert_out: torch.Tensor | None = None
+    recv_combined: torch.Tensor | None = None
+    grad_combined: torch.Tensor | None = None
+    recv_grad: torch.Tensor | None = None
+    grad_recv: torch.Tensor | None = None
+    grad_permuted: torch.Tensor | None = None
+
+
+class ZebraExecutor:
+    """Executes one rank's task list for one step."""
+
+    def __init__(self, hs: HeteroParallelState, hidden_size: int, dtype: torch.dtype, cfg: ZebraConfig,
+                 recorder: TimelineRecorder | None, experts_of_layer: Callable[[int], torch.nn.Module | None]):
+        self.hs, self.H, self.dtype, self.cfg, self.recorder = hs, hidden_size, dtype, cfg, recorder
+        self.experts_of_layer = experts_of_layer
+        self.n = len(hs.zp.members)
+        self.is_attention = hs.role == "attention"
+        self.st: dict[tuple[int, int], _MB] = {}
+        self.executed: list[Task] = []
+
+    def mb(self, layer: int, j: int) -> _MB:
+        return self.st.setdefault((layer, j), _MB())
+
+    def holds(self, layer: int) -> bool:
+        return bool(self.hs.local_experts(layer))
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, self.H, dtype=self.dtype)
+
+    def _timed_a2a(self, task: Task, send: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
+        t0 = time.perf_counter()
+        out = _a2a(send, list(map(int, out_splits)), list(map(int, in_splits)), group)
+        if self.cfg.transfer_time is not None:
+            nbytes = max(send.numel(), out.numel()) * send.element_size()
+            _sleep_until(t0 + self.cfg.transfer_time(task, nbytes))
+        return out
+
+    # ---- transfers (run on the stream threads; read the state when they run) -------------
+    def comm(self, task: Task) -> Callable[[], None]:
+        hs, zeros = self.hs, [0] * self.n
+        l, j = task.layer, task.microbatch
+        st = self.mb(l, j)
+
+        def d_f():
+            if self.is_attention:
+                send, send_splits, counts = st.permuted.detach(), st.send_splits, st.disp["per_expert"]
+            else:
+                send, send_splits = self._empty(), zeros
+                counts = torch.zeros(len(hs.layer_order(l)), dtype=torch.int64)
+            allc = exchange_counts(counts, hs.dispatch_group)
+            if self.holds(l):
+                order = hs.layer_order(l)
+                st.local_counts = allc[:, [order.index(e) for e in hs.local_experts(l)]]
+                st.recv_splits = st.local_counts.sum(1).tolist()
+            else:
+                st.recv_splits = zeros
+            st.recv_tokens = self._timed_a2a(task, send, st.recv_splits, send_splits, hs.dispatch_group)
+
+        def c_f():
+            send = st.expert_out.detach() if self.holds(l) else self._empty()
+            st.recv_combined = self._timed_a2a(task, send, st.send_splits if self.is_attention else zeros,
+                                               st.recv_splits if self.holds(l) else zeros, hs.combine_group)
+
+        def c_b():
+            send = st.grad_combined if self.is_attention else self._empty()
+            st.recv_grad = self._timed_a2a(task, send, st.recv_splits if self.holds(l) else zeros,
+                                           st.send_splits if self.is_attention else zeros, hs.dispatch_group)
+
+        def d_b():
+            send = st.grad_recv if self.holds(l) else self._empty()
+            st.grad_permuted = self._timed_a2a(task, send, st.send_splits if self.is_attention else zeros,
+                                               st.recv_splits if self.holds(l) else zeros, hs.combine_group)
+
+        return {"D_F": d_f, "C_F": c_f, "C_B": c_b, "D_B": d_b}[task.kind]
+
+    # ---- expert compute (expert ranks: E_*, attention ranks' offloaded experts: X_*) -----
+    def expert_forward(self, l: int, j: int) -> None:
+        st = self.mb(l, j)
+        st.expert_in = st.recv_tokens.detach().requires_grad_()
+        st.expert_out = run_local_experts(self.experts_of_layer(l), st.expert_in, st.local_counts)
+
+    def expert_backward(self, l: int, j: int) -> None:
+        st = self.mb(l, j)
+        torch.autograd.backward(st.expert_out, st.recv_grad)
+        st.grad_recv = st.expert_in.grad if st.expert_in.grad is not None else torch.zeros_like(st.expert_in)
+        st.expert_in = st.expert_out = None
+
+    # ---- the loop ------------------------------------------------------------------------
+    def run(self, tasks: list[Task], compute: Callable[[Task], None]) -> None:
+        streams = {name: _Stream(name, self.recorder) for name in ("dispatch", "combine")}
+        futures: dict[Task, Future] = {}
+        L = self.hs.plan.num_layers
+        try:
+            for t in tasks:
+                if t.is_comm:
+                    futures[t] = streams[t.stream].submit(t, self.comm(t))
+                    continue
+                need = inputs(t, L)
+                if need is not None:
+                    futures[need].result()
+                t0 = time.perf_counter()
+                compute(t)
+                if self.cfg.stretch is not None:
+                    _sleep_until(t0 + self.cfg.stretch(t))
+                self.executed.append(t)
+                if self.recorder is not None:
+                    self.recorder.record("compute", t.kind, t.layer, t.microbatch, t0, time.perf_counter())
+            for f in futures.values():
+                f.result()
+        finally:
+            for s in streams.values():
+                s.close()
+        self.executed_streams = {k: s.executed for k, s in streams.items()}
+
+
+def _sleep_until(deadline: float) -> None:
+    left = deadline - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+
+
+class AttentionZebra:
+    """Stage functions of a GPTModel built with HeteroMoELayer (attention rank)."""
+
+    def __init__(self, gpt, hs: HeteroParallelState, cfg: ZebraConfig, recorder: TimelineRecorder | None):
+        self.gpt, self.hs, self.cfg = gpt, hs, cfg
+        self.layers = gpt.decoder.layers
+        c = gpt.config
+        self.ex = ZebraExecutor(hs, c.hidden_size, c.params_dtype, cfg, recorder,
+                                lambda l: self.layers[l].mlp.experts)
+
+    def _stage(self, s: int, j: int, batch: dict, rope, leaves: tuple):
+        """Forward of attention stage s (0..L-1): returns (permuted, residual, probs)."""
+        L = len(self.layers)
+        if s == 0:
+            hidden = self.gpt.embedding(input_ids=batch["tokens"], position_ids=batch["position_ids"])
+        else:
+            combined, residual, probs = leaves
+            prev = self.layers[s - 1]
+            disp = prev.mlp.token_dispatcher
+            disp.state = dict(self.ex.mb(s - 1, j).disp, probs=probs)
+            out = disp.combine_postprocess(combined)
+            hidden = prev._forward_post_mlp((out, None), residual)
+        layer = self.layers[s]
+        hidden, _ = layer._forward_attention(hidden, attention_mask=None, rotary_pos_emb=rope)
+        pre = layer._forward_pre_mlp_layernorm(hidden)
+        probs, routing_map = layer.mlp.route(pre)
+        disp = layer.mlp.token_dispatcher
+        disp.state = self.ex.mb(s, j).disp
+        permuted, probs_o = layer.mlp.preprocess(pre, probs, routing_map)
+        return permuted, hidden, probs_o
+
+    def _head(self, j: int, batch: dict, rope, leaves: tuple):
+        L = len(self.layers)
+        combined, residual, probs = leaves
+        prev = self.layers[L - 1]
+        disp = prev.mlp.token_dispatcher
+        disp.state = dict(self.ex.mb(L - 1, j).disp, probs=probs)
+        out = disp.combine_postprocess(combined)
+        hidden = prev._forward_post_mlp((out, None), residual)
+        hidden = self.gpt.decoder.final_layernorm(hidden)
+        return self.gpt._postprocess(hidden_states=hidden, input_ids=batch["tokens"], position_ids=batch["position_ids"],
+                                     labels=batch["labels"], rotary_pos_emb=rope, rotary_pos_cos=None,
+                                     rotary_pos_sin=None)
+
+    def run(self, batches: list[dict], loss_funcs: list, tasks: list[Task]) -> list:
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        R = len(batches)
+        L = len(self.layers)
+        ex = self.ex
+        # Megatron scales the aux loss like the LM loss: 1/R per microbatch (fp32: loss scale 1).
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / R)
+        ropes = [self.gpt.rotary_pos_emb(batches[j]["tokens"].shape[1]) for j in range(R)]
+        losses: dict[int, torch.Tensor] = {}
+        reported: dict[int, dict] = {}
+
+        def leaves_for(s: int, j: int) -> tuple:
+            prev = ex.mb(s - 1, j)
+            lv = (prev.recv_combined.detach().requires_grad_(), prev.residual.detach().requires_grad_(),
+                  prev.probs.detach().requires_grad_())
+            prev.leaves = {"combined": lv[0], "residual": lv[1], "probs": lv[2]}
+            return lv
+
+        def compute(t: Task) -> None:
+            s, j = t.layer, t.microbatch
+            if t.kind == "A_F":
+                lv = leaves_for(s, j) if s > 0 else ()
+                if s < L:
+                    fn = lambda *a: self._stage(s, j, batches[j], ropes[j], a)  # noqa: E731
+                    out = checkpoint(fn, *lv, use_reentrant=False) if self.cfg.recompute and s > 0 else fn(*lv)
+                    st = ex.mb(s, j)
+                    st.permuted, st.residual, st.probs = out
+                    st.send_splits = st.disp["send_splits"]
+                else:
+                    fn = lambda *a: self._head(j, batches[j], ropes[j], a)  # noqa: E731
+                    out_tensor = checkpoint(fn, *lv, use_reentrant=False) if self.cfg.recompute else fn(*lv)
+                    loss, num_tokens, rep = loss_funcs[j](out_tensor)
+                    losses[j] = loss / torch.clamp(num_tokens, min=1) / R
+                    reported[j] = rep
+            elif t.kind == "A_B":
+                if s == L:
+                    torch.autograd.backward(losses.pop(j))
+                else:
+                    st, nxt = ex.mb(s, j), ex.mb(s, j).leaves
+                    grads = [st.grad_permuted, nxt["residual"].grad, nxt["probs"].grad]
+                    outs = [st.permuted, st.residual, st.probs]
+                    keep = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+                    torch.autograd.backward([o for o, _ in keep], [g for _, g in keep])
+                    st.permuted = st.residual = st.probs = None
+                    st.leaves = {}
+                if s > 0:
+                    prev = ex.mb(s - 1, j)
+                    g = prev.leaves["combined"].grad
+                    prev.grad_combined = g if g is not None else torch.zeros_like(prev.leaves["combined"])
+            elif t.kind == "X_F":
+                ex.expert_forward(s, j)
+            elif t.kind == "X_B":
+                ex.expert_backward(s, j)
+            else:
+                raise ValueError(f"attention rank cannot run task {t}")
+
+        ex.run(tasks, compute)
+        return [reported[j] for j in range(R)]
+
+
+class ExpertZebra:
+    def __init__(self, runtime, hs: HeteroParallelState, cfg: ZebraConfig, recorder: TimelineRecorder | None):
+        self.runtime = runtime
+        self.ex = ZebraExecutor(hs, runtime.config.hidden_size, runtime.config.params_dtype, cfg, recorder,
+                                lambda l: runtime.decoder.layers[l].mlp.experts)
+
+    def run(self, tasks: list[Task]) -> None:
+        ex = self.ex
+
+        def compute(t: Task) -> None:
+            if t.kind == "E_F":
+                ex.expert_forward(t.layer, t.microbatch)
+            elif t.kind == "E_B":
+                ex.expert_backward(t.layer, t.microbatch)
+            else:
+                raise ValueError(f"expert rank cannot run task {t}")
+
+        ex.run(tasks, compute)
