@@ -256,13 +256,25 @@ def _lagrangian(prob: AsymProblem, opts: list[tuple[int, int, int]], U: int, V: 
     cheapest assignment that fits. Exact when there is no duality gap; marked in the plan's meta."""
     picks, v = _dp_u(prob, opts, U, 0.0)
     if v > V:
+        # a price above any possible saving of J makes the DP minimise sum q alone
+        worst = sum(max(t + a * prob.t_exp_on_attn, q * prob.t_exp) for t in prob.t_attn for a, q, _ in opts[-1:] + opts[:1])
+        if _dp_u(prob, opts, U, 2 * worst + 1.0)[1] > V:
+            raise PlanError(f"no expert assignment fits: expert ranks can hold {prob.cap_x} experts and attention "
+                            f"ranks {prob.n_max} in all; use more microbatches, more ZP groups, or GPUs with more memory")
         lo, hi = 0.0, max(prob.t_exp, prob.t_exp_on_attn, 1e-9)
         while _dp_u(prob, opts, U, hi)[1] > V and hi < 1e9:
             hi *= 2
-        for _ in range(30):
+        best = _dp_u(prob, opts, U, hi)
+        for _ in range(16):  # price resolution 2^-16 of the bracket
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if _dp_u(prob, opts, U, mid)[1] > V else (lo, mid)
-        picks, v = _dp_u(prob, opts, U, hi)
+            res = _dp_u(prob, opts, U, mid)
+            if res[1] > V:
+                lo = mid
+            else:
+                hi, best = mid, res
+                if res[1] == V:  # the memory is used exactly: no cheaper price fits
+                    break
+        picks, v = best
     return [opts[o][2] for o in picks]
 
 

@@ -1,0 +1,138 @@
+"""`hetermoe plan`: write a plan file.
+
+  hetermoe plan --even --attention-ranks M --expert-ranks N --groups G --model CFG
+                [--microbatches R] [--schedule distep|zebra] [--attention-gpu T --expert-gpu T] -o plan.json
+      G groups of M attention + N expert ranks, experts split evenly (plan.even_plan).
+  hetermoe plan --cluster CLUSTER --model CFG --seq-len S --global-batch B [-o plan.json] [--json]
+                [--asym optimal|greedy|none] [--engine auto|python|cpp] [--max-microbatches K]
+      searches ZP group shape, R and expert placement; prints every strategy's predicted step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+from ..model_config import ModelConfig
+from ..plan import PlanError, even_plan
+from .cluster import Cluster
+from .profiles import known_gpu_types
+from .search import SearchResult, search
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hetermoe plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model config: a path or a name in configs/models/ (tiny, d1, ...)")
+    p.add_argument("-o", "--output", help="write the plan JSON here")
+    even = p.add_argument_group("even plan")
+    even.add_argument("--even", action="store_true", help="experts split evenly; no search")
+    even.add_argument("--attention-ranks", type=int, help="M: attention ranks per ZP group")
+    even.add_argument("--expert-ranks", type=int, help="N: expert ranks per ZP group")
+    even.add_argument("--groups", type=int, default=1, help="G: number of ZP groups")
+    even.add_argument("--microbatches", type=int, default=1, help="R: microbatches per step")
+    even.add_argument("--schedule", choices=["distep", "zebra"], default="distep")
+    even.add_argument("--attention-gpu", default="cpu", help="GPU type of attention ranks (a configs/gpus/ name)")
+    even.add_argument("--expert-gpu", default="cpu", help="GPU type of expert ranks (a configs/gpus/ name)")
+    srch = p.add_argument_group("search")
+    srch.add_argument("--cluster", help="cluster config: a path or a name in configs/clusters/ (o1, c1-200g, ...)")
+    srch.add_argument("--seq-len", type=int, help="tokens per sequence")
+    srch.add_argument("--global-batch", type=int, help="sequences per step")
+    srch.add_argument("--asym", choices=["optimal", "greedy", "none"], default="optimal",
+                      help="expert assignment solver for the plan (default: optimal)")
+    srch.add_argument("--engine", choices=["auto", "python", "cpp"], default="auto", help="simulator core")
+    srch.add_argument("--max-microbatches", type=int, default=32)
+    srch.add_argument("--json", action="store_true", help="print the predictions as JSON instead of a table")
+    return p
+
+
+def _finite(x):
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def format_table(res: SearchResult, title: str) -> str:
+    types = sorted({g for p in res.predictions for g in p.utilization})
+    head = f"{'strategy':<36}{'step (s)':>10}{'tokens/s':>12}{'vs limit':>9}" + "".join(f"{'util ' + g:>16}" for g in types)
+    lines = [title, head, "-" * len(head)]
+    for p in res.predictions:
+        if not p.fits:
+            lines.append(f"{p.name:<36}{'does not fit: ' + str(p.detail.get('reason', '')):>40}")
+            continue
+        row = f"{p.name:<36}{p.step_time_s:>10.3f}{p.tokens_per_s:>12.0f}{p.ratio_to_limit:>9.2f}"
+        row += "".join(f"{p.utilization.get(g, 0.0):>16.2f}" for g in types)
+        lines.append(row)
+    if res.plan is not None:
+        g0 = res.plan.groups[0]
+        lines.append(f"plan: {len(res.plan.groups)} ZP group(s) of {len(g0.attention_ranks)} attention + "
+                     f"{len(g0.expert_ranks)} expert ranks, R={res.plan.num_microbatches}, schedule {res.plan.schedule}, "
+                     f"{res.plan.meta.get('assignment')}; experts on attention ranks per layer: "
+                     f"{res.plan.meta.get('experts_on_attention_per_layer')}")
+    lines.append(f"searched {res.candidates} shapes in {res.elapsed_s:.2f} s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        model = ModelConfig.load(args.model)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"hetermoe plan: {e}", file=sys.stderr)
+        return 2
+    try:
+        if args.even:
+            if args.attention_ranks is None or args.expert_ranks is None:
+                print("hetermoe plan: --even needs --attention-ranks and --expert-ranks", file=sys.stderr)
+                return 2
+            known = known_gpu_types()
+            for flag, t in (("--attention-gpu", args.attention_gpu), ("--expert-gpu", args.expert_gpu)):
+                if t not in known:
+                    print(f"hetermoe plan: {flag} {t!r} is not a known GPU type; use one of {known}", file=sys.stderr)
+                    return 2
+            plan = even_plan(model.num_layers, model.num_experts, args.attention_ranks, args.expert_ranks,
+                             args.groups, attention_gpu=args.attention_gpu, expert_gpu=args.expert_gpu,
+                             num_microbatches=args.microbatches, schedule=args.schedule)
+            plan.meta = {"model": model.name, "made_by": "hetermoe plan --even"}
+            if args.output:
+                plan.save(args.output)
+                print(f"wrote {args.output}: {args.groups} x ({args.attention_ranks} attention + "
+                      f"{args.expert_ranks} expert ranks), world size {plan.world_size}")
+            else:
+                print(plan.to_json())
+            return 0
+        missing = [f for f, v in (("--cluster", args.cluster), ("--seq-len", args.seq_len),
+                                  ("--global-batch", args.global_batch)) if v is None]
+        if missing:
+            print(f"hetermoe plan: search mode needs {', '.join(missing)} (or use --even)", file=sys.stderr)
+            return 2
+        if args.seq_len < 1 or args.global_batch < 1:
+            print(f"hetermoe plan: --seq-len {args.seq_len} and --global-batch {args.global_batch} must be >= 1",
+                  file=sys.stderr)
+            return 2
+        cluster = Cluster.load(args.cluster)
+        res = search(model, cluster, args.seq_len, args.global_batch, asym=args.asym, engine=args.engine,
+                     max_microbatches=args.max_microbatches)
+    except (PlanError, FileNotFoundError, ValueError, KeyError) as e:
+        print(f"hetermoe plan: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = {"model": model.name, "cluster": cluster.name, "seq_len": args.seq_len, "global_batch": args.global_batch,
+               "strategies": {p.name: {"step_time_s": _finite(p.step_time_s), "tokens_per_s": p.tokens_per_s,
+                                       "utilization": p.utilization, "ratio_to_limit": p.ratio_to_limit,
+                                       "fits": p.fits, "detail": p.detail} for p in res.predictions},
+               "search": {"candidates": res.candidates, "elapsed_s": res.elapsed_s},
+               "plan_file": args.output}
+        print(json.dumps(out, indent=1, default=str))
+    else:
+        print(format_table(res, f"{model.name} on {cluster.name}, seq {args.seq_len}, global batch {args.global_batch}"))
+    if res.plan is None:
+        print("hetermoe plan: no HeterMoE plan fits this cluster and batch; see the table", file=sys.stderr)
+        return 1
+    if args.output:
+        res.plan.save(args.output)
+        if not args.json:
+            print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

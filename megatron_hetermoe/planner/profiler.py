@@ -1,0 +1,318 @@
+"""`hetermoe profile --model CFG --out PROFILE.yaml`: measure this device (CUDA if present, else
+CPU) into a GPU profile (profiles.py format) with measured tables.
+
+What is measured, with real megatron-core modules built from the model config (one
+TransformerLayer of the local spec):
+  * attention + router: input norm, SelfAttention (RoPE, causal) and the MoE TopKRouter,
+    forward and backward, for several (seq_len, sequences) shapes;
+  * one expert (megatron-core MLP, SwiGLU) forward and backward at several token counts;
+  * a large matmul (peak), a large copy (memory bandwidth), a tiny op (launch overhead);
+  * all_to_all_single over the current process group at several message sizes (a world of one
+    rank on a laptop: that is a local copy, and the profile says so);
+  * memory: parameter bytes of the attention part and of one expert, and n_min / n_max of the
+    paper for an example shape (from the cost model's memory formulas and the device memory).
+Times are medians of `--repeats` runs after a warm-up.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..model_config import ModelConfig
+from .profiles import profile_to_yaml
+
+
+def _sync(dev) -> None:
+    import torch
+
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_time(fn, dev, repeats: int) -> float:
+    fn()
+    _sync(dev)
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _fwd_bwd_times(module_fn, make_input, dev, repeats: int) -> tuple[float, float]:
+    """Median forward time and median backward time of module_fn(x)."""
+    fwd, bwd = [], []
+    for i in range(repeats + 1):
+        x = make_input()
+        _sync(dev)
+        t0 = time.perf_counter()
+        y = module_fn(x)
+        _sync(dev)
+        t1 = time.perf_counter()
+        y.backward(torch_ones_like(y))
+        _sync(dev)
+        t2 = time.perf_counter()
+        if i:  # first run warms up
+            fwd.append(t1 - t0)
+            bwd.append(t2 - t1)
+    return statistics.median(fwd), statistics.median(bwd)
+
+
+def torch_ones_like(t):
+    import torch
+
+    return torch.ones_like(t)
+
+
+def _init_dist(dev) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        path = Path(tempfile.mkdtemp(prefix="hetermoe-profile-")) / "store"
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{path}",
+                                rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+
+
+def _build_layer(model: ModelConfig, dtype, dev):
+    import torch
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.spec_utils import build_module
+
+    from ..model_builder import ParallelConfig, layer_spec, transformer_config
+
+    model_parallel_cuda_manual_seed(1234)
+    cfg = transformer_config(model.replace(num_layers=1), ParallelConfig(), params_dtype=dtype, pipeline_dtype=dtype,
+                             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+    layer = build_module(layer_spec(model), config=cfg, layer_number=1).to(dev)
+    rope = RotaryEmbedding(model.head_dim, rotary_percent=1.0, use_cpu_initialization=True).to(dev)
+    return layer, rope
+
+
+def measure(model: ModelConfig, seq_lens: list[int], seqs: list[int], expert_tokens: list[int], repeats: int,
+            a2a_sizes: list[int], dtype_name: str | None = None) -> tuple[dict, dict]:
+    """Run every measurement; returns (profile fields, measured section)."""
+    import torch
+    import torch.distributed as dist
+
+    from .. import cpu_backend
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cpu_backend.apply()  # no-op with CUDA; bridges megatron-core's CUDA assumptions on CPU
+    if dtype_name is None:
+        dtype_name = "bf16" if dev.type == "cuda" else "fp32"  # CPU bf16 GEMMs are not representative
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    _init_dist(dev)
+    layer, rope = _build_layer(model, dtype, dev)
+    h = model.hidden_size
+
+    attention = []
+    for s in seq_lens:
+        emb = rope(s)
+        for b in seqs:
+            def make():
+                return torch.randn(s, b, h, device=dev, dtype=dtype, requires_grad=True)
+
+            def attn_router(x):
+                y = layer.input_layernorm(x)
+                out, _ = layer.self_attention(y, attention_mask=None, rotary_pos_emb=emb)
+                z = layer.pre_mlp_layernorm(out + x)
+                probs, _ = layer.mlp.router(z)
+                return out.float().sum() + probs.float().sum()
+
+            f, bw = _fwd_bwd_times(attn_router, make, dev, repeats)
+            attention.append({"seq_len": s, "tokens": s * b, "fwd_s": f, "bwd_s": bw})
+            layer.zero_grad(set_to_none=True)
+
+    expert_mod = layer.mlp.experts.local_experts[0]
+    expert = []
+    for t in expert_tokens:
+        def make_e():
+            return torch.randn(t, h, device=dev, dtype=dtype, requires_grad=True)
+
+        def run_e(x):
+            out, _ = expert_mod(x)
+            return out.float().sum()
+
+        f, bw = _fwd_bwd_times(run_e, make_e, dev, repeats)
+        expert.append({"tokens": t, "fwd_s": f, "bwd_s": bw})
+        expert_mod.zero_grad(set_to_none=True)
+
+    # device peaks as reached by plain torch ops
+    n = 2048 if dev.type == "cuda" else 512
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    mm = _median_time(lambda: a @ a, dev, repeats)
+    peak_tflops = 2 * n ** 3 / mm / 1e12
+    big = torch.empty(64 * 2**20 // 4, device=dev, dtype=torch.float32)
+    cp = _median_time(lambda: big.clone(), dev, repeats)
+    membw = 2 * big.numel() * 4 / cp / 1e9
+    tiny = torch.ones(8, device=dev)
+    launch_us = _median_time(lambda: tiny.add_(1), dev, max(repeats, 20)) * 1e6
+
+    world = dist.get_world_size()
+    a2a = []
+    for nbytes in a2a_sizes:
+        numel = max(world, nbytes // 2 // world * world)
+        src = torch.ones(numel, device=dev, dtype=torch.float16)
+        dst = torch.empty_like(src)
+        sec = _median_time(lambda: dist.all_to_all_single(dst, src), dev, repeats)
+        a2a.append({"nbytes": numel * 2, "seconds": sec})
+
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        mem_gib, name = props.total_memory / 2**30, props.name
+        bf16 = bool(torch.cuda.is_bf16_supported())
+        flash = props.major >= 8
+    else:
+        mem_gib = _cpu_memory_gib()
+        name = "cpu"
+        bf16, flash = True, False
+
+    attn_params = sum(p.numel() for n_, p in layer.named_parameters() if ".experts." not in n_)
+    exp_params = sum(p.numel() for p in expert_mod.parameters())
+    info = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.machine(),
+        "date": datetime.date.today().isoformat(),
+        "torch": str(torch.__version__),
+        "megatron_core": _mcore_version(),
+        "dtype": dtype_name,
+        "threads": torch.get_num_threads(),
+        "world_size_for_all_to_all": world,
+        "attention_params_per_layer": int(attn_params),
+        "expert_params": int(exp_params),
+        "expert_params_match_model_config": int(exp_params) == model.expert_params(),
+        "flops_note": "tables are converted to FLOP rates and scaled to other shapes by cost_model.py",
+    }
+    large = max(expert, key=lambda e: e["tokens"])
+    gemm_rate = 6.0 * h * model.moe_ffn_hidden_size * large["tokens"] / large["fwd_s"] / 1e12
+    src = f"measured: hetermoe profile on {info['device']} ({dtype_name}, torch {torch.__version__})"
+    nbw = max(a2a, key=lambda c: c["nbytes"]) if a2a else None
+    nlat = min(a2a, key=lambda c: c["nbytes"]) if a2a else None
+    fields = {
+        "name": name,
+        "fp16": True,
+        "bf16": bf16,
+        "flash_attention": flash,
+        "memory_gib": {"value": round(mem_gib, 2), "source": f"{src}: total device memory"},
+        "peak_fp16_tflops": {"value": round(peak_tflops, 4),
+                             "source": f"{src}: {n}x{n} matmul rate in {dtype_name} (an achieved peak, not a datasheet one)"},
+        "memory_bandwidth_gbs": {"value": round(membw, 2), "source": f"{src}: 256 MiB clone"},
+        "gemm_efficiency": {"value": round(min(1.0, gemm_rate / peak_tflops), 4),
+                            "source": f"{src}: expert forward FLOP rate at {large['tokens']} tokens / matmul peak"},
+        "attention_core_efficiency": {"value": 0.3, "source": "estimate: unused while the measured tables are present"},
+        "intra_node_gbs": {"value": round(nbw["nbytes"] / nbw["seconds"] / 1e9, 3) if nbw else 1.0,
+                           "source": f"{src}: all_to_all_single over a world of {world}"
+                           + (" (one rank: a local copy, not a link)" if world == 1 else "")},
+        "launch_overhead_us": {"value": round(launch_us, 2), "source": f"{src}: median time of an 8-element add"},
+        "link_latency_us": {"value": round(nlat["seconds"] * 1e6, 2) if nlat else 10.0,
+                            "source": f"{src}: smallest all_to_all_single"},
+        "usable_memory_fraction": {"value": 0.9, "source": "estimate: headroom for allocator and runtime"},
+    }
+    from dataclasses import asdict
+
+    measured = {"model": {k: v for k, v in asdict(model).items()}, "info": info,
+                "attention": attention, "expert": expert, "all_to_all": a2a}
+    fields.update(_memory_findings(model, fields, measured, dtype))
+    return fields, measured
+
+
+def _memory_findings(model: ModelConfig, fields: dict, measured: dict, dtype) -> dict:
+    """n_min / n_max of the paper for an example microbatch of this shape, from the cost model's
+    memory formulas and this device's memory (recorded in info, not used by the planner, which
+    recomputes them per plan)."""
+    from .cost_model import CostModel, TrainSettings
+
+    tokens = max(a["tokens"] for a in measured["attention"])
+    usable = fields["memory_gib"]["value"] * 2**30 * fields["usable_memory_fraction"]["value"]
+    cm = CostModel(model, {}, TrainSettings(model.seq_length))
+    tpe = tokens * model.moe_router_topk / model.num_experts
+    per = cm.per_expert_bytes(tpe, 1)
+    n_max = int((usable - cm.attention_rank_bytes(tokens, 1)) // per)
+    cap = int(usable // per)
+    measured["info"]["memory_example"] = {
+        "tokens_per_microbatch": tokens, "microbatches": 1, "bytes_per_expert": per,
+        "n_max_experts_on_attention_rank": n_max, "experts_that_fit_on_expert_rank": cap,
+        "n_min_for_one_expert_rank": max(0, model.num_layers * model.num_experts - cap),
+    }
+    return {}
+
+
+def _cpu_memory_gib() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 8.0
+
+
+def _mcore_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("megatron-core")
+    except Exception:  # noqa: BLE001 - a version string is informational
+        return "unknown"
+
+
+def _ints(s: str) -> list[int]:
+    try:
+        out = [int(x) for x in s.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{s!r} is not a comma-separated list of integers") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: give positive integers, e.g. 64,128,256")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hetermoe profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="model config (path or configs/models/ name) whose layer to time")
+    p.add_argument("--out", required=True, help="profile YAML to write (e.g. configs/gpus/cpu.yaml)")
+    p.add_argument("--name", help="GPU type name in the profile (default: the device's name, 'cpu' on CPU)")
+    p.add_argument("--seq-lens", type=_ints, help="sequence lengths for attention (default: from the model)")
+    p.add_argument("--seqs", type=_ints, default=[1, 2, 4], help="sequences per attention call")
+    p.add_argument("--expert-tokens", type=_ints, help="token counts for one expert")
+    p.add_argument("--a2a-bytes", type=_ints, default=[2**12, 2**16, 2**20, 2**23])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on CPU")
+    args = p.parse_args(argv)
+    model = ModelConfig.load(args.model)
+    S = model.seq_length
+    seq_lens = args.seq_lens or sorted({max(8, S // 4), max(8, S // 2), S})
+    expert_tokens = args.expert_tokens or sorted({max(8, S // 4), S, 4 * S, 16 * S})
+    if args.repeats < 1:
+        print(f"hetermoe profile: --repeats {args.repeats} must be >= 1", file=sys.stderr)
+        return 2
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    fields, measured = measure(model, seq_lens, args.seqs, expert_tokens, args.repeats, args.a2a_bytes, args.dtype)
+    if args.name:
+        fields["name"] = args.name
+    header = (f"# Measured by `hetermoe profile --model {args.model}` on {measured['info']['device']}, "
+              f"{measured['info']['date']}.\n# Tables: seconds per call for the model shape under measured.model; "
+              f"the cost model scales them by FLOPs.\n")
+    Path(args.out).write_text(header + profile_to_yaml(fields, measured))
+    from .profiles import load_profile
+
+    load_profile(args.out)  # the file must load back
+    print(f"wrote {args.out}: {len(measured['attention'])} attention and {len(measured['expert'])} expert "
+          f"samples, {len(measured['all_to_all'])} all_to_all sizes")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
