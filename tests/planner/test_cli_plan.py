@@ -1,0 +1,45 @@
+"""`hetermoe plan` in both modes, and its error messages."""
+import json
+import subprocess
+import sys
+
+from megatron_hetermoe.plan import HeteroPlan
+from megatron_hetermoe.planner.cli_plan import main
+
+
+def test_even_plan_file(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["--even", "--attention-ranks", "2", "--expert-ranks", "2", "--groups", "2", "--model", "tiny",
+                 "--microbatches", "2", "--schedule", "zebra", "-o", str(out)]) == 0
+    plan = HeteroPlan.load(out)
+    plan.validate(world_size=8)
+    assert plan.schedule == "zebra" and plan.num_microbatches == 2 and plan.gpu_types == ["cpu"] * 8
+
+
+def test_even_rejects_unknown_gpu(capsys):
+    assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--model", "tiny",
+                 "--attention-gpu", "B200"]) == 2
+    assert "B200" in capsys.readouterr().err
+
+
+def test_search_json_has_step_time_and_tokens_per_s(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["--cluster", "o1", "--model", "d1", "--seq-len", "4096", "--global-batch", "48", "--json",
+                 "-o", str(out)]) == 0
+    d = json.loads(capsys.readouterr().out)
+    for name in ("HeterMoE (planner's pick)", "EP", "EP (Ideal)", "DistEP", "Hetero PP", "Physical limit"):
+        assert d["strategies"][name]["step_time_s"] > 0 and d["strategies"][name]["tokens_per_s"] > 0
+    HeteroPlan.load(out).validate(world_size=12)
+
+
+def test_search_table_and_missing_args(capsys):
+    assert main(["--cluster", "c2", "--model", "d2", "--seq-len", "4096", "--global-batch", "16"]) == 0
+    table = capsys.readouterr().out
+    assert "Physical limit" in table and "util T4" in table
+    assert main(["--cluster", "o1", "--model", "d1"]) == 2
+    assert "--seq-len" in capsys.readouterr().err
+
+
+def test_console_script_dispatch():
+    r = subprocess.run([sys.executable, "-m", "megatron_hetermoe.cli", "plan", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "--global-batch" in r.stdout

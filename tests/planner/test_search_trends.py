@@ -1,0 +1,96 @@
+"""Plan search on the paper's clusters: the trends the paper reports, derived from the cost
+model (nothing here is tuned to these outcomes), and planning speed at scale."""
+import time
+
+import pytest
+
+from megatron_hetermoe.model_config import ModelConfig
+from megatron_hetermoe.planner import asym_ea
+from megatron_hetermoe.planner.cluster import Cluster
+from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
+from megatron_hetermoe.planner.profiles import known_gpu_types, load_profiles
+from megatron_hetermoe.planner.search import PICK, ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, asym_problem, build_plan, search
+from megatron_hetermoe.planner.simulator import simulate_plan
+
+SEQS = (4096, 8192, 16384, 32768)
+
+
+@pytest.fixture(scope="module")
+def o1_d1():
+    m, o1 = ModelConfig.load("d1"), Cluster.load("o1")
+    return {S: search(m, o1, S, 48).by_name() for S in SEQS}
+
+
+def test_lead_over_ep_grows_with_sequence_length(o1_d1):
+    lead = [o1_d1[S][PICK].tokens_per_s / o1_d1[S]["EP"].tokens_per_s for S in SEQS]
+    assert all(a < b for a, b in zip(lead, lead[1:])) and lead[0] > 1.0, lead
+
+
+def test_asym_ea_helps_short_sequences_only(o1_d1):
+    gain = {S: o1_d1[S][ZEBRA].tokens_per_s / o1_d1[S][ZEBRA_NO_EA].tokens_per_s for S in SEQS}
+    assert gain[4096] > 1.05, gain
+    assert gain[32768] < 1.01, gain
+    assert gain[4096] > gain[16384], gain
+
+
+def test_every_strategy_is_below_the_physical_limit(o1_d1):
+    for S in SEQS:
+        for name, p in o1_d1[S].items():
+            if p.fits:
+                assert p.ratio_to_limit <= 1.0 + 1e-9, (S, name)
+
+
+def test_half_v100_keeps_most_of_all_a40_throughput(o1_d1):
+    m, a40 = ModelConfig.load("d1"), Cluster.load("a40x12")
+    for S in (4096, 8192, 16384):
+        ref = search(m, a40, S, 48).by_name()
+        best_a40 = max(p.tokens_per_s for n, p in ref.items() if n != "Physical limit")
+        kept = o1_d1[S][PICK].tokens_per_s / best_a40
+        assert kept > 0.85, (S, kept)  # the paper reports ~0.95; we predict ~0.89-0.92 (see report)
+
+
+def test_greedy_and_optimal_differ_on_o1(capsys):
+    """O1, D1, 4K tokens, one 6:6 group, R=8: Algorithm 1's chunks squeeze too much (T_squeeze is
+    small when V100 and A40 expert speeds are close), the optimal assignment balances."""
+    m, cl = ModelConfig.load("d1"), Cluster.load("o1")
+    cost = CostModel(m, load_profiles(set(cl.gpu_types())), TrainSettings(4096))
+    types, a, x = cl.gpu_types(), list(range(6)), list(range(6, 12))
+    fwd = asym_problem(cost, types, a, x, 1, 8, 48, forward_only=True)
+    full = asym_problem(cost, types, a, x, 1, 8, 48, forward_only=False)
+    kg, ko = asym_ea.gather_squeeze(fwd), asym_ea.optimal(full)
+    assert kg != ko
+    t = {name: simulate_plan(build_plan(m, types, a, x, 1, 8, k), cost, cl, 48).step_time_s
+         for name, k in (("greedy", kg), ("optimal", ko), ("none", [0] * 8))}
+    assert t["optimal"] < t["none"] and t["optimal"] < t["greedy"]
+    assert asym_ea.objective(full, ko) < asym_ea.objective(full, kg)
+    with capsys.disabled():
+        print(f"\n  O1/D1 4K R=8: greedy k={kg} {t['greedy']:.3f}s, optimal k={ko} {t['optimal']:.3f}s, "
+              f"no offload {t['none']:.3f}s; optimal is {t['greedy'] / t['optimal']:.2f}x faster than greedy")
+
+
+def test_non_divisible_shape_gets_an_assignment():
+    # 4 A40 : 6 V100 -- Algorithm 1 cannot run (4 does not divide 6 nor 6 divide 4)
+    m = ModelConfig.load("d1")
+    cl = Cluster.of("4+6", {"A40": 4, "V100-16GB": 6}, nic_gbps=100)
+    res = search(m, cl, 4096, 48).by_name()
+    M, N = res[ZEBRA].detail["M"], res[ZEBRA].detail["N"]
+    assert res[ZEBRA].fits and M % N and N % M  # 4:6 or 2:3 groups, both outside Algorithm 1
+    assert res[ZEBRA].tokens_per_s > res[ZEBRA_NO_EA].tokens_per_s
+
+
+def test_planned_file_validates_against_known_types(tmp_path):
+    m, cl = ModelConfig.load("w1"), Cluster.load("c1-200g")
+    r = search(m, cl, 4096, 16)
+    r.plan.validate(world_size=cl.world_size, known_gpu_types=known_gpu_types())
+    r.plan.save(tmp_path / "p.json")
+    assert r.plan.meta["predicted"][PICK]["tokens_per_s"] > 0
+
+
+def test_1024_gpus_64_layers_256_experts_plans_in_under_5s():
+    m, cl = ModelConfig.load("moe-64l-256e"), Cluster.load("mixed-1024")
+    assert cl.world_size == 1024 and m.num_layers == 64 and m.num_experts == 256
+    t0 = time.perf_counter()
+    r = search(m, cl, 4096, 1024)
+    dt = time.perf_counter() - t0
+    assert r.plan is not None and r.plan.world_size == 1024
+    assert dt < 5.0, dt
