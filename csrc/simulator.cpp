@@ -5,8 +5,8 @@
 // task ended and the collective it waits for (ref >= 0) ended. A comm task is issued at the
 // rank's current time and does not block; a collective (all ranks take part) starts when every
 // rank has issued it and its stream is free.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
-#include <pybind11/stl.h>
 
 #include <algorithm>
 #include <sstream>
@@ -16,17 +16,28 @@
 
 namespace py = pybind11;
 
-using Result = std::tuple<std::vector<double>, std::vector<double>, std::vector<double>, std::vector<double>>;
+using I64 = py::array_t<long long, py::array::c_style | py::array::forcecast>;
+using F64 = py::array_t<double, py::array::c_style | py::array::forcecast>;
+using Result = std::tuple<F64, F64, F64, F64>;
 
-static Result run(const std::vector<long long>& offsets, const std::vector<int>& is_comm,
-                  const std::vector<double>& dur, const std::vector<long long>& ref,
-                  const std::vector<int>& coll_stream, const std::vector<double>& coll_dur) {
-    const size_t n = offsets.size() - 1;
-    const size_t nc = coll_dur.size();
-    const size_t ntask = is_comm.size();
-    if (dur.size() != ntask || ref.size() != ntask || coll_stream.size() != nc ||
-        (n > 0 && static_cast<size_t>(offsets[n]) != ntask))
+// Arrays (numpy, or anything numpy converts): offsets[n+1] into the flat task arrays is_comm,
+// dur, ref; coll_stream and coll_dur per collective.
+static Result run(I64 offsets_a, I64 is_comm_a, F64 dur_a, I64 ref_a, I64 coll_stream_a, F64 coll_dur_a) {
+    const long long* offsets = offsets_a.data();
+    const long long* is_comm = is_comm_a.data();
+    const double* dur = dur_a.data();
+    const long long* ref = ref_a.data();
+    const long long* coll_stream = coll_stream_a.data();
+    const double* coll_dur = coll_dur_a.data();
+    const size_t n = static_cast<size_t>(offsets_a.size()) - 1;
+    const size_t nc = static_cast<size_t>(coll_dur_a.size());
+    const size_t ntask = static_cast<size_t>(is_comm_a.size());
+    if (static_cast<size_t>(dur_a.size()) != ntask || static_cast<size_t>(ref_a.size()) != ntask ||
+        static_cast<size_t>(coll_stream_a.size()) != nc || (n > 0 && static_cast<size_t>(offsets[n]) != ntask))
         throw std::invalid_argument("_csim.run: array lengths disagree (offsets, is_comm, dur, ref, coll_*)");
+    for (size_t i = 0; i < ntask; ++i)
+        if (ref[i] >= static_cast<long long>(nc) || (is_comm[i] && ref[i] < 0))
+            throw std::invalid_argument("_csim.run: a task refers to a collective id outside 0..len(coll_dur)-1");
     std::vector<long long> issued(nc, 0);
     std::vector<double> issue_max(nc, 0.0), cstart(nc, 0.0), cend(nc, -1.0);
     double stream_free[2] = {0.0, 0.0};
@@ -47,7 +58,7 @@ static Result run(const std::vector<long long>& offsets, const std::vector<int>&
                     issued[c] += 1;
                     if (h > issue_max[c]) issue_max[c] = h;
                     if (issued[c] == static_cast<long long>(n)) {
-                        const int s = coll_stream[c];
+                        const long long s = coll_stream[c];
                         const double t0 = std::max(issue_max[c], stream_free[s]);
                         cstart[c] = t0;
                         cend[c] = t0 + coll_dur[c];
@@ -83,7 +94,8 @@ static Result run(const std::vector<long long>& offsets, const std::vector<int>&
             start[i] = cstart[ref[i]];
             end[i] = cend[ref[i]];
         }
-    return Result(std::move(start), std::move(end), std::move(cstart), std::move(cend));
+    auto arr = [](const std::vector<double>& v) { return F64(static_cast<py::ssize_t>(v.size()), v.data()); };
+    return Result(arr(start), arr(end), arr(cstart), arr(cend));
 }
 
 PYBIND11_MODULE(_csim, m) {

@@ -46,6 +46,7 @@ class SimProblem:
     coll_dur: list[float] = field(default_factory=list)
     post_step: list[float] = field(default_factory=list)  # per representative: grad sync + optimizer
     tokens_per_step: float = 0.0
+    _flat: tuple | None = field(default=None, repr=False)  # cache of flat_arrays()
 
 
 @dataclass
@@ -127,17 +128,28 @@ def run_python(p: SimProblem) -> SimTrace:
     return SimTrace(start, end, cstart, cend)
 
 
+def flat_arrays(p: SimProblem) -> tuple:
+    """The problem as the C++ core takes it (numpy arrays; built once per problem)."""
+    if p._flat is None:
+        import numpy as np
+
+        offsets = np.zeros(len(p.tasks) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(t) for t in p.tasks])
+        cat = lambda rows, dt: np.fromiter((x for row in rows for x in row), dtype=dt, count=int(offsets[-1]))
+        p._flat = (offsets, cat(p.is_comm, np.int64), cat(p.dur, np.float64), cat(p.ref, np.int64),
+                   np.asarray(p.coll_stream, dtype=np.int64), np.asarray(p.coll_dur, dtype=np.float64))
+    return p._flat
+
+
 def run_cpp(p: SimProblem) -> SimTrace:
     from .. import _csim  # built by setup.py from csrc/simulator.cpp
 
-    offsets = [0]
-    for t in p.is_comm:
-        offsets.append(offsets[-1] + len(t))
-    flat = lambda rows: [x for row in rows for x in row]
-    st, en, cs, ce = _csim.run(offsets, flat(p.is_comm), flat(p.dur), flat(p.ref), p.coll_stream, p.coll_dur)
-    start = [list(st[offsets[r]:offsets[r + 1]]) for r in range(len(p.tasks))]
-    end = [list(en[offsets[r]:offsets[r + 1]]) for r in range(len(p.tasks))]
-    return SimTrace(start, end, list(cs), list(ce))
+    flat = flat_arrays(p)
+    offsets = flat[0].tolist()
+    st, en, cs, ce = (a.tolist() for a in _csim.run(*flat))
+    start = [st[offsets[r]:offsets[r + 1]] for r in range(len(p.tasks))]
+    end = [en[offsets[r]:offsets[r + 1]] for r in range(len(p.tasks))]
+    return SimTrace(start, end, cs, ce)
 
 
 def have_cpp() -> bool:
