@@ -20,6 +20,7 @@ each, which changes no time (a collective waits for the latest issuer, and twins
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 
 from ..plan import HeteroPlan, PlanError
 from .cluster import Cluster, Links, allreduce_time, rank1_collective_time
@@ -135,7 +136,7 @@ def flat_arrays(p: SimProblem) -> tuple:
 
         offsets = np.zeros(len(p.tasks) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum([len(t) for t in p.tasks])
-        cat = lambda rows, dt: np.fromiter((x for row in rows for x in row), dtype=dt, count=int(offsets[-1]))
+        cat = lambda rows, dt: np.array(list(chain.from_iterable(rows)), dtype=dt)
         p._flat = (offsets, cat(p.is_comm, np.int64), cat(p.dur, np.float64), cat(p.ref, np.int64),
                    np.asarray(p.coll_stream, dtype=np.int64), np.asarray(p.coll_dur, dtype=np.float64))
     return p._flat
@@ -172,6 +173,29 @@ def run(p: SimProblem, engine: str = "auto") -> SimTrace:
 def tokens_per_microbatch(plan: HeteroPlan, global_tokens: float) -> float:
     """Tokens one attention rank processes per microbatch."""
     return global_tokens / (len(plan.groups) * len(plan.groups[0].attention_ranks) * plan.num_microbatches)
+
+
+def compute_task_time(cost: CostModel, gpu: str, task: Task, tokens_per_microbatch: float,
+                      experts_held: int = 0, tokens_per_expert: float = 0.0) -> float:
+    """Seconds of one compute task of the task list on a GPU type: A_* is attention stage
+    `task.layer` on `tokens_per_microbatch` tokens; X_*/E_* run `experts_held` experts of that
+    layer, each on `tokens_per_expert` routed tokens (balanced routing: M * tokens * topk / E)."""
+    if task.is_comm:
+        raise ValueError(f"{task} is a comm task; its time comes from cluster.rank1_collective_time")
+    bwd = task.kind.endswith("_B")
+    if task.kind[0] == "A":
+        return cost.stage_time(gpu, task.layer, tokens_per_microbatch, bwd)
+    return experts_held * cost.expert_time(gpu, tokens_per_expert, bwd)
+
+
+def rank_task_times(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int, rank: int,
+                    schedule: str | None = None) -> list[tuple[Task, float]]:
+    """The task list of `rank` with each task's predicted seconds (compute: on the rank's GPU
+    type; comm: the collective's transfer time). For emulating a mixed cluster: stretch each
+    compute task to its time; compare measured step times with simulate_plan's."""
+    p = build_problem(plan, cost, cluster, global_batch, schedule, group=plan.group_of(rank), dedup=False)
+    i = p.ranks.index(rank)
+    return [(t, p.coll_dur[ref] if c else d) for t, c, d, ref in zip(p.tasks[i], p.is_comm[i], p.dur[i], p.ref[i])]
 
 
 def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,
@@ -249,11 +273,7 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     def compute_dur(r: int, t: Task) -> float:
         key = (plan.gpu_types[r], t.kind, t.layer, counts[r][t.layer] if t.kind[0] in "XE" else 0)
         if key not in cache:
-            gpu, bwd = plan.gpu_types[r], t.kind.endswith("_B")
-            if t.kind[0] == "A":
-                cache[key] = cost.stage_time(gpu, t.layer, t_mb, bwd)
-            else:
-                cache[key] = key[3] * cost.expert_time(gpu, per_expert_tokens, bwd)
+            cache[key] = compute_task_time(cost, plan.gpu_types[r], t, t_mb, key[3], per_expert_tokens)
         return cache[key]
 
     for r in reps:
@@ -313,3 +333,8 @@ def simulate_plan(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     """Predicted step of `plan` (its own schedule unless `schedule` is given)."""
     p = build_problem(plan, cost, cluster, global_batch, schedule, dedup=dedup)
     return result_of(p, run(p, engine), keep_trace)
+
+
+# The baselines' step models live in baselines.py (no task lists there); re-exported here so that
+# every strategy the planner compares is reachable from the simulator module.
+from .baselines import physical_limit, simulate_ep, simulate_ep_ideal, simulate_hetero_pp  # noqa: E402,F401

@@ -132,3 +132,16 @@ def test_plan_world_and_model_must_match():
         simulate_plan(plan, cost, Cluster.load("o1"), 4)
     with pytest.raises(PlanError, match="model"):
         simulate_plan(plan, CostModel(ModelConfig.load("d2"), cost.profiles, cost.settings), cl, 4)
+
+
+def test_rank_task_times_for_emulation():
+    from megatron_hetermoe.planner.simulator import compute_task_time, rank_task_times
+
+    plan, cost, cl = setup(2, 2, L=2, E=4, R=2, k=[2, 0])
+    times = rank_task_times(plan, cost, cl, 8, rank=0)
+    assert [t for t, _ in times] == zebra_tasks(plan, 0)
+    t_mb = 8 * cost.settings.seq_len / (2 * 2)
+    d = dict(times)
+    assert d[Task("A_F", 1, 0)] == compute_task_time(cost, "A40", Task("A_F", 1, 0), t_mb)
+    assert d[Task("X_F", 0, 1)] == compute_task_time(cost, "A40", Task("X_F", 0, 1), t_mb, 1, 2 * t_mb * 2 / 4)
+    assert all(s >= 0 for _, s in times) and d[Task("D_F", 0, 0)] > 0
