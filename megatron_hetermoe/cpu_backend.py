@@ -199,6 +199,15 @@ def patch_cuda_device_literals() -> None:
     _MODE.__enter__()
 
 
+def device_scope():
+    """CudaToCpuMode for code that autograd runs during backward (activation recomputation):
+    the engine runs backward with an empty TorchFunctionMode stack, so the process-wide mode
+    does not reach it. A no-op when the patch is not applied (CUDA present)."""
+    if "cuda_device_literals" in _applied:
+        return CudaToCpuMode()
+    return contextlib.nullcontext()
+
+
 PATCHES: dict[str, Callable[[], None]] = {
     "cuda_streams": patch_cuda_streams,
     "current_device": patch_current_device,

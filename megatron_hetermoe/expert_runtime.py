@@ -50,17 +50,20 @@ def build_experts(config, experts_spec, num_local: int, pg_collection):
     return build_module(experts_spec, num_local, config, pg_collection=pg_collection)
 
 
-class ExpertRuntime(torch.nn.Module):
+def _megatron_module():
+    from megatron.core.transformer.module import MegatronModule
+
+    return MegatronModule
+
+
+class ExpertRuntime(_megatron_module()):
     """All experts an expert rank holds, named as in a plain Megatron model
     (decoder.layers.L.mlp.experts.local_experts.i) so DDP, the optimizer and checkpoints
     treat them like Megatron's own."""
 
     def __init__(self, config, experts_spec, hs: HeteroParallelState):
-        from megatron.core.transformer.module import MegatronModule
-
-        super().__init__()
+        super().__init__(config=config)
         self.hs = hs
-        self.config = config
         pgc = hs.pg_collection()
         self.decoder = torch.nn.Module()
         self.decoder.layers = torch.nn.ModuleList()
@@ -70,7 +73,6 @@ class ExpertRuntime(torch.nn.Module):
             n = len(hs.local_experts(layer))
             holder.mlp.experts = build_experts(config, experts_spec, n, pgc) if n else None
             self.decoder.layers.append(holder)
-        self._wrapper_cls = MegatronModule
 
     def canonical_names(self) -> dict[str, str]:
         out = {}

@@ -59,7 +59,7 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
     az = AttentionZebra(gpt, hs, zebra_config or ZebraConfig(), recorder)
     reported = az.run(cap.calls, loss_funcs, tasks_for_rank(hs.plan, hs.rank))
     if executed is not None:
-        executed.append((az.ex.executed, az.ex.executed_streams))
+        executed.append((az.ex.executed, az.ex.executed_streams, az.ex.meter.peak))
     cfg = gpt.config
     if cfg.finalize_model_grads_func is not None:
         cfg.finalize_model_grads_func(model if isinstance(model, list) else [model], None,
@@ -81,7 +81,7 @@ def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model
         ez = ExpertZebra(runtime, hs, zebra_config or ZebraConfig(), recorder)
         ez.run(tasks_for_rank(hs.plan, hs.rank))
         if executed is not None:
-            executed.append((ez.ex.executed, ez.ex.executed_streams))
+            executed.append((ez.ex.executed, ez.ex.executed_streams, ez.ex.meter.peak))
     else:
         runtime.run_distep(num_microbatches, runtime.config.hidden_size)
     ddp.finish_grad_sync()

@@ -101,7 +101,6 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                 names = canonical_names(module)
             else:
                 module = ExpertRuntime(config, base.submodules.mlp.submodules.experts, hs)
-                module.config = config
                 names = module.canonical_names()
             if cfg.init_state is not None:
                 load_params(module, megatron_to_hetero(cfg.init_state, plan, hs.rank))
@@ -109,7 +108,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                 init_layout_invariant(module, cfg.seed, mcfg.num_layers, names)
             ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                        use_distributed_optimizer=False)
-            model = DistributedDataParallel(config, ddp_config, _as_megatron_module(module, config), pg_collection=pgc)
+            model = DistributedDataParallel(config, ddp_config, module, pg_collection=pgc)
             opt_config = OptimizerConfig(
                 optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
                 adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,  # clipped here on the global norm
@@ -180,26 +179,11 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                                    group=hs.world_group)
             return {"losses": losses, "grads": grads, "params": params, "step_times": step_times,
                     "num_microbatches": nmb, "dp": n_attn, "schedule": schedule,
-                    "executed": [(list(a), {k: list(v) for k, v in b.items()}) for a, b in executed],
+                    "executed": [(list(a), {k: list(v) for k, v in b.items()}) for a, b, _ in executed],
+                    "peak_activation_mib": max((m for _, _, m in executed), default=0) / 2**20,
                     "peak_rss_mib": peak}
     finally:
         destroy_hetero_parallel()
-
-
-def _as_megatron_module(module, config):
-    """DDP wants a MegatronModule; GPTModel is one, ExpertRuntime is a plain container."""
-    from megatron.core.transformer.module import MegatronModule
-
-    if isinstance(module, MegatronModule):
-        return module
-
-    class _Wrapped(MegatronModule):
-        def __init__(self):
-            super().__init__(config=config)
-            self.decoder = module.decoder
-
-    w = _Wrapped()
-    return w
 
 
 def export_megatron(hs: HeteroParallelState, model, attr: str = "data", scale: float = 1.0) -> dict[str, torch.Tensor]:

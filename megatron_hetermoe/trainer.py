@@ -246,20 +246,23 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
     )
 
 
-def _rank_main(rank: int, world: int, cfg: TrainConfig, plan=None) -> dict:
+def _rank_main(rank: int, world: int, cfg: TrainConfig, plan=None, hetero: dict | None = None) -> dict:
     if plan is None:
         return train(cfg)
     from .hetero_trainer import train_hetero
+    from .zebra import ZebraConfig
 
-    return train_hetero(cfg, plan)
+    h = hetero or {}
+    return train_hetero(cfg, plan, schedule=h.get("schedule"), run_dir=h.get("run_dir"),
+                        zebra_config=ZebraConfig(recompute=h.get("recompute", False)))
 
 
-def run(cfg: TrainConfig, nproc: int, timeout_s: float = 900.0, plan=None) -> dict:
+def run(cfg: TrainConfig, nproc: int, timeout_s: float = 900.0, plan=None, hetero: dict | None = None) -> dict:
     """Train on `nproc` forked CPU ranks (plain Megatron, or HeterMoE with a plan); return
     rank 0's result."""
     from .launcher import launch
 
-    return launch(_rank_main, nproc, cfg, plan, timeout_s=timeout_s)[0]
+    return launch(_rank_main, nproc, cfg, plan, hetero, timeout_s=timeout_s)[0]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -269,8 +272,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="CPU ranks to start (default: join a torchrun job if RANK is set, else 4)")
     p.add_argument("--golden-values-out", default=None, help="write per-step lm loss as Megatron golden values JSON")
     p.add_argument("--hetero-plan", default=None, help="train with HeterMoE on this plan (hetermoe plan -o plan.json)")
+    p.add_argument("--hetero-schedule", choices=["distep", "zebra"], default=None,
+                   help="HeterMoE schedule (default: the plan's)")
+    p.add_argument("--recompute-granularity", choices=["full"], default=None,
+                   help="zebra: recompute attention stages in backward (Megatron's 'full' meaning, per stage)")
+    p.add_argument("--timeline-dir", default=None, help="HeterMoE: write each rank's timeline here")
     a = p.parse_args(argv)
     cfg = config_from_args(a)
+    hetero = {"schedule": a.hetero_schedule, "recompute": a.recompute_granularity == "full",
+              "run_dir": a.timeline_dir}
+    if not a.hetero_plan and (a.hetero_schedule or a.timeline_dir):
+        raise SystemExit("--hetero-schedule and --timeline-dir need --hetero-plan")
     if a.hetero_plan:
         from .plan import HeteroPlan
 
@@ -288,11 +300,17 @@ def main(argv: list[str] | None = None) -> int:
 
         cpu_backend.apply()
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl", timeout=collective_timeout())
-        result = _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg, plan if a.hetero_plan else None)
+        result = _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg,
+                            plan if a.hetero_plan else None, hetero)
     else:
         import megatron.core  # noqa: F401  - import once in the parent, then fork ranks
 
-        result = run(cfg, a.nproc or 4, plan=plan if a.hetero_plan else None)
+        result = run(cfg, a.nproc or 4, plan=plan if a.hetero_plan else None, hetero=hetero)
+    if "peak_rss_mib" in result and int(os.environ.get("RANK", "0")) == 0:
+        for r, (role, rss) in enumerate(result["peak_rss_mib"]):
+            print(f" rank {r} ({role}): peak RSS {rss:.0f} MiB")
+        if result.get("schedule") == "zebra":
+            print(f" rank 0 peak activation memory (saved for backward): {result['peak_activation_mib']:.2f} MiB")
     if a.golden_values_out and int(os.environ.get("RANK", "0")) == 0:
         from .golden import write_golden
 

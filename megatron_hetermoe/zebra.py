@@ -21,6 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from . import cpu_backend
 from .expert_runtime import run_local_experts
 from .hetero_comm import _a2a, exchange_counts
 from .hetero_parallel_state import HeteroParallelState
@@ -114,6 +116,7 @@ class ZebraExecutor:
         self.is_attention = hs.role == "attention"
         self.st: dict[tuple[int, int], _MB] = {}
         self.executed: list[Task] = []
+        self.meter = ActivationMeter()
 
     def mb(self, layer: int, j: int) -> _MB:
         return self.st.setdefault((layer, j), _MB())
@@ -188,6 +191,7 @@ class ZebraExecutor:
         futures: dict[Task, Future] = {}
         L = self.hs.plan.num_layers
         try:
+            self.meter.__enter__()
             for t in tasks:
                 if t.is_comm:
                     futures[t] = streams[t.stream].submit(t, self.comm(t))
@@ -205,9 +209,53 @@ class ZebraExecutor:
             for f in futures.values():
                 f.result()
         finally:
+            self.meter.__exit__(None, None, None)
             for s in streams.values():
                 s.close()
         self.executed_streams = {k: s.executed for k, s in streams.items()}
+
+
+class ActivationMeter:
+    """Peak bytes of tensors saved for backward (activations; parameters excluded), tracked
+    with autograd's saved-tensor hooks: a tensor counts from when it is saved until autograd
+    drops it."""
+
+    def __init__(self):
+        self.live = 0
+        self.peak = 0
+        self._ids: set[int] = set()
+
+    def _pack(self, t: torch.Tensor):
+        if isinstance(t, torch.nn.Parameter) or id(t) in self._ids:
+            return t
+        n = t.numel() * t.element_size()
+        self._ids.add(id(t))
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(t, self._free, id(t), n)
+        return t
+
+    def _free(self, key: int, n: int) -> None:
+        self._ids.discard(key)
+        self.live -= n
+
+    def __enter__(self):
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._ctx.__exit__(*exc)
+
+
+def _in_device_scope(fn):
+    """Recomputation runs inside backward, outside the CPU backend's process-wide mode."""
+
+    def wrapped(*a):
+        with cpu_backend.device_scope():
+            return fn(*a)
+
+    return wrapped
 
 
 def _sleep_until(deadline: float) -> None:
@@ -284,13 +332,13 @@ class AttentionZebra:
             if t.kind == "A_F":
                 lv = leaves_for(s, j) if s > 0 else ()
                 if s < L:
-                    fn = lambda *a: self._stage(s, j, batches[j], ropes[j], a)  # noqa: E731
-                    out = checkpoint(fn, *lv, use_reentrant=False) if self.cfg.recompute and s > 0 else fn(*lv)
+                    fn = _in_device_scope(lambda *a: self._stage(s, j, batches[j], ropes[j], a))
+                    out = checkpoint(fn, *lv, use_reentrant=False) if self.cfg.recompute else fn(*lv)
                     st = ex.mb(s, j)
                     st.permuted, st.residual, st.probs = out
                     st.send_splits = st.disp["send_splits"]
                 else:
-                    fn = lambda *a: self._head(j, batches[j], ropes[j], a)  # noqa: E731
+                    fn = _in_device_scope(lambda *a: self._head(j, batches[j], ropes[j], a))
                     out_tensor = checkpoint(fn, *lv, use_reentrant=False) if self.cfg.recompute else fn(*lv)
                     loss, num_tokens, rep = loss_funcs[j](out_tensor)
                     losses[j] = loss / torch.clamp(num_tokens, min=1) / R

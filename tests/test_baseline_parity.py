@@ -17,13 +17,15 @@ def _max_rel(a, b):
     return max((a[k] - b[k]).abs().max().item() / (b[k].abs().max().item() + 1e-12) for k in b)
 
 
-def assert_same_training(a, b, loss_rtol=1e-6, grad_rtol=1e-5):
+def assert_same_training(a, b, loss_rtol=1e-6, grad_rtol=1e-5, param_rtol=1e-3):
+    """Losses and every step's gradients to fp32 round-off. Final weights get a looser bound:
+    Adam divides by sqrt(v), so round-off in a near-zero gradient moves a weight by up to lr."""
     for x, y in zip(a["losses"], b["losses"]):
         assert abs(x - y) <= loss_rtol * abs(y), (a["losses"], b["losses"])
     for ga, gb in zip(a["grads"], b["grads"]):
         assert set(ga) == set(gb)
         assert _max_rel(ga, gb) <= grad_rtol
-    assert _max_rel(a["params"], b["params"]) <= grad_rtol
+    assert _max_rel(a["params"], b["params"]) <= param_rtol
 
 
 @pytest.fixture(scope="module")
