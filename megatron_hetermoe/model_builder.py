@@ -43,6 +43,8 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, **overrides):
         num_moe_experts=model.num_experts,
         moe_ffn_hidden_size=model.moe_ffn_hidden_size,
         moe_router_topk=model.moe_router_topk,
+        # Megatron refuses top-1 with softmax after top-k (the gate would get no gradient).
+        moe_router_pre_softmax=model.moe_router_topk == 1,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
         moe_router_load_balancing_type="aux_loss",
         moe_token_dispatcher_type=par.dispatcher,

@@ -64,7 +64,9 @@ def reference_ep(plan: HeteroPlan, num_experts: int) -> int:
 
 def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch_size: int = 2,
                seed: int = 1234, timeout_s: float = 600.0, schedule: str | None = None,
-               recompute: bool = False) -> ParityReport:
+               recompute: bool = False, init_state: dict | None = None) -> ParityReport:
+    """init_state: start both sides from this plain Megatron state dict (canonical names)
+    instead of the seed's layout-invariant init, e.g. weights crafted to force a routing."""
     from .hetero_trainer import train_hetero
     from .launcher import launch
     from .trainer import run
@@ -74,7 +76,7 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     gbs = micro_batch_size * plan.num_microbatches * n_attn
     ep = reference_ep(plan, model.num_experts)
     ref_cfg = TrainConfig(model, ParallelConfig(ep=ep), micro_batch_size=micro_batch_size, global_batch_size=gbs,
-                          train_iters=steps, seed=seed, collect_grads=True, quiet=True)
+                          train_iters=steps, seed=seed, collect_grads=True, quiet=True, init_state=init_state)
     ref = run(ref_cfg, n_attn, timeout_s=timeout_s)
     het_cfg = TrainConfig(model, ParallelConfig(), micro_batch_size=micro_batch_size, global_batch_size=gbs,
                           train_iters=steps, seed=seed, collect_grads=True, quiet=True,
