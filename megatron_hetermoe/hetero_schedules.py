@@ -12,7 +12,9 @@ from functools import partial
 import torch
 
 from .hetero_parallel_state import HeteroParallelState
-from .planner.schedule_tasks import tasks_for_rank
+from .planner.schedule_tasks import distep_tasks, zebra_tasks
+
+TASK_LISTS = {"zebra": zebra_tasks, "distep": distep_tasks}
 from .timeline import TimelineRecorder
 from .zebra import AttentionZebra, ExpertZebra, ZebraConfig
 
@@ -42,8 +44,10 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
                            collect_non_loss_data: bool = False, first_val_step=None, adjust_tensor_shapes_fn=None,
                            p2p_communicator=None, pg_collection=None, force_all_reduce: bool = False,
                            hetero_state: HeteroParallelState, zebra_config: ZebraConfig | None = None,
-                           recorder: TimelineRecorder | None = None, executed: list | None = None):
-    """One step of zebra on an attention rank: Theorem 1's order over R = num_microbatches."""
+                           recorder: TimelineRecorder | None = None, executed: list | None = None,
+                           schedule: str = "zebra"):
+    """One step on an attention rank executing a task list: zebra (Theorem 1's order) or, for
+    emulated timing, the DistEP list, over R = num_microbatches."""
     hs = hetero_state
     if forward_only or collect_non_loss_data:
         raise NotImplementedError("forward-only passes are not supported by the zebra schedule yet; "
@@ -57,7 +61,7 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
         loss_funcs.append(lf)
     gpt = _unwrap(model)
     az = AttentionZebra(gpt, hs, zebra_config or ZebraConfig(), recorder)
-    reported = az.run(cap.calls, loss_funcs, tasks_for_rank(hs.plan, hs.rank))
+    reported = az.run(cap.calls, loss_funcs, TASK_LISTS[schedule](hs.plan, hs.rank))
     if executed is not None:
         executed.append((az.ex.executed, az.ex.executed_streams, az.ex.meter.peak))
     cfg = gpt.config
@@ -70,16 +74,17 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
 def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model, num_microbatches: int,
                             seq_length: int = 0, micro_batch_size: int = 0, forward_only: bool = False,
                             hetero_state: HeteroParallelState, schedule: str, zebra_config: ZebraConfig | None = None,
-                            recorder: TimelineRecorder | None = None, executed: list | None = None, **unused):
+                            recorder: TimelineRecorder | None = None, executed: list | None = None,
+                            task_list: bool = False, **unused):
     """An expert rank's step: mirror the attention ranks, then reduce expert gradients."""
     hs = hetero_state
     if forward_only:
         raise NotImplementedError("forward-only passes are not mirrored on expert ranks yet")
     runtime = _unwrap(model)
     ddp = model[0] if isinstance(model, list) else model
-    if schedule == "zebra":
+    if schedule == "zebra" or task_list:
         ez = ExpertZebra(runtime, hs, zebra_config or ZebraConfig(), recorder)
-        ez.run(tasks_for_rank(hs.plan, hs.rank))
+        ez.run(TASK_LISTS[schedule](hs.plan, hs.rank))
         if executed is not None:
             executed.append((ez.ex.executed, ez.ex.executed_streams, ez.ex.meter.peak))
     else:
@@ -92,16 +97,19 @@ def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model
     return []
 
 
-def get_forward_backward_func(hs: HeteroParallelState, schedule: str | None = None, **runtime_kwargs):
+def get_forward_backward_func(hs: HeteroParallelState, schedule: str | None = None, task_list: bool = False,
+                              **runtime_kwargs):
     """The schedule for this rank: Megatron's own (attention, distep), zebra (attention, zebra),
-    or the expert mirror (expert ranks)."""
+    or the expert mirror (expert ranks). task_list=True runs DistEP from its task list too (used
+    when emulating, so both schedules are timed by the same executor)."""
     schedule = schedule or hs.plan.schedule
     if schedule not in ("distep", "zebra"):
         raise ValueError(f"unknown hetero schedule {schedule!r}; use distep or zebra")
     if hs.role == "expert":
-        return partial(expert_forward_backward, hetero_state=hs, schedule=schedule, **runtime_kwargs)
-    if schedule == "zebra":
-        return partial(forward_backward_zebra, hetero_state=hs, **runtime_kwargs)
+        return partial(expert_forward_backward, hetero_state=hs, schedule=schedule, task_list=task_list,
+                       **runtime_kwargs)
+    if schedule == "zebra" or task_list:
+        return partial(forward_backward_zebra, hetero_state=hs, schedule=schedule, **runtime_kwargs)
     from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_get
 
     return megatron_get(pp_size=1, vp_size=None)

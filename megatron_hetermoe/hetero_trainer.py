@@ -20,6 +20,7 @@ from .hetero_parallel_state import HeteroParallelState, destroy_hetero_parallel,
 from .layout import hetero_to_megatron, load_params, megatron_to_hetero
 from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, layer_spec, transformer_config
 from .plan import HeteroPlan, PlanError
+from .emulation import sleep_until
 from .timeline import TimelineRecorder
 from .trainer import TrainConfig, format_iteration, forward_step
 
@@ -78,6 +79,13 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
             f"{mcfg.num_layers} x {mcfg.num_experts}; make the plan with --model {mcfg.name}"
         )
     schedule = schedule or plan.schedule
+    emulator = None
+    if cfg.emulate is not None:
+        from .emulation import Emulator
+
+        emulator = Emulator(cfg.emulate)
+        emulator.check_real_model(mcfg)
+        emulator.check_plan(plan)
     n_attn = len(plan.attention_ranks)
     nmb = cfg.num_microbatches(n_attn)
     if nmb != plan.num_microbatches:
@@ -129,9 +137,16 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
             data = MarkovMockData(mcfg.vocab_size, mcfg.seq_length, cfg.seed)
             recorder = TimelineRecorder(hs.rank, hs.role)
             executed: list = []
-            extra = {} if (hs.role == "attention" and schedule == "distep") else \
+            post_step_s = 0.0
+            if emulator is not None:
+                zebra_config = emulator.zebra_config(plan, hs.rank, schedule,
+                                                     recompute=bool(zebra_config and zebra_config.recompute))
+                post_step_s = emulator.hetero_post_step(plan, schedule)
+            # Emulated DistEP runs its task list, so both schedules are timed by one executor.
+            task_list = emulator is not None
+            extra = {} if (hs.role == "attention" and schedule == "distep" and not task_list) else \
                 {"zebra_config": zebra_config, "recorder": recorder, "executed": executed}
-            fwd_bwd = get_forward_backward_func(hs, schedule, **extra)
+            fwd_bwd = get_forward_backward_func(hs, schedule, task_list=task_list, **extra)
             losses, grads, step_times = [], [], []
             for it in range(cfg.train_iters):
                 t0 = time.perf_counter()
@@ -152,6 +167,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                     fwd_bwd(model=[model], num_microbatches=nmb)
                 params_and_grads = [(p, p.main_grad, _is_expert_param(p)) for p in model.parameters()]
                 grad_norm = global_grad_norm(hs, params_and_grads)
+                t_sync = time.perf_counter()  # every rank leaves the norm's all-reduce together
                 if cfg.clip_grad > 0:
                     # Megatron's rule (clip_grad_by_total_norm_fp32).
                     coeff = cfg.clip_grad / (grad_norm + 1.0e-6)
@@ -165,6 +181,8 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                 lr_used = optimizer.param_groups[0]["lr"]
                 optimizer.step()
                 scheduler.step(increment=1)
+                if emulator is not None:  # gradient all-reduce + optimizer on the emulated GPUs
+                    sleep_until(t_sync + post_step_s)
                 dist.all_reduce(tot, group=hs.world_group)
                 loss = (tot[0] / tot[1]).item()
                 losses.append(loss)

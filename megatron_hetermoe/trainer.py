@@ -40,6 +40,7 @@ class TrainConfig:
     deterministic: bool = False
     collect_grads: bool = False  # gather canonical params (first and last) and grads of every step
     init_state: dict | None = None  # start from this plain Megatron state dict (canonical names)
+    emulate: object | None = None  # emulation.EmulationSpec: time every task as on an emulated cluster
     log_interval: int = 1
     quiet: bool = False
 

@@ -127,12 +127,29 @@ class ZebraExecutor:
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, self.H, dtype=self.dtype)
 
-    def _timed_a2a(self, task: Task, send: torch.Tensor, out_splits, in_splits, group) -> torch.Tensor:
-        t0 = time.perf_counter()
-        out = _a2a(send, list(map(int, out_splits)), list(map(int, in_splits)), group)
-        if self.cfg.transfer_time is not None:
-            nbytes = max(send.numel(), out.numel()) * send.element_size()
-            _sleep_until(t0 + self.cfg.transfer_time(task, nbytes))
+    def _timed_a2a(self, task: Task, send: torch.Tensor, out_splits, in_splits, group,
+                   started: float | None = None) -> torch.Tensor:
+        """The exchange of one comm task. When emulating links, the collective is taken to start
+        when its last member calls it (`started`, or learned here from one extra row per peer
+        carrying each member's call time) and to end its emulated duration later, so the real
+        gloo cost hides inside the emulated one instead of adding to it."""
+        outs, ins = list(map(int, out_splits)), list(map(int, in_splits))
+        if self.cfg.transfer_time is None:
+            return _a2a(send, outs, ins, group)
+        if started is None:
+            t_call = time.perf_counter()
+            row = send.new_zeros(1, send.shape[1])
+            row.view(-1)[:2] = torch.tensor([t_call], dtype=torch.float64).view(send.dtype)
+            chunks = torch.split(send, ins)
+            send = torch.cat([c for ch in chunks for c in (ch, row)])
+            got = _a2a(send, [o + 1 for o in outs], [i + 1 for i in ins], group)
+            parts = torch.split(got, [o + 1 for o in outs])
+            started = max(float(p[-1].view(-1)[:2].contiguous().view(torch.float64)) for p in parts)
+            out = torch.cat([p[:-1] for p in parts])
+        else:
+            out = _a2a(send, outs, ins, group)
+        nbytes = max(send.numel(), out.numel()) * send.element_size()
+        _sleep_until(started + self.cfg.transfer_time(task, nbytes))
         return out
 
     # ---- transfers (run on the stream threads; read the state when they run) -------------
@@ -147,14 +164,20 @@ class ZebraExecutor:
             else:
                 send, send_splits = self._empty(), zeros
                 counts = torch.zeros(len(hs.layer_order(l)), dtype=torch.int64)
-            allc = exchange_counts(counts, hs.dispatch_group)
+            if self.cfg.transfer_time is not None:  # the counts carry each member's call time
+                t_call = torch.tensor([time.perf_counter_ns()], dtype=torch.int64)
+                allc = exchange_counts(torch.cat([counts.to(torch.int64), t_call]), hs.dispatch_group)
+                started, allc = allc[:, -1].max().item() / 1e9, allc[:, :-1]
+            else:
+                started = None
+                allc = exchange_counts(counts, hs.dispatch_group)
             if self.holds(l):
                 order = hs.layer_order(l)
                 st.local_counts = allc[:, [order.index(e) for e in hs.local_experts(l)]]
                 st.recv_splits = st.local_counts.sum(1).tolist()
             else:
                 st.recv_splits = zeros
-            st.recv_tokens = self._timed_a2a(task, send, st.recv_splits, send_splits, hs.dispatch_group)
+            st.recv_tokens = self._timed_a2a(task, send, st.recv_splits, send_splits, hs.dispatch_group, started)
 
         def c_f():
             send = st.expert_out.detach() if self.holds(l) else self._empty()

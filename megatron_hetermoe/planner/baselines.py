@@ -47,13 +47,19 @@ def ep_size(world: int, num_experts: int) -> int:
     return max(d for d in _divisors(world) if num_experts % d == 0)
 
 
+def ep_a2a_time(cost: CostModel, cluster: Cluster, ranks: list[int], t: float) -> float:
+    """One token all-to-all of an EP group, t tokens per rank routed evenly (top-k copies)."""
+    links = Links.for_ranks(cluster, ranks, cost.profiles)
+    n = len(ranks)
+    return rank1_collective_time(links, [t] * n, [1.0 / n] * n, cost.model.moe_router_topk * cost.token_bytes())
+
+
 def _ep_group_mb_time(cost: CostModel, cluster: Cluster, ranks: list[int], gpus: list[str], d: int, t: float) -> tuple[float, dict[int, float]]:
     """Forward+backward of one microbatch of t tokens per rank through an EP group (bulk
     synchronous per layer); also each rank's busy compute time."""
     m = cost.model
     L, E, k = m.num_layers, m.num_experts, m.moe_router_topk
-    links = Links.for_ranks(cluster, ranks, cost.profiles)
-    a2a = rank1_collective_time(links, [t] * len(ranks), [1.0 / len(ranks)] * len(ranks), k * cost.token_bytes())
+    a2a = ep_a2a_time(cost, cluster, ranks, t)
     per_expert = d * t * k / E
     busy = {r: 0.0 for r in ranks}
     total = 0.0
@@ -115,7 +121,8 @@ def simulate_ep(cost: CostModel, cluster: Cluster, global_batch: int, ranks: lis
     for r in ranks:
         util.setdefault(types[r], []).append(r_mb * busy[r] / step)
     return BaselineResult(name, step, global_batch * S / step, {g: sum(v) / len(v) for g, v in util.items()},
-                          {"ep_size": d, "microbatches": r_mb, "ranks": W})
+                          {"ep_size": d, "microbatches": r_mb, "ranks": W, "tokens_per_microbatch": t,
+                           "post_step_s": post})
 
 
 def simulate_ep_ideal(cost: CostModel, cluster: Cluster, global_batch: int) -> BaselineResult:

@@ -206,7 +206,9 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
             M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
             preds.append(_pred(name, res, limit.tokens_per_s, {
                 "M": M, "N": N, "groups": cand.G, "microbatches": cand.R,
-                "attention_gpu": types[cand.attention_ranks[0]], "experts_on_attention_per_layer": list(k)}))
+                "attention_gpu": types[cand.attention_ranks[0]], "experts_on_attention_per_layer": list(k),
+                "attention_ranks": list(cand.attention_ranks), "expert_ranks": list(cand.expert_ranks),
+                "schedule": plan}))
         else:
             preds.append(Prediction(name, float("inf"), 0.0, {}, 0.0, False, {"reason": "no candidate fits in memory"}))
     if baselines:
