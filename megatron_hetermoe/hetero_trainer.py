@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from .hetero_parallel_state import HeteroParallelState, destroy_hetero_parallel, initialize_hetero_parallel
 from .layout import hetero_to_megatron, load_params, megatron_to_hetero
+from .nan_check import NanGuard
 from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, layer_spec, transformer_config
 from .plan import HeteroPlan, PlanError
 from .emulation import sleep_until
@@ -117,6 +118,9 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
             ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                        use_distributed_optimizer=False)
             model = DistributedDataParallel(config, ddp_config, module, pg_collection=pgc)
+            guard = NanGuard(cfg.check_for_nan_in_loss_and_grad, [model],
+                             {p: names[n] for n, p in module.named_parameters()}, hs.rank, hs.role,
+                             hs.world_group, cfg.nan_injection)
             opt_config = OptimizerConfig(
                 optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
                 adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,  # clipped here on the global norm
@@ -165,6 +169,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                         tot += r["lm loss"]
                 else:
                     fwd_bwd(model=[model], num_microbatches=nmb)
+                skip = guard.after_backward(it, [tot])  # every rank agrees over the world group
                 params_and_grads = [(p, p.main_grad, _is_expert_param(p)) for p in model.parameters()]
                 grad_norm = global_grad_norm(hs, params_and_grads)
                 t_sync = time.perf_counter()  # every rank leaves the norm's all-reduce together
@@ -179,8 +184,9 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                     unclip = 1.0 / coeff if cfg.clip_grad > 0 and coeff < 1.0 else 1.0
                     grads.append(export_megatron(hs, model, "main_grad", scale=unclip))
                 lr_used = optimizer.param_groups[0]["lr"]
-                optimizer.step()
-                scheduler.step(increment=1)
+                if not skip:  # Megatron's skipped iteration: no update, no LR step
+                    optimizer.step()
+                    scheduler.step(increment=1)
                 if emulator is not None:  # gradient all-reduce + optimizer on the emulated GPUs
                     sleep_until(t_sync + post_step_s)
                 dist.all_reduce(tot, group=hs.world_group)
@@ -196,7 +202,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
             dist.all_gather_object(peak, (hs.role, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                                    group=hs.world_group)
             return {"losses": losses, "grads": grads, "params": params, "step_times": step_times,
-                    "num_microbatches": nmb, "dp": n_attn, "schedule": schedule,
+                    "num_microbatches": nmb, "dp": n_attn, "schedule": schedule, "skipped": guard.skipped,
                     "executed": [(list(a), {k: list(v) for k, v in b.items()}) for a, b, _ in executed],
                     "peak_activation_mib": max((m for _, _, m in executed), default=0) / 2**20,
                     "peak_rss_mib": peak}

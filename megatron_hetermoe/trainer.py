@@ -21,6 +21,7 @@ import torch
 from .layout import load_params
 from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, transformer_config
 from .model_config import ModelConfig
+from .nan_check import NanGuard
 
 
 @dataclass
@@ -43,6 +44,9 @@ class TrainConfig:
     emulate: object | None = None  # emulation.EmulationSpec: time every task as on an emulated cluster
     log_interval: int = 1
     quiet: bool = False
+    # Megatron's --check-for-nan-in-loss-and-grad: "stop" (its default), "skip" or "off" (nan_check.py).
+    check_for_nan_in_loss_and_grad: str = "stop"
+    nan_injection: object | None = None  # test hook: a nan_check.NanInjection
 
     def num_microbatches(self, dp: int) -> int:
         per = self.micro_batch_size * dp
@@ -136,6 +140,8 @@ def train(cfg: TrainConfig) -> dict:
             use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
         model = DistributedDataParallel(config, ddp_config, module)
+        guard = NanGuard(cfg.check_for_nan_in_loss_and_grad, [model], {p: names[n] for n, p in module.named_parameters()},
+                         dist.get_rank(), "ep", injection=cfg.nan_injection)
         model_names = {f"module.{k}": v for k, v in names.items()}
         opt_config = OptimizerConfig(
             optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
@@ -169,11 +175,15 @@ def train(cfg: TrainConfig) -> dict:
                 num_microbatches=nmb, seq_length=mcfg.seq_length, micro_batch_size=cfg.micro_batch_size,
                 forward_only=False,
             )
+            skip = guard.after_backward(it, [r["lm loss"] for r in reduced])
             if cfg.collect_grads:
                 grads.append(gather_canonical([model], [model_names], "main_grad"))
             lr_used = optimizer.param_groups[0]["lr"]
-            ok, grad_norm, _ = optimizer.step()
-            scheduler.step(increment=1)
+            if skip:  # Megatron's skipped iteration: no update, no LR step
+                grad_norm = None
+            else:
+                ok, grad_norm, _ = optimizer.step()
+                scheduler.step(increment=1)
             # lm loss: token-weighted over microbatches and DP ranks, known on the last stage.
             tot = torch.zeros(2)
             if ps.is_pipeline_last_stage():
@@ -187,7 +197,7 @@ def train(cfg: TrainConfig) -> dict:
                 print(format_iteration(it + 1, cfg, step_times[-1], lr_used, loss, grad_norm), flush=True)
         params = gather_canonical([model], [model_names], "data") if cfg.collect_grads else None
         return {"losses": losses, "grads": grads, "params": params, "initial_params": initial,
-                "step_times": step_times, "num_microbatches": nmb, "dp": dp}
+                "step_times": step_times, "num_microbatches": nmb, "dp": dp, "skipped": guard.skipped}
     finally:
         ps.destroy_model_parallel()
 
@@ -224,6 +234,12 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic-mode", action="store_true")
     p.add_argument("--log-interval", type=int, default=1)
     p.add_argument("--moe-aux-loss-coeff", type=float, default=None)
+    p.add_argument("--check-for-nan-in-loss-and-grad", nargs="?", const="stop", default="stop",
+                   choices=["stop", "skip"],
+                   help="on a non-finite loss or gradient: stop the run (Megatron's meaning, the default) "
+                        "or skip the step on every rank")
+    p.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_const", const="off", help="do not check")
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
@@ -243,7 +259,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         train_iters=a.train_iters, lr=a.lr, min_lr=a.min_lr, lr_warmup_iters=a.lr_warmup_iters,
         weight_decay=a.weight_decay, clip_grad=a.clip_grad, seed=a.seed,
         use_distributed_optimizer=a.use_distributed_optimizer, deterministic=a.deterministic_mode,
-        log_interval=a.log_interval,
+        log_interval=a.log_interval, check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
     )
 
 
