@@ -10,6 +10,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_hetermoe.trainer:main", "train the baseline Megatron MoE (or HeterMoE with --hetero-plan)"),
     "regress": ("megatron_hetermoe.golden:main", "rerun a training and compare its loss with golden values"),
     "parity": ("megatron_hetermoe.parity:main", "HeterMoE vs plain Megatron EP: per-step loss and gradient diffs"),
+    "bench": ("megatron_hetermoe.bench:main", "HeterMoE vs Megatron EP side by side on an emulated mixed cluster"),
+    "checkpoint": ("megatron_hetermoe.checkpoint_export:main", "export a HeterMoE checkpoint to plain Megatron, or import one"),
     "timeline": ("megatron_hetermoe.timeline:main", "draw a run's timeline (PNG + Chrome trace for Perfetto)"),
     "plan": ("megatron_hetermoe.planner.cli_plan:main", "write a plan (--even, or searched from profiles)"),
     "profile": ("megatron_hetermoe.planner.profiler:main", "profile this device into a GPU profile YAML"),

@@ -31,6 +31,7 @@ class EmulationSpec:
     global_batch: int  # emulated sequences per step
     scale: float = 1.0  # real seconds per emulated second
     activation_checkpointing: bool = True  # the paper's setting; the cost model charges re-forward
+    ranks: tuple[int, ...] | None = None  # cluster ranks this job's ranks stand for (None: all, in order)
 
     def __post_init__(self) -> None:
         if self.scale <= 0 or self.seq_len <= 0 or self.global_batch <= 0:
@@ -161,7 +162,7 @@ class _Mark(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cb):
         ctx.cb = cb
-        return x.view_as(x)
+        return x.clone()  # a view would break in-place ops downstream (bias-dropout-add)
 
     @staticmethod
     def backward(ctx, g):

@@ -36,8 +36,8 @@ class HeteroTokenDispatcher(MoETokenDispatcher):
         self.hs, self.layer = hs, layer
         self.order = hs.layer_order(layer)
         self.mine = hs.local_experts(layer)
-        # member k holds experts order[bounds[k]:bounds[k+1]]
-        sizes = [len(hs.zp.placement[layer].get(r, [])) for r in hs.zp.members]
+        # the k-th rank of comm_order holds the next sizes[k] experts of self.order
+        sizes = [len(hs.zp.placement[layer].get(r, [])) for r in hs.comm_order]
         self.member_sizes = sizes
         self.state: dict = {}
 

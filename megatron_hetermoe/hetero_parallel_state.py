@@ -47,10 +47,17 @@ class HeteroParallelState:
     def num_attention_per_group(self) -> int:
         return len(self.zp.attention_ranks)
 
+    @property
+    def comm_order(self) -> list[int]:
+        """The ZP group's ranks in the order all-to-all split sizes refer to them: torch numbers
+        a group's members by ascending global rank, whatever order the plan lists them in."""
+        return sorted(self.zp.members)
+
     def layer_order(self, layer: int) -> list[int]:
-        """Expert ids of `layer` in the order they travel: member by member, ids ascending."""
+        """Expert ids of `layer` in the order they travel: holder by holder in comm_order, ids
+        ascending."""
         pl = self.zp.placement[layer]
-        return [e for r in self.zp.members for e in pl.get(r, [])]
+        return [e for r in self.comm_order for e in pl.get(r, [])]
 
     def local_experts(self, layer: int) -> list[int]:
         return list(self.zp.placement[layer].get(self.rank, []))

@@ -84,8 +84,12 @@ class HeteroPlan:
 
     def experts_on_attention_ranks(self) -> int:
         """How many (layer, expert) pairs per group are offloaded to attention ranks."""
+        return sum(self.experts_on_attention_per_layer())
+
+    def experts_on_attention_per_layer(self) -> list[int]:
+        """Per layer, how many experts of a group sit on its attention ranks (Asym-EA)."""
         g = self.groups[0]
-        return sum(len(g.placement[l].get(r, [])) for l in range(self.num_layers) for r in g.attention_ranks)
+        return [sum(len(g.placement[l].get(r, [])) for r in g.attention_ranks) for l in range(self.num_layers)]
 
     # ---- validation --------------------------------------------------------------------
     def validate(self, world_size: int | None = None, known_gpu_types: Iterable[str] | None = None) -> None:
@@ -96,8 +100,10 @@ class HeteroPlan:
             raise PlanError(f"plan schedule {self.schedule!r} is unknown; use one of {list(SCHEDULES)}")
         for name in ("num_layers", "num_experts", "num_microbatches"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
+            if type(v) is not int or v < 1:  # bool is an int subclass: `true` must not mean 1
                 raise PlanError(f"plan {name}={v!r} must be a positive integer")
+        if not isinstance(self.meta, dict):
+            raise PlanError(f"plan meta={self.meta!r} must be a JSON object (free-form notes) or absent")
         if not self.groups:
             raise PlanError("plan has no ZP groups; add at least one group with attention and expert ranks")
         if world_size is not None and world_size != self.world_size:
@@ -120,7 +126,7 @@ class HeteroPlan:
                 raise PlanError(f"ZP group {gi} has no attention ranks; give it at least one")
             for role, ranks in (("attention", g.attention_ranks), ("expert", g.expert_ranks)):
                 for r in ranks:
-                    if not isinstance(r, int) or not 0 <= r < self.world_size:
+                    if type(r) is not int or not 0 <= r < self.world_size:
                         raise PlanError(
                             f"ZP group {gi} names {role} rank {r!r}, outside 0..{self.world_size - 1} "
                             f"(world size = len(gpu_types) = {self.world_size})"
@@ -157,7 +163,7 @@ class HeteroPlan:
                             f"a member of that group {sorted(members)}"
                         )
                     for e in es:
-                        if not isinstance(e, int) or not 0 <= e < self.num_experts:
+                        if type(e) is not int or not 0 <= e < self.num_experts:
                             raise PlanError(
                                 f"layer {l} of ZP group {gi}: expert id {e!r} on rank {r} is outside "
                                 f"0..{self.num_experts - 1}"
@@ -206,10 +212,18 @@ class HeteroPlan:
         for k in ("num_layers", "num_experts", "gpu_types", "groups"):
             if k not in d:
                 raise PlanError(f"plan is missing the field {k!r}")
+        if not isinstance(d["gpu_types"], list) or not all(isinstance(t, str) for t in d["gpu_types"]):
+            raise PlanError(f"plan gpu_types={d['gpu_types']!r} must be a list of GPU type names, one per rank")
+        if not isinstance(d["groups"], list):
+            raise PlanError(f"plan groups={d['groups']!r} must be a list of ZP groups")
         groups = []
         for gi, g in enumerate(d["groups"]):
             try:
-                placement = [{int(r): sorted(int(e) for e in es) for r, es in pl.items()} for pl in g["placement"]]
+                if not all(isinstance(g[k], list) for k in ("attention_ranks", "expert_ranks", "placement")):
+                    raise TypeError("attention_ranks, expert_ranks and placement must be lists")
+                # Strict ids: int("2") for JSON's string keys only; 2.7 or true is not an expert id.
+                placement = [{_rank_key(r): sorted(_strict_int(e) for e in es) for r, es in pl.items()}
+                             for pl in g["placement"]]
                 groups.append(ZPGroup(list(g["attention_ranks"]), list(g["expert_ranks"]), placement))
             except (KeyError, TypeError, ValueError, AttributeError) as e:
                 raise PlanError(
@@ -230,9 +244,22 @@ class HeteroPlan:
     def load(cls, path: str | Path) -> "HeteroPlan":
         try:
             d = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise PlanError(f"{path}: not valid JSON ({e})") from None
         return cls.from_dict(d)
+
+
+def _strict_int(v) -> int:
+    if type(v) is not int:
+        raise ValueError(f"{v!r} is not an integer id")
+    return v
+
+
+def _rank_key(k) -> int:
+    """A placement key: an int, or its decimal string (JSON object keys are strings)."""
+    if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+        return int(k)
+    return _strict_int(k)
 
 
 def split_evenly(items: list[int], holders: list[int]) -> dict[int, list[int]]:

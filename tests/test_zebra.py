@@ -83,3 +83,13 @@ def test_timeline_cli_writes_png_and_chrome_trace(tiny, tmp_path):
     trace = json.loads((tmp_path / "t.json").read_text())
     names = {e["name"].split("(")[0] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"A_F", "A_B", "E_F", "E_B", "D_F", "C_F", "C_B", "D_B"} <= names
+
+
+def test_emulated_timing_changes_no_numbers(tiny):
+    # Stretching tasks and timing transfers (the extra row carrying call times) must leave
+    # every loss bit-identical.
+    plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=2, schedule="zebra")
+    plain = launch(_train, 4, _cfg(tiny, plan, steps=2), plan, None, None)[0]
+    timed = ZebraConfig(stretch=lambda t: 0.002, transfer_time=lambda t, n: 0.001)
+    emulated = launch(_train, 4, _cfg(tiny, plan, steps=2), plan, timed, None)[0]
+    assert emulated["losses"] == plain["losses"]
