@@ -19,9 +19,11 @@ from functools import partial
 import torch
 
 from .layout import load_params
+from .emulation import sleep_until
 from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, transformer_config
 from .model_config import ModelConfig
 from .nan_check import NanGuard
+from .timeline import TimelineRecorder
 
 
 @dataclass
@@ -47,6 +49,13 @@ class TrainConfig:
     # Megatron's --check-for-nan-in-loss-and-grad: "stop" (its default), "skip" or "off" (nan_check.py).
     check_for_nan_in_loss_and_grad: str = "stop"
     nan_injection: object | None = None  # test hook: a nan_check.NanInjection
+    # Megatron's --save/--load/--save-interval/--ckpt-step (checkpoint.py); ckpt_reshard loads a
+    # checkpoint of another layout by parameter name (--hetero-ckpt-reshard).
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    ckpt_step: int | None = None
+    ckpt_reshard: bool = False
 
     def num_microbatches(self, dp: int) -> int:
         per = self.micro_batch_size * dp
@@ -120,6 +129,7 @@ def train(cfg: TrainConfig) -> dict:
         expert_model_parallel_size=par.ep,
         distributed_timeout_minutes=max(1, int(collective_timeout().total_seconds() // 60)),
     )
+    emu_undo = None
     try:
         model_parallel_cuda_manual_seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -158,14 +168,23 @@ def train(cfg: TrainConfig) -> dict:
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = optimizer.scale_loss
         config.no_sync_func = model.no_sync
+        recorder = TimelineRecorder(dist.get_rank(), "ep")
+        post_step_s = 0.0
+        if cfg.emulate is not None:
+            emu_undo, post_step_s = _install_ep_emulation(cfg, module, nmb, recorder)
 
         data = MarkovMockData(mcfg.vocab_size, mcfg.seq_length, cfg.seed)
         dp_rank = ps.get_data_parallel_rank()
         fwd_bwd = get_forward_backward_func()
         losses, grads, step_times = [], [], []
         initial = gather_canonical([model], [model_names], "data") if cfg.collect_grads else None
-        for it in range(cfg.train_iters):
+        from .checkpoint import megatron_checkpointer
+
+        ckpt = megatron_checkpointer(cfg, module, names, optimizer, scheduler)
+        start = ckpt.resume()
+        for it in range(start, cfg.train_iters):
             t0 = time.perf_counter()
+            recorder.step = it
             batches = iter([data.microbatch(it, dp_rank * nmb + m, cfg.micro_batch_size, cfg.global_batch_size)
                             for m in range(nmb)])
             model.zero_grad_buffer()
@@ -179,11 +198,14 @@ def train(cfg: TrainConfig) -> dict:
             if cfg.collect_grads:
                 grads.append(gather_canonical([model], [model_names], "main_grad"))
             lr_used = optimizer.param_groups[0]["lr"]
+            t_sync = time.perf_counter()  # finalize_model_grads' all-reduce just synced the ranks
             if skip:  # Megatron's skipped iteration: no update, no LR step
                 grad_norm = None
             else:
                 ok, grad_norm, _ = optimizer.step()
                 scheduler.step(increment=1)
+            if cfg.emulate is not None:  # gradient all-reduce + optimizer on the emulated GPUs
+                sleep_until(t_sync + post_step_s)
             # lm loss: token-weighted over microbatches and DP ranks, known on the last stage.
             tot = torch.zeros(2)
             if ps.is_pipeline_last_stage():
@@ -195,11 +217,54 @@ def train(cfg: TrainConfig) -> dict:
             step_times.append(time.perf_counter() - t0)
             if not cfg.quiet and dist.get_rank() == 0 and (it + 1) % cfg.log_interval == 0:
                 print(format_iteration(it + 1, cfg, step_times[-1], lr_used, loss, grad_norm), flush=True)
+            ckpt.after_step(it + 1)
+        ckpt.finish(max(start, cfg.train_iters))
         params = gather_canonical([model], [model_names], "data") if cfg.collect_grads else None
-        return {"losses": losses, "grads": grads, "params": params, "initial_params": initial,
-                "step_times": step_times, "num_microbatches": nmb, "dp": dp, "skipped": guard.skipped}
+        return {"losses": losses, "grads": grads, "params": params, "initial_params": initial, "start_iteration": start,
+                "step_times": step_times, "num_microbatches": nmb, "dp": dp, "skipped": guard.skipped,
+                "busy_s": last_step_busy(recorder, cfg.train_iters - 1, dist.group.WORLD)}
     finally:
+        if emu_undo is not None:
+            emu_undo()
         ps.destroy_model_parallel()
+
+
+def last_step_busy(recorder, step: int, group) -> list[float]:
+    """Seconds each rank spent in (emulated) compute during `step`, from its timeline."""
+    import torch.distributed as dist
+
+    mine = sum(e.end - e.start for e in recorder.events if e.step == step and e.lane == "compute")
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, mine, group=group)
+    return out
+
+
+def _install_ep_emulation(cfg: TrainConfig, module, nmb: int, recorder):
+    """Time this plain Megatron EP rank as its emulated GPU: the prediction fixes the EP size and
+    microbatch count the run must use; returns (undo, post-step seconds)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from .emulation import Emulator
+
+    em = Emulator(cfg.emulate)
+    em.check_real_model(cfg.model)
+    W = em.cluster.world_size
+    ranks = list(cfg.emulate.ranks) if cfg.emulate.ranks else list(range(W))
+    if len(ranks) != dist.get_world_size():
+        raise ValueError(f"emulating cluster ranks {ranks} needs {len(ranks)} processes, got {dist.get_world_size()}")
+    pred = em.predict_ep(ranks if len(ranks) != W else None)
+    if not pred.fits:
+        raise ValueError(f"Megatron EP does not fit on the emulated cluster: {pred.reason}")
+    d, r_mb = pred.detail["ep_size"], pred.detail["microbatches"]
+    if ps.get_expert_model_parallel_world_size() != d or nmb != r_mb:
+        raise ValueError(
+            f"the emulated EP run is EP={d} with {r_mb} microbatches per step (what fits in memory), but this "
+            f"run has EP={ps.get_expert_model_parallel_world_size()} and {nmb}; set --expert-model-parallel-size "
+            f"{d} and --global-batch-size {r_mb * dist.get_world_size() * cfg.micro_batch_size}")
+    ep_ranks = [ranks[r] for r in dist.get_process_group_ranks(ps.get_expert_model_parallel_group())]
+    undo = em.install_ep_hooks(module, ranks[dist.get_rank()], ep_ranks, pred.detail["tokens_per_microbatch"], recorder)
+    return undo, em.ep_post_step(pred)
 
 
 def format_iteration(it: int, cfg: TrainConfig, dt: float, lr, loss: float, grad_norm) -> str:
@@ -234,12 +299,26 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic-mode", action="store_true")
     p.add_argument("--log-interval", type=int, default=1)
     p.add_argument("--moe-aux-loss-coeff", type=float, default=None)
+    p.add_argument("--save", default=None, help="directory to save checkpoints to")
+    p.add_argument("--load", default=None, help="directory to load a checkpoint from (latest_checkpointed_iteration.txt)")
+    p.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoint saves")
+    p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
+    p.add_argument("--hetero-ckpt-reshard", action="store_true",
+                   help="load a checkpoint saved under another layout/plan by parameter name (RNG not restored)")
     p.add_argument("--check-for-nan-in-loss-and-grad", nargs="?", const="stop", default="stop",
                    choices=["stop", "skip"],
                    help="on a non-finite loss or gradient: stop the run (Megatron's meaning, the default) "
                         "or skip the step on every rank")
     p.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
                    action="store_const", const="off", help="do not check")
+    g = p.add_argument_group("emulation of a mixed cluster on CPU ranks (HeterMoE's own flags)")
+    g.add_argument("--emulate", default=None, metavar="CLUSTER",
+                   help="time every rank as the GPU of its position in this cluster (configs/clusters/NAME.yaml)")
+    g.add_argument("--emulated-model", default=None, help="model shape whose cost is emulated (default: --model)")
+    g.add_argument("--emulated-seq-length", type=int, default=None, help="its sequence length (default: 4096)")
+    g.add_argument("--emulated-global-batch-size", type=int, default=None,
+                   help="its sequences per step (default: 4 per emulated GPU)")
+    g.add_argument("--emulation-scale", type=float, default=1.0, help="real seconds per emulated second")
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
@@ -260,7 +339,23 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         weight_decay=a.weight_decay, clip_grad=a.clip_grad, seed=a.seed,
         use_distributed_optimizer=a.use_distributed_optimizer, deterministic=a.deterministic_mode,
         log_interval=a.log_interval, check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
+        save=a.save, load=a.load, save_interval=a.save_interval, ckpt_step=a.ckpt_step,
+        ckpt_reshard=a.hetero_ckpt_reshard, emulate=emulation_from_args(a),
     )
+
+
+def emulation_from_args(a: argparse.Namespace):
+    if not a.emulate:
+        for flag in ("emulated_model", "emulated_seq_length", "emulated_global_batch_size"):
+            if getattr(a, flag) is not None:
+                raise SystemExit(f"--{flag.replace('_', '-')} needs --emulate CLUSTER")
+        return None
+    from .emulation import EmulationSpec
+    from .planner.cluster import Cluster
+
+    gb = a.emulated_global_batch_size or 4 * Cluster.load(a.emulate).world_size
+    return EmulationSpec(a.emulate, a.emulated_model or a.model, a.emulated_seq_length or 4096, gb,
+                         scale=a.emulation_scale)
 
 
 def _rank_main(rank: int, world: int, cfg: TrainConfig, plan=None, hetero: dict | None = None) -> dict:
@@ -295,7 +390,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="zebra: recompute attention stages in backward (Megatron's 'full' meaning, per stage)")
     p.add_argument("--timeline-dir", default=None, help="HeterMoE: write each rank's timeline here")
     a = p.parse_args(argv)
-    cfg = config_from_args(a)
+    try:
+        cfg = config_from_args(a)
+    except (ValueError, FileNotFoundError) as e:  # a bad model config, --seq-length, parallel size
+        p.error(str(e))
     hetero = {"schedule": a.hetero_schedule, "recompute": a.recompute_granularity == "full",
               "run_dir": a.timeline_dir}
     if not a.hetero_plan and (a.hetero_schedule or a.timeline_dir):
@@ -303,13 +401,25 @@ def main(argv: list[str] | None = None) -> int:
     if a.hetero_plan:
         from .plan import HeteroPlan
 
-        plan = HeteroPlan.load(a.hetero_plan)
+        try:
+            plan = HeteroPlan.load(a.hetero_plan)
+        except (ValueError, OSError) as e:
+            p.error(f"--hetero-plan: {e}")
         if cfg.parallel != ParallelConfig(dispatcher=cfg.parallel.dispatcher):
             raise SystemExit("--hetero-plan replaces TP/PP/EP: leave the model-parallel sizes at 1")
         if a.nproc not in (None, plan.world_size):
             raise SystemExit(f"--nproc {a.nproc} but the plan has {plan.world_size} ranks; drop --nproc")
-        a.nproc = plan.world_size
-    if "RANK" in os.environ and a.nproc is None:
+        if "RANK" not in os.environ:  # under torchrun, join its ranks instead of forking more
+            a.nproc = plan.world_size
+    joining = "RANK" in os.environ and a.nproc is None
+    try:  # every input, before any process group (torchrun's or ours) exists
+        from .validation import validate_job
+
+        validate_job(cfg, int(os.environ.get("WORLD_SIZE", 0)) if joining else (a.nproc or 4),
+                     plan if a.hetero_plan else None, a.hetero_schedule)
+    except ValueError as e:
+        p.error(str(e))
+    if joining:
         import torch.distributed as dist
 
         from . import cpu_backend
