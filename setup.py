@@ -35,6 +35,7 @@ setup(
         "torch==2.13.0",
         "megatron-core==0.16.1",
         "einops",
+        "psutil",  # megatron-core dist_checkpointing's writer needs it (hetermoe checkpoint export)
         "pyyaml",
         "numpy",
         "matplotlib",

@@ -152,7 +152,11 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                 {"zebra_config": zebra_config, "recorder": recorder, "executed": executed}
             fwd_bwd = get_forward_backward_func(hs, schedule, task_list=task_list, **extra)
             losses, grads, step_times = [], [], []
-            for it in range(cfg.train_iters):
+            from .checkpoint import hetero_checkpointer
+
+            ckpt = hetero_checkpointer(cfg, hs, module, names, optimizer, scheduler)
+            start = ckpt.resume()
+            for it in range(start, cfg.train_iters):
                 t0 = time.perf_counter()
                 recorder.step = it
                 model.zero_grad_buffer()
@@ -195,13 +199,15 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                 step_times.append(time.perf_counter() - t0)
                 if not cfg.quiet and dist.get_rank() == 0 and (it + 1) % cfg.log_interval == 0:
                     print(format_iteration(it + 1, cfg, step_times[-1], lr_used, loss, grad_norm), flush=True)
+                ckpt.after_step(it + 1)
+            ckpt.finish(max(start, cfg.train_iters))
             params = export_megatron(hs, model, "data") if cfg.collect_grads else None
             if run_dir is not None:
                 recorder.save(run_dir)
             peak = [None] * dist.get_world_size()
             dist.all_gather_object(peak, (hs.role, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                                    group=hs.world_group)
-            return {"losses": losses, "grads": grads, "params": params, "step_times": step_times,
+            return {"losses": losses, "grads": grads, "params": params, "step_times": step_times, "start_iteration": start,
                     "num_microbatches": nmb, "dp": n_attn, "schedule": schedule, "skipped": guard.skipped,
                     "executed": [(list(a), {k: list(v) for k, v in b.items()}) for a, b, _ in executed],
                     "peak_activation_mib": max((m for _, _, m in executed), default=0) / 2**20,
