@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import yaml
 
 from .paths import resolve_config
+
+
+class ModelConfigError(ValueError):
+    """A model config that cannot be built; the message names the field, the value and the fix."""
 
 
 @dataclass(frozen=True)
@@ -27,35 +32,55 @@ class ModelConfig:
     seq_length: int = 4096
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ModelConfigError(f"model name={self.name!r} must be a non-empty string")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.name not in ("name", "moe_aux_loss_coeff") and (not isinstance(v, int) or v <= 0):
-                raise ValueError(f"model {self.name!r}: {f.name}={v!r} must be a positive integer")
+            # bool is an int subclass: `num_layers: true` in YAML must not mean 1.
+            if f.name not in ("name", "moe_aux_loss_coeff") and (type(v) is not int or v <= 0):
+                raise ModelConfigError(f"model {self.name!r}: {f.name}={v!r} must be a positive integer")
+        c = self.moe_aux_loss_coeff
+        if type(c) not in (int, float) or not math.isfinite(c) or c < 0:
+            raise ModelConfigError(f"model {self.name!r}: moe_aux_loss_coeff={c!r} must be a finite number >= 0 "
+                                   f"(Megatron's default is 0.01; 0 disables the load-balancing loss)")
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
+            raise ModelConfigError(
                 f"model {self.name!r}: hidden_size={self.hidden_size} is not divisible by "
                 f"num_attention_heads={self.num_attention_heads}; pick a head count that divides it"
             )
+        if self.head_dim % 2:
+            # RoPE rotates pairs of channels; an odd head dim fails inside the first forward.
+            raise ModelConfigError(
+                f"model {self.name!r}: head dim hidden_size/num_attention_heads = {self.hidden_size}/"
+                f"{self.num_attention_heads} = {self.head_dim} is odd; RoPE needs an even head dim"
+            )
         if not 1 <= self.moe_router_topk <= self.num_experts:
-            raise ValueError(
+            raise ModelConfigError(
                 f"model {self.name!r}: moe_router_topk={self.moe_router_topk} must be in "
                 f"[1, num_experts={self.num_experts}]"
             )
-        if self.moe_aux_loss_coeff < 0:
-            raise ValueError(f"model {self.name!r}: moe_aux_loss_coeff={self.moe_aux_loss_coeff} < 0")
 
     @classmethod
     def load(cls, path_or_name: str | Path) -> "ModelConfig":
         path = resolve_config(str(path_or_name), "models")
-        raw = yaml.safe_load(path.read_text()) or {}
+        try:
+            raw = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ModelConfigError(f"{path}: not valid YAML ({e})") from None
+        raw = {} if raw is None else raw
+        if not isinstance(raw, dict):
+            raise ModelConfigError(f"{path}: a model config is a YAML mapping of fields, got {type(raw).__name__}")
         names = {f.name for f in fields(cls)}
         unknown = set(raw) - names
         if unknown:
-            raise ValueError(f"{path}: unknown model field(s) {sorted(unknown)}; known: {sorted(names)}")
+            raise ModelConfigError(f"{path}: unknown model field(s) {sorted(map(str, unknown))}; known: {sorted(names)}")
         missing = {f.name for f in fields(cls) if f.default is dataclasses.MISSING} - set(raw)
         if missing:
-            raise ValueError(f"{path}: missing model field(s) {sorted(missing)}")
-        return cls(**raw)
+            raise ModelConfigError(f"{path}: missing model field(s) {sorted(missing)}")
+        try:
+            return cls(**raw)
+        except ModelConfigError as e:
+            raise ModelConfigError(f"{path}: {e}") from None
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)

@@ -14,7 +14,7 @@ def config_dir() -> Path:
 def resolve_config(path_or_name: str, kind: str) -> Path:
     """A config file path, or a bare name looked up in configs/<kind>/NAME.yaml."""
     p = Path(path_or_name)
-    if p.exists():
+    if p.is_file():  # not exists(): "" or a directory would pass and fail on read
         return p
     cand = config_dir() / kind / f"{path_or_name.lower()}.yaml"
     if cand.exists():

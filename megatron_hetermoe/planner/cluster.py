@@ -25,9 +25,28 @@ import yaml
 from ..paths import resolve_config
 from .profiles import GpuProfile
 
+MAX_RANKS = 1 << 17  # far above any cluster we plan for; keeps a typo (nodes: 1e9) from eating memory
+
 
 class ClusterError(ValueError):
     """A cluster file that cannot be used; the message names the bad value and the fix."""
+
+
+def _count(g: dict, key: str, path) -> int:
+    v = g[key]
+    if type(v) is not int or v < 1:  # bool is an int subclass; 1.5 nodes is a typo
+        raise ClusterError(f"{path}: node group {g.get('gpu')!r}: {key}={v!r} must be an integer >= 1")
+    return v
+
+
+def _positive(v, what: str, path, allow_zero: bool = False) -> float:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        x = math.nan
+    if isinstance(v, bool) or not math.isfinite(x) or x < 0 or (x == 0 and not allow_zero):
+        raise ClusterError(f"{path}: {what}={v!r} must be a finite number {'>= 0' if allow_zero else '> 0'}")
+    return x
 
 
 @dataclass(frozen=True)
@@ -51,18 +70,34 @@ class Cluster:
 
     @classmethod
     def load(cls, path_or_name: str | Path) -> "Cluster":
+        from .profiles import known_gpu_types
+
         path = resolve_config(str(path_or_name), "clusters")
-        raw = yaml.safe_load(path.read_text()) or {}
         try:
-            groups = tuple(NodeGroup(str(g["gpu"]), int(g["nodes"]), int(g["gpus_per_node"]),
-                                     float(g["nic_gbps_per_gpu"])) for g in raw["node_groups"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise ClusterError(f"{path}: node_groups entries need gpu, nodes, gpus_per_node, nic_gbps_per_gpu "
-                               f"({type(e).__name__}: {e})") from None
-        for g in groups:
-            if g.nodes < 1 or g.gpus_per_node < 1 or g.nic_gbps_per_gpu <= 0:
-                raise ClusterError(f"{path}: node group {g} needs nodes>=1, gpus_per_node>=1, nic_gbps_per_gpu>0")
-        return cls(str(raw.get("name", path.stem)), groups, float(raw.get("network_latency_us", 10.0)),
+            raw = yaml.safe_load(path.read_text())
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise ClusterError(f"{path}: not valid YAML ({e})") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("node_groups"), list) or not raw["node_groups"]:
+            raise ClusterError(f"{path}: a cluster is a YAML mapping with a non-empty node_groups list "
+                               f"(see configs/clusters/o1.yaml)")
+        known = {k.lower() for k in known_gpu_types()}
+        groups = []
+        for g in raw["node_groups"]:
+            try:
+                gpu = g["gpu"]
+                if not isinstance(gpu, str) or (gpu.lower() not in known and not Path(gpu).is_file()):
+                    raise ClusterError(f"{path}: node group gpu={gpu!r} has no profile; use one of "
+                                       f"{sorted(known_gpu_types())} or add configs/gpus/NAME.yaml")
+                groups.append(NodeGroup(gpu, _count(g, "nodes", path), _count(g, "gpus_per_node", path),
+                                        _positive(g["nic_gbps_per_gpu"], "nic_gbps_per_gpu", path)))
+            except (KeyError, TypeError) as e:
+                raise ClusterError(f"{path}: node_groups entries need gpu, nodes, gpus_per_node, nic_gbps_per_gpu "
+                                   f"({type(e).__name__}: {e})") from None
+        total = sum(g.count for g in groups)
+        if total > MAX_RANKS:
+            raise ClusterError(f"{path}: {total} GPUs in all; at most {MAX_RANKS} are supported (check nodes)")
+        return cls(str(raw.get("name", path.stem)), tuple(groups),
+                   _positive(raw.get("network_latency_us", 10.0), "network_latency_us", path, allow_zero=True),
                    str(raw.get("notes", "")))
 
     @classmethod

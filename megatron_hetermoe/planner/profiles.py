@@ -22,6 +22,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+import math
+
 import yaml
 
 from ..paths import config_dir, resolve_config
@@ -104,29 +106,44 @@ _NUMERIC = (
     "usable_memory_fraction",
 )
 _RATIO_FIELDS = {"expert_speed_vs": "gemm_efficiency", "attention_speed_vs": "attention_core_efficiency"}
+# Fields that divide something (must be > 0), and fractions (must be in (0, 1]).
+_POSITIVE = ("memory_gib", "peak_fp16_tflops", "memory_bandwidth_gbs", "intra_node_gbs")
+_FRACTIONS = ("gemm_efficiency", "attention_core_efficiency", "usable_memory_fraction")
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ProfileError(f"{path}: not valid YAML ({e})") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{path}: a GPU profile is a YAML mapping of fields, got {type(raw).__name__}")
+    return raw
 
 
 def known_gpu_types() -> list[str]:
     """Names of the shipped profiles (configs/gpus/*.yaml, by the `name` inside each)."""
     out = []
     for p in sorted((config_dir() / "gpus").glob("*.yaml")):
-        raw = yaml.safe_load(p.read_text()) or {}
-        out.append(str(raw.get("name", p.stem)))
+        out.append(str(_read_yaml(p).get("name", p.stem)))
     return out
 
 
 def _find_profile_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
-    if p.exists():
+    if p.is_file():  # not exists(): "" or a directory would pass and fail on read
         return p
     d = config_dir() / "gpus"
     for f in sorted(d.glob("*.yaml")):
         if f.stem.lower() == name_or_path.lower():
             return f
-        raw = yaml.safe_load(f.read_text()) or {}
-        if str(raw.get("name", "")).lower() == name_or_path.lower():
+        if str(_read_yaml(f).get("name", "")).lower() == name_or_path.lower():
             return f
-    return resolve_config(name_or_path, "gpus")  # raises with the list of known names
+    try:
+        return resolve_config(name_or_path, "gpus")
+    except FileNotFoundError as e:  # the message lists the known names
+        raise ProfileError(str(e)) from None
 
 
 def _num(raw: dict, key: str, where: str) -> tuple[float, str]:
@@ -137,17 +154,26 @@ def _num(raw: dict, key: str, where: str) -> tuple[float, str]:
     if src.split(":")[0].strip() not in SOURCE_TAGS:
         raise ProfileError(f"{where}: source of {key!r} is {src!r}; start it with one of {SOURCE_TAGS} and a colon")
     try:
+        if isinstance(v["value"], bool):
+            raise TypeError
         val = float(v["value"])
     except (TypeError, ValueError):
         raise ProfileError(f"{where}: value of {key!r} is {v['value']!r}, not a number") from None
-    if val < 0:
-        raise ProfileError(f"{where}: value of {key!r} is {val}, must be >= 0")
+    if not math.isfinite(val) or val < 0:
+        raise ProfileError(f"{where}: value of {key!r} is {val}, must be a finite number >= 0")
+    if key in _POSITIVE and val == 0:
+        raise ProfileError(f"{where}: value of {key!r} is 0; it must be > 0")
+    if key in _FRACTIONS and not 0 < val <= 1:
+        raise ProfileError(f"{where}: value of {key!r} is {val}; a fraction must be in (0, 1]")
     return val, src
 
 
 def _measured(raw: Any, where: str) -> MeasuredTables | None:
     if raw is None:
         return None
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{where}: measured must be a mapping (model, attention, expert, ...); "
+                           f"regenerate it with `hetermoe profile`")
     try:
         att = tuple(AttentionSample(int(a["seq_len"]), int(a["tokens"]), float(a["fwd_s"]), float(a["bwd_s"]))
                     for a in raw.get("attention", []))
@@ -160,6 +186,21 @@ def _measured(raw: Any, where: str) -> MeasuredTables | None:
         raise ProfileError(f"{where}: measured section needs non-empty attention and expert tables")
     if not isinstance(raw.get("model"), dict):
         raise ProfileError(f"{where}: measured section needs the profiled model shape under 'model'")
+    times = [x for a in att for x in (a.fwd_s, a.bwd_s)] + [x for e in exp for x in (e.fwd_s, e.bwd_s)]
+    counts = [x for a in att for x in (a.seq_len, a.tokens)] + [e.tokens for e in exp]
+    if not all(math.isfinite(t) and t > 0 for t in times) or min(counts) < 1:
+        raise ProfileError(f"{where}: measured tables need times > 0 and token counts >= 1; "
+                           f"regenerate them with `hetermoe profile`")
+    if not all(math.isfinite(c.seconds) and c.seconds >= 0 and c.nbytes >= 0 for c in a2a):
+        raise ProfileError(f"{where}: measured all_to_all samples need nbytes >= 0 and seconds >= 0")
+    if not isinstance(raw.get("info", {}), dict):
+        raise ProfileError(f"{where}: measured.info must be a mapping")
+    from ..model_config import ModelConfig
+
+    try:  # the cost model rebuilds this shape to scale the tables
+        ModelConfig(**raw["model"])
+    except (TypeError, ValueError) as e:
+        raise ProfileError(f"{where}: measured.model is not a valid model shape ({e})") from None
     return MeasuredTables(dict(raw["model"]), att, exp, a2a, dict(raw.get("info", {})))
 
 
@@ -182,8 +223,10 @@ def _load(name_or_path: str, chain: tuple[str, ...]) -> GpuProfile:
 
 def _load_path(path: Path, chain: tuple[str, ...]) -> GpuProfile:
     where = str(path)
-    raw = yaml.safe_load(path.read_text()) or {}
-    name = str(raw.get("name", path.stem))
+    raw = _read_yaml(path)
+    name = raw.get("name", path.stem)
+    if not isinstance(name, str) or not name:
+        raise ProfileError(f"{where}: name={name!r} must be the GPU type's name, e.g. A40")
     if name in chain:
         raise ProfileError(f"{where}: speed ratios form a cycle {' -> '.join(chain + (name,))}; break it")
     vals: dict[str, float] = {}
@@ -218,19 +261,28 @@ def _resolve_ratios(prof: GpuProfile, ratios: dict, where: str, chain: tuple[str
         if not isinstance(spec, dict) or not {"gpu", "ratio", "source"} <= set(spec):
             raise ProfileError(f"{where}: {key} needs gpu, ratio and source (and seq_len for attention), got {spec!r}")
         ref = _load(str(spec["gpu"]), chain)
-        ratio = float(spec["ratio"])
-        if ratio <= 0:
-            raise ProfileError(f"{where}: {key}.ratio={ratio} must be > 0")
+        try:
+            ratio = float(spec["ratio"]) if not isinstance(spec["ratio"], bool) else math.nan
+        except (TypeError, ValueError):
+            ratio = math.nan
+        if not math.isfinite(ratio) or ratio <= 0:
+            raise ProfileError(f"{where}: {key}.ratio={spec['ratio']!r} must be a finite number > 0")
         src = str(spec["source"])
         if key == "expert_speed_vs":
             eff = calibrate_gemm_efficiency(prof, ref, ratio)
+            if not 0 < eff <= 1:
+                raise ProfileError(f"{where}: expert_speed_vs ratio {ratio} vs {ref.name} needs gemm_efficiency="
+                                   f"{eff:.3g}, outside (0, 1]; check the ratio and peak_fp16_tflops")
             prof = dataclasses.replace(prof, gemm_efficiency=eff)
             field_name = "gemm_efficiency"
         else:
-            seq = int(spec.get("seq_len", 0))
-            if seq <= 0:
+            seq = spec.get("seq_len", 0)
+            if type(seq) is not int or seq <= 0:
                 raise ProfileError(f"{where}: attention_speed_vs needs seq_len (the length the ratio was measured at)")
-            eff = calibrate_attention_efficiency(prof, ref, ratio, seq)
+            try:
+                eff = calibrate_attention_efficiency(prof, ref, ratio, seq)
+            except ValueError as e:
+                raise ProfileError(f"{where}: {e}") from None
             prof = dataclasses.replace(prof, attention_core_efficiency=eff)
             field_name = "attention_core_efficiency"
         prof.sources[field_name] = f"{src} (solved: {field_name}={eff:.4f} so that {ref.name} / {prof.name} time = {ratio})"
