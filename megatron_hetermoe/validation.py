@@ -28,6 +28,7 @@ FLAGS = {
     "train_iters": "--train-iters", "lr": "--lr", "min_lr": "--min-lr", "lr_warmup_iters": "--lr-warmup-iters",
     "weight_decay": "--weight-decay", "clip_grad": "--clip-grad", "seed": "--seed", "log_interval": "--log-interval",
     "check_for_nan_in_loss_and_grad": "--check-for-nan-in-loss-and-grad",
+    "save_interval": "--save-interval", "ckpt_step": "--ckpt-step",
     "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size", "ep": "--expert-model-parallel-size",
 }
 SEED_LIMIT = 2**32  # data and init generators take seed * 1_000_003 + index: keep it in int64
@@ -68,6 +69,9 @@ def check_train_config(cfg: "TrainConfig") -> None:
     if cfg.check_for_nan_in_loss_and_grad not in NAN_MODES:
         raise _bad("check_for_nan_in_loss_and_grad", cfg.check_for_nan_in_loss_and_grad,
                    f"must be one of {list(NAN_MODES)}", "pass stop or skip, or --no-check-for-nan-in-loss-and-grad")
+    for name, low in (("save_interval", 1), ("ckpt_step", 0)):
+        if getattr(cfg, name, None) is not None:
+            _int(cfg, name, low)
     if cfg.nan_injection is not None and not isinstance(cfg.nan_injection, NanInjection):
         raise ConfigError(f"nan_injection={cfg.nan_injection!r} must be a nan_check.NanInjection (a test hook)")
 

@@ -97,6 +97,8 @@ CASES = [
      "--clip-grad -1.0: must be a finite number >= 0; pass e.g. --clip-grad 0.01"),
     ("flags", "--seed", flags("--seed", "-5"), ConfigError,
      "--seed -5: must be an integer in [0, 4294967296); pass e.g. --seed 1234"),
+    ("flags", "--save-interval", flags("--save", "/tmp/ckpt", "--save-interval", "0"), ConfigError,
+     "--save-interval 0: must be an integer >= 1; pass --save-interval 1 or more"),
     ("flags", "--nproc / --expert-model-parallel-size", flags("--nproc", "3", "--expert-model-parallel-size", "2"),
      ConfigError, "world size 3 is not divisible by EP 2 x PP 1 (Megatron's expert layout); launch a multiple of 2 "
                   "ranks or change --expert-model-parallel-size"),

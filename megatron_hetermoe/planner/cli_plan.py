@@ -104,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
         if missing:
             print(f"hetermoe plan: search mode needs {', '.join(missing)} (or use --even)", file=sys.stderr)
             return 2
+        if args.max_microbatches < 1:
+            print(f"hetermoe plan: --max-microbatches {args.max_microbatches} must be >= 1", file=sys.stderr)
+            return 2
         if args.seq_len < 1 or args.global_batch < 1:
             print(f"hetermoe plan: --seq-len {args.seq_len} and --global-batch {args.global_batch} must be >= 1",
                   file=sys.stderr)
