@@ -157,6 +157,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
             ckpt = hetero_checkpointer(cfg, hs, module, names, optimizer, scheduler)
             start = ckpt.resume()
             for it in range(start, cfg.train_iters):
+                guard.start(it)  # a resumed run starts past 0
                 t0 = time.perf_counter()
                 recorder.step = it
                 model.zero_grad_buffer()

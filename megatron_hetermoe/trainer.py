@@ -183,6 +183,7 @@ def train(cfg: TrainConfig) -> dict:
         ckpt = megatron_checkpointer(cfg, module, names, optimizer, scheduler)
         start = ckpt.resume()
         for it in range(start, cfg.train_iters):
+            guard.start(it)  # a resumed run starts past 0
             t0 = time.perf_counter()
             recorder.step = it
             batches = iter([data.microbatch(it, dp_rank * nmb + m, cfg.micro_batch_size, cfg.global_batch_size)
