@@ -458,6 +458,19 @@ def inject_optimizer_state(state: RankState, by_name: dict[str, dict]) -> int:
     return n
 
 
+def _mark_unpadded(shard: dict) -> dict:
+    """megatron-core 0.16.1's load_parameter_state_from_dp_reshardable reads a 'padding' flag that
+    get_parameter_state_dp_reshardable does not write (its sharded path adds padding=False to
+    real entries the same way)."""
+    for gbuf_idx, by_dtype in shard.items():
+        if isinstance(gbuf_idx, int):
+            for buckets in by_dtype.values():
+                for bucket in buckets:
+                    for elem in bucket:
+                        elem.setdefault("padding", False)
+    return shard
+
+
 @torch.no_grad()
 def load_canonical_params(state: RankState, params: dict[str, torch.Tensor]) -> None:
     for n, p in state.module.named_parameters():
@@ -532,7 +545,13 @@ def load(state: RankState, load_dir: str | os.PathLike, step: int | None = None,
             state.optimizer.load_state_dict(payload["optimizer"])
             if "optimizer_dp_shard" in payload:
                 for sub, shard in zip(_sub_optimizers(state.optimizer), payload["optimizer_dp_shard"]):
-                    sub.load_parameter_state_from_dp_reshardable(shard)
+                    with torch.no_grad():  # it copies into main params that require grad
+                        sub.load_parameter_state_from_dp_reshardable(_mark_unpadded(shard))
+                    # megatron-core 0.16.1 without apex/TE gives every parameter the *same* 'step'
+                    # tensor on load, which torch's Adam then increments once per parameter.
+                    for st in sub.optimizer.state.values():
+                        if torch.is_tensor(st.get("step")):
+                            st["step"] = st["step"].clone()
         else:  # imported from a plain Megatron checkpoint: Adam state by name
             inject_optimizer_state(state, payload["optimizer_canonical"])
         if payload.get("rng_state") is not None:

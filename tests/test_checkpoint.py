@@ -49,8 +49,10 @@ def _cfg(model, **kw) -> TrainConfig:
 
 # ---- Megatron EP baseline --------------------------------------------------------------------
 @pytest.mark.slow
-def test_megatron_resume_is_bitwise(tiny, tmp_path):
-    cfg = _cfg(tiny, parallel=ParallelConfig(ep=2), save=str(tmp_path), save_interval=AT)
+@pytest.mark.parametrize("par, distopt", [(ParallelConfig(ep=2), False), (ParallelConfig(pp=2, ep=2), True)],
+                         ids=["ep2", "pp2-ep2-distributed-optimizer"])
+def test_megatron_resume_is_bitwise(tiny, tmp_path, par, distopt):
+    cfg = _cfg(tiny, parallel=par, use_distributed_optimizer=distopt, save=str(tmp_path), save_interval=AT)
     full = _run(cfg)["losses"]
     assert (tmp_path / ck.TRACKER).read_text().strip() == str(STEPS)  # saved at 2, 4 and at the end
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000005", ck.TRACKER]
@@ -60,6 +62,12 @@ def test_megatron_resume_is_bitwise(tiny, tmp_path):
     resumed = _run(dataclasses.replace(cfg, save=None, load=str(tmp_path), ckpt_step=AT))
     assert resumed["start_iteration"] == AT
     assert resumed["losses"] == full[AT:], (resumed["losses"], full)
+    if not distopt:
+        # A Megatron EP checkpoint continues under a HeterMoE plan, by parameter name.
+        plan = even_plan(tiny.num_layers, tiny.num_experts, 1, 2, num_microbatches=4)
+        hetero = _run(dataclasses.replace(cfg, save=None, load=str(tmp_path), ckpt_step=AT, ckpt_reshard=True),
+                      plan, "distep")
+        assert max(abs(a - b) / abs(b) for a, b in zip(hetero["losses"], full[AT:])) <= LOSS_TOL
 
 
 # ---- HeterMoE: one DistEP run that crashes while saving, reused by the tests below ------------
@@ -70,7 +78,8 @@ def distep(tiny, tmp_path_factory):
     full = _run(_cfg(tiny), plan, "distep")["losses"]
     cfg = _cfg(tiny, save=str(root / "ckpt"), save_interval=AT)
     # Expert rank 3 dies right after writing its file of the step-4 checkpoint.
-    with pytest.raises(LaunchError, match="rank 3 of 4 failed: exited with code 17"):
+    # (Which rank the launcher blames is racy: a peer may report its broken connection first.)
+    with pytest.raises(LaunchError, match="rank [0-3] of 4 failed"):
         _run(cfg, plan, "distep", crash=("rank_file", 3, CRASH_AT))
     return {"plan": plan, "full": full, "dir": root / "ckpt", "cfg": cfg, "root": root}
 
@@ -92,7 +101,7 @@ def test_zebra_resume_is_bitwise_after_crash_before_tracker(tiny, tmp_path):
     full = _run(_cfg(tiny), plan, "zebra")["losses"]
     cfg = _cfg(tiny, save=str(tmp_path), save_interval=AT)
     # Rank 0 dies after renaming iter_0000004 into place but before updating the tracker.
-    with pytest.raises(LaunchError, match="rank 0 of 4 failed"):
+    with pytest.raises(LaunchError, match="rank [0-3] of 4 failed"):
         _run(cfg, plan, "zebra", crash=("tracker", 0, CRASH_AT))
     assert ck.read_tracker(tmp_path) == AT and (tmp_path / ck.iter_dir_name(CRASH_AT) / ck.MANIFEST).exists()
     r = _run(dataclasses.replace(cfg, save=None, load=str(tmp_path)), plan, "zebra")
