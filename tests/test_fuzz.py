@@ -289,3 +289,34 @@ def test_fuzz_asym_ea(L, E, M, N, t, te, tx, n_max, cap):
         assert len(k) == L and all(0 <= v <= E for v in k) and asym_ea.memory_ok(prob, k), (solver, k)
         for pl in asym_ea.placement(k, E, list(range(M)), list(range(M, M + N))):
             assert sorted(e for es in pl.values() for e in es) == list(range(E))
+
+
+# ---------------------------------------------------------------- hetermoe train's command line
+TRAIN_FLAGS = ["--micro-batch-size", "--global-batch-size", "--train-iters", "--lr", "--min-lr", "--seed",
+               "--clip-grad", "--expert-model-parallel-size", "--pipeline-model-parallel-size", "--nproc",
+               "--seq-length", "--moe-aux-loss-coeff", "--log-interval", "--lr-warmup-iters", "--weight-decay"]
+
+
+@FAST
+@given(st.lists(st.tuples(st.sampled_from(TRAIN_FLAGS),
+                          st.sampled_from(["0", "1", "2", "4", "8", "-1", "0.5", "nan", "inf", "x", "1e9"])),
+                max_size=5))
+def test_fuzz_train_command_line(pairs):
+    """`hetermoe train ARGV` either exits with a usage error before any launch, or launches a
+    job that validate_job accepts (the launch itself is replaced by a recorder here)."""
+    from megatron_hetermoe import trainer
+
+    launched = []
+    real_run = trainer.run
+    trainer.run = lambda cfg, nproc, **kw: launched.append((cfg, nproc)) or {"losses": []}
+    try:
+        trainer.main([x for pair in pairs for x in pair])
+    except SystemExit as e:
+        event("refused")
+        assert e.code not in (0, None) and not launched
+        return
+    finally:
+        trainer.run = real_run
+    event("launched")
+    (cfg, nproc), = launched
+    validate_job(cfg, nproc)
