@@ -206,7 +206,31 @@ def test_export_import_identity_and_resume(distep):
     # And training from the round-tripped checkpoint is the uninterrupted run, bit for bit.
     r = _run(dataclasses.replace(distep["cfg"], save=None, load=str(back)), distep["plan"], "distep")
     assert r["start_iteration"] == AT and r["losses"] == distep["full"][AT:], (r["losses"], distep["full"])
+    # The export is a real Megatron checkpoint: megatron-core itself reshards it onto EP=2.
+    got = launch(_load_exported_ep2, 2, str(mega / ck.iter_dir_name(AT)), timeout_s=120)
+    merged = {**got[0], **got[1]}
+    assert merged.keys() == p0.keys() and all(torch.equal(merged[k], p0[k]) for k in p0)
     # A plan the checkpoint was not trained with is refused by export.
     other = root / "other.json"
     even_plan(2, 4, 1, 3).save(other)
     assert cli(["checkpoint", "export", "--load", str(distep["dir"]), "--plan", str(other), "-o", str(root / "x")]) == 1
+
+
+def _load_exported_ep2(rank: int, world: int, path: str) -> dict:
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_hetermoe.model_builder import build_gpt, canonical_names, transformer_config
+    from megatron_hetermoe.model_config import ModelConfig
+
+    model = ModelConfig.load("tiny")
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+    try:
+        model_parallel_cuda_manual_seed(1)
+        gpt = build_gpt(model, transformer_config(model, ParallelConfig(ep=2)))
+        gpt.load_state_dict(dist_checkpointing.load(gpt.sharded_state_dict(), path), strict=False)
+        names = canonical_names(gpt)
+        return {names[n]: p.detach().clone() for n, p in gpt.named_parameters()}
+    finally:
+        ps.destroy_model_parallel()
