@@ -71,7 +71,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
 
     from .expert_runtime import ExpertRuntime
     from .hetero_moe_layer import hetero_layer_spec
-    from .mock_data import MarkovMockData
+    from .data import make_data
 
     mcfg = cfg.model
     if plan.num_layers != mcfg.num_layers or plan.num_experts != mcfg.num_experts:
@@ -138,7 +138,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                     finalize_model_grads(m, n, pg_collection=pgc, force_all_reduce=force_all_reduce)
                 config.grad_scale_func = optimizer.scale_loss
                 config.no_sync_func = model.no_sync
-            data = MarkovMockData(mcfg.vocab_size, mcfg.seq_length, cfg.seed)
+            data = make_data(cfg)
             recorder = TimelineRecorder(hs.rank, hs.role)
             executed: list = []
             post_step_s = 0.0

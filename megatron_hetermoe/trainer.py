@@ -18,6 +18,7 @@ from functools import partial
 
 import torch
 
+from .data import DataConfig, add_data_args, data_config_from_args, make_data
 from .layout import load_params
 from .emulation import sleep_until
 from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, transformer_config
@@ -46,6 +47,7 @@ class TrainConfig:
     emulate: object | None = None  # emulation.EmulationSpec: time every task as on an emulated cluster
     log_interval: int = 1
     quiet: bool = False
+    data: DataConfig = field(default_factory=DataConfig)  # no data_path: mock data (data.py)
     # Megatron's --check-for-nan-in-loss-and-grad: "stop" (its default), "skip" or "off" (nan_check.py).
     check_for_nan_in_loss_and_grad: str = "stop"
     nan_injection: object | None = None  # test hook: a nan_check.NanInjection
@@ -115,7 +117,6 @@ def train(cfg: TrainConfig) -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from .launcher import collective_timeout
-    from .mock_data import MarkovMockData
 
     par = cfg.parallel
     world = dist.get_world_size()
@@ -173,7 +174,7 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.emulate is not None:
             emu_undo, post_step_s = _install_ep_emulation(cfg, module, nmb, recorder)
 
-        data = MarkovMockData(mcfg.vocab_size, mcfg.seq_length, cfg.seed)
+        data = make_data(cfg)
         dp_rank = ps.get_data_parallel_rank()
         fwd_bwd = get_forward_backward_func()
         losses, grads, step_times = [], [], []
@@ -300,6 +301,7 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deterministic-mode", action="store_true")
     p.add_argument("--log-interval", type=int, default=1)
     p.add_argument("--moe-aux-loss-coeff", type=float, default=None)
+    add_data_args(p)
     p.add_argument("--save", default=None, help="directory to save checkpoints to")
     p.add_argument("--load", default=None, help="directory to load a checkpoint from (latest_checkpointed_iteration.txt)")
     p.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoint saves")
@@ -342,6 +344,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         log_interval=a.log_interval, check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
         save=a.save, load=a.load, save_interval=a.save_interval, ckpt_step=a.ckpt_step,
         ckpt_reshard=a.hetero_ckpt_reshard, emulate=emulation_from_args(a),
+        data=data_config_from_args(a),
     )
 
 
