@@ -72,6 +72,11 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     from .trainer import run
 
     plan.validate()
+    if type(steps) is not int or steps < 1 or type(micro_batch_size) is not int or micro_batch_size < 1:
+        raise ValueError(f"--steps {steps} and --micro-batch-size {micro_batch_size} must be integers >= 1")
+    if (plan.num_layers, plan.num_experts) != (model.num_layers, model.num_experts):
+        raise ValueError(f"plan is for {plan.num_layers} layers x {plan.num_experts} experts but model {model.name!r} "
+                         f"has {model.num_layers} x {model.num_experts}; make the plan with --model {model.name}")
     n_attn = len(plan.attention_ranks)
     gbs = micro_batch_size * plan.num_microbatches * n_attn
     ep = reference_ep(plan, model.num_experts)
@@ -117,9 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     import megatron.core  # noqa: F401  - import once, then fork ranks
 
-    plan = HeteroPlan.load(a.plan)
-    model = ModelConfig.load(a.model)
-    r = run_parity(plan, model, a.steps, a.micro_batch_size, a.seed, schedule=a.schedule, recompute=a.recompute)
+    try:  # input errors (plan, model, flags) are refused before any rank starts
+        plan = HeteroPlan.load(a.plan)
+        model = ModelConfig.load(a.model)
+        r = run_parity(plan, model, a.steps, a.micro_batch_size, a.seed, schedule=a.schedule, recompute=a.recompute)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
     ok = r.ok(a.loss_tol, a.grad_tol)
     if a.json:
         print(json.dumps({**r.__dict__, "ok": ok}))

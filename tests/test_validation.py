@@ -335,3 +335,15 @@ def test_readme_table_lists_every_error():
         got.append((r[0], r[1].strip("`"), m.group(2), m.group(3)))
     assert got == want, "README.md's input error table is out of date (see tests/test_validation.py CASES)"
     assert all(len(r) == 4 and r[3] for r in rows), "every row needs a fix column"
+
+
+def test_parity_command_refuses_bad_inputs_before_any_rank(tmp_path, capsys):
+    from megatron_hetermoe import parity
+
+    path = tmp_path / "plan.json"
+    even_plan(3, 4, 1, 1).save(path)
+    for argv, message in ((["--plan", str(path)], "plan is for 3 layers x 4 experts but model 'tiny' has 2 x 4"),
+                          (["--plan", str(path), "--steps", "0"], "--steps 0 and --micro-batch-size 2 must be")):
+        with pytest.raises(SystemExit) as e:
+            parity.main(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
