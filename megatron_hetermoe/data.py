@@ -166,11 +166,12 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eod-mask-loss", action="store_true", help="mask the loss at end-of-document tokens")
 
 
-def data_config_from_args(a: argparse.Namespace, vocab_size: int | None = None) -> DataConfig:
+def data_config_from_args(a: argparse.Namespace) -> DataConfig:
     if a.mock_data and a.data_path:
-        raise SystemExit("--mock-data and --data-path both given: pick one")
+        raise ValueError("--mock-data and --data-path both given: pick one")
     return DataConfig(
         data_path=tuple(a.data_path) if a.data_path else None, split=a.split, tokenizer_type=a.tokenizer_type,
         tokenizer_model=a.tokenizer_model, vocab_file=a.vocab_file, merge_file=a.merge_file,
-        vocab_size=vocab_size, data_cache_path=a.data_cache_path, eod_mask_loss=a.eod_mask_loss,
+        # --vocab-size is pretrain_gpt's (Megatron's NullTokenizer size); `hetermoe train` has none
+        vocab_size=getattr(a, "vocab_size", None), data_cache_path=a.data_cache_path, eod_mask_loss=a.eod_mask_loss,
     )

@@ -9,7 +9,7 @@ the same names are served by HuggingFace `tokenizers` reading local files:
 
 `train_bpe` makes a real byte-level BPE (GPT-2's algorithm) from local text, so a demo or a
 test can have a real tokenizer without downloading one. The classes have what megatron-core's
-GPTDataset reads from its tokenizer (vocab_size, eod, pad, unique_identifiers) and the
+GPTDataset reads from its tokenizer (vocab_size, eod, unique_identifiers) and the
 tokenize/detokenize of MegatronTokenizerBase; they do not subclass it, so importing this
 module (and the trainer, which imports it through data.py) does not import megatron.
 """
@@ -30,16 +30,13 @@ class TokenizerError(ValueError):
 
 
 class _Common:
-    """What GPTDataset reads from a tokenizer: vocab_size, eod, pad, unique_identifiers."""
+    """What GPTDataset reads from a tokenizer: vocab_size, eod, unique_identifiers. No `pad`:
+    GPTDataset then uses its own out-of-vocabulary pad id, as for Megatron's GPT-2 tokenizer."""
 
     def __init__(self, path: str, identifiers: dict) -> None:
         self.path = path
         # GPTDataset puts this in its cache hash: a different tokenizer must not reuse an index.
         self.unique_identifiers = {"class": type(self).__name__, **identifiers}
-
-    @property
-    def pad(self) -> int:
-        return self.eod  # as Megatron's GPT-2 tokenizers; GPTDataset then masks no pad tokens
 
     @property
     def eos(self) -> int:
@@ -153,8 +150,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, output: str | Path) -> BPETokenizer:
-    """Train a byte-level BPE (GPT-2's scheme) with EOD as its last id; save tokenizer.json at
-    `output`, and GPT-2 style vocab.json + merges.txt beside it."""
+    """Train a byte-level BPE (GPT-2's scheme) of `vocab_size` tokens, EOD (id 0) included; save
+    tokenizer.json at `output`, and GPT-2 style vocab.json + merges.txt beside it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 257:
@@ -162,10 +159,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output: str | Path) -> BPET
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - 1, show_progress=False,
+    # EOD as a trainer special token: in the model's vocab.json (the GPT-2 files) and never merged.
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, show_progress=False, special_tokens=[EOD_TOKEN],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
-    tok.add_special_tokens([EOD_TOKEN])  # after training, so it is never merged into text
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     tok.save(str(output))

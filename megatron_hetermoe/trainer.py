@@ -381,8 +381,9 @@ def run(cfg: TrainConfig, nproc: int, timeout_s: float = 900.0, plan=None, heter
     return launch(_rank_main, nproc, cfg, plan, hetero, timeout_s=timeout_s)[0]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hetermoe train", description=__doc__.split("\n\n")[0])
+def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
+    """`hetermoe train`'s flags; pretrain_gpt.py adds Megatron's model-shape flags to these."""
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     add_megatron_args(p)
     p.add_argument("--nproc", type=int, default=None,
                    help="CPU ranks to start (default: join a torchrun job if RANK is set, else 4)")
@@ -393,7 +394,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--recompute-granularity", choices=["full"], default=None,
                    help="zebra: recompute attention stages in backward (Megatron's 'full' meaning, per stage)")
     p.add_argument("--timeline-dir", default=None, help="HeterMoE: write each rank's timeline here")
-    a = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    return run_from_args(p, p.parse_args(argv))
+
+
+def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    """Validate, launch (forked CPU ranks or the surrounding torchrun job) and report a run."""
     try:
         cfg = config_from_args(a)
     except (ValueError, FileNotFoundError) as e:  # a bad model config, --seq-length, parallel size
