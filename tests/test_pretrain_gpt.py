@@ -1,0 +1,111 @@
+"""`python -m megatron_hetermoe.pretrain_gpt`: Megatron-LM's flag names and meanings."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_hetermoe import pretrain_gpt
+from megatron_hetermoe.pretrain_gpt import EXTENSION_FLAGS, build_parser, megatron_flags, model_from_args
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+              "--moe-ffn-hidden-size", "128", "--num-experts", "4", "--moe-router-topk", "2",
+              "--moe-aux-loss-coeff", "0.01", "--seq-length", "32", "--max-position-embeddings", "32",
+              "--vocab-size", "256"]
+
+
+def _flags(p) -> set[str]:
+    return {s for a in p._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
+
+
+def test_flag_names_are_megatron_lm_names():
+    known = megatron_flags()
+    # The list is Megatron-LM core_v0.16.1's whole parser (dataclass-generated flags included).
+    assert len(known) > 600 and {"--num-layers", "--save", "--moe-router-topk", "--mock-data"} <= known
+    ours = _flags(build_parser())
+    not_megatron = ours - known
+    assert not_megatron == ours & EXTENSION_FLAGS, f"flags that look like Megatron's but are not: {sorted(not_megatron - EXTENSION_FLAGS)}"
+    assert not (EXTENSION_FLAGS & known), "an extension flag shadows a Megatron-LM flag of the same name"
+    assert len(ours & known) >= 45
+
+
+def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.pretrain_gpt", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_unsupported_and_unknown_flags_are_named():
+    r = _run(TINY_FLAGS + ["--fp16", "--moe-grouped-gemm", "--not-a-flag", "3"])
+    assert r.returncode == 2
+    assert "unsupported Megatron-LM flag(s): --fp16 --moe-grouped-gemm" in r.stderr
+    assert "unknown flag(s): --not-a-flag" in r.stderr
+    r = _run(TINY_FLAGS + ["--lr-warmup", "3"])  # a prefix of --lr-warmup-iters: no abbreviations
+    assert r.returncode == 2 and "unknown flag(s): --lr-warmup" in r.stderr
+    r = _run(TINY_FLAGS + ["--eval-iters", "10"])
+    assert r.returncode == 2 and "--eval-iters 10: evaluation is not implemented" in r.stderr
+    r = _run(["--num-layers", "2", "--hidden-size", "64"])
+    assert r.returncode == 2 and "give --num-attention-heads --num-experts --seq-length" in r.stderr
+
+
+def test_model_shape_and_vocab_padding(tmp_path):
+    p = build_parser()
+    m = model_from_args(p.parse_args(["--num-layers", "3", "--hidden-size", "96", "--num-attention-heads", "6",
+                                      "--num-experts", "8", "--seq-length", "128", "--vocab-size", "1000"]))
+    # Megatron's defaults: ffn = 4h, moe ffn = ffn, top-2, no aux loss; vocab padded to 128 x TP.
+    assert (m.ffn_hidden_size, m.moe_ffn_hidden_size, m.moe_router_topk, m.moe_aux_loss_coeff) == (384, 384, 2, 0.0)
+    assert m.vocab_size == 1024
+    m = model_from_args(p.parse_args(["--model", "tiny", "--vocab-size", "1000", "--tensor-model-parallel-size", "2",
+                                      "--num-experts", "8"]))
+    assert (m.num_layers, m.hidden_size, m.num_experts, m.vocab_size) == (2, 64, 8, 1024)
+    m = model_from_args(p.parse_args(["--model", "tiny", "--vocab-size", "1030"]))
+    assert m.vocab_size == 1152
+    with pytest.raises(ValueError, match="--max-position-embeddings 16 < --seq-length 32"):
+        model_from_args(p.parse_args(["--model", "tiny", "--max-position-embeddings", "16"]))
+    from megatron_hetermoe.tokenizer import train_bpe
+
+    train_bpe(["some real words " * 20, "more words here"], 300, tmp_path / "tokenizer.json")
+    m = model_from_args(p.parse_args(["--model", "tiny", "--tokenizer-type", "HuggingFaceTokenizer",
+                                      "--tokenizer-model", str(tmp_path / "tokenizer.json")]))
+    assert m.vocab_size == 384  # the tokenizer's 300, padded like Megatron
+
+
+@pytest.mark.slow
+def test_same_losses_as_hetermoe_train(tmp_path):
+    """The Megatron flags describe the same run as `hetermoe train --model tiny`."""
+    common = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3",
+              "--expert-model-parallel-size", "2", "--nproc", "2", "--seed", "42"]
+    r = _run(TINY_FLAGS + common + ["--mock-data", "--golden-values-out", str(tmp_path / "a.json")])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "note: the model is always Mixtral-style" in r.stderr  # no --swiglu etc. given
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    r2 = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.cli", "train", "--model", "tiny",
+                         *common, "--golden-values-out", str(tmp_path / "b.json")],
+                        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    import json
+
+    a, b = (json.loads((tmp_path / f).read_text())["lm loss"]["values"] for f in ("a.json", "b.json"))
+    assert len(a) == 3 and a == b
+
+
+def test_megatron_flag_list_matches_checkout():
+    """Remake the list from a Megatron-LM checkout when one is given (MEGATRON_LM_DIR at core_v0.16.1)."""
+    src = os.environ.get("MEGATRON_LM_DIR")
+    if not src:
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 tree to check megatron_lm_flags.txt")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "megatron_flags.py"), "--checkout", src],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    remade = {line for line in r.stdout.splitlines() if line.startswith("--")}
+    assert remade == set(megatron_flags())
+
+
+def test_cli_registers_pretrain():
+    from megatron_hetermoe.cli import SUBCOMMANDS
+
+    assert SUBCOMMANDS["pretrain"][0] == f"{pretrain_gpt.__name__}:main"
