@@ -10,8 +10,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import faults
+
 
 def _a2a(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    faults.checkpoint("exchange", "tokens")
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
@@ -38,6 +41,7 @@ def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], fwd_g
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     """Every member sends its per-expert token counts (in the layer's travel order) to every
     member; returns [members, experts]: row k = what member k sends, per expert."""
+    faults.checkpoint("exchange", "counts")
     n = dist.get_world_size(group)
     send = counts.to(torch.int64).repeat(n)
     recv = torch.empty_like(send)

@@ -23,7 +23,7 @@ from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layo
 from .plan import HeteroPlan, PlanError
 from .emulation import sleep_until
 from .timeline import TimelineRecorder
-from .trainer import TrainConfig, format_iteration, forward_step
+from .trainer import TrainConfig, last_step_busy, format_iteration, forward_step
 
 
 @contextmanager
@@ -212,7 +212,8 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                     "num_microbatches": nmb, "dp": n_attn, "schedule": schedule, "skipped": guard.skipped,
                     "executed": [(list(a), {k: list(v) for k, v in b.items()}) for a, b, _ in executed],
                     "peak_activation_mib": max((m for _, _, m in executed), default=0) / 2**20,
-                    "peak_rss_mib": peak}
+                    "peak_rss_mib": peak,
+                    "busy_s": last_step_busy(recorder, cfg.train_iters - 1, hs.world_group)}
     finally:
         destroy_hetero_parallel()
 

@@ -24,9 +24,14 @@ from typing import Any, Callable
 class LaunchError(RuntimeError):
     """A rank failed or the job ran out of time; the message holds the rank's traceback."""
 
-    def __init__(self, message: str, rank: int | None = None):
+    def __init__(self, message: str, rank: int | None = None, peer_exit_s: dict[int, float] | None = None,
+                 killed: list[int] | None = None):
         super().__init__(message)
         self.rank = rank
+        # With peer_grace_s: seconds after the failure at which each other rank exited by itself,
+        # and the ranks still running when the grace ran out (then killed).
+        self.peer_exit_s = peer_exit_s or {}
+        self.killed = killed or []
 
 
 @dataclass(frozen=True)
@@ -74,10 +79,10 @@ def _child(rank: int, cfg: LaunchConfig, store_path: str, out_dir: str, fn: Call
         os._exit(code)
 
 
-def _first_failure(tmp: str, procs: list, bad: list[int], grace_s: float = 1.0) -> int:
+def _first_failure(tmp: str, procs: list, grace_s: float = 1.0) -> int:
     """The rank whose failure came first. Peers of a dead rank fail soon after it, so wait a
-    moment for their reports, then prefer the earliest reported error; a rank that died
-    without a report (signal, os._exit) is the cause when no report predates its death."""
+    moment for everyone's reports. A rank that died without a report (a signal, os._exit, an OOM
+    kill) is the cause: its peers only report losing it. Otherwise the earliest report wins."""
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
         time.sleep(0.02)
@@ -89,18 +94,21 @@ def _first_failure(tmp: str, procs: list, bad: list[int], grace_s: float = 1.0) 
                 stamps[r] = float(f.read_text().split("\n", 1)[0])
             except ValueError:
                 pass
-    silent = [r for r in bad if r not in stamps]
+    silent = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in stamps]
     if silent:
         return silent[0]
-    return min(stamps, key=stamps.get) if stamps else bad[0]
+    return min(stamps, key=stamps.get)
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
-           collective_timeout_s: float = 60.0) -> list[Any]:
+           collective_timeout_s: float = 60.0, peer_grace_s: float = 0.0) -> list[Any]:
     """Run fn(rank, world_size, *args) on `world_size` forked gloo ranks; return their results.
 
     fn and its results must be picklable only for the results (fork shares fn itself).
-    Raises LaunchError when a rank fails or the job exceeds timeout_s.
+    Raises LaunchError when a rank fails or the job exceeds timeout_s. peer_grace_s > 0 leaves
+    the other ranks up to that long to notice the failure and exit by themselves (as they must
+    under torchrun or SLURM, where no parent kills them) before they are killed; LaunchError
+    then tells when each exited.
     """
     from . import cpu_backend
 
@@ -120,7 +128,17 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
                 codes = [p.exitcode for p in procs]
                 bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
                 if bad:
-                    failed = _first_failure(tmp, procs, bad)
+                    failed = _first_failure(tmp, procs)
+                    t_fail = time.monotonic()
+                    exit_at: dict[int, float] = {}
+                    while time.monotonic() - t_fail < peer_grace_s:
+                        for r, p in enumerate(procs):
+                            if r != failed and r not in exit_at and p.exitcode is not None:
+                                exit_at[r] = time.monotonic() - t_fail
+                        if len(exit_at) == world_size - 1:
+                            break
+                        time.sleep(0.02)
+                    killed = [r for r, p in enumerate(procs) if r != failed and p.exitcode is None]
                     break
                 if all(c == 0 for c in codes):
                     break
@@ -143,7 +161,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
             detail = err.read_text().split("\n", 1)[1] if err.exists() else (
                 f"exited with {'signal ' + str(-code) if code < 0 else 'code ' + str(code)} "
                 f"without a Python traceback")
-            raise LaunchError(f"rank {failed} of {world_size} failed: {detail}", rank=failed)
+            raise LaunchError(f"rank {failed} of {world_size} failed: {detail}", rank=failed,
+                              peer_exit_s=exit_at, killed=killed)
         out = []
         for r in range(world_size):
             with open(Path(tmp) / f"result.{r}", "rb") as f:

@@ -22,7 +22,8 @@ import queue
 import threading
 import time
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from . import cpu_backend
+from . import cpu_backend, faults
 from .expert_runtime import run_local_experts
 from .hetero_comm import _a2a, exchange_counts
 from .hetero_parallel_state import HeteroParallelState
@@ -50,10 +51,12 @@ class ZebraConfig:
 class _Stream:
     """A worker thread running one stream's collectives in FIFO order (as a CUDA stream would)."""
 
-    def __init__(self, name: str, recorder: TimelineRecorder | None):
+    def __init__(self, name: str, recorder: TimelineRecorder | None, failure: Future):
         self.name, self.recorder = name, recorder
+        self.failure = failure  # shared by a rank's streams: set by the first failed collective
         self.q: queue.Queue = queue.Queue()
         self.executed: list[Task] = []
+        self.failed: BaseException | None = None
         self.t = threading.Thread(target=self._loop, name=f"zebra-{name}", daemon=True)
         self.t.start()
 
@@ -63,11 +66,19 @@ class _Stream:
             if item is None:
                 return
             task, fn, fut = item
+            if self.failed is not None:
+                # After a failed collective every later one would pair with the wrong collective
+                # of the peers (gloo then aborts them on a size mismatch): issue nothing more.
+                fut.set_exception(self.failed)
+                continue
             t0 = time.perf_counter()
             try:
                 fut.set_result(fn())
             except BaseException as e:  # noqa: BLE001 - surfaced to the main thread by wait()
+                self.failed = e
                 fut.set_exception(e)
+                if not self.failure.done():
+                    self.failure.set_exception(e)
                 continue
             self.executed.append(task)
             if self.recorder is not None:
@@ -210,8 +221,18 @@ class ZebraExecutor:
 
     # ---- the loop ------------------------------------------------------------------------
     def run(self, tasks: list[Task], compute: Callable[[Task], None]) -> None:
-        streams = {name: _Stream(name, self.recorder) for name in ("dispatch", "combine")}
+        failure: Future = Future()
+        streams = {name: _Stream(name, self.recorder, failure) for name in ("dispatch", "combine")}
         futures: dict[Task, Future] = {}
+
+        def wait(fut: Future) -> None:
+            # A failed collective on one stream can leave the other stream (and so `fut`) blocked
+            # on peers that wait for the failed one: wake up on either.
+            futures_wait([fut, failure], return_when=FIRST_COMPLETED)
+            if failure.done():
+                failure.result()
+            fut.result()
+
         L = self.hs.plan.num_layers
         try:
             self.meter.__enter__()
@@ -221,8 +242,9 @@ class ZebraExecutor:
                     continue
                 need = inputs(t, L)
                 if need is not None:
-                    futures[need].result()
+                    wait(futures[need])
                 t0 = time.perf_counter()
+                faults.checkpoint("task", repr(t))
                 compute(t)
                 if self.cfg.stretch is not None:
                     _sleep_until(t0 + self.cfg.stretch(t))
@@ -230,11 +252,18 @@ class ZebraExecutor:
                 if self.recorder is not None:
                     self.recorder.record("compute", t.kind, t.layer, t.microbatch, t0, time.perf_counter())
             for f in futures.values():
-                f.result()
-        finally:
-            self.meter.__exit__(None, None, None)
+                wait(f)
+        except BaseException:
+            # A stream may be blocked in a collective with a dead peer: do not join it (it is a
+            # daemon thread and its collective times out); let the error end the rank now.
+            for s in streams.values():
+                s.q.put(None)
+            raise
+        else:
             for s in streams.values():
                 s.close()
+        finally:
+            self.meter.__exit__(None, None, None)
         self.executed_streams = {k: s.executed for k, s in streams.items()}
 
 

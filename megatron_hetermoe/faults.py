@@ -1,0 +1,73 @@
+"""Fault injection for reliability tests: make one rank fail at a chosen point of a step.
+
+$HETERMOE_INJECT_FAULT="rank=R,site=SITE,at=N,mode=MODE" makes rank R fail at the N-th (0-based)
+occurrence of SITE on that rank:
+- site "exchange": any all-to-all between attention and expert ranks (dispatch, combine and their
+  gradients; forward and backward; DistEP and zebra; counts exchanges included);
+- site "task": a compute task of the zebra/DistEP task list (A_F, A_B, X_*, E_F, E_B).
+MODE "raise" raises FaultInjected (a Python error), "exit" ends the process at once (os._exit,
+like a crash or an OOM kill). Read once per process; costs one None check per site otherwise.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+ENV = "HETERMOE_INJECT_FAULT"
+SITES = ("exchange", "task")
+MODES = ("raise", "exit")
+
+
+class FaultInjected(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int
+    site: str
+    at: int
+    mode: str = "raise"
+
+    @classmethod
+    def parse(cls, text: str) -> "Fault":
+        try:
+            kv = dict(item.split("=", 1) for item in text.split(",") if item)
+            f = cls(int(kv["rank"]), kv["site"], int(kv["at"]), kv.get("mode", "raise"))
+        except (KeyError, ValueError) as e:
+            raise ValueError(f"${ENV}={text!r} is malformed ({e}); use rank=R,site=SITE,at=N[,mode=MODE]") from None
+        if f.site not in SITES or f.mode not in MODES or f.at < 0:
+            raise ValueError(f"${ENV}={text!r}: site must be one of {SITES}, mode one of {MODES}, at >= 0")
+        return f
+
+    def env(self) -> str:
+        return f"rank={self.rank},site={self.site},at={self.at},mode={self.mode}"
+
+
+_fault: Fault | None = None
+_counts = {s: 0 for s in SITES}
+_loaded = False
+
+
+def _load() -> None:
+    global _fault, _loaded
+    _loaded = True
+    text = os.environ.get(ENV)
+    if text:
+        f = Fault.parse(text)
+        if f.rank == int(os.environ.get("RANK", "-1")):
+            _fault = f
+
+
+def checkpoint(site: str, what: str = "") -> None:
+    """Called at every occurrence of `site`; fails here if this is the injected point."""
+    if not _loaded:
+        _load()
+    if _fault is None or _fault.site != site:
+        return
+    n = _counts[site]
+    _counts[site] = n + 1
+    if n == _fault.at:
+        if _fault.mode == "exit":
+            os._exit(17)
+        raise FaultInjected(f"injected fault on rank {_fault.rank} at {site} #{n} ({what})")
