@@ -52,6 +52,24 @@ class DataConfig:
         return build_tokenizer(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file,
                                self.vocab_size)
 
+    def check_files(self) -> None:
+        from megatron.core.datasets.utils import get_blend_from_list
+
+        for prefix in get_blend_from_list(list(self.data_path))[0]:
+            for ext in (".bin", ".idx"):
+                if not Path(prefix + ext).is_file():
+                    raise FileNotFoundError(
+                        f"--data-path {prefix}: {prefix + ext} does not exist; give the prefix without .bin/.idx, "
+                        f"as written by scripts/preprocess_data.py --output-prefix P (P_text_document)"
+                    )
+
+    def check(self, model) -> None:
+        """Before any rank starts: the files exist and the model's vocab covers the tokenizer's."""
+        if self.data_path is None:
+            return
+        check_vocab(self.tokenizer().vocab_size, model.vocab_size, model.name)
+        self.check_files()
+
 
 class MicrobatchSource(Protocol):
     def microbatch(self, step: int, microbatch: int, micro_batch_size: int, global_batch_size: int) -> dict: ...
@@ -97,13 +115,7 @@ def build_gpt_dataset(data: DataConfig, seq_length: int, seed: int, num_samples:
     from megatron.core.datasets.utils import get_blend_from_list
 
     tokenizer = tokenizer or data.tokenizer()
-    for prefix in get_blend_from_list(list(data.data_path))[0]:
-        for ext in (".bin", ".idx"):
-            if not Path(prefix + ext).is_file():
-                raise FileNotFoundError(
-                    f"--data-path {prefix}: {prefix + ext} does not exist; give the prefix without .bin/.idx, "
-                    f"as written by scripts/preprocess_data.py --output-prefix P (P_text_document)"
-                )
+    data.check_files()
     blend = get_blend_from_list(list(data.data_path))
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=blend,
@@ -166,12 +178,16 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eod-mask-loss", action="store_true", help="mask the loss at end-of-document tokens")
 
 
-def data_config_from_args(a: argparse.Namespace) -> DataConfig:
+def data_config_from_args(a: argparse.Namespace, model=None) -> DataConfig:
+    """The DataConfig of these flags; checked against `model` (a ModelConfig) when given."""
     if a.mock_data and a.data_path:
         raise ValueError("--mock-data and --data-path both given: pick one")
-    return DataConfig(
+    data = DataConfig(
         data_path=tuple(a.data_path) if a.data_path else None, split=a.split, tokenizer_type=a.tokenizer_type,
         tokenizer_model=a.tokenizer_model, vocab_file=a.vocab_file, merge_file=a.merge_file,
         # --vocab-size is pretrain_gpt's (Megatron's NullTokenizer size); `hetermoe train` has none
         vocab_size=getattr(a, "vocab_size", None), data_cache_path=a.data_cache_path, eod_mask_loss=a.eod_mask_loss,
     )
+    if model is not None:
+        data.check(model)
+    return data

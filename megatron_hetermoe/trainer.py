@@ -344,7 +344,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         log_interval=a.log_interval, check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
         save=a.save, load=a.load, save_interval=a.save_interval, ckpt_step=a.ckpt_step,
         ckpt_reshard=a.hetero_ckpt_reshard, emulate=emulation_from_args(a),
-        data=data_config_from_args(a),
+        data=data_config_from_args(a, model),
     )
 
 

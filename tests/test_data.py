@@ -132,3 +132,16 @@ def test_train_on_real_text_plain_and_hetero_agree(docs_dataset):
 def test_corpus_jsonl_is_megatron_loose_json(tmp_path):
     path = write_jsonl(["a\nb", "c"], tmp_path / "x.jsonl")
     assert [json.loads(line) for line in path.read_text().splitlines()] == [{"text": "a\nb"}, {"text": "c"}]
+
+
+def test_hetermoe_train_refuses_bad_data_before_launch(docs_dataset, capsys):
+    from megatron_hetermoe.trainer import main
+
+    flags = ["--nproc", "2", "--data-path", docs_dataset["data_path"], "--tokenizer-type", "HuggingFaceTokenizer",
+             "--tokenizer-model", docs_dataset["tokenizer_model"]]
+    with pytest.raises(SystemExit) as e:
+        main(["--model", "tiny", *flags])
+    assert e.value.code == 2 and "the tokenizer has 1024 tokens but model 'tiny' has vocab_size=256" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny-text", "--mock-data", *flags])
+    assert "--mock-data and --data-path both given" in capsys.readouterr().err

@@ -95,7 +95,8 @@ def test_shellcheck(mixed_plan, tmp_path):
     r = _launch(["--dry-run", "--plan", str(mixed_plan), "--gpus-per-node", "4", "--", "--model", "tiny"], tmp_path)
     assert r.returncode == 0, r.stderr
     scripts = [str(p) for p in sorted(SLURM.glob("*.sh"))] + [str(p) for p in tmp_path.glob("hetermoe-*.sbatch")]
-    assert len(scripts) >= 3
+    scripts += [str(p) for p in sorted((ROOT / "patches").glob("*.sh"))]
+    assert len(scripts) >= 4
     c = subprocess.run([_shellcheck(), "--severity=style", *scripts], capture_output=True, text=True)
     assert c.returncode == 0, c.stdout + c.stderr
 
