@@ -47,6 +47,7 @@ class TrainConfig:
     emulate: object | None = None  # emulation.EmulationSpec: time every task as on an emulated cluster
     log_interval: int = 1
     quiet: bool = False
+    progress_bar: bool = False  # prefix iteration lines with a bar (the demo)
     data: DataConfig = field(default_factory=DataConfig)  # no data_path: mock data (data.py)
     # Megatron's --check-for-nan-in-loss-and-grad: "stop" (its default), "skip" or "off" (nan_check.py).
     check_for_nan_in_loss_and_grad: str = "stop"
@@ -273,7 +274,11 @@ def format_iteration(it: int, cfg: TrainConfig, dt: float, lr, loss: float, grad
     """A Megatron-style iteration line."""
     tokens = cfg.global_batch_size * cfg.model.seq_length
     gn = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
-    return (f" iteration {it:>8}/{cfg.train_iters:>8} | consumed samples: {it * cfg.global_batch_size:>10} | "
+    bar = ""
+    if cfg.progress_bar:
+        done = round(20 * it / cfg.train_iters)
+        bar = f"[{'#' * done}{'.' * (20 - done)}] "
+    return (bar + f" iteration {it:>8}/{cfg.train_iters:>8} | consumed samples: {it * cfg.global_batch_size:>10} | "
             f"elapsed time per iteration (ms): {dt * 1000:.1f} | tokens/s: {tokens / dt:.0f} | "
             f"learning rate: {lr:.6E} | global batch size: {cfg.global_batch_size:>5} | "
             f"lm loss: {loss:.6E} | grad norm: {gn} |")
