@@ -29,7 +29,11 @@ def parser_flags(checkout: Path) -> list[str]:
     if not (checkout / "megatron" / "training" / "arguments.py").exists():
         raise SystemExit(f"{checkout} has no megatron/training/arguments.py: pass a Megatron-LM checkout")
     sys.path.insert(0, str(checkout))  # the checkout's megatron/ (core and training) wins
-    from megatron.training.arguments import add_megatron_arguments
+    try:
+        from megatron.training.arguments import add_megatron_arguments
+    except ModuleNotFoundError as e:
+        raise SystemExit(f"importing Megatron-LM's megatron.training needs {e.name!r}: pip install --target DEPS "
+                         f"six regex pydantic triton, then PYTHONPATH=DEPS") from e
 
     p = argparse.ArgumentParser(add_help=False)
     add_megatron_arguments(p)
