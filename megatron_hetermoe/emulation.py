@@ -107,42 +107,90 @@ class Emulator:
 
     def install_ep_hooks(self, gpt, rank: int, ep_group_ranks: list[int], tokens_per_microbatch: float,
                          recorder=None) -> Callable[[], None]:
-        """Stretch one Megatron EP rank's modules to its emulated GPU type; returns an undo."""
+        """Time one plain Megatron EP rank as its emulated GPU; returns an undo.
+
+        The token all-to-alls are the sync points of an EP step, so time is set per segment
+        between them, as the simulator models it: (previous all-to-all or microbatch start ->
+        dispatch) = attention stage l, (dispatch -> combine) = this rank's experts of layer l, each
+        all-to-all = its transfer time, (last combine -> loss) = the head; backward mirrors it.
+        All real work of a segment (norms, router, permutes, the probabilities' all-to-all)
+        runs inside its emulated time instead of adding to it."""
         from megatron.core.transformer.moe import token_dispatcher as td
 
         from .planner.baselines import ep_a2a_time
 
         m, s, gpu, cost = self.model, self.spec.scale, self.gpu(rank), self.cost
         t = tokens_per_microbatch
-        d = len(ep_group_ranks)
-        per_expert = d * t * m.moe_router_topk / m.num_experts
         L = m.num_layers
-        handles = []
-        for i, layer in enumerate(gpt.decoder.layers):
-            # Stage i of the simulator (combine of layer i-1 + attention i + router i) is charged to
-            # attention i: in Megatron's layer order they run back to back on this rank.
-            fwd, bwd = cost.stage_time(gpu, i, t), cost.stage_time(gpu, i, t, True)
-            handles += stretch_module(layer.self_attention, fwd * s, bwd * s, ("A", i), recorder)
-            n_local = layer.mlp.num_local_experts
-            handles += stretch_module(layer.mlp.experts, n_local * cost.expert_time(gpu, per_expert) * s,
-                                      n_local * cost.expert_time(gpu, per_expert, True) * s, ("E", i), recorder)
-        handles += stretch_module(gpt.output_layer, cost.stage_time(gpu, L, t) * s, cost.stage_time(gpu, L, t, True) * s,
-                                  ("A", L), recorder)
-        a2a = ep_a2a_time(cost, self.cluster, ep_group_ranks, t) * s if d > 1 else 0.0
+        per_expert = len(ep_group_ranks) * t * m.moe_router_topk / m.num_experts
+        n_local = gpt.decoder.layers[0].mlp.num_local_experts
+        stage = [[cost.stage_time(gpu, i, t, b) * s for i in range(L + 1)] for b in (False, True)]
+        expert = [n_local * cost.expert_time(gpu, per_expert, b) * s for b in (False, True)]
+        a2a = ep_a2a_time(cost, self.cluster, ep_group_ranks, t) * s if len(ep_group_ranks) > 1 else 0.0
         hidden = gpt.config.hidden_size
+        clock = {"seg": 0.0, "calls": 0, "deadline": None, "bseg": 0.0, "bcall": 0.0}
+
+        def segment(kind: str, layer: int, start: float, dur: float) -> None:
+            sleep_until(start + dur)
+            if recorder is not None:
+                recorder.record("compute", kind, layer, -1, start, time.perf_counter())
+
+        def mb_start(mod, args):
+            clock.update(seg=time.perf_counter(), calls=0, deadline=None)
+
+        def bwd_call(layer: int, dispatch: bool):  # gradient of an all-to-all's output is ready
+            if dispatch:
+                segment("E_B", layer, clock["bseg"], expert[True])
+            else:
+                segment("A_B", layer + 1, clock["bseg"], stage[True][layer + 1])
+            clock["bcall"] = time.perf_counter()
+
+        def bwd_return():  # the reverse all-to-all produced the input's gradient
+            sleep_until(clock["bcall"] + a2a)
+            clock["bseg"] = time.perf_counter()
+
         orig = td.all_to_all
 
         def timed_all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None):
-            if input_.dim() != 2 or input_.shape[-1] != hidden:  # probabilities ride along for free
-                return orig(group, input_, output_split_sizes, input_split_sizes)
-            x = _Mark.apply(input_, lambda: time.sleep(a2a)) if input_.requires_grad else input_
-            t0 = time.perf_counter()
+            if input_.dim() != 2 or input_.shape[-1] != hidden:
+                # The probabilities ride in the dispatch's window.
+                out = orig(group, input_, output_split_sizes, input_split_sizes)
+                if clock["deadline"] is not None:
+                    sleep_until(clock["deadline"])
+                    clock.update(deadline=None, seg=time.perf_counter())
+                return out
+            k = clock["calls"]
+            clock["calls"] = k + 1
+            layer, dispatch = k // 2, k % 2 == 0
+            if dispatch:
+                segment("A_F", layer, clock["seg"], stage[False][layer])
+            else:
+                segment("E_F", layer, clock["seg"], expert[False])
+            t_call = time.perf_counter()
+            x = _Mark.apply(input_, bwd_return) if input_.requires_grad else input_
             out = orig(group, x, output_split_sizes, input_split_sizes)
-            time.sleep(a2a)
+            if dispatch:
+                clock["deadline"] = t_call + a2a
+            else:
+                sleep_until(t_call + a2a)
+                clock["seg"] = time.perf_counter()
             if recorder is not None:
-                recorder.record("dispatch", "A2A", -1, -1, t0, time.perf_counter())
-            return out
+                recorder.record("dispatch" if dispatch else "combine", "D_F" if dispatch else "C_F", layer, -1,
+                                t_call, time.perf_counter())
+            return _Mark.apply(out, lambda: bwd_call(layer, dispatch)) if out.requires_grad else out
 
+        def head_done(mod, args, out):
+            segment("A_F", L, clock["seg"], stage[False][L])
+            first = out[0] if isinstance(out, tuple) else out
+            first = _Mark.apply(first, lambda: clock.update(bseg=time.perf_counter()))
+            return (first,) + tuple(out[1:]) if isinstance(out, tuple) else first
+
+        def embedding_done(mod, args, out):
+            return _Mark.apply(out, lambda: segment("A_B", 0, clock["bseg"], stage[True][0]))
+
+        handles = [gpt.embedding.register_forward_pre_hook(mb_start),
+                   gpt.embedding.register_forward_hook(embedding_done),
+                   gpt.output_layer.register_forward_hook(head_done)]
         td.all_to_all = timed_all_to_all
 
         def undo():
@@ -168,39 +216,6 @@ class _Mark(torch.autograd.Function):
     def backward(ctx, g):
         ctx.cb()
         return g, None
-
-
-def stretch_module(module: torch.nn.Module, fwd_s: float, bwd_s: float, tag: tuple, recorder=None) -> list:
-    """Make every forward of `module` last at least fwd_s and its backward at least bwd_s."""
-    calls: list[dict] = []
-
-    def on_bwd_start(call):
-        call["b0"] = time.perf_counter()
-
-    def on_bwd_end(call):
-        sleep_until(call["b0"] + bwd_s)
-        if recorder is not None:
-            recorder.record("compute", f"{tag[0]}_B", tag[1], -1, call["b0"], time.perf_counter())
-
-    def pre(mod, args):
-        call = {"t0": time.perf_counter()}
-        calls.append(call)
-        if args and torch.is_tensor(args[0]) and args[0].requires_grad:
-            args = (_Mark.apply(args[0], lambda: on_bwd_end(call)),) + tuple(args[1:])
-        return args
-
-    def post(mod, args, out):
-        call = calls.pop()
-        sleep_until(call["t0"] + fwd_s)
-        if recorder is not None:
-            recorder.record("compute", f"{tag[0]}_F", tag[1], -1, call["t0"], time.perf_counter())
-        first = out[0] if isinstance(out, tuple) else out
-        if torch.is_tensor(first) and first.requires_grad:
-            first = _Mark.apply(first, lambda: on_bwd_start(call))
-            out = (first,) + tuple(out[1:]) if isinstance(out, tuple) else first
-        return out
-
-    return [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
 
 
 def emulation_real_model(emulated: str | ModelConfig, hidden: int = 64, seq_length: int = 32) -> ModelConfig:

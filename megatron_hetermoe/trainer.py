@@ -172,8 +172,15 @@ def train(cfg: TrainConfig) -> dict:
         config.no_sync_func = model.no_sync
         recorder = TimelineRecorder(dist.get_rank(), "ep")
         post_step_s = 0.0
+        post_start = [0.0]
         if cfg.emulate is not None:
             emu_undo, post_step_s = _install_ep_emulation(cfg, module, nmb, recorder)
+
+            def finalize_timed(*a, **kw):  # the emulated post-step starts with the grad all-reduce
+                post_start[0] = time.perf_counter()
+                return finalize_model_grads(*a, **kw)
+
+            config.finalize_model_grads_func = finalize_timed
 
         data = make_data(cfg)
         dp_rank = ps.get_data_parallel_rank()
@@ -201,14 +208,13 @@ def train(cfg: TrainConfig) -> dict:
             if cfg.collect_grads:
                 grads.append(gather_canonical([model], [model_names], "main_grad"))
             lr_used = optimizer.param_groups[0]["lr"]
-            t_sync = time.perf_counter()  # finalize_model_grads' all-reduce just synced the ranks
             if skip:  # Megatron's skipped iteration: no update, no LR step
                 grad_norm = None
             else:
                 ok, grad_norm, _ = optimizer.step()
                 scheduler.step(increment=1)
             if cfg.emulate is not None:  # gradient all-reduce + optimizer on the emulated GPUs
-                sleep_until(t_sync + post_step_s)
+                sleep_until(post_start[0] + post_step_s)
             # lm loss: token-weighted over microbatches and DP ranks, known on the last stage.
             tot = torch.zeros(2)
             if ps.is_pipeline_last_stage():
