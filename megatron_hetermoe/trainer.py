@@ -24,6 +24,7 @@ from .emulation import sleep_until
 from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, transformer_config
 from .model_config import ModelConfig
 from .nan_check import NanGuard
+from .step_log import StepLogger
 from .timeline import TimelineRecorder
 
 
@@ -48,6 +49,7 @@ class TrainConfig:
     log_interval: int = 1
     quiet: bool = False
     progress_bar: bool = False  # prefix iteration lines with a bar (the demo)
+    tensorboard_dir: str | None = None  # Megatron's --tensorboard-dir: scalars from the first rank
     data: DataConfig = field(default_factory=DataConfig)  # no data_path: mock data (data.py)
     # Megatron's --check-for-nan-in-loss-and-grad: "stop" (its default), "skip" or "off" (nan_check.py).
     check_for_nan_in_loss_and_grad: str = "stop"
@@ -171,6 +173,7 @@ def train(cfg: TrainConfig) -> dict:
         config.grad_scale_func = optimizer.scale_loss
         config.no_sync_func = model.no_sync
         recorder = TimelineRecorder(dist.get_rank(), "ep")
+        steplog = StepLogger(cfg, "ep", recorder, dist.group.WORLD, dist.get_rank() == 0)
         post_step_s = 0.0
         post_start = [0.0]
         if cfg.emulate is not None:
@@ -224,8 +227,7 @@ def train(cfg: TrainConfig) -> dict:
             loss = (tot[0] / tot[1]).item()
             losses.append(loss)
             step_times.append(time.perf_counter() - t0)
-            if not cfg.quiet and dist.get_rank() == 0 and (it + 1) % cfg.log_interval == 0:
-                print(format_iteration(it + 1, cfg, step_times[-1], lr_used, loss, grad_norm), flush=True)
+            steplog.log(it + 1, step_times[-1], lr_used, loss, grad_norm)
             ckpt.after_step(it + 1)
         ckpt.finish(max(start, cfg.train_iters))
         params = gather_canonical([model], [model_names], "data") if cfg.collect_grads else None
@@ -311,6 +313,7 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--deterministic-mode", action="store_true")
     p.add_argument("--log-interval", type=int, default=1)
+    p.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here (first rank)")
     p.add_argument("--moe-aux-loss-coeff", type=float, default=None)
     add_data_args(p)
     p.add_argument("--save", default=None, help="directory to save checkpoints to")
@@ -352,7 +355,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         train_iters=a.train_iters, lr=a.lr, min_lr=a.min_lr, lr_warmup_iters=a.lr_warmup_iters,
         weight_decay=a.weight_decay, clip_grad=a.clip_grad, seed=a.seed,
         use_distributed_optimizer=a.use_distributed_optimizer, deterministic=a.deterministic_mode,
-        log_interval=a.log_interval, check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
+        log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir, check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
         save=a.save, load=a.load, save_interval=a.save_interval, ckpt_step=a.ckpt_step,
         ckpt_reshard=a.hetero_ckpt_reshard, emulate=emulation_from_args(a),
         data=data_config_from_args(a, model),
