@@ -5,25 +5,12 @@ megatron-core's torch requirement to a multi-GB CUDA build.
 """
 from setuptools import find_packages, setup
 
-try:
-    from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import Pybind11Extension, build_ext  # a build requirement (pyproject.toml)
 
-    ext_modules = [
-        Pybind11Extension(
-            "megatron_hetermoe._csim",
-            ["csrc/simulator.cpp"],
-            cxx_std=17,
-            extra_compile_args=["-O3"],
-        )
-    ]
-    cmdclass = {"build_ext": build_ext}
-except ImportError:  # pybind11 missing: the pure-Python simulator is used
-    ext_modules, cmdclass = [], {}
-
-import os
-
-if not os.path.exists("csrc/simulator.cpp"):
-    ext_modules = []
+# The planner's simulator core; the pure-Python simulator stays as the reference.
+ext_modules = [Pybind11Extension("megatron_hetermoe._csim", ["csrc/simulator.cpp"], cxx_std=17,
+                                 extra_compile_args=["-O3"])]
+cmdclass = {"build_ext": build_ext}
 
 setup(
     name="megatron-hetermoe",

@@ -87,6 +87,7 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
     real = emulation_real_model(emulated)
     tokens = global_batch * seq_len
     rows: list[Row] = []
+    unfit: dict[str, str] = {}  # strategies that do not fit in the emulated GPUs' memory
 
     def tps(measured: float) -> float:
         return tokens / (measured / scale)
@@ -109,6 +110,9 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
                 "schedule": schedule}))
         elif name == "Megatron EP":
             pred = em.predict_ep()
+            if not pred.fits:
+                unfit[name] = pred.reason
+                continue
             d, r_mb = pred.detail["ep_size"], pred.detail["microbatches"]
             cfg = TrainConfig(real, ParallelConfig(ep=d), micro_batch_size=1, global_batch_size=r_mb * W,
                               train_iters=steps, quiet=True, emulate=spec)
@@ -136,6 +140,9 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
                 util[gpu] = sum(out["busy_s"]) / len(ranks) / m
                 det[gpu] = {"ranks": len(ranks), "ep_size": d, "microbatches": r_mb, "measured_step_s": m,
                             "predicted_step_s": pred.step_time_s * scale}
+            if total == 0:
+                unfit[name] = f"no GPU type fits the model alone: {det}"
+                continue
             rows.append(Row(name, tokens / total * scale, tokens / pred_total * scale, total, util, det))
     by = {r.name: r for r in rows}
     ratios = {}
@@ -148,7 +155,7 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
             "strategies": {r.name: {"measured_step_s": r.measured_step_s, "predicted_step_s": r.predicted_step_s,
                                     "tokens_per_s": r.tokens_per_s, "prediction_error": r.error,
                                     "utilization": r.utilization, "detail": r.detail} for r in rows},
-            "hetermoe_speedup": ratios}
+            "hetermoe_speedup": ratios, "does_not_fit": unfit}
 
 
 def format_report(rep: dict) -> str:
@@ -161,6 +168,8 @@ def format_report(rep: dict) -> str:
         util = " ".join(f"{g}={u:.0%}" for g, u in sorted(r["utilization"].items()))
         lines.append(f"{name:<18} {r['measured_step_s']:>10.3f} {r['predicted_step_s']:>11.3f} "
                      f"{r['prediction_error']:>+7.1%} {r['tokens_per_s']:>10.0f}  {util}")
+    for name, why in rep.get("does_not_fit", {}).items():
+        lines.append(f"{name:<18} does not fit: {why}")
     for name, x in rep["hetermoe_speedup"].items():
         lines.append(f"{HETERMOE} / {name}: {x:.2f}x tokens/s")
     return "\n".join(lines)
