@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from functools import partial
 
-import torch
 
 from .hetero_parallel_state import HeteroParallelState
 from .planner.schedule_tasks import distep_tasks, zebra_tasks

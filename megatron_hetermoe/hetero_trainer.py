@@ -24,7 +24,7 @@ from .plan import HeteroPlan, PlanError
 from .emulation import sleep_until
 from .step_log import StepLogger
 from .timeline import TimelineRecorder
-from .trainer import TrainConfig, last_step_busy, format_iteration, forward_step
+from .trainer import TrainConfig, build_optimizer, forward_step, last_step_busy
 
 
 @contextmanager
@@ -66,8 +66,6 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
     """Train on the current world with `plan` (schedule: the plan's, or "distep"/"zebra").
     With run_dir, each rank writes its timeline there (hetermoe timeline RUN_DIR)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from .hetero_schedules import get_forward_backward_func
 
     from .expert_runtime import ExpertRuntime
@@ -122,18 +120,8 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
             guard = NanGuard(cfg.check_for_nan_in_loss_and_grad, [model],
                              {p: names[n] for n, p in module.named_parameters()}, hs.rank, hs.role,
                              hs.world_group, cfg.nan_injection)
-            opt_config = OptimizerConfig(
-                optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-                adam_beta1=0.9, adam_beta2=0.95, clip_grad=0.0,  # clipped here on the global norm
-                bf16=False, fp16=False, params_dtype=torch.float32, use_distributed_optimizer=False,
-            )
-            optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False, pg_collection=pgc)
-            scheduler = OptimizerParamScheduler(
-                optimizer, init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
-                lr_warmup_steps=cfg.lr_warmup_iters, lr_decay_steps=max(cfg.train_iters, 1),
-                lr_decay_style="cosine", start_wd=cfg.weight_decay, end_wd=cfg.weight_decay,
-                wd_incr_steps=max(cfg.train_iters, 1), wd_incr_style="constant",
-            )
+            # clip_grad=0: clipped here on the global norm of both sides.
+            optimizer, scheduler = build_optimizer(cfg, model, 0.0, False, pg_collection=pgc)
             if hs.role == "attention":
                 config.finalize_model_grads_func = lambda m, n=None, pg_collection=None, force_all_reduce=False: \
                     finalize_model_grads(m, n, pg_collection=pgc, force_all_reduce=force_all_reduce)

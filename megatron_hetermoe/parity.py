@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 from dataclasses import dataclass
 
@@ -67,7 +66,6 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
                recompute: bool = False, init_state: dict | None = None) -> ParityReport:
     """init_state: start both sides from this plain Megatron state dict (canonical names)
     instead of the seed's layout-invariant init, e.g. weights crafted to force a routing."""
-    from .hetero_trainer import train_hetero
     from .launcher import launch
     from .trainer import run
 

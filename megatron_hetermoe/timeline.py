@@ -12,7 +12,6 @@ import argparse
 import json
 import sys
 import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 

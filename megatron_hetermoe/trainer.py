@@ -8,12 +8,10 @@ Megatron-style flags and starts CPU ranks with the launcher (or joins a torchrun
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -114,8 +112,6 @@ def train(cfg: TrainConfig) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -141,7 +137,6 @@ def train(cfg: TrainConfig) -> dict:
         nmb = cfg.num_microbatches(dp)
         mcfg = cfg.model
         config = transformer_config(mcfg, par, deterministic_mode=cfg.deterministic)
-        pp_rank = ps.get_pipeline_model_parallel_rank()
         module = build_gpt(mcfg, config, pre_process=ps.is_pipeline_first_stage(),
                            post_process=ps.is_pipeline_last_stage())
         names = canonical_names(module)
@@ -157,18 +152,7 @@ def train(cfg: TrainConfig) -> dict:
         guard = NanGuard(cfg.check_for_nan_in_loss_and_grad, [model], {p: names[n] for n, p in module.named_parameters()},
                          dist.get_rank(), "ep", injection=cfg.nan_injection)
         model_names = {f"module.{k}": v for k, v in names.items()}
-        opt_config = OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-            adam_beta1=0.9, adam_beta2=0.95, clip_grad=cfg.clip_grad, bf16=False, fp16=False,
-            params_dtype=torch.float32, use_distributed_optimizer=cfg.use_distributed_optimizer,
-        )
-        optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False)
-        scheduler = OptimizerParamScheduler(
-            optimizer, init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
-            lr_warmup_steps=cfg.lr_warmup_iters, lr_decay_steps=max(cfg.train_iters, 1), lr_decay_style="cosine",
-            start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=max(cfg.train_iters, 1),
-            wd_incr_style="constant",
-        )
+        optimizer, scheduler = build_optimizer(cfg, model, cfg.clip_grad, cfg.use_distributed_optimizer)
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = optimizer.scale_loss
         config.no_sync_func = model.no_sync
@@ -276,6 +260,28 @@ def _install_ep_emulation(cfg: TrainConfig, module, nmb: int, recorder):
     ep_ranks = [ranks[r] for r in dist.get_process_group_ranks(ps.get_expert_model_parallel_group())]
     undo = em.install_ep_hooks(module, ranks[dist.get_rank()], ep_ranks, pred.detail["tokens_per_microbatch"], recorder)
     return undo, em.ep_post_step(pred)
+
+
+def build_optimizer(cfg: TrainConfig, model, clip_grad: float, use_distributed_optimizer: bool,
+                    pg_collection=None):
+    """Megatron's Adam and its cosine LR schedule, as both trainers use them."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    opt_config = OptimizerConfig(
+        optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
+        adam_beta1=0.9, adam_beta2=0.95, clip_grad=clip_grad, bf16=False, fp16=False,
+        params_dtype=torch.float32, use_distributed_optimizer=use_distributed_optimizer,
+    )
+    kw = {} if pg_collection is None else {"pg_collection": pg_collection}
+    optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False, **kw)
+    steps = max(cfg.train_iters, 1)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
+        lr_warmup_steps=cfg.lr_warmup_iters, lr_decay_steps=steps, lr_decay_style="cosine",
+        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=steps, wd_incr_style="constant",
+    )
+    return optimizer, scheduler
 
 
 def format_iteration(it: int, cfg: TrainConfig, dt: float, lr, loss: float, grad_norm) -> str:

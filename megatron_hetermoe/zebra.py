@@ -28,14 +28,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from . import cpu_backend, faults
 from .expert_runtime import run_local_experts
 from .hetero_comm import _a2a, exchange_counts
 from .hetero_parallel_state import HeteroParallelState
-from .planner.schedule_tasks import Task, inputs, tasks_for_rank
+from .planner.schedule_tasks import Task, inputs
 from .timeline import TimelineRecorder
 
 
@@ -328,16 +327,10 @@ class AttentionZebra:
 
     def _stage(self, s: int, j: int, batch: dict, rope, leaves: tuple):
         """Forward of attention stage s (0..L-1): returns (permuted, residual, probs)."""
-        L = len(self.layers)
         if s == 0:
             hidden = self.gpt.embedding(input_ids=batch["tokens"], position_ids=batch["position_ids"])
         else:
-            combined, residual, probs = leaves
-            prev = self.layers[s - 1]
-            disp = prev.mlp.token_dispatcher
-            disp.state = dict(self.ex.mb(s - 1, j).disp, probs=probs)
-            out = disp.combine_postprocess(combined)
-            hidden = prev._forward_post_mlp((out, None), residual)
+            hidden = self._combine(s - 1, j, leaves)
         layer = self.layers[s]
         hidden, _ = layer._forward_attention(hidden, attention_mask=None, rotary_pos_emb=rope)
         pre = layer._forward_pre_mlp_layernorm(hidden)
@@ -347,14 +340,18 @@ class AttentionZebra:
         permuted, probs_o = layer.mlp.preprocess(pre, probs, routing_map)
         return permuted, hidden, probs_o
 
-    def _head(self, j: int, batch: dict, rope, leaves: tuple):
-        L = len(self.layers)
+    def _combine(self, layer: int, j: int, leaves: tuple):
+        """Combine of `layer` for microbatch j: unpermute with the routing probabilities, then
+        the MLP's bias-dropout-add onto the residual."""
         combined, residual, probs = leaves
-        prev = self.layers[L - 1]
+        prev = self.layers[layer]
         disp = prev.mlp.token_dispatcher
-        disp.state = dict(self.ex.mb(L - 1, j).disp, probs=probs)
+        disp.state = dict(self.ex.mb(layer, j).disp, probs=probs)
         out = disp.combine_postprocess(combined)
-        hidden = prev._forward_post_mlp((out, None), residual)
+        return prev._forward_post_mlp((out, None), residual)
+
+    def _head(self, j: int, batch: dict, rope, leaves: tuple):
+        hidden = self._combine(len(self.layers) - 1, j, leaves)
         hidden = self.gpt.decoder.final_layernorm(hidden)
         return self.gpt._postprocess(hidden_states=hidden, input_ids=batch["tokens"], position_ids=batch["position_ids"],
                                      labels=batch["labels"], rotary_pos_emb=rope, rotary_pos_cos=None,
