@@ -6,9 +6,8 @@ import math
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-import yaml
 
-from .paths import resolve_config
+from .paths import read_yaml_mapping, resolve_config
 
 
 class ModelConfigError(ValueError):
@@ -63,13 +62,7 @@ class ModelConfig:
     @classmethod
     def load(cls, path_or_name: str | Path) -> "ModelConfig":
         path = resolve_config(str(path_or_name), "models")
-        try:
-            raw = yaml.safe_load(path.read_text())
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ModelConfigError(f"{path}: not valid YAML ({e})") from None
-        raw = {} if raw is None else raw
-        if not isinstance(raw, dict):
-            raise ModelConfigError(f"{path}: a model config is a YAML mapping of fields, got {type(raw).__name__}")
+        raw = read_yaml_mapping(path, "model config", ModelConfigError)
         names = {f.name for f in fields(cls)}
         unknown = set(raw) - names
         if unknown:

@@ -23,3 +23,23 @@ def resolve_config(path_or_name: str, kind: str) -> Path:
     raise FileNotFoundError(
         f"{kind} config {path_or_name!r} not found: give a path to a YAML file or one of {known}"
     )
+
+
+def read_yaml(path: Path, error: type[Exception]):
+    """The parsed YAML file (None for an empty one); `error` names the file when it is not YAML."""
+    import yaml
+
+    try:
+        return yaml.safe_load(Path(path).read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid YAML ({e})") from None
+
+
+def read_yaml_mapping(path: Path, what: str, error: type[Exception]) -> dict:
+    """A YAML file holding a mapping of fields (an empty file is an empty mapping)."""
+    raw = read_yaml(path, error)
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise error(f"{path}: a {what} is a YAML mapping of fields, got {type(raw).__name__}")
+    return raw
+

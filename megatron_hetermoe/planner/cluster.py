@@ -20,9 +20,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
 
-from ..paths import resolve_config
+from ..paths import read_yaml, resolve_config
 from .profiles import GpuProfile
 
 MAX_RANKS = 1 << 17  # far above any cluster we plan for; keeps a typo (nodes: 1e9) from eating memory
@@ -73,10 +72,7 @@ class Cluster:
         from .profiles import known_gpu_types
 
         path = resolve_config(str(path_or_name), "clusters")
-        try:
-            raw = yaml.safe_load(path.read_text())
-        except (yaml.YAMLError, UnicodeDecodeError) as e:
-            raise ClusterError(f"{path}: not valid YAML ({e})") from None
+        raw = read_yaml(path, ClusterError)
         if not isinstance(raw, dict) or not isinstance(raw.get("node_groups"), list) or not raw["node_groups"]:
             raise ClusterError(f"{path}: a cluster is a YAML mapping with a non-empty node_groups list "
                                f"(see configs/clusters/o1.yaml)")

@@ -26,7 +26,7 @@ import math
 
 import yaml
 
-from ..paths import config_dir, resolve_config
+from ..paths import config_dir, read_yaml_mapping, resolve_config
 
 SOURCE_TAGS = ("datasheet", "paper-ratio", "measured", "estimate")
 
@@ -112,14 +112,7 @@ _FRACTIONS = ("gemm_efficiency", "attention_core_efficiency", "usable_memory_fra
 
 
 def _read_yaml(path: Path) -> dict:
-    try:
-        raw = yaml.safe_load(path.read_text())
-    except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ProfileError(f"{path}: not valid YAML ({e})") from None
-    raw = {} if raw is None else raw
-    if not isinstance(raw, dict):
-        raise ProfileError(f"{path}: a GPU profile is a YAML mapping of fields, got {type(raw).__name__}")
-    return raw
+    return read_yaml_mapping(path, "GPU profile", ProfileError)
 
 
 def known_gpu_types() -> list[str]:
