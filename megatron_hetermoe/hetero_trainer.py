@@ -78,6 +78,9 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
             f"plan is for {plan.num_layers} layers x {plan.num_experts} experts but model {mcfg.name!r} has "
             f"{mcfg.num_layers} x {mcfg.num_experts}; make the plan with --model {mcfg.name}"
         )
+    if cfg.use_distributed_optimizer:
+        raise ValueError("use_distributed_optimizer is not supported by HeterMoE yet (each side steps Megatron's "
+                         "Adam on an exact global norm); set it False")
     schedule = schedule or plan.schedule
     emulator = None
     if cfg.emulate is not None:

@@ -118,6 +118,9 @@ def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str
         raise ConfigError("--hetero-plan replaces TP/PP/EP: leave --tensor/--pipeline/--expert-model-parallel-size at 1")
     if schedule is not None and schedule not in SCHEDULES:
         raise ConfigError(f"--hetero-schedule {schedule!r}: use one of {list(SCHEDULES)}")
+    if cfg.use_distributed_optimizer:
+        raise ConfigError("--use-distributed-optimizer with --hetero-plan is not supported yet (each side steps "
+                          "Megatron's Adam on an exact global norm); drop the flag")
     plan.validate(world_size=world, known_gpu_types=known_gpu_types())
     m = cfg.model
     if plan.num_layers != m.num_layers or plan.num_experts != m.num_experts:

@@ -125,6 +125,10 @@ CASES = [
     ("flags", "--expert-model-parallel-size with --hetero-plan",
      flags("--expert-model-parallel-size", "2", plan=PLAN), SystemExit,
      "--hetero-plan replaces TP/PP/EP: leave the model-parallel sizes at 1"),
+    ("flags", "--use-distributed-optimizer with --hetero-plan",
+     flags("--use-distributed-optimizer", "--global-batch-size", "4", plan=PLAN), ConfigError,
+     "--use-distributed-optimizer with --hetero-plan is not supported yet (each side steps Megatron's Adam on an "
+     "exact global norm); drop the flag"),
     ("flags", "--hetero-plan", flags("--hetero-plan", "/no/such/plan.json"), FileNotFoundError,
      "--hetero-plan: [Errno 2] No such file or directory"),
     # ---- model config YAML (configs/models/, --model)
