@@ -87,12 +87,9 @@ class ExpertRuntime(_megatron_module()):
     # ---- one layer, forward: the expert side of dispatch -> experts -> combine ---------
     def forward_layer(self, layer: int, hidden_size: int) -> torch.Tensor:
         hs = self.hs
-        order = hs.layer_order(layer)
-        mine = hs.local_experts(layer)
         n = len(hs.zp.members)
-        counts = exchange_counts(torch.zeros(len(order), dtype=torch.int64), hs.dispatch_group)
-        cols = [order.index(e) for e in mine]
-        local_counts = counts[:, cols]  # [src member, local expert]
+        counts = exchange_counts(torch.zeros(len(hs.layer_order(layer)), dtype=torch.int64), hs.dispatch_group)
+        local_counts = hs.received_counts(layer, counts)  # [src member, local expert]
         recv_splits = local_counts.sum(1).tolist()
         leaf = torch.empty(0, hidden_size, dtype=self.config.params_dtype, requires_grad=True)
         recv = exchange(leaf, recv_splits, [0] * n, hs.dispatch_group, hs.combine_group)

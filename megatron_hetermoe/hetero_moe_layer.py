@@ -35,7 +35,6 @@ class HeteroTokenDispatcher(MoETokenDispatcher):
         super().__init__(config=config, pg_collection=pg_collection)
         self.hs, self.layer = hs, layer
         self.order = hs.layer_order(layer)
-        self.mine = hs.local_experts(layer)
         # the k-th rank of comm_order holds the next sizes[k] experts of self.order
         sizes = [len(hs.zp.placement[layer].get(r, [])) for r in hs.comm_order]
         self.member_sizes = sizes
@@ -64,8 +63,7 @@ class HeteroTokenDispatcher(MoETokenDispatcher):
     def token_dispatch(self, hidden_states, probs):
         st, hs = self.state, self.hs
         counts = exchange_counts(st["per_expert"], hs.dispatch_group)
-        cols = [self.order.index(e) for e in self.mine]
-        st["local_counts"] = counts[:, cols]
+        st["local_counts"] = hs.received_counts(self.layer, counts)
         st["recv_splits"] = st["local_counts"].sum(1).tolist()
         recv = exchange(hidden_states, st["recv_splits"], st["send_splits"], hs.dispatch_group, hs.combine_group)
         return recv, None

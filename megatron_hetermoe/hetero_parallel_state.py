@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 from .plan import HeteroPlan, PlanError, Role, ZPGroup
@@ -61,6 +62,12 @@ class HeteroParallelState:
 
     def local_experts(self, layer: int) -> list[int]:
         return list(self.zp.placement[layer].get(self.rank, []))
+
+    def received_counts(self, layer: int, all_counts: torch.Tensor) -> torch.Tensor:
+        """[member, local expert] token counts this rank receives, from the counts exchange's
+        [member, expert in layer_order] result (no columns when it holds no expert)."""
+        order = self.layer_order(layer)
+        return all_counts[:, [order.index(e) for e in self.local_experts(layer)]]
 
     def pg_collection(self):
         """ProcessGroupCollection for megatron-core modules on this rank: every model-parallel

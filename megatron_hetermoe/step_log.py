@@ -21,9 +21,8 @@ class StepLogger:
             self.tb = SummaryWriter(cfg.tensorboard_dir)
 
     def utilization(self, step: int, dt: float) -> dict[str, float]:
-        busy = sum(e.end - e.start for e in self.recorder.events if e.step == step and e.lane == "compute")
         got = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(got, (self.role, busy), group=self.group)
+        dist.all_gather_object(got, (self.role, self.recorder.busy(step)), group=self.group)
         by: dict[str, list[float]] = {}
         for role, b in got:
             by.setdefault(role, []).append(b)

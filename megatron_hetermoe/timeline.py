@@ -42,6 +42,10 @@ class TimelineRecorder:
         with self._lock:
             self.events.append(Event(self.rank, self.role, lane, kind, layer, microbatch, start, end, self.step))
 
+    def busy(self, step: int) -> float:
+        """Seconds spent in compute tasks during `step`."""
+        return sum(e.end - e.start for e in self.events if e.step == step and e.lane == "compute")
+
     def save(self, run_dir: str | Path) -> Path:
         path = Path(run_dir) / f"timeline.rank{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -228,9 +228,8 @@ def last_step_busy(recorder, step: int, group) -> list[float]:
     """Seconds each rank spent in (emulated) compute during `step`, from its timeline."""
     import torch.distributed as dist
 
-    mine = sum(e.end - e.start for e in recorder.events if e.step == step and e.lane == "compute")
     out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, mine, group=group)
+    dist.all_gather_object(out, recorder.busy(step), group=group)
     return out
 
 

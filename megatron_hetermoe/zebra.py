@@ -31,6 +31,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import cpu_backend, faults
+from .emulation import sleep_until
 from .expert_runtime import run_local_experts
 from .hetero_comm import _a2a, exchange_counts
 from .hetero_parallel_state import HeteroParallelState
@@ -159,7 +160,7 @@ class ZebraExecutor:
         else:
             out = _a2a(send, outs, ins, group)
         nbytes = max(send.numel(), out.numel()) * send.element_size()
-        _sleep_until(started + self.cfg.transfer_time(task, nbytes))
+        sleep_until(started + self.cfg.transfer_time(task, nbytes))
         return out
 
     # ---- transfers (run on the stream threads; read the state when they run) -------------
@@ -181,12 +182,8 @@ class ZebraExecutor:
             else:
                 started = None
                 allc = exchange_counts(counts, hs.dispatch_group)
-            if self.holds(l):
-                order = hs.layer_order(l)
-                st.local_counts = allc[:, [order.index(e) for e in hs.local_experts(l)]]
-                st.recv_splits = st.local_counts.sum(1).tolist()
-            else:
-                st.recv_splits = zeros
+            st.local_counts = hs.received_counts(l, allc)
+            st.recv_splits = st.local_counts.sum(1).tolist()  # zeros for a rank holding no expert
             st.recv_tokens = self._timed_a2a(task, send, st.recv_splits, send_splits, hs.dispatch_group, started)
 
         def c_f():
@@ -246,7 +243,7 @@ class ZebraExecutor:
                 faults.checkpoint("task", repr(t))
                 compute(t)
                 if self.cfg.stretch is not None:
-                    _sleep_until(t0 + self.cfg.stretch(t))
+                    sleep_until(t0 + self.cfg.stretch(t))
                 self.executed.append(t)
                 if self.recorder is not None:
                     self.recorder.record("compute", t.kind, t.layer, t.microbatch, t0, time.perf_counter())
@@ -307,12 +304,6 @@ def _in_device_scope(fn):
             return fn(*a)
 
     return wrapped
-
-
-def _sleep_until(deadline: float) -> None:
-    left = deadline - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
 
 
 class AttentionZebra:
