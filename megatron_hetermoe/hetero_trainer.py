@@ -151,6 +151,8 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
             start = ckpt.resume()
             for it in range(start, cfg.train_iters):
                 guard.start(it)  # a resumed run starts past 0
+                if cfg.pin_params is not None:
+                    load_params(module, megatron_to_hetero(cfg.pin_params[it], plan, hs.rank))
                 t0 = time.perf_counter()
                 recorder.step = it
                 model.zero_grad_buffer()

@@ -9,6 +9,7 @@ final weights are exported back (layout.hetero_to_megatron) for comparison.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -21,8 +22,21 @@ from .model_config import ModelConfig
 from .plan import HeteroPlan
 from .trainer import TrainConfig
 
-LOSS_TOL = 1e-5
-GRAD_TOL = 1e-4
+# Tolerances at identical parameters (both sides' gradients of step i are taken at the
+# reference's parameters before step i), from measurement: the worst case over the test matrix
+# (1+1, 2+2, 1+3, 3+1, 2x(2+2); distep and zebra, R in 1..8) and ATEN_CPU_CAPABILITY
+# default/avx2/avx512 was loss 1.8e-7 (two fp32 ulps) and gradients 7.0e-7 relative (README,
+# "Parity"); each bound keeps >= 5x above it.
+LOSS_TOL = 1e-6
+GRAD_TOL = 1e-5
+# The free-running trajectory (each side steps from its own parameters) drifts apart: Adam's
+# m / sqrt(v) turns round-off in a near-zero gradient element into an update of up to lr, so
+# final weights differ by up to ~lr / max|w| per element after a few steps; losses drift far
+# less. Measured worst 1.1e-3 (weights) and 1.8e-7 (losses) over the same
+# matrix; reported, with their own bounds.
+FREE_RUN_PARAM_TOL = 1e-2
+FREE_RUN_LOSS_TOL = 1e-5
+CATEGORIES = ("embedding/output", "attention", "router", "experts")
 
 
 def category(name: str) -> str:
@@ -42,17 +56,65 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else (0.0 if num == 0 else math.inf)
 
 
+def max_rel_loss_diff(got: list[float], want: list[float]) -> float:
+    """Largest per-step |got - want| / |want| (the runs must have as many steps)."""
+    if len(got) != len(want):
+        raise AssertionError(f"{len(got)} losses against {len(want)}")
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want))
+
+
+def diff_by_category(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
+                     scale: str = "tensor") -> dict[str, float]:
+    """Per category, the largest |got - want| over its tensors, relative to max |want| of the
+    same tensor (scale="tensor") or of the whole category (scale="category"). Gradients use
+    the category: a gradient is a sum over tokens, and its round-off scales with the terms, not
+    with the sum. Where the terms nearly cancel (seen: a pre-MLP norm weight under forced
+    routing, max gradient 1.6e-4 against ~1e-3 in its category, |diff| 7e-10 like every other
+    tensor's), its own max reports ordinary fp32 round-off as a 10x larger relative error.
+    The per-tensor figure stays reported as a diagnostic (worst_tensor)."""
+    if set(got) != set(want):
+        raise AssertionError(f"tensor names differ: {sorted(set(got) ^ set(want))[:6]}")
+    if scale not in ("tensor", "category"):
+        raise ValueError(f"scale must be 'tensor' or 'category', got {scale!r}")
+    if scale == "tensor":
+        out: dict[str, float] = {}
+        for k in want:
+            c = category(k)
+            out[c] = max(out.get(c, 0.0), rel_diff(got[k], want[k]))
+        return out
+    num: dict[str, float] = {}
+    den: dict[str, float] = {}
+    for k in want:
+        c = category(k)
+        num[c] = max(num.get(c, 0.0), (got[k] - want[k]).abs().max().item())
+        den[c] = max(den.get(c, 0.0), want[k].abs().max().item())
+    return {c: num[c] / den[c] if den[c] > 0 else (0.0 if num[c] == 0 else math.inf) for c in num}
+
+
+def worst_tensor(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> tuple[str, float]:
+    """The tensor with the largest rel_diff against its own scale (a diagnostic: see diff_by_category)."""
+    return max(((k, rel_diff(got[k], want[k])) for k in want), key=lambda kv: kv[1])
+
+
 @dataclass
 class ParityReport:
+    """Losses and gradients at identical parameters, per step and category; the free-running
+    trajectory's final weights (None when the free run was skipped)."""
     ref_losses: list[float]
     het_losses: list[float]
     max_rel_loss_diff: float
     max_rel_grad_diff: float
     grad_diff_by_category: dict[str, float]
-    max_rel_param_diff: float
+    grad_diff_by_step: list[dict[str, float]]
+    worst_tensor_grad_diff: tuple[str, float]  # diagnostic, against the tensor's own scale
+    max_rel_param_diff_free_run: float | None
+    max_rel_loss_diff_free_run: float | None
 
-    def ok(self, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TOL) -> bool:
-        return self.max_rel_loss_diff <= loss_tol and self.max_rel_grad_diff <= grad_tol
+    def ok(self, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TOL,
+           free_run_tol: float = FREE_RUN_PARAM_TOL) -> bool:
+        free = self.max_rel_param_diff_free_run
+        return (self.max_rel_loss_diff <= loss_tol and self.max_rel_grad_diff <= grad_tol
+                and (free is None or free <= free_run_tol))
 
 
 def reference_ep(plan: HeteroPlan, num_experts: int) -> int:
@@ -63,9 +125,13 @@ def reference_ep(plan: HeteroPlan, num_experts: int) -> int:
 
 def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch_size: int = 2,
                seed: int = 1234, timeout_s: float = 600.0, schedule: str | None = None,
-               recompute: bool = False, init_state: dict | None = None) -> ParityReport:
-    """init_state: start both sides from this plain Megatron state dict (canonical names)
-    instead of the seed's layout-invariant init, e.g. weights crafted to force a routing."""
+               recompute: bool = False, init_state: dict | None = None, free_run: bool = True) -> ParityReport:
+    """Megatron EP runs free; HeterMoE computes every step's loss and gradients at the
+    reference's parameters of that step (loaded through the layout conversion), so round-off
+    cannot compound across steps. free_run: also train HeterMoE on its own trajectory and report
+    its final weights' difference. init_state: start from this plain Megatron state dict
+    (canonical names) instead of the seed's layout-invariant init, e.g. weights crafted to force
+    a routing."""
     from .launcher import launch
     from .trainer import run
 
@@ -83,19 +149,20 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     ref = run(ref_cfg, n_attn, timeout_s=timeout_s)
     het_cfg = TrainConfig(model, ParallelConfig(), micro_batch_size=micro_batch_size, global_batch_size=gbs,
                           train_iters=steps, seed=seed, collect_grads=True, quiet=True,
-                          init_state=ref["initial_params"])
+                          init_state=ref["initial_params"], pin_params=ref["step_params"])
     het = launch(_hetero_rank, plan.world_size, het_cfg, plan, schedule, recompute, timeout_s=timeout_s)[0]
 
-    loss_d = max(abs(a - b) / abs(b) for a, b in zip(het["losses"], ref["losses"]))
-    by_cat: dict[str, float] = {}
-    for g_h, g_r in zip(het["grads"], ref["grads"]):
-        if set(g_h) != set(g_r):
-            raise AssertionError(f"gradient names differ: {sorted(set(g_h) ^ set(g_r))[:6]}")
-        for k in g_r:
-            c = category(k)
-            by_cat[c] = max(by_cat.get(c, 0.0), rel_diff(g_h[k], g_r[k]))
-    param_d = max(rel_diff(het["params"][k], ref["params"][k]) for k in ref["params"])
-    return ParityReport(ref["losses"], het["losses"], loss_d, max(by_cat.values()), by_cat, param_d)
+    by_step = [diff_by_category(g_h, g_r, scale="category") for g_h, g_r in zip(het["grads"], ref["grads"])]
+    worst = max((worst_tensor(g_h, g_r) for g_h, g_r in zip(het["grads"], ref["grads"])), key=lambda kv: kv[1])
+    by_cat = {c: max(s[c] for s in by_step) for c in by_step[0]}
+    free = free_loss = None
+    if free_run:
+        free_cfg = dataclasses.replace(het_cfg, pin_params=None)
+        got = launch(_hetero_rank, plan.world_size, free_cfg, plan, schedule, recompute, timeout_s=timeout_s)[0]
+        free = max(diff_by_category(got["params"], ref["params"]).values())
+        free_loss = max_rel_loss_diff(got["losses"], ref["losses"])
+    return ParityReport(ref["losses"], het["losses"], max_rel_loss_diff(het["losses"], ref["losses"]),
+                        max(by_cat.values()), by_cat, by_step, worst, free, free_loss)
 
 
 def _hetero_rank(rank, world, cfg, plan, schedule, recompute):
@@ -114,8 +181,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--schedule", choices=["distep", "zebra"], default=None, help="override the plan's schedule")
     p.add_argument("--recompute", action="store_true", help="zebra: recompute attention stages in backward")
-    p.add_argument("--loss-tol", type=float, default=LOSS_TOL)
-    p.add_argument("--grad-tol", type=float, default=GRAD_TOL)
+    p.add_argument("--loss-tol", type=float, default=LOSS_TOL, help="bound on max_rel_loss_diff (identical parameters)")
+    p.add_argument("--grad-tol", type=float, default=GRAD_TOL, help="bound on max_rel_grad_diff (identical parameters)")
+    p.add_argument("--free-run-tol", type=float, default=FREE_RUN_PARAM_TOL,
+                   help="bound on max_rel_param_diff_free_run (final weights of the free-running trajectories)")
+    p.add_argument("--no-free-run", dest="free_run", action="store_false",
+                   help="skip the free-running HeterMoE run (its final-weights difference is then not reported)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     a = p.parse_args(argv)
     import megatron.core  # noqa: F401  - import once, then fork ranks
@@ -123,10 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     try:  # input errors (plan, model, flags) are refused before any rank starts
         plan = HeteroPlan.load(a.plan)
         model = ModelConfig.load(a.model)
-        r = run_parity(plan, model, a.steps, a.micro_batch_size, a.seed, schedule=a.schedule, recompute=a.recompute)
+        r = run_parity(plan, model, a.steps, a.micro_batch_size, a.seed, schedule=a.schedule, recompute=a.recompute,
+                       free_run=a.free_run)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
-    ok = r.ok(a.loss_tol, a.grad_tol)
+    ok = r.ok(a.loss_tol, a.grad_tol, a.free_run_tol)
     if a.json:
         print(json.dumps({**r.__dict__, "ok": ok}))
     else:
@@ -135,12 +207,18 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(g.expert_ranks)} expert ranks, R={plan.num_microbatches}, schedule "
               f"{a.schedule or plan.schedule}; reference: Megatron EP="
               f"{reference_ep(plan, model.num_experts)} on {len(plan.attention_ranks)} ranks")
-        print(f"{'step':>4} {'megatron lm loss':>18} {'hetermoe lm loss':>18} {'rel diff':>10}")
-        for i, (x, y) in enumerate(zip(r.ref_losses, r.het_losses), 1):
-            print(f"{i:>4} {x:>18.10f} {y:>18.10f} {abs(x - y) / abs(x):>10.2e}")
-        for c, d in sorted(r.grad_diff_by_category.items()):
-            print(f"grad max rel diff [{c}]: {d:.2e}")
-        print(f"final weights max rel diff: {r.max_rel_param_diff:.2e}")
+        print("each step's loss and gradients at the reference's parameters of that step (max rel diff)")
+        cats = [c for c in CATEGORIES if c in r.grad_diff_by_category]
+        print(f"{'step':>4} {'megatron lm loss':>18} {'hetermoe lm loss':>18} {'loss':>9} "
+              + " ".join(f"{c:>16}" for c in cats))
+        for i, (x, y, g) in enumerate(zip(r.ref_losses, r.het_losses, r.grad_diff_by_step), 1):
+            print(f"{i:>4} {x:>18.10f} {y:>18.10f} {abs(x - y) / abs(x):>9.2e} "
+                  + " ".join(f"{g[c]:>16.2e}" for c in cats))
+        name, d = r.worst_tensor_grad_diff
+        print(f"gradients: max |diff| / max |reference| per category; worst tensor against its own max: {d:.2e} ({name})")
+        if r.max_rel_param_diff_free_run is not None:
+            print(f"free-running trajectories: final weights max rel diff {r.max_rel_param_diff_free_run:.2e} "
+                  f"(bound {a.free_run_tol:.0e}), losses max rel diff {r.max_rel_loss_diff_free_run:.2e}")
         print(f"{'PASS' if ok else 'FAIL'} max_rel_loss_diff={r.max_rel_loss_diff:.3e} "
               f"max_rel_grad_diff={r.max_rel_grad_diff:.3e}")
     return 0 if ok else 1

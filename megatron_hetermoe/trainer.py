@@ -41,8 +41,11 @@ class TrainConfig:
     seed: int = 1234
     use_distributed_optimizer: bool = False
     deterministic: bool = False
-    collect_grads: bool = False  # gather canonical params (first and last) and grads of every step
+    collect_grads: bool = False  # gather canonical params (before every step and last) and grads of every step
     init_state: dict | None = None  # start from this plain Megatron state dict (canonical names)
+    # Parity at identical parameters: before step i, load pin_params[i] (canonical names), so a
+    # step's gradient is measured at another run's parameters, not at a drifted trajectory.
+    pin_params: list[dict] | None = None
     emulate: object | None = None  # emulation.EmulationSpec: time every task as on an emulated cluster
     log_interval: int = 1
     quiet: bool = False
@@ -172,14 +175,17 @@ def train(cfg: TrainConfig) -> dict:
         data = make_data(cfg)
         dp_rank = ps.get_data_parallel_rank()
         fwd_bwd = get_forward_backward_func()
-        losses, grads, step_times = [], [], []
-        initial = gather_canonical([model], [model_names], "data") if cfg.collect_grads else None
+        losses, grads, step_times, step_params = [], [], [], []
         from .checkpoint import megatron_checkpointer
 
         ckpt = megatron_checkpointer(cfg, module, names, optimizer, scheduler)
         start = ckpt.resume()
         for it in range(start, cfg.train_iters):
             guard.start(it)  # a resumed run starts past 0
+            if cfg.pin_params is not None:
+                load_params(module, {local: cfg.pin_params[it][canon] for local, canon in names.items()})
+            if cfg.collect_grads:
+                step_params.append(gather_canonical([model], [model_names], "data"))
             t0 = time.perf_counter()
             recorder.step = it
             batches = iter([data.microbatch(it, dp_rank * nmb + m, cfg.micro_batch_size, cfg.global_batch_size)
@@ -215,7 +221,8 @@ def train(cfg: TrainConfig) -> dict:
             ckpt.after_step(it + 1)
         ckpt.finish(max(start, cfg.train_iters))
         params = gather_canonical([model], [model_names], "data") if cfg.collect_grads else None
-        return {"losses": losses, "grads": grads, "params": params, "initial_params": initial, "start_iteration": start,
+        return {"losses": losses, "grads": grads, "params": params, "step_params": step_params,
+                "initial_params": step_params[0] if step_params else params, "start_iteration": start,
                 "step_times": step_times, "num_microbatches": nmb, "dp": dp, "skipped": guard.skipped,
                 "busy_s": last_step_busy(recorder, cfg.train_iters - 1, dist.group.WORLD)}
     finally:

@@ -1,8 +1,10 @@
 """Plain Megatron on CPU ranks: layouts that must agree do agree, and runs are reproducible."""
 import pytest
 import torch
+from margins import within
 
 from megatron_hetermoe.model_builder import ParallelConfig
+from megatron_hetermoe.parity import GRAD_TOL, LOSS_TOL
 from megatron_hetermoe.trainer import TrainConfig, run
 
 pytestmark = pytest.mark.slow
@@ -17,15 +19,17 @@ def _max_rel(a, b):
     return max((a[k] - b[k]).abs().max().item() / (b[k].abs().max().item() + 1e-12) for k in b)
 
 
-def assert_same_training(a, b, loss_rtol=1e-6, grad_rtol=1e-5, param_rtol=1e-3):
-    """Losses and every step's gradients to fp32 round-off. Final weights get a looser bound:
-    Adam divides by sqrt(v), so round-off in a near-zero gradient moves a weight by up to lr."""
-    for x, y in zip(a["losses"], b["losses"]):
-        assert abs(x - y) <= loss_rtol * abs(y), (a["losses"], b["losses"])
-    for ga, gb in zip(a["grads"], b["grads"]):
+def assert_same_training(tiny, par, nproc, ref, loss_rtol=LOSS_TOL, grad_rtol=GRAD_TOL):
+    """Run `par` with every step pinned to the reference's parameters of that step: losses and
+    gradients then differ only by one step's fp32 round-off (a free run would compound it
+    through Adam, by an amount that depends on the CPU's kernels)."""
+    a = _run(tiny, par, nproc, init_state=ref["initial_params"], pin_params=ref["step_params"])
+    loss_d = max(abs(x - y) / abs(y) for x, y in zip(a["losses"], ref["losses"]))
+    within("loss", loss_d, loss_rtol)
+    assert len(a["grads"]) == len(ref["grads"]) == STEPS
+    for ga, gb in zip(a["grads"], ref["grads"]):
         assert set(ga) == set(gb)
-        assert _max_rel(ga, gb) <= grad_rtol
-    assert _max_rel(a["params"], b["params"]) <= param_rtol
+        within("grad", _max_rel(ga, gb), grad_rtol)
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +37,17 @@ def ep1(tiny):
     return _run(tiny, ParallelConfig(), 2)
 
 
+# Measured worst (ATEN_CPU_CAPABILITY default/avx2/avx512): losses equal, grads 4.4e-7; >= 22x inside the bounds.
 def test_ep2_alltoall_matches_ep1(tiny, ep1):
-    assert_same_training(_run(tiny, ParallelConfig(ep=2), 2), ep1)
+    assert_same_training(tiny, ParallelConfig(ep=2), 2, ep1)
 
 
 def test_ep2_allgather_matches_ep1(tiny, ep1):
-    assert_same_training(_run(tiny, ParallelConfig(ep=2, dispatcher="allgather"), 2), ep1)
+    assert_same_training(tiny, ParallelConfig(ep=2, dispatcher="allgather"), 2, ep1)
 
 
 def test_pp2_1f1b_matches_pp1(tiny):
-    assert_same_training(_run(tiny, ParallelConfig(pp=2), 2), _run(tiny, ParallelConfig(), 1))
+    assert_same_training(tiny, ParallelConfig(pp=2), 2, _run(tiny, ParallelConfig(), 1))
 
 
 def test_same_seed_is_bitwise_reproducible(tiny):

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from margins import within
 
 from megatron_hetermoe import checkpoint as ck
 from megatron_hetermoe.launcher import LaunchError, launch
 from megatron_hetermoe.model_builder import ParallelConfig
-from megatron_hetermoe.parity import LOSS_TOL
+from megatron_hetermoe.parity import FREE_RUN_LOSS_TOL, max_rel_loss_diff
 from megatron_hetermoe.plan import even_plan
 from megatron_hetermoe.trainer import TrainConfig
 
@@ -67,7 +68,9 @@ def test_megatron_resume_is_bitwise(tiny, tmp_path, par, distopt):
         plan = even_plan(tiny.num_layers, tiny.num_experts, 1, 2, num_microbatches=4)
         hetero = _run(dataclasses.replace(cfg, save=None, load=str(tmp_path), ckpt_step=AT, ckpt_reshard=True),
                       plan, "distep")
-        assert max(abs(a - b) / abs(b) for a, b in zip(hetero["losses"], full[AT:])) <= LOSS_TOL
+        # Free-running after the load (another layout sums in another order): measured <= 8.9e-8 (112x inside).
+        d = max_rel_loss_diff(hetero["losses"], full[AT:])
+        within("free-run loss after reshard", d, FREE_RUN_LOSS_TOL)
 
 
 # ---- HeterMoE: one DistEP run that crashes while saving, reused by the tests below ------------
@@ -133,7 +136,8 @@ def test_other_plan_is_refused_naming_the_difference_then_resharded(distep, tiny
     r = _run(dataclasses.replace(cfg, ckpt_reshard=True), other, "distep")
     assert r["start_iteration"] == AT
     ref = distep["full"][AT:]
-    assert max(abs(a - b) / abs(b) for a, b in zip(r["losses"], ref)) <= LOSS_TOL, (r["losses"], ref)
+    d = max_rel_loss_diff(r["losses"], ref)  # free-running: measured <= 8.9e-8 (112x inside)
+    within("free-run loss after reshard", d, FREE_RUN_LOSS_TOL)
 
 
 def test_validation_messages_name_the_problem(tmp_path, tiny):

@@ -1,21 +1,29 @@
 """The core test: HeterMoE in DistEP mode trains exactly like plain Megatron EP."""
 import pytest
+from margins import within
 
 from megatron_hetermoe.launcher import LaunchError, launch
 from megatron_hetermoe.layout import hetero_to_megatron, megatron_to_hetero
-from megatron_hetermoe.parity import GRAD_TOL, LOSS_TOL, run_parity
+from megatron_hetermoe.parity import FREE_RUN_LOSS_TOL, FREE_RUN_PARAM_TOL, GRAD_TOL, LOSS_TOL, run_parity
 from megatron_hetermoe.plan import HeteroPlan, PlanError, even_plan
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("R", [1, 2, 4, 8])
 @pytest.mark.parametrize("M, N, G", [(1, 1, 1), (2, 2, 1), (1, 3, 1), (3, 1, 1), (2, 2, 2)],
                          ids=["1+1", "2+2", "1+3-uneven", "3+1", "2x(2+2)"])
-def test_distep_matches_megatron_ep(tiny, M, N, G):
-    plan = even_plan(tiny.num_layers, tiny.num_experts, M, N, groups=G, num_microbatches=2)
-    r = run_parity(plan, tiny, steps=5)
-    assert len(r.ref_losses) == 5
-    assert r.max_rel_loss_diff <= LOSS_TOL, r
-    assert r.max_rel_grad_diff <= GRAD_TOL, r
+def test_distep_matches_megatron_ep(tiny, M, N, G, R):
+    # Each step's loss and gradients at the reference's parameters of that step. Measured worst
+    # over these cases and ATEN_CPU_CAPABILITY default/avx2/avx512 (README "Parity"): loss
+    # 1.7e-7, grads 6e-7, free-run weights 2e-4 and losses 3e-7: >= 5x inside every bound.
+    plan = even_plan(tiny.num_layers, tiny.num_experts, M, N, groups=G, num_microbatches=R)
+    r = run_parity(plan, tiny, steps=5, free_run=R == 2)  # the free run once per plan
+    assert len(r.ref_losses) == 5 and len(r.grad_diff_by_step) == 5
+    within("loss", r.max_rel_loss_diff, LOSS_TOL)
+    within("grad", r.max_rel_grad_diff, GRAD_TOL)
+    if R == 2:
+        within("free-run params", r.max_rel_param_diff_free_run, FREE_RUN_PARAM_TOL)
+        within("free-run loss", r.max_rel_loss_diff_free_run, FREE_RUN_LOSS_TOL)
     assert set(r.grad_diff_by_category) == {"experts", "router", "attention", "embedding/output"}
 
 
@@ -69,7 +77,8 @@ def test_parity_cli(tmp_path):
                         "--model", "tiny", "--steps", "5", "--json"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["ok"] and out["max_rel_loss_diff"] <= 1e-5 and out["max_rel_grad_diff"] <= 1e-4
+    assert out["ok"] and out["max_rel_loss_diff"] <= LOSS_TOL and out["max_rel_grad_diff"] <= GRAD_TOL, out
+    assert len(out["grad_diff_by_step"]) == 5 and out["max_rel_param_diff_free_run"] <= FREE_RUN_PARAM_TOL, out
     text = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.cli", "parity", "--plan", str(plan),
                            "--steps", "5"], capture_output=True, text=True, timeout=300)
     last = text.stdout.strip().splitlines()[-1]
@@ -90,5 +99,6 @@ def test_attention_ranks_need_not_come_first(tiny, schedule):
     placement = [{0: [0, 1], 1: [2, 3]} for _ in range(tiny.num_layers)]
     plan = HeteroPlan(tiny.num_layers, tiny.num_experts, ["cpu"] * 4, [ZPGroup([2, 3], [0, 1], placement)],
                       num_microbatches=2, schedule=schedule)
-    r = run_parity(plan, tiny, steps=3)
-    assert r.max_rel_loss_diff <= LOSS_TOL and r.max_rel_grad_diff <= GRAD_TOL, r
+    r = run_parity(plan, tiny, steps=3, free_run=False)
+    within("loss", r.max_rel_loss_diff, LOSS_TOL)
+    within("grad", r.max_rel_grad_diff, GRAD_TOL)

@@ -4,6 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from margins import within
 
 from megatron_hetermoe.golden import compare, golden_dict, read_golden, write_golden
 
@@ -35,9 +36,14 @@ def _regress(*args):
 
 @pytest.mark.slow
 def test_regress_passes_on_shipped_golden_values():
+    import re
+
     r = _regress("--golden", str(GOLDEN), "--", *ARGS)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "OK: 10 steps match" in r.stdout
+    assert "OK: 10 steps match (rtol 0.05" in r.stdout
+    # Measured worst over ATEN_CPU_CAPABILITY default/avx2/avx512: 5.2e-4 (96x inside 0.05).
+    worst = float(re.search(r"max rel diff ([0-9.e+-]+)", r.stdout).group(1))
+    within("golden lm loss", worst, 0.05)
 
 
 @pytest.mark.slow
