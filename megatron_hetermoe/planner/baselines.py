@@ -4,20 +4,43 @@ model and transfer model as the zebra simulator:
 * EP over all GPUs (Megatron alltoall): every rank holds the non-expert model and E/d experts
   of every layer (d = expert-parallel size), data split evenly over all ranks; the all-to-alls
   make each layer bulk-synchronous inside an EP group, so per layer the slowest member bounds.
+  Gradient accumulation: the fewest microbatches whose one live microbatch fits.
 * EP (Ideal): each GPU type trained alone with the same per-GPU batch; throughputs added.
-* Heterogeneity-aware PP: one pipeline stage per GPU type (fastest attention first), each
-  stage's GPUs share a microbatch (data + expert parallel inside the stage), layers split across
-  stages to minimise the 1F1B step (the integer split closest to "proportional to speed"):
-  step = sum_t T_t + (r-1) max_t T_t. An idealisation: real PP needs equal DP per stage.
+  A type that cannot train alone is listed in detail["excluded_layouts"].
+* Heterogeneity-aware PP (`simulate_hetero_pp`; docs/hetero_pp.md has the derivation and the
+  published systems it stands for):
+  - stages: one per GPU type; all GPUs of a type form one stage and run it data-parallel, with
+    expert parallelism inside the stage (EP size d = ep_size(stage GPUs, E)); every order of the
+    types is tried (P <= 4), the first stage holds the embedding, the last the output layer+loss;
+  - layers: every contiguous split of the L layers into P non-empty runs is tried (no
+    proportional guess: the best simulated split wins); a stage's attention work is exactly the
+    zebra stages it covers (cost_model.stage_time), so PP and HeterMoE count the same FLOPs;
+  - microbatches: r divides the batch and each microbatch gives every GPU of every stage whole
+    sequences (a microbatch is a multiple of lcm(GPUs per type) sequences), every such r tried;
+  - schedule: 1F1B (PipeDream-flush, Megatron's default) with T_i = forward+backward of one
+    microbatch on stage i, its EP all-to-alls and the activation/gradient transfer to the next
+    stage, none overlapped: step = sum_i T_i + (r-1) max_i T_i (fill and drain once, then the
+    slowest stage sets the pace), + gradient all-reduce inside each stage and the optimizer;
+    bubble fraction = (sum_i T_i - max_i T_i) / step;
+  - memory, per GPU of stage i: weights+Adam state of its layers (+ embedding / output layer),
+    its experts with their routed tokens, checkpointed layer inputs for min(P-i, r) live
+    microbatches (1F1B's in-flight count), one working set, fp32 logits on the last stage;
+    a split that fits with no r is listed in detail["excluded_layouts"];
+  - idealisations: stages of unequal GPU counts (O2: 4 A40 -> 8 V100) are allowed, which real
+    Megatron PP (equal DP per stage) is not; p2p transfers are not overlapped (pessimistic).
 * Physical limit: compute only; attention and expert work of the step split fractionally over
   GPU types to minimise the makespan (an LP; for two kinds of work the optimum gives attention to
-  the types with the smallest attention/expert time ratio first), every GPU busy all step.
+  the types with the smallest attention/expert time ratio first), every GPU busy all step, each
+  piece at its cheapest per-token call size (so no strategy's call can beat it).
 Each returns a BaselineResult, or one with `fits=False` and the reason.
 """
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass, field
-from itertools import combinations
+from typing import Callable
+from itertools import combinations, permutations
 
 from .cluster import Cluster, Links, allreduce_time, rank1_collective_time
 from .cost_model import BYTES_PER_PARAM_STATE, CostModel
@@ -141,6 +164,8 @@ def simulate_ep_ideal(cost: CostModel, cluster: Cluster, global_batch: int) -> B
         detail[gpu] = {"tokens_per_s": res.tokens_per_s, **res.detail}
     if tput == 0:
         return BaselineResult.infeasible("EP (Ideal)", f"no GPU type fits alone: {detail}")
+    # a type that cannot train alone adds no throughput: named, as a jump in this baseline comes from it
+    detail["excluded_layouts"] = {f"EP on {g} alone": v for g, v in detail.items() if isinstance(v, str)}
     return BaselineResult("EP (Ideal)", global_batch * S / tput, tput, util, detail)
 
 
@@ -151,101 +176,199 @@ def _a2a(cost: CostModel, cluster: Cluster, ranks: tuple[int, ...], t: float) ->
     """One even all-to-all of t tokens per rank among `ranks` (memoized: PP asks it per split)."""
     key = (id(cost), cluster, ranks, t)
     if key not in _A2A:
+        if len(_A2A) >= 4096:  # bound the memo; cleared before the insert so `key` survives it
+            _A2A.clear()
         n = len(ranks)
         links = Links.for_ranks(cluster, list(ranks), cost.profiles)
         _A2A[key] = rank1_collective_time(links, [t] * n, [1.0 / n] * n, cost.model.moe_router_topk * cost.token_bytes()) if n > 1 else 0.0
-        if len(_A2A) > 4096:
-            _A2A.clear()
     return _A2A[key]
 
 
-def _stage_time(cost: CostModel, cluster: Cluster, ranks: list[int], gpu: str, layers: range, first: bool,
-                last: bool, t: float) -> tuple[float, float]:
-    """(fwd+bwd time of one microbatch on a stage, its bytes per GPU) with t tokens per GPU."""
+def pp_layer_params(cost: CostModel) -> float:
+    """Non-expert parameters of one layer (attention, two norms, router): model_config's split."""
     m = cost.model
-    E, k = m.num_experts, m.moe_router_topk
-    n = len(ranks)
-    d = ep_size(n, E)
-    a2a = _a2a(cost, cluster, tuple(ranks), t)
+    h = m.hidden_size
+    return 4 * h * h + 2 * h + h * m.num_experts
+
+
+@dataclass(frozen=True)
+class PPStage:
+    """One pipeline stage: `gpu`'s ranks run layers [first_layer, end_layer); the first stage also
+    holds the embedding, the last the final norm, output layer and loss."""
+
+    gpu: str
+    ranks: tuple[int, ...]
+    first_layer: int
+    end_layer: int
+    is_first: bool
+    is_last: bool
+
+    @property
+    def layers(self) -> int:
+        return self.end_layer - self.first_layer
+
+
+def pp_stage_time(cost: CostModel, cluster: Cluster, st: PPStage, t: float) -> tuple[float, float]:
+    """(seconds, compute seconds) of one microbatch's forward + backward on a stage, t tokens per
+    GPU. Attention pieces are the zebra stages s = first_layer..end_layer-1 (and s = L on the last
+    stage), so a PP stage runs exactly the attention work the zebra lists count; per layer the
+    stage's EP all-to-alls (dispatch + combine, forward and backward) are not overlapped."""
+    m = cost.model
+    E, k, L = m.num_experts, m.moe_router_topk, m.num_layers
+    d = ep_size(len(st.ranks), E)
+    a2a = _a2a(cost, cluster, st.ranks, t)
     per_expert = d * t * k / E
-    tm = 0.0
+    comp = comm = 0.0
+    stages = list(range(st.first_layer, st.end_layer)) + ([L] if st.is_last else [])
     for bwd in (False, True):
-        # each layer: attention + router, dispatch, experts, combine
-        tm += len(layers) * (cost.attention_time(gpu, t, bwd) + (E // d) * cost.expert_time(gpu, per_expert, bwd) + 2 * a2a)
-        if last:
-            tm += cost.head_time(gpu, t, bwd)
-    return tm, len(layers) * (E // d)
+        comp += sum(cost.stage_time(st.gpu, s, t, bwd) for s in stages)
+        comp += st.layers * (E // d) * cost.expert_time(st.gpu, per_expert, bwd)
+        comm += st.layers * 2 * a2a
+    return comp + comm, comp
+
+
+def pp_stage_bytes(cost: CostModel, st: PPStage, t: float, in_flight: int) -> float:
+    """Peak bytes on one GPU of a stage with `in_flight` microbatches alive (1F1B: stage i of P
+    holds min(P - i, r)). Same terms as the zebra memory rule (cost_model): weights + optimizer
+    state, checkpointed inputs per layer per live microbatch, one working set, fp32 logits."""
+    m, b = cost.model, cost.settings.dtype_bytes
+    h, E, k = m.hidden_size, m.num_experts, m.moe_router_topk
+    d = ep_size(len(st.ranks), E)
+    per_expert = d * t * k / E
+    params = st.layers * pp_layer_params(cost) + (m.vocab_size * h if st.is_first else 0.0) \
+        + (m.vocab_size * h + h if st.is_last else 0.0)
+    need = params * BYTES_PER_PARAM_STATE
+    need += st.layers * (E // d) * cost.per_expert_bytes(per_expert, in_flight) + cost.expert_working_bytes(per_expert)
+    if cost.settings.activation_checkpointing:
+        need += (st.layers + 1) * t * h * b * in_flight + t * h * b * 20
+    else:
+        need += st.layers * t * h * 34.0 * in_flight
+    if st.is_last:
+        need += t * m.vocab_size * 4.0
+    return need
+
+
+def _p2p_time(cost: CostModel, cluster: Cluster, src: tuple[int, ...], dst: tuple[int, ...], mb_tokens: float) -> float:
+    """Activations of one microbatch from one stage to the next (the same bytes of gradient flow
+    back): each GPU of the smaller side moves its share over the link between the stages."""
+    links = Links.for_ranks(cluster, list(src) + list(dst), cost.profiles)
+    same_node = len(set(links.node)) == 1
+    bw = min(links.intra_gbs) if same_node else min(links.inter_gbs)
+    per_gpu = mb_tokens * cost.token_bytes() / min(len(src), len(dst))
+    return 2 * (links.latency_s + per_gpu / (bw * 1e9))
 
 
 def simulate_hetero_pp(cost: CostModel, cluster: Cluster, global_batch: int) -> BaselineResult:
+    """Heterogeneity-aware pipeline parallelism (module docstring; docs/hetero_pp.md): best stage
+    order, layer split and microbatch count under the 1F1B step model and memory."""
+    name = "Hetero PP"
     m = cost.model
     S, L = cost.settings.seq_len, m.num_layers
     counts = cluster.counts()
-    # stage order: best attention speed first
-    types = sorted(counts, key=lambda g: cost.attention_time(g, S, False))
-    P = len(types)
+    kinds = sorted(counts, key=lambda g: cost.attention_time(g, S, False))
+    P = len(kinds)
     if P > L:
-        return BaselineResult.infeasible("Hetero PP", f"{P} GPU types but only {L} layers")
-    stage_ranks = [cluster.ranks_of(g) for g in types]
-    best = None
+        return BaselineResult.infeasible(name, f"{P} GPU types but only {L} layers; one stage per type needs "
+                                               f"at least {P} layers")
+    # a microbatch gives every GPU of every stage whole sequences (no stage splits a sequence)
+    unit = math.lcm(*counts.values())
+    if global_batch % unit:
+        return BaselineResult.infeasible(name, f"global batch {global_batch} is not a multiple of {unit} (whole "
+                                               f"sequences for every GPU of every stage); use a multiple of {unit}")
+    orders = list(permutations(kinds)) if P <= 4 else [tuple(kinds)]  # 4! = 24 orders at most
     splits = [tuple(b - a for a, b in zip((0,) + c, c + (L,))) for c in combinations(range(1, L), P - 1)]
-    for r_mb in _divisors(global_batch):
-        mb_tokens = global_batch // r_mb * S
-        stage_cache: dict[tuple, tuple] = {}
+    ranks_of = {g: tuple(cluster.ranks_of(g)) for g in kinds}
+    best = None
+    fits_somewhere: set[str] = set()
+    why: dict[str, str] = {}
+    times: dict[tuple, tuple[float, float]] = {}
+    for order in orders:
         for split in splits:
-            T, ok, start, busy = [], True, 0, []
-            for si, (g, n_l) in enumerate(zip(types, split)):
-                ranks = stage_ranks[si]
-                t = mb_tokens / len(ranks)
-                key = (si, n_l)
-                if key not in stage_cache:
-                    stage_cache[key] = _stage_time(cost, cluster, ranks, g, range(start, start + n_l), si == 0, si == P - 1, t)
-                tm, experts = stage_cache[key]
-                in_flight = P - si  # 1F1B: stage si holds up to P - si microbatches
-                d = ep_size(len(ranks), m.num_experts)
-                need = (m.non_expert_params() * n_l / L * BYTES_PER_PARAM_STATE
-                        + experts * cost.per_expert_bytes(d * t * m.moe_router_topk / m.num_experts, in_flight)
-                        + (n_l + 1) * t * m.hidden_size * cost.settings.dtype_bytes * in_flight
-                        + (t * m.vocab_size * 4.0 if si == P - 1 else 0.0))
-                if need > cost.profile(g).usable_memory_bytes:
-                    ok = False
-                    break
-                if si + 1 < P:  # activations to the next stage and gradients back
-                    nxt = stage_ranks[si + 1]
-                    per_gpu = mb_tokens * cost.token_bytes() / min(len(ranks), len(nxt))
-                    tm += 2 * per_gpu / (min(cluster.nic_gbs()[ranks[0]], cluster.nic_gbs()[nxt[0]]) * 1e9)
-                T.append(tm)
-                busy.append(tm)
-                start += n_l
-            if not ok:
-                continue
-            step = sum(T) + (r_mb - 1) * max(T)
-            if best is None or step < best[0]:
-                best = (step, r_mb, split, busy)
+            bounds = list(zip((0,) + tuple(itertools.accumulate(split))[:-1], itertools.accumulate(split)))
+            stages = [PPStage(g, ranks_of[g], a, b, i == 0, i == P - 1)
+                      for i, (g, (a, b)) in enumerate(zip(order, bounds))]
+            label = " | ".join(f"{st.gpu}: layers {st.first_layer}-{st.end_layer - 1}" for st in stages)
+            for r_mb in _divisors(global_batch // unit):
+                mb_tokens = global_batch // r_mb * S
+                T, comp, bad = [], [], None
+                for i, st in enumerate(stages):
+                    t = mb_tokens / len(st.ranks)
+                    in_flight = min(P - i, r_mb)
+                    need = pp_stage_bytes(cost, st, t, in_flight)
+                    if need > cost.profile(st.gpu).usable_memory_bytes:
+                        bad = (f"{st.gpu} stage needs {need / 2**30:.1f} GiB > "
+                               f"{cost.profile(st.gpu).usable_memory_bytes / 2**30:.1f} GiB usable even with "
+                               f"{r_mb} microbatches")
+                        break
+                    key = (st, t)
+                    if key not in times:
+                        times[key] = pp_stage_time(cost, cluster, st, t)
+                    tm, c = times[key]
+                    if i + 1 < P:
+                        tm += _p2p_time(cost, cluster, st.ranks, stages[i + 1].ranks, mb_tokens)
+                    T.append(tm)
+                    comp.append(c)
+                if bad:
+                    why[label] = bad  # r_mb ascending: the last refusal had the smallest microbatches
+                    continue
+                fits_somewhere.add(label)
+                step = sum(T) + (r_mb - 1) * max(T)  # 1F1B: fill/drain once, then the slowest stage per microbatch
+                if best is None or step < best[0]:
+                    best = (step, r_mb, stages, comp, label, sum(T) - max(T))
+    excluded = {k: v for k, v in sorted(why.items()) if k not in fits_somewhere}
     if best is None:
-        return BaselineResult.infeasible("Hetero PP", "no layer split and microbatch count fits in memory")
-    step, r_mb, split, busy = best
+        return BaselineResult.infeasible(name, "no stage order, layer split and microbatch count fits in memory; "
+                                               f"e.g. {next(iter(excluded.items()), ('', ''))}")
+    step, r_mb, stages, comp, label, bubble = best
     post = 0.0
-    for si, g in enumerate(types):
-        ranks = stage_ranks[si]
-        params = m.non_expert_params() * split[si] / L + split[si] * m.num_experts * m.expert_params() / ep_size(len(ranks), m.num_experts)
-        post = max(post, allreduce_time(Links.for_ranks(cluster, ranks, cost.profiles), params * cost.settings.dtype_bytes)
-                   + cost.optimizer_time(g, params))
+    for st in stages:  # data-parallel gradient sync inside each stage (stages sync at once), optimizer
+        d = ep_size(len(st.ranks), m.num_experts)
+        dense = st.layers * pp_layer_params(cost) + (m.vocab_size * m.hidden_size if st.is_first else 0) \
+            + (m.vocab_size * m.hidden_size + m.hidden_size if st.is_last else 0)
+        expert = st.layers * (m.num_experts // d) * m.expert_params()
+        t = allreduce_time(Links.for_ranks(cluster, list(st.ranks), cost.profiles), dense * cost.settings.dtype_bytes)
+        if len(st.ranks) // d > 1:  # each expert's replicas: one per EP group of the stage
+            t += allreduce_time(Links.for_ranks(cluster, list(st.ranks[::d]), cost.profiles),
+                                expert * cost.settings.dtype_bytes)
+        post = max(post, t + cost.optimizer_time(st.gpu, dense + expert))
     step += post
-    util = {g: r_mb * busy[si] / step for si, g in enumerate(types)}
-    return BaselineResult("Hetero PP", step, global_batch * S / step, util,
-                          {"stages": types, "layers_per_stage": list(split), "microbatches": r_mb})
+    util = {st.gpu: r_mb * c / step for st, c in zip(stages, comp)}
+    return BaselineResult(name, step, global_batch * S / step, util,
+                          {"stages": [st.gpu for st in stages], "layers_per_stage": [st.layers for st in stages],
+                           "microbatches": r_mb, "sequences_per_microbatch": global_batch // r_mb, "layout": label,
+                           "bubble_s": bubble, "post_step_s": post, "excluded_layouts": excluded})
+
+
+def _per_token_floor(f: Callable[[float], float], top: float, table_tokens: list[float]) -> float:
+    """min over 0 < t <= top of f(t) / t, seconds per token. Analytic profiles: f(t)/t falls with t
+    (fixed weight traffic and launches amortize), so t = top; measured profiles interpolate rates
+    piecewise between table points, so the best rate sits at a table point or an end."""
+    grid = {top} | {x for x in table_tokens if 0 < x <= top}
+    x = 1.0
+    while x < top:
+        grid.add(x)
+        x *= 2
+    return min(f(t) / t for t in grid)
 
 
 def physical_limit(cost: CostModel, cluster: Cluster, global_batch: int) -> BaselineResult:
+    """Compute-only lower bound on any strategy's step (module docstring)."""
     m = cost.model
     S, L, k = cost.settings.seq_len, m.num_layers, m.moe_router_topk
     counts = cluster.counts()
+    top = float(global_batch) * S * k  # no call of any strategy sees more tokens than the whole step's
     a, e = {}, {}
-    for g in counts:  # seconds of work per sequence, forward + backward
-        a[g] = sum(cost.stage_time(g, s, S, False) + cost.stage_time(g, s, S, True) for s in range(L + 1))
-        tok = S * k  # a large GEMM: best efficiency
-        e[g] = L * (cost.expert_time(g, tok, False) + cost.expert_time(g, tok, True))
+    for g in counts:  # seconds of work per sequence, forward + backward, at the cheapest per-token call size
+        meas = cost.profile(g).measured
+        att_pts = [float(x.tokens) for x in meas.attention] if meas else []
+        exp_pts = [float(x.tokens) for x in meas.expert] if meas else []
+        pts = att_pts + exp_pts  # the head's rate comes from the expert table (cost_model.head_time)
+        # stages 1..L-1 cost alike (cost_model.stage_time): one floor per kind of stage
+        fl = {s: _per_token_floor(lambda t, s=s: cost.stage_time(g, s, t, False) + cost.stage_time(g, s, t, True),
+                                  top, pts) for s in {0, min(1, L), L}}
+        a[g] = S * sum(fl[0 if s == 0 else (L if s == L else 1)] for s in range(L + 1))
+        e[g] = L * S * k * _per_token_floor(lambda t: cost.expert_time(g, t, False) + cost.expert_time(g, t, True),
+                                            top, exp_pts)
     order = sorted(counts, key=lambda g: a[g] / e[g])
     B = float(global_batch)
 

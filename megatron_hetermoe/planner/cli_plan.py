@@ -61,6 +61,9 @@ def format_table(res: SearchResult, title: str) -> str:
         row = f"{p.name:<36}{p.step_time_s:>10.3f}{p.tokens_per_s:>12.0f}{p.ratio_to_limit:>9.2f}"
         row += "".join(f"{p.utilization.get(g, 0.0):>16.2f}" for g in types)
         lines.append(row)
+    for p in res.predictions:  # layouts a strategy could not use: the reason behind a jump in its step
+        for layout, why in (p.detail.get("excluded_layouts") or {}).items():
+            lines.append(f"note: {p.name} cannot use {layout}: {why}")
     if res.plan is not None:
         g0 = res.plan.groups[0]
         lines.append(f"plan: {len(res.plan.groups)} ZP group(s) of {len(g0.attention_ranks)} attention + "

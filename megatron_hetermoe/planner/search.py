@@ -7,6 +7,15 @@ Candidates: each GPU type in turn takes the attention role and all other types t
 R divides the sequences each attention rank gets (microbatches are whole sequences). For each
 candidate the expert assignment comes from asym_ea (optimal by default); zebra without Asym-EA,
 DistEP and the paper's greedy are simulated alongside so the report can compare them.
+
+Memory differs by schedule: zebra keeps all R microbatches alive (Theorem 1 runs every forward
+before any backward), so an expert rank holds the routed tokens of the whole step, whatever R
+is; DistEP runs each microbatch's forward and backward before the next, so one is alive.
+When a role split has no candidate that fits (or none that divides the batch), the strategy's
+prediction names it in detail["excluded_layouts"] ({layout name: reason}); a strategy that
+falls back to a slower layout at a larger batch says why there (e.g. O1, D1, 20K tokens: from
+global batch 84 on, V100s cannot hold 32 experts plus every microbatch's routed tokens, so
+zebra without Asym-EA must put attention on the V100s; docs/hetero_pp.md, "Smoothness").
 """
 from __future__ import annotations
 
@@ -68,6 +77,16 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def layout_name(gpu_types: list[str], attn: list[int], expert: list[int]) -> str:
+    """Name of a role split, as detail["layout"] and the keys of detail["excluded_layouts"] give it."""
+    def side(ranks: list[int]) -> str:
+        counts: dict[str, int] = {}
+        for r in ranks:
+            counts[gpu_types[r]] = counts.get(gpu_types[r], 0) + 1
+        return " + ".join(f"{n} {g}" for g, n in counts.items())
+    return f"attention on {side(attn)}, experts on {side(expert)}"
+
+
 def _role_splits(cluster: Cluster) -> list[tuple[list[int], list[int]]]:
     types = cluster.gpu_types()
     kinds = list(cluster.counts())
@@ -83,9 +102,13 @@ def _role_splits(cluster: Cluster) -> list[tuple[list[int], list[int]]]:
 
 
 def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert: list[int], G: int, R: int,
-                 global_batch: int, forward_only: bool) -> asym_ea.AsymProblem:
+                 global_batch: int, forward_only: bool, microbatches_alive: int | None = None) -> asym_ea.AsymProblem:
     """Asym-EA inputs for one ZP group shape: per-microbatch times (forward, or forward+backward)
-    and memory limits, from the cost model. Mixed types on one side: the slowest / smallest."""
+    and memory limits, from the cost model. Mixed types on one side: the slowest / smallest.
+    `microbatches_alive`: microbatches whose activations coexist (zebra: R, the default; DistEP: 1)."""
+    alive = R if microbatches_alive is None else microbatches_alive
+    if not 1 <= alive <= R:
+        raise ValueError(f"microbatches_alive={alive} must be in 1..R={R} (zebra: R, DistEP: 1)")
     m = cost.model
     L, E, k = m.num_layers, m.num_experts, m.moe_router_topk
     M, N = len(attn), len(expert)
@@ -101,9 +124,9 @@ def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert:
     extra = max(both(cost.stage_time, g, L, t_mb) for g in a_gpus)
     t_exp = max(both(cost.expert_time, g, tpe) for g in x_gpus)
     t_x = max(both(cost.expert_time, g, tpe) for g in a_gpus)
-    per = cost.per_expert_bytes(tpe, R)
+    per = cost.per_expert_bytes(tpe, alive)
     work = cost.expert_working_bytes(tpe)
-    free_a = min(cost.profile(g).usable_memory_bytes for g in a_gpus) - cost.attention_rank_bytes(t_mb, R) - work
+    free_a = min(cost.profile(g).usable_memory_bytes for g in a_gpus) - cost.attention_rank_bytes(t_mb, alive) - work
     free_x = min(cost.profile(g).usable_memory_bytes for g in x_gpus) - work
     n_max = math.floor(free_a / per) if free_a >= 0 else -1
     cap_x = max(0, math.floor(free_x / per))
@@ -144,9 +167,24 @@ def candidates(cluster: Cluster, model: ModelConfig, global_batch: int, max_micr
     return out
 
 
+def _memory_reason(prob: asym_ea.AsymProblem, k: list[int], a_gpu: str, x_gpu: str, alive: int) -> tuple[float, str]:
+    """Why assignment k does not fit, in experts per rank (what asym_ea counts), with the shortfall
+    (experts over capacity; the search names a layout by its candidate closest to fitting)."""
+    if prob.n_max < 0:
+        return (1e9, f"an attention rank ({a_gpu}) cannot hold the non-expert model and {alive} microbatch(es) "
+                     f"of activations")
+    a = sum(asym_ea.attention_max(x, prob.M) for x in k)
+    q = sum(asym_ea.expert_max(x, prob.num_experts, prob.N) for x in k)
+    if q > prob.cap_x:
+        return (q - prob.cap_x, f"an expert rank ({x_gpu}) must hold {q} experts but fits {prob.cap_x} next to the "
+                                f"routed tokens of {alive} live microbatch(es) kept for backward; move experts to "
+                                f"the attention side (Asym-EA)")
+    return (a - prob.n_max, f"an attention rank ({a_gpu}) must hold {a} experts but fits {prob.n_max}")
+
+
 def _pred(name: str, res, limit_tps: float, detail: dict | None = None) -> Prediction:
     if isinstance(res, BaselineResult) and not res.fits:
-        return Prediction(name, float("inf"), 0.0, {}, 0.0, False, {"reason": res.reason})
+        return Prediction(name, float("inf"), 0.0, {}, 0.0, False, {"reason": res.reason, **res.detail})
     return Prediction(name, res.step_time_s, res.tokens_per_s, dict(res.utilization),
                       res.tokens_per_s / limit_tps if limit_tps else 0.0, True,
                       dict(detail if detail is not None else getattr(res, "detail", {})))
@@ -165,39 +203,75 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     limit = physical_limit(cost, cluster, global_batch)
     best: dict[str, tuple] = {}  # strategy -> (step, result, candidate, k)
 
+    variants = (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP)
+    fitted: dict[str, set[str]] = {n: set() for n in variants}  # layouts with a candidate that fits
+    why: dict[str, dict[str, tuple[float, str]]] = {n: {} for n in variants}  # layout -> (shortfall, why)
+
     def consider(name: str, cand: Candidate, k: list[int], schedule: str) -> None:
         plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
                           skeleton=True)  # the chosen plan is rebuilt in full below
         res = simulate_plan(plan, cost, cluster, global_batch, engine=engine)
+        fitted[name].add(layout_name(types, cand.attention_ranks, cand.expert_ranks))
         if name not in best or res.step_time_s < best[name][0]:
             best[name] = (res.step_time_s, res, cand, k, schedule)
 
+    def refuse(names: tuple[str, ...], cand: Candidate, reason: tuple[float, str]) -> None:
+        # a layout's reason is its candidate closest to fitting (smallest shortfall; first on ties)
+        key = layout_name(types, cand.attention_ranks, cand.expert_ranks)
+        for n in names:
+            if key not in why[n] or reason[0] < why[n][key][0]:
+                why[n][key] = (reason[0], f"G={cand.G}, R={cand.R}: {reason[1]}")
+
+    for attn, expert in _role_splits(cluster):
+        if global_batch % len(attn):
+            for n in variants:
+                why[n][layout_name(types, attn, expert)] = (0.0,
+                    f"global batch {global_batch} is not a multiple of the {len(attn)} attention ranks (each "
+                    f"gets whole sequences); use a multiple of {len(attn)}")
     cands = candidates(cluster, model, global_batch, max_microbatches)
     for cand in cands:
         M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
         grp_a, grp_x = cand.attention_ranks[:M], cand.expert_ranks[:N]
+        a_gpu, x_gpu = types[grp_a[0]], types[grp_x[0]]
         full = asym_problem(cost, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=False)
-        if full.n_max < 0:
-            continue  # attention ranks cannot hold the non-expert model and activations
         zero = [0] * model.num_layers
+        # DistEP keeps one microbatch alive, so it is checked on its own memory rule
+        one = asym_problem(cost, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=False,
+                           microbatches_alive=1)
+        if asym_ea.memory_ok(one, zero):
+            consider(DISTEP, cand, zero, "distep")
+        else:
+            refuse((DISTEP,), cand, _memory_reason(one, zero, a_gpu, x_gpu, 1))
+        if full.n_max < 0:
+            refuse((ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA), cand, _memory_reason(full, zero, a_gpu, x_gpu, cand.R))
+            continue  # attention ranks cannot hold the non-expert model and activations
         if asym_ea.memory_ok(full, zero):
             consider(ZEBRA_NO_EA, cand, zero, "zebra")
-            consider(DISTEP, cand, zero, "distep")
+        else:
+            refuse((ZEBRA_NO_EA,), cand, _memory_reason(full, zero, a_gpu, x_gpu, cand.R))
         if asym != "none":
             try:
                 consider(ZEBRA, cand, asym_ea.optimal(full) if asym == "optimal" else asym_ea.gather_squeeze(
                     asym_problem(cost, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=True)), "zebra")
-            except PlanError:
-                pass
+            except PlanError as e:
+                refuse((ZEBRA,), cand, (math.inf, str(e)))
         if asym == "optimal" and (N % M == 0 or M % N == 0):
             try:
                 fwd = asym_problem(cost, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=True)
                 consider(ZEBRA_GREEDY, cand, asym_ea.gather_squeeze(fwd), "zebra")
-            except PlanError:
-                pass
+            except PlanError as e:
+                refuse((ZEBRA_GREEDY,), cand, (math.inf, str(e)))
     zebras = [best[n] for n in (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA) if n in best]
     if zebras:  # the planner keeps the fastest simulated zebra plan, whichever assignment made it
         best[PICK] = min(zebras, key=lambda b: b[0])
+
+    def excluded(name: str) -> dict[str, str]:
+        """Layouts this strategy could not use at this batch (a named reason for any jump)."""
+        if name == PICK:  # excluded only where no zebra variant fits; Asym-EA's reason is the telling one
+            zs = (ZEBRA_NO_EA, ZEBRA_GREEDY, ZEBRA)
+            reasons = {k: v[1] for n in zs for k, v in why[n].items()}
+            return {k: v for k, v in sorted(reasons.items()) if not any(k in fitted[n] for n in zs)}
+        return {k: v[1] for k, v in sorted(why[name].items()) if k not in fitted[name]}
 
     preds: list[Prediction] = []
     for name in (PICK, ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP):
@@ -208,9 +282,13 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                 "M": M, "N": N, "groups": cand.G, "microbatches": cand.R,
                 "attention_gpu": types[cand.attention_ranks[0]], "experts_on_attention_per_layer": list(k),
                 "attention_ranks": list(cand.attention_ranks), "expert_ranks": list(cand.expert_ranks),
-                "schedule": plan}))
+                "schedule": plan, "layout": layout_name(types, cand.attention_ranks, cand.expert_ranks),
+                "post_step_s": res.step_time_s - res.makespan_s, "excluded_layouts": excluded(name)}))
         else:
-            preds.append(Prediction(name, float("inf"), 0.0, {}, 0.0, False, {"reason": "no candidate fits in memory"}))
+            skipped = (name == ZEBRA and asym == "none") or (name == ZEBRA_GREEDY and asym != "optimal")
+            reason = f"not searched with asym={asym!r}" if skipped else "no candidate fits in memory"
+            preds.append(Prediction(name, float("inf"), 0.0, {}, 0.0, False,
+                                    {"reason": reason, "excluded_layouts": excluded(name)}))
     if baselines:
         for res in (simulate_ep(cost, cluster, global_batch), simulate_ep_ideal(cost, cluster, global_batch),
                     simulate_hetero_pp(cost, cluster, global_batch)):

@@ -43,3 +43,12 @@ def test_search_table_and_missing_args(capsys):
 def test_console_script_dispatch():
     r = subprocess.run([sys.executable, "-m", "megatron_hetermoe.cli", "plan", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "--global-batch" in r.stdout
+
+
+def test_table_names_a_layout_that_no_longer_fits(capsys):
+    # O1, D1, 20K, 96 sequences: V100s cannot hold 32 experts next to zebra's live tokens (see
+    # test_smoothness's hand check), so zebra without Asym-EA has to leave the A40-attention layout
+    assert main(["--cluster", "o1", "--model", "d1", "--seq-len", "20480", "--global-batch", "96"]) == 0
+    notes = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("note:")]
+    assert any("Zebra (no Asym-EA)" in ln and "attention on 6 A40" in ln and "must hold 32 experts" in ln
+               for ln in notes), notes

@@ -89,8 +89,10 @@ def test_planned_file_validates_against_known_types(tmp_path):
 def test_1024_gpus_64_layers_256_experts_plans_in_under_5s():
     m, cl = ModelConfig.load("moe-64l-256e"), Cluster.load("mixed-1024")
     assert cl.world_size == 1024 and m.num_layers == 64 and m.num_experts == 256
-    t0 = time.perf_counter()
+    # CPU time of this process, not wall time: other processes on a shared 2-core machine must
+    # not fail a test of the planner's own cost (measured ~1-2 s on one core).
+    t0 = time.process_time()
     r = search(m, cl, 4096, 1024)
-    dt = time.perf_counter() - t0
+    dt = time.process_time() - t0
     assert r.plan is not None and r.plan.world_size == 1024
-    assert dt < 5.0, dt
+    assert dt < 5.0, f"planning 1024 GPUs took {dt:.2f} s of CPU"
