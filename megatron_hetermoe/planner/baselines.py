@@ -7,7 +7,7 @@ model and transfer model as the zebra simulator:
   Gradient accumulation: the fewest microbatches whose one live microbatch fits.
 * EP (Ideal): each GPU type trained alone with the same per-GPU batch; throughputs added.
   A type that cannot train alone is listed in detail["excluded_layouts"].
-* Heterogeneity-aware PP (`simulate_hetero_pp`; docs/hetero_pp.md has the derivation and the
+* Heterogeneity-aware PP (`simulate_hetero_pp`; planner/HETERO_PP.md has the derivation and the
   published systems it stands for):
   - stages: one per GPU type; all GPUs of a type form one stage and run it data-parallel, with
     expert parallelism inside the stage (EP size d = ep_size(stage GPUs, E)); every order of the
@@ -259,7 +259,7 @@ def _p2p_time(cost: CostModel, cluster: Cluster, src: tuple[int, ...], dst: tupl
 
 
 def simulate_hetero_pp(cost: CostModel, cluster: Cluster, global_batch: int) -> BaselineResult:
-    """Heterogeneity-aware pipeline parallelism (module docstring; docs/hetero_pp.md): best stage
+    """Heterogeneity-aware pipeline parallelism (module docstring; planner/HETERO_PP.md): best stage
     order, layer split and microbatch count under the 1F1B step model and memory."""
     name = "Hetero PP"
     m = cost.model

@@ -15,7 +15,7 @@ When a role split has no candidate that fits (or none that divides the batch), t
 prediction names it in detail["excluded_layouts"] ({layout name: reason}); a strategy that
 falls back to a slower layout at a larger batch says why there (e.g. O1, D1, 20K tokens: from
 global batch 84 on, V100s cannot hold 32 experts plus every microbatch's routed tokens, so
-zebra without Asym-EA must put attention on the V100s; docs/hetero_pp.md, "Smoothness").
+zebra without Asym-EA must put attention on the V100s; planner/HETERO_PP.md, "Smoothness").
 """
 from __future__ import annotations
 
