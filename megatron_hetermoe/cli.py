@@ -1,7 +1,13 @@
 """`hetermoe` console script. Each subcommand lives in the module named for its idea and is
-imported only when used (planning needs no torch)."""
+imported only when used (planning needs no torch).
+
+Options before the command apply to all of them: `--version`, and `--config-dir DIR` (the
+models/, gpus/, clusters/ that bare names like `--model tiny` are looked up in; the same as
+$HETERMOE_CONFIG_DIR). `--config-dir` is also taken after the command (before a `--`).
+"""
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -19,19 +25,129 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The formatter of every hetermoe parser: descriptions keep their line breaks and every
+    flag's help ends with its default, unless the help already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text.lower() or action.default is argparse.SUPPRESS or action.required
+                or action.dest in ("help", "version")):
+            return text
+        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
+            return text  # a required positional has no default
+        if action.nargs == 0 and isinstance(action.default, bool):  # store_true / store_false
+            return f"{text} (default: {'on' if action.default else 'off'})"
+        if action.default is None:
+            return f"{text} (default: not set)"
+        return f"{text} (default: %(default)s)"
+
+
+def versions() -> str:
+    """This package's version and what it runs on, read from metadata (imports no torch)."""
+    from importlib import metadata
+    from importlib.util import find_spec
+
+    from . import __version__
+
+    def ver(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    try:
+        csim = "built" if find_spec("megatron_hetermoe._csim") else "not built (pure-Python simulator)"
+    except ImportError:
+        csim = "not built (pure-Python simulator)"
+    py = ".".join(map(str, sys.version_info[:3]))
+    return (f"megatron-hetermoe {__version__} (torch {ver('torch')}, megatron-core {ver('megatron-core')}, "
+            f"Python {py}, C++ simulator {csim})")
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="hetermoe", formatter_class=HelpFormatter, add_help=False,
+        description="HeterMoE (arXiv 2504.03871) as a Megatron-Core plugin. "
+                    "`hetermoe COMMAND --help` describes each command's flags.",
+        epilog="commands:\n" + "\n".join(f"  {n:<11} {doc}" for n, (_, doc) in SUBCOMMANDS.items()))
+    p.add_argument("-h", "--help", action="store_true", help="show this message and exit")
+    p.add_argument("--version", action="store_true", help="print the version of this package, torch and "
+                   "megatron-core, and whether the C++ simulator is built, then exit")
+    p.add_argument("--config-dir", metavar="DIR", default=None,
+                   help="look up bare config names (--model tiny, --cluster o1, GPU types) in DIR/models, "
+                        "DIR/gpus, DIR/clusters (default: $HETERMOE_CONFIG_DIR, else the repository's "
+                        "configs/ in a checkout, else the configs shipped in the package)")
+    return p
+
+
+def _take_config_dir(rest: list[str]) -> tuple[str | None, list[str]]:
+    """Pull `--config-dir DIR` / `--config-dir=DIR` out of a command's own arguments (up to `--`)."""
+    out, found, i = [], None, 0
+    while i < len(rest):
+        a = rest[i]
+        if a == "--":
+            out += rest[i:]
+            break
+        if a == "--config-dir" and i + 1 < len(rest):
+            found, i = rest[i + 1], i + 2
+            continue
+        if a.startswith("--config-dir="):
+            found, i = a.split("=", 1)[1], i + 1
+            continue
+        out.append(a)
+        i += 1
+    return found, out
+
+
 def main(argv: list[str] | None = None) -> int:
+    from .launcher import show_warnings_once
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: hetermoe <command> [args]\n\ncommands:")
-        for name, (_, doc) in SUBCOMMANDS.items():
-            print(f"  {name:<10} {doc}")
-        return 0 if argv else 2
-    name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
-        print(f"hetermoe: unknown command {name!r}; commands: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+    # The options before the command name are ours; the rest belongs to the command.
+    cut, i = len(argv), 0
+    while i < len(argv):
+        if argv[i] == "--config-dir":
+            i += 2
+        elif argv[i].startswith("-"):
+            i += 1
+        else:
+            cut = i
+            break
+    parser = _top_parser()
+    top, unknown = parser.parse_known_args(argv[:cut])
+    if unknown or (cut < len(argv) and argv[cut] not in SUBCOMMANDS):
+        what = f"option {unknown[0]!r}" if unknown else f"command {argv[cut]!r}"
+        print(f"hetermoe: unknown {what}; commands: {', '.join(SUBCOMMANDS)} (hetermoe --help)", file=sys.stderr)
         return 2
+    if top.version:
+        print(versions())
+        return 0
+    if top.help or cut == len(argv):
+        parser.print_help()
+        return 0 if top.help else 2
+    name, rest = argv[cut], argv[cut + 1:]
+    config_dir, rest = _take_config_dir(rest)
+    config_dir = config_dir or top.config_dir
+    if config_dir is not None:
+        from .paths import set_config_dir
+
+        try:
+            set_config_dir(config_dir)
+        except FileNotFoundError as e:
+            print(f"hetermoe: {e}", file=sys.stderr)
+            return 2
+    show_warnings_once()  # megatron's import-time warnings, and each rank's, once per command
     mod, fn = SUBCOMMANDS[name][0].split(":")
-    return int(getattr(importlib.import_module(mod), fn)(rest) or 0)
+    try:
+        return int(getattr(importlib.import_module(mod), fn)(rest) or 0)
+    except ImportError as e:
+        from . import MissingExtraError
+
+        if not isinstance(e, MissingExtraError):
+            raise
+        print(f"hetermoe {name}: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -78,9 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         own, train_args = argv[:i], argv[i + 1:]
     else:
         own, train_args = argv, []
-    p = argparse.ArgumentParser(prog="hetermoe regress", usage="hetermoe regress --golden FILE [--rtol R] [--update] -- <trainer args>")
+    from .cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="hetermoe regress", formatter_class=HelpFormatter, usage="hetermoe regress --golden FILE [--rtol R] [--update] -- <trainer args>")
     p.add_argument("--golden", required=True, help="golden values JSON (Megatron's layout)")
-    p.add_argument("--rtol", type=float, default=DEFAULT_RTOL)
+    p.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
+                   help="relative tolerance per step (Megatron's); exact with --deterministic-mode")
     p.add_argument("--update", action="store_true", help="write the run's losses as the new golden values")
     a = p.parse_args(own)
 
@@ -88,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tp = argparse.ArgumentParser(prog="hetermoe regress -- (trainer args)")
     trainer.add_megatron_args(tp)
-    tp.add_argument("--nproc", type=int, default=4)
+    tp.add_argument("--nproc", type=int, default=4, help="CPU ranks to start")
     ta = tp.parse_args(train_args)
     cfg = trainer.config_from_args(ta)
     cfg.quiet = True

@@ -5,17 +5,25 @@ otherwise). A failing rank's traceback is shown, and nothing hangs: the parent w
 child, and as soon as one dies (exception, signal, os._exit) or the deadline passes it kills the
 rest and raises LaunchError naming the rank and its error. Collectives also carry a gloo timeout
 so a rank blocked on a dead peer gives up on its own.
+
+Output a person can read: each warning (megatron's "Apex is not installed. Falling back to Torch
+Norm", deprecations) is shown once per job, not once per rank (show_warnings_once), and only rank
+0 writes to stdout (HETERMOE_ALL_RANKS_OUTPUT=1 lets every rank write, for debugging).
 """
 from __future__ import annotations
 
 import datetime
+import hashlib
+import logging
 import multiprocessing as mp
 import os
 import pickle
 import signal
+import sys
 import tempfile
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -47,7 +55,86 @@ def collective_timeout() -> datetime.timedelta:
     return datetime.timedelta(seconds=float(os.environ.get("HETERMOE_COLLECTIVE_TIMEOUT_S", "60")))
 
 
+# ---------------------------------------------------------------- each warning once per job
+# Every rank runs the same code, so each would print the same warnings, and Python's own
+# once-per-location registry is reset whenever a warnings filter changes. Instead a warning is
+# keyed by its category and text: a process shows a key once; forked ranks inherit what their
+# parent showed and share a directory of markers (created exclusively, so among the ranks only
+# the first shows it); after the job the parent learns what its ranks showed, so the next job of
+# the same command stays quiet too. Logged warnings (logging.WARNING and up) go the same way.
+_shown: set[str] = set()
+_marker_dir: str | None = None
+_orig_showwarning: Callable | None = None
+ALL_RANKS_OUTPUT_ENV = "HETERMOE_ALL_RANKS_OUTPUT"
+
+
+def _key(text: str) -> str:
+    return hashlib.sha1(text.encode("utf-8", "replace")).hexdigest()[:20]
+
+
+def first_time(text: str) -> bool:
+    """True the first time this job meets `text` (in any of its processes), False after."""
+    k = _key(text)
+    if k in _shown:
+        return False
+    _shown.add(k)
+    if _marker_dir is not None:
+        try:
+            os.close(os.open(os.path.join(_marker_dir, k), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return False  # a sibling rank showed it
+        except OSError:
+            pass  # the directory is gone (job over): show rather than lose it
+    return True
+
+
+def _showwarning_once(message, category, filename, lineno, file=None, line=None):
+    if first_time(f"{category.__name__}: {message}"):
+        (_orig_showwarning or warnings._showwarning_orig)(message, category, filename, lineno, file, line)
+
+
+class _LogOnce(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING or first_time(f"{record.levelname}: {record.getMessage()}")
+
+
+_log_once = _LogOnce()
+
+
+def show_warnings_once() -> None:
+    """Route this process's warnings (and logged warnings) through the once-per-job filter.
+    Idempotent; `launch` calls it, and `hetermoe` calls it before running a command."""
+    global _orig_showwarning
+    if warnings.showwarning is not _showwarning_once:
+        _orig_showwarning = warnings.showwarning
+        warnings.showwarning = _showwarning_once
+    # What this process showed before (e.g. megatron's import-time warnings): Python's
+    # per-module registries hold (text, category, lineno) for each warning already shown.
+    for mod in list(sys.modules.values()):
+        reg = getattr(mod, "__warningregistry__", None)
+        if isinstance(reg, dict):
+            for k in reg:
+                if isinstance(k, tuple) and len(k) == 3 and isinstance(k[1], type):
+                    _shown.add(_key(f"{k[1].__name__}: {k[0]}"))
+    for h in [logging.lastResort, *logging.getLogger().handlers]:
+        if h is not None and _log_once not in h.filters:
+            h.addFilter(_log_once)
+
+
+def _quiet_stdout() -> None:
+    """Send this process's stdout (Python's and the C runtime's) to /dev/null."""
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
+
 def _child(rank: int, cfg: LaunchConfig, store_path: str, out_dir: str, fn: Callable, args: tuple) -> None:
+    global _marker_dir
+    _marker_dir = os.path.join(out_dir, "warned")
+    if rank != 0 and os.environ.get(ALL_RANKS_OUTPUT_ENV, "") in ("", "0"):
+        _quiet_stdout()  # routine output comes from rank 0; errors reach the parent below
+
     import torch
     import torch.distributed as dist
 
@@ -113,12 +200,17 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
     from . import cpu_backend
 
     cpu_backend.apply()  # in the parent, so children inherit it
+    show_warnings_once()  # after megatron's import: what it showed there counts as shown
     cfg = LaunchConfig(world_size, timeout_s, collective_timeout_s)
     ctx = mp.get_context("fork")
     with tempfile.TemporaryDirectory(prefix="hetermoe-launch-") as tmp:
         store_path = os.path.join(tmp, "store")
+        os.mkdir(os.path.join(tmp, "warned"))
         procs = [ctx.Process(target=_child, args=(r, cfg, store_path, tmp, fn, args), daemon=False)
                  for r in range(world_size)]
+        # Unwritten output in the parent's buffers would be written again by every child.
+        sys.stdout.flush()
+        sys.stderr.flush()
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
@@ -155,6 +247,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
                     os.kill(p.pid, signal.SIGKILL)
             for p in procs:
                 p.join()
+            _shown.update(os.listdir(os.path.join(tmp, "warned")))  # what the ranks showed
         if failed is not None:
             err = Path(tmp) / f"error.{failed}"
             code = procs[failed].exitcode

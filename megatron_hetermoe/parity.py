@@ -173,13 +173,16 @@ def _hetero_rank(rank, world, cfg, plan, schedule, recompute):
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hetermoe parity", description=__doc__.split("\n\n")[0])
+    from .cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="hetermoe parity", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--plan", required=True, help="plan JSON (hetermoe plan --even ... -o plan.json)")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--schedule", choices=["distep", "zebra"], default=None, help="override the plan's schedule")
+    p.add_argument("--model", default="tiny", help="model config (a models/ name or a YAML path); the plan's shape")
+    p.add_argument("--steps", type=int, default=5, help="training steps compared")
+    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per microbatch per attention rank")
+    p.add_argument("--seed", type=int, default=1234, help="seed of weights and data (both runs)")
+    p.add_argument("--schedule", choices=["distep", "zebra"], default=None, help="override the plan's schedule (default: the plan's)")
     p.add_argument("--recompute", action="store_true", help="zebra: recompute attention stages in backward")
     p.add_argument("--loss-tol", type=float, default=LOSS_TOL, help="bound on max_rel_loss_diff (identical parameters)")
     p.add_argument("--grad-tol", type=float, default=GRAD_TOL, help="bound on max_rel_grad_diff (identical parameters)")

@@ -58,28 +58,35 @@ def megatron_flags() -> frozenset[str]:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Megatron-LM's model-shape and related flags that `hetermoe train` takes from a model YAML."""
     g = p.add_argument_group("model (Megatron-LM flags)")
-    g.add_argument("--num-layers", type=int, default=None)
-    g.add_argument("--hidden-size", type=int, default=None)
-    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--num-layers", type=int, default=None, help="transformer layers (default: --model's)")
+    g.add_argument("--hidden-size", type=int, default=None, help="model width (default: --model's)")
+    g.add_argument("--num-attention-heads", type=int, default=None,
+                   help="attention heads; hidden size / heads must be even (default: --model's)")
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size (Megatron's)")
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="per-expert size; default: --ffn-hidden-size")
-    g.add_argument("--num-experts", type=int, default=None)
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: --model's)")
     g.add_argument("--moe-router-topk", type=int, default=None, help="default: 2 (Megatron's)")
-    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss"], default="aux_loss")
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss"], default="aux_loss",
+                   help="router load balancing (only Megatron's aux_loss)")
     g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="must be >= --seq-length (RoPE: no learned table)")
+                   help="must be >= --seq-length (RoPE: no learned table; default: --seq-length)")
     g.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer's vocab before EOD; without --tokenizer-type, mock data's vocab")
+                   help="NullTokenizer's vocab before EOD; without --tokenizer-type, mock data's vocab "
+                        "(default: --model's, else the tokenizer's)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocab to a multiple of this x TP, as Megatron does")
-    g.add_argument("--normalization", choices=["RMSNorm"], default=None)
-    g.add_argument("--position-embedding-type", choices=["rope"], default=None)
-    for dest, (flag, _) in ARCHITECTURE_FLAGS.items():
-        g.add_argument(flag, dest=dest, action="store_true")
+    g.add_argument("--normalization", choices=["RMSNorm"], default=None,
+                   help="accepted for Megatron-LM command lines; the model always uses RMSNorm (default: RMSNorm)")
+    g.add_argument("--position-embedding-type", choices=["rope"], default=None,
+                   help="accepted for Megatron-LM command lines; the model always uses RoPE (default: rope)")
+    for dest, (flag, instead) in ARCHITECTURE_FLAGS.items():
+        g.add_argument(flag, dest=dest, action="store_true",
+                       help=f"accepted for Megatron-LM command lines: the model is always Mixtral-style "
+                            f"(no {instead})")
     g = p.add_argument_group("schedule and evaluation (Megatron-LM flags)")
-    g.add_argument("--lr-decay-style", choices=["cosine"], default="cosine")
-    g.add_argument("--eval-iters", type=int, default=0, help="only 0: evaluation is not implemented")
-    g.add_argument("--eval-interval", type=int, default=None, help="accepted; no effect while --eval-iters is 0")
+    g.add_argument("--lr-decay-style", choices=["cosine"], default="cosine", help="LR decay after warm-up (cosine only)")
+    g.add_argument("--eval-iters", type=int, default=0, help="only 0: evaluation is not implemented (default: 0)")
+    g.add_argument("--eval-interval", type=int, default=None, help="accepted; no effect while --eval-iters is 0 (default: not set)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -59,6 +59,12 @@ def check_train_config(cfg: "TrainConfig") -> None:
     for name, low in (("micro_batch_size", 1), ("global_batch_size", 1), ("train_iters", 0),
                       ("lr_warmup_iters", 0), ("log_interval", 1)):
         _int(cfg, name, low)
+    # megatron-core's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps (the
+    # trainers pass max(--train-iters, 1)) on every rank, after the ranks started.
+    decay = max(cfg.train_iters, 1)
+    if cfg.lr_warmup_iters and cfg.lr_warmup_iters >= decay:
+        raise _bad("lr_warmup_iters", cfg.lr_warmup_iters, f"must be below --train-iters {cfg.train_iters} "
+                   f"(warm-up, then cosine decay)", f"pass --lr-warmup-iters at most {decay - 1}")
     lr, min_lr = _real(cfg, "lr"), _real(cfg, "min_lr")
     if min_lr > lr:
         raise _bad("min_lr", cfg.min_lr, f"is above --lr {cfg.lr}", f"pass --min-lr at most {cfg.lr}")

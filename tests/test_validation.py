@@ -89,6 +89,8 @@ CASES = [
      "--global-batch-size 6: is not divisible by --micro-batch-size 2 x data-parallel size 4; pass a multiple of 8"),
     ("flags", "--train-iters", flags("--train-iters", "-1"), ConfigError,
      "--train-iters -1: must be an integer >= 0; pass --train-iters 1 or more"),
+    ("flags", "--lr-warmup-iters", flags("--train-iters", "5", "--lr-warmup-iters", "5"), ConfigError,
+     "--lr-warmup-iters 5: must be below --train-iters 5 (warm-up, then cosine decay); pass --lr-warmup-iters at most 4"),
     ("flags", "--lr", flags("--lr", "nan"), ConfigError,
      "--lr nan: must be a finite number >= 0; pass e.g. --lr 0.01"),
     ("flags", "--min-lr", flags("--lr", "0.001", "--min-lr", "0.01"), ConfigError,

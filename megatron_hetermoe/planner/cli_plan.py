@@ -22,26 +22,30 @@ from .search import SearchResult, search
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hetermoe plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="hetermoe plan", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="model config: a path or a name in configs/models/ (tiny, d1, ...)")
-    p.add_argument("-o", "--output", help="write the plan JSON here")
+    p.add_argument("-o", "--output", help="write the plan JSON here (default: print it)")
     even = p.add_argument_group("even plan")
     even.add_argument("--even", action="store_true", help="experts split evenly; no search")
-    even.add_argument("--attention-ranks", type=int, help="M: attention ranks per ZP group")
-    even.add_argument("--expert-ranks", type=int, help="N: expert ranks per ZP group")
+    even.add_argument("--attention-ranks", type=int, help="M: attention ranks per ZP group (required with --even)")
+    even.add_argument("--expert-ranks", type=int, help="N: expert ranks per ZP group (required with --even)")
     even.add_argument("--groups", type=int, default=1, help="G: number of ZP groups")
     even.add_argument("--microbatches", type=int, default=1, help="R: microbatches per step")
-    even.add_argument("--schedule", choices=["distep", "zebra"], default="distep")
+    even.add_argument("--schedule", choices=["distep", "zebra"], default="distep",
+                      help="the plan's schedule: DistEP (Megatron's schedule) or zebra (overlapped)")
     even.add_argument("--attention-gpu", default="cpu", help="GPU type of attention ranks (a configs/gpus/ name)")
     even.add_argument("--expert-gpu", default="cpu", help="GPU type of expert ranks (a configs/gpus/ name)")
     srch = p.add_argument_group("search")
-    srch.add_argument("--cluster", help="cluster config: a path or a name in configs/clusters/ (o1, c1-200g, ...)")
-    srch.add_argument("--seq-len", type=int, help="tokens per sequence")
-    srch.add_argument("--global-batch", type=int, help="sequences per step")
+    srch.add_argument("--cluster", help="cluster config: a path or a name in the config directory's clusters/ (o1, c1-200g, ...; "
+                      "required for a search)")
+    srch.add_argument("--seq-len", type=int, help="tokens per sequence (required for a search)")
+    srch.add_argument("--global-batch", type=int, help="sequences per step (required for a search)")
     srch.add_argument("--asym", choices=["optimal", "greedy", "none"], default="optimal",
                       help="expert assignment solver for the plan (default: optimal)")
-    srch.add_argument("--engine", choices=["auto", "python", "cpp"], default="auto", help="simulator core")
-    srch.add_argument("--max-microbatches", type=int, default=32)
+    srch.add_argument("--engine", choices=["auto", "python", "cpp"], default="auto", help="simulator core (auto: the C++ core when built)")
+    srch.add_argument("--max-microbatches", type=int, default=32, help="largest R the search tries")
     srch.add_argument("--json", action="store_true", help="print the predictions as JSON instead of a table")
     return p
 

@@ -19,6 +19,8 @@ each, which changes no time (a collective waits for the latest issuer, and twins
 """
 from __future__ import annotations
 
+import functools
+import sys
 from dataclasses import dataclass, field
 from itertools import chain
 
@@ -153,6 +155,7 @@ def run_cpp(p: SimProblem) -> SimTrace:
     return SimTrace(start, end, cs, ce)
 
 
+@functools.lru_cache(maxsize=None)
 def have_cpp() -> bool:
     try:
         from .. import _csim  # noqa: F401
@@ -161,8 +164,18 @@ def have_cpp() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
+def _python_fallback_notice() -> None:
+    print("hetermoe: the C++ simulator (megatron_hetermoe._csim) is not built; the planner uses the "
+          "pure-Python simulator (same results, slower). Reinstall with a C++ compiler to build it.",
+          file=sys.stderr, flush=True)
+
+
 def run(p: SimProblem, engine: str = "auto") -> SimTrace:
-    if engine == "python" or (engine == "auto" and not have_cpp()):
+    if engine == "python":
+        return run_python(p)
+    if engine == "auto" and not have_cpp():
+        _python_fallback_notice()
         return run_python(p)
     if engine in ("cpp", "auto"):
         return run_cpp(p)
