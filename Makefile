@@ -3,15 +3,19 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The exact versions tested here; setup.py itself only states ranges.
+CONSTRAINTS := constraints/ci.txt
+PIP_INSTALL := $(BIN)/pip install -q -c $(CONSTRAINTS)
 
-.PHONY: demo test test-fast install clean
+.PHONY: demo test test-fast test-install install wheel clean
 
-$(STAMP): setup.py
+$(STAMP): setup.py pyproject.toml $(CONSTRAINTS)
 	test -d $(VENV) || $(PY) -m venv $(VENV)
 	# torch first, from the CPU build: otherwise megatron-core pulls a multi-GB CUDA torch.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q pybind11 setuptools wheel
-	$(BIN)/pip install -q --no-build-isolation -e '.[dev]'
+	$(PIP_INSTALL) torch==2.13.0
+	# Build requirements (pyproject.toml), for the editable build without isolation.
+	$(PIP_INSTALL) pybind11 setuptools wheel
+	$(PIP_INSTALL) --no-build-isolation -e '.[dev,plot]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -25,5 +29,39 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" tests
 
+# The wheel, installed into a fresh venv and run from outside the checkout (part of `make test`).
+test-install: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_install.py
+
+wheel: $(STAMP)
+	$(BIN)/pip wheel -q --no-deps -w dist .
+
 clean:
-	rm -rf $(VENV) build *.egg-info megatron_hetermoe/_csim*.so
+	rm -rf $(VENV) build dist *.egg-info megatron_hetermoe/_csim*.so
+
+# ---- compat: the plugin on megatron-core 0.19.x (issue 13). Not part of `make test` or CI. ----
+# .venv-compat: Python 3.12 from pyenv (found, never downloaded; or COMPAT_PY=/path/to/python3.12),
+# megatron-core $(COMPAT_MCORE) and the torch the registry resolves for it (a multi-GB CUDA build
+# that also runs on CPU; downloaded once), then the parity, zebra, checkpoint, golden, CPU-backend
+# and patch tests there. MEGATRON_LM_DIR=/path/to/Megatron-LM (core_v0.19.0) also runs the patch
+# tests against that checkout. Results: README, "Compatibility"; what differs: megatron_hetermoe/compat.py.
+COMPAT_VENV := .venv-compat
+COMPAT_MCORE ?= 0.19.2
+COMPAT_PY ?= $(shell p=$$(pyenv prefix 3.12 2>/dev/null) && echo $$p/bin/python3.12 || command -v python3.12)
+COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(COMPAT_MCORE)
+COMPAT_TESTS := tests/test_distep_parity.py tests/test_zebra.py tests/test_checkpoint.py tests/test_golden.py \
+	tests/test_cpu_backend.py tests/test_patches.py tests/test_compat.py
+
+.PHONY: compat
+
+$(COMPAT_STAMP): setup.py pyproject.toml
+	@test -n "$(COMPAT_PY)" || { echo "make compat: no Python 3.12 found (pyenv prefix 3.12, python3.12); set COMPAT_PY" >&2; exit 2; }
+	test -d $(COMPAT_VENV) || $(COMPAT_PY) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install -q pybind11 setuptools wheel
+	# No torch first: megatron-core's requirement brings the registry's (CUDA) torch, as users get it.
+	$(COMPAT_VENV)/bin/pip install -q --no-build-isolation 'megatron-core==$(COMPAT_MCORE)' -e '.[dev,plot]'
+	touch $@
+
+compat: $(COMPAT_STAMP)
+	@$(COMPAT_VENV)/bin/python -c "import sys, torch, megatron.core as m; print('compat: Python', sys.version.split()[0], '| torch', torch.__version__, '| megatron-core', m.__version__)" 2>/dev/null
+	OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -rs $(COMPAT_TESTS)

@@ -1,9 +1,11 @@
-"""Run megatron-core 0.16.1 on CPU over gloo.
+"""Run megatron-core 0.16.1 .. 0.19.x on CPU over gloo.
 
 megatron-core assumes CUDA in a handful of places. Each assumption is bridged by one named
-patch below; `apply()` installs all of them once and is a no-op when CUDA is available, so the
-same code runs unchanged on GPU hosts. Each patch has a canary test (tests/test_cpu_backend.py)
-that shows the original failure with the patch off, so an upstream fix is noticed.
+patch below; `apply()` installs the ones the installed megatron-core needs (`patches_for`,
+`NEEDED_IN`) once and is a no-op when CUDA is available, so the same code runs unchanged on GPU
+hosts. Each patch has a canary test (tests/test_cpu_backend.py) that shows the original failure
+with the patch off, so an upstream fix is noticed; a patch that a release no longer needs has a
+canary showing the fix (compat.py records which release changed what).
 """
 from __future__ import annotations
 
@@ -123,7 +125,8 @@ def patch_te_general_gemm() -> None:
     """Define `moe_utils.te_general_gemm = None` when transformer-engine is absent.
 
     Why: megatron-core 0.13-0.16 import it inside a try block and test `is not None` in the
-    router's fp32 gating, but never bind the name when the import fails (NameError).
+    router's fp32 gating, but never bind the name when the import fails (NameError). 0.17 binds
+    it to None without transformer-engine, so the patch is applied on 0.16 only (NEEDED_IN).
     """
     from megatron.core.transformer.moe import moe_utils
 
@@ -218,8 +221,32 @@ PATCHES: dict[str, Callable[[], None]] = {
 }
 
 
+# The megatron-core releases each patch is needed in: [first, end). Seen by the canaries on
+# 0.16.1 and 0.19.2, and from the source of the tags in between (compat.py's docstring).
+_ALWAYS = ((0, 16, 1), None)
+NEEDED_IN: dict[str, tuple[tuple[int, int, int], tuple[int, int, int] | None]] = {
+    "cuda_streams": _ALWAYS,
+    "current_device": _ALWAYS,
+    "rng": _ALWAYS,
+    "te_general_gemm": ((0, 13, 0), (0, 17, 0)),  # 0.17 binds te_general_gemm = None without TE
+    "split_sizes_to_cpu": _ALWAYS,
+    "cuda_device_literals": _ALWAYS,
+}
+
+
+def patches_for(version: tuple[int, int, int] | None = None) -> tuple[str, ...]:
+    """The patches megatron-core `version` (default: the installed one) needs on CPU, in order."""
+    if version is None:
+        from .compat import mcore_version
+
+        version = mcore_version()
+    v = tuple(version)
+    return tuple(n for n in PATCHES if NEEDED_IN[n][0] <= v and (NEEDED_IN[n][1] is None or v < NEEDED_IN[n][1]))
+
+
 def apply(skip: tuple[str, ...] = ()) -> list[str]:
-    """Install every patch not in `skip`, once per process. No-op when CUDA is available.
+    """Install every patch the installed megatron-core needs (patches_for) and `skip` does not
+    name, once per process. No-op when CUDA is available.
 
     Returns the names of the patches installed by this call. $HETERMOE_CPU_PATCHES_SKIP (comma
     separated names) adds to `skip`; the canary tests use it to show each patch is still needed.
@@ -230,9 +257,10 @@ def apply(skip: tuple[str, ...] = ()) -> list[str]:
     unknown = set(skip) - set(PATCHES)
     if unknown:
         raise ValueError(f"unknown cpu_backend patch(es) {sorted(unknown)}; known: {sorted(PATCHES)}")
+    needed = patches_for()
     done = []
     for name, fn in PATCHES.items():
-        if name in skip or name in _applied:
+        if name in skip or name in _applied or name not in needed:
             continue
         fn()
         _applied.add(name)

@@ -45,9 +45,9 @@ def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor) -> torc
 
 
 def build_experts(config, experts_spec, num_local: int, pg_collection):
-    from megatron.core.transformer.spec_utils import build_module
+    from . import compat
 
-    return build_module(experts_spec, num_local, config, pg_collection=pg_collection)
+    return compat.build_experts(experts_spec, num_local, config, pg_collection)
 
 
 def _megatron_module():

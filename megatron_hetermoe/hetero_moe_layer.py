@@ -15,6 +15,7 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
+from .compat import normalize_layer_spec, set_moe_layer
 from .expert_runtime import build_experts, run_local_experts
 from .hetero_comm import exchange, exchange_counts
 from .hetero_parallel_state import HeteroParallelState
@@ -41,7 +42,7 @@ class HeteroTokenDispatcher(MoETokenDispatcher):
         self.state: dict = {}
 
     def dispatch_preprocess(self, tokens, routing_map, probs):
-        from megatron.core.transformer.moe.moe_utils import permute
+        from .compat import permute
 
         st = self.state
         st["hidden_shape"] = tokens.shape
@@ -97,14 +98,15 @@ class _NoExperts(torch.nn.Module):
 
 class HeteroMoELayer(MoELayer):
     def __init__(self, config, submodules: MoESubmodules, layer_number: Optional[int] = None,
-                 pg_collection=None, hetero_state: HeteroParallelState | None = None):
+                 pg_collection=None, hetero_state: HeteroParallelState | None = None, **kwargs):
+        # kwargs: what newer TransformerLayers pass to every mlp (0.18+: is_mtp_layer, name).
         if pg_collection is None or hetero_state is None:
             raise ValueError("HeteroMoELayer needs pg_collection and hetero_state; build it with hetero_layer_spec()")
         self.hs = hetero_state
         self._experts_spec = submodules.experts
         sub = copy.copy(submodules)
         sub.experts = _NoExperts
-        super().__init__(config, sub, layer_number=layer_number, pg_collection=pg_collection)
+        super().__init__(config, sub, layer_number=layer_number, pg_collection=pg_collection, **kwargs)
         self._pgc = pg_collection
         self.experts = None
         self.token_dispatcher = None  # set once the layer knows its number
@@ -131,8 +133,6 @@ class HeteroMoELayer(MoELayer):
 
 def hetero_layer_spec(base_spec, hs: HeteroParallelState, pg_collection):
     """The GPT layer spec with HeteroMoELayer in place of MoELayer."""
-    spec = copy.deepcopy(base_spec)
-    mlp = spec.submodules.mlp
-    mlp.module = HeteroMoELayer
-    mlp.params = dict(mlp.params or {}, pg_collection=pg_collection, hetero_state=hs)
+    spec = copy.deepcopy(normalize_layer_spec(base_spec))
+    set_moe_layer(spec, HeteroMoELayer, pg_collection=pg_collection, hetero_state=hs)
     return spec

@@ -1,4 +1,9 @@
-"""The hook that patches/megatron-lm-core_v0.16.1-pretrain_gpt.patch puts into Megatron-LM.
+"""The hook that the patches in patches/ put into Megatron-LM's pretrain_gpt.py.
+
+One patch per Megatron-LM release line, since pretrain_gpt.py differs between them (PATCHES):
+core_v0.16.1 hands `extra_args_provider` to `pretrain(...)`; core_v0.19.0 parses the arguments
+itself with `parse_and_validate_args(extra_args_provider=...)` before calling `pretrain`.
+`patch_for(checkout)` names the patch for a checkout (patches/check_patch.sh does the same).
 
 The patched pretrain_gpt.py gets the --hetero-* flags through `extra_args_provider`
 (`add_hetero_args`), so Megatron-LM's parser and --help know them. A run with --hetero-plan is
@@ -10,8 +15,38 @@ this plugin does not support is refused by name. Without --hetero-plan nothing c
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
 HETERO_FLAGS = ("--hetero-plan", "--hetero-schedule", "--hetero-ckpt-reshard")
+
+# megatron-core release line (major, minor) of a Megatron-LM checkout -> the patch made for it.
+PATCHES = {
+    (0, 16): "megatron-lm-core_v0.16.1-pretrain_gpt.patch",
+    (0, 19): "megatron-lm-core_v0.19.0-pretrain_gpt.patch",
+}
+
+
+def checkout_version(checkout) -> tuple[int, int, int]:
+    """megatron-core version of a Megatron-LM checkout (its megatron/core/package_info.py)."""
+    info = Path(checkout) / "megatron" / "core" / "package_info.py"
+    if not info.is_file():
+        raise ValueError(f"{checkout} has no megatron/core/package_info.py: pass a Megatron-LM work tree")
+    text = info.read_text()
+    parts = [re.search(rf"^{k}\s*=\s*(\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
+    if not all(parts):
+        raise ValueError(f"cannot read MAJOR/MINOR/PATCH from {info}")
+    return tuple(int(m.group(1)) for m in parts)
+
+
+def patch_for(checkout) -> str:
+    """File name (in patches/) of the patch made for this Megatron-LM checkout's release line."""
+    v = checkout_version(checkout)
+    name = PATCHES.get(v[:2])
+    if name is None:
+        made = ", ".join(f"core_v{a}.{b}.x" for a, b in sorted(PATCHES))
+        raise ValueError(f"no patch for Megatron-LM core_v{'.'.join(map(str, v))} ({checkout}); patches exist for {made}")
+    return name
 
 
 def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 that do not depend on the parallel layout (so any two layouts start identical)."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import zlib
 from dataclasses import dataclass
@@ -69,6 +70,14 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, **overrides):
         moe_permute_fusion=False,
         cross_entropy_loss_fusion=False,
     )
+    # megatron-core's default CUDA-graph scope "full" (cuda_graph_scope in 0.16-0.18,
+    # cuda_graph_modules from 0.19) warns "full scope is deprecated" on every config; [] is
+    # the same whole-layer scope without the warning. (Unused on CPU: no CUDA graphs.)
+    defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
+    for name in ("cuda_graph_modules", "cuda_graph_scope"):
+        if defaults.get(name) == "full":
+            kw[name] = []
+            break
     kw.update(overrides)
     return TransformerConfig(**kw)
 
@@ -76,7 +85,10 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, **overrides):
 def layer_spec(model: ModelConfig):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(num_experts=model.num_experts, normalization="RMSNorm")
+    from .compat import normalize_layer_spec
+
+    # 0.18+ give the MoE mlp as builders; normalized to 0.16.1's ModuleSpec form (compat.py).
+    return normalize_layer_spec(get_gpt_layer_local_spec(num_experts=model.num_experts, normalization="RMSNorm"))
 
 
 def build_gpt(model: ModelConfig, config, spec=None, pre_process: bool = True, post_process: bool = True,
