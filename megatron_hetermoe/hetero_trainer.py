@@ -21,7 +21,6 @@ from .layout import hetero_to_megatron, load_params, megatron_to_hetero
 from .nan_check import NanGuard
 from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, layer_spec, transformer_config
 from .plan import HeteroPlan, PlanError
-from .emulation import sleep_until
 from .step_log import StepLogger
 from .timeline import TimelineRecorder
 from .trainer import TrainConfig, build_optimizer, forward_step, last_step_busy
@@ -134,11 +133,11 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
             recorder = TimelineRecorder(hs.rank, hs.role)
             steplog = StepLogger(cfg, hs.role, recorder, hs.world_group, dist.get_rank() == 0)
             executed: list = []
-            post_step_s = 0.0
+            clock = None
             if emulator is not None:
-                zebra_config = emulator.zebra_config(plan, hs.rank, schedule,
-                                                     recompute=bool(zebra_config and zebra_config.recompute))
-                post_step_s = emulator.hetero_post_step(plan, schedule)
+                recompute = bool(zebra_config and zebra_config.recompute)
+                clock = emulator.hetero_clock(plan, schedule, hs.world_group, recompute)
+                zebra_config = emulator.zebra_config(plan, hs.rank, schedule, recompute=recompute, clock=clock)
             # Emulated DistEP runs its task list, so both schedules are timed by one executor.
             task_list = emulator is not None
             extra = {} if (hs.role == "attention" and schedule == "distep" and not task_list) else \
@@ -154,6 +153,8 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                 if cfg.pin_params is not None:
                     load_params(module, megatron_to_hetero(cfg.pin_params[it], plan, hs.rank))
                 t0 = time.perf_counter()
+                if clock is not None:
+                    clock.step_begin(it, t0)
                 recorder.step = it
                 model.zero_grad_buffer()
                 optimizer.zero_grad()
@@ -172,7 +173,6 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                 skip = guard.after_backward(it, [tot])  # every rank agrees over the world group
                 params_and_grads = [(p, p.main_grad, _is_expert_param(p)) for p in model.parameters()]
                 grad_norm = global_grad_norm(hs, params_and_grads)
-                t_sync = time.perf_counter()  # every rank leaves the norm's all-reduce together
                 if cfg.clip_grad > 0:
                     # Megatron's rule (clip_grad_by_total_norm_fp32).
                     coeff = cfg.clip_grad / (grad_norm + 1.0e-6)
@@ -187,15 +187,18 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                 if not skip:  # Megatron's skipped iteration: no update, no LR step
                     optimizer.step()
                     scheduler.step(increment=1)
-                if emulator is not None:  # gradient all-reduce + optimizer on the emulated GPUs
-                    sleep_until(t_sync + post_step_s)
+                if clock is not None:  # gradient all-reduce + optimizer on the emulated GPUs
+                    clock.post_step()
                 dist.all_reduce(tot, group=hs.world_group)
                 loss = (tot[0] / tot[1]).item()
                 losses.append(loss)
                 step_times.append(time.perf_counter() - t0)
+                if clock is not None:
+                    clock.step_end(it, step_times[-1])
                 steplog.log(it + 1, step_times[-1], lr_used, loss, grad_norm)
                 ckpt.after_step(it + 1)
             ckpt.finish(max(start, cfg.train_iters))
+            emulation = clock.report() if clock is not None else None
             params = export_megatron(hs, model, "data") if cfg.collect_grads else None
             if run_dir is not None:
                 recorder.save(run_dir)
@@ -207,7 +210,8 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                     "executed": [(list(a), {k: list(v) for k, v in b.items()}) for a, b, _ in executed],
                     "peak_activation_mib": max((m for _, _, m in executed), default=0) / 2**20,
                     "peak_rss_mib": peak,
-                    "busy_s": last_step_busy(recorder, cfg.train_iters - 1, hs.world_group)}
+                    "busy_s": last_step_busy(recorder, cfg.train_iters - 1, hs.world_group),
+                    "emulation": emulation}
     finally:
         destroy_hetero_parallel()
 

@@ -28,7 +28,8 @@ class StepLogger:
             by.setdefault(role, []).append(b)
         if not any(b for v in by.values() for b in v):
             return {}  # nothing recorded (Megatron's own schedule without emulation)
-        return {r: sum(v) / len(v) / dt for r, v in by.items()}
+        # busy compute / step time; never above 1 (compute tasks of a rank do not overlap)
+        return {r: min(1.0, sum(v) / len(v) / dt) for r, v in by.items()}
 
     def log(self, it: int, dt: float, lr: float, loss: float, grad_norm) -> None:
         from .trainer import format_iteration

@@ -82,8 +82,9 @@ _COLORS = {"A_F": "#1f77b4", "A_B": "#aec7e8", "X_F": "#9467bd", "X_B": "#c5b0d5
 
 
 def draw_png(events: list[Event], path: str | Path, step: int | None = None, title: str = "") -> None:
-    import matplotlib
+    from . import import_extra
 
+    matplotlib = import_extra("matplotlib", "plot", "drawing a timeline PNG")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
@@ -110,8 +111,11 @@ def draw_png(events: list[Event], path: str | Path, step: int | None = None, tit
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="hetermoe timeline", description="draw a run's timeline")
-    p.add_argument("run_dir")
+    from .cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="hetermoe timeline", description="draw a run's timeline",
+                                formatter_class=HelpFormatter)
+    p.add_argument("run_dir", help="a --timeline-dir of hetermoe train / bench (timeline.rank*.json)")
     p.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/timeline.png)")
     p.add_argument("--step", type=int, default=None, help="draw one step only (default: the last)")
     a = p.parse_args(argv)

@@ -18,7 +18,6 @@ import torch
 
 from .data import DataConfig, add_data_args, data_config_from_args, make_data
 from .layout import load_params
-from .emulation import sleep_until
 from .model_builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, transformer_config
 from .model_config import ModelConfig
 from .nan_check import NanGuard
@@ -161,16 +160,9 @@ def train(cfg: TrainConfig) -> dict:
         config.no_sync_func = model.no_sync
         recorder = TimelineRecorder(dist.get_rank(), "ep")
         steplog = StepLogger(cfg, "ep", recorder, dist.group.WORLD, dist.get_rank() == 0)
-        post_step_s = 0.0
-        post_start = [0.0]
+        clock = None
         if cfg.emulate is not None:
-            emu_undo, post_step_s = _install_ep_emulation(cfg, module, nmb, recorder)
-
-            def finalize_timed(*a, **kw):  # the emulated post-step starts with the grad all-reduce
-                post_start[0] = time.perf_counter()
-                return finalize_model_grads(*a, **kw)
-
-            config.finalize_model_grads_func = finalize_timed
+            emu_undo, clock = _install_ep_emulation(cfg, module, nmb, recorder)
 
         data = make_data(cfg)
         dp_rank = ps.get_data_parallel_rank()
@@ -187,6 +179,8 @@ def train(cfg: TrainConfig) -> dict:
             if cfg.collect_grads:
                 step_params.append(gather_canonical([model], [model_names], "data"))
             t0 = time.perf_counter()
+            if clock is not None:
+                clock.step_begin(it, t0)
             recorder.step = it
             batches = iter([data.microbatch(it, dp_rank * nmb + m, cfg.micro_batch_size, cfg.global_batch_size)
                             for m in range(nmb)])
@@ -206,8 +200,8 @@ def train(cfg: TrainConfig) -> dict:
             else:
                 ok, grad_norm, _ = optimizer.step()
                 scheduler.step(increment=1)
-            if cfg.emulate is not None:  # gradient all-reduce + optimizer on the emulated GPUs
-                sleep_until(post_start[0] + post_step_s)
+            if clock is not None:  # gradient all-reduce + optimizer on the emulated GPUs
+                clock.post_step()
             # lm loss: token-weighted over microbatches and DP ranks, known on the last stage.
             tot = torch.zeros(2)
             if ps.is_pipeline_last_stage():
@@ -217,14 +211,17 @@ def train(cfg: TrainConfig) -> dict:
             loss = (tot[0] / tot[1]).item()
             losses.append(loss)
             step_times.append(time.perf_counter() - t0)
+            if clock is not None:
+                clock.step_end(it, step_times[-1])
             steplog.log(it + 1, step_times[-1], lr_used, loss, grad_norm)
             ckpt.after_step(it + 1)
         ckpt.finish(max(start, cfg.train_iters))
+        emulation = clock.report() if clock is not None else None
         params = gather_canonical([model], [model_names], "data") if cfg.collect_grads else None
         return {"losses": losses, "grads": grads, "params": params, "step_params": step_params,
                 "initial_params": step_params[0] if step_params else params, "start_iteration": start,
                 "step_times": step_times, "num_microbatches": nmb, "dp": dp, "skipped": guard.skipped,
-                "busy_s": last_step_busy(recorder, cfg.train_iters - 1, dist.group.WORLD)}
+                "busy_s": last_step_busy(recorder, cfg.train_iters - 1, dist.group.WORLD), "emulation": emulation}
     finally:
         if emu_undo is not None:
             emu_undo()
@@ -242,11 +239,11 @@ def last_step_busy(recorder, step: int, group) -> list[float]:
 
 def _install_ep_emulation(cfg: TrainConfig, module, nmb: int, recorder):
     """Time this plain Megatron EP rank as its emulated GPU: the prediction fixes the EP size and
-    microbatch count the run must use; returns (undo, post-step seconds)."""
+    microbatch count the run must use; returns (undo, the rank's emulation clock)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from .emulation import Emulator
+    from .emulation import Emulator, ep_sync_groups
 
     em = Emulator(cfg.emulate)
     em.check_real_model(cfg.model)
@@ -263,9 +260,11 @@ def _install_ep_emulation(cfg: TrainConfig, module, nmb: int, recorder):
             f"the emulated EP run is EP={d} with {r_mb} microbatches per step (what fits in memory), but this "
             f"run has EP={ps.get_expert_model_parallel_world_size()} and {nmb}; set --expert-model-parallel-size "
             f"{d} and --global-batch-size {r_mb * dist.get_world_size() * cfg.micro_batch_size}")
-    ep_ranks = [ranks[r] for r in dist.get_process_group_ranks(ps.get_expert_model_parallel_group())]
-    undo = em.install_ep_hooks(module, ranks[dist.get_rank()], ep_ranks, pred.detail["tokens_per_microbatch"], recorder)
-    return undo, em.ep_post_step(pred)
+    procs = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
+    clock = em.ep_clock(pred, dist.group.WORLD)
+    undo = em.install_ep_hooks(module, ranks[dist.get_rank()], [ranks[r] for r in procs],
+                               pred.detail["tokens_per_microbatch"], recorder, clock, ep_sync_groups(procs))
+    return undo, clock
 
 
 def build_optimizer(cfg: TrainConfig, model, clip_grad: float, use_distributed_optimizer: bool,
@@ -307,31 +306,41 @@ def format_iteration(it: int, cfg: TrainConfig, dt: float, lr, loss: float, grad
 # ---- command line ------------------------------------------------------------------------
 def add_megatron_args(p: argparse.ArgumentParser) -> None:
     """The subset of Megatron-LM pretrain_gpt.py flags the baseline trainer takes."""
-    p.add_argument("--model", default="tiny", help="model config: configs/models/NAME.yaml or a path")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--expert-model-parallel-size", type=int, default=1)
-    p.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["alltoall", "allgather"])
-    p.add_argument("--micro-batch-size", type=int, default=2)
-    p.add_argument("--global-batch-size", type=int, default=8)
-    p.add_argument("--seq-length", type=int, default=None)
-    p.add_argument("--train-iters", type=int, default=5)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--min-lr", type=float, default=1e-4)
-    p.add_argument("--lr-warmup-iters", type=int, default=0)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--clip-grad", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--use-distributed-optimizer", action="store_true")
-    p.add_argument("--deterministic-mode", action="store_true")
-    p.add_argument("--log-interval", type=int, default=1)
-    p.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here (first rank)")
-    p.add_argument("--moe-aux-loss-coeff", type=float, default=None)
+    p.add_argument("--model", default="tiny", help="model config: a name in the config directory's models/ "
+                   "(hetermoe --config-dir) or a path to a YAML file")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (only 1 is supported yet)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="PP size (1F1B); must divide the model's layers")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="EP size; must divide the model's experts and the world size / PP")
+    p.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["alltoall", "allgather"],
+                   help="Megatron's MoE token dispatcher (flex needs DeepEP on GPUs)")
+    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per microbatch per rank")
+    p.add_argument("--global-batch-size", type=int, default=8,
+                   help="sequences per step; a multiple of --micro-batch-size x data-parallel size")
+    p.add_argument("--seq-length", type=int, default=None, help="tokens per sequence (default: the model config's)")
+    p.add_argument("--train-iters", type=int, default=5, help="optimizer steps to train (the LR schedule's length)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (Adam; cosine decay to --min-lr)")
+    p.add_argument("--min-lr", type=float, default=1e-4, help="learning rate at the end of the cosine decay")
+    p.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="linear warm-up steps from 0 to --lr; fewer than --train-iters")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="Adam weight decay")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of weights and data order, in [0, 2^32)")
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard optimizer state over data-parallel ranks (Megatron's); not with --hetero-plan")
+    p.add_argument("--deterministic-mode", action="store_true",
+                   help="bitwise reproducible runs (deterministic kernels; regress compares exactly)")
+    p.add_argument("--log-interval", type=int, default=1, help="print an iteration line every this many steps")
+    p.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here (first rank; default: none)")
+    p.add_argument("--moe-aux-loss-coeff", type=float, default=None,
+                   help="load-balancing loss weight (default: the model config's)")
     add_data_args(p)
-    p.add_argument("--save", default=None, help="directory to save checkpoints to")
-    p.add_argument("--load", default=None, help="directory to load a checkpoint from (latest_checkpointed_iteration.txt)")
-    p.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoint saves")
-    p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration instead of the latest")
+    p.add_argument("--save", default=None, help="directory to save checkpoints to (default: no checkpoints)")
+    p.add_argument("--load", default=None, help="directory to load a checkpoint from (latest_checkpointed_iteration.txt; "
+                   "default: start from scratch)")
+    p.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoint saves (default: only at the end)")
+    p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration (default: the latest)")
     p.add_argument("--hetero-ckpt-reshard", action="store_true",
                    help="load a checkpoint saved under another layout/plan by parameter name (RNG not restored)")
     p.add_argument("--check-for-nan-in-loss-and-grad", nargs="?", const="stop", default="stop",
@@ -339,15 +348,19 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
                    help="on a non-finite loss or gradient: stop the run (Megatron's meaning, the default) "
                         "or skip the step on every rank")
     p.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
-                   action="store_const", const="off", help="do not check")
+                   action="store_const", const="off",
+                   help="do not check (default: check, see --check-for-nan-in-loss-and-grad)")
     g = p.add_argument_group("emulation of a mixed cluster on CPU ranks (HeterMoE's own flags)")
     g.add_argument("--emulate", default=None, metavar="CLUSTER",
-                   help="time every rank as the GPU of its position in this cluster (configs/clusters/NAME.yaml)")
+                   help="time every rank as the GPU of its position in this cluster (a clusters/ name or a "
+                        "path; default: no emulation)")
     g.add_argument("--emulated-model", default=None, help="model shape whose cost is emulated (default: --model)")
     g.add_argument("--emulated-seq-length", type=int, default=None, help="its sequence length (default: 4096)")
     g.add_argument("--emulated-global-batch-size", type=int, default=None,
                    help="its sequences per step (default: 4 per emulated GPU)")
-    g.add_argument("--emulation-scale", type=float, default=1.0, help="real seconds per emulated second")
+    g.add_argument("--emulation-scale", default="1.0",
+                   help="real seconds per emulated second, or 'auto': picked from a calibration step (the "
+                        "second) so that the real work fits inside the emulated times")
 
 
 def config_from_args(a: argparse.Namespace) -> TrainConfig:
@@ -384,8 +397,14 @@ def emulation_from_args(a: argparse.Namespace):
     from .planner.cluster import Cluster
 
     gb = a.emulated_global_batch_size or 4 * Cluster.load(a.emulate).world_size
+    auto = str(a.emulation_scale) == "auto"
+    try:
+        scale = 1.0 if auto else float(a.emulation_scale)
+    except ValueError:
+        raise SystemExit(f"--emulation-scale {a.emulation_scale!r}: give a number of real seconds per emulated "
+                         f"second, or auto") from None
     return EmulationSpec(a.emulate, a.emulated_model or a.model, a.emulated_seq_length or 4096, gb,
-                         scale=a.emulation_scale)
+                         scale=scale, auto_scale=auto)
 
 
 def _rank_main(rank: int, world: int, cfg: TrainConfig, plan=None, hetero: dict | None = None) -> dict:
@@ -409,17 +428,20 @@ def run(cfg: TrainConfig, nproc: int, timeout_s: float = 900.0, plan=None, heter
 
 def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
     """`hetermoe train`'s flags; pretrain_gpt.py adds Megatron's model-shape flags to these."""
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    from .cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     add_megatron_args(p)
     p.add_argument("--nproc", type=int, default=None,
                    help="CPU ranks to start (default: join a torchrun job if RANK is set, else 4)")
-    p.add_argument("--golden-values-out", default=None, help="write per-step lm loss as Megatron golden values JSON")
-    p.add_argument("--hetero-plan", default=None, help="train with HeterMoE on this plan (hetermoe plan -o plan.json)")
+    p.add_argument("--golden-values-out", default=None, help="write per-step lm loss as Megatron golden values JSON (default: none)")
+    p.add_argument("--hetero-plan", default=None, help="train with HeterMoE on this plan (hetermoe plan -o plan.json; default: plain Megatron)")
     p.add_argument("--hetero-schedule", choices=["distep", "zebra"], default=None,
                    help="HeterMoE schedule (default: the plan's)")
     p.add_argument("--recompute-granularity", choices=["full"], default=None,
-                   help="zebra: recompute attention stages in backward (Megatron's 'full' meaning, per stage)")
-    p.add_argument("--timeline-dir", default=None, help="HeterMoE: write each rank's timeline here")
+                   help="zebra: recompute attention stages in backward (Megatron's 'full' meaning, per stage; "
+                        "default: keep activations)")
+    p.add_argument("--timeline-dir", default=None, help="HeterMoE: write each rank's timeline here (default: none)")
     return p
 
 
@@ -478,6 +500,10 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
             print(f" rank {r} ({role}): peak RSS {rss:.0f} MiB")
         if result.get("schedule") == "zebra":
             print(f" rank 0 peak activation memory (saved for backward): {result['peak_activation_mib']:.2f} MiB")
+    if result.get("emulation") is not None and int(os.environ.get("RANK", "0")) == 0:
+        from .emulation import validity_line
+
+        print(" " + validity_line("timing", result["emulation"]))
     if a.golden_values_out and int(os.environ.get("RANK", "0")) == 0:
         from .golden import write_golden
 

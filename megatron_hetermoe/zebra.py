@@ -42,18 +42,26 @@ from .timeline import TimelineRecorder
 @dataclass
 class ZebraConfig:
     recompute: bool = False
-    # Minimum duration of a compute task (emulation of a slower GPU); None: as fast as it runs.
+    # Emulated duration of a compute task (a slower GPU), from when it could start (the previous
+    # task ended and its input arrived); None: as fast as it runs.
     stretch: Callable[[Task], float] | None = None
-    # Minimum duration of a transfer given its bytes (emulation of a link).
+    # Emulated duration of a transfer given its bytes (a link), from when its last member could start it.
     transfer_time: Callable[[Task, int], float] | None = None
+    # emulation.EmulationClock: records every task's window (when it could start, started, its
+    # real work ended, it ended), from which the run judges whether its emulation held.
+    clock: object | None = None
 
 
 class _Stream:
     """A worker thread running one stream's collectives in FIFO order (as a CUDA stream would)."""
 
-    def __init__(self, name: str, recorder: TimelineRecorder | None, failure: Future):
+    def __init__(self, name: str, recorder: TimelineRecorder | None, failure: Future,
+                 on_done: Callable[[str, Task, float], None] | None = None):
         self.name, self.recorder = name, recorder
         self.failure = failure  # shared by a rank's streams: set by the first failed collective
+        self.on_done = on_done  # (stream, task, end) before the task's future resolves
+        self.ready: dict[Task, float] = {}  # when each collective could start: issued, and the stream free
+        self.last_end = 0.0  # when this stream's previous collective ended
         self.q: queue.Queue = queue.Queue()
         self.executed: list[Task] = []
         self.failed: BaseException | None = None
@@ -65,15 +73,20 @@ class _Stream:
             item = self.q.get()
             if item is None:
                 return
-            task, fn, fut = item
+            task, fn, fut, issued = item
             if self.failed is not None:
                 # After a failed collective every later one would pair with the wrong collective
                 # of the peers (gloo then aborts them on a size mismatch): issue nothing more.
                 fut.set_exception(self.failed)
                 continue
+            self.ready[task] = max(issued, self.last_end)
             t0 = time.perf_counter()
             try:
-                fut.set_result(fn())
+                result = fn()
+                t1 = self.last_end = time.perf_counter()
+                if self.on_done is not None:
+                    self.on_done(self.name, task, t1)
+                fut.set_result(result)
             except BaseException as e:  # noqa: BLE001 - surfaced to the main thread by wait()
                 self.failed = e
                 fut.set_exception(e)
@@ -82,11 +95,13 @@ class _Stream:
                 continue
             self.executed.append(task)
             if self.recorder is not None:
-                self.recorder.record(self.name, task.kind, task.layer, task.microbatch, t0, time.perf_counter())
+                self.recorder.record(self.name, task.kind, task.layer, task.microbatch, t0, t1)
 
-    def submit(self, task: Task, fn) -> Future:
+    def submit(self, task: Task, fn, issued: float = 0.0) -> Future:
+        """Queue a collective; `issued`: when the rank reached it in its list (the end of the
+        compute task before it)."""
         fut: Future = Future()
-        self.q.put((task, fn, fut))
+        self.q.put((task, fn, fut, issued))
         return fut
 
     def close(self):
@@ -128,6 +143,8 @@ class ZebraExecutor:
         self.st: dict[tuple[int, int], _MB] = {}
         self.executed: list[Task] = []
         self.meter = ActivationMeter()
+        self._tinfo: dict[Task, tuple] = {}  # emulated transfer: (start, budget, real_end)
+        self._ready: Callable[[Task], float] = lambda task: time.perf_counter()  # when a transfer could start
 
     def mb(self, layer: int, j: int) -> _MB:
         return self.st.setdefault((layer, j), _MB())
@@ -141,16 +158,16 @@ class ZebraExecutor:
     def _timed_a2a(self, task: Task, send: torch.Tensor, out_splits, in_splits, group,
                    started: float | None = None) -> torch.Tensor:
         """The exchange of one comm task. When emulating links, the collective is taken to start
-        when its last member calls it (`started`, or learned here from one extra row per peer
-        carrying each member's call time) and to end its emulated duration later, so the real
-        gloo cost hides inside the emulated one instead of adding to it."""
+        when its last member could start it (issued, and its stream free; `started`, or learned
+        here from one extra row per peer carrying each member's time) and to end its emulated
+        duration later, as the simulator has it, so the real gloo cost, and any host delay in
+        reaching the call, hide inside the emulated time instead of adding to it."""
         outs, ins = list(map(int, out_splits)), list(map(int, in_splits))
         if self.cfg.transfer_time is None:
             return _a2a(send, outs, ins, group)
         if started is None:
-            t_call = time.perf_counter()
             row = send.new_zeros(1, send.shape[1])
-            row.view(-1)[:2] = torch.tensor([t_call], dtype=torch.float64).view(send.dtype)
+            row.view(-1)[:2] = torch.tensor([self._ready(task)], dtype=torch.float64).view(send.dtype)
             chunks = torch.split(send, ins)
             send = torch.cat([c for ch in chunks for c in (ch, row)])
             got = _a2a(send, [o + 1 for o in outs], [i + 1 for i in ins], group)
@@ -159,8 +176,11 @@ class ZebraExecutor:
             out = torch.cat([p[:-1] for p in parts])
         else:
             out = _a2a(send, outs, ins, group)
+        real_end = time.perf_counter()
         nbytes = max(send.numel(), out.numel()) * send.element_size()
-        sleep_until(started + self.cfg.transfer_time(task, nbytes))
+        budget = self.cfg.transfer_time(task, nbytes)
+        self._tinfo[task] = (started, budget, real_end)
+        sleep_until(started + budget)
         return out
 
     # ---- transfers (run on the stream threads; read the state when they run) -------------
@@ -175,9 +195,9 @@ class ZebraExecutor:
             else:
                 send, send_splits = self._empty(), zeros
                 counts = torch.zeros(len(hs.layer_order(l)), dtype=torch.int64)
-            if self.cfg.transfer_time is not None:  # the counts carry each member's call time
-                t_call = torch.tensor([time.perf_counter_ns()], dtype=torch.int64)
-                allc = exchange_counts(torch.cat([counts.to(torch.int64), t_call]), hs.dispatch_group)
+            if self.cfg.transfer_time is not None:  # the counts carry when each member could start
+                t_ns = int(self._ready(task) * 1e9)
+                allc = exchange_counts(torch.cat([counts.to(torch.int64), torch.tensor([t_ns])]), hs.dispatch_group)
                 started, allc = allc[:, -1].max().item() / 1e9, allc[:, :-1]
             else:
                 started = None
@@ -218,7 +238,18 @@ class ZebraExecutor:
     # ---- the loop ------------------------------------------------------------------------
     def run(self, tasks: list[Task], compute: Callable[[Task], None]) -> None:
         failure: Future = Future()
-        streams = {name: _Stream(name, self.recorder, failure) for name in ("dispatch", "combine")}
+        clock = self.cfg.clock
+        tx_end: dict[Task, float] = {}  # when each transfer ended
+
+        def done(stream: str, task: Task, end: float) -> None:
+            tx_end[task] = end
+            info = self._tinfo.pop(task, None)
+            if clock is not None and info is not None:
+                start, budget, real_end = info
+                clock.window(stream, task, start, budget, real_end, end)
+
+        streams = {name: _Stream(name, self.recorder, failure, done) for name in ("dispatch", "combine")}
+        self._ready = lambda task: streams[task.stream].ready.pop(task, time.perf_counter())
         futures: dict[Task, Future] = {}
 
         def wait(fut: Future) -> None:
@@ -230,23 +261,34 @@ class ZebraExecutor:
             fut.result()
 
         L = self.hs.plan.num_layers
+        last_end = clock.t0 if clock is not None else time.perf_counter()  # the previous compute task's end
         try:
             self.meter.__enter__()
             for t in tasks:
                 if t.is_comm:
-                    futures[t] = streams[t.stream].submit(t, self.comm(t))
+                    futures[t] = streams[t.stream].submit(t, self.comm(t), last_end)
                     continue
                 need = inputs(t, L)
                 if need is not None:
                     wait(futures[need])
+                # When emulating, a task's time starts when it could (the previous task ended and
+                # its input arrived), as in the simulator: the host's delay in getting to it and
+                # the real work both run inside its emulated time.
+                ready = max(last_end, tx_end.get(need, last_end))
                 t0 = time.perf_counter()
                 faults.checkpoint("task", repr(t))
                 compute(t)
                 if self.cfg.stretch is not None:
-                    sleep_until(t0 + self.cfg.stretch(t))
+                    real_end = time.perf_counter()
+                    budget = self.cfg.stretch(t)
+                    t0 = min(t0, ready)
+                    sleep_until(t0 + budget)
+                last_end = time.perf_counter()
+                if clock is not None and self.cfg.stretch is not None:
+                    clock.window("compute", t, t0, budget, real_end, last_end)
                 self.executed.append(t)
                 if self.recorder is not None:
-                    self.recorder.record("compute", t.kind, t.layer, t.microbatch, t0, time.perf_counter())
+                    self.recorder.record("compute", t.kind, t.layer, t.microbatch, t0, last_end)
             for f in futures.values():
                 wait(f)
         except BaseException:

@@ -17,6 +17,18 @@ FLOP counts (per token, forward; h hidden, f expert ffn, E experts, V vocab, s s
   one SwiGLU expert:              6 h f
   output head:                    2 h V
 Model shapes whose numbers the paper does not give (ffn, heads) come from configs/models/.
+
+Which program is priced (`Program`): precision, attention kernel and recomputation change a
+step's cost, so a time is always for one program. `TrainSettings.program=None` prices each
+GPU type as its profile describes it (`program_of`): analytic profiles the paper's program (fp16
+mixed precision on tensor cores, fused attention: FlashAttention-2 where the GPU has it,
+memory-efficient attention elsewhere), measured profiles the program `hetermoe profile` ran. A
+given program is priced on every GPU type or refused (ProgramError): fp32 uses the profile's
+`peak_fp32_tflops` with the same efficiencies (an estimate), 'unfused' attention computes the
+full score matrix with GEMM efficiency and moves it through memory (an estimate); a measured
+profile prices only the program it measured. `runtime_program()` is what this package's
+trainers run (fp32, unfused attention: megatron-core's local spec), so a report can say which
+program a prediction is for and which one ran.
 """
 from __future__ import annotations
 
@@ -30,6 +42,8 @@ from .profiles import GpuProfile, MeasuredTables
 
 # Estimates (documented here once; the profile files carry the per-GPU numbers).
 BYTES_PER_PARAM_STATE = 18.0  # estimate: fp16 weight 2 + fp32 main grad 4 + fp32 master 4 + Adam m, v 8
+BYTES_PER_PARAM_STATE_FP32 = 16.0  # fp32 weight 4 + fp32 main grad 4 + Adam m, v 8 (no master copy)
+UNFUSED_SCORE_PASSES = 4.0  # estimate: unfused attention writes the scores, softmax reads and writes them, PV reads them
 ELEMENTWISE_BYTES_PER_HIDDEN = 24.0  # estimate: norms, RoPE, residual, router softmax traffic per token per hidden unit
 MEMBW_EFFICIENCY = 0.8  # estimate: fraction of datasheet bandwidth that streaming kernels reach
 ATTN_KERNELS, EXPERT_KERNELS, HEAD_KERNELS = 14, 5, 4  # estimate: kernel launches per forward call
@@ -61,6 +75,89 @@ def mixtral_8x7b_attention_shape() -> ModelConfig:
                        ffn_hidden_size=14336, moe_ffn_hidden_size=14336, num_experts=8)
 
 
+# ---------------------------------------------------------------- the program being priced
+PRECISIONS = ("fp16", "bf16", "fp32")
+ATTENTION_KERNELS = ("fused", "unfused")
+RECOMPUTE = ("full", "none")
+
+
+class ProgramError(ValueError):
+    """A program a profile cannot price; the message names the profile, the difference and the fix."""
+
+
+@dataclass(frozen=True)
+class Program:
+    """What a training step runs besides the model shape, as far as it changes the step's cost.
+    The cost model prices one, a runtime runs one; reports name both.
+      precision  'fp16' / 'bf16': mixed precision (16-bit GEMMs on tensor cores, fp32 master
+                 weights); 'fp32': fp32 throughout
+      attention  'fused': FlashAttention-2 where the GPU has it, memory-efficient attention
+                 (xformers) elsewhere, as the paper ran; 'unfused': the score matrix is
+                 materialized (megatron-core's local spec, DotProductAttention)
+      recompute  'full': activation checkpointing (backward re-runs the forward); 'none'
+    """
+
+    precision: str = "fp16"
+    attention: str = "fused"
+    recompute: str = "full"
+
+    def __post_init__(self) -> None:
+        for name, v, ok in (("precision", self.precision, PRECISIONS), ("attention", self.attention, ATTENTION_KERNELS),
+                            ("recompute", self.recompute, RECOMPUTE)):
+            if v not in ok:
+                raise ProgramError(f"program {name}={v!r}; use one of {ok}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def activation_checkpointing(self) -> bool:
+        return self.recompute == "full"
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def describe(self) -> str:
+        prec = {"fp16": "fp16 mixed precision (tensor cores)", "bf16": "bf16 mixed precision (tensor cores)",
+                "fp32": "fp32"}[self.precision]
+        att = {"fused": "fused attention (FlashAttention-2, or memory-efficient where the GPU has no flash)",
+               "unfused": "unfused attention (scores materialized)"}[self.attention]
+        rec = {"full": "activation recompute", "none": "no recompute"}[self.recompute]
+        return f"{prec}, {att}, {rec}"
+
+
+PAPER_PROGRAM = Program("fp16", "fused", "full")  # what the paper ran and the GPU profiles describe
+
+
+def runtime_program(recompute: bool = False) -> Program:
+    """The program this package's trainers run, on CPU and GPU alike: model_builder's
+    TransformerConfig has fp32 parameters and activations and megatron-core's local layer spec
+    (unfused DotProductAttention); trainer.build_optimizer is fp32 Adam; activations are
+    recomputed only by zebra's --recompute-granularity full (per attention stage)."""
+    return Program("fp32", "unfused", "full" if recompute else "none")
+
+
+def priced_profile(p: GpuProfile, program: Program) -> GpuProfile:
+    """The profile as the cost model uses it for `program`, or ProgramError if it cannot price it."""
+    if p.measured is not None:
+        mp = p.measured.program
+        if (mp["precision"], mp["attention"]) != (program.precision, program.attention):
+            raise ProgramError(
+                f"GPU profile {p.name!r} has measured tables for {mp['precision']} with {mp['attention']} attention, "
+                f"but the program is {program.precision} with {program.attention} attention; re-profile that "
+                f"program (hetermoe profile --dtype {program.precision}) or price the profile's own program")
+        return p
+    if program.precision == "bf16" and not p.bf16:
+        raise ProgramError(f"GPU profile {p.name!r} has no bf16 (bf16: false); use fp16 or fp32 on it")
+    if program.precision == "fp32":
+        if p.peak_fp32_tflops <= 0:
+            raise ProgramError(f"GPU profile {p.name!r} gives no peak_fp32_tflops; add it "
+                               f"({{value, source: 'datasheet: ...'}}) to price an fp32 program")
+        p = dataclasses.replace(p, peak_fp16_tflops=p.peak_fp32_tflops)
+    return p
+
+
 # ---------------------------------------------------------------- analytic roofline pieces
 def _roofline(p: GpuProfile, flops: float, nbytes: float, efficiency: float, kernels: int) -> float:
     if efficiency <= 0 or p.peak_fp16_tflops <= 0:
@@ -71,23 +168,32 @@ def _roofline(p: GpuProfile, flops: float, nbytes: float, efficiency: float, ker
     return max(t_flop, t_mem) + kernels * p.launch_overhead_us * 1e-6
 
 
-def _analytic_attention(p: GpuProfile, m: ModelConfig, tokens: float, seq_len: int, backward: bool) -> float:
+def _analytic_attention(p: GpuProfile, m: ModelConfig, tokens: float, seq_len: int, backward: bool,
+                        program: Program | None = None) -> float:
     h = m.hidden_size
+    b = program.dtype_bytes if program is not None else 2
     mult = 2.0 if backward else 1.0
-    lin_bytes = (4 * h * h + h * m.num_experts) * 2.0 + tokens * h * 2.0 * 6
+    lin_bytes = (4 * h * h + h * m.num_experts) * b + tokens * h * b * 6
     lin = _roofline(p, mult * attention_linear_flops(m, tokens), mult * lin_bytes, p.gemm_efficiency,
                     int(ATTN_KERNELS * mult) // 2)
-    core_mult = CORE_BWD_FACTOR if backward else 1.0
-    core = _roofline(p, core_mult * attention_core_flops(m, tokens, seq_len), mult * tokens * h * 2.0 * 4,
-                     p.attention_core_efficiency, int(ATTN_KERNELS * mult) // 2)
-    elem = mult * tokens * h * ELEMENTWISE_BYTES_PER_HIDDEN / (p.memory_bandwidth_gbs * 1e9 * MEMBW_EFFICIENCY)
+    if program is not None and program.attention == "unfused":
+        # the full score matrix (the mask is applied after), as batched GEMMs, through memory
+        scores = tokens * seq_len * m.num_attention_heads * b
+        core = _roofline(p, mult * 2.0 * attention_core_flops(m, tokens, seq_len),
+                         mult * (UNFUSED_SCORE_PASSES * scores + tokens * h * b * 4), p.gemm_efficiency,
+                         int(ATTN_KERNELS * mult) // 2)
+    else:
+        core_mult = CORE_BWD_FACTOR if backward else 1.0
+        core = _roofline(p, core_mult * attention_core_flops(m, tokens, seq_len), mult * tokens * h * b * 4,
+                         p.attention_core_efficiency, int(ATTN_KERNELS * mult) // 2)
+    elem = mult * tokens * h * ELEMENTWISE_BYTES_PER_HIDDEN * b / 2 / (p.memory_bandwidth_gbs * 1e9 * MEMBW_EFFICIENCY)
     return lin + core + elem
 
 
-def _analytic_expert(p: GpuProfile, m: ModelConfig, tokens: float, backward: bool) -> float:
+def _analytic_expert(p: GpuProfile, m: ModelConfig, tokens: float, backward: bool, dtype_bytes: int = 2) -> float:
     h, f = m.hidden_size, m.moe_ffn_hidden_size
     mult = 2.0 if backward else 1.0
-    nbytes = mult * (3.0 * h * f * 2.0 + tokens * (2.0 * h + 3.0 * f) * 2.0)
+    nbytes = mult * (3.0 * h * f + tokens * (2.0 * h + 3.0 * f)) * dtype_bytes
     return _roofline(p, mult * expert_flops(m, tokens), nbytes, p.gemm_efficiency, int(EXPERT_KERNELS * mult))
 
 
@@ -147,11 +253,19 @@ def _measured_expert(t: MeasuredTables, m: ModelConfig, tokens: float, backward:
 # ---------------------------------------------------------------- the model
 @dataclass(frozen=True)
 class TrainSettings:
-    """What besides the model shape changes the cost of a step."""
+    """What besides the model shape changes the cost of a step. With `program` given, its
+    recompute and precision set activation_checkpointing and dtype_bytes, and every profile
+    must price it; without, each GPU type is priced as its profile describes it (program_of)."""
 
     seq_len: int
     activation_checkpointing: bool = True  # the paper's setting: backward re-runs the forward
     dtype_bytes: int = 2  # fp16/bf16 activations on the wire and in checkpoints
+    program: Program | None = None
+
+    def __post_init__(self) -> None:
+        if self.program is not None:
+            object.__setattr__(self, "activation_checkpointing", self.program.activation_checkpointing)
+            object.__setattr__(self, "dtype_bytes", self.program.dtype_bytes)
 
 
 class CostModel:
@@ -162,9 +276,29 @@ class CostModel:
 
     def __init__(self, model: ModelConfig, profiles: dict[str, GpuProfile], settings: TrainSettings):
         self.model = model
-        self.profiles = profiles
         self.settings = settings
+        self.program = settings.program  # None: each profile's own (program_of)
+        if self.program is not None:
+            profiles = {n: priced_profile(p, self.program) for n, p in profiles.items()}
+        self.profiles = profiles
         self._memo: dict[tuple, float] = {}  # the search asks the same few calls many times
+
+    def program_of(self, gpu: str) -> Program:
+        """The program this model's times on `gpu` are for."""
+        if self.program is not None:
+            return self.program
+        rec = "full" if self.settings.activation_checkpointing else "none"
+        p = self.profile(gpu)
+        if p.measured is not None:
+            mp = p.measured.program
+            prec = mp["precision"] if mp["precision"] in PRECISIONS else "fp32"
+            att = mp["attention"] if mp["attention"] in ATTENTION_KERNELS else "unfused"
+            return Program(prec, att, rec)
+        return dataclasses.replace(PAPER_PROGRAM, recompute=rec)
+
+    def programs(self) -> dict[str, str]:
+        """GPU type -> the program its times are for, in words."""
+        return {g: self.program_of(g).describe() for g in sorted(self.profiles)}
 
     def profile(self, gpu: str) -> GpuProfile:
         try:
@@ -184,7 +318,7 @@ class CostModel:
             h = self.model.hidden_size
             t += (2 if backward else 1) * tokens * h * ELEMENTWISE_BYTES_PER_HIDDEN / (p.memory_bandwidth_gbs * 1e9 * MEMBW_EFFICIENCY)
         else:
-            t = _analytic_attention(p, self.model, tokens, s, backward)
+            t = _analytic_attention(p, self.model, tokens, s, backward, self.program)
         if backward and self.settings.activation_checkpointing:
             t += self.attention_time(gpu, tokens, False, s)
         return t
@@ -203,7 +337,7 @@ class CostModel:
         if p.measured is not None:
             t = _measured_expert(p.measured, self.model, tokens, backward)
         else:
-            t = _analytic_expert(p, self.model, tokens, backward)
+            t = _analytic_expert(p, self.model, tokens, backward, self.settings.dtype_bytes)
         if backward and self.settings.activation_checkpointing:
             t += self.expert_time(gpu, tokens, False)
         return t
@@ -222,7 +356,7 @@ class CostModel:
             rate = _interp_log([e[0] for e in exp], [e[2 if backward else 1] for e in exp], tokens)
             t = mult * head_flops(m, tokens) / rate
         else:
-            t = _roofline(p, mult * head_flops(m, tokens), mult * m.vocab_size * m.hidden_size * 2.0,
+            t = _roofline(p, mult * head_flops(m, tokens), mult * m.vocab_size * m.hidden_size * self.settings.dtype_bytes,
                           p.gemm_efficiency, int(HEAD_KERNELS * mult))
         t += loss_bytes / (p.memory_bandwidth_gbs * 1e9 * MEMBW_EFFICIENCY)
         if backward and self.settings.activation_checkpointing:
@@ -269,11 +403,16 @@ class CostModel:
         return self.model.hidden_size * self.settings.dtype_bytes
 
     # ---- memory --------------------------------------------------------------------------
+    @property
+    def bytes_per_param_state(self) -> float:
+        fp32 = self.program is not None and self.program.precision == "fp32"
+        return BYTES_PER_PARAM_STATE_FP32 if fp32 else BYTES_PER_PARAM_STATE
+
     def expert_state_bytes(self) -> float:
-        return self.model.expert_params() * BYTES_PER_PARAM_STATE
+        return self.model.expert_params() * self.bytes_per_param_state
 
     def non_expert_state_bytes(self) -> float:
-        return self.model.non_expert_params() * BYTES_PER_PARAM_STATE
+        return self.model.non_expert_params() * self.bytes_per_param_state
 
     def attention_rank_bytes(self, tokens_mb: float, microbatches_alive: int) -> float:
         """An attention rank without offloaded experts: non-expert weights and optimizer state,
@@ -287,7 +426,10 @@ class CostModel:
             kept = (L + 1) * tokens_mb * h * b * microbatches_alive
             working = tokens_mb * h * b * 20
         else:
-            kept = L * tokens_mb * h * 34.0 * microbatches_alive
+            per_token = h * 34.0 * b / 2
+            if self.program is not None and self.program.attention == "unfused":
+                per_token += 5.0 * m.num_attention_heads * self.settings.seq_len * b / 2  # the scores (same source)
+            kept = L * tokens_mb * per_token * microbatches_alive
             working = 0.0
         return self.non_expert_state_bytes() + kept + working + logits
 

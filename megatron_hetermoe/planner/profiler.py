@@ -11,7 +11,17 @@ TransformerLayer of the local spec):
     rank on a laptop: that is a local copy, and the profile says so);
   * memory: parameter bytes of the attention part and of one expert, and n_min / n_max of the
     paper for an example shape (from the cost model's memory formulas and the device memory).
-Times are medians of `--repeats` runs after a warm-up.
+Times are medians of `--repeats` runs after a warm-up. The tables are for one program
+(cost_model.Program): the precision (default: the one this package's trainers run, fp32; --dtype
+to measure another) and megatron-core's local spec (unfused attention), recorded in
+measured.info.program, so the cost model knows which program they price.
+
+`hetermoe profile --gpu-pair --out link.yaml` instead measures the all-to-all between two ranks:
+two GPUs (of one type or two) over NCCL when this node has them, else two CPU processes over
+gloo, and then says so in every number's source (CPU/gloo numbers describe this host, not a GPU
+link). It fits latency and bandwidth to the times (the transfer model's link_latency_us and
+intra_node_gbs, in the same {value, source} form as a GPU profile) and records the precision of
+the messages (the runtime's).
 """
 from __future__ import annotations
 
@@ -109,10 +119,12 @@ def measure(model: ModelConfig, seq_lens: list[int], seqs: list[int], expert_tok
 
     from .. import cpu_backend
 
+    from .cost_model import runtime_program
+
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cpu_backend.apply()  # no-op with CUDA; bridges megatron-core's CUDA assumptions on CPU
     if dtype_name is None:
-        dtype_name = "bf16" if dev.type == "cuda" else "fp32"  # CPU bf16 GEMMs are not representative
+        dtype_name = runtime_program().precision  # what the trainers run (fp32 on CPU and GPU)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     _init_dist(dev)
     layer, rope = _build_layer(model, dtype, dev)
@@ -188,6 +200,9 @@ def measure(model: ModelConfig, seq_lens: list[int], seqs: list[int], expert_tok
         "torch": str(torch.__version__),
         "megatron_core": _mcore_version(),
         "dtype": dtype_name,
+        # The program these tables time (cost_model.Program): megatron-core's local spec has
+        # unfused attention; recomputation is the cost model's to add.
+        "program": {"precision": dtype_name, "attention": "unfused"},
         "threads": torch.get_num_threads(),
         "world_size_for_all_to_all": world,
         "attention_params_per_layer": int(attn_params),
@@ -249,6 +264,129 @@ def _memory_findings(model: ModelConfig, fields: dict, measured: dict, dtype) ->
     return {}
 
 
+# ---------------------------------------------------------------- --gpu-pair
+def _pair_rank(rank: int, store: str, backend: str, sizes: list[int], repeats: int, dtype_name: str, q) -> None:
+    """One of the two ranks of --gpu-pair (spawned): all_to_all_single at each size."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        dev = torch.device(f"cuda:{rank}") if backend == "nccl" else torch.device("cpu")
+        if backend == "nccl":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=2)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+        esize = torch.tensor([], dtype=dtype).element_size()
+        rows = []
+        for nbytes in sizes:
+            numel = max(2, nbytes // esize // 2 * 2)  # even: half stays, half goes to the peer
+            src = torch.ones(numel, device=dev, dtype=dtype)
+            dst = torch.empty_like(src)
+            ts = []
+            for i in range(repeats + 1):
+                dist.barrier()
+                _sync(dev)
+                t0 = time.perf_counter()
+                dist.all_to_all_single(dst, src)
+                _sync(dev)
+                if i:  # the first one warms up
+                    ts.append(time.perf_counter() - t0)
+            t = torch.tensor([statistics.median(ts)], dtype=torch.float64, device=dev)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slower rank's
+            rows.append({"nbytes": numel * esize, "peer_bytes": numel * esize // 2, "seconds": float(t.item())})
+        name = torch.cuda.get_device_name(dev) if backend == "nccl" else "cpu"
+        q.put((rank, {"rows": rows, "device": name}))
+        dist.destroy_process_group()
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        q.put((rank, {"error": f"{type(e).__name__}: {e}"}))
+
+
+def _fit_link(rows: list[dict]) -> tuple[float, float]:
+    """Least squares t = latency + peer_bytes / bandwidth; returns (latency s, bandwidth B/s)."""
+    xs = [r["peer_bytes"] for r in rows]
+    ys = [r["seconds"] for r in rows]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    if slope <= 0:  # flat (all latency): the bandwidth of the largest message
+        big = max(rows, key=lambda r: r["peer_bytes"])
+        return min(ys), big["peer_bytes"] / max(big["seconds"], 1e-12)
+    return max(0.0, my - slope * mx), 1.0 / slope
+
+
+def measure_pair(sizes: list[int], repeats: int, dtype_name: str | None = None, timeout_s: float = 300.0) -> dict:
+    """Measure the all-to-all between two ranks (two GPUs over NCCL, else two CPU processes over
+    gloo); returns the link profile (profiles.load_link_profile reads it back)."""
+    import dataclasses
+    import multiprocessing as mp
+    import queue
+
+    import torch
+
+    from .cost_model import runtime_program
+
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n_gpu == 1:
+        raise SystemExit("hetermoe profile --gpu-pair: this node has one GPU; it needs two (of one type or two "
+                         "types). Without GPUs it measures two CPU processes over gloo.")
+    backend = "nccl" if n_gpu >= 2 else "gloo"
+    program = runtime_program()
+    dtype_name = dtype_name or program.precision
+    store = Path(tempfile.mkdtemp(prefix="hetermoe-pair-")) / "store"
+    ctx = mp.get_context("spawn")  # no fork after CUDA (or torch threads) started
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_pair_rank, args=(r, str(store), backend, sizes, repeats, dtype_name, q))
+             for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got: dict[int, dict] = {}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(got) < 2:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"hetermoe profile --gpu-pair: no result after {timeout_s:.0f} s")
+            try:
+                r, res = q.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if dead:
+                    raise SystemExit(f"hetermoe profile --gpu-pair: rank {dead[0]} died "
+                                     f"(exit code {procs[dead[0]].exitcode})") from None
+                continue
+            if "error" in res:
+                raise SystemExit(f"hetermoe profile --gpu-pair: rank {r}: {res['error']}")
+            got[r] = res
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    rows = got[0]["rows"]
+    lat, bw = _fit_link(rows)
+    devices = [got[0]["device"], got[1]["device"]]
+    if backend == "gloo":
+        what = "CPU/gloo: two CPU processes over gloo on this host, not a GPU link; for CPU runs only"
+    else:
+        what = f"NCCL between {devices[0]} and {devices[1]} on this node"
+    src = f"measured: hetermoe profile --gpu-pair, all_to_all between 2 ranks, {what} ({dtype_name} messages)"
+    return {
+        "kind": "gpu-pair",
+        "devices": devices,
+        "backend": backend,
+        "note": what,
+        "precision": dtype_name,  # of the messages: the runtime's unless --dtype
+        "program": dict(dataclasses.asdict(program), precision=dtype_name),
+        "date": datetime.date.today().isoformat(),
+        "torch": str(torch.__version__),
+        "host": platform.node() or platform.machine(),
+        "link_latency_us": {"value": round(lat * 1e6, 3), "source": f"{src}: fitted latency"},
+        "intra_node_gbs": {"value": round(bw / 1e9, 4),
+                           "source": f"{src}: fitted bandwidth of the bytes each rank sends its peer"},
+        "all_to_all": rows,
+    }
+
+
 def _cpu_memory_gib() -> float:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -278,19 +416,51 @@ def _ints(s: str) -> list[int]:
     return out
 
 
+def _main_pair(args) -> int:
+    import yaml
+
+    from .profiles import load_link_profile
+
+    prof = measure_pair(args.a2a_bytes, args.repeats, args.dtype)
+    header = (f"# Measured by `hetermoe profile --gpu-pair` on {prof['host']}, {prof['date']}: {prof['note']}.\n"
+              f"# link_latency_us and intra_node_gbs have the form of a GPU profile's fields (configs/gpus/).\n")
+    Path(args.out).write_text(header + yaml.safe_dump(prof, sort_keys=False, default_flow_style=None, width=110))
+    load_link_profile(args.out)  # the file must load back
+    print(f"wrote {args.out}: all_to_all between 2 ranks ({prof['backend']}, {prof['devices'][0]} / "
+          f"{prof['devices'][1]}, {prof['precision']} messages): latency {prof['link_latency_us']['value']:.1f} us, "
+          f"{prof['intra_node_gbs']['value']:.3g} GB/s" + (" -- CPU/gloo numbers, not a GPU link"
+                                                          if prof["backend"] == "gloo" else ""))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    from ..cli import HelpFormatter
+
     p = argparse.ArgumentParser(prog="hetermoe profile", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="model config (path or configs/models/ name) whose layer to time")
+                                formatter_class=HelpFormatter)
+    p.add_argument("--gpu-pair", action="store_true",
+                   help="measure the all-to-all between two ranks instead (two GPUs over NCCL, else two CPU "
+                        "processes over gloo) and write a link profile to --out")
+    p.add_argument("--model", help="model config (path or configs/models/ name) whose layer to time "
+                   "(required unless --gpu-pair)")
     p.add_argument("--out", required=True, help="profile YAML to write (e.g. configs/gpus/cpu.yaml)")
     p.add_argument("--name", help="GPU type name in the profile (default: the device's name, 'cpu' on CPU)")
     p.add_argument("--seq-lens", type=_ints, help="sequence lengths for attention (default: from the model)")
     p.add_argument("--seqs", type=_ints, default=[1, 2, 4], help="sequences per attention call")
-    p.add_argument("--expert-tokens", type=_ints, help="token counts for one expert")
-    p.add_argument("--a2a-bytes", type=_ints, default=[2**12, 2**16, 2**20, 2**23])
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="default: bf16 on CUDA, fp32 on CPU")
+    p.add_argument("--expert-tokens", type=_ints, help="token counts for one expert (default: from the model)")
+    p.add_argument("--a2a-bytes", type=_ints, default=[2**12, 2**16, 2**20, 2**23],
+                   help="all-to-all message sizes to time, comma-separated")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per point (the median is kept)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help="precision to measure (default: the trainers' own, fp32; recorded in the profile)")
     args = p.parse_args(argv)
+    if args.gpu_pair:
+        if args.repeats < 1:
+            print(f"hetermoe profile: --repeats {args.repeats} must be >= 1", file=sys.stderr)
+            return 2
+        return _main_pair(args)
+    if not args.model:
+        p.error("--model is required (or --gpu-pair)")
     model = ModelConfig.load(args.model)
     S = model.seq_length
     seq_lens = args.seq_lens or sorted({max(8, S // 4), max(8, S // 2), S})

@@ -14,6 +14,11 @@ Two kinds of timing information can be present:
 A profile may instead give a speed *ratio* to another profile (`expert_speed_vs`,
 `attention_speed_vs`), e.g. the paper's "V100 runs an expert at 80% of A40 speed"; the loader
 turns the ratio into an efficiency, solving against the reference GPU with the same cost model.
+
+Which program the numbers are for (cost_model.Program): analytic profiles describe the paper's
+(fp16 mixed precision on tensor cores, fused attention, activation recompute), plus an fp32 peak
+(`peak_fp32_tflops`, optional) for pricing fp32 programs; measured tables describe the program
+`hetermoe profile` ran, recorded in measured.info.program (precision, attention kernel).
 """
 from __future__ import annotations
 
@@ -72,6 +77,15 @@ class MeasuredTables:
     all_to_all: tuple[CommSample, ...] = ()
     info: dict = field(default_factory=dict)  # device name, software versions, date, memory findings
 
+    @property
+    def program(self) -> dict:
+        """The program the tables time: info.program as `hetermoe profile` records it (older
+        files: their dtype, and megatron-core's local spec, i.e. unfused attention)."""
+        p = self.info.get("program")
+        if isinstance(p, dict) and {"precision", "attention"} <= set(p):
+            return {"precision": str(p["precision"]), "attention": str(p["attention"])}
+        return {"precision": str(self.info.get("dtype", "fp32")), "attention": "unfused"}
+
 
 @dataclass(frozen=True)
 class GpuProfile:
@@ -90,6 +104,7 @@ class GpuProfile:
     usable_memory_fraction: float  # of memory_gib, after the CUDA context and fragmentation
     sources: dict[str, str] = field(default_factory=dict)  # field name -> source string
     measured: MeasuredTables | None = None
+    peak_fp32_tflops: float = 0.0  # dense FP32 (no tensor cores); 0: not given (fp32 programs cannot be priced)
 
     def source(self, name: str) -> str:
         return self.sources.get(name, "unknown")
@@ -105,9 +120,10 @@ _NUMERIC = (
     "attention_core_efficiency", "launch_overhead_us", "intra_node_gbs", "link_latency_us",
     "usable_memory_fraction",
 )
+_OPTIONAL = ("peak_fp32_tflops",)  # {value, source} when present
 _RATIO_FIELDS = {"expert_speed_vs": "gemm_efficiency", "attention_speed_vs": "attention_core_efficiency"}
 # Fields that divide something (must be > 0), and fractions (must be in (0, 1]).
-_POSITIVE = ("memory_gib", "peak_fp16_tflops", "memory_bandwidth_gbs", "intra_node_gbs")
+_POSITIVE = ("memory_gib", "peak_fp16_tflops", "peak_fp32_tflops", "memory_bandwidth_gbs", "intra_node_gbs")
 _FRACTIONS = ("gemm_efficiency", "attention_core_efficiency", "usable_memory_fraction")
 
 
@@ -224,7 +240,7 @@ def _load_path(path: Path, chain: tuple[str, ...]) -> GpuProfile:
         raise ProfileError(f"{where}: speed ratios form a cycle {' -> '.join(chain + (name,))}; break it")
     vals: dict[str, float] = {}
     sources: dict[str, str] = {}
-    for key in _NUMERIC:
+    for key in _NUMERIC + _OPTIONAL:
         if key in raw:
             vals[key], sources[key] = _num(raw, key, where)
     for flag in ("fp16", "bf16", "flash_attention"):
@@ -237,7 +253,7 @@ def _load_path(path: Path, chain: tuple[str, ...]) -> GpuProfile:
     prof = GpuProfile(
         name=name, fp16=raw["fp16"], bf16=raw["bf16"], flash_attention=raw["flash_attention"],
         sources=sources, measured=_measured(raw.get("measured"), where),
-        **{k: vals.get(k, 0.0) for k in _NUMERIC},
+        **{k: vals.get(k, 0.0) for k in _NUMERIC + _OPTIONAL},
     )
     if ratios:
         prof = _resolve_ratios(prof, ratios, where, chain + (name,))
@@ -280,6 +296,55 @@ def _resolve_ratios(prof: GpuProfile, ratios: dict, where: str, chain: tuple[str
             field_name = "attention_core_efficiency"
         prof.sources[field_name] = f"{src} (solved: {field_name}={eff:.4f} so that {ref.name} / {prof.name} time = {ratio})"
     return prof
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """What `hetermoe profile --gpu-pair` measured between two ranks: the transfer model's
+    link_latency_us and intra_node_gbs (same {value, source} form as a GPU profile), the devices
+    and backend (gloo between CPU processes is said so in every source), the precision of the
+    messages, and the all-to-all times they were fitted to."""
+
+    devices: tuple[str, str]
+    backend: str
+    precision: str
+    link_latency_us: float
+    intra_node_gbs: float
+    sources: dict[str, str]
+    all_to_all: tuple[dict, ...]
+    note: str = ""
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.backend == "gloo"
+
+
+def load_link_profile(path: str | Path) -> LinkProfile:
+    where = str(path)
+    raw = _read_yaml(Path(path))
+    if raw.get("kind") != "gpu-pair":
+        raise ProfileError(f"{where}: kind={raw.get('kind')!r}; a link profile has kind: gpu-pair "
+                           f"(hetermoe profile --gpu-pair writes one)")
+    vals, srcs = {}, {}
+    for key in ("link_latency_us", "intra_node_gbs"):
+        vals[key], srcs[key] = _num(raw, key, where)
+        if not srcs[key].startswith("measured"):
+            raise ProfileError(f"{where}: {key} must be measured (source 'measured: ...'), got {srcs[key]!r}")
+    devices = raw.get("devices")
+    if not (isinstance(devices, list) and len(devices) == 2 and all(isinstance(d, str) for d in devices)):
+        raise ProfileError(f"{where}: devices must name the two devices, got {devices!r}")
+    if raw.get("backend") not in ("gloo", "nccl"):
+        raise ProfileError(f"{where}: backend={raw.get('backend')!r}; gloo or nccl")
+    if raw.get("precision") not in ("fp32", "bf16", "fp16"):
+        raise ProfileError(f"{where}: precision={raw.get('precision')!r}; fp32, bf16 or fp16")
+    rows = raw.get("all_to_all")
+    if not isinstance(rows, list) or not rows or not all(
+            isinstance(r, dict) and {"nbytes", "peer_bytes", "seconds"} <= set(r) for r in rows):
+        raise ProfileError(f"{where}: all_to_all must list {{nbytes, peer_bytes, seconds}} samples")
+    if raw["backend"] == "gloo" and "CPU/gloo" not in srcs["intra_node_gbs"]:
+        raise ProfileError(f"{where}: gloo numbers must say they are CPU/gloo in their source")
+    return LinkProfile((devices[0], devices[1]), raw["backend"], raw["precision"], vals["link_latency_us"],
+                       vals["intra_node_gbs"], srcs, tuple(rows), str(raw.get("note", "")))
 
 
 def load_profiles(names: list[str] | set[str]) -> dict[str, GpuProfile]:
