@@ -111,10 +111,11 @@ class ParityReport:
     max_rel_loss_diff_free_run: float | None
 
     def ok(self, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TOL,
-           free_run_tol: float = FREE_RUN_PARAM_TOL) -> bool:
-        free = self.max_rel_param_diff_free_run
+           free_run_tol: float = FREE_RUN_PARAM_TOL, free_run_loss_tol: float = FREE_RUN_LOSS_TOL) -> bool:
+        free, free_loss = self.max_rel_param_diff_free_run, self.max_rel_loss_diff_free_run
         return (self.max_rel_loss_diff <= loss_tol and self.max_rel_grad_diff <= grad_tol
-                and (free is None or free <= free_run_tol))
+                and (free is None or free <= free_run_tol)
+                and (free_loss is None or free_loss <= free_run_loss_tol))
 
 
 def reference_ep(plan: HeteroPlan, num_experts: int) -> int:
@@ -188,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grad-tol", type=float, default=GRAD_TOL, help="bound on max_rel_grad_diff (identical parameters)")
     p.add_argument("--free-run-tol", type=float, default=FREE_RUN_PARAM_TOL,
                    help="bound on max_rel_param_diff_free_run (final weights of the free-running trajectories)")
+    p.add_argument("--free-run-loss-tol", type=float, default=FREE_RUN_LOSS_TOL,
+                   help="bound on max_rel_loss_diff_free_run (losses of the free-running trajectories)")
     p.add_argument("--no-free-run", dest="free_run", action="store_false",
                    help="skip the free-running HeterMoE run (its final-weights difference is then not reported)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
                        free_run=a.free_run)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
-    ok = r.ok(a.loss_tol, a.grad_tol, a.free_run_tol)
+    ok = r.ok(a.loss_tol, a.grad_tol, a.free_run_tol, a.free_run_loss_tol)
     if a.json:
         print(json.dumps({**r.__dict__, "ok": ok}))
     else:
@@ -221,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gradients: max |diff| / max |reference| per category; worst tensor against its own max: {d:.2e} ({name})")
         if r.max_rel_param_diff_free_run is not None:
             print(f"free-running trajectories: final weights max rel diff {r.max_rel_param_diff_free_run:.2e} "
-                  f"(bound {a.free_run_tol:.0e}), losses max rel diff {r.max_rel_loss_diff_free_run:.2e}")
+                  f"(bound {a.free_run_tol:.0e}), losses max rel diff {r.max_rel_loss_diff_free_run:.2e} "
+                  f"(bound {a.free_run_loss_tol:.0e})")
         print(f"{'PASS' if ok else 'FAIL'} max_rel_loss_diff={r.max_rel_loss_diff:.3e} "
               f"max_rel_grad_diff={r.max_rel_grad_diff:.3e}")
     return 0 if ok else 1
