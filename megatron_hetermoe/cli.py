@@ -13,13 +13,13 @@ import sys
 
 # name -> (module:function taking argv and returning an exit code, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("megatron_hetermoe.trainer:main", "train the baseline Megatron MoE (or HeterMoE with --hetero-plan)"),
-    "pretrain": ("megatron_hetermoe.pretrain_gpt:main", "train with Megatron-LM pretrain_gpt.py flags (model shape as flags)"),
-    "regress": ("megatron_hetermoe.golden:main", "rerun a training and compare its loss with golden values"),
-    "parity": ("megatron_hetermoe.parity:main", "HeterMoE vs plain Megatron EP: per-step loss and gradient diffs"),
-    "bench": ("megatron_hetermoe.bench:main", "HeterMoE vs Megatron EP side by side on an emulated mixed cluster"),
-    "checkpoint": ("megatron_hetermoe.checkpoint_export:main", "export a HeterMoE checkpoint to plain Megatron, or import one"),
-    "timeline": ("megatron_hetermoe.timeline:main", "draw a run's timeline (PNG + Chrome trace for Perfetto)"),
+    "train": ("megatron_hetermoe.training.megatron_ep:main", "train the baseline Megatron MoE (or HeterMoE with --hetero-plan)"),
+    "pretrain": ("megatron_hetermoe.training.pretrain_gpt:main", "train with Megatron-LM pretrain_gpt.py flags (model shape as flags)"),
+    "regress": ("megatron_hetermoe.tools.golden:main", "rerun a training and compare its loss with golden values"),
+    "parity": ("megatron_hetermoe.tools.parity:main", "HeterMoE vs plain Megatron EP: per-step loss and gradient diffs"),
+    "bench": ("megatron_hetermoe.tools.bench:main", "HeterMoE vs Megatron EP side by side on an emulated mixed cluster"),
+    "checkpoint": ("megatron_hetermoe.checkpoint.export:main", "export a HeterMoE checkpoint to plain Megatron, or import one"),
+    "timeline": ("megatron_hetermoe.tools.timeline:main", "draw a run's timeline (PNG + Chrome trace for Perfetto)"),
     "plan": ("megatron_hetermoe.planner.cli_plan:main", "write a plan (--even, or searched from profiles)"),
     "profile": ("megatron_hetermoe.planner.profiler:main", "profile this device into a GPU profile YAML"),
 }
@@ -48,7 +48,7 @@ def versions() -> str:
     from importlib import metadata
     from importlib.util import find_spec
 
-    from . import __version__
+    from megatron_hetermoe import __version__
 
     def ver(dist: str) -> str:
         try:
@@ -101,7 +101,7 @@ def _take_config_dir(rest: list[str]) -> tuple[str | None, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .launcher import show_warnings_once
+    from megatron_hetermoe.parallel.launcher import show_warnings_once
 
     argv = list(sys.argv[1:] if argv is None else argv)
     # The options before the command name are ours; the rest belongs to the command.
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     config_dir, rest = _take_config_dir(rest)
     config_dir = config_dir or top.config_dir
     if config_dir is not None:
-        from .paths import set_config_dir
+        from megatron_hetermoe.paths import set_config_dir
 
         try:
             set_config_dir(config_dir)
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(getattr(importlib.import_module(mod), fn)(rest) or 0)
     except ImportError as e:
-        from . import MissingExtraError
+        from megatron_hetermoe import MissingExtraError
 
         if not isinstance(e, MissingExtraError):
             raise

@@ -84,7 +84,7 @@ What changed, and what the plugin does about it
    (`parse_and_validate_args(extra_args_provider=...)`) before `pretrain(full_config, ...)`, so
    the core_v0.16.1 patch does not apply there; patches/ has one per release line
    (megatron_lm.PATCHES). core_v0.19.0's parser keeps every Megatron-LM flag that
-   `python -m megatron_hetermoe.pretrain_gpt` takes (845 flags against 0.16.1's 680), and
+   `python -m megatron_hetermoe.training.pretrain_gpt` takes (845 flags against 0.16.1's 680), and
    importing its pretrain_gpt.py needs no six/regex/pydantic (0.16.1's needs them and triton).
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from megatron_hetermoe.model_config import ModelConfig
+from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.planner import asym_ea
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings

@@ -2,7 +2,7 @@
 """Print every command-line flag that Megatron-LM's training arguments parser defines.
 
 Makes megatron_hetermoe/megatron_lm_flags.txt, the reference list that
-`python -m megatron_hetermoe.pretrain_gpt` uses to tell "a Megatron flag we do not support"
+`python -m megatron_hetermoe.training.pretrain_gpt` uses to tell "a Megatron flag we do not support"
 from "not a Megatron flag at all". Many of Megatron-LM's flags are generated from dataclasses
 (TransformerConfig, TrainingConfig, ...), so the list is read from the real parser built by
 `megatron.training.arguments.add_megatron_arguments`, not from the source text.

@@ -19,7 +19,7 @@ import argparse
 import math
 import sys
 
-from megatron_hetermoe.model_config import ModelConfig
+from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.search import DISTEP, PICK, ZEBRA, ZEBRA_NO_EA, Prediction, search
 

@@ -5,11 +5,11 @@
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model data/tokenizer/tokenizer.json \
         --append-eod --workers 2
 
-The code lives in megatron_hetermoe/preprocess.py so it can be imported and tested.
+The code lives in megatron_hetermoe/data/preprocess.py so it can be imported and tested.
 """
 import sys
 
-from megatron_hetermoe.preprocess import main
+from megatron_hetermoe.data.preprocess import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,9 +3,9 @@ import pytest
 import torch
 from margins import within
 
-from megatron_hetermoe.model_builder import ParallelConfig
-from megatron_hetermoe.parity import GRAD_TOL, LOSS_TOL, max_rel_loss_diff
-from megatron_hetermoe.trainer import TrainConfig, run
+from megatron_hetermoe.models.builder import ParallelConfig
+from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, max_rel_loss_diff
+from megatron_hetermoe.training.megatron_ep import TrainConfig, run
 
 pytestmark = pytest.mark.slow
 STEPS = 3

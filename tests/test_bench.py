@@ -5,7 +5,7 @@ tests/test_emulation_validity.py checks the numbers against the simulator; here 
 report is complete and self-consistent."""
 import pytest
 
-from megatron_hetermoe.bench import HETERMOE, STRATEGIES, format_report, run_bench
+from megatron_hetermoe.tools.bench import HETERMOE, STRATEGIES, format_report, run_bench
 
 pytestmark = pytest.mark.slow
 

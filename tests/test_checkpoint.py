@@ -13,12 +13,12 @@ import pytest
 import torch
 from margins import within
 
-from megatron_hetermoe import checkpoint as ck
-from megatron_hetermoe.launcher import LaunchError, launch
-from megatron_hetermoe.model_builder import ParallelConfig
-from megatron_hetermoe.parity import FREE_RUN_LOSS_TOL, max_rel_loss_diff
-from megatron_hetermoe.plan import even_plan
-from megatron_hetermoe.trainer import TrainConfig
+from megatron_hetermoe.checkpoint import store as ck
+from megatron_hetermoe.parallel.launcher import LaunchError, launch
+from megatron_hetermoe.models.builder import ParallelConfig
+from megatron_hetermoe.tools.parity import FREE_RUN_LOSS_TOL, max_rel_loss_diff
+from megatron_hetermoe.plan.hetero_plan import even_plan
+from megatron_hetermoe.training.megatron_ep import TrainConfig
 
 # Train 5 steps, saving every 2: the resumed runs start from step 2 and take 3 steps, so the
 # last loss depends on an update made with the restored scheduler's learning rate.
@@ -31,8 +31,8 @@ def _crash(target_stage: str, target_rank: int, target_iter: int, stage: str, ra
 
 
 def _rank(rank: int, world: int, cfg: TrainConfig, plan, schedule: str | None, crash: tuple | None) -> dict:
-    from megatron_hetermoe.hetero_trainer import train_hetero
-    from megatron_hetermoe.trainer import train
+    from megatron_hetermoe.training.hetero import train_hetero
+    from megatron_hetermoe.training.megatron_ep import train
 
     if crash is not None:
         ck.FAULT_HOOK = partial(_crash, *crash)  # this forked rank only
@@ -225,8 +225,8 @@ def _load_exported_ep2(rank: int, world: int, path: str) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hetermoe.model_builder import build_gpt, canonical_names, transformer_config
-    from megatron_hetermoe.model_config import ModelConfig
+    from megatron_hetermoe.models.builder import build_gpt, canonical_names, transformer_config
+    from megatron_hetermoe.config import ModelConfig
 
     model = ModelConfig.load("tiny")
     ps.initialize_model_parallel(expert_model_parallel_size=2)

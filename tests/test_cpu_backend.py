@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hetermoe import compat, cpu_backend
+from megatron_hetermoe import compat
+from megatron_hetermoe.parallel import cpu_backend
 
 HERE = Path(__file__).parent
 VERSION = compat.mcore_version()

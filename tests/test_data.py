@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from margins import within
 
-from megatron_hetermoe.corpus import build_text_dataset, python_docs, write_jsonl
-from megatron_hetermoe.data import DataConfig, GPTDataReader, make_data
-from megatron_hetermoe.mock_data import MarkovMockData
-from megatron_hetermoe.model_config import ModelConfig
-from megatron_hetermoe.preprocess import main as preprocess
-from megatron_hetermoe.tokenizer import TokenizerError, build_tokenizer, train_bpe
-from megatron_hetermoe.trainer import TrainConfig
+from megatron_hetermoe.data.corpus import build_text_dataset, python_docs, write_jsonl
+from megatron_hetermoe.data.dataset import DataConfig, GPTDataReader, make_data
+from megatron_hetermoe.data.mock import MarkovMockData
+from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.data.preprocess import main as preprocess
+from megatron_hetermoe.data.tokenizer import TokenizerError, build_tokenizer, train_bpe
+from megatron_hetermoe.training.megatron_ep import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -115,11 +115,11 @@ def test_data_config_errors(docs_dataset, tmp_path):
 def test_train_on_real_text_plain_and_hetero_agree(docs_dataset):
     """Both trainers read make_data: plain Megatron EP2 and a 1+1 HeterMoE plan see the same
     real-text batches, so their losses agree; and the model learns the text."""
-    from megatron_hetermoe.model_builder import ParallelConfig
-    from megatron_hetermoe.plan import even_plan
-    from megatron_hetermoe.trainer import run
+    from megatron_hetermoe.models.builder import ParallelConfig
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+    from megatron_hetermoe.training.megatron_ep import run
 
-    from megatron_hetermoe.parity import LOSS_TOL, max_rel_loss_diff
+    from megatron_hetermoe.tools.parity import LOSS_TOL, max_rel_loss_diff
 
     cfg = _cfg(docs_dataset)
     cfg.train_iters, cfg.global_batch_size, cfg.quiet, cfg.lr = 24, 4, True, 3e-3
@@ -142,7 +142,7 @@ def test_corpus_jsonl_is_megatron_loose_json(tmp_path):
 
 
 def test_hetermoe_train_refuses_bad_data_before_launch(docs_dataset, capsys):
-    from megatron_hetermoe.trainer import main
+    from megatron_hetermoe.training.megatron_ep import main
 
     flags = ["--nproc", "2", "--data-path", docs_dataset["data_path"], "--tokenizer-type", "HuggingFaceTokenizer",
              "--tokenizer-model", docs_dataset["tokenizer_model"]]

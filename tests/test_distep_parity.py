@@ -2,10 +2,10 @@
 import pytest
 from margins import within
 
-from megatron_hetermoe.launcher import LaunchError, launch
-from megatron_hetermoe.layout import hetero_to_megatron, megatron_to_hetero
-from megatron_hetermoe.parity import FREE_RUN_LOSS_TOL, FREE_RUN_PARAM_TOL, GRAD_TOL, LOSS_TOL, run_parity
-from megatron_hetermoe.plan import HeteroPlan, PlanError, even_plan
+from megatron_hetermoe.parallel.launcher import LaunchError, launch
+from megatron_hetermoe.plan.layout import hetero_to_megatron, megatron_to_hetero
+from megatron_hetermoe.tools.parity import FREE_RUN_LOSS_TOL, FREE_RUN_PARAM_TOL, GRAD_TOL, LOSS_TOL, run_parity
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, even_plan
 
 
 @pytest.mark.slow
@@ -47,7 +47,7 @@ def test_layout_roundtrip(tiny):
 
 
 def _init(rank, world, plan):
-    from megatron_hetermoe.hetero_parallel_state import initialize_hetero_parallel
+    from megatron_hetermoe.parallel.state import initialize_hetero_parallel
 
     initialize_hetero_parallel(plan)
 
@@ -94,7 +94,7 @@ def test_parity_cli(tmp_path):
 def test_attention_ranks_need_not_come_first(tiny, schedule):
     # Ranks 0-1 hold experts, 2-3 run attention (as when the newer GPUs have the higher ranks):
     # all-to-all splits follow the group's rank order, not the plan's member order.
-    from megatron_hetermoe.plan import ZPGroup
+    from megatron_hetermoe.plan.hetero_plan import ZPGroup
 
     placement = [{0: [0, 1], 1: [2, 3]} for _ in range(tiny.num_layers)]
     plan = HeteroPlan(tiny.num_layers, tiny.num_experts, ["cpu"] * 4, [ZPGroup([2, 3], [0, 1], placement)],

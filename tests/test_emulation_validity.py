@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from megatron_hetermoe.emulation import EmulationSpec, Emulator, _Bulk, choose_scale, step_bound
+from megatron_hetermoe.emulation.emulator import EmulationSpec, Emulator, _Bulk, choose_scale, step_bound
 
 
 def _rec(windows, scale=1.0, post=None, t0=0.0, end=10.0):
@@ -36,7 +36,7 @@ def test_bulk_delay_on_a_rank_with_slack_is_absorbed():
 
 @pytest.fixture(scope="module")
 def zebra_case():
-    from megatron_hetermoe.model_config import ModelConfig
+    from megatron_hetermoe.config import ModelConfig
     from megatron_hetermoe.planner.cluster import Cluster
     from megatron_hetermoe.planner.search import search
 
@@ -93,7 +93,7 @@ def _busy_loop():
 
 
 def _hetero_rank(rank, world, cfg, plan):
-    from megatron_hetermoe.hetero_trainer import train_hetero
+    from megatron_hetermoe.training.hetero import train_hetero
 
     return train_hetero(cfg, plan, schedule="zebra")
 
@@ -102,13 +102,13 @@ def _hetero_rank(rank, world, cfg, plan):
 def test_a_run_whose_work_cannot_fit_says_it_is_invalid():
     """At 1/1000 of real time the CPU ranks' real work is far longer than the emulated times:
     the measured step is far off the simulator's, and the run must say it is invalid."""
-    from megatron_hetermoe.emulation import emulation_real_model
-    from megatron_hetermoe.launcher import launch
-    from megatron_hetermoe.model_builder import ParallelConfig
-    from megatron_hetermoe.model_config import ModelConfig
+    from megatron_hetermoe.emulation.emulator import emulation_real_model
+    from megatron_hetermoe.parallel.launcher import launch
+    from megatron_hetermoe.models.builder import ParallelConfig
+    from megatron_hetermoe.config import ModelConfig
     from megatron_hetermoe.planner.cluster import Cluster
     from megatron_hetermoe.planner.search import search
-    from megatron_hetermoe.trainer import TrainConfig
+    from megatron_hetermoe.training.megatron_ep import TrainConfig
 
     plan = search(ModelConfig.load("w1"), Cluster.load("mini-2a40-2v100"), 4096, 16).plan
     spec = EmulationSpec("mini-2a40-2v100", "w1", 4096, 16, scale=1e-3)
@@ -147,7 +147,7 @@ def test_bench_under_cpu_load_is_within_10_percent_or_invalid(tmp_path):
     """One busy process on top of whatever else runs here: each strategy's measured step is
     within 10 % of the simulator's, or the strategy says it is invalid (and then no ratio with it
     is reported). Never a valid result that is wrong."""
-    from megatron_hetermoe.bench import HETERMOE, format_report, run_bench
+    from megatron_hetermoe.tools.bench import HETERMOE, format_report, run_bench
 
     (tmp_path / "cluster.yaml").write_text(CLUSTER)
     (tmp_path / "model.yaml").write_text(MODEL)

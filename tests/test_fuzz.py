@@ -17,17 +17,17 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from megatron_hetermoe.model_builder import ParallelConfig, transformer_config
-from megatron_hetermoe.model_config import ModelConfig, ModelConfigError
-from megatron_hetermoe.plan import HeteroPlan, PlanError, even_plan
+from megatron_hetermoe.models.builder import ParallelConfig, transformer_config
+from megatron_hetermoe.config import ModelConfig, ModelConfigError
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, even_plan
 from megatron_hetermoe.planner import asym_ea
 from megatron_hetermoe.planner.cluster import Cluster, ClusterError
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
 from megatron_hetermoe.planner.profiles import ProfileError, known_gpu_types, load_profile
-from megatron_hetermoe.planner.schedule_tasks import tasks_for_rank
+from megatron_hetermoe.schedules.tasks import tasks_for_rank
 from megatron_hetermoe.planner.search import build_plan, search
-from megatron_hetermoe.validation import ConfigError, validate_job
-from megatron_hetermoe.trainer import TrainConfig
+from megatron_hetermoe.plan.validation import ConfigError, validate_job
+from megatron_hetermoe.training.megatron_ep import TrainConfig
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 TMP = Path(tempfile.mkdtemp(prefix="hetermoe-fuzz-"))
@@ -304,7 +304,7 @@ TRAIN_FLAGS = ["--micro-batch-size", "--global-batch-size", "--train-iters", "--
 def test_fuzz_train_command_line(pairs):
     """`hetermoe train ARGV` either exits with a usage error before any launch, or launches a
     job that validate_job accepts (the launch itself is replaced by a recorder here)."""
-    from megatron_hetermoe import trainer
+    from megatron_hetermoe.training import megatron_ep as trainer
 
     launched = []
     real_run = trainer.run

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_hetermoe.launcher import LaunchError, launch
+from megatron_hetermoe.parallel.launcher import LaunchError, launch
 
 
 def _sum_ranks(rank, world):

@@ -182,7 +182,7 @@ def test_config_dir_must_be_a_config_directory(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- matplotlib is the [plot] extra
 def _timeline_dir(tmp_path: Path) -> Path:
-    from megatron_hetermoe.timeline import TimelineRecorder
+    from megatron_hetermoe.tools.timeline import TimelineRecorder
 
     rec = TimelineRecorder(0, "attention")
     rec.record("compute", "A_F", 0, 0, 1.0, 1.5)
@@ -212,7 +212,7 @@ def test_timeline_with_matplotlib_draws(tmp_path):
 # ---------------------------------------------------------------- one voice per job
 JOB = textwrap.dedent("""
     import sys, warnings
-    from megatron_hetermoe.launcher import launch
+    from megatron_hetermoe.parallel.launcher import launch
 
     def rank_fn(rank, world):
         for _ in range(2):

@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetermoe import compat, megatron_lm
-from megatron_hetermoe.pretrain_gpt import EXTENSION_FLAGS, build_parser, megatron_flags
+from megatron_hetermoe import compat
+from megatron_hetermoe.training import megatron_lm
+from megatron_hetermoe.training.pretrain_gpt import EXTENSION_FLAGS, build_parser, megatron_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_DIR = ROOT / "patches"
@@ -159,7 +160,7 @@ def test_patched_pretrain_gpt_trains_with_hetero_plan(tmp_path):
     checkout = _checkout()
     _same_release_line(checkout)
     work = _patched_copy(checkout, tmp_path / "mlm")
-    from megatron_hetermoe.plan import even_plan
+    from megatron_hetermoe.plan.hetero_plan import even_plan
 
     even_plan(2, 4, 1, 1, num_microbatches=4).save(tmp_path / "plan.json")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(

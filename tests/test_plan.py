@@ -1,6 +1,6 @@
 import pytest
 
-from megatron_hetermoe.plan import HeteroPlan, PlanError, even_plan
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, even_plan
 
 
 def test_even_plan_uneven_split_and_roundtrip():

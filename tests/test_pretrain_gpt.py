@@ -1,4 +1,4 @@
-"""`python -m megatron_hetermoe.pretrain_gpt`: Megatron-LM's flag names and meanings."""
+"""`python -m megatron_hetermoe.training.pretrain_gpt`: Megatron-LM's flag names and meanings."""
 from __future__ import annotations
 
 import os
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetermoe import pretrain_gpt
-from megatron_hetermoe.pretrain_gpt import EXTENSION_FLAGS, build_parser, megatron_flags, model_from_args
+from megatron_hetermoe.training import pretrain_gpt
+from megatron_hetermoe.training.pretrain_gpt import EXTENSION_FLAGS, build_parser, megatron_flags, model_from_args
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
@@ -35,7 +35,7 @@ def test_flag_names_are_megatron_lm_names():
 
 def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.pretrain_gpt", *args],
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.training.pretrain_gpt", *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
@@ -66,7 +66,7 @@ def test_model_shape_and_vocab_padding(tmp_path):
     assert m.vocab_size == 1152
     with pytest.raises(ValueError, match="--max-position-embeddings 16 < --seq-length 32"):
         model_from_args(p.parse_args(["--model", "tiny", "--max-position-embeddings", "16"]))
-    from megatron_hetermoe.tokenizer import train_bpe
+    from megatron_hetermoe.data.tokenizer import train_bpe
 
     train_bpe(["some real words " * 20, "more words here"], 300, tmp_path / "tokenizer.json")
     m = model_from_args(p.parse_args(["--model", "tiny", "--tokenizer-type", "HuggingFaceTokenizer",
@@ -100,7 +100,7 @@ def test_megatron_flag_list_matches_checkout():
     import re
 
     from megatron_hetermoe.compat import mcore_version
-    from megatron_hetermoe.megatron_lm import checkout_version
+    from megatron_hetermoe.training.megatron_lm import checkout_version
 
     src = os.environ.get("MEGATRON_LM_DIR")
     if not src:

@@ -19,13 +19,13 @@ import pytest
 from margins import within
 import torch
 
-from megatron_hetermoe import hetero_moe_layer
-from megatron_hetermoe.model_builder import ParallelConfig
-from megatron_hetermoe.model_config import ModelConfig
-from megatron_hetermoe.parity import GRAD_TOL, LOSS_TOL, run_parity
-from megatron_hetermoe.plan import HeteroPlan, even_plan
+from megatron_hetermoe.models import moe_layer as hetero_moe_layer
+from megatron_hetermoe.models.builder import ParallelConfig
+from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
 from megatron_hetermoe.planner.search import build_plan
-from megatron_hetermoe.trainer import TrainConfig, run
+from megatron_hetermoe.training.megatron_ep import TrainConfig, run
 
 pytestmark = pytest.mark.slow
 

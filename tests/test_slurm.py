@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetermoe.plan import HeteroPlan, even_plan
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 SLURM = ROOT / "scripts" / "slurm"
@@ -113,7 +113,7 @@ def test_tasks_train_through_rank_sh(tmp_path):
     SLURM_PROCID/SLURM_LOCALID), trains: the rank map and rendezvous are right."""
     plan_path = tmp_path / "plan.json"
     even_plan(2, 4, 1, 1, groups=2, attention_gpu="A40", expert_gpu="V100-32GB").save(plan_path)  # A40 V100 A40 V100
-    r = subprocess.run([sys.executable, "-m", "megatron_hetermoe.slurm", "--plan", str(plan_path), "--gpus-per-node", "1",
+    r = subprocess.run([sys.executable, "-m", "megatron_hetermoe.tools.slurm", "--plan", str(plan_path), "--gpus-per-node", "1",
                         "--", "--model", "tiny", "--micro-batch-size", "2", "--global-batch-size", "4",
                         "--train-iters", "2", "--golden-values-out", str(tmp_path / "loss.json")],
                        capture_output=True, text=True, cwd=ROOT, timeout=60)

@@ -1,11 +1,11 @@
 """Megatron-style logging: iteration lines with per-role utilization and TensorBoard scalars."""
 import pytest
 
-from megatron_hetermoe.hetero_trainer import train_hetero
-from megatron_hetermoe.launcher import launch
-from megatron_hetermoe.model_builder import ParallelConfig
-from megatron_hetermoe.plan import even_plan
-from megatron_hetermoe.trainer import TrainConfig
+from megatron_hetermoe.training.hetero import train_hetero
+from megatron_hetermoe.parallel.launcher import launch
+from megatron_hetermoe.models.builder import ParallelConfig
+from megatron_hetermoe.plan.hetero_plan import even_plan
+from megatron_hetermoe.training.megatron_ep import TrainConfig
 
 
 def _train(rank, world, cfg, plan):

@@ -15,12 +15,12 @@ import pytest
 import torch.distributed as dist
 import yaml
 
-from megatron_hetermoe import trainer
-from megatron_hetermoe.model_config import ModelConfig, ModelConfigError
-from megatron_hetermoe.plan import HeteroPlan, PlanError, even_plan
+from megatron_hetermoe.training import megatron_ep as trainer
+from megatron_hetermoe.config import ModelConfig, ModelConfigError
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, even_plan
 from megatron_hetermoe.planner.cluster import Cluster, ClusterError
 from megatron_hetermoe.planner.profiles import ProfileError, load_profile
-from megatron_hetermoe.validation import ConfigError
+from megatron_hetermoe.plan.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -305,9 +305,9 @@ def test_error_names_field_value_and_fix(inp, field, build, etype, message, tmp_
 
 def test_flag_errors_come_from_the_documented_types():
     # The same inputs through the library entry point keep their types (not only SystemExit).
-    from megatron_hetermoe.model_builder import ParallelConfig
-    from megatron_hetermoe.trainer import TrainConfig
-    from megatron_hetermoe.validation import validate_job
+    from megatron_hetermoe.models.builder import ParallelConfig
+    from megatron_hetermoe.training.megatron_ep import TrainConfig
+    from megatron_hetermoe.plan.validation import validate_job
 
     tiny = ModelConfig.load("tiny")
     with pytest.raises(ConfigError, match="--micro-batch-size 0"):
@@ -344,7 +344,7 @@ def test_readme_table_lists_every_error():
 
 
 def test_parity_command_refuses_bad_inputs_before_any_rank(tmp_path, capsys):
-    from megatron_hetermoe import parity
+    from megatron_hetermoe.tools import parity
 
     path = tmp_path / "plan.json"
     even_plan(3, 4, 1, 1).save(path)

@@ -2,15 +2,15 @@
 import pytest
 from margins import within
 
-from megatron_hetermoe.hetero_trainer import train_hetero
-from megatron_hetermoe.launcher import launch
-from megatron_hetermoe.model_builder import ParallelConfig
-from megatron_hetermoe.parity import GRAD_TOL, LOSS_TOL, run_parity
-from megatron_hetermoe.plan import even_plan
-from megatron_hetermoe.planner.schedule_tasks import tasks_for_rank
-from megatron_hetermoe.timeline import load_events
-from megatron_hetermoe.trainer import TrainConfig
-from megatron_hetermoe.zebra import ZebraConfig
+from megatron_hetermoe.training.hetero import train_hetero
+from megatron_hetermoe.parallel.launcher import launch
+from megatron_hetermoe.models.builder import ParallelConfig
+from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
+from megatron_hetermoe.plan.hetero_plan import even_plan
+from megatron_hetermoe.schedules.tasks import tasks_for_rank
+from megatron_hetermoe.tools.timeline import load_events
+from megatron_hetermoe.training.megatron_ep import TrainConfig
+from megatron_hetermoe.schedules.zebra import ZebraConfig
 
 pytestmark = pytest.mark.slow
 

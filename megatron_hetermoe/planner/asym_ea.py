@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..plan import PlanError
+from megatron_hetermoe.plan.hetero_plan import PlanError
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 from itertools import combinations, permutations
 
-from .cluster import Cluster, Links, allreduce_time, rank1_collective_time
-from .cost_model import BYTES_PER_PARAM_STATE, CostModel
+from megatron_hetermoe.planner.cluster import Cluster, Links, allreduce_time, rank1_collective_time
+from megatron_hetermoe.planner.cost_model import BYTES_PER_PARAM_STATE, CostModel
 
 
 @dataclass

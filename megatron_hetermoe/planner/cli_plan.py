@@ -14,15 +14,15 @@ import json
 import math
 import sys
 
-from ..model_config import ModelConfig
-from ..plan import PlanError, even_plan
-from .cluster import Cluster
-from .profiles import known_gpu_types
-from .search import SearchResult, search
+from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.plan.hetero_plan import PlanError, even_plan
+from megatron_hetermoe.planner.cluster import Cluster
+from megatron_hetermoe.planner.profiles import known_gpu_types
+from megatron_hetermoe.planner.search import SearchResult, search
 
 
 def _parser() -> argparse.ArgumentParser:
-    from ..cli import HelpFormatter
+    from megatron_hetermoe.cli import HelpFormatter
 
     p = argparse.ArgumentParser(prog="hetermoe plan", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="model config: a path or a name in configs/models/ (tiny, d1, ...)")

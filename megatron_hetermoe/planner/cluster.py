@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-from ..paths import read_yaml, resolve_config
-from .profiles import GpuProfile
+from megatron_hetermoe.paths import read_yaml, resolve_config
+from megatron_hetermoe.planner.profiles import GpuProfile
 
 MAX_RANKS = 1 << 17  # far above any cluster we plan for; keeps a typo (nodes: 1e9) from eating memory
 
@@ -69,7 +69,7 @@ class Cluster:
 
     @classmethod
     def load(cls, path_or_name: str | Path) -> "Cluster":
-        from .profiles import known_gpu_types
+        from megatron_hetermoe.planner.profiles import known_gpu_types
 
         path = resolve_config(str(path_or_name), "clusters")
         raw = read_yaml(path, ClusterError)

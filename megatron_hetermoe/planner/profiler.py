@@ -35,8 +35,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..model_config import ModelConfig
-from .profiles import profile_to_yaml
+from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.planner.profiles import profile_to_yaml
 
 
 def _sync(dev) -> None:
@@ -101,7 +101,7 @@ def _build_layer(model: ModelConfig, dtype, dev):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import build_module
 
-    from ..model_builder import ParallelConfig, layer_spec, transformer_config
+    from megatron_hetermoe.models.builder import ParallelConfig, layer_spec, transformer_config
 
     model_parallel_cuda_manual_seed(1234)
     cfg = transformer_config(model.replace(num_layers=1), ParallelConfig(), params_dtype=dtype, pipeline_dtype=dtype,
@@ -117,9 +117,9 @@ def measure(model: ModelConfig, seq_lens: list[int], seqs: list[int], expert_tok
     import torch
     import torch.distributed as dist
 
-    from .. import cpu_backend
+    from megatron_hetermoe.parallel import cpu_backend
 
-    from .cost_model import runtime_program
+    from megatron_hetermoe.planner.cost_model import runtime_program
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cpu_backend.apply()  # no-op with CUDA; bridges megatron-core's CUDA assumptions on CPU
@@ -247,7 +247,7 @@ def _memory_findings(model: ModelConfig, fields: dict, measured: dict, dtype) ->
     """n_min / n_max of the paper for an example microbatch of this shape, from the cost model's
     memory formulas and this device's memory (recorded in info, not used by the planner, which
     recomputes them per plan)."""
-    from .cost_model import CostModel, TrainSettings
+    from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
 
     tokens = max(a["tokens"] for a in measured["attention"])
     usable = fields["memory_gib"]["value"] * 2**30 * fields["usable_memory_fraction"]["value"]
@@ -324,7 +324,7 @@ def measure_pair(sizes: list[int], repeats: int, dtype_name: str | None = None, 
 
     import torch
 
-    from .cost_model import runtime_program
+    from megatron_hetermoe.planner.cost_model import runtime_program
 
     n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n_gpu == 1:
@@ -419,7 +419,7 @@ def _ints(s: str) -> list[int]:
 def _main_pair(args) -> int:
     import yaml
 
-    from .profiles import load_link_profile
+    from megatron_hetermoe.planner.profiles import load_link_profile
 
     prof = measure_pair(args.a2a_bytes, args.repeats, args.dtype)
     header = (f"# Measured by `hetermoe profile --gpu-pair` on {prof['host']}, {prof['date']}: {prof['note']}.\n"
@@ -434,7 +434,7 @@ def _main_pair(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..cli import HelpFormatter
+    from megatron_hetermoe.cli import HelpFormatter
 
     p = argparse.ArgumentParser(prog="hetermoe profile", description=__doc__,
                                 formatter_class=HelpFormatter)
@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{measured['info']['date']}.\n# Tables: seconds per call for the model shape under measured.model; "
               f"the cost model scales them by FLOPs.\n")
     Path(args.out).write_text(header + profile_to_yaml(fields, measured))
-    from .profiles import load_profile
+    from megatron_hetermoe.planner.profiles import load_profile
 
     load_profile(args.out)  # the file must load back
     print(f"wrote {args.out}: {len(measured['attention'])} attention and {len(measured['expert'])} expert "

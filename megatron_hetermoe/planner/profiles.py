@@ -31,7 +31,7 @@ import math
 
 import yaml
 
-from ..paths import config_dir, read_yaml_mapping, resolve_config
+from megatron_hetermoe.paths import config_dir, read_yaml_mapping, resolve_config
 
 SOURCE_TAGS = ("datasheet", "paper-ratio", "measured", "estimate")
 
@@ -204,7 +204,7 @@ def _measured(raw: Any, where: str) -> MeasuredTables | None:
         raise ProfileError(f"{where}: measured all_to_all samples need nbytes >= 0 and seconds >= 0")
     if not isinstance(raw.get("info", {}), dict):
         raise ProfileError(f"{where}: measured.info must be a mapping")
-    from ..model_config import ModelConfig
+    from megatron_hetermoe.config import ModelConfig
 
     try:  # the cost model rebuilds this shape to scale the tables
         ModelConfig(**raw["model"])
@@ -262,7 +262,7 @@ def _load_path(path: Path, chain: tuple[str, ...]) -> GpuProfile:
 
 def _resolve_ratios(prof: GpuProfile, ratios: dict, where: str, chain: tuple[str, ...]) -> GpuProfile:
     # Imported here: the cost model imports this module for the dataclasses.
-    from .cost_model import calibrate_attention_efficiency, calibrate_gemm_efficiency
+    from megatron_hetermoe.planner.cost_model import calibrate_attention_efficiency, calibrate_gemm_efficiency
 
     import dataclasses
 

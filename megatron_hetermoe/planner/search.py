@@ -23,14 +23,14 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..model_config import ModelConfig
-from ..plan import HeteroPlan, PlanError, ZPGroup
-from . import asym_ea
-from .baselines import BaselineResult, physical_limit, simulate_ep, simulate_ep_ideal, simulate_hetero_pp
-from .cluster import Cluster
-from .cost_model import CostModel, TrainSettings
-from .profiles import load_profiles
-from .simulator import simulate_plan
+from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, ZPGroup
+from megatron_hetermoe.planner import asym_ea
+from megatron_hetermoe.planner.baselines import BaselineResult, physical_limit, simulate_ep, simulate_ep_ideal, simulate_hetero_pp
+from megatron_hetermoe.planner.cluster import Cluster
+from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
+from megatron_hetermoe.planner.profiles import load_profiles
+from megatron_hetermoe.planner.simulator import simulate_plan
 
 PICK = "HeterMoE (planner's pick)"
 ZEBRA = "Zebra + Asym-EA (optimal)"

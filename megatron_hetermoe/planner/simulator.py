@@ -24,10 +24,10 @@ import sys
 from dataclasses import dataclass, field
 from itertools import chain
 
-from ..plan import HeteroPlan, PlanError
-from .cluster import Cluster, Links, allreduce_time, rank1_collective_time
-from .cost_model import CostModel
-from .schedule_tasks import Task, distep_tasks, inputs, zebra_tasks
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
+from megatron_hetermoe.planner.cluster import Cluster, Links, allreduce_time, rank1_collective_time
+from megatron_hetermoe.planner.cost_model import CostModel
+from megatron_hetermoe.schedules.tasks import Task, distep_tasks, inputs, zebra_tasks
 
 STREAM_ID = {"dispatch": 0, "combine": 1}
 
@@ -145,7 +145,7 @@ def flat_arrays(p: SimProblem) -> tuple:
 
 
 def run_cpp(p: SimProblem) -> SimTrace:
-    from .. import _csim  # built by setup.py from csrc/simulator.cpp
+    from megatron_hetermoe import _csim  # built by setup.py from csrc/simulator.cpp
 
     flat = flat_arrays(p)
     offsets = flat[0].tolist()
@@ -158,7 +158,7 @@ def run_cpp(p: SimProblem) -> SimTrace:
 @functools.lru_cache(maxsize=None)
 def have_cpp() -> bool:
     try:
-        from .. import _csim  # noqa: F401
+        from megatron_hetermoe import _csim  # noqa: F401
         return True
     except ImportError:
         return False
@@ -350,4 +350,4 @@ def simulate_plan(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
 
 # The baselines' step models live in baselines.py (no task lists there); re-exported here so that
 # every strategy the planner compares is reachable from the simulator module.
-from .baselines import physical_limit, simulate_ep, simulate_ep_ideal, simulate_hetero_pp  # noqa: E402,F401
+from megatron_hetermoe.planner.baselines import physical_limit, simulate_ep, simulate_ep_ideal, simulate_hetero_pp  # noqa: E402,F401

@@ -28,7 +28,7 @@ fi
 out_dir="${HETERMOE_SLURM_DIR:-${TMPDIR:-/tmp}}"
 mkdir -p "${out_dir}"
 # Render first: a bad plan or flag stops here, before any file is written.
-rendered="$(cd "${repo}" && "${python}" -m megatron_hetermoe.slurm --repo "${repo}" "${args[@]}")"
+rendered="$(cd "${repo}" && "${python}" -m megatron_hetermoe.tools.slurm --repo "${repo}" "${args[@]}")"
 script="$(mktemp "${out_dir}/hetermoe-XXXXXX.sbatch")"
 printf '%s\n' "${rendered}" > "${script}"
 if (( dry_run )); then
@@ -37,7 +37,7 @@ if (( dry_run )); then
     echo "# ---- ${script}"
     cat "${script}"
     echo "# ---- what each task runs (rank.sh resolves RANK from SLURM_PROCID)"
-    (cd "${repo}" && "${python}" -m megatron_hetermoe.slurm --tasks --repo "${repo}" "${args[@]}")
+    (cd "${repo}" && "${python}" -m megatron_hetermoe.tools.slurm --tasks --repo "${repo}" "${args[@]}")
     exit 0
 fi
 if ! command -v sbatch > /dev/null; then

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from megatron_hetermoe.plan import HeteroPlan, PlanError, ZPGroup
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, ZPGroup
 from megatron_hetermoe.planner import asym_ea
 from megatron_hetermoe.planner.asym_ea import AsymProblem
 

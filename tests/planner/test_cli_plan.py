@@ -3,7 +3,7 @@ import json
 import subprocess
 import sys
 
-from megatron_hetermoe.plan import HeteroPlan
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.planner.cli_plan import main
 
 

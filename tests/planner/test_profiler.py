@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from megatron_hetermoe.model_config import ModelConfig
+from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
 from megatron_hetermoe.planner.profiles import load_profile
 

@@ -3,7 +3,7 @@ recompute), a runtime runs one, and both are named; a profile that cannot price 
 so instead of pricing another one."""
 import pytest
 
-from megatron_hetermoe.model_config import ModelConfig
+from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.planner.cost_model import (PAPER_PROGRAM, CostModel, Program, ProgramError, TrainSettings,
                                                   runtime_program)
 from megatron_hetermoe.planner.profiles import load_profile, load_profiles
@@ -25,7 +25,7 @@ def test_default_prices_each_profile_as_it_was_made():
 def test_the_runtime_program_is_what_the_trainers_build():
     import torch
 
-    from megatron_hetermoe.model_builder import ParallelConfig, transformer_config
+    from megatron_hetermoe.models.builder import ParallelConfig, transformer_config
 
     p = runtime_program()
     cfg = transformer_config(ModelConfig.load("tiny"), ParallelConfig())
@@ -66,7 +66,7 @@ def test_every_shipped_gpu_profile_prices_fp32_from_a_datasheet_peak():
 
 
 def test_the_emulator_names_both_programs():
-    from megatron_hetermoe.emulation import EmulationSpec, Emulator
+    from megatron_hetermoe.emulation.emulator import EmulationSpec, Emulator
 
     pr = Emulator(EmulationSpec("mini-2a40-2v100", "w1", 4096, 16)).programs()
     assert set(pr["predicted_program"]) == {"A40", "V100-16GB"}

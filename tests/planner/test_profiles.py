@@ -3,7 +3,7 @@ measured ratios come out of the cost model they were calibrated into."""
 import pytest
 import yaml
 
-from megatron_hetermoe.model_config import ModelConfig
+from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.paths import config_dir
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings, attention_time_ratio
 from megatron_hetermoe.planner.profiles import SOURCE_TAGS, ProfileError, known_gpu_types, load_profile

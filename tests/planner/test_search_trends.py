@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from megatron_hetermoe.model_config import ModelConfig
+from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.planner import asym_ea
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings

@@ -6,12 +6,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_hetermoe.model_config import ModelConfig
+from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.planner import asym_ea
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
 from megatron_hetermoe.planner.profiles import load_profiles
-from megatron_hetermoe.planner.schedule_tasks import Task, inputs, tasks_for_rank, zebra_tasks
+from megatron_hetermoe.schedules.tasks import Task, inputs, tasks_for_rank, zebra_tasks
 from megatron_hetermoe.planner.search import build_plan
 from megatron_hetermoe.planner.simulator import build_problem, have_cpp, run_cpp, run_python, simulate_plan
 
@@ -126,7 +126,7 @@ def test_cpp_matches_python_on_random_plans(M, N, L, R, G, schedule, seed):
 
 def test_plan_world_and_model_must_match():
     plan, cost, cl = setup(1, 1)
-    from megatron_hetermoe.plan import PlanError
+    from megatron_hetermoe.plan.hetero_plan import PlanError
 
     with pytest.raises(PlanError, match="cluster"):
         simulate_plan(plan, cost, Cluster.load("o1"), 4)

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_hetermoe.model_config import ModelConfig
+from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.search import DISTEP, PICK, ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, layout_name, search
 

@@ -1,0 +1,194 @@
+"""Training data: mock (Markov chain) or real (Megatron's indexed dataset through GPTDataset).
+
+`make_data(cfg)` returns an object with `.microbatch(step, microbatch, micro_batch_size,
+global_batch_size)`, the interface both trainers read. Global sample i of a step is
+`step * global_batch_size + microbatch * micro_batch_size + i` for either source, so every
+parallel layout (plain Megatron, any HeterMoE plan) sees the same samples in the same order.
+
+Real data is built exactly as Megatron-LM's pretrain_gpt.py builds it: megatron-core's
+BlendedMegatronDatasetBuilder + GPTDatasetConfig over --data-path prefixes (a blend of
+"[weight] prefix" pairs allowed), with Megatron's --split and --seed meanings; the shuffled
+sample index it writes is cached beside the data (or under --data-cache-path).
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from megatron_hetermoe.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+
+if TYPE_CHECKING:
+    from megatron_hetermoe.training.megatron_ep import TrainConfig
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Megatron's data and tokenizer flags. No data_path means mock data (--mock-data)."""
+
+    data_path: tuple[str, ...] | None = None  # Megatron --data-path: prefixes, or weight/prefix pairs
+    split: str = "969,30,1"  # Megatron's default train,valid,test proportions
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None  # NullTokenizer's size before EOD (Megatron's --vocab-size)
+    data_cache_path: str | None = None
+    eod_mask_loss: bool = False
+
+    def __post_init__(self) -> None:
+        if self.data_path is not None:
+            object.__setattr__(self, "data_path", tuple(self.data_path))
+            if not self.data_path:
+                raise ValueError("--data-path is empty: give one or more dataset prefixes, or use --mock-data")
+            if self.tokenizer_type is None:
+                raise ValueError(f"--data-path {' '.join(self.data_path)} needs --tokenizer-type "
+                                 f"(one of {', '.join(TOKENIZER_TYPES)}) to know the EOD token and vocab size")
+
+    def tokenizer(self):
+        return build_tokenizer(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file,
+                               self.vocab_size)
+
+    def check_files(self) -> None:
+        from megatron.core.datasets.utils import get_blend_from_list
+
+        for prefix in get_blend_from_list(list(self.data_path))[0]:
+            for ext in (".bin", ".idx"):
+                if not Path(prefix + ext).is_file():
+                    raise FileNotFoundError(
+                        f"--data-path {prefix}: {prefix + ext} does not exist; give the prefix without .bin/.idx, "
+                        f"as written by scripts/preprocess_data.py --output-prefix P (P_text_document)"
+                    )
+
+    def check(self, model) -> None:
+        """Before any rank starts: the files exist and the model's vocab covers the tokenizer's."""
+        if self.data_path is None:
+            return
+        check_vocab(self.tokenizer().vocab_size, model.vocab_size, model.name)
+        self.check_files()
+
+
+class MicrobatchSource(Protocol):
+    def microbatch(self, step: int, microbatch: int, micro_batch_size: int, global_batch_size: int) -> dict: ...
+
+
+class GPTDataReader:
+    """Microbatches from a built megatron-core GPTDataset (the train split)."""
+
+    def __init__(self, dataset, seq_length: int):
+        self.dataset, self.seq_length = dataset, seq_length
+
+    def sample(self, index: int) -> dict:
+        if index >= len(self.dataset):
+            raise IndexError(f"sample {index} is past the {len(self.dataset)} samples built; "
+                             f"the dataset was built for fewer --train-iters x --global-batch-size")
+        return self.dataset[index]
+
+    def microbatch(self, step: int, microbatch: int, micro_batch_size: int, global_batch_size: int) -> dict:
+        first = step * global_batch_size + microbatch * micro_batch_size
+        samples = [self.sample(first + i) for i in range(micro_batch_size)]
+        return {
+            "tokens": torch.stack([torch.as_tensor(s["tokens"]) for s in samples]).long(),
+            "labels": torch.stack([torch.as_tensor(s["labels"]) for s in samples]).long(),
+            "loss_mask": torch.stack([torch.as_tensor(s["loss_mask"]) for s in samples]).float(),
+            "position_ids": torch.stack([torch.as_tensor(s["position_ids"]) for s in samples]).long(),
+        }
+
+
+def check_vocab(tokenizer_vocab: int, model_vocab: int, model_name: str) -> None:
+    if tokenizer_vocab > model_vocab:
+        raise ValueError(
+            f"the tokenizer has {tokenizer_vocab} tokens but model {model_name!r} has vocab_size={model_vocab}: "
+            f"ids >= {model_vocab} would index past the embedding; set vocab_size >= {tokenizer_vocab} in the "
+            f"model config (or use a smaller tokenizer)"
+        )
+
+
+def build_gpt_dataset(data: DataConfig, seq_length: int, seed: int, num_samples: int, tokenizer=None):
+    """The train split of megatron-core's GPTDataset for these prefixes. Collective when
+    torch.distributed is initialized: every rank must call it (rank 0 builds the index first)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    tokenizer = tokenizer or data.tokenizer()
+    data.check_files()
+    blend = get_blend_from_list(list(data.data_path))
+    config = GPTDatasetConfig(
+        random_seed=seed, sequence_length=seq_length, blend=blend,
+        split=data.split, path_to_cache=data.data_cache_path, tokenizer=tokenizer,
+        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=data.eod_mask_loss,
+        create_attention_mask=False,  # the models here use a causal mask without a tensor
+        num_dataset_builder_threads=1,
+    )
+    # Only the train split is read (no evaluation here). Dropping valid/test from the split
+    # matrix keeps the train documents exactly Megatron's, and avoids megatron-core 0.16's
+    # endless epoch loop for a split that gets no documents (e.g. "1" of 969,30,1 on a small set).
+    config.split_matrix = [config.split_matrix[0], None, None]
+    _check_train_documents(blend[0], config.split_matrix[0], data.split)
+    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, None, None], lambda: True, config).build()
+    return train
+
+
+def _check_train_documents(prefixes: list[str], train_range: tuple[float, float] | None, split: str) -> None:
+    """Fail before building if a dataset's train split is empty (megatron-core would loop forever)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    if train_range is None:
+        raise ValueError(f"--split {split} gives the train split no share; e.g. --split 969,30,1")
+    for prefix in prefixes:
+        ds = IndexedDataset(prefix)
+        n = len(ds.document_indices) - 1
+        beg, end = (int(round(x * n)) for x in train_range)
+        if end <= beg or int(ds.sequence_lengths[ds.document_indices[beg]:ds.document_indices[end]].sum()) == 0:
+            raise ValueError(f"--split {split} leaves no training tokens in {prefix} ({n} documents); "
+                             f"give the train split a larger share, e.g. --split 100,0,0")
+
+
+def make_data(cfg: "TrainConfig") -> MicrobatchSource:
+    """The trainers' data source: MarkovMockData without a data path, else the GPTDataset reader."""
+    data: DataConfig = getattr(cfg, "data", None) or DataConfig()
+    mcfg = cfg.model
+    if data.data_path is None:
+        from megatron_hetermoe.data.mock import MarkovMockData
+
+        return MarkovMockData(mcfg.vocab_size, mcfg.seq_length, cfg.seed)
+    tok = data.tokenizer()
+    check_vocab(tok.vocab_size, mcfg.vocab_size, mcfg.name)
+    ds = build_gpt_dataset(data, mcfg.seq_length, cfg.seed, cfg.train_iters * cfg.global_batch_size, tok)
+    return GPTDataReader(ds, mcfg.seq_length)
+
+
+# ---- command line ------------------------------------------------------------------------
+def add_data_args(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's data and tokenizer flags (names and meanings) for the supported subset."""
+    g = p.add_argument_group("data and tokenizer (Megatron-LM flags)")
+    g.add_argument("--data-path", nargs="*", default=None,
+                   help="indexed dataset prefixes (.bin/.idx), optionally weighted: [w1] p1 [w2] p2 ... (default: mock data)")
+    g.add_argument("--mock-data", action="store_true", help="synthetic data (the default without --data-path)")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test proportions of the documents")
+    g.add_argument("--tokenizer-type", default=None, choices=TOKENIZER_TYPES,
+                   help="tokenizer of --data-path (Megatron-LM's names; required with it)")
+    g.add_argument("--tokenizer-model", default=None, help="HuggingFaceTokenizer: a local tokenizer.json")
+    g.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    g.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    g.add_argument("--data-cache-path", default=None, help="where GPTDataset caches its sample index")
+    g.add_argument("--eod-mask-loss", action="store_true", help="mask the loss at end-of-document tokens")
+
+
+def data_config_from_args(a: argparse.Namespace, model=None) -> DataConfig:
+    """The DataConfig of these flags; checked against `model` (a ModelConfig) when given."""
+    if a.mock_data and a.data_path:
+        raise ValueError("--mock-data and --data-path both given: pick one")
+    data = DataConfig(
+        data_path=tuple(a.data_path) if a.data_path else None, split=a.split, tokenizer_type=a.tokenizer_type,
+        tokenizer_model=a.tokenizer_model, vocab_file=a.vocab_file, merge_file=a.merge_file,
+        # --vocab-size is pretrain_gpt's (Megatron's NullTokenizer size); `hetermoe train` has none
+        vocab_size=getattr(a, "vocab_size", None), data_cache_path=a.data_cache_path, eod_mask_loss=a.eod_mask_loss,
+    )
+    if model is not None:
+        data.check(model)
+    return data

@@ -1,0 +1,108 @@
+"""Expert computation on whichever rank holds the experts, and the expert ranks' runtime.
+
+Tokens arrive grouped by source member, then by expert (the layer's travel order, see
+HeteroParallelState.layer_order). `run_local_experts` regroups them by expert for megatron-core's
+SequentialMLP and back by source for the return trip; attention ranks holding offloaded experts
+(Asym-EA) use the same function.
+
+`ExpertRuntime` is what an expert rank runs: megatron-core SequentialMLP modules for its experts
+of every layer, and a loop that mirrors the attention ranks' order of dispatch/combine calls
+(DistEP: per microbatch, every layer forward, then every layer backward in reverse).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megatron_hetermoe.parallel.comm import exchange, exchange_counts
+from megatron_hetermoe.parallel.state import HeteroParallelState
+
+
+def _chunk_order(n_src: int, n_exp: int, by_expert: bool) -> torch.Tensor:
+    if by_expert:  # chunks laid out [src][expert] -> [expert][src]
+        return torch.tensor([s * n_exp + e for e in range(n_exp) for s in range(n_src)])
+    return torch.tensor([e * n_src + s for s in range(n_src) for e in range(n_exp)])
+
+
+def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """counts[src, i]: tokens from member src for the i-th local expert; recv is laid out
+    [src][expert]. Returns the experts' outputs in the same layout."""
+    from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
+
+    n_src, n_exp = counts.shape
+    by_src = counts.reshape(-1)
+    x, _ = sort_chunks_by_idxs(recv, by_src, _chunk_order(n_src, n_exp, True))
+    tokens_per_expert = counts.sum(0)
+    # Probabilities are applied after combine on the attention rank (the paper's choice, so
+    # the gate's gradient needs no expert rank): experts compute unweighted outputs.
+    probs = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
+    y, bias = experts(x, tokens_per_expert, probs)
+    assert bias is None, "expert bias is not supported (Mixtral-style experts have none)"
+    by_exp = counts.t().reshape(-1)
+    out, _ = sort_chunks_by_idxs(y, by_exp, _chunk_order(n_src, n_exp, False))
+    return out
+
+
+def build_experts(config, experts_spec, num_local: int, pg_collection):
+    from megatron_hetermoe import compat
+
+    return compat.build_experts(experts_spec, num_local, config, pg_collection)
+
+
+def _megatron_module():
+    from megatron.core.transformer.module import MegatronModule
+
+    return MegatronModule
+
+
+class ExpertRuntime(_megatron_module()):
+    """All experts an expert rank holds, named as in a plain Megatron model
+    (decoder.layers.L.mlp.experts.local_experts.i) so DDP, the optimizer and checkpoints
+    treat them like Megatron's own."""
+
+    def __init__(self, config, experts_spec, hs: HeteroParallelState):
+        super().__init__(config=config)
+        self.hs = hs
+        pgc = hs.pg_collection()
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList()
+        for layer in range(hs.plan.num_layers):
+            holder = torch.nn.Module()
+            holder.mlp = torch.nn.Module()
+            n = len(hs.local_experts(layer))
+            holder.mlp.experts = build_experts(config, experts_spec, n, pgc) if n else None
+            self.decoder.layers.append(holder)
+
+    def canonical_names(self) -> dict[str, str]:
+        out = {}
+        pat = re.compile(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.")
+        for name, _ in self.named_parameters():
+            m = pat.search(name)
+            layer, i = int(m.group(1)), int(m.group(2))
+            glob = self.hs.local_experts(layer)[i]
+            out[name] = pat.sub(f"decoder.layers.{layer}.mlp.experts.local_experts.{glob}.", name)
+        return out
+
+    # ---- one layer, forward: the expert side of dispatch -> experts -> combine ---------
+    def forward_layer(self, layer: int, hidden_size: int) -> torch.Tensor:
+        hs = self.hs
+        n = len(hs.zp.members)
+        counts = exchange_counts(torch.zeros(len(hs.layer_order(layer)), dtype=torch.int64), hs.dispatch_group)
+        local_counts = hs.received_counts(layer, counts)  # [src member, local expert]
+        recv_splits = local_counts.sum(1).tolist()
+        leaf = torch.empty(0, hidden_size, dtype=self.config.params_dtype, requires_grad=True)
+        recv = exchange(leaf, recv_splits, [0] * n, hs.dispatch_group, hs.combine_group)
+        experts = self.decoder.layers[layer].mlp.experts
+        out = run_local_experts(experts, recv, local_counts) if experts is not None else recv * 0
+        # The combined output lands on the attention ranks: nothing comes back here.
+        return exchange(out, [0] * n, recv_splits, hs.combine_group, hs.dispatch_group)
+
+    def run_distep(self, num_microbatches: int, hidden_size: int) -> None:
+        """Mirror Megatron's no-pipelining schedule on the attention ranks: for each
+        microbatch, all layers forward then all layers backward in reverse."""
+        L = self.hs.plan.num_layers
+        for _ in range(num_microbatches):
+            sent = [self.forward_layer(layer, hidden_size) for layer in range(L)]
+            for layer in reversed(range(L)):
+                torch.autograd.backward(sent[layer], torch.zeros_like(sent[layer]))

@@ -1,0 +1,272 @@
+"""Run megatron-core 0.16.1 .. 0.19.x on CPU over gloo.
+
+megatron-core assumes CUDA in a handful of places. Each assumption is bridged by one named
+patch below; `apply()` installs the ones the installed megatron-core needs (`patches_for`,
+`NEEDED_IN`) once and is a no-op when CUDA is available, so the same code runs unchanged on GPU
+hosts. Each patch has a canary test (tests/test_cpu_backend.py) that shows the original failure
+with the patch off, so an upstream fix is noticed; a patch that a release no longer needs has a
+canary showing the fix (compat.py records which release changed what).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from typing import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_applied: set[str] = set()
+
+
+# --- 1. CUDA streams and events ---------------------------------------------------------
+class _CpuStream:
+    """Stands in for torch.cuda.Stream: CPU ops are synchronous, so waits are no-ops."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self, event=None) -> "_CpuEvent":
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuEvent:
+    """Stands in for torch.cuda.Event; elapsed_time is not meaningful on CPU."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def patch_cuda_streams() -> None:
+    """Fake torch.cuda.Stream/current_stream/stream/Event/synchronize.
+
+    Why: the alltoall dispatcher copies split sizes on a side stream
+    (`torch.cuda.Stream()`), DDP creates a communication stream, and both record events.
+    """
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.Event = _CpuEvent
+    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
+    torch.cuda.default_stream = lambda device=None: _CPU_STREAM
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda device=None: None
+    torch.Tensor.record_stream = lambda self, stream: None
+
+
+# --- 2. current device ------------------------------------------------------------------
+def patch_current_device() -> None:
+    """Make torch.cuda.current_device() name the CPU.
+
+    Why: megatron allocates its global memory buffer, router buffers, all_to_all outputs and
+    p2p shape tensors with `device=torch.cuda.current_device()`.
+    """
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.set_device = lambda device: None
+    torch.cuda.device_count = lambda: 0
+
+
+# --- 3. RNG -----------------------------------------------------------------------------
+def patch_rng() -> None:
+    """Give megatron's CUDA RNG tracker the CPU generator.
+
+    Why: `model_parallel_cuda_manual_seed` and `CudaRNGStatesTracker.add/fork` call
+    torch.cuda.manual_seed / get_rng_state / set_rng_state, which fail without CUDA. Forks
+    (tensor-parallel and expert-parallel init regions) keep their own CPU generator states so
+    a forked region does not disturb the default stream of random numbers, as on GPU.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mrandom._set_cuda_rng_state = _set_cuda_rng_state
+    torch.cuda.random.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    # On CPU the "CUDA" generator is the CPU one, so the tracker's check that a fork left the
+    # CPU state alone always fires; it carries no information here.
+    logging.getLogger(mrandom.__name__).addFilter(
+        lambda rec: "CPU RNG state changed" not in rec.getMessage()
+    )
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all, so seed the generator directly.
+    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    torch.cuda.initial_seed = lambda: torch.initial_seed()
+
+
+# --- 4. te_general_gemm -----------------------------------------------------------------
+def patch_te_general_gemm() -> None:
+    """Define `moe_utils.te_general_gemm = None` when transformer-engine is absent.
+
+    Why: megatron-core 0.13-0.16 import it inside a try block and test `is not None` in the
+    router's fp32 gating, but never bind the name when the import fails (NameError). 0.17 binds
+    it to None without transformer-engine, so the patch is applied on 0.16 only (NEEDED_IN).
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+# --- 5. split sizes ---------------------------------------------------------------------
+def patch_split_sizes_to_cpu() -> None:
+    """Make `maybe_move_tensor_to_cpu` convert CPU tensors too (to numpy when asked).
+
+    Why: it only converts when `tensor.is_cuda`; on CPU the alltoall dispatcher then hands
+    split-size *tensors* to all_to_all_single, which wants Python lists (numpy's tolist()).
+    """
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if torch.is_tensor(tensor):
+            tensor = tensor.cpu()
+            if as_numpy:
+                tensor = tensor.numpy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
+# --- 6. device="cuda" sites -------------------------------------------------------------
+def _is_cuda_device(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+_CUDA_TYPES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Maps `device="cuda"` (and `.cuda()`) to the CPU for every torch call.
+
+    Why: schedules (total_num_tokens), grad buffers, the optimizer (found_inf, grad scaler),
+    clip_grads and MoE logging allocate with a literal `device="cuda"`. Also makes
+    `Tensor.type()` report `torch.cuda.*` names for the optimizer's dtype checks.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPES.get(name, name)
+        if "device" in kwargs and _is_cuda_device(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda_device(a) and i > 0 else a for i, a in enumerate(args))
+        return func(*args, **kwargs)
+
+
+_MODE: CudaToCpuMode | None = None
+
+
+def patch_cuda_device_literals() -> None:
+    """Enter CudaToCpuMode for the life of the process (it survives fork)."""
+    global _MODE
+    _MODE = CudaToCpuMode()
+    _MODE.__enter__()
+
+
+def device_scope():
+    """CudaToCpuMode for code that autograd runs during backward (activation recomputation):
+    the engine runs backward with an empty TorchFunctionMode stack, so the process-wide mode
+    does not reach it. A no-op when the patch is not applied (CUDA present)."""
+    if "cuda_device_literals" in _applied:
+        return CudaToCpuMode()
+    return contextlib.nullcontext()
+
+
+PATCHES: dict[str, Callable[[], None]] = {
+    "cuda_streams": patch_cuda_streams,
+    "current_device": patch_current_device,
+    "rng": patch_rng,
+    "te_general_gemm": patch_te_general_gemm,
+    "split_sizes_to_cpu": patch_split_sizes_to_cpu,
+    "cuda_device_literals": patch_cuda_device_literals,
+}
+
+
+# The megatron-core releases each patch is needed in: [first, end). Seen by the canaries on
+# 0.16.1 and 0.19.2, and from the source of the tags in between (compat.py's docstring).
+_ALWAYS = ((0, 16, 1), None)
+NEEDED_IN: dict[str, tuple[tuple[int, int, int], tuple[int, int, int] | None]] = {
+    "cuda_streams": _ALWAYS,
+    "current_device": _ALWAYS,
+    "rng": _ALWAYS,
+    "te_general_gemm": ((0, 13, 0), (0, 17, 0)),  # 0.17 binds te_general_gemm = None without TE
+    "split_sizes_to_cpu": _ALWAYS,
+    "cuda_device_literals": _ALWAYS,
+}
+
+
+def patches_for(version: tuple[int, int, int] | None = None) -> tuple[str, ...]:
+    """The patches megatron-core `version` (default: the installed one) needs on CPU, in order."""
+    if version is None:
+        from megatron_hetermoe.compat import mcore_version
+
+        version = mcore_version()
+    v = tuple(version)
+    return tuple(n for n in PATCHES if NEEDED_IN[n][0] <= v and (NEEDED_IN[n][1] is None or v < NEEDED_IN[n][1]))
+
+
+def apply(skip: tuple[str, ...] = ()) -> list[str]:
+    """Install every patch the installed megatron-core needs (patches_for) and `skip` does not
+    name, once per process. No-op when CUDA is available.
+
+    Returns the names of the patches installed by this call. $HETERMOE_CPU_PATCHES_SKIP (comma
+    separated names) adds to `skip`; the canary tests use it to show each patch is still needed.
+    """
+    if torch.cuda.is_available():
+        return []
+    skip = tuple(skip) + tuple(s for s in os.environ.get("HETERMOE_CPU_PATCHES_SKIP", "").split(",") if s)
+    unknown = set(skip) - set(PATCHES)
+    if unknown:
+        raise ValueError(f"unknown cpu_backend patch(es) {sorted(unknown)}; known: {sorted(PATCHES)}")
+    needed = patches_for()
+    done = []
+    for name, fn in PATCHES.items():
+        if name in skip or name in _applied or name not in needed:
+            continue
+        fn()
+        _applied.add(name)
+        done.append(name)
+    return done
+
+
+def applied() -> frozenset[str]:
+    return frozenset(_applied)

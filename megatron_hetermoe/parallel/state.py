@@ -1,0 +1,164 @@
+"""The "hetero" parallel dimension: process groups built from a plan.
+
+Megatron's RankGenerator knows tp/cp/ep/dp/pp only, so HeterMoE builds its own groups and
+hands modules an explicit ProcessGroupCollection. Every rank creates every group in the same
+order (torch's new_group is collective over the world). A rank's role is read from the plan
+once, here; everything downstream reads it from HeteroParallelState.
+
+Groups, per the paper's placement:
+- dispatch group / combine group (one pair per ZP group, members = its attention + expert
+  ranks): all-to-all in the attention->expert and expert->attention directions. Each group
+  carries one direction only (forward dispatch and the gradient of combine go attention->expert
+  on `dispatch`; forward combine and the gradient of dispatch go expert->attention on `combine`),
+  so the two can be in flight at once.
+- attention DP group: every attention rank of every ZP group (replicas of the dense weights).
+- replica group: the k-th member of every ZP group (replicas of the experts that member holds).
+- world group: every rank, for the global gradient norm and step-wide agreement.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, Role, ZPGroup
+
+
+@dataclass
+class HeteroParallelState:
+    plan: HeteroPlan
+    rank: int
+    role: Role
+    group_index: int
+    member_index: int  # position of this rank in its ZP group's members (attention first)
+    attention_dp_rank: int | None  # data-parallel rank among all attention ranks
+    dispatch_group: dist.ProcessGroup
+    combine_group: dist.ProcessGroup
+    attention_dp_group: dist.ProcessGroup | None
+    replica_group: dist.ProcessGroup
+    self_group: dist.ProcessGroup
+    world_group: dist.ProcessGroup
+
+    @property
+    def zp(self) -> ZPGroup:
+        return self.plan.groups[self.group_index]
+
+    @property
+    def num_attention_per_group(self) -> int:
+        return len(self.zp.attention_ranks)
+
+    @property
+    def comm_order(self) -> list[int]:
+        """The ZP group's ranks in the order all-to-all split sizes refer to them: torch numbers
+        a group's members by ascending global rank, whatever order the plan lists them in."""
+        return sorted(self.zp.members)
+
+    def layer_order(self, layer: int) -> list[int]:
+        """Expert ids of `layer` in the order they travel: holder by holder in comm_order, ids
+        ascending."""
+        pl = self.zp.placement[layer]
+        return [e for r in self.comm_order for e in pl.get(r, [])]
+
+    def local_experts(self, layer: int) -> list[int]:
+        return list(self.zp.placement[layer].get(self.rank, []))
+
+    def received_counts(self, layer: int, all_counts: torch.Tensor) -> torch.Tensor:
+        """[member, local expert] token counts this rank receives, from the counts exchange's
+        [member, expert in layer_order] result (no columns when it holds no expert)."""
+        order = self.layer_order(layer)
+        return all_counts[:, [order.index(e) for e in self.local_experts(layer)]]
+
+    def pg_collection(self):
+        """ProcessGroupCollection for megatron-core modules on this rank: every model-parallel
+        dimension is this rank alone; data parallelism is the attention DP group (attention
+        ranks) or the expert replica group (expert ranks)."""
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        one = self.self_group
+        dp = self.attention_dp_group if self.role == "attention" else self.replica_group
+        return ProcessGroupCollection(
+            tp=one, pp=one, mp=one, embd=one, pos_embd=one, cp=one, tp_cp=one, ep=one, expt_tp=one,
+            tp_ep=one, tp_ep_pp=one, tp_dp_cp=dp, dp=dp, dp_cp=dp, intra_dp_cp=dp,
+            expt_dp=self.replica_group, intra_expt_dp=self.replica_group, intra_dist_opt=dp,
+            inter_dist_opt=one, hcp=None,
+        )
+
+
+_STATE: HeteroParallelState | None = None
+
+
+def initialize_hetero_parallel(plan: HeteroPlan, timeout=None) -> HeteroParallelState:
+    """Validate the plan against the job, then build every group (collective over the world)."""
+    from megatron_hetermoe.parallel.launcher import collective_timeout
+
+    global _STATE
+    world, rank = dist.get_world_size(), dist.get_rank()
+    from megatron_hetermoe.planner.profiles import known_gpu_types
+
+    plan.validate(world_size=world, known_gpu_types=known_gpu_types())  # before any group exists
+    timeout = timeout or collective_timeout()
+
+    def new(ranks):
+        return dist.new_group(sorted(ranks), timeout=timeout)
+
+    made: dict[str, dist.ProcessGroup] = {}
+    for gi, g in enumerate(plan.groups):
+        d, c = new(g.members), new(g.members)
+        if rank in g.members:
+            made["dispatch"], made["combine"] = d, c
+    attn = new(plan.attention_ranks)
+    n_members = len(plan.groups[0].members)
+    for k in range(n_members):
+        grp = new([g.members[k] for g in plan.groups])
+        if any(g.members[k] == rank for g in plan.groups):
+            made["replica"] = grp
+    for r in range(world):
+        grp = new([r])
+        if r == rank:
+            made["self"] = grp
+    world_group = new(range(world))
+
+    gi = plan.group_of(rank)
+    role = plan.role(rank)
+    _STATE = HeteroParallelState(
+        plan=plan, rank=rank, role=role, group_index=gi,
+        member_index=plan.groups[gi].members.index(rank),
+        attention_dp_rank=plan.attention_ranks.index(rank) if role == "attention" else None,
+        dispatch_group=made["dispatch"], combine_group=made["combine"],
+        attention_dp_group=attn if role == "attention" else None,
+        replica_group=made["replica"], self_group=made["self"], world_group=world_group,
+    )
+    return _STATE
+
+
+def destroy_hetero_parallel() -> None:
+    global _STATE
+    _STATE = None
+
+
+def get_hetero_state() -> HeteroParallelState:
+    if _STATE is None:
+        raise PlanError("hetero parallel state is not initialized; call initialize_hetero_parallel(plan) first")
+    return _STATE
+
+
+# Named getters in the spirit of megatron.core.parallel_state.
+def get_hetero_role() -> Role:
+    return get_hetero_state().role
+
+
+def get_hetero_dispatch_group() -> dist.ProcessGroup:
+    return get_hetero_state().dispatch_group
+
+
+def get_hetero_combine_group() -> dist.ProcessGroup:
+    return get_hetero_state().combine_group
+
+
+def get_hetero_attention_data_parallel_group() -> dist.ProcessGroup | None:
+    return get_hetero_state().attention_dp_group
+
+
+def get_hetero_expert_replica_group() -> dist.ProcessGroup:
+    return get_hetero_state().replica_group

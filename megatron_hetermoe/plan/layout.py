@@ -1,0 +1,66 @@
+"""Plain Megatron MoE state dict <-> HeterMoE layout, per rank, from the plan alone.
+
+The Megatron side is a PP=1, EP=1 GPTModel's parameter names (every expert as
+`decoder.layers.L.mlp.experts.local_experts.E.*` with its global id E), which is also what
+model_builder.canonical_names produces for any Megatron layout. A HeterMoE rank holds:
+- attention rank: everything except experts, plus the experts the plan offloads to it;
+- expert rank: only its experts, under the same module path.
+Either way an expert appears under its *local* index on the rank (position in the plan's
+sorted expert list for that rank and layer), as in Megatron's own EP sharding.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+
+_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
+def megatron_to_hetero(state: dict[str, torch.Tensor], plan: HeteroPlan, rank: int) -> dict[str, torch.Tensor]:
+    """The slice of a plain Megatron state dict that `rank` holds, under its local names."""
+    role = plan.role(rank)
+    out = {}
+    for name, t in state.items():
+        m = _EXPERT.match(name)
+        if m is None:
+            if role == "attention":
+                out[name] = t
+            continue
+        layer, e, rest = int(m.group(1)), int(m.group(2)), m.group(3)
+        mine = plan.local_experts(rank, layer)
+        if e in mine:
+            out[f"decoder.layers.{layer}.mlp.experts.local_experts.{mine.index(e)}.{rest}"] = t
+    return out
+
+
+def hetero_to_megatron(per_rank: list[dict[str, torch.Tensor]], plan: HeteroPlan) -> dict[str, torch.Tensor]:
+    """Merge every rank's local state (index = rank) into one plain Megatron state dict.
+    Replicas (other ZP groups, other attention DP ranks) must agree; the first copy is kept."""
+    if len(per_rank) != plan.world_size:
+        raise ValueError(f"got states of {len(per_rank)} ranks for a plan of {plan.world_size}")
+    out: dict[str, torch.Tensor] = {}
+    for rank, state in enumerate(per_rank):
+        for name, t in state.items():
+            m = _EXPERT.match(name)
+            if m is not None:
+                layer, i, rest = int(m.group(1)), int(m.group(2)), m.group(3)
+                name = f"decoder.layers.{layer}.mlp.experts.local_experts.{plan.local_experts(rank, layer)[i]}.{rest}"
+            out.setdefault(name, t)
+    return out
+
+
+@torch.no_grad()
+def load_params(module: torch.nn.Module, local_state: dict[str, torch.Tensor]) -> None:
+    """Copy a rank's local state into its module's parameters; every parameter must be given."""
+    params = dict(module.named_parameters())
+    missing = sorted(set(params) - set(local_state))
+    unexpected = sorted(set(local_state) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"state does not fit this rank's module: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, p in params.items():
+        if p.shape != local_state[name].shape:
+            raise ValueError(f"{name}: shape {tuple(local_state[name].shape)} in the state, {tuple(p.shape)} in the model")
+        p.copy_(local_state[name])

@@ -1,0 +1,160 @@
+"""Every input of a training job checked in one place, before any process group exists.
+
+`validate_job(cfg, world_size, plan)` runs in the launching process (hetermoe train calls it
+before forking ranks or joining torchrun's group), so a bad flag, model, plan or layout is
+refused with one message naming the flag/field, the bad value and the fix, instead of a
+traceback from inside megatron-core on every rank. Plan, model config, cluster and GPU profile
+files have their own errors (PlanError, ModelConfigError, ClusterError, ProfileError), raised
+when they are loaded; README.md lists them all.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from megatron_hetermoe.plan.hetero_plan import SCHEDULES, HeteroPlan, PlanError
+
+if TYPE_CHECKING:
+    from megatron_hetermoe.training.megatron_ep import TrainConfig
+
+
+class ConfigError(ValueError):
+    """A training flag or layout that cannot run; names the flag, the value and the fix."""
+
+
+# TrainConfig field -> the Megatron flag a user sets it with.
+FLAGS = {
+    "micro_batch_size": "--micro-batch-size", "global_batch_size": "--global-batch-size",
+    "train_iters": "--train-iters", "lr": "--lr", "min_lr": "--min-lr", "lr_warmup_iters": "--lr-warmup-iters",
+    "weight_decay": "--weight-decay", "clip_grad": "--clip-grad", "seed": "--seed", "log_interval": "--log-interval",
+    "check_for_nan_in_loss_and_grad": "--check-for-nan-in-loss-and-grad",
+    "save_interval": "--save-interval", "ckpt_step": "--ckpt-step",
+    "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size", "ep": "--expert-model-parallel-size",
+}
+SEED_LIMIT = 2**32  # data and init generators take seed * 1_000_003 + index: keep it in int64
+
+
+def _bad(field: str, value, rule: str, fix: str) -> ConfigError:
+    return ConfigError(f"{FLAGS.get(field, field)} {value!r}: {rule}; {fix}")
+
+
+def _int(cfg, field: str, low: int) -> int:
+    v = getattr(cfg, field)
+    if type(v) is not int or v < low:
+        raise _bad(field, v, f"must be an integer >= {low}", f"pass {FLAGS[field]} {max(low, 1)} or more")
+    return v
+
+
+def _real(cfg, field: str) -> float:
+    v = getattr(cfg, field)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+        raise _bad(field, v, "must be a finite number >= 0", f"pass e.g. {FLAGS[field]} 0.01")
+    return float(v)
+
+
+def check_train_config(cfg: "TrainConfig") -> None:
+    """The flags every trainer reads (no layout)."""
+    from megatron_hetermoe.reliability.nan_check import NAN_MODES, NanInjection
+
+    for name, low in (("micro_batch_size", 1), ("global_batch_size", 1), ("train_iters", 0),
+                      ("lr_warmup_iters", 0), ("log_interval", 1)):
+        _int(cfg, name, low)
+    # megatron-core's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps (the
+    # trainers pass max(--train-iters, 1)) on every rank, after the ranks started.
+    decay = max(cfg.train_iters, 1)
+    if cfg.lr_warmup_iters and cfg.lr_warmup_iters >= decay:
+        raise _bad("lr_warmup_iters", cfg.lr_warmup_iters, f"must be below --train-iters {cfg.train_iters} "
+                   f"(warm-up, then cosine decay)", f"pass --lr-warmup-iters at most {decay - 1}")
+    lr, min_lr = _real(cfg, "lr"), _real(cfg, "min_lr")
+    if min_lr > lr:
+        raise _bad("min_lr", cfg.min_lr, f"is above --lr {cfg.lr}", f"pass --min-lr at most {cfg.lr}")
+    _real(cfg, "weight_decay")
+    _real(cfg, "clip_grad")
+    if type(cfg.seed) is not int or not 0 <= cfg.seed < SEED_LIMIT:
+        raise _bad("seed", cfg.seed, f"must be an integer in [0, {SEED_LIMIT})", "pass e.g. --seed 1234")
+    if cfg.check_for_nan_in_loss_and_grad not in NAN_MODES:
+        raise _bad("check_for_nan_in_loss_and_grad", cfg.check_for_nan_in_loss_and_grad,
+                   f"must be one of {list(NAN_MODES)}", "pass stop or skip, or --no-check-for-nan-in-loss-and-grad")
+    for name, low in (("save_interval", 1), ("ckpt_step", 0)):
+        if getattr(cfg, name, None) is not None:
+            _int(cfg, name, low)
+    if cfg.nan_injection is not None and not isinstance(cfg.nan_injection, NanInjection):
+        raise ConfigError(f"nan_injection={cfg.nan_injection!r} must be a nan_check.NanInjection (a test hook)")
+
+
+def check_megatron_layout(cfg: "TrainConfig", world: int) -> None:
+    """What parallel_state.initialize_model_parallel and MoELayer would assert on every rank."""
+    par, m = cfg.parallel, cfg.model
+    for name in ("tp", "pp", "ep"):
+        v = getattr(par, name)
+        if type(v) is not int or v < 1:
+            raise _bad(name, v, "must be an integer >= 1", f"pass {FLAGS[name]} 1 or more")
+    if world % (par.tp * par.pp):
+        raise ConfigError(f"world size {world} is not divisible by TP {par.tp} x PP {par.pp}; launch a multiple "
+                          f"of {par.tp * par.pp} ranks (--nproc) or change --pipeline-model-parallel-size")
+    if world % (par.ep * par.pp):
+        raise ConfigError(f"world size {world} is not divisible by EP {par.ep} x PP {par.pp} (Megatron's expert "
+                          f"layout); launch a multiple of {par.ep * par.pp} ranks or change --expert-model-parallel-size")
+    if m.num_experts % par.ep:
+        raise _bad("ep", par.ep, f"does not divide num_experts={m.num_experts} of model {m.name!r}",
+                   "pick an expert-parallel size that divides the expert count")
+    if m.num_layers % par.pp:
+        raise _bad("pp", par.pp, f"does not divide num_layers={m.num_layers} of model {m.name!r}",
+                   "pick a pipeline size that divides the layer count")
+    dp = world // (par.tp * par.pp)
+    per = cfg.micro_batch_size * dp
+    if cfg.global_batch_size % per:
+        raise _bad("global_batch_size", cfg.global_batch_size,
+                   f"is not divisible by --micro-batch-size {cfg.micro_batch_size} x data-parallel size {dp}",
+                   f"pass a multiple of {per}")
+    from megatron_hetermoe.models.builder import transformer_config
+
+    try:  # megatron-core's own config checks, run here with no process group
+        transformer_config(m, par)
+    except (ValueError, AssertionError) as e:
+        raise ConfigError(f"megatron-core refuses model {m.name!r} with TP={par.tp} PP={par.pp} EP={par.ep}: {e}") from None
+
+
+def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str | None = None) -> None:
+    """A HeterMoE job: the plan against the job, the model and the batch."""
+    from megatron_hetermoe.models.builder import ParallelConfig
+    from megatron_hetermoe.planner.profiles import known_gpu_types
+
+    if cfg.parallel != ParallelConfig(dispatcher=cfg.parallel.dispatcher):
+        raise ConfigError("--hetero-plan replaces TP/PP/EP: leave --tensor/--pipeline/--expert-model-parallel-size at 1")
+    if schedule is not None and schedule not in SCHEDULES:
+        raise ConfigError(f"--hetero-schedule {schedule!r}: use one of {list(SCHEDULES)}")
+    if cfg.use_distributed_optimizer:
+        raise ConfigError("--use-distributed-optimizer with --hetero-plan is not supported yet (each side steps "
+                          "Megatron's Adam on an exact global norm); drop the flag")
+    plan.validate(world_size=world, known_gpu_types=known_gpu_types())
+    m = cfg.model
+    if plan.num_layers != m.num_layers or plan.num_experts != m.num_experts:
+        raise PlanError(
+            f"plan is for {plan.num_layers} layers x {plan.num_experts} experts but model {m.name!r} has "
+            f"{m.num_layers} x {m.num_experts}; make the plan with --model {m.name}"
+        )
+    n_attn = len(plan.attention_ranks)
+    want = cfg.micro_batch_size * plan.num_microbatches * n_attn
+    if cfg.global_batch_size != want:
+        raise _bad("global_batch_size", cfg.global_batch_size,
+                   f"must be --micro-batch-size {cfg.micro_batch_size} x the plan's R={plan.num_microbatches} "
+                   f"microbatches x {n_attn} attention ranks",
+                   f"pass --global-batch-size {want}, or remake the plan with another --microbatches")
+    from megatron_hetermoe.models.builder import transformer_config
+
+    try:
+        transformer_config(m, ParallelConfig(), expert_model_parallel_size=2)
+    except (ValueError, AssertionError) as e:
+        raise ConfigError(f"megatron-core refuses model {m.name!r}: {e}") from None
+
+
+def validate_job(cfg: "TrainConfig", world: int, plan: HeteroPlan | None = None, schedule: str | None = None) -> None:
+    """Everything a job's ranks would otherwise find out after their process groups exist."""
+    if type(world) is not int or world < 1:
+        raise ConfigError(f"world size {world!r} must be an integer >= 1; pass --nproc 1 or more")
+    check_train_config(cfg)
+    if plan is None:
+        check_megatron_layout(cfg, world)
+    else:
+        check_hetero(cfg, plan, world, schedule)

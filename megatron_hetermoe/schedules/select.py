@@ -1,0 +1,114 @@
+"""Schedules for HeterMoE ranks, with megatron-core's forward_backward keyword signature.
+
+`get_forward_backward_func(hs, schedule)` replaces megatron-core's getter: on an attention
+rank it returns Megatron's own schedule for "distep" (HeteroMoELayer ships tokens from inside
+MoELayer.forward) and `forward_backward_zebra` for "zebra"; on an expert rank it returns the
+loop that mirrors the attention ranks' order of collectives for either schedule.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+
+from megatron_hetermoe.parallel.state import HeteroParallelState
+from megatron_hetermoe.schedules.tasks import distep_tasks, zebra_tasks
+
+TASK_LISTS = {"zebra": zebra_tasks, "distep": distep_tasks}
+from megatron_hetermoe.tools.timeline import TimelineRecorder
+from megatron_hetermoe.schedules.zebra import AttentionZebra, ExpertZebra, ZebraConfig
+
+
+class _CaptureModel:
+    """Stands in for the model when calling a Megatron forward_step_func, to get the
+    microbatch (tokens, positions, labels) and its loss_func without running the model: zebra
+    runs the model stage by stage itself."""
+
+    def __init__(self):
+        self.calls: list[dict] = []
+
+    def __call__(self, input_ids, position_ids, attention_mask=None, labels=None, **kwargs):
+        self.calls.append({"tokens": input_ids, "position_ids": position_ids, "labels": labels})
+        return None
+
+
+def _unwrap(model):
+    m = model[0] if isinstance(model, (list, tuple)) else model
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
+                           micro_batch_size: int, decoder_seq_length=None, forward_only: bool = False,
+                           collect_non_loss_data: bool = False, first_val_step=None, adjust_tensor_shapes_fn=None,
+                           p2p_communicator=None, pg_collection=None, force_all_reduce: bool = False,
+                           hetero_state: HeteroParallelState, zebra_config: ZebraConfig | None = None,
+                           recorder: TimelineRecorder | None = None, executed: list | None = None,
+                           schedule: str = "zebra"):
+    """One step on an attention rank executing a task list: zebra (Theorem 1's order) or, for
+    emulated timing, the DistEP list, over R = num_microbatches."""
+    hs = hetero_state
+    if forward_only or collect_non_loss_data:
+        raise NotImplementedError("forward-only passes are not supported by the zebra schedule yet; "
+                                  "evaluate with --hetero-schedule distep")
+    if num_microbatches != hs.plan.num_microbatches:
+        raise ValueError(f"num_microbatches={num_microbatches} but the plan's R={hs.plan.num_microbatches}")
+    cap = _CaptureModel()
+    loss_funcs = []
+    for _ in range(num_microbatches):
+        _, lf = forward_step_func(data_iterator, cap)
+        loss_funcs.append(lf)
+    gpt = _unwrap(model)
+    az = AttentionZebra(gpt, hs, zebra_config or ZebraConfig(), recorder)
+    reported = az.run(cap.calls, loss_funcs, TASK_LISTS[schedule](hs.plan, hs.rank))
+    if executed is not None:
+        executed.append((az.ex.executed, az.ex.executed_streams, az.ex.meter.peak))
+    cfg = gpt.config
+    if cfg.finalize_model_grads_func is not None:
+        cfg.finalize_model_grads_func(model if isinstance(model, list) else [model], None,
+                                      pg_collection=pg_collection)
+    return reported
+
+
+def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model, num_microbatches: int,
+                            seq_length: int = 0, micro_batch_size: int = 0, forward_only: bool = False,
+                            hetero_state: HeteroParallelState, schedule: str, zebra_config: ZebraConfig | None = None,
+                            recorder: TimelineRecorder | None = None, executed: list | None = None,
+                            task_list: bool = False, **unused):
+    """An expert rank's step: mirror the attention ranks, then reduce expert gradients."""
+    hs = hetero_state
+    if forward_only:
+        raise NotImplementedError("forward-only passes are not mirrored on expert ranks yet")
+    runtime = _unwrap(model)
+    ddp = model[0] if isinstance(model, list) else model
+    if schedule == "zebra" or task_list:
+        ez = ExpertZebra(runtime, hs, zebra_config or ZebraConfig(), recorder)
+        ez.run(TASK_LISTS[schedule](hs.plan, hs.rank))
+        if executed is not None:
+            executed.append((ez.ex.executed, ez.ex.executed_streams, ez.ex.meter.peak))
+    else:
+        runtime.run_distep(num_microbatches, runtime.config.hidden_size)
+    ddp.finish_grad_sync()
+    # Each expert saw the tokens of M attention ranks, each a local-mean loss: Megatron's DP
+    # average needs 1/(M*G); DDP applied 1/G over the replica group.
+    for p in ddp.parameters():
+        p.main_grad.mul_(1.0 / hs.num_attention_per_group)
+    return []
+
+
+def get_forward_backward_func(hs: HeteroParallelState, schedule: str | None = None, task_list: bool = False,
+                              **runtime_kwargs):
+    """The schedule for this rank: Megatron's own (attention, distep), zebra (attention, zebra),
+    or the expert mirror (expert ranks). task_list=True runs DistEP from its task list too (used
+    when emulating, so both schedules are timed by the same executor)."""
+    schedule = schedule or hs.plan.schedule
+    if schedule not in ("distep", "zebra"):
+        raise ValueError(f"unknown hetero schedule {schedule!r}; use distep or zebra")
+    if hs.role == "expert":
+        return partial(expert_forward_backward, hetero_state=hs, schedule=schedule, task_list=task_list,
+                       **runtime_kwargs)
+    if schedule == "zebra" or task_list:
+        return partial(forward_backward_zebra, hetero_state=hs, schedule=schedule, **runtime_kwargs)
+    from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_get
+
+    return megatron_get(pp_size=1, vp_size=None)

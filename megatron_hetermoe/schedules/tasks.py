@@ -1,0 +1,219 @@
+"""The task lists every rank executes in one training step: Theorem 1's zebra order, and the
+non-overlapped DistEP order. The runtime executes exactly these lists; the simulator too.
+
+Notation. L MoE layers, R microbatches. Attention stage s in 0..L:
+  s=0      embedding + attention_1 + router_1
+  0<s<L    combine of layer s-1 + residual + attention_{s+1} + router_{s+1}
+  s=L      combine of the last layer + final norm + output head + loss
+Expert layer l in 0..L-1 sits between attention stages l and l+1.
+
+Task kinds, the rank that runs them, and the stream each one runs on:
+  compute stream (one task at a time, in list order):
+    A_F / A_B  attention rank: forward / backward of attention stage `layer` (0..L)
+    X_F / X_B  attention rank: its offloaded experts of expert layer `layer` (Asym-EA); X_F
+               runs after A_F of all R microbatches of stage `layer`; backward mirrored
+               (X_B of all R microbatches before A_B of stage `layer`)
+    E_F / E_B  expert rank: its experts of expert layer `layer`
+  dispatch stream (attention -> expert direction; one collective at a time):
+    D_F  forward dispatch of layer `layer`: routed tokens to the experts' holders
+    C_B  backward of combine: gradients of the expert outputs, to the experts' holders
+  combine stream (expert -> attention direction; one collective at a time):
+    C_F  forward combine of layer `layer`: expert outputs back to the attention ranks
+    D_B  backward of dispatch: gradients of the routed tokens, back to the attention ranks
+Every comm task is an all_to_all over all members of the ZP group (ranks with nothing to send
+pass zero split sizes), so the dispatch stream and the combine stream each carry one process
+group. On each stream every member of a group issues the same collectives in the same order
+(`check_stream_order`), which is what makes the lists deadlock-free.
+
+Where a comm task sits in a list = the point it is issued: right after the compute task that
+produces its send buffer; a rank that only receives in it posts it as soon as the data could
+exist: an attention rank without experts in layer l posts C_F(l, j) right after D_F(l, j) and
+D_B(l, j) right after C_B(l, j); an expert rank posts D_F(0, *) first, and the receive of
+microbatch j's next input (D_F(l+1, j), or C_B(L-1, j) after the last layer, or C_B(l-1, j)
+in backward) right after sending microbatch j's output of the current layer.
+A compute task waits only for the comm task named by `inputs()`; issuing is asynchronous.
+
+Theorem 1 order (0-based, R microbatches j):
+  attention: A_F(s, 0..R-1) for s = 0..L-1; then A_F(L, j) A_B(L, j) for j = 0..R-1;
+             then A_B(s, 0..R-1) for s = L-1..0
+  expert:    E_F(l, 0..R-1) for l = 0..L-1; then E_B(l, 0..R-1) for l = L-1..0
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+COMPUTE_KINDS = ("A_F", "A_B", "X_F", "X_B", "E_F", "E_B")
+COMM_KINDS = ("D_F", "C_F", "C_B", "D_B")
+STREAM = {
+    "A_F": "compute", "A_B": "compute", "X_F": "compute", "X_B": "compute", "E_F": "compute", "E_B": "compute",
+    "D_F": "dispatch", "C_B": "dispatch", "C_F": "combine", "D_B": "combine",
+}
+
+
+@dataclass(frozen=True)
+class Task:
+    kind: str
+    layer: int  # attention stage (A_*) or expert layer (all other kinds)
+    microbatch: int
+
+    def __repr__(self) -> str:
+        return f"{self.kind}({self.layer},{self.microbatch})"
+
+    @property
+    def stream(self) -> str:
+        return STREAM[self.kind]
+
+    @property
+    def is_comm(self) -> bool:
+        return self.kind in COMM_KINDS
+
+
+def inputs(task: Task, num_layers: int) -> Task | None:
+    """The comm task whose result a compute task waits for (None: only local inputs)."""
+    k, l, j = task.kind, task.layer, task.microbatch
+    if k == "A_F":
+        return Task("C_F", l - 1, j) if l > 0 else None
+    if k == "A_B":
+        return Task("D_B", l, j) if l < num_layers else None
+    if k in ("X_F", "E_F"):
+        return Task("D_F", l, j)
+    if k in ("X_B", "E_B"):
+        return Task("C_B", l, j)
+    return None
+
+
+def _check(num_layers: int, R: int, role: str, offloaded_layers: Iterable[int]) -> set[int]:
+    if num_layers < 1 or R < 1:
+        raise ValueError(f"task list needs num_layers >= 1 and R >= 1, got {num_layers}, {R}")
+    if role not in ("attention", "expert"):
+        raise ValueError(f"role {role!r} is not 'attention' or 'expert'")
+    off = set(offloaded_layers)
+    bad = sorted(l for l in off if not 0 <= l < num_layers)
+    if bad:
+        raise ValueError(f"offloaded layers {bad} outside 0..{num_layers - 1}")
+    if off and role == "expert":
+        raise ValueError("offloaded_layers is for attention ranks; expert ranks hold their experts already")
+    return off
+
+
+def _expert_next_recv(l: int, j: int, L: int) -> Task:
+    """An expert rank posts the receive of microbatch j's next input as soon as it has sent the
+    current output: that input cannot exist earlier, and posting then keeps the transfer off the
+    expert's critical path."""
+    return Task("D_F", l + 1, j) if l + 1 < L else Task("C_B", L - 1, j)
+
+
+def zebra_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: Iterable[int] = ()) -> list[Task]:
+    """Theorem 1's order for one rank. `offloaded_layers`: expert layers in which this attention
+    rank holds experts (Asym-EA)."""
+    L = num_layers
+    off = _check(L, R, role, offloaded_layers)
+    T = Task
+    out: list[Task] = []
+    if role == "expert":
+        out += [T("D_F", 0, j) for j in range(R)]
+        for l in range(L):
+            for j in range(R):
+                out += [T("E_F", l, j), T("C_F", l, j), _expert_next_recv(l, j, L)]
+        for l in reversed(range(L)):
+            for j in range(R):
+                out += [T("E_B", l, j), T("D_B", l, j)]
+                if l > 0:
+                    out.append(T("C_B", l - 1, j))
+        return out
+    for s in range(L):
+        for j in range(R):
+            out += [T("A_F", s, j), T("D_F", s, j)]
+            if s not in off:
+                out.append(T("C_F", s, j))  # receive only: post at once
+        if s in off:
+            for j in range(R):
+                out += [T("X_F", s, j), T("C_F", s, j)]
+    for j in range(R):
+        out += [T("A_F", L, j), T("A_B", L, j), T("C_B", L - 1, j)]
+        if L - 1 not in off:
+            out.append(T("D_B", L - 1, j))
+    for s in reversed(range(L)):
+        if s in off:  # mirror of the forward: offloaded experts' backward before the stage's
+            for j in range(R):
+                out += [T("X_B", s, j), T("D_B", s, j)]
+        for j in range(R):
+            out.append(T("A_B", s, j))
+            if s > 0:
+                out.append(T("C_B", s - 1, j))
+                if s - 1 not in off:
+                    out.append(T("D_B", s - 1, j))
+    return out
+
+
+def distep_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: Iterable[int] = ()) -> list[Task]:
+    """The non-overlapped order: each microbatch's whole forward then its whole backward, the
+    other side waiting (Megatron's gradient-accumulation loop with remote experts)."""
+    L = num_layers
+    off = _check(L, R, role, offloaded_layers)
+    T = Task
+    out: list[Task] = []
+    for j in range(R):
+        if role == "expert":
+            out.append(T("D_F", 0, j))
+            for l in range(L):
+                out += [T("E_F", l, j), T("C_F", l, j), _expert_next_recv(l, j, L)]
+            for l in reversed(range(L)):
+                out += [T("E_B", l, j), T("D_B", l, j)]
+                if l > 0:
+                    out.append(T("C_B", l - 1, j))
+            continue
+        for s in range(L):
+            out += [T("A_F", s, j), T("D_F", s, j)]
+            out += [T("X_F", s, j), T("C_F", s, j)] if s in off else [T("C_F", s, j)]
+        out += [T("A_F", L, j), T("A_B", L, j)]
+        for s in reversed(range(L)):
+            out.append(T("C_B", s, j))
+            out += [T("X_B", s, j), T("D_B", s, j)] if s in off else [T("D_B", s, j)]
+            out.append(T("A_B", s, j))
+    return out
+
+
+def offloaded_layers_of(plan, rank: int) -> set[int]:
+    """Expert layers in which attention rank `rank` holds experts."""
+    return {l for l in range(plan.num_layers) if plan.local_experts(rank, l)}
+
+
+def zebra_tasks(plan, rank: int) -> list[Task]:
+    """Zebra task list of `rank` in a HeteroPlan (megatron_hetermoe.plan.hetero_plan)."""
+    role = plan.role(rank)
+    off = offloaded_layers_of(plan, rank) if role == "attention" else set()
+    return zebra_tasks_for_role(plan.num_layers, plan.num_microbatches, role, off)
+
+
+def distep_tasks(plan, rank: int) -> list[Task]:
+    """DistEP task list of `rank` in a HeteroPlan."""
+    role = plan.role(rank)
+    off = offloaded_layers_of(plan, rank) if role == "attention" else set()
+    return distep_tasks_for_role(plan.num_layers, plan.num_microbatches, role, off)
+
+
+def tasks_for_rank(plan, rank: int) -> list[Task]:
+    """The list for the plan's own schedule ("zebra" or "distep")."""
+    return zebra_tasks(plan, rank) if plan.schedule == "zebra" else distep_tasks(plan, rank)
+
+
+def stream_order(tasks: list[Task], stream: str) -> list[Task]:
+    return [t for t in tasks if t.stream == stream]
+
+
+def check_stream_order(lists: dict[int, list[Task]]) -> None:
+    """Raise ValueError if the ranks of one ZP group do not issue the same collectives in the same
+    order on the dispatch and on the combine stream (that would deadlock the runtime)."""
+    ranks = sorted(lists)
+    for stream in ("dispatch", "combine"):
+        ref = stream_order(lists[ranks[0]], stream)
+        for r in ranks[1:]:
+            got = stream_order(lists[r], stream)
+            if got != ref:
+                i = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+                a = ref[i] if i < len(ref) else None
+                b = got[i] if i < len(got) else None
+                raise ValueError(f"{stream} stream: rank {ranks[0]} issues {a} as collective #{i} but rank {r} "
+                                 f"issues {b}; every member of a ZP group must issue the same order")

@@ -1,0 +1,133 @@
+"""Per-rank timeline of compute tasks and transfers; Chrome trace JSON and a PNG.
+
+Every rank records (lane, kind, layer, microbatch, start, end) for each task it runs: lane
+"compute" for A/X/E tasks, "dispatch" and "combine" for the two transfer streams. Times come
+from time.perf_counter(), which on Linux is one system-wide monotonic clock, so the ranks of
+a CPU job share a time axis. `hetermoe timeline RUN_DIR -o timeline.png` draws one row per
+(rank, lane) and writes timeline.json (Chrome trace format) beside it for Perfetto.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Event:
+    rank: int
+    role: str
+    lane: str
+    kind: str
+    layer: int
+    microbatch: int
+    start: float
+    end: float
+    step: int = 0
+
+
+class TimelineRecorder:
+    """Thread-safe event list of one rank (the stream threads record too)."""
+
+    def __init__(self, rank: int, role: str):
+        self.rank, self.role = rank, role
+        self.events: list[Event] = []
+        self.step = 0
+        self._lock = threading.Lock()
+
+    def record(self, lane: str, kind: str, layer: int, microbatch: int, start: float, end: float) -> None:
+        with self._lock:
+            self.events.append(Event(self.rank, self.role, lane, kind, layer, microbatch, start, end, self.step))
+
+    def busy(self, step: int) -> float:
+        """Seconds spent in compute tasks during `step`."""
+        return sum(e.end - e.start for e in self.events if e.step == step and e.lane == "compute")
+
+    def save(self, run_dir: str | Path) -> Path:
+        path = Path(run_dir) / f"timeline.rank{self.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps([asdict(e) for e in self.events]))
+        return path
+
+
+def load_events(run_dir: str | Path) -> list[Event]:
+    files = sorted(Path(run_dir).glob("timeline.rank*.json"))
+    if not files:
+        raise FileNotFoundError(f"no timeline.rank*.json in {run_dir}; train with a run directory first")
+    return [Event(**e) for f in files for e in json.loads(f.read_text())]
+
+
+def chrome_trace(events: list[Event]) -> dict:
+    t0 = min(e.start for e in events)
+    lanes = {"compute": 0, "dispatch": 1, "combine": 2}
+    out = []
+    for e in events:
+        out.append({"name": f"{e.kind}(l{e.layer},mb{e.microbatch})", "cat": e.lane, "ph": "X",
+                    "ts": (e.start - t0) * 1e6, "dur": max(e.end - e.start, 0.0) * 1e6,
+                    "pid": e.rank, "tid": lanes.get(e.lane, 3),
+                    "args": {"step": e.step, "layer": e.layer, "microbatch": e.microbatch, "role": e.role}})
+    for r in sorted({e.rank for e in events}):
+        role = next(e.role for e in events if e.rank == r)
+        out.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r} ({role})"}})
+        for lane, tid in lanes.items():
+            out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": lane}})
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+_COLORS = {"A_F": "#1f77b4", "A_B": "#aec7e8", "X_F": "#9467bd", "X_B": "#c5b0d5", "E_F": "#d62728",
+           "E_B": "#ff9896", "D_F": "#2ca02c", "C_B": "#98df8a", "C_F": "#ff7f0e", "D_B": "#ffbb78"}
+
+
+def draw_png(events: list[Event], path: str | Path, step: int | None = None, title: str = "") -> None:
+    from megatron_hetermoe import import_extra
+
+    matplotlib = import_extra("matplotlib", "plot", "drawing a timeline PNG")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if step is not None:
+        events = [e for e in events if e.step == step]
+    t0 = min(e.start for e in events)
+    rows = sorted({(e.rank, e.lane) for e in events}, key=lambda x: (x[0], ["compute", "dispatch", "combine"].index(x[1])))
+    fig, ax = plt.subplots(figsize=(14, 0.45 * len(rows) + 1.5))
+    for i, (r, lane) in enumerate(rows):
+        for e in (e for e in events if e.rank == r and e.lane == lane):
+            ax.broken_barh([((e.start - t0) * 1e3, max((e.end - e.start) * 1e3, 1e-3))], (i - 0.4, 0.8),
+                           facecolors=_COLORS.get(e.kind, "gray"), edgecolor="black", linewidth=0.2)
+    roles = {e.rank: e.role for e in events}
+    ax.set_yticks(range(len(rows)))
+    ax.set_yticklabels([f"rank {r} {roles[r][:4]} {lane}" for r, lane in rows], fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title or "HeterMoE timeline")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], ncol=10, fontsize=7, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_hetermoe.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="hetermoe timeline", description="draw a run's timeline",
+                                formatter_class=HelpFormatter)
+    p.add_argument("run_dir", help="a --timeline-dir of hetermoe train / bench (timeline.rank*.json)")
+    p.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/timeline.png)")
+    p.add_argument("--step", type=int, default=None, help="draw one step only (default: the last)")
+    a = p.parse_args(argv)
+    events = load_events(a.run_dir)
+    step = a.step if a.step is not None else max(e.step for e in events)
+    png = Path(a.output or Path(a.run_dir) / "timeline.png")
+    draw_png(events, png, step=step, title=f"{a.run_dir} step {step}")
+    trace = png.with_suffix(".json")
+    trace.write_text(json.dumps(chrome_trace(events)))
+    print(f"wrote {png} and {trace} (Chrome trace: open in Perfetto)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""Per-iteration logging as Megatron does it: the iteration line on the first rank, TensorBoard
+scalars (--tensorboard-dir, Megatron's names), and per-role utilization (busy compute over step
+time, from each rank's timeline) when the ranks record compute tasks (zebra, emulated runs).
+`log` is collective over `group`: every rank calls it at the same iterations."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+
+class StepLogger:
+    def __init__(self, cfg, role: str, recorder, group, is_first_rank: bool):
+        self.cfg, self.role, self.recorder, self.group = cfg, role, recorder, group
+        self.first = is_first_rank
+        self.tb = None
+        if cfg.tensorboard_dir and is_first_rank:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:
+                raise RuntimeError(f"--tensorboard-dir {cfg.tensorboard_dir} needs the tensorboard package "
+                                   f"(pip install tensorboard): {e}") from None
+            self.tb = SummaryWriter(cfg.tensorboard_dir)
+
+    def utilization(self, step: int, dt: float) -> dict[str, float]:
+        got = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(got, (self.role, self.recorder.busy(step)), group=self.group)
+        by: dict[str, list[float]] = {}
+        for role, b in got:
+            by.setdefault(role, []).append(b)
+        if not any(b for v in by.values() for b in v):
+            return {}  # nothing recorded (Megatron's own schedule without emulation)
+        # busy compute / step time; never above 1 (compute tasks of a rank do not overlap)
+        return {r: min(1.0, sum(v) / len(v) / dt) for r, v in by.items()}
+
+    def log(self, it: int, dt: float, lr: float, loss: float, grad_norm) -> None:
+        from megatron_hetermoe.training.megatron_ep import format_iteration
+
+        if self.cfg.quiet or it % self.cfg.log_interval:
+            return
+        util = self.utilization(it - 1, dt)
+        if not self.first:
+            return
+        line = format_iteration(it, self.cfg, dt, lr, loss, grad_norm)
+        if util:
+            line += " utilization: " + " ".join(f"{r} {u:.0%}" for r, u in sorted(util.items())) + " |"
+        print(line, flush=True)
+        if self.tb is not None:
+            tokens = self.cfg.global_batch_size * self.cfg.model.seq_length
+            self.tb.add_scalar("lm loss", loss, it)
+            self.tb.add_scalar("learning-rate", lr, it)
+            if grad_norm is not None:
+                self.tb.add_scalar("grad-norm", grad_norm, it)
+            self.tb.add_scalar("iteration-time", dt, it)
+            self.tb.add_scalar("throughput (tokens/s)", tokens / dt, it)
+            for r, u in util.items():
+                self.tb.add_scalar(f"utilization/{r}", u, it)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,75 @@
+"""The hook that the patches in patches/ put into Megatron-LM's pretrain_gpt.py.
+
+One patch per Megatron-LM release line, since pretrain_gpt.py differs between them (PATCHES):
+core_v0.16.1 hands `extra_args_provider` to `pretrain(...)`; core_v0.19.0 parses the arguments
+itself with `parse_and_validate_args(extra_args_provider=...)` before calling `pretrain`.
+`patch_for(checkout)` names the patch for a checkout (patches/check_patch.sh does the same).
+
+The patched pretrain_gpt.py gets the --hetero-* flags through `extra_args_provider`
+(`add_hetero_args`), so Megatron-LM's parser and --help know them. A run with --hetero-plan is
+handed to this plugin's trainer (`run_hetero`) with the same command line: HeterMoE replaces
+Megatron-LM's training loop for that run (expert ranks build no GPTModel, and the zebra
+schedule drives both roles), while the flags keep Megatron-LM's names and meanings and a flag
+this plugin does not support is refused by name. Without --hetero-plan nothing changes.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+HETERO_FLAGS = ("--hetero-plan", "--hetero-schedule", "--hetero-ckpt-reshard")
+
+# megatron-core release line (major, minor) of a Megatron-LM checkout -> the patch made for it.
+PATCHES = {
+    (0, 16): "megatron-lm-core_v0.16.1-pretrain_gpt.patch",
+    (0, 19): "megatron-lm-core_v0.19.0-pretrain_gpt.patch",
+}
+
+
+def checkout_version(checkout) -> tuple[int, int, int]:
+    """megatron-core version of a Megatron-LM checkout (its megatron/core/package_info.py)."""
+    info = Path(checkout) / "megatron" / "core" / "package_info.py"
+    if not info.is_file():
+        raise ValueError(f"{checkout} has no megatron/core/package_info.py: pass a Megatron-LM work tree")
+    text = info.read_text()
+    parts = [re.search(rf"^{k}\s*=\s*(\d+)", text, re.M) for k in ("MAJOR", "MINOR", "PATCH")]
+    if not all(parts):
+        raise ValueError(f"cannot read MAJOR/MINOR/PATCH from {info}")
+    return tuple(int(m.group(1)) for m in parts)
+
+
+def patch_for(checkout) -> str:
+    """File name (in patches/) of the patch made for this Megatron-LM checkout's release line."""
+    v = checkout_version(checkout)
+    name = PATCHES.get(v[:2])
+    if name is None:
+        made = ", ".join(f"core_v{a}.{b}.x" for a, b in sorted(PATCHES))
+        raise ValueError(f"no patch for Megatron-LM core_v{'.'.join(map(str, v))} ({checkout}); patches exist for {made}")
+    return name
+
+
+def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM extra_args_provider: the plugin's flags, as `hetermoe train` spells them."""
+    g = parser.add_argument_group(title="HeterMoE (megatron-hetermoe)")
+    g.add_argument("--hetero-plan", default=None, help="train with HeterMoE on this plan (hetermoe plan -o plan.json)")
+    g.add_argument("--hetero-schedule", choices=["distep", "zebra"], default=None,
+                   help="HeterMoE schedule (default: the plan's)")
+    g.add_argument("--hetero-ckpt-reshard", action="store_true",
+                   help="--load a checkpoint saved with another layout (HeterMoE <-> Megatron EP)")
+    return parser
+
+
+def hetero_requested(argv: list[str]) -> bool:
+    """Whether this command line asks for HeterMoE (--hetero-plan given)."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--hetero-plan", default=None)
+    known, _ = p.parse_known_args(argv)
+    return known.hetero_plan is not None
+
+
+def run_hetero(argv: list[str]) -> int:
+    """Run Megatron-LM's command line on the plugin's trainer (joins the torchrun job)."""
+    from megatron_hetermoe.training.pretrain_gpt import main
+
+    return main(argv)

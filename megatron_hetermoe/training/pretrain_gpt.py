@@ -1,0 +1,185 @@
+"""Megatron-LM's pretrain_gpt.py command line, for the subset this plugin trains.
+
+    python -m megatron_hetermoe.training.pretrain_gpt --num-layers 2 --hidden-size 64 \
+        --num-attention-heads 4 --ffn-hidden-size 128 --num-experts 4 --moe-router-topk 2 \
+        --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 \
+        --lr 1e-3 --train-iters 20 --data-path data/python-docs_text_document \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model data/tokenizer/tokenizer.json \
+        --hetero-plan plan.json
+
+Flags keep Megatron-LM's names and meanings (model shape, MoE, parallel sizes, batch, optimizer,
+data, tokenizer, checkpoints). The model is always Mixtral-style (every layer MoE, SwiGLU,
+RMSNorm, RoPE, no bias, untied embeddings); the vocabulary is the tokenizer's, padded as
+Megatron pads it. A flag that Megatron-LM has but this trainer does not is refused by name
+(from megatron_lm_flags.txt, Megatron-LM core_v0.16.1's own parser), as is a flag neither has.
+The run itself is `hetermoe train` (trainer.run_from_args), with this model shape.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+
+import yaml
+
+from megatron_hetermoe.training import megatron_ep as trainer
+from megatron_hetermoe.config import ModelConfig
+
+MEGATRON_FLAGS_FILE = Path(__file__).with_name("megatron_lm_flags.txt")
+MEGATRON_REF = "core_v0.16.1"
+
+# Flags this entry point takes that Megatron-LM does not have: HeterMoE's own, and the launcher's.
+EXTENSION_FLAGS = frozenset({
+    "--model", "--nproc", "--golden-values-out", "--timeline-dir",
+    "--hetero-plan", "--hetero-schedule", "--hetero-ckpt-reshard",
+    "--emulate", "--emulated-model", "--emulated-seq-length", "--emulated-global-batch-size", "--emulation-scale",
+    # Megatron-LM has only --no-check-for-nan-in-loss-and-grad; the positive form takes stop/skip here.
+    "--check-for-nan-in-loss-and-grad",
+})
+
+# What Megatron-LM would build without these flags, and what is always built here.
+ARCHITECTURE_FLAGS = {
+    "swiglu": ("--swiglu", "GeLU MLPs"),
+    "disable_bias_linear": ("--disable-bias-linear", "biased linear layers"),
+    "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", "tied embeddings"),
+}
+
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_experts", "seq_length")
+
+
+def megatron_flags() -> frozenset[str]:
+    """Megatron-LM's flag names (committed list; remake with scripts/megatron_flags.py)."""
+    return frozenset(line.strip() for line in MEGATRON_FLAGS_FILE.read_text().splitlines() if line.startswith("--"))
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """Megatron-LM's model-shape and related flags that `hetermoe train` takes from a model YAML."""
+    g = p.add_argument_group("model (Megatron-LM flags)")
+    g.add_argument("--num-layers", type=int, default=None, help="transformer layers (default: --model's)")
+    g.add_argument("--hidden-size", type=int, default=None, help="model width (default: --model's)")
+    g.add_argument("--num-attention-heads", type=int, default=None,
+                   help="attention heads; hidden size / heads must be even (default: --model's)")
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size (Megatron's)")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="per-expert size; default: --ffn-hidden-size")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: --model's)")
+    g.add_argument("--moe-router-topk", type=int, default=None, help="default: 2 (Megatron's)")
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss"], default="aux_loss",
+                   help="router load balancing (only Megatron's aux_loss)")
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="must be >= --seq-length (RoPE: no learned table; default: --seq-length)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="NullTokenizer's vocab before EOD; without --tokenizer-type, mock data's vocab "
+                        "(default: --model's, else the tokenizer's)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocab to a multiple of this x TP, as Megatron does")
+    g.add_argument("--normalization", choices=["RMSNorm"], default=None,
+                   help="accepted for Megatron-LM command lines; the model always uses RMSNorm (default: RMSNorm)")
+    g.add_argument("--position-embedding-type", choices=["rope"], default=None,
+                   help="accepted for Megatron-LM command lines; the model always uses RoPE (default: rope)")
+    for dest, (flag, instead) in ARCHITECTURE_FLAGS.items():
+        g.add_argument(flag, dest=dest, action="store_true",
+                       help=f"accepted for Megatron-LM command lines: the model is always Mixtral-style "
+                            f"(no {instead})")
+    g = p.add_argument_group("schedule and evaluation (Megatron-LM flags)")
+    g.add_argument("--lr-decay-style", choices=["cosine"], default="cosine", help="LR decay after warm-up (cosine only)")
+    g.add_argument("--eval-iters", type=int, default=0, help="only 0: evaluation is not implemented (default: 0)")
+    g.add_argument("--eval-interval", type=int, default=None, help="accepted; no effect while --eval-iters is 0 (default: not set)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = trainer.build_parser(prog="python -m megatron_hetermoe.training.pretrain_gpt")
+    p.description = __doc__.split("\n\n")[0]
+    p.allow_abbrev = False  # Megatron's names only: "--lr-decay" must not silently mean something
+    p.set_defaults(model=None)  # the shape comes from the flags (or a --model YAML to start from)
+    add_model_args(p)
+    return p
+
+
+def reject_unknown(p: argparse.ArgumentParser, rest: list[str]) -> None:
+    """Name each flag left over: a Megatron-LM flag not supported here, or no flag at all."""
+    names = [t.split("=", 1)[0] for t in rest if t.startswith("-")]
+    if not names and rest:
+        p.error(f"unexpected argument(s): {' '.join(rest)}")
+    known = megatron_flags()
+    unsupported = [n for n in names if n in known]
+    unknown = [n for n in names if n not in known]
+    msgs = []
+    if unsupported:
+        msgs.append(f"unsupported Megatron-LM flag(s): {' '.join(unsupported)} (Megatron-LM {MEGATRON_REF} has "
+                    f"them, this trainer does not; drop them, see --help for the supported subset)")
+    if unknown:
+        msgs.append(f"unknown flag(s): {' '.join(unknown)} (neither this trainer's nor Megatron-LM {MEGATRON_REF}'s)")
+    if msgs:
+        p.error("; ".join(msgs))
+
+
+def padded_vocab_size(size: int, divisible_by: int, tp: int) -> int:
+    """Megatron's rule: round the tokenizer's vocab up to a multiple of divisible_by x TP."""
+    multiple = divisible_by * tp
+    return int(math.ceil(size / multiple) * multiple)
+
+
+def model_from_args(a: argparse.Namespace) -> ModelConfig:
+    """The ModelConfig these flags describe (starting from --model's YAML when given)."""
+    base = asdict(ModelConfig.load(a.model)) if a.model else {"name": "pretrain_gpt", "moe_aux_loss_coeff": 0.0}
+    given = {f: getattr(a, f) for f in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+                                         "moe_ffn_hidden_size", "num_experts", "moe_router_topk", "seq_length",
+                                         "moe_aux_loss_coeff") if getattr(a, f) is not None}
+    m = {**base, **given}
+    missing = [f for f in SHAPE_FIELDS if f not in m]
+    if missing:
+        raise ValueError("model shape incomplete: give " + " ".join("--" + f.replace("_", "-") for f in missing)
+                         + " (or --model NAME for a YAML in configs/models to start from)")
+    m.setdefault("ffn_hidden_size", 4 * m["hidden_size"])
+    m.setdefault("moe_ffn_hidden_size", m["ffn_hidden_size"])
+    m.setdefault("moe_router_topk", 2)
+    if a.max_position_embeddings is not None and a.max_position_embeddings < m["seq_length"]:
+        raise ValueError(f"--max-position-embeddings {a.max_position_embeddings} < --seq-length {m['seq_length']}; "
+                         f"raise it to at least {m['seq_length']}")
+    if a.tokenizer_type:
+        from megatron_hetermoe.data.tokenizer import build_tokenizer
+
+        tok = build_tokenizer(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file, a.vocab_size)
+        m["vocab_size"] = padded_vocab_size(tok.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
+    elif a.vocab_size is not None:
+        m["vocab_size"] = padded_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
+    elif "vocab_size" not in m:
+        raise ValueError("no vocabulary: give --tokenizer-type (with its files), or --vocab-size N for mock data")
+    return ModelConfig(**m)
+
+
+def check_supported(a: argparse.Namespace) -> None:
+    if a.eval_iters != 0:
+        raise ValueError(f"--eval-iters {a.eval_iters}: evaluation is not implemented here; pass --eval-iters 0")
+    missing = [flag for dest, (flag, _) in ARCHITECTURE_FLAGS.items() if not getattr(a, dest)]
+    if missing or a.normalization is None or a.position_embedding_type is None:
+        # Not an error: the architecture is fixed. Say so, since Megatron-LM's defaults differ.
+        print("note: the model is always Mixtral-style (SwiGLU, RMSNorm, RoPE, no bias, untied embeddings); "
+              "Megatron-LM builds that with --swiglu --normalization RMSNorm --position-embedding-type rope "
+              "--disable-bias-linear --untie-embeddings-and-output-weights", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    a, rest = p.parse_known_args(argv)
+    reject_unknown(p, rest)
+    try:
+        check_supported(a)
+        model = model_from_args(a)
+    except (ValueError, FileNotFoundError) as e:
+        p.error(str(e))
+    # The trainer reads the model from a YAML path (ranks and emulation load it by name), so the
+    # shape given as flags is written to one for the run's lifetime.
+    with tempfile.TemporaryDirectory(prefix="pretrain_gpt_") as tmp:
+        path = Path(tmp) / f"{model.name}.yaml"
+        path.write_text(yaml.safe_dump(asdict(model), sort_keys=False))
+        a.model = str(path)
+        a.seq_length = model.seq_length
+        return trainer.run_from_args(p, a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
