@@ -1,13 +1,23 @@
-"""Model shape as a YAML-backed dataclass, and its megatron-core TransformerConfig."""
+"""Every configuration dataclass of a run, in one module that imports no torch and no
+megatron: the model shape (YAML-backed), Megatron's parallel sizes, data and tokenizer flags,
+the training run, zebra's runtime options and the HeterMoE run (plan schedule, recompute,
+timeline). Flags are parsed into these (training/args.py); everything downstream reads them.
+"""
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-
+from typing import TYPE_CHECKING, Callable
 
 from megatron_hetermoe.paths import read_yaml_mapping, resolve_config
+
+if TYPE_CHECKING:
+    from megatron_hetermoe.schedules.tasks import Task
+
+TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
+
 
 
 class ModelConfigError(ValueError):
@@ -91,3 +101,107 @@ class ModelConfig:
         h, L = self.hidden_size, self.num_layers
         attn = 4 * h * h + 2 * h + h * self.num_experts  # qkv+proj, two norms, router
         return 2 * self.vocab_size * h + L * attn + h
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    dispatcher: str = "alltoall"  # Megatron's --moe-token-dispatcher-type
+
+    def __post_init__(self) -> None:
+        if self.dispatcher not in ("alltoall", "allgather"):
+            raise ValueError(
+                f"moe token dispatcher {self.dispatcher!r} is not available on CPU; use alltoall or "
+                f"allgather (flex needs DeepEP on GPUs)"
+            )
+        if self.tp != 1:
+            raise ValueError(
+                f"tensor-model-parallel-size={self.tp} is not supported yet (MoE with TP needs "
+                f"sequence parallelism, not bridged on gloo); use 1"
+            )
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Megatron's data and tokenizer flags. No data_path means mock data (--mock-data)."""
+
+    data_path: tuple[str, ...] | None = None  # Megatron --data-path: prefixes, or weight/prefix pairs
+    split: str = "969,30,1"  # Megatron's default train,valid,test proportions
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_file: str | None = None
+    merge_file: str | None = None
+    vocab_size: int | None = None  # NullTokenizer's size before EOD (Megatron's --vocab-size)
+    data_cache_path: str | None = None
+    eod_mask_loss: bool = False
+
+    def __post_init__(self) -> None:
+        if self.data_path is not None:
+            object.__setattr__(self, "data_path", tuple(self.data_path))
+            if not self.data_path:
+                raise ValueError("--data-path is empty: give one or more dataset prefixes, or use --mock-data")
+            if self.tokenizer_type is None:
+                raise ValueError(f"--data-path {' '.join(self.data_path)} needs --tokenizer-type "
+                                 f"(one of {', '.join(TOKENIZER_TYPES)}) to know the EOD token and vocab size")
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    micro_batch_size: int = 2
+    global_batch_size: int = 8
+    train_iters: int = 5
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    lr_warmup_iters: int = 0
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    seed: int = 1234
+    use_distributed_optimizer: bool = False
+    deterministic: bool = False
+    collect_grads: bool = False  # gather canonical params (before every step and last) and grads of every step
+    init_state: dict | None = None  # start from this plain Megatron state dict (canonical names)
+    # Parity at identical parameters: before step i, load pin_params[i] (canonical names), so a
+    # step's gradient is measured at another run's parameters, not at a drifted trajectory.
+    pin_params: list[dict] | None = None
+    emulate: object | None = None  # emulation.EmulationSpec: time every task as on an emulated cluster
+    log_interval: int = 1
+    quiet: bool = False
+    progress_bar: bool = False  # prefix iteration lines with a bar (the demo)
+    tensorboard_dir: str | None = None  # Megatron's --tensorboard-dir: scalars from the first rank
+    data: DataConfig = field(default_factory=DataConfig)  # no data_path: mock data (data.py)
+    # Megatron's --check-for-nan-in-loss-and-grad: "stop" (its default), "skip" or "off" (nan_check.py).
+    check_for_nan_in_loss_and_grad: str = "stop"
+    nan_injection: object | None = None  # test hook: a nan_check.NanInjection
+    # Megatron's --save/--load/--save-interval/--ckpt-step (checkpoint.py); ckpt_reshard loads a
+    # checkpoint of another layout by parameter name (--hetero-ckpt-reshard).
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None
+    ckpt_step: int | None = None
+    ckpt_reshard: bool = False
+
+    def num_microbatches(self, dp: int) -> int:
+        per = self.micro_batch_size * dp
+        if self.global_batch_size % per:
+            raise ValueError(
+                f"global batch size {self.global_batch_size} is not divisible by micro batch size "
+                f"{self.micro_batch_size} x data-parallel size {dp}; pick a multiple of {per}"
+            )
+        return self.global_batch_size // per
+
+
+@dataclass
+class ZebraConfig:
+    recompute: bool = False
+    # Emulated duration of a compute task (a slower GPU), from when it could start (the previous
+    # task ended and its input arrived); None: as fast as it runs.
+    stretch: Callable[[Task], float] | None = None
+    # Emulated duration of a transfer given its bytes (a link), from when its last member could start it.
+    transfer_time: Callable[[Task, int], float] | None = None
+    # emulation.EmulationClock: records every task's window (when it could start, started, its
+    # real work ended, it ended), from which the run judges whether its emulation held.
+    clock: object | None = None

@@ -3,9 +3,10 @@ import pytest
 import torch
 from margins import within
 
-from megatron_hetermoe.models.builder import ParallelConfig
+from megatron_hetermoe.config import ParallelConfig
 from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, max_rel_loss_diff
-from megatron_hetermoe.training.megatron_ep import TrainConfig, run
+from megatron_hetermoe.training.megatron_ep import run
+from megatron_hetermoe.config import TrainConfig
 
 pytestmark = pytest.mark.slow
 STEPS = 3

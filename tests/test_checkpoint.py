@@ -15,10 +15,10 @@ from margins import within
 
 from megatron_hetermoe.checkpoint import store as ck
 from megatron_hetermoe.parallel.launcher import LaunchError, launch
-from megatron_hetermoe.models.builder import ParallelConfig
+from megatron_hetermoe.config import ParallelConfig
 from megatron_hetermoe.tools.parity import FREE_RUN_LOSS_TOL, max_rel_loss_diff
 from megatron_hetermoe.plan.hetero_plan import even_plan
-from megatron_hetermoe.training.megatron_ep import TrainConfig
+from megatron_hetermoe.config import TrainConfig
 
 # Train 5 steps, saving every 2: the resumed runs start from step 2 and take 3 steps, so the
 # last loss depends on an update made with the restored scheduler's learning rate.

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from megatron_hetermoe import compat
-from megatron_hetermoe.models.builder import ParallelConfig, layer_spec, transformer_config
+from megatron_hetermoe.models.builder import layer_spec, transformer_config
+from megatron_hetermoe.config import ParallelConfig
 
 
 def test_version_is_the_imported_megatron_core():

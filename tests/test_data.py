@@ -9,12 +9,13 @@ import pytest
 from margins import within
 
 from megatron_hetermoe.data.corpus import build_text_dataset, python_docs, write_jsonl
-from megatron_hetermoe.data.dataset import DataConfig, GPTDataReader, make_data
+from megatron_hetermoe.data.dataset import GPTDataReader, make_data
+from megatron_hetermoe.config import DataConfig
 from megatron_hetermoe.data.mock import MarkovMockData
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.data.preprocess import main as preprocess
 from megatron_hetermoe.data.tokenizer import TokenizerError, build_tokenizer, train_bpe
-from megatron_hetermoe.training.megatron_ep import TrainConfig
+from megatron_hetermoe.config import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +116,7 @@ def test_data_config_errors(docs_dataset, tmp_path):
 def test_train_on_real_text_plain_and_hetero_agree(docs_dataset):
     """Both trainers read make_data: plain Megatron EP2 and a 1+1 HeterMoE plan see the same
     real-text batches, so their losses agree; and the model learns the text."""
-    from megatron_hetermoe.models.builder import ParallelConfig
+    from megatron_hetermoe.config import ParallelConfig
     from megatron_hetermoe.plan.hetero_plan import even_plan
     from megatron_hetermoe.training.megatron_ep import run
 

@@ -104,11 +104,11 @@ def test_a_run_whose_work_cannot_fit_says_it_is_invalid():
     the measured step is far off the simulator's, and the run must say it is invalid."""
     from megatron_hetermoe.emulation.emulator import emulation_real_model
     from megatron_hetermoe.parallel.launcher import launch
-    from megatron_hetermoe.models.builder import ParallelConfig
+    from megatron_hetermoe.config import ParallelConfig
     from megatron_hetermoe.config import ModelConfig
     from megatron_hetermoe.planner.cluster import Cluster
     from megatron_hetermoe.planner.search import search
-    from megatron_hetermoe.training.megatron_ep import TrainConfig
+    from megatron_hetermoe.config import TrainConfig
 
     plan = search(ModelConfig.load("w1"), Cluster.load("mini-2a40-2v100"), 4096, 16).plan
     spec = EmulationSpec("mini-2a40-2v100", "w1", 4096, 16, scale=1e-3)

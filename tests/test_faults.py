@@ -9,9 +9,9 @@ import pytest
 from megatron_hetermoe.reliability.faults import ENV, Fault
 from megatron_hetermoe.training.hetero import train_hetero
 from megatron_hetermoe.parallel.launcher import LaunchError, launch
-from megatron_hetermoe.models.builder import ParallelConfig
+from megatron_hetermoe.config import ParallelConfig
 from megatron_hetermoe.plan.hetero_plan import even_plan
-from megatron_hetermoe.training.megatron_ep import TrainConfig
+from megatron_hetermoe.config import TrainConfig
 
 pytestmark = pytest.mark.slow
 BOUND_S = 60.0  # the bound on CPU

@@ -17,7 +17,8 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from megatron_hetermoe.models.builder import ParallelConfig, transformer_config
+from megatron_hetermoe.models.builder import transformer_config
+from megatron_hetermoe.config import ParallelConfig
 from megatron_hetermoe.config import ModelConfig, ModelConfigError
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, even_plan
 from megatron_hetermoe.planner import asym_ea
@@ -27,7 +28,7 @@ from megatron_hetermoe.planner.profiles import ProfileError, known_gpu_types, lo
 from megatron_hetermoe.schedules.tasks import tasks_for_rank
 from megatron_hetermoe.planner.search import build_plan, search
 from megatron_hetermoe.plan.validation import ConfigError, validate_job
-from megatron_hetermoe.training.megatron_ep import TrainConfig
+from megatron_hetermoe.config import TrainConfig
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 TMP = Path(tempfile.mkdtemp(prefix="hetermoe-fuzz-"))

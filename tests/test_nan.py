@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from megatron_hetermoe.parallel.launcher import LaunchError
-from megatron_hetermoe.models.builder import ParallelConfig
+from megatron_hetermoe.config import ParallelConfig
 from megatron_hetermoe.reliability.nan_check import NanGuard, NanInjection, layer_of
 from megatron_hetermoe.plan.hetero_plan import even_plan
-from megatron_hetermoe.training.megatron_ep import TrainConfig, add_megatron_args, config_from_args, run
+from megatron_hetermoe.training.megatron_ep import add_megatron_args, config_from_args, run
+from megatron_hetermoe.config import TrainConfig
 
 
 def _hetero(tiny, schedule: str, steps: int, mode: str, inj: NanInjection | None):

@@ -35,7 +35,7 @@ def test_patch_touches_only_pretrain_gpt_and_calls_real_hooks(patch):
     text = patch.read_text()
     assert re.findall(r"^\+\+\+ b/(\S+)$", text, re.M) == ["pretrain_gpt.py"]
     added = "\n".join(line[1:] for line in text.splitlines() if line.startswith("+") and not line.startswith("+++"))
-    imported = re.findall(r"from megatron_hetermoe\.megatron_lm import ([\w, ]+)", added)
+    imported = re.findall(r"from megatron_hetermoe\.training\.megatron_lm import ([\w, ]+)", added)
     names = {n.strip() for group in imported for n in group.split(",")}
     assert names == {"hetero_requested", "run_hetero", "add_hetero_args"}
     assert all(callable(getattr(megatron_lm, n)) for n in names)

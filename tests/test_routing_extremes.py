@@ -20,12 +20,13 @@ from margins import within
 import torch
 
 from megatron_hetermoe.models import moe_layer as hetero_moe_layer
-from megatron_hetermoe.models.builder import ParallelConfig
+from megatron_hetermoe.config import ParallelConfig
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
 from megatron_hetermoe.planner.search import build_plan
-from megatron_hetermoe.training.megatron_ep import TrainConfig, run
+from megatron_hetermoe.training.megatron_ep import run
+from megatron_hetermoe.config import TrainConfig
 
 pytestmark = pytest.mark.slow
 

@@ -67,7 +67,7 @@ def test_dry_run_places_every_rank_on_its_gpu_type(mixed_plan, tmp_path):
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks=6" in text  # the V100 component
     m = re.search(r'HETERMOE_RANK_MAP="([\d ]+)"', text)
     assert [int(x) for x in m[1].split()] == ranks
-    assert re.search(r"^srun --het-group=0-1 .*scripts/slurm/rank\.sh python -m megatron_hetermoe\.pretrain_gpt", text, re.M)
+    assert re.search(r"^srun --het-group=0-1 .*scripts/slurm/rank\.sh python -m megatron_hetermoe\.training\.pretrain_gpt", text, re.M)
     # Submitting for real hands exactly that script to sbatch.
     r = _launch(["--plan", str(mixed_plan), "--gpus-per-node", "8", "--gpus-per-node", "V100-32GB=4",
                  "--partition", "V100-32GB=old", "--", *train], tmp_path, str(fake))

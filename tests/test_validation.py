@@ -305,8 +305,8 @@ def test_error_names_field_value_and_fix(inp, field, build, etype, message, tmp_
 
 def test_flag_errors_come_from_the_documented_types():
     # The same inputs through the library entry point keep their types (not only SystemExit).
-    from megatron_hetermoe.models.builder import ParallelConfig
-    from megatron_hetermoe.training.megatron_ep import TrainConfig
+    from megatron_hetermoe.config import ParallelConfig
+    from megatron_hetermoe.config import TrainConfig
     from megatron_hetermoe.plan.validation import validate_job
 
     tiny = ModelConfig.load("tiny")

@@ -4,13 +4,13 @@ from margins import within
 
 from megatron_hetermoe.training.hetero import train_hetero
 from megatron_hetermoe.parallel.launcher import launch
-from megatron_hetermoe.models.builder import ParallelConfig
+from megatron_hetermoe.config import ParallelConfig
 from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
 from megatron_hetermoe.plan.hetero_plan import even_plan
 from megatron_hetermoe.schedules.tasks import tasks_for_rank
 from megatron_hetermoe.tools.timeline import load_events
-from megatron_hetermoe.training.megatron_ep import TrainConfig
-from megatron_hetermoe.schedules.zebra import ZebraConfig
+from megatron_hetermoe.config import TrainConfig
+from megatron_hetermoe.config import ZebraConfig
 
 pytestmark = pytest.mark.slow
 

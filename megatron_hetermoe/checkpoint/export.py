@@ -16,7 +16,6 @@ Both run in one forked gloo rank (megatron-core's sharded state needs a process 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import time
@@ -34,11 +33,19 @@ META_KEY = "hetermoe"  # our common (non-sharded) entry: model shape, training s
 def _single_rank_model(model: ModelConfig, train: dict):
     """A PP=1, EP=1 GPTModel with DDP and the Megatron optimizer the trainers use."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hetermoe.models.builder import ParallelConfig, build_gpt, canonical_names, transformer_config
+    from megatron_hetermoe.config import ParallelConfig
+    from megatron_hetermoe.models.builder import (
+        build_gpt,
+        canonical_names,
+        transformer_config,
+    )
 
     ps.initialize_model_parallel()
     model_parallel_cuda_manual_seed(int(train.get("seed", 1234)))

@@ -13,62 +13,41 @@ sample index it writes is cached beside the data (or under --data-cache-path).
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from megatron_hetermoe.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from megatron_hetermoe.config import TOKENIZER_TYPES, DataConfig
+from megatron_hetermoe.data.tokenizer import build_tokenizer
 
 if TYPE_CHECKING:
-    from megatron_hetermoe.training.megatron_ep import TrainConfig
+    from megatron_hetermoe.config import TrainConfig
+
+def data_tokenizer(data: DataConfig):
+    """The tokenizer --tokenizer-type and its files name."""
+    return build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_file, data.merge_file,
+                           data.vocab_size)
 
 
-@dataclass(frozen=True)
-class DataConfig:
-    """Megatron's data and tokenizer flags. No data_path means mock data (--mock-data)."""
+def check_data_files(data: DataConfig) -> None:
+    from megatron.core.datasets.utils import get_blend_from_list
 
-    data_path: tuple[str, ...] | None = None  # Megatron --data-path: prefixes, or weight/prefix pairs
-    split: str = "969,30,1"  # Megatron's default train,valid,test proportions
-    tokenizer_type: str | None = None
-    tokenizer_model: str | None = None
-    vocab_file: str | None = None
-    merge_file: str | None = None
-    vocab_size: int | None = None  # NullTokenizer's size before EOD (Megatron's --vocab-size)
-    data_cache_path: str | None = None
-    eod_mask_loss: bool = False
+    for prefix in get_blend_from_list(list(data.data_path))[0]:
+        for ext in (".bin", ".idx"):
+            if not Path(prefix + ext).is_file():
+                raise FileNotFoundError(
+                    f"--data-path {prefix}: {prefix + ext} does not exist; give the prefix without .bin/.idx, "
+                    f"as written by scripts/preprocess_data.py --output-prefix P (P_text_document)"
+                )
 
-    def __post_init__(self) -> None:
-        if self.data_path is not None:
-            object.__setattr__(self, "data_path", tuple(self.data_path))
-            if not self.data_path:
-                raise ValueError("--data-path is empty: give one or more dataset prefixes, or use --mock-data")
-            if self.tokenizer_type is None:
-                raise ValueError(f"--data-path {' '.join(self.data_path)} needs --tokenizer-type "
-                                 f"(one of {', '.join(TOKENIZER_TYPES)}) to know the EOD token and vocab size")
 
-    def tokenizer(self):
-        return build_tokenizer(self.tokenizer_type, self.tokenizer_model, self.vocab_file, self.merge_file,
-                               self.vocab_size)
-
-    def check_files(self) -> None:
-        from megatron.core.datasets.utils import get_blend_from_list
-
-        for prefix in get_blend_from_list(list(self.data_path))[0]:
-            for ext in (".bin", ".idx"):
-                if not Path(prefix + ext).is_file():
-                    raise FileNotFoundError(
-                        f"--data-path {prefix}: {prefix + ext} does not exist; give the prefix without .bin/.idx, "
-                        f"as written by scripts/preprocess_data.py --output-prefix P (P_text_document)"
-                    )
-
-    def check(self, model) -> None:
-        """Before any rank starts: the files exist and the model's vocab covers the tokenizer's."""
-        if self.data_path is None:
-            return
-        check_vocab(self.tokenizer().vocab_size, model.vocab_size, model.name)
-        self.check_files()
+def check_data(data: DataConfig, model) -> None:
+    """Before any rank starts: the files exist and the model's vocab covers the tokenizer's."""
+    if data.data_path is None:
+        return
+    check_vocab(data_tokenizer(data).vocab_size, model.vocab_size, model.name)
+    check_data_files(data)
 
 
 class MicrobatchSource(Protocol):
@@ -110,12 +89,14 @@ def check_vocab(tokenizer_vocab: int, model_vocab: int, model_name: str) -> None
 def build_gpt_dataset(data: DataConfig, seq_length: int, seed: int, num_samples: int, tokenizer=None):
     """The train split of megatron-core's GPTDataset for these prefixes. Collective when
     torch.distributed is initialized: every rank must call it (rank 0 builds the index first)."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
     from megatron.core.datasets.utils import get_blend_from_list
 
-    tokenizer = tokenizer or data.tokenizer()
-    data.check_files()
+    tokenizer = tokenizer or data_tokenizer(data)
+    check_data_files(data)
     blend = get_blend_from_list(list(data.data_path))
     config = GPTDatasetConfig(
         random_seed=seed, sequence_length=seq_length, blend=blend,
@@ -156,7 +137,7 @@ def make_data(cfg: "TrainConfig") -> MicrobatchSource:
         from megatron_hetermoe.data.mock import MarkovMockData
 
         return MarkovMockData(mcfg.vocab_size, mcfg.seq_length, cfg.seed)
-    tok = data.tokenizer()
+    tok = data_tokenizer(data)
     check_vocab(tok.vocab_size, mcfg.vocab_size, mcfg.name)
     ds = build_gpt_dataset(data, mcfg.seq_length, cfg.seed, cfg.train_iters * cfg.global_batch_size, tok)
     return GPTDataReader(ds, mcfg.seq_length)
@@ -190,5 +171,5 @@ def data_config_from_args(a: argparse.Namespace, model=None) -> DataConfig:
         vocab_size=getattr(a, "vocab_size", None), data_cache_path=a.data_cache_path, eod_mask_loss=a.eod_mask_loss,
     )
     if model is not None:
-        data.check(model)
+        check_data(data, model)
     return data

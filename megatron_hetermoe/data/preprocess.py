@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from megatron_hetermoe.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from megatron_hetermoe.config import TOKENIZER_TYPES
+from megatron_hetermoe.data.tokenizer import build_tokenizer
 
 _tok = None  # the worker process's tokenizer
 

@@ -21,10 +21,9 @@ import sys
 from pathlib import Path
 from typing import Iterable
 
+from megatron_hetermoe.config import TOKENIZER_TYPES
+
 EOD_TOKEN = "<|endoftext|>"  # GPT-2's end-of-document token, kept for familiarity
-TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
-
-
 class TokenizerError(ValueError):
     pass
 

@@ -41,14 +41,18 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.planner.cluster import Cluster
-from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings, runtime_program
+from megatron_hetermoe.planner.cost_model import (
+    CostModel,
+    TrainSettings,
+    runtime_program,
+)
 from megatron_hetermoe.planner.profiles import load_profiles
 
 
@@ -472,7 +476,7 @@ class Emulator:
 
     def zebra_config(self, plan, rank: int, schedule: str, recompute: bool = False,
                      clock: EmulationClock | None = None):
-        from megatron_hetermoe.schedules.zebra import ZebraConfig
+        from megatron_hetermoe.config import ZebraConfig
 
         times = self.task_times(plan, rank, schedule)
         scale = (lambda: clock.scale) if clock is not None else (lambda: self.spec.scale)

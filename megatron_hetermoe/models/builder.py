@@ -5,32 +5,11 @@ from __future__ import annotations
 import dataclasses
 import re
 import zlib
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from megatron_hetermoe.config import ModelConfig
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    dispatcher: str = "alltoall"  # Megatron's --moe-token-dispatcher-type
-
-    def __post_init__(self) -> None:
-        if self.dispatcher not in ("alltoall", "allgather"):
-            raise ValueError(
-                f"moe token dispatcher {self.dispatcher!r} is not available on CPU; use alltoall or "
-                f"allgather (flex needs DeepEP on GPUs)"
-            )
-        if self.tp != 1:
-            raise ValueError(
-                f"tensor-model-parallel-size={self.tp} is not supported yet (MoE with TP needs "
-                f"sequence parallelism, not bridged on gloo); use 1"
-            )
+from megatron_hetermoe.config import ModelConfig, ParallelConfig
 
 
 def transformer_config(model: ModelConfig, par: ParallelConfig, **overrides):

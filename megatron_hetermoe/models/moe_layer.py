@@ -20,7 +20,6 @@ from megatron_hetermoe.models.experts import build_experts, run_local_experts
 from megatron_hetermoe.parallel.comm import exchange, exchange_counts
 from megatron_hetermoe.parallel.state import HeteroParallelState
 
-
 # TransformerLayer passes pg_collection only to exactly MoELayer and logs "Unknown MLP type"
 # for any subclass; the spec hands HeteroMoELayer its groups, so the warning says nothing.
 logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from megatron_hetermoe.plan.hetero_plan import SCHEDULES, HeteroPlan, PlanError
 
 if TYPE_CHECKING:
-    from megatron_hetermoe.training.megatron_ep import TrainConfig
+    from megatron_hetermoe.config import TrainConfig
 
 
 class ConfigError(ValueError):
@@ -117,7 +117,7 @@ def check_megatron_layout(cfg: "TrainConfig", world: int) -> None:
 
 def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str | None = None) -> None:
     """A HeterMoE job: the plan against the job, the model and the batch."""
-    from megatron_hetermoe.models.builder import ParallelConfig
+    from megatron_hetermoe.config import ParallelConfig
     from megatron_hetermoe.planner.profiles import known_gpu_types
 
     if cfg.parallel != ParallelConfig(dispatcher=cfg.parallel.dispatcher):

@@ -39,10 +39,15 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Callable
 from itertools import combinations, permutations
+from typing import Callable
 
-from megatron_hetermoe.planner.cluster import Cluster, Links, allreduce_time, rank1_collective_time
+from megatron_hetermoe.planner.cluster import (
+    Cluster,
+    Links,
+    allreduce_time,
+    rank1_collective_time,
+)
 from megatron_hetermoe.planner.cost_model import BYTES_PER_PARAM_STATE, CostModel
 
 

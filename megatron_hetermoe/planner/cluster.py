@@ -20,7 +20,6 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from megatron_hetermoe.paths import read_yaml, resolve_config
 from megatron_hetermoe.planner.profiles import GpuProfile
 

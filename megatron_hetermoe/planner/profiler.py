@@ -97,11 +97,14 @@ def _init_dist(dev) -> None:
 
 def _build_layer(model: ModelConfig, dtype, dev):
     import torch
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+        RotaryEmbedding,
+    )
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_hetermoe.models.builder import ParallelConfig, layer_spec, transformer_config
+    from megatron_hetermoe.config import ParallelConfig
+    from megatron_hetermoe.models.builder import layer_spec, transformer_config
 
     model_parallel_cuda_manual_seed(1234)
     cfg = transformer_config(model.replace(num_layers=1), ParallelConfig(), params_dtype=dtype, pipeline_dtype=dtype,
@@ -118,7 +121,6 @@ def measure(model: ModelConfig, seq_lens: list[int], seqs: list[int], expert_tok
     import torch.distributed as dist
 
     from megatron_hetermoe.parallel import cpu_backend
-
     from megatron_hetermoe.planner.cost_model import runtime_program
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -22,12 +22,11 @@ Which program the numbers are for (cost_model.Program): analytic profiles descri
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
-
-import math
 
 import yaml
 
@@ -262,9 +261,12 @@ def _load_path(path: Path, chain: tuple[str, ...]) -> GpuProfile:
 
 def _resolve_ratios(prof: GpuProfile, ratios: dict, where: str, chain: tuple[str, ...]) -> GpuProfile:
     # Imported here: the cost model imports this module for the dataclasses.
-    from megatron_hetermoe.planner.cost_model import calibrate_attention_efficiency, calibrate_gemm_efficiency
-
     import dataclasses
+
+    from megatron_hetermoe.planner.cost_model import (
+        calibrate_attention_efficiency,
+        calibrate_gemm_efficiency,
+    )
 
     for key, spec in ratios.items():
         if not isinstance(spec, dict) or not {"gpu", "ratio", "source"} <= set(spec):

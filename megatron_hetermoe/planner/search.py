@@ -26,7 +26,13 @@ from dataclasses import asdict, dataclass, field
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, ZPGroup
 from megatron_hetermoe.planner import asym_ea
-from megatron_hetermoe.planner.baselines import BaselineResult, physical_limit, simulate_ep, simulate_ep_ideal, simulate_hetero_pp
+from megatron_hetermoe.planner.baselines import (
+    BaselineResult,
+    physical_limit,
+    simulate_ep,
+    simulate_ep_ideal,
+    simulate_hetero_pp,
+)
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
 from megatron_hetermoe.planner.profiles import load_profiles

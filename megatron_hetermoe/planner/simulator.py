@@ -25,7 +25,12 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
-from megatron_hetermoe.planner.cluster import Cluster, Links, allreduce_time, rank1_collective_time
+from megatron_hetermoe.planner.cluster import (
+    Cluster,
+    Links,
+    allreduce_time,
+    rank1_collective_time,
+)
 from megatron_hetermoe.planner.cost_model import CostModel
 from megatron_hetermoe.schedules.tasks import Task, distep_tasks, inputs, zebra_tasks
 
@@ -350,4 +355,9 @@ def simulate_plan(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
 
 # The baselines' step models live in baselines.py (no task lists there); re-exported here so that
 # every strategy the planner compares is reachable from the simulator module.
-from megatron_hetermoe.planner.baselines import physical_limit, simulate_ep, simulate_ep_ideal, simulate_hetero_pp  # noqa: E402,F401
+from megatron_hetermoe.planner.baselines import (  # noqa: E402,F401
+    physical_limit,
+    simulate_ep,
+    simulate_ep_ideal,
+    simulate_hetero_pp,
+)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from functools import partial
 
-
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.schedules.tasks import distep_tasks, zebra_tasks
 
 TASK_LISTS = {"zebra": zebra_tasks, "distep": distep_tasks}
+from megatron_hetermoe.config import ZebraConfig
+from megatron_hetermoe.schedules.zebra import AttentionZebra, ExpertZebra
 from megatron_hetermoe.tools.timeline import TimelineRecorder
-from megatron_hetermoe.schedules.zebra import AttentionZebra, ExpertZebra, ZebraConfig
 
 
 class _CaptureModel:
@@ -109,6 +109,8 @@ def get_forward_backward_func(hs: HeteroParallelState, schedule: str | None = No
                        **runtime_kwargs)
     if schedule == "zebra" or task_list:
         return partial(forward_backward_zebra, hetero_state=hs, schedule=schedule, **runtime_kwargs)
-    from megatron.core.pipeline_parallel import get_forward_backward_func as megatron_get
+    from megatron.core.pipeline_parallel import (
+        get_forward_backward_func as megatron_get,
+    )
 
     return megatron_get(pp_size=1, vp_size=None)

@@ -30,27 +30,15 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from megatron_hetermoe.parallel import cpu_backend
-from megatron_hetermoe.reliability import faults
+from megatron_hetermoe.config import ZebraConfig
 from megatron_hetermoe.emulation.emulator import sleep_until
 from megatron_hetermoe.models.experts import run_local_experts
+from megatron_hetermoe.parallel import cpu_backend
 from megatron_hetermoe.parallel.comm import _a2a, exchange_counts
 from megatron_hetermoe.parallel.state import HeteroParallelState
+from megatron_hetermoe.reliability import faults
 from megatron_hetermoe.schedules.tasks import Task, inputs
 from megatron_hetermoe.tools.timeline import TimelineRecorder
-
-
-@dataclass
-class ZebraConfig:
-    recompute: bool = False
-    # Emulated duration of a compute task (a slower GPU), from when it could start (the previous
-    # task ended and its input arrived); None: as fast as it runs.
-    stretch: Callable[[Task], float] | None = None
-    # Emulated duration of a transfer given its bytes (a link), from when its last member could start it.
-    transfer_time: Callable[[Task, int], float] | None = None
-    # emulation.EmulationClock: records every task's window (when it could start, started, its
-    # real work ended, it ended), from which the run judges whether its emulation held.
-    clock: object | None = None
 
 
 class _Stream:

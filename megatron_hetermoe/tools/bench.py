@@ -20,12 +20,20 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field, replace
 
-from megatron_hetermoe.emulation.emulator import EmulationSpec, Emulator, emulation_real_model
-from megatron_hetermoe.models.builder import ParallelConfig
-from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.config import ModelConfig, ParallelConfig, TrainConfig
+from megatron_hetermoe.emulation.emulator import (
+    EmulationSpec,
+    Emulator,
+    emulation_real_model,
+)
 from megatron_hetermoe.planner.cluster import Cluster
-from megatron_hetermoe.planner.search import DISTEP, ZEBRA, ZEBRA_NO_EA, build_plan, search
-from megatron_hetermoe.training.megatron_ep import TrainConfig
+from megatron_hetermoe.planner.search import (
+    DISTEP,
+    ZEBRA,
+    ZEBRA_NO_EA,
+    build_plan,
+    search,
+)
 
 HETERMOE = "Zebra + Asym-EA"
 STRATEGIES = ("Megatron EP", "EP (Ideal)", "DistEP", "Zebra", HETERMOE)

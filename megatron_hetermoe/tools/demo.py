@@ -26,7 +26,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-
 DEMO_WARMUP_ITERS = 10  # LR warm-up of the HeterMoE training run, which must train more steps than this
 
 
@@ -42,16 +41,24 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
     import megatron.core  # noqa: F401  - import once, then fork the ranks
 
     from megatron_hetermoe import import_extra
+    from megatron_hetermoe.config import (
+        DataConfig,
+        ModelConfig,
+        ParallelConfig,
+        TrainConfig,
+    )
     from megatron_hetermoe.data import corpus
-    from megatron_hetermoe.data.dataset import DataConfig
-    from megatron_hetermoe.emulation.emulator import EmulationSpec, Emulator, emulation_real_model, validity_line
+    from megatron_hetermoe.emulation.emulator import (
+        EmulationSpec,
+        Emulator,
+        emulation_real_model,
+        validity_line,
+    )
     from megatron_hetermoe.parallel.launcher import launch
-    from megatron_hetermoe.models.builder import ParallelConfig
-    from megatron_hetermoe.config import ModelConfig
     from megatron_hetermoe.planner.cluster import Cluster
     from megatron_hetermoe.planner.search import search
     from megatron_hetermoe.tools.timeline import draw_png, load_events
-    from megatron_hetermoe.training.megatron_ep import TrainConfig, run
+    from megatron_hetermoe.training.megatron_ep import run
 
     import_extra("matplotlib", "plot", "the demo's timeline.png")  # before minutes of training, not after
     if not 1 <= measure_steps <= steps - 2 or ep_measure_steps < 1:

@@ -17,10 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_hetermoe.models.builder import ParallelConfig
-from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.config import ModelConfig, ParallelConfig, TrainConfig
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
-from megatron_hetermoe.training.megatron_ep import TrainConfig
 
 # Tolerances at identical parameters (both sides' gradients of step i are taken at the
 # reference's parameters before step i), from measurement: the worst case over the test matrix
@@ -167,8 +165,8 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
 
 
 def _hetero_rank(rank, world, cfg, plan, schedule, recompute):
+    from megatron_hetermoe.config import ZebraConfig
     from megatron_hetermoe.training.hetero import train_hetero
-    from megatron_hetermoe.schedules.zebra import ZebraConfig
 
     return train_hetero(cfg, plan, schedule=schedule, zebra_config=ZebraConfig(recompute=recompute))
 

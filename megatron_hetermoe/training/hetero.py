@@ -16,14 +16,33 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from megatron_hetermoe.parallel.state import HeteroParallelState, destroy_hetero_parallel, initialize_hetero_parallel
-from megatron_hetermoe.plan.layout import hetero_to_megatron, load_params, megatron_to_hetero
-from megatron_hetermoe.reliability.nan_check import NanGuard
-from megatron_hetermoe.models.builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, layer_spec, transformer_config
+from megatron_hetermoe.config import ParallelConfig, TrainConfig
+from megatron_hetermoe.models.builder import (
+    build_gpt,
+    canonical_names,
+    init_layout_invariant,
+    layer_spec,
+    transformer_config,
+)
+from megatron_hetermoe.parallel.state import (
+    HeteroParallelState,
+    destroy_hetero_parallel,
+    initialize_hetero_parallel,
+)
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
-from megatron_hetermoe.training.logging import StepLogger
+from megatron_hetermoe.plan.layout import (
+    hetero_to_megatron,
+    load_params,
+    megatron_to_hetero,
+)
+from megatron_hetermoe.reliability.nan_check import NanGuard
 from megatron_hetermoe.tools.timeline import TimelineRecorder
-from megatron_hetermoe.training.megatron_ep import TrainConfig, build_optimizer, forward_step, last_step_busy
+from megatron_hetermoe.training.logging import StepLogger
+from megatron_hetermoe.training.megatron_ep import (
+    build_optimizer,
+    forward_step,
+    last_step_busy,
+)
 
 
 @contextmanager
@@ -64,12 +83,16 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, schedule: str | None = None
                  zebra_config=None, run_dir: str | None = None) -> dict:
     """Train on the current world with `plan` (schedule: the plan's, or "distep"/"zebra").
     With run_dir, each rank writes its timeline there (hetermoe timeline RUN_DIR)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron_hetermoe.schedules.select import get_forward_backward_func
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
 
+    from megatron_hetermoe.data.dataset import make_data
     from megatron_hetermoe.models.experts import ExpertRuntime
     from megatron_hetermoe.models.moe_layer import hetero_layer_spec
-    from megatron_hetermoe.data.dataset import make_data
+    from megatron_hetermoe.schedules.select import get_forward_backward_func
 
     mcfg = cfg.model
     if plan.num_layers != mcfg.num_layers or plan.num_experts != mcfg.num_experts:

@@ -11,65 +11,26 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import dataclass, field
 from functools import partial
 
 import torch
 
-from megatron_hetermoe.data.dataset import DataConfig, add_data_args, data_config_from_args, make_data
+from megatron_hetermoe.config import ModelConfig, ParallelConfig, TrainConfig
+from megatron_hetermoe.data.dataset import (
+    add_data_args,
+    data_config_from_args,
+    make_data,
+)
+from megatron_hetermoe.models.builder import (
+    build_gpt,
+    canonical_names,
+    init_layout_invariant,
+    transformer_config,
+)
 from megatron_hetermoe.plan.layout import load_params
-from megatron_hetermoe.models.builder import ParallelConfig, build_gpt, canonical_names, init_layout_invariant, transformer_config
-from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.reliability.nan_check import NanGuard
-from megatron_hetermoe.training.logging import StepLogger
 from megatron_hetermoe.tools.timeline import TimelineRecorder
-
-
-@dataclass
-class TrainConfig:
-    model: ModelConfig
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    micro_batch_size: int = 2
-    global_batch_size: int = 8
-    train_iters: int = 5
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    lr_warmup_iters: int = 0
-    weight_decay: float = 0.01
-    clip_grad: float = 1.0
-    seed: int = 1234
-    use_distributed_optimizer: bool = False
-    deterministic: bool = False
-    collect_grads: bool = False  # gather canonical params (before every step and last) and grads of every step
-    init_state: dict | None = None  # start from this plain Megatron state dict (canonical names)
-    # Parity at identical parameters: before step i, load pin_params[i] (canonical names), so a
-    # step's gradient is measured at another run's parameters, not at a drifted trajectory.
-    pin_params: list[dict] | None = None
-    emulate: object | None = None  # emulation.EmulationSpec: time every task as on an emulated cluster
-    log_interval: int = 1
-    quiet: bool = False
-    progress_bar: bool = False  # prefix iteration lines with a bar (the demo)
-    tensorboard_dir: str | None = None  # Megatron's --tensorboard-dir: scalars from the first rank
-    data: DataConfig = field(default_factory=DataConfig)  # no data_path: mock data (data.py)
-    # Megatron's --check-for-nan-in-loss-and-grad: "stop" (its default), "skip" or "off" (nan_check.py).
-    check_for_nan_in_loss_and_grad: str = "stop"
-    nan_injection: object | None = None  # test hook: a nan_check.NanInjection
-    # Megatron's --save/--load/--save-interval/--ckpt-step (checkpoint.py); ckpt_reshard loads a
-    # checkpoint of another layout by parameter name (--hetero-ckpt-reshard).
-    save: str | None = None
-    load: str | None = None
-    save_interval: int | None = None
-    ckpt_step: int | None = None
-    ckpt_reshard: bool = False
-
-    def num_microbatches(self, dp: int) -> int:
-        per = self.micro_batch_size * dp
-        if self.global_batch_size % per:
-            raise ValueError(
-                f"global batch size {self.global_batch_size} is not divisible by micro batch size "
-                f"{self.micro_batch_size} x data-parallel size {dp}; pick a multiple of {per}"
-            )
-        return self.global_batch_size // per
+from megatron_hetermoe.training.logging import StepLogger
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -113,7 +74,11 @@ def train(cfg: TrainConfig) -> dict:
     losses (and canonical grads when cfg.collect_grads) on every rank."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -410,8 +375,8 @@ def emulation_from_args(a: argparse.Namespace):
 def _rank_main(rank: int, world: int, cfg: TrainConfig, plan=None, hetero: dict | None = None) -> dict:
     if plan is None:
         return train(cfg)
+    from megatron_hetermoe.config import ZebraConfig
     from megatron_hetermoe.training.hetero import train_hetero
-    from megatron_hetermoe.schedules.zebra import ZebraConfig
 
     h = hetero or {}
     return train_hetero(cfg, plan, schedule=h.get("schedule"), run_dir=h.get("run_dir"),

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import yaml
 
-from megatron_hetermoe.training import megatron_ep as trainer
 from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.training import megatron_ep as trainer
 
 MEGATRON_FLAGS_FILE = Path(__file__).with_name("megatron_lm_flags.txt")
 MEGATRON_REF = "core_v0.16.1"

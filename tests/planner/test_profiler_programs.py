@@ -25,7 +25,8 @@ def test_default_prices_each_profile_as_it_was_made():
 def test_the_runtime_program_is_what_the_trainers_build():
     import torch
 
-    from megatron_hetermoe.models.builder import ParallelConfig, transformer_config
+    from megatron_hetermoe.models.builder import transformer_config
+    from megatron_hetermoe.config import ParallelConfig
 
     p = runtime_program()
     cfg = transformer_config(ModelConfig.load("tiny"), ParallelConfig())
