@@ -84,7 +84,7 @@ setup(
     # (paths.config_dir prefers the checkout's configs/ when running from one).
     package_dir={"megatron_hetermoe.configs": "configs"},
     package_data={
-        "megatron_hetermoe": ["megatron_lm_flags.txt"],
+        "megatron_hetermoe.training": ["megatron_lm_flags.txt"],
         "megatron_hetermoe.configs": ["models/*.yaml", "gpus/*.yaml", "clusters/*.yaml"],
     },
     install_requires=[

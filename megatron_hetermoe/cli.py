@@ -13,7 +13,7 @@ import sys
 
 # name -> (module:function taking argv and returning an exit code, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("megatron_hetermoe.training.megatron_ep:main", "train the baseline Megatron MoE (or HeterMoE with --hetero-plan)"),
+    "train": ("megatron_hetermoe.training.args:main", "train the baseline Megatron MoE (or HeterMoE with --hetero-plan)"),
     "pretrain": ("megatron_hetermoe.training.pretrain_gpt:main", "train with Megatron-LM pretrain_gpt.py flags (model shape as flags)"),
     "regress": ("megatron_hetermoe.tools.golden:main", "rerun a training and compare its loss with golden values"),
     "parity": ("megatron_hetermoe.tools.parity:main", "HeterMoE vs plain Megatron EP: per-step loss and gradient diffs"),

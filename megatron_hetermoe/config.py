@@ -9,12 +9,17 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Literal
 
 from megatron_hetermoe.paths import read_yaml_mapping, resolve_config
 
 if TYPE_CHECKING:
     from megatron_hetermoe.schedules.tasks import Task
+
+# A rank's part in a run: HeterMoE's attention or expert rank (read from the plan), or a rank of
+# plain Megatron EP (the reference). Logs, timelines, NaN reports and checkpoints name it.
+Role = Literal["attention", "expert", "megatron"]
+MEGATRON_ROLE: Role = "megatron"
 
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 
@@ -205,3 +210,17 @@ class ZebraConfig:
     # emulation.EmulationClock: records every task's window (when it could start, started, its
     # real work ended, it ended), from which the run judges whether its emulation held.
     clock: object | None = None
+
+
+@dataclass(frozen=True)
+class HeteroRunConfig:
+    """How a HeterMoE run executes its plan: --hetero-schedule (None: the plan's),
+    --recompute-granularity full (zebra recomputes attention stages in backward), and
+    --timeline-dir (each rank writes its timeline there)."""
+    schedule: str | None = None
+    recompute: bool = False
+    timeline_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule not in (None, "distep", "zebra"):
+            raise ValueError(f"hetero schedule {self.schedule!r} is unknown; use distep or zebra")

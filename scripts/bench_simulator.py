@@ -16,7 +16,13 @@ from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
 from megatron_hetermoe.planner.profiles import load_profiles
 from megatron_hetermoe.planner.search import asym_problem, build_plan
-from megatron_hetermoe.planner.simulator import build_problem, flat_arrays, have_cpp, run_cpp, run_python
+from megatron_hetermoe.planner.simulator import (
+    build_problem,
+    flat_arrays,
+    have_cpp,
+    run_cpp,
+    run_python,
+)
 
 
 def cases():

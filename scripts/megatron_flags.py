@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
 """Print every command-line flag that Megatron-LM's training arguments parser defines.
 
-Makes megatron_hetermoe/megatron_lm_flags.txt, the reference list that
+Makes megatron_hetermoe/training/megatron_lm_flags.txt, the reference list that
 `python -m megatron_hetermoe.training.pretrain_gpt` uses to tell "a Megatron flag we do not support"
 from "not a Megatron flag at all". Many of Megatron-LM's flags are generated from dataclasses
 (TransformerConfig, TrainingConfig, ...), so the list is read from the real parser built by
 `megatron.training.arguments.add_megatron_arguments`, not from the source text.
 
     git -C Megatron-LM checkout core_v0.16.1     # or: git archive core_v0.16.1 | tar -x -C DIR
-    python scripts/megatron_flags.py --checkout Megatron-LM > megatron_hetermoe/megatron_lm_flags.txt
+    python scripts/megatron_flags.py --checkout Megatron-LM > megatron_hetermoe/training/megatron_lm_flags.txt
 
 Importing megatron.training needs a few pure-Python packages megatron-core does not install
 (six, regex, pydantic; triton is imported too): `pip install --target DEPS six regex pydantic

@@ -21,7 +21,14 @@ import sys
 
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.planner.cluster import Cluster
-from megatron_hetermoe.planner.search import DISTEP, PICK, ZEBRA, ZEBRA_NO_EA, Prediction, search
+from megatron_hetermoe.planner.search import (
+    DISTEP,
+    PICK,
+    ZEBRA,
+    ZEBRA_NO_EA,
+    Prediction,
+    search,
+)
 
 STRATEGIES = (PICK, ZEBRA, ZEBRA_NO_EA, DISTEP, "EP", "EP (Ideal)", "Hetero PP")
 SHORT = {PICK: "HeterMoE", ZEBRA: "Zebra+EA", ZEBRA_NO_EA: "Zebra", DISTEP: "DistEP", "EP": "EP",

@@ -3,10 +3,9 @@ import pytest
 import torch
 from margins import within
 
-from megatron_hetermoe.config import ParallelConfig
+from megatron_hetermoe.config import ParallelConfig, TrainConfig
 from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, max_rel_loss_diff
-from megatron_hetermoe.training.megatron_ep import run
-from megatron_hetermoe.config import TrainConfig
+from megatron_hetermoe.training.args import run
 
 pytestmark = pytest.mark.slow
 STEPS = 3

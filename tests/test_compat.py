@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from megatron_hetermoe import compat
-from megatron_hetermoe.models.builder import layer_spec, transformer_config
 from megatron_hetermoe.config import ParallelConfig
+from megatron_hetermoe.models.builder import layer_spec, transformer_config
 
 
 def test_version_is_the_imported_megatron_core():
@@ -70,9 +70,9 @@ def test_set_moe_layer_params_per_version(tiny):
 
 
 def test_build_experts_and_permute(tiny):
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
-    import torch.distributed as dist
 
     created = not dist.is_initialized()
     if created:  # a one-rank world for this test only (forked ranks of later tests must not inherit it)

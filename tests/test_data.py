@@ -8,14 +8,12 @@ import numpy as np
 import pytest
 from margins import within
 
+from megatron_hetermoe.config import DataConfig, ModelConfig, TrainConfig
 from megatron_hetermoe.data.corpus import build_text_dataset, python_docs, write_jsonl
 from megatron_hetermoe.data.dataset import GPTDataReader, make_data
-from megatron_hetermoe.config import DataConfig
 from megatron_hetermoe.data.mock import MarkovMockData
-from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.data.preprocess import main as preprocess
 from megatron_hetermoe.data.tokenizer import TokenizerError, build_tokenizer, train_bpe
-from megatron_hetermoe.config import TrainConfig
 
 
 @pytest.fixture(scope="module")
@@ -118,9 +116,8 @@ def test_train_on_real_text_plain_and_hetero_agree(docs_dataset):
     real-text batches, so their losses agree; and the model learns the text."""
     from megatron_hetermoe.config import ParallelConfig
     from megatron_hetermoe.plan.hetero_plan import even_plan
-    from megatron_hetermoe.training.megatron_ep import run
-
     from megatron_hetermoe.tools.parity import LOSS_TOL, max_rel_loss_diff
+    from megatron_hetermoe.training.args import run
 
     cfg = _cfg(docs_dataset)
     cfg.train_iters, cfg.global_batch_size, cfg.quiet, cfg.lr = 24, 4, True, 3e-3
@@ -143,7 +140,7 @@ def test_corpus_jsonl_is_megatron_loose_json(tmp_path):
 
 
 def test_hetermoe_train_refuses_bad_data_before_launch(docs_dataset, capsys):
-    from megatron_hetermoe.training.megatron_ep import main
+    from megatron_hetermoe.training.args import main
 
     flags = ["--nproc", "2", "--data-path", docs_dataset["data_path"], "--tokenizer-type", "HuggingFaceTokenizer",
              "--tokenizer-model", docs_dataset["tokenizer_model"]]

@@ -11,7 +11,13 @@ import sys
 
 import pytest
 
-from megatron_hetermoe.emulation.emulator import EmulationSpec, Emulator, _Bulk, choose_scale, step_bound
+from megatron_hetermoe.emulation.emulator import (
+    EmulationSpec,
+    Emulator,
+    _Bulk,
+    choose_scale,
+    step_bound,
+)
 
 
 def _rec(windows, scale=1.0, post=None, t0=0.0, end=10.0):
@@ -93,22 +99,21 @@ def _busy_loop():
 
 
 def _hetero_rank(rank, world, cfg, plan):
+    from megatron_hetermoe.config import HeteroRunConfig
     from megatron_hetermoe.training.hetero import train_hetero
 
-    return train_hetero(cfg, plan, schedule="zebra")
+    return train_hetero(cfg, plan, HeteroRunConfig(schedule="zebra"))
 
 
 @pytest.mark.slow
 def test_a_run_whose_work_cannot_fit_says_it_is_invalid():
     """At 1/1000 of real time the CPU ranks' real work is far longer than the emulated times:
     the measured step is far off the simulator's, and the run must say it is invalid."""
+    from megatron_hetermoe.config import ModelConfig, ParallelConfig, TrainConfig
     from megatron_hetermoe.emulation.emulator import emulation_real_model
     from megatron_hetermoe.parallel.launcher import launch
-    from megatron_hetermoe.config import ParallelConfig
-    from megatron_hetermoe.config import ModelConfig
     from megatron_hetermoe.planner.cluster import Cluster
     from megatron_hetermoe.planner.search import search
-    from megatron_hetermoe.config import TrainConfig
 
     plan = search(ModelConfig.load("w1"), Cluster.load("mini-2a40-2v100"), 4096, 16).plan
     spec = EmulationSpec("mini-2a40-2v100", "w1", 4096, 16, scale=1e-3)

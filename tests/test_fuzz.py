@@ -17,18 +17,22 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from megatron_hetermoe.config import (
+    ModelConfig,
+    ModelConfigError,
+    ParallelConfig,
+    TrainConfig,
+)
 from megatron_hetermoe.models.builder import transformer_config
-from megatron_hetermoe.config import ParallelConfig
-from megatron_hetermoe.config import ModelConfig, ModelConfigError
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, even_plan
+from megatron_hetermoe.plan.validation import ConfigError, validate_job
 from megatron_hetermoe.planner import asym_ea
 from megatron_hetermoe.planner.cluster import Cluster, ClusterError
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
-from megatron_hetermoe.planner.profiles import ProfileError, known_gpu_types, load_profile
-from megatron_hetermoe.schedules.tasks import tasks_for_rank
+from megatron_hetermoe.planner.gpu_profile import ProfileError
+from megatron_hetermoe.planner.profiles import known_gpu_types, load_profile
 from megatron_hetermoe.planner.search import build_plan, search
-from megatron_hetermoe.plan.validation import ConfigError, validate_job
-from megatron_hetermoe.config import TrainConfig
+from megatron_hetermoe.schedules.tasks import tasks_for_rank
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 TMP = Path(tempfile.mkdtemp(prefix="hetermoe-fuzz-"))
@@ -305,19 +309,19 @@ TRAIN_FLAGS = ["--micro-batch-size", "--global-batch-size", "--train-iters", "--
 def test_fuzz_train_command_line(pairs):
     """`hetermoe train ARGV` either exits with a usage error before any launch, or launches a
     job that validate_job accepts (the launch itself is replaced by a recorder here)."""
-    from megatron_hetermoe.training import megatron_ep as trainer
+    from megatron_hetermoe.training import args as train_args
 
     launched = []
-    real_run = trainer.run
-    trainer.run = lambda cfg, nproc, **kw: launched.append((cfg, nproc)) or {"losses": []}
+    real_run = train_args.run
+    train_args.run = lambda cfg, nproc, **kw: launched.append((cfg, nproc)) or {"losses": []}
     try:
-        trainer.main([x for pair in pairs for x in pair])
+        train_args.main([x for pair in pairs for x in pair])
     except SystemExit as e:
         event("refused")
         assert e.code not in (0, None) and not launched
         return
     finally:
-        trainer.run = real_run
+        train_args.run = real_run
     event("launched")
     (cfg, nproc), = launched
     validate_job(cfg, nproc)

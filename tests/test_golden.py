@@ -6,7 +6,11 @@ from pathlib import Path
 import pytest
 from margins import within
 
-from megatron_hetermoe.tools.golden import compare, golden_dict, read_golden, write_golden
+from megatron_hetermoe.training.golden_values import (
+    compare,
+    read_golden,
+    write_golden,
+)
 
 GOLDEN = Path(__file__).parent / "golden_values" / "tiny_ep2_4ranks.json"
 ARGS = ["--nproc", "4", "--expert-model-parallel-size", "2", "--train-iters", "10"]

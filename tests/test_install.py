@@ -160,7 +160,7 @@ def test_wheel_ships_configs_flags_and_the_cpp_core(wheel):
     for kind in ("models", "gpus", "clusters"):
         shipped = {Path(n).name for n in names if n.startswith(f"megatron_hetermoe/configs/{kind}/")}
         assert shipped == {p.name for p in (ROOT / "configs" / kind).glob("*.yaml")}, kind
-    assert "megatron_hetermoe/megatron_lm_flags.txt" in names
+    assert "megatron_hetermoe/training/megatron_lm_flags.txt" in names
     assert any(re.match(r"megatron_hetermoe/_csim\..*\.so$", n) for n in names)  # a compiler is here
 
 

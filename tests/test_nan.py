@@ -8,12 +8,11 @@ import math
 import pytest
 import torch
 
+from megatron_hetermoe.config import ParallelConfig, TrainConfig
 from megatron_hetermoe.parallel.launcher import LaunchError
-from megatron_hetermoe.config import ParallelConfig
-from megatron_hetermoe.reliability.nan_check import NanGuard, NanInjection, layer_of
 from megatron_hetermoe.plan.hetero_plan import even_plan
-from megatron_hetermoe.training.megatron_ep import add_megatron_args, config_from_args, run
-from megatron_hetermoe.config import TrainConfig
+from megatron_hetermoe.reliability.nan_check import NanGuard, NanInjection, layer_of
+from megatron_hetermoe.training.args import add_megatron_args, config_from_args, run
 
 
 def _hetero(tiny, schedule: str, steps: int, mode: str, inj: NanInjection | None):

@@ -17,7 +17,11 @@ import pytest
 
 from megatron_hetermoe import compat
 from megatron_hetermoe.training import megatron_lm
-from megatron_hetermoe.training.pretrain_gpt import EXTENSION_FLAGS, build_parser, megatron_flags
+from megatron_hetermoe.training.pretrain_gpt import (
+    EXTENSION_FLAGS,
+    build_parser,
+    megatron_flags,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PATCH_DIR = ROOT / "patches"

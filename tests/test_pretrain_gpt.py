@@ -9,7 +9,12 @@ from pathlib import Path
 import pytest
 
 from megatron_hetermoe.training import pretrain_gpt
-from megatron_hetermoe.training.pretrain_gpt import EXTENSION_FLAGS, build_parser, megatron_flags, model_from_args
+from megatron_hetermoe.training.pretrain_gpt import (
+    EXTENSION_FLAGS,
+    build_parser,
+    megatron_flags,
+    model_from_args,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",

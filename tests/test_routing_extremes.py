@@ -16,17 +16,15 @@ import json
 import os
 
 import pytest
-from margins import within
 import torch
+from margins import within
 
+from megatron_hetermoe.config import ModelConfig, ParallelConfig, TrainConfig
 from megatron_hetermoe.models import moe_layer as hetero_moe_layer
-from megatron_hetermoe.config import ParallelConfig
-from megatron_hetermoe.config import ModelConfig
-from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
 from megatron_hetermoe.planner.search import build_plan
-from megatron_hetermoe.training.megatron_ep import run
-from megatron_hetermoe.config import TrainConfig
+from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
+from megatron_hetermoe.training.args import run
 
 pytestmark = pytest.mark.slow
 

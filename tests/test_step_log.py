@@ -1,11 +1,10 @@
 """Megatron-style logging: iteration lines with per-role utilization and TensorBoard scalars."""
 import pytest
 
-from megatron_hetermoe.training.hetero import train_hetero
+from megatron_hetermoe.config import ParallelConfig, TrainConfig
 from megatron_hetermoe.parallel.launcher import launch
-from megatron_hetermoe.config import ParallelConfig
 from megatron_hetermoe.plan.hetero_plan import even_plan
-from megatron_hetermoe.config import TrainConfig
+from megatron_hetermoe.training.hetero import train_hetero
 
 
 def _train(rank, world, cfg, plan):

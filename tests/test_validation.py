@@ -15,12 +15,13 @@ import pytest
 import torch.distributed as dist
 import yaml
 
-from megatron_hetermoe.training import megatron_ep as trainer
 from megatron_hetermoe.config import ModelConfig, ModelConfigError
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, even_plan
-from megatron_hetermoe.planner.cluster import Cluster, ClusterError
-from megatron_hetermoe.planner.profiles import ProfileError, load_profile
 from megatron_hetermoe.plan.validation import ConfigError
+from megatron_hetermoe.planner.cluster import Cluster, ClusterError
+from megatron_hetermoe.planner.gpu_profile import ProfileError
+from megatron_hetermoe.planner.profiles import load_profile
+from megatron_hetermoe.training import args as train_args
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
@@ -54,7 +55,7 @@ def flags(*argv: str, plan: dict | None = None):
         args = list(argv)
         if plan is not None:
             args += ["--hetero-plan", str(_file(tmp, plan, ".json"))]
-        trainer.main(args)
+        train_args.main(args)
 
     return go
 
@@ -283,7 +284,7 @@ def no_launch(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("the job was launched: validation missed the input")
 
-    monkeypatch.setattr(trainer, "run", boom)
+    monkeypatch.setattr(train_args, "run", boom)
     monkeypatch.setattr(dist, "init_process_group", boom)
     yield
     assert not dist.is_initialized()
@@ -305,8 +306,7 @@ def test_error_names_field_value_and_fix(inp, field, build, etype, message, tmp_
 
 def test_flag_errors_come_from_the_documented_types():
     # The same inputs through the library entry point keep their types (not only SystemExit).
-    from megatron_hetermoe.config import ParallelConfig
-    from megatron_hetermoe.config import TrainConfig
+    from megatron_hetermoe.config import ParallelConfig, TrainConfig
     from megatron_hetermoe.plan.validation import validate_job
 
     tiny = ModelConfig.load("tiny")

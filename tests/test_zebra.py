@@ -2,15 +2,18 @@
 import pytest
 from margins import within
 
-from megatron_hetermoe.training.hetero import train_hetero
+from megatron_hetermoe.config import (
+    HeteroRunConfig,
+    ParallelConfig,
+    TrainConfig,
+    ZebraConfig,
+)
 from megatron_hetermoe.parallel.launcher import launch
-from megatron_hetermoe.config import ParallelConfig
-from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
 from megatron_hetermoe.plan.hetero_plan import even_plan
 from megatron_hetermoe.schedules.tasks import tasks_for_rank
+from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
 from megatron_hetermoe.tools.timeline import load_events
-from megatron_hetermoe.config import TrainConfig
-from megatron_hetermoe.config import ZebraConfig
+from megatron_hetermoe.training.hetero import train_hetero
 
 pytestmark = pytest.mark.slow
 
@@ -28,7 +31,7 @@ def test_zebra_matches_megatron_ep(tiny, M, N, G, R):
 
 
 def _train(rank, world, cfg, plan, zcfg, run_dir):
-    return train_hetero(cfg, plan, zebra_config=zcfg, run_dir=run_dir)
+    return train_hetero(cfg, plan, HeteroRunConfig(timeline_dir=run_dir), zebra_config=zcfg)
 
 
 def _cfg(tiny, plan, steps=2):

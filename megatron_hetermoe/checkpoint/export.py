@@ -8,9 +8,9 @@ for a PP=1, EP=1 GPTModel (so Megatron can reshard it onto any TP/PP/EP it suppo
 state is written: a HeterMoE rank's RNG has no Megatron rank to go to (Megatron-LM: load with
 --no-load-rng).
 
-Export reads the HeterMoE rank files by canonical parameter name (checkpoint.gather_canonical);
+Export reads the HeterMoE rank files by canonical parameter name (reshard.gather_canonical);
 import splits the Megatron state over a plan (layout.megatron_to_hetero) and writes rank files
-whose Adam moments are keyed by name, which checkpoint.load puts into each rank's optimizer.
+whose Adam moments are keyed by name, which load.load puts into each rank's optimizer.
 Both run in one forked gloo rank (megatron-core's sharded state needs a process group).
 """
 from __future__ import annotations
@@ -24,8 +24,25 @@ from pathlib import Path
 
 import torch
 
-from megatron_hetermoe.checkpoint import store as ck
-from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.checkpoint.format import (
+    TRACKER,
+    CheckpointError,
+    RankState,
+    _write_atomic,
+    iter_dir_name,
+    locate,
+    optimizer_param_names,
+    read_tracker,
+)
+from megatron_hetermoe.checkpoint.load import model_difference, plan_difference
+from megatron_hetermoe.checkpoint.reshard import (
+    canonical_optimizer_state,
+    gather_canonical,
+    inject_optimizer_state,
+    load_canonical_params,
+)
+from megatron_hetermoe.checkpoint.save import write_offline
+from megatron_hetermoe.config import MEGATRON_ROLE, ModelConfig
 
 META_KEY = "hetermoe"  # our common (non-sharded) entry: model shape, training settings, source
 
@@ -65,7 +82,7 @@ def _sharded(module, optimizer, is_loading: bool) -> dict:
 
 
 def _write_tracker(root: Path, iteration: int) -> None:
-    ck._write_atomic(root / ck.TRACKER, lambda f: f.write(f"{iteration}\n"), binary=False)
+    _write_atomic(root / TRACKER, lambda f: f.write(f"{iteration}\n"), binary=False)
 
 
 # ---- export: HeterMoE (or baseline) checkpoint -> Megatron dist checkpoint ------------------
@@ -73,21 +90,21 @@ def _export_rank(rank: int, world: int, load_dir: str, step: int | None, out: st
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
-    iter_dir, manifest = ck.locate(load_dir, step)
-    params, opt, first = ck.gather_canonical(iter_dir, manifest)
+    iter_dir, manifest = locate(load_dir, step)
+    params, opt, first = gather_canonical(iter_dir, manifest)
     model = ModelConfig(**manifest["model"])
     try:
         module, optimizer, names = _single_rank_model(model, manifest.get("train", {}))
-        state = ck.RankState("megatron", 0, 1, "megatron", module, names, optimizer, None, manifest["model"], {})
-        ck.load_canonical_params(state, params)
+        state = RankState("megatron", 0, 1, MEGATRON_ROLE, module, names, optimizer, None, manifest["model"], {})
+        load_canonical_params(state, params)
         missing = sorted(set(names.values()) - set(opt))
         if missing:
-            raise ck.CheckpointError(f"{iter_dir}: no optimizer state for {missing[:3]}; was it saved before any step?")
-        ck.inject_optimizer_state(state, opt)
+            raise CheckpointError(f"{iter_dir}: no optimizer state for {missing[:3]}; was it saved before any step?")
+        inject_optimizer_state(state, opt)
         iteration = manifest["iteration"]
         root = Path(out)
-        final = root / ck.iter_dir_name(iteration)
-        tmp = root / (ck.iter_dir_name(iteration) + ".tmp")
+        final = root / iter_dir_name(iteration)
+        tmp = root / (iter_dir_name(iteration) + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         sd = _sharded(module, optimizer, is_loading=False)
@@ -110,15 +127,15 @@ def export_checkpoint(load_dir: str, out: str, step: int | None = None, plan=Non
     dist checkpoint under out/. With `plan`, first check that it was saved under that plan."""
     from megatron_hetermoe.parallel.launcher import launch
 
-    iter_dir, manifest = ck.locate(load_dir, step)
+    iter_dir, manifest = locate(load_dir, step)
     if plan is not None:
         if manifest["trainer"] != "hetero":
-            raise ck.CheckpointError(f"{iter_dir} was saved by the {manifest['trainer']} trainer, not under a plan; "
-                                     f"drop --plan")
-        diff = ck.plan_difference(manifest["layout"]["plan"], plan.to_dict())
+            raise CheckpointError(f"{iter_dir} was saved by the {manifest['trainer']} trainer, not under a plan; "
+                                  f"drop --plan")
+        diff = plan_difference(manifest["layout"]["plan"], plan.to_dict())
         if diff:
-            raise ck.CheckpointError(f"{iter_dir} was saved under another plan: {'; '.join(diff[:6])}; "
-                                     f"pass the plan it was trained with")
+            raise CheckpointError(f"{iter_dir} was saved under another plan: {'; '.join(diff[:6])}; "
+                                  f"pass the plan it was trained with")
     return launch(_export_rank, 1, load_dir, step, out, timeout_s=600)[0]
 
 
@@ -128,29 +145,29 @@ def _read_megatron_rank(rank: int, world: int, load_dir: str, model: ModelConfig
     from megatron.core import parallel_state as ps
 
     root = Path(load_dir)
-    iteration = ck.read_tracker(root)
+    iteration = read_tracker(root)
     if iteration is None:
-        raise ck.CheckpointError(f"{root}: no {ck.TRACKER}; not a Megatron checkpoint directory")
-    d = root / ck.iter_dir_name(iteration)
+        raise CheckpointError(f"{root}: no {TRACKER}; not a Megatron checkpoint directory")
+    d = root / iter_dir_name(iteration)
     if not (d / "metadata.json").exists():
-        raise ck.CheckpointError(f"{d}: no metadata.json; not a dist_checkpointing (torch_dist) checkpoint")
+        raise CheckpointError(f"{d}: no metadata.json; not a dist_checkpointing (torch_dist) checkpoint")
     common = dist_checkpointing.load_common_state_dict(str(d))
     meta = common.get(META_KEY, {})
     if model is None:
         if "model" not in meta:
-            raise ck.CheckpointError(f"{d} does not say its model shape; pass --model NAME")
+            raise CheckpointError(f"{d} does not say its model shape; pass --model NAME")
         model = ModelConfig(**meta["model"])
-    elif "model" in meta and ck.model_difference(meta["model"], asdict(model)):
-        raise ck.CheckpointError(f"{d}: model shape differs: {'; '.join(ck.model_difference(meta['model'], asdict(model)))}")
+    elif "model" in meta and model_difference(meta["model"], asdict(model)):
+        raise CheckpointError(f"{d}: model shape differs: {'; '.join(model_difference(meta['model'], asdict(model)))}")
     try:
         module, optimizer, names = _single_rank_model(model, meta.get("train", {}))
         loaded = dist_checkpointing.load(_sharded(module, optimizer, is_loading=True), str(d))
         module.load_state_dict(loaded["model"], strict=False)
         optimizer.load_state_dict(loaded["optimizer"])
-        state = ck.RankState("megatron", 0, 1, "megatron", module, names, optimizer, None, {}, {})
+        state = RankState("megatron", 0, 1, MEGATRON_ROLE, module, names, optimizer, None, {}, {})
         raw = optimizer.state_dict()
-        opt = ck.canonical_optimizer_state({"optimizer": raw, "optimizer_param_names": ck.optimizer_param_names(state),
-                                            "rank": 0})
+        opt = canonical_optimizer_state({"optimizer": raw, "optimizer_param_names": optimizer_param_names(state),
+                                         "rank": 0})
         params = {names[n]: p.detach().clone() for n, p in module.named_parameters()}
         return {"iteration": int(common.get("iteration", iteration)), "params": params, "opt": opt,
                 "opt_param_scheduler": common.get("opt_param_scheduler"), "model": asdict(model).copy(),
@@ -167,11 +184,11 @@ def import_checkpoint(load_dir: str, plan, out: str, model: ModelConfig | None =
     plan.validate()
     src = launch(_read_megatron_rank, 1, load_dir, model, timeout_s=600)[0]
     if src["opt_param_scheduler"] is None:
-        raise ck.CheckpointError(f"{load_dir}: no opt_param_scheduler in the checkpoint; cannot resume from it")
+        raise CheckpointError(f"{load_dir}: no opt_param_scheduler in the checkpoint; cannot resume from it")
     mdict = src["model"]
     if plan.num_layers != mdict["num_layers"] or plan.num_experts != mdict["num_experts"]:
-        raise ck.CheckpointError(f"plan is for {plan.num_layers} layers x {plan.num_experts} experts, the checkpoint "
-                                 f"has {mdict['num_layers']} x {mdict['num_experts']}; make the plan for this model")
+        raise CheckpointError(f"plan is for {plan.num_layers} layers x {plan.num_experts} experts, the checkpoint "
+                              f"has {mdict['num_layers']} x {mdict['num_experts']}; make the plan for this model")
     iteration = src["iteration"]
     payloads = []
     for r in range(plan.world_size):
@@ -187,7 +204,7 @@ def import_checkpoint(load_dir: str, plan, out: str, model: ModelConfig | None =
     manifest = {"trainer": "hetero", "world_size": plan.world_size, "model": mdict,
                 "layout": {"plan": plan.to_dict()}, "train": src["train"],
                 "imported_from": str(Path(load_dir).resolve())}
-    return ck.write_offline(out, iteration, manifest, payloads)
+    return write_offline(out, iteration, manifest, payloads)
 
 
 # ---- CLI -----------------------------------------------------------------------------------
@@ -224,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             d = import_checkpoint(a.load, plan, a.out, ModelConfig.load(a.model) if a.model else None)
             print(f"imported {a.load} for a plan of {plan.world_size} ranks into {d} in {time.perf_counter() - t0:.1f} s")
-    except (ck.CheckpointError, PlanError, LaunchError) as err:
+    except (CheckpointError, PlanError, LaunchError) as err:
         print(f"hetermoe checkpoint {a.cmd}: {err}", flush=True)
         return 1
     return 0

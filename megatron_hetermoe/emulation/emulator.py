@@ -46,6 +46,7 @@ from typing import Callable
 
 import torch
 
+from megatron_hetermoe.emulation.clock import sleep_until
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import (
@@ -82,12 +83,6 @@ class EmulationSpec:
             raise ValueError(f"emulation needs 0 < target_overrun <= max_overrun, calibrate_step >= 0, "
                              f"max_step_seconds > 0; got {self.target_overrun}, {self.max_overrun}, "
                              f"{self.calibrate_step}, {self.max_step_seconds}")
-
-
-def sleep_until(deadline: float) -> None:
-    left = deadline - time.perf_counter()
-    if left > 0:
-        time.sleep(left)
 
 
 FIX = ("rerun with a longer emulated step (bench: --step-seconds, or let it pick one: --step-seconds auto "

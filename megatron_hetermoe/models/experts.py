@@ -5,9 +5,9 @@ HeteroParallelState.layer_order). `run_local_experts` regroups them by expert fo
 SequentialMLP and back by source for the return trip; attention ranks holding offloaded experts
 (Asym-EA) use the same function.
 
-`ExpertRuntime` is what an expert rank runs: megatron-core SequentialMLP modules for its experts
-of every layer, and a loop that mirrors the attention ranks' order of dispatch/combine calls
-(DistEP: per microbatch, every layer forward, then every layer backward in reverse).
+`ExpertRuntime` is what an expert rank holds: megatron-core expert modules for its experts of
+every layer, named as in a plain Megatron model, and `forward_layer`, one layer's expert side of
+a DistEP step. The schedules drive it (schedules/distep.py, schedules/zebra.py).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import re
 
 import torch
 
-from megatron_hetermoe.parallel.comm import exchange, exchange_counts
+from megatron_hetermoe.parallel.comm import TokenRoute
 from megatron_hetermoe.parallel.state import HeteroParallelState
 
 
@@ -86,23 +86,12 @@ class ExpertRuntime(_megatron_module()):
 
     # ---- one layer, forward: the expert side of dispatch -> experts -> combine ---------
     def forward_layer(self, layer: int, hidden_size: int) -> torch.Tensor:
-        hs = self.hs
-        n = len(hs.zp.members)
-        counts = exchange_counts(torch.zeros(len(hs.layer_order(layer)), dtype=torch.int64), hs.dispatch_group)
-        local_counts = hs.received_counts(layer, counts)  # [src member, local expert]
-        recv_splits = local_counts.sum(1).tolist()
-        leaf = torch.empty(0, hidden_size, dtype=self.config.params_dtype, requires_grad=True)
-        recv = exchange(leaf, recv_splits, [0] * n, hs.dispatch_group, hs.combine_group)
+        """Receive this layer's tokens, run the local experts, send the outputs back; returns the
+        (empty) result of the combine, whose backward is the gradient's return trip."""
+        route, _ = TokenRoute.exchange(self.hs, layer, None, None, hidden_size, self.config.params_dtype)
+        leaf = route.empty().requires_grad_()
+        recv = route.dispatch(leaf)
         experts = self.decoder.layers[layer].mlp.experts
-        out = run_local_experts(experts, recv, local_counts) if experts is not None else recv * 0
+        out = run_local_experts(experts, recv, route.local_counts) if experts is not None else recv * 0
         # The combined output lands on the attention ranks: nothing comes back here.
-        return exchange(out, [0] * n, recv_splits, hs.combine_group, hs.dispatch_group)
-
-    def run_distep(self, num_microbatches: int, hidden_size: int) -> None:
-        """Mirror Megatron's no-pipelining schedule on the attention ranks: for each
-        microbatch, all layers forward then all layers backward in reverse."""
-        L = self.hs.plan.num_layers
-        for _ in range(num_microbatches):
-            sent = [self.forward_layer(layer, hidden_size) for layer in range(L)]
-            for layer in reversed(range(L)):
-                torch.autograd.backward(sent[layer], torch.zeros_like(sent[layer]))
+        return route.combine(out)

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, Role, ZPGroup
+from megatron_hetermoe.config import Role
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup
 
 
 @dataclass
@@ -39,6 +40,9 @@ class HeteroParallelState:
     replica_group: dist.ProcessGroup
     self_group: dist.ProcessGroup
     world_group: dist.ProcessGroup
+    # Where every tensor this rank's plugin code allocates lives; worker threads read it
+    # here, never from torch.cuda.current_device().
+    device: torch.device = torch.device("cpu")
 
     @property
     def zp(self) -> ZPGroup:
@@ -85,14 +89,12 @@ class HeteroParallelState:
         )
 
 
-_STATE: HeteroParallelState | None = None
-
-
-def initialize_hetero_parallel(plan: HeteroPlan, timeout=None) -> HeteroParallelState:
-    """Validate the plan against the job, then build every group (collective over the world)."""
+def initialize_hetero_parallel(plan: HeteroPlan, timeout=None, device: torch.device | None = None) -> HeteroParallelState:
+    """Validate the plan against the job, then build every group (collective over the world).
+    `device`: where this rank's tensors live (default: the current CUDA device when the world
+    runs NCCL, else the CPU)."""
     from megatron_hetermoe.parallel.launcher import collective_timeout
 
-    global _STATE
     world, rank = dist.get_world_size(), dist.get_rank()
     from megatron_hetermoe.planner.profiles import known_gpu_types
 
@@ -119,46 +121,15 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout=None) -> HeteroParallel
             made["self"] = grp
     world_group = new(range(world))
 
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     gi = plan.group_of(rank)
     role = plan.role(rank)
-    _STATE = HeteroParallelState(
+    return HeteroParallelState(
         plan=plan, rank=rank, role=role, group_index=gi,
         member_index=plan.groups[gi].members.index(rank),
         attention_dp_rank=plan.attention_ranks.index(rank) if role == "attention" else None,
         dispatch_group=made["dispatch"], combine_group=made["combine"],
         attention_dp_group=attn if role == "attention" else None,
-        replica_group=made["replica"], self_group=made["self"], world_group=world_group,
+        replica_group=made["replica"], self_group=made["self"], world_group=world_group, device=device,
     )
-    return _STATE
-
-
-def destroy_hetero_parallel() -> None:
-    global _STATE
-    _STATE = None
-
-
-def get_hetero_state() -> HeteroParallelState:
-    if _STATE is None:
-        raise PlanError("hetero parallel state is not initialized; call initialize_hetero_parallel(plan) first")
-    return _STATE
-
-
-# Named getters in the spirit of megatron.core.parallel_state.
-def get_hetero_role() -> Role:
-    return get_hetero_state().role
-
-
-def get_hetero_dispatch_group() -> dist.ProcessGroup:
-    return get_hetero_state().dispatch_group
-
-
-def get_hetero_combine_group() -> dist.ProcessGroup:
-    return get_hetero_state().combine_group
-
-
-def get_hetero_attention_data_parallel_group() -> dist.ProcessGroup | None:
-    return get_hetero_state().attention_dp_group
-
-
-def get_hetero_expert_replica_group() -> dist.ProcessGroup:
-    return get_hetero_state().replica_group

@@ -12,11 +12,12 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterable, Literal
+from typing import Iterable
+
+from megatron_hetermoe.config import Role
 
 PLAN_VERSION = 1
 SCHEDULES = ("distep", "zebra")
-Role = Literal["attention", "expert"]
 
 
 class PlanError(ValueError):

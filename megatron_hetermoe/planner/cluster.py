@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_hetermoe.paths import read_yaml, resolve_config
-from megatron_hetermoe.planner.profiles import GpuProfile
+from megatron_hetermoe.planner.gpu_profile import GpuProfile
 
 MAX_RANKS = 1 << 17  # far above any cluster we plan for; keeps a typo (nodes: 1e9) from eating memory
 

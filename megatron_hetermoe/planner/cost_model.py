@@ -38,7 +38,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_hetermoe.config import ModelConfig
-from megatron_hetermoe.planner.profiles import GpuProfile, MeasuredTables
+from megatron_hetermoe.planner.gpu_profile import GpuProfile, MeasuredTables
 
 # Estimates (documented here once; the profile files carry the per-GPU numbers).
 BYTES_PER_PARAM_STATE = 18.0  # estimate: fp16 weight 2 + fp32 main grad 4 + fp32 master 4 + Adam m, v 8

@@ -19,11 +19,14 @@ Which program the numbers are for (cost_model.Program): analytic profiles descri
 (fp16 mixed precision on tensor cores, fused attention, activation recompute), plus an fp32 peak
 (`peak_fp32_tflops`, optional) for pricing fp32 programs; measured tables describe the program
 `hetermoe profile` ran, recorded in measured.info.program (precision, attention kernel).
+
+This module reads and writes the YAML; the data types (GpuProfile, MeasuredTables, LinkProfile,
+ProfileError) live in gpu_profile.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -31,87 +34,21 @@ from typing import Any
 import yaml
 
 from megatron_hetermoe.paths import config_dir, read_yaml_mapping, resolve_config
+from megatron_hetermoe.planner.cost_model import (
+    calibrate_attention_efficiency,
+    calibrate_gemm_efficiency,
+)
+from megatron_hetermoe.planner.gpu_profile import (
+    AttentionSample,
+    CommSample,
+    ExpertSample,
+    GpuProfile,
+    LinkProfile,
+    MeasuredTables,
+    ProfileError,
+)
 
 SOURCE_TAGS = ("datasheet", "paper-ratio", "measured", "estimate")
-
-
-class ProfileError(ValueError):
-    """A profile that cannot be used; the message names the bad value and the fix."""
-
-
-@dataclass(frozen=True)
-class AttentionSample:
-    """One measured attention(+router) call: `tokens` tokens in sequences of `seq_len`."""
-
-    seq_len: int
-    tokens: int
-    fwd_s: float
-    bwd_s: float
-
-
-@dataclass(frozen=True)
-class ExpertSample:
-    """One measured expert FFN call on `tokens` tokens."""
-
-    tokens: int
-    fwd_s: float
-    bwd_s: float
-
-
-@dataclass(frozen=True)
-class CommSample:
-    """One measured all_to_all: `nbytes` sent per rank took `seconds`."""
-
-    nbytes: int
-    seconds: float
-
-
-@dataclass(frozen=True)
-class MeasuredTables:
-    """What `hetermoe profile` measured, for the model shape in `model` (a ModelConfig dict)."""
-
-    model: dict
-    attention: tuple[AttentionSample, ...]
-    expert: tuple[ExpertSample, ...]
-    all_to_all: tuple[CommSample, ...] = ()
-    info: dict = field(default_factory=dict)  # device name, software versions, date, memory findings
-
-    @property
-    def program(self) -> dict:
-        """The program the tables time: info.program as `hetermoe profile` records it (older
-        files: their dtype, and megatron-core's local spec, i.e. unfused attention)."""
-        p = self.info.get("program")
-        if isinstance(p, dict) and {"precision", "attention"} <= set(p):
-            return {"precision": str(p["precision"]), "attention": str(p["attention"])}
-        return {"precision": str(self.info.get("dtype", "fp32")), "attention": "unfused"}
-
-
-@dataclass(frozen=True)
-class GpuProfile:
-    name: str
-    memory_gib: float
-    fp16: bool
-    bf16: bool
-    peak_fp16_tflops: float  # dense tensor-core FP16 (FP32 accumulate)
-    memory_bandwidth_gbs: float
-    gemm_efficiency: float  # fraction of peak that large expert / projection GEMMs reach
-    attention_core_efficiency: float  # fraction of peak for softmax(QK^T)V (flash or not)
-    flash_attention: bool
-    launch_overhead_us: float  # per kernel launch, added per module call
-    intra_node_gbs: float  # per-GPU bandwidth to a GPU in the same node (each direction)
-    link_latency_us: float  # fixed cost of one collective
-    usable_memory_fraction: float  # of memory_gib, after the CUDA context and fragmentation
-    sources: dict[str, str] = field(default_factory=dict)  # field name -> source string
-    measured: MeasuredTables | None = None
-    peak_fp32_tflops: float = 0.0  # dense FP32 (no tensor cores); 0: not given (fp32 programs cannot be priced)
-
-    def source(self, name: str) -> str:
-        return self.sources.get(name, "unknown")
-
-    @property
-    def usable_memory_bytes(self) -> float:
-        return self.memory_gib * 2**30 * self.usable_memory_fraction
-
 
 # Numeric fields that a profile YAML must give as {value, source} (unless derived from a ratio).
 _NUMERIC = (
@@ -260,14 +197,6 @@ def _load_path(path: Path, chain: tuple[str, ...]) -> GpuProfile:
 
 
 def _resolve_ratios(prof: GpuProfile, ratios: dict, where: str, chain: tuple[str, ...]) -> GpuProfile:
-    # Imported here: the cost model imports this module for the dataclasses.
-    import dataclasses
-
-    from megatron_hetermoe.planner.cost_model import (
-        calibrate_attention_efficiency,
-        calibrate_gemm_efficiency,
-    )
-
     for key, spec in ratios.items():
         if not isinstance(spec, dict) or not {"gpu", "ratio", "source"} <= set(spec):
             raise ProfileError(f"{where}: {key} needs gpu, ratio and source (and seq_len for attention), got {spec!r}")
@@ -298,27 +227,6 @@ def _resolve_ratios(prof: GpuProfile, ratios: dict, where: str, chain: tuple[str
             field_name = "attention_core_efficiency"
         prof.sources[field_name] = f"{src} (solved: {field_name}={eff:.4f} so that {ref.name} / {prof.name} time = {ratio})"
     return prof
-
-
-@dataclass(frozen=True)
-class LinkProfile:
-    """What `hetermoe profile --gpu-pair` measured between two ranks: the transfer model's
-    link_latency_us and intra_node_gbs (same {value, source} form as a GPU profile), the devices
-    and backend (gloo between CPU processes is said so in every source), the precision of the
-    messages, and the all-to-all times they were fitted to."""
-
-    devices: tuple[str, str]
-    backend: str
-    precision: str
-    link_latency_us: float
-    intra_node_gbs: float
-    sources: dict[str, str]
-    all_to_all: tuple[dict, ...]
-    note: str = ""
-
-    @property
-    def is_cpu(self) -> bool:
-        return self.backend == "gloo"
 
 
 def load_link_profile(path: str | Path) -> LinkProfile:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from functools import partial
 
-from megatron_hetermoe.parallel.state import HeteroParallelState
-from megatron_hetermoe.schedules.tasks import distep_tasks, zebra_tasks
-
-TASK_LISTS = {"zebra": zebra_tasks, "distep": distep_tasks}
 from megatron_hetermoe.config import ZebraConfig
+from megatron_hetermoe.parallel.state import HeteroParallelState
+from megatron_hetermoe.schedules.distep import expert_distep
+from megatron_hetermoe.schedules.tasks import distep_tasks, zebra_tasks
 from megatron_hetermoe.schedules.zebra import AttentionZebra, ExpertZebra
 from megatron_hetermoe.tools.timeline import TimelineRecorder
+
+TASK_LISTS = {"zebra": zebra_tasks, "distep": distep_tasks}
 
 
 class _CaptureModel:
@@ -87,7 +88,7 @@ def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model
         if executed is not None:
             executed.append((ez.ex.executed, ez.ex.executed_streams, ez.ex.meter.peak))
     else:
-        runtime.run_distep(num_microbatches, runtime.config.hidden_size)
+        expert_distep(runtime, num_microbatches)
     ddp.finish_grad_sync()
     # Each expert saw the tokens of M attention ranks, each a local-mean loss: Megatron's DP
     # average needs 1/(M*G); DDP applied 1/G over the replica group.

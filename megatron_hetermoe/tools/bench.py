@@ -67,9 +67,10 @@ def _utilization(per_rank: list[float], gpus: list[str]) -> dict[str, float]:
 
 
 def _hetero_rank(rank, world, cfg, plan, schedule, run_dir):
+    from megatron_hetermoe.config import HeteroRunConfig
     from megatron_hetermoe.training.hetero import train_hetero
 
-    return train_hetero(cfg, plan, schedule=schedule, run_dir=run_dir)
+    return train_hetero(cfg, plan, HeteroRunConfig(schedule=schedule, timeline_dir=run_dir))
 
 
 def _spec_for(base: EmulationSpec, pred_step_s: float, fixed_scale: float | None, max_step_seconds: float,
@@ -88,7 +89,7 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
     """Run the strategies; `steps` measured steps each (after one warm-up step, and with
     step_seconds=None, the calibration step that picks the scale)."""
     from megatron_hetermoe.parallel.launcher import launch
-    from megatron_hetermoe.training.megatron_ep import run
+    from megatron_hetermoe.training.args import run
 
     if steps < 1:
         raise ValueError(f"steps={steps}: measure at least one step")

@@ -30,9 +30,10 @@ DEMO_WARMUP_ITERS = 10  # LR warm-up of the HeterMoE training run, which must tr
 
 
 def _hetero_rank(rank, world, cfg, plan, run_dir):
+    from megatron_hetermoe.config import HeteroRunConfig
     from megatron_hetermoe.training.hetero import train_hetero
 
-    return train_hetero(cfg, plan, schedule="zebra", run_dir=run_dir)
+    return train_hetero(cfg, plan, HeteroRunConfig(schedule="zebra", timeline_dir=run_dir))
 
 
 def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3, ep_measure_steps: int = 3,
@@ -58,7 +59,7 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
     from megatron_hetermoe.planner.cluster import Cluster
     from megatron_hetermoe.planner.search import search
     from megatron_hetermoe.tools.timeline import draw_png, load_events
-    from megatron_hetermoe.training.megatron_ep import run
+    from megatron_hetermoe.training.args import run
 
     import_extra("matplotlib", "plot", "the demo's timeline.png")  # before minutes of training, not after
     if not 1 <= measure_steps <= steps - 2 or ep_measure_steps < 1:

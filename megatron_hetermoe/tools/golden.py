@@ -1,4 +1,5 @@
-"""Golden values in Megatron's CI layout, and `hetermoe regress`.
+"""`hetermoe regress`: rerun a training and compare its per-step lm loss with golden values
+(training/golden_values.py has the format and the comparison rules).
 
 Layout: {"lm loss": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {"1": v, ...}}}.
 Comparison is exact in deterministic mode (--deterministic-mode among the trainer args), else
@@ -14,70 +15,25 @@ across default/avx2/avx512, the worst step differs by 5.2e-4 relative, against 0
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
-from pathlib import Path
 
-DEFAULT_RTOL = 0.05
-
-
-def golden_dict(losses: list[float], metric: str = "lm loss") -> dict:
-    return {metric: {"start_step": 1, "end_step": len(losses), "step_interval": 1,
-                     "values": {str(i + 1): float(v) for i, v in enumerate(losses)}}}
-
-
-def write_golden(path: str | Path, losses: list[float]) -> None:
-    Path(path).write_text(json.dumps(golden_dict(losses), indent=2) + "\n")
-
-
-def read_golden(path: str | Path, metric: str = "lm loss") -> dict[int, float]:
-    d = json.loads(Path(path).read_text())
-    if metric not in d or "values" not in d[metric]:
-        raise ValueError(f"{path}: no {metric!r} golden values (keys: {sorted(d)})")
-    return {int(k): float(v) for k, v in d[metric]["values"].items()}
-
-
-def max_rel_diff(golden: dict[int, float], losses: list[float]) -> float:
-    """The largest relative difference over the steps both have."""
-    return max((abs(losses[s - 1] - v) / abs(v) if v else math.inf for s, v in golden.items() if s <= len(losses)),
-               default=0.0)
-
-
-def kernels() -> str:
-    """Which build and ATen CPU kernels produced a run's numbers (exact golden values hold there only)."""
-    import torch
-
-    return f"torch {torch.__version__}, ATen CPU capability {torch.backends.cpu.get_cpu_capability()}"
-
-
-def compare(golden: dict[int, float], losses: list[float], rtol: float, exact: bool) -> list[str]:
-    """Human-readable mismatches; empty when the run matches."""
-    problems = []
-    if len(losses) < max(golden):
-        problems.append(f"run has {len(losses)} steps but golden values go to step {max(golden)}")
-    for step, want in sorted(golden.items()):
-        if step > len(losses):
-            break
-        got = losses[step - 1]
-        if exact:
-            bad = got != want
-        else:
-            bad = not math.isfinite(got) or abs(got - want) > rtol * abs(want)
-        if bad:
-            rel = abs(got - want) / abs(want) if want else float("inf")
-            problems.append(f"step {step}: lm loss {got!r} vs golden {want!r} (rel diff {rel:.3e}, "
-                            f"{'exact match required' if exact else f'rtol {rtol}'})")
-    return problems
+from megatron_hetermoe.training.golden_values import (
+    DEFAULT_RTOL,
+    compare,
+    kernels,
+    max_rel_diff,
+    read_golden,
+    write_golden,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
         i = argv.index("--")
-        own, train_args = argv[:i], argv[i + 1:]
+        own, trainer_argv = argv[:i], argv[i + 1:]
     else:
-        own, train_args = argv, []
+        own, trainer_argv = argv, []
     from megatron_hetermoe.cli import HelpFormatter
 
     p = argparse.ArgumentParser(prog="hetermoe regress", formatter_class=HelpFormatter, usage="hetermoe regress --golden FILE [--rtol R] [--update] -- <trainer args>")
@@ -87,17 +43,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--update", action="store_true", help="write the run's losses as the new golden values")
     a = p.parse_args(own)
 
-    from megatron_hetermoe.training import megatron_ep as trainer
+    from megatron_hetermoe.training import args as train_args
 
     tp = argparse.ArgumentParser(prog="hetermoe regress -- (trainer args)")
-    trainer.add_megatron_args(tp)
+    train_args.add_megatron_args(tp)
     tp.add_argument("--nproc", type=int, default=4, help="CPU ranks to start")
-    ta = tp.parse_args(train_args)
-    cfg = trainer.config_from_args(ta)
+    ta = tp.parse_args(trainer_argv)
+    cfg = train_args.config_from_args(ta)
     cfg.quiet = True
     import megatron.core  # noqa: F401  - import once, then fork ranks
 
-    losses = trainer.run(cfg, ta.nproc)["losses"]
+    losses = train_args.run(cfg, ta.nproc)["losses"]
     if a.update:
         write_golden(a.golden, losses)
         print(f"wrote {len(losses)} golden values to {a.golden} (exact on {kernels()} only)")

@@ -132,7 +132,7 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     (canonical names) instead of the seed's layout-invariant init, e.g. weights crafted to force
     a routing."""
     from megatron_hetermoe.parallel.launcher import launch
-    from megatron_hetermoe.training.megatron_ep import run
+    from megatron_hetermoe.training.args import run
 
     plan.validate()
     if type(steps) is not int or steps < 1 or type(micro_batch_size) is not int or micro_batch_size < 1:
@@ -165,10 +165,10 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
 
 
 def _hetero_rank(rank, world, cfg, plan, schedule, recompute):
-    from megatron_hetermoe.config import ZebraConfig
+    from megatron_hetermoe.config import HeteroRunConfig
     from megatron_hetermoe.training.hetero import train_hetero
 
-    return train_hetero(cfg, plan, schedule=schedule, zebra_config=ZebraConfig(recompute=recompute))
+    return train_hetero(cfg, plan, HeteroRunConfig(schedule=schedule, recompute=recompute))
 
 
 def main(argv: list[str] | None = None) -> int:

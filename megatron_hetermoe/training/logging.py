@@ -6,6 +6,29 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from megatron_hetermoe.config import TrainConfig
+
+
+def format_iteration(it: int, cfg: TrainConfig, dt: float, lr, loss: float, grad_norm) -> str:
+    """A Megatron-style iteration line."""
+    tokens = cfg.global_batch_size * cfg.model.seq_length
+    gn = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
+    bar = ""
+    if cfg.progress_bar:
+        done = round(20 * it / cfg.train_iters)
+        bar = f"[{'#' * done}{'.' * (20 - done)}] "
+    return (bar + f" iteration {it:>8}/{cfg.train_iters:>8} | consumed samples: {it * cfg.global_batch_size:>10} | "
+            f"elapsed time per iteration (ms): {dt * 1000:.1f} | tokens/s: {tokens / dt:.0f} | "
+            f"learning rate: {lr:.6E} | global batch size: {cfg.global_batch_size:>5} | "
+            f"lm loss: {loss:.6E} | grad norm: {gn} |")
+
+
+def last_step_busy(recorder, step: int, group) -> list[float]:
+    """Seconds each rank spent in (emulated) compute during `step`, from its timeline."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, recorder.busy(step), group=group)
+    return out
+
 
 class StepLogger:
     def __init__(self, cfg, role: str, recorder, group, is_first_rank: bool):
@@ -32,8 +55,6 @@ class StepLogger:
         return {r: min(1.0, sum(v) / len(v) / dt) for r, v in by.items()}
 
     def log(self, it: int, dt: float, lr: float, loss: float, grad_norm) -> None:
-        from megatron_hetermoe.training.megatron_ep import format_iteration
-
         if self.cfg.quiet or it % self.cfg.log_interval:
             return
         util = self.utilization(it - 1, dt)

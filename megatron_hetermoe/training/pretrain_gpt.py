@@ -12,7 +12,7 @@ data, tokenizer, checkpoints). The model is always Mixtral-style (every layer Mo
 RMSNorm, RoPE, no bias, untied embeddings); the vocabulary is the tokenizer's, padded as
 Megatron pads it. A flag that Megatron-LM has but this trainer does not is refused by name
 (from megatron_lm_flags.txt, Megatron-LM core_v0.16.1's own parser), as is a flag neither has.
-The run itself is `hetermoe train` (trainer.run_from_args), with this model shape.
+The run itself is `hetermoe train` (train_args.run_from_args), with this model shape.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from megatron_hetermoe.config import ModelConfig
-from megatron_hetermoe.training import megatron_ep as trainer
+from megatron_hetermoe.training import args as train_args
 
 MEGATRON_FLAGS_FILE = Path(__file__).with_name("megatron_lm_flags.txt")
 MEGATRON_REF = "core_v0.16.1"
@@ -90,7 +90,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = trainer.build_parser(prog="python -m megatron_hetermoe.training.pretrain_gpt")
+    p = train_args.build_parser(prog="python -m megatron_hetermoe.training.pretrain_gpt")
     p.description = __doc__.split("\n\n")[0]
     p.allow_abbrev = False  # Megatron's names only: "--lr-decay" must not silently mean something
     p.set_defaults(model=None)  # the shape comes from the flags (or a --model YAML to start from)
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         path.write_text(yaml.safe_dump(asdict(model), sort_keys=False))
         a.model = str(path)
         a.seq_length = model.seq_length
-        return trainer.run_from_args(p, a)
+        return train_args.run_from_args(p, a)
 
 
 if __name__ == "__main__":

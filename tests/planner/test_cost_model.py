@@ -2,7 +2,13 @@
 import pytest
 
 from megatron_hetermoe.config import ModelConfig
-from megatron_hetermoe.planner.cluster import Cluster, Links, collective_time, rank1_collective_time, transfer_time
+from megatron_hetermoe.planner.cluster import (
+    Cluster,
+    Links,
+    collective_time,
+    rank1_collective_time,
+    transfer_time,
+)
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings, expert_flops
 from megatron_hetermoe.planner.profiles import load_profile, load_profiles
 

@@ -4,8 +4,14 @@ so instead of pricing another one."""
 import pytest
 
 from megatron_hetermoe.config import ModelConfig
-from megatron_hetermoe.planner.cost_model import (PAPER_PROGRAM, CostModel, Program, ProgramError, TrainSettings,
-                                                  runtime_program)
+from megatron_hetermoe.planner.cost_model import (
+    PAPER_PROGRAM,
+    CostModel,
+    Program,
+    ProgramError,
+    TrainSettings,
+    runtime_program,
+)
 from megatron_hetermoe.planner.profiles import load_profile, load_profiles
 
 
@@ -25,8 +31,8 @@ def test_default_prices_each_profile_as_it_was_made():
 def test_the_runtime_program_is_what_the_trainers_build():
     import torch
 
-    from megatron_hetermoe.models.builder import transformer_config
     from megatron_hetermoe.config import ParallelConfig
+    from megatron_hetermoe.models.builder import transformer_config
 
     p = runtime_program()
     cfg = transformer_config(ModelConfig.load("tiny"), ParallelConfig())

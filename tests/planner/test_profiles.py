@@ -5,8 +5,17 @@ import yaml
 
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.paths import config_dir
-from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings, attention_time_ratio
-from megatron_hetermoe.planner.profiles import SOURCE_TAGS, ProfileError, known_gpu_types, load_profile
+from megatron_hetermoe.planner.cost_model import (
+    CostModel,
+    TrainSettings,
+    attention_time_ratio,
+)
+from megatron_hetermoe.planner.gpu_profile import ProfileError
+from megatron_hetermoe.planner.profiles import (
+    SOURCE_TAGS,
+    known_gpu_types,
+    load_profile,
+)
 
 PAPER_TYPES = {"A40", "V100-16GB", "V100-32GB", "L40S", "T4", "A100-80GB", "H100", "H200", "cpu"}
 

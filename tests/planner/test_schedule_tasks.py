@@ -5,8 +5,15 @@ from hypothesis import strategies as st
 
 from megatron_hetermoe.plan.hetero_plan import even_plan
 from megatron_hetermoe.schedules.tasks import (
-    COMM_KINDS, Task, check_stream_order, distep_tasks_for_role, inputs, stream_order, zebra_tasks,
-    zebra_tasks_for_role)
+    COMM_KINDS,
+    Task,
+    check_stream_order,
+    distep_tasks_for_role,
+    inputs,
+    stream_order,
+    zebra_tasks,
+    zebra_tasks_for_role,
+)
 
 
 def compute(tasks):

@@ -9,7 +9,15 @@ from megatron_hetermoe.planner import asym_ea
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
 from megatron_hetermoe.planner.profiles import known_gpu_types, load_profiles
-from megatron_hetermoe.planner.search import PICK, ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, asym_problem, build_plan, search
+from megatron_hetermoe.planner.search import (
+    PICK,
+    ZEBRA,
+    ZEBRA_GREEDY,
+    ZEBRA_NO_EA,
+    asym_problem,
+    build_plan,
+    search,
+)
 from megatron_hetermoe.planner.simulator import simulate_plan
 
 SEQS = (4096, 8192, 16384, 32768)

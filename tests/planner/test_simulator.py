@@ -11,9 +11,15 @@ from megatron_hetermoe.planner import asym_ea
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
 from megatron_hetermoe.planner.profiles import load_profiles
-from megatron_hetermoe.schedules.tasks import Task, inputs, tasks_for_rank, zebra_tasks
 from megatron_hetermoe.planner.search import build_plan
-from megatron_hetermoe.planner.simulator import build_problem, have_cpp, run_cpp, run_python, simulate_plan
+from megatron_hetermoe.planner.simulator import (
+    build_problem,
+    have_cpp,
+    run_cpp,
+    run_python,
+    simulate_plan,
+)
+from megatron_hetermoe.schedules.tasks import Task, inputs, tasks_for_rank, zebra_tasks
 
 
 def setup(M, N, L=3, E=6, G=1, R=3, k=None, types=("A40", "V100-16GB"), seq=2048, schedule="zebra"):

@@ -24,7 +24,15 @@ from hypothesis import strategies as st
 
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.planner.cluster import Cluster
-from megatron_hetermoe.planner.search import DISTEP, PICK, ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, layout_name, search
+from megatron_hetermoe.planner.search import (
+    DISTEP,
+    PICK,
+    ZEBRA,
+    ZEBRA_GREEDY,
+    ZEBRA_NO_EA,
+    layout_name,
+    search,
+)
 
 JUMP = 1.5
 LIMIT = "Physical limit"

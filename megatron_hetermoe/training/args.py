@@ -1,0 +1,231 @@
+"""`hetermoe train`: Megatron-LM-style flags -> TrainConfig (+ a plan), then ranks.
+
+`main(argv)` parses the flags, validates every input before any process group exists, and
+starts CPU ranks with the launcher (or joins the surrounding torchrun job); each rank runs the
+Megatron EP trainer (training/megatron_ep.py) or, with --hetero-plan, the HeterMoE trainer
+(training/hetero.py).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from megatron_hetermoe.config import (
+    HeteroRunConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+from megatron_hetermoe.data.dataset import add_data_args, data_config_from_args
+
+
+def add_megatron_args(p: argparse.ArgumentParser) -> None:
+    """The subset of Megatron-LM pretrain_gpt.py flags the baseline trainer takes."""
+    p.add_argument("--model", default="tiny", help="model config: a name in the config directory's models/ "
+                   "(hetermoe --config-dir) or a path to a YAML file")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (only 1 is supported yet)")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="PP size (1F1B); must divide the model's layers")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="EP size; must divide the model's experts and the world size / PP")
+    p.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["alltoall", "allgather"],
+                   help="Megatron's MoE token dispatcher (flex needs DeepEP on GPUs)")
+    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per microbatch per rank")
+    p.add_argument("--global-batch-size", type=int, default=8,
+                   help="sequences per step; a multiple of --micro-batch-size x data-parallel size")
+    p.add_argument("--seq-length", type=int, default=None, help="tokens per sequence (default: the model config's)")
+    p.add_argument("--train-iters", type=int, default=5, help="optimizer steps to train (the LR schedule's length)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (Adam; cosine decay to --min-lr)")
+    p.add_argument("--min-lr", type=float, default=1e-4, help="learning rate at the end of the cosine decay")
+    p.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="linear warm-up steps from 0 to --lr; fewer than --train-iters")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="Adam weight decay")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of weights and data order, in [0, 2^32)")
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard optimizer state over data-parallel ranks (Megatron's); not with --hetero-plan")
+    p.add_argument("--deterministic-mode", action="store_true",
+                   help="bitwise reproducible runs (deterministic kernels; regress compares exactly)")
+    p.add_argument("--log-interval", type=int, default=1, help="print an iteration line every this many steps")
+    p.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here (first rank; default: none)")
+    p.add_argument("--moe-aux-loss-coeff", type=float, default=None,
+                   help="load-balancing loss weight (default: the model config's)")
+    add_data_args(p)
+    p.add_argument("--save", default=None, help="directory to save checkpoints to (default: no checkpoints)")
+    p.add_argument("--load", default=None, help="directory to load a checkpoint from (latest_checkpointed_iteration.txt; "
+                   "default: start from scratch)")
+    p.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoint saves (default: only at the end)")
+    p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration (default: the latest)")
+    p.add_argument("--hetero-ckpt-reshard", action="store_true",
+                   help="load a checkpoint saved under another layout/plan by parameter name (RNG not restored)")
+    p.add_argument("--check-for-nan-in-loss-and-grad", nargs="?", const="stop", default="stop",
+                   choices=["stop", "skip"],
+                   help="on a non-finite loss or gradient: stop the run (Megatron's meaning, the default) "
+                        "or skip the step on every rank")
+    p.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_const", const="off",
+                   help="do not check (default: check, see --check-for-nan-in-loss-and-grad)")
+    g = p.add_argument_group("emulation of a mixed cluster on CPU ranks (HeterMoE's own flags)")
+    g.add_argument("--emulate", default=None, metavar="CLUSTER",
+                   help="time every rank as the GPU of its position in this cluster (a clusters/ name or a "
+                        "path; default: no emulation)")
+    g.add_argument("--emulated-model", default=None, help="model shape whose cost is emulated (default: --model)")
+    g.add_argument("--emulated-seq-length", type=int, default=None, help="its sequence length (default: 4096)")
+    g.add_argument("--emulated-global-batch-size", type=int, default=None,
+                   help="its sequences per step (default: 4 per emulated GPU)")
+    g.add_argument("--emulation-scale", default="1.0",
+                   help="real seconds per emulated second, or 'auto': picked from a calibration step (the "
+                        "second) so that the real work fits inside the emulated times")
+
+
+def config_from_args(a: argparse.Namespace) -> TrainConfig:
+    model = ModelConfig.load(a.model)
+    over = {}
+    if a.seq_length is not None:
+        over["seq_length"] = a.seq_length
+    if a.moe_aux_loss_coeff is not None:
+        over["moe_aux_loss_coeff"] = a.moe_aux_loss_coeff
+    if over:
+        model = model.replace(**over)
+    return TrainConfig(
+        model=model,
+        parallel=ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
+                                a.expert_model_parallel_size, a.moe_token_dispatcher_type),
+        micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
+        train_iters=a.train_iters, lr=a.lr, min_lr=a.min_lr, lr_warmup_iters=a.lr_warmup_iters,
+        weight_decay=a.weight_decay, clip_grad=a.clip_grad, seed=a.seed,
+        use_distributed_optimizer=a.use_distributed_optimizer, deterministic=a.deterministic_mode,
+        log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir, check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
+        save=a.save, load=a.load, save_interval=a.save_interval, ckpt_step=a.ckpt_step,
+        ckpt_reshard=a.hetero_ckpt_reshard, emulate=emulation_from_args(a),
+        data=data_config_from_args(a, model),
+    )
+
+
+def emulation_from_args(a: argparse.Namespace):
+    if not a.emulate:
+        for flag in ("emulated_model", "emulated_seq_length", "emulated_global_batch_size"):
+            if getattr(a, flag) is not None:
+                raise SystemExit(f"--{flag.replace('_', '-')} needs --emulate CLUSTER")
+        return None
+    from megatron_hetermoe.emulation.emulator import EmulationSpec
+    from megatron_hetermoe.planner.cluster import Cluster
+
+    gb = a.emulated_global_batch_size or 4 * Cluster.load(a.emulate).world_size
+    auto = str(a.emulation_scale) == "auto"
+    try:
+        scale = 1.0 if auto else float(a.emulation_scale)
+    except ValueError:
+        raise SystemExit(f"--emulation-scale {a.emulation_scale!r}: give a number of real seconds per emulated "
+                         f"second, or auto") from None
+    return EmulationSpec(a.emulate, a.emulated_model or a.model, a.emulated_seq_length or 4096, gb,
+                         scale=scale, auto_scale=auto)
+
+
+def _rank_main(rank: int, world: int, cfg: TrainConfig, plan=None, hetero: HeteroRunConfig | None = None) -> dict:
+    if plan is None:
+        from megatron_hetermoe.training.megatron_ep import train
+
+        return train(cfg)
+    from megatron_hetermoe.training.hetero import train_hetero
+
+    return train_hetero(cfg, plan, hetero)
+
+
+def run(cfg: TrainConfig, nproc: int, timeout_s: float = 900.0, plan=None, hetero: HeteroRunConfig | None = None) -> dict:
+    """Train on `nproc` forked CPU ranks (plain Megatron, or HeterMoE with a plan); return
+    rank 0's result."""
+    from megatron_hetermoe.parallel.launcher import launch
+
+    return launch(_rank_main, nproc, cfg, plan, hetero, timeout_s=timeout_s)[0]
+
+
+def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
+    """`hetermoe train`'s flags; pretrain_gpt.py adds Megatron's model-shape flags to these."""
+    from megatron_hetermoe.cli import HelpFormatter
+
+    p = argparse.ArgumentParser(prog=prog, description="Train the Megatron MoE baseline (plain Megatron-Core TP/PP/EP/DP), or HeterMoE with --hetero-plan.", formatter_class=HelpFormatter)
+    add_megatron_args(p)
+    p.add_argument("--nproc", type=int, default=None,
+                   help="CPU ranks to start (default: join a torchrun job if RANK is set, else 4)")
+    p.add_argument("--golden-values-out", default=None, help="write per-step lm loss as Megatron golden values JSON (default: none)")
+    p.add_argument("--hetero-plan", default=None, help="train with HeterMoE on this plan (hetermoe plan -o plan.json; default: plain Megatron)")
+    p.add_argument("--hetero-schedule", choices=["distep", "zebra"], default=None,
+                   help="HeterMoE schedule (default: the plan's)")
+    p.add_argument("--recompute-granularity", choices=["full"], default=None,
+                   help="zebra: recompute attention stages in backward (Megatron's 'full' meaning, per stage; "
+                        "default: keep activations)")
+    p.add_argument("--timeline-dir", default=None, help="HeterMoE: write each rank's timeline here (default: none)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    return run_from_args(p, p.parse_args(argv))
+
+
+def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    """Validate, launch (forked CPU ranks or the surrounding torchrun job) and report a run."""
+    try:
+        cfg = config_from_args(a)
+    except (ValueError, FileNotFoundError) as e:  # a bad model config, --seq-length, parallel size
+        p.error(str(e))
+    hetero = HeteroRunConfig(a.hetero_schedule, a.recompute_granularity == "full", a.timeline_dir)
+    if not a.hetero_plan and (a.hetero_schedule or a.timeline_dir):
+        raise SystemExit("--hetero-schedule and --timeline-dir need --hetero-plan")
+    if a.hetero_plan:
+        from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+
+        try:
+            plan = HeteroPlan.load(a.hetero_plan)
+        except (ValueError, OSError) as e:
+            p.error(f"--hetero-plan: {e}")
+        if cfg.parallel != ParallelConfig(dispatcher=cfg.parallel.dispatcher):
+            raise SystemExit("--hetero-plan replaces TP/PP/EP: leave the model-parallel sizes at 1")
+        if a.nproc not in (None, plan.world_size):
+            raise SystemExit(f"--nproc {a.nproc} but the plan has {plan.world_size} ranks; drop --nproc")
+        if "RANK" not in os.environ:  # under torchrun, join its ranks instead of forking more
+            a.nproc = plan.world_size
+    joining = "RANK" in os.environ and a.nproc is None
+    try:  # every input, before any process group (torchrun's or ours) exists
+        from megatron_hetermoe.plan.validation import validate_job
+
+        validate_job(cfg, int(os.environ.get("WORLD_SIZE", 0)) if joining else (a.nproc or 4),
+                     plan if a.hetero_plan else None, a.hetero_schedule)
+    except ValueError as e:
+        p.error(str(e))
+    if joining:
+        import torch.distributed as dist
+
+        from megatron_hetermoe.parallel import cpu_backend
+        from megatron_hetermoe.parallel.launcher import collective_timeout
+
+        cpu_backend.apply()
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl", timeout=collective_timeout())
+        result = _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg,
+                            plan if a.hetero_plan else None, hetero)
+    else:
+        import megatron.core  # noqa: F401  - import once in the parent, then fork ranks
+
+        result = run(cfg, a.nproc or 4, plan=plan if a.hetero_plan else None, hetero=hetero)
+    if "peak_rss_mib" in result and int(os.environ.get("RANK", "0")) == 0:
+        for r, (role, rss) in enumerate(result["peak_rss_mib"]):
+            print(f" rank {r} ({role}): peak RSS {rss:.0f} MiB")
+        if result.get("schedule") == "zebra":
+            print(f" rank 0 peak activation memory (saved for backward): {result['peak_activation_mib']:.2f} MiB")
+    if result.get("emulation") is not None and int(os.environ.get("RANK", "0")) == 0:
+        from megatron_hetermoe.emulation.emulator import validity_line
+
+        print(" " + validity_line("timing", result["emulation"]))
+    if a.golden_values_out and int(os.environ.get("RANK", "0")) == 0:
+        from megatron_hetermoe.training.golden_values import write_golden
+
+        write_golden(a.golden_values_out, result["losses"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The training loop both trainers run: Megatron EP (training/megatron_ep.py) and HeterMoE
+(training/hetero.py) differ in how a rank runs forward/backward and finishes its gradients,
+not in the loop around them. A `RoleStep` is that difference; `train_loop` is the rest:
+checkpoint resume, NaN guard, pinned parameters, the optimizer and LR steps, Megatron's skipped
+iteration, the token-weighted lm loss, emulation clock, logging and checkpoint saves."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron_hetermoe.config import TrainConfig
+
+
+class RoleStep(Protocol):
+    def before_step(self, it: int) -> None:
+        """Before the step's clock starts: load pinned parameters, record parameters."""
+
+    def forward_backward(self, it: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Run the step's microbatches. Returns (the loss values the NaN guard checks, this
+        rank's [token-summed loss, tokens], zeros where the rank computes no loss)."""
+
+    def before_optimizer(self) -> float | None:
+        """Finish the gradients (global norm and clip where the rank owns that); return the norm
+        it computed, or None when Megatron's optimizer computes it."""
+
+
+@dataclass
+class LoopParts:
+    """What the loop drives, built by a trainer for its role."""
+    cfg: TrainConfig
+    model: object  # Megatron DDP
+    optimizer: object
+    scheduler: object
+    guard: object  # reliability.nan_check.NanGuard
+    recorder: object  # tools.timeline.TimelineRecorder
+    steplog: object  # training.logging.StepLogger
+    checkpointer: object  # checkpoint.hooks.Checkpointer
+    loss_group: object  # every rank: the lm loss is summed over it
+    clock: object | None = None  # emulation.EmulationClock
+
+
+@dataclass
+class LoopResult:
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    start_iteration: int = 0
+
+
+def train_loop(parts: LoopParts, role: RoleStep) -> LoopResult:
+    cfg, optimizer, clock = parts.cfg, parts.optimizer, parts.clock
+    res = LoopResult(start_iteration=parts.checkpointer.resume())
+    for it in range(res.start_iteration, cfg.train_iters):
+        parts.guard.start(it)  # a resumed run starts past 0
+        role.before_step(it)
+        t0 = time.perf_counter()
+        if clock is not None:
+            clock.step_begin(it, t0)
+        parts.recorder.step = it
+        parts.model.zero_grad_buffer()
+        optimizer.zero_grad()
+        checked, tot = role.forward_backward(it)
+        skip = parts.guard.after_backward(it, checked)  # every rank agrees
+        grad_norm = role.before_optimizer()
+        lr_used = optimizer.param_groups[0]["lr"]
+        if not skip:  # Megatron's skipped iteration: no update, no LR step
+            _, step_norm, _ = optimizer.step()
+            parts.scheduler.step(increment=1)
+            if grad_norm is None:
+                grad_norm = step_norm
+        if clock is not None:  # gradient all-reduce + optimizer on the emulated GPUs
+            clock.post_step()
+        # lm loss: token-weighted over microbatches and data-parallel ranks.
+        dist.all_reduce(tot, group=parts.loss_group)
+        loss = (tot[0] / tot[1]).item()
+        res.losses.append(loss)
+        res.step_times.append(time.perf_counter() - t0)
+        if clock is not None:
+            clock.step_end(it, res.step_times[-1])
+        parts.steplog.log(it + 1, res.step_times[-1], lr_used, loss, grad_norm)
+        parts.checkpointer.after_step(it + 1)
+    parts.checkpointer.finish(max(res.start_iteration, cfg.train_iters))
+    return res

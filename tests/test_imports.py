@@ -1,0 +1,121 @@
+"""The package's imports flow one way: no module imports (at any depth, function-level and
+TYPE_CHECKING imports included) a module that imports it back."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import megatron_hetermoe
+
+PKG = Path(megatron_hetermoe.__file__).parent
+NAME = "megatron_hetermoe"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in PKG.rglob("*.py"):
+        parts = list(p.relative_to(PKG.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+def _imports(mod: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every package module `mod` imports, resolving `from a.b import c` to a.b.c when c is a module."""
+    is_pkg = path.name == "__init__.py"
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = mod.split(".") if is_pkg else mod.split(".")[:-1]
+                pkg = pkg[: len(pkg) - (node.level - 1)]
+                base = ".".join(pkg + ([base] if base else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        for n in names:
+            while n and n not in modules:  # `import a.b.c` of a package path: the deepest module
+                n = n.rpartition(".")[0]
+            if n.startswith(NAME) and n != mod:
+                out.add(n)
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {m: _imports(m, p, modules) for m, p in modules.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle():
+    found = cycles(import_graph())
+    assert not found, "import cycles (each a set of modules that import each other): " + "; ".join(
+        " <-> ".join(c) for c in found)
+
+
+def test_the_checker_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_config_and_planner_import_no_torch():
+    # Planning and configuration run where torch is not installed (hetermoe plan, the SLURM
+    # renderer): follow their imports transitively and look for torch or megatron at module level.
+    graph = import_graph()
+    modules = _modules()
+    for start in (f"{NAME}.config", f"{NAME}.planner.search", f"{NAME}.plan.hetero_plan"):
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m in seen:
+                continue
+            seen.add(m)
+            tree = ast.parse(modules[m].read_text())
+            for node in tree.body:  # module level only: function-level imports run on demand
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+                    assert not any(n.split(".")[0] in ("torch", "megatron") for n in names), f"{m} imports {names}"
+            todo.extend(n for n in graph[m] if _module_level(modules[m], n))
+    
+
+def _module_level(path: Path, target: str) -> bool:
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and target.startswith(node.module):
+            return True
+        if isinstance(node, ast.Import) and any(target.startswith(a.name) for a in node.names):
+            return True
+    return False
