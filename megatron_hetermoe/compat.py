@@ -25,7 +25,7 @@ What changed, and what the plugin does about it
    swapping the mlp class (hetero_layer_spec) and finding the experts spec (expert ranks) failed:
    "AttributeError: 'functools.partial' object has no attribute 'submodules'".
    -> `normalize_layer_spec` turns those builders back into ModuleSpecs, 0.16.1's form
-   (`model_builder.layer_spec` applies it, so every caller sees one form). ModuleSpec is callable
+   (`models.builder.layer_spec` applies it, so every caller sees one form). ModuleSpec is callable
    since 0.17, so 0.18+'s `self.submodules.experts(n, config, pg_collection=..., name=...)` and
    TransformerLayer's `submodules.mlp(...)` build from it as from the builders. 0.16.1: identity.
 2. TransformerLayer -> mlp keywords (0.18). 0.16/0.17 pass `pg_collection` only when the mlp
@@ -49,7 +49,7 @@ What changed, and what the plugin does about it
    -> `permute` returns the first three on every version. `unpermute` gains an optional
    `pad_offsets` (0.19); `sort_chunks_by_idxs` is unchanged. The alltoall dispatcher calls
    `tensor_parallel.all_to_all(group, input, out_splits, in_splits, use_nccl_stream=...)` on
-   0.19 (a new keyword): the EP emulation's hook on it (emulation.py) passes keywords through.
+   0.19 (a new keyword): the EP emulation's hook on it (emulation/emulator.py) passes keywords through.
 5. CPU backend (cpu_backend.py chooses its patches by version, NEEDED_IN):
    te_general_gemm: needed on 0.13-0.16 only; 0.17 binds `te_general_gemm = None` without
    transformer-engine (its canary shows the fix on 0.19). cuda_streams, current_device, rng,
@@ -62,7 +62,7 @@ What changed, and what the plugin does about it
 6. ProcessGroupCollection (0.19) gains optional fields (gtp_remat, expt_gtp_remat, dp_cp_ag,
    expt_dp_ag, dp_cp_gtp_remat, expt_dp_gtp_remat, tp_ep_pp_with_egtp_remat). All are read with
    fallbacks (tp_ep_pp_with_egtp_remat -> tp_ep_pp; gtp_remat groups -> None, inactive), so the
-   hetero collection (hetero_parallel_state.pg_collection) needs none of them. Note:
+   hetero collection (parallel.state.HeteroParallelState.pg_collection) needs none of them. Note:
    finalize_model_grads on 0.19 also reads the *global* gtp_remat groups
    (use_mpu_process_groups); without initialize_model_parallel they are None and it is a no-op.
 7. Unchanged for what the plugin passes (signatures and fields compared): DistributedDataParallel

@@ -178,10 +178,10 @@ class TrainConfig:
     progress_bar: bool = False  # prefix iteration lines with a bar (the demo)
     tensorboard_dir: str | None = None  # Megatron's --tensorboard-dir: scalars from the first rank
     data: DataConfig = field(default_factory=DataConfig)  # no data_path: mock data (data.py)
-    # Megatron's --check-for-nan-in-loss-and-grad: "stop" (its default), "skip" or "off" (nan_check.py).
+    # Megatron's --check-for-nan-in-loss-and-grad: "stop" (its default), "skip" or "off" (reliability/nan_check.py).
     check_for_nan_in_loss_and_grad: str = "stop"
     nan_injection: object | None = None  # test hook: a nan_check.NanInjection
-    # Megatron's --save/--load/--save-interval/--ckpt-step (checkpoint.py); ckpt_reshard loads a
+    # Megatron's --save/--load/--save-interval/--ckpt-step (checkpoint/); ckpt_reshard loads a
     # checkpoint of another layout by parameter name (--hetero-ckpt-reshard).
     save: str | None = None
     load: str | None = None

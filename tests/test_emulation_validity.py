@@ -1,4 +1,4 @@
-"""Emulation that knows when it is invalid (emulation.py): every rank records how far the real
+"""Emulation that knows when it is invalid (emulation/emulator.py): every rank records how far the real
 work and host delays pushed each emulated window past its budget; the simulator, run on the task
 graph with those delays, bounds how much later the step ended than an exact emulation; a run
 past 3 % of the step says it is invalid and names the fix, and a bench never reports its ratio.

@@ -20,7 +20,7 @@ import torch
 from margins import within
 
 from megatron_hetermoe.config import ModelConfig, ParallelConfig, TrainConfig
-from megatron_hetermoe.models import moe_layer as hetero_moe_layer
+from megatron_hetermoe.models.dispatcher import HeteroTokenDispatcher
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
 from megatron_hetermoe.planner.search import build_plan
 from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
@@ -52,16 +52,16 @@ def force_routing(state: dict[str, torch.Tensor], experts: list[int], num_layers
 def routed_counts(monkeypatch, tmp_path):
     """Record, from inside every forked rank, the tokens each expert receives per layer (as the
     HeterMoE dispatcher computes them); returns a reader summing them over ranks and steps."""
-    orig = hetero_moe_layer.HeteroTokenDispatcher.dispatch_preprocess
+    orig = HeteroTokenDispatcher.preprocess  # DistEP (through dispatch_preprocess) and zebra both call it
 
     def logged(self, tokens, routing_map, probs):
         out = orig(self, tokens, routing_map, probs)
-        counts = dict(zip(self.order, self.state["per_expert"].tolist()))
+        counts = dict(zip(self.order, out[0].per_expert.tolist()))
         with open(tmp_path / f"counts.{os.getpid()}", "a") as f:
             f.write(json.dumps([self.layer, [counts[e] for e in sorted(counts)]]) + "\n")
         return out
 
-    monkeypatch.setattr(hetero_moe_layer.HeteroTokenDispatcher, "dispatch_preprocess", logged)
+    monkeypatch.setattr(HeteroTokenDispatcher, "preprocess", logged)
 
     def read() -> dict[int, list[int]]:
         tot: dict[int, list[int]] = {}

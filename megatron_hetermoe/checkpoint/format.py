@@ -54,7 +54,7 @@ def rank_file_name(rank: int) -> str:
 class RankState:
     """What one rank saves and loads, and how it is laid out."""
 
-    trainer: str  # "megatron" (trainer.train) or "hetero" (hetero_trainer.train_hetero)
+    trainer: str  # "megatron" (training.megatron_ep.train) or "hetero" (training.hetero.train_hetero)
     rank: int
     world_size: int
     role: str  # "megatron", "attention" or "expert"

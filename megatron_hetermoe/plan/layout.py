@@ -2,7 +2,7 @@
 
 The Megatron side is a PP=1, EP=1 GPTModel's parameter names (every expert as
 `decoder.layers.L.mlp.experts.local_experts.E.*` with its global id E), which is also what
-model_builder.canonical_names produces for any Megatron layout. A HeterMoE rank holds:
+models.builder.canonical_names produces for any Megatron layout. A HeterMoE rank holds:
 - attention rank: everything except experts, plus the experts the plan offloads to it;
 - expert rank: only its experts, under the same module path.
 Either way an expert appears under its *local* index on the rank (position in the plan's

@@ -190,7 +190,7 @@ def _a2a(cost: CostModel, cluster: Cluster, ranks: tuple[int, ...], t: float) ->
 
 
 def pp_layer_params(cost: CostModel) -> float:
-    """Non-expert parameters of one layer (attention, two norms, router): model_config's split."""
+    """Non-expert parameters of one layer (attention, two norms, router): config.ModelConfig's split."""
     m = cost.model
     h = m.hidden_size
     return 4 * h * h + 2 * h + h * m.num_experts

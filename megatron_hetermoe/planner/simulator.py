@@ -1,10 +1,10 @@
 """Event simulator of one HeterMoE training step (zebra or DistEP), running the task lists of
-`schedule_tasks` rank by rank.
+`schedules.tasks` rank by rank.
 
 Semantics (the same in the C++ core, csrc/simulator.cpp):
   * every rank walks its list in order; compute tasks run one at a time: a compute task starts
     when the previous compute task of that rank has ended and the comm task it waits for
-    (`schedule_tasks.inputs`) has ended;
+    (`schedules.tasks.inputs`) has ended;
   * a comm task is issued when the rank reaches it in its list (the end of the previous compute
     task: the moment its send buffer exists); issuing does not block the rank;
   * a comm task is one all_to_all over all members of the ZP group, on its stream (dispatch or
@@ -127,7 +127,7 @@ def run_python(p: SimProblem) -> SimTrace:
         if not progress:
             blocked = {p.ranks[r]: p.tasks[r][pc[r]] for r in range(n) if pc[r] < len(p.tasks[r])}
             raise RuntimeError(f"task lists deadlock: each rank waits at {blocked}; the lists do not "
-                               f"issue collectives in one order (schedule_tasks.check_stream_order)")
+                               f"issue collectives in one order (schedules.tasks.check_stream_order)")
     for r in range(n):  # comm tasks: the collective's own times
         for i, t in enumerate(p.is_comm[r]):
             if t:

@@ -1,6 +1,6 @@
 """`hetermoe bench`: HeterMoE against Megatron EP, side by side, on one emulated cluster.
 
-In one invocation, on CPU ranks that each play a GPU of the cluster file (emulation.py), it runs
+In one invocation, on CPU ranks that each play a GPU of the cluster file (emulation/emulator.py), it runs
 Megatron EP over all ranks, EP (Ideal) (each GPU type alone, throughputs added), DistEP, Zebra
 and Zebra + Asym-EA, all on the same small model standing in for the emulated shape, all timed
 by the same rules. For each it prints the measured step time, tokens/s (of the emulated model)
@@ -8,7 +8,7 @@ and per-GPU-type utilization (emulated compute / step), next to the simulator's 
 whether the emulation held, then HeterMoE's ratio to each baseline, measured and predicted.
 
 Validity: every run records how far its real work and host delays pushed its steps past an
-exact emulation (emulation.py). A run past `max_overrun` (3 %) of the step is invalid: its
+exact emulation (emulation/emulator.py). A run past `max_overrun` (3 %) of the step is invalid: its
 tokens/s are shown flagged, and no ratio that needs them is reported. By default each run picks
 its own scale from a calibration step (`--step-seconds auto`); `--step-seconds N` fixes it
 instead (the Zebra + Asym-EA step takes N real seconds, the others the same scale).

@@ -10,7 +10,7 @@
    prints both throughputs (tokens/s of the emulated model), the measured speedup, the
    simulator's and their difference, and writes the timeline picture of the last HeterMoE step.
 
-Timing is measured only where the emulation holds (emulation.py): the training steps run as
+Timing is measured only where the emulation holds (emulation/emulator.py): the training steps run as
 fast as the CPUs go (the loss does not depend on timing), then the last `measure_steps` steps of
 each run are stretched to a scale picked by a calibration step, and each run reports whether its
 real work and host delays stayed under 3 % of the step. A run that did not is reported as
@@ -90,7 +90,7 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
     print(f"      times are for: {'; '.join(f'{k}: {v}' for k, v in programs['predicted_program'].items())}; "
           f"the CPU ranks run {programs['runtime_program']}, timed as that")
     # The training steps run at 1 % of the emulated time, i.e. as fast as the CPUs go; the step
-    # before the last measure_steps calibrates their scale (emulation.py).
+    # before the last measure_steps calibrates their scale (emulation/emulator.py).
     spec = replace(base, scale=0.01, auto_scale=True, calibrate_step=steps - measure_steps - 1,
                    max_step_seconds=max_step_seconds)
     real = emulation_real_model(shape, hidden=64, seq_length=64).replace(vocab_size=1024)

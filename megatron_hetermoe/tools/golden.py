@@ -1,16 +1,7 @@
-"""`hetermoe regress`: rerun a training and compare its per-step lm loss with golden values
-(training/golden_values.py has the format and the comparison rules).
+"""`hetermoe regress`: rerun a training and compare its per-step lm loss with golden values.
 
-Layout: {"lm loss": {"start_step": 1, "end_step": N, "step_interval": 1, "values": {"1": v, ...}}}.
-Comparison is exact in deterministic mode (--deterministic-mode among the trainer args), else
-Megatron's relative tolerance 0.05.
-
-Exact holds only on the kernels the values were written with: deterministic mode fixes the
-summation order of one build on one CPU, but another torch build or ATen kernel set (AVX-512
-vs AVX2 vs default, chosen by the CPU or ATEN_CPU_CAPABILITY) rounds differently. `--update`
-prints the torch version and kernel set; compare exactly only against values made there, and
-ship golden values for other machines in tolerance mode (tests/golden_values/ are: measured
-across default/avx2/avx512, the worst step differs by 5.2e-4 relative, against 0.05).
+The format, the exact-vs-tolerance rules and on which kernels exact values hold:
+training/golden_values.py.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Event simulator: executes exactly the schedule_tasks lists, respects every dependency and
+"""Event simulator: executes exactly the schedules.tasks lists, respects every dependency and
 stream, matches a hand computation, and the C++ core agrees with the Python reference."""
 import random
 
