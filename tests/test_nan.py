@@ -46,7 +46,7 @@ def test_stop_reports_rank_and_layer_on_every_rank(tiny, schedule, rank, param, 
 
 @pytest.mark.slow
 def test_stop_on_a_non_finite_loss_in_the_baseline(tiny):
-    with pytest.raises(LaunchError, match=r"iteration 1 .*rank 1 \(ep\): non-finite local loss"):
+    with pytest.raises(LaunchError, match=r"iteration 1 .*rank 1 \(megatron\): non-finite local loss"):
         _baseline(tiny, 2, "stop", NanInjection(step=0, rank=1, target="loss"))
 
 
@@ -100,7 +100,7 @@ def test_layer_names_and_bad_injection():
     assert layer_of("output_layer.weight") == "output layer"
     p = torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match="matches no parameter on rank 0"):
-        NanGuard("stop", [], {p: "decoder.layers.0.mlp.router.weight"}, 0, "ep",
+        NanGuard("stop", [], {p: "decoder.layers.0.mlp.router.weight"}, 0, "megatron",
                  injection=NanInjection(step=0, rank=0, param="experts"))
     with pytest.raises(ValueError, match="use one of"):
-        NanGuard("warn", [], {}, 0, "ep")
+        NanGuard("warn", [], {}, 0, "megatron")
