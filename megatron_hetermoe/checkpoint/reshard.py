@@ -56,9 +56,19 @@ def inject_optimizer_state(state: RankState, by_name: dict[str, dict]) -> int:
             for p in g["params"]:
                 st = by_name.get(by_id[id(p)])
                 if st is not None:
-                    inner.state[p] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in st.items()}
+                    inner.state[p] = {k: _state_value(k, v, p, g) for k, v in st.items()}
                     n += 1
     return n
+
+
+def _state_value(key: str, v, p: torch.Tensor, group: dict):
+    """A copy of a loaded (CPU) optimizer state value, where torch's own load_state_dict puts
+    it: on the parameter's device, except a non-fused, non-capturable Adam's "step" (CPU)."""
+    if not torch.is_tensor(v):
+        return v
+    if key == "step" and not (group.get("capturable") or group.get("fused")):
+        return v.clone()
+    return v.to(p.device, copy=True)
 
 
 @torch.no_grad()

@@ -48,6 +48,7 @@ import torch
 
 from megatron_hetermoe.emulation.clock import sleep_until
 from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.parallel.device import rank_device
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import (
     CostModel,
@@ -113,6 +114,7 @@ class EmulationClock:
         self._lock = threading.Lock()
         self._restore: list[Callable[[], None]] = []  # undo what _start_run changed in this process
         self._niceness: tuple[int, int] | None = None
+        self.device = rank_device()  # of the all-reduce in post_step
 
     # ---- recording -------------------------------------------------------------------------
     @property
@@ -167,7 +169,7 @@ class EmulationClock:
         time. The real all-reduce, gradient norm and optimizer step of the CPU ranks run inside."""
         import torch.distributed as dist
 
-        t = torch.tensor([self.cur["lists_end"]], dtype=torch.float64)
+        t = torch.tensor([self.cur["lists_end"]], dtype=torch.float64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         start = float(t.item())
         gc.collect()
@@ -524,6 +526,7 @@ class Emulator:
         expert = [n_local * cost.expert_time(gpu, per_expert, b) for b in (False, True)]
         a2a = ep_a2a_time(cost, self.cluster, ep_group_ranks, t) if len(ep_group_ranks) > 1 else 0.0
         hidden = gpt.config.hidden_size
+        device = rank_device()  # of the all-reduces in synced()
         # last: when this rank's previous window closed (its next window's inputs are there)
         st = {"last": time.perf_counter(), "seg": 0.0, "calls": 0, "pending": None, "bseg": 0.0, "bstart": None,
               "mb": -1}
@@ -545,7 +548,7 @@ class Emulator:
             """When the last rank of the EP group could have started this window."""
             if sync_group is None or dist.get_world_size(sync_group) == 1:
                 return ready
-            x = torch.tensor([ready], dtype=torch.float64)
+            x = torch.tensor([ready], dtype=torch.float64, device=device)
             dist.all_reduce(x, op=dist.ReduceOp.MAX, group=sync_group)
             return float(x.item())
 
@@ -623,13 +626,13 @@ def ep_sync_groups(ep_group_ranks: list[int]):
     every rank passes the ranks of its own EP group); returns this rank's."""
     import torch.distributed as dist
 
-    from megatron_hetermoe.parallel.launcher import collective_timeout
+    from megatron_hetermoe.parallel.device import group_timeout
 
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(ep_group_ranks))
     mine = None
     for ranks in sorted({tuple(r) for r in everyone}):
-        g = dist.new_group(list(ranks), timeout=collective_timeout())
+        g = dist.new_group(list(ranks), timeout=group_timeout())
         if tuple(sorted(ep_group_ranks)) == ranks:
             mine = g
     return mine

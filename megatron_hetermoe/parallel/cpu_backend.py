@@ -3,7 +3,8 @@
 megatron-core assumes CUDA in a handful of places. Each assumption is bridged by one named
 patch below; `apply()` installs the ones the installed megatron-core needs (`patches_for`,
 `NEEDED_IN`) once and is a no-op when CUDA is available, so the same code runs unchanged on GPU
-hosts. Each patch has a canary test (tests/test_cpu_backend.py) that shows the original failure
+ranks; `apply(force=True)` makes a CPU rank even on a GPU host (the fork launcher's children).
+Each patch has a canary test (tests/test_cpu_backend.py) that shows the original failure
 with the patch off, so an upstream fix is noticed; a patch that a release no longer needs has a
 canary showing the fix (compat.py records which release changed what).
 """
@@ -244,15 +245,21 @@ def patches_for(version: tuple[int, int, int] | None = None) -> tuple[str, ...]:
     return tuple(n for n in PATCHES if NEEDED_IN[n][0] <= v and (NEEDED_IN[n][1] is None or v < NEEDED_IN[n][1]))
 
 
-def apply(skip: tuple[str, ...] = ()) -> list[str]:
+def apply(skip: tuple[str, ...] = (), force: bool = False) -> list[str]:
     """Install every patch the installed megatron-core needs (patches_for) and `skip` does not
-    name, once per process. No-op when CUDA is available.
+    name, once per process. No-op when CUDA is available, unless `force`: then the patches go
+    in without querying CUDA (the query poisons fork) and torch.cuda.is_available() answers
+    False from then on (a CPU rank on a GPU host).
 
     Returns the names of the patches installed by this call. $HETERMOE_CPU_PATCHES_SKIP (comma
     separated names) adds to `skip`; the canary tests use it to show each patch is still needed.
     """
-    if torch.cuda.is_available():
+    if not force and torch.cuda.is_available():
         return []
+    if force:
+        # This process is a CPU rank: a GPU host's answer (cached by torch from before a fork)
+        # must not steer code onto CUDA.
+        torch.cuda.is_available = lambda: False
     skip = tuple(skip) + tuple(s for s in os.environ.get("HETERMOE_CPU_PATCHES_SKIP", "").split(",") if s)
     unknown = set(skip) - set(PATCHES)
     if unknown:
@@ -266,6 +273,15 @@ def apply(skip: tuple[str, ...] = ()) -> list[str]:
         _applied.add(name)
         done.append(name)
     return done
+
+
+def preload() -> None:
+    """Import the megatron-core modules the patches change, without patching or querying CUDA:
+    the fork launcher's parent on a CUDA build of torch, so forked CPU ranks need not import
+    them (each rank then patches itself with apply(force=True))."""
+    import megatron.core.tensor_parallel.random  # noqa: F401
+    import megatron.core.transformer.moe.moe_utils  # noqa: F401
+    import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
 
 
 def applied() -> frozenset[str]:

@@ -1,4 +1,4 @@
-"""Start N CPU ranks over gloo, for tests and tools.
+"""Start N CPU ranks over gloo, for tests and tools (CPU ranks on a GPU host too).
 
 Ranks are forked from the parent after it imported megatron (an import costs ~3.5 s per process
 otherwise). A failing rank's traceback is shown, and nothing hangs: the parent watches every
@@ -51,7 +51,8 @@ class LaunchConfig:
 
 
 def collective_timeout() -> datetime.timedelta:
-    """The gloo timeout of this job's collectives; pass it to every new_group."""
+    """The gloo timeout of this job's collectives; pass it to every gloo new_group (NCCL's is
+    device.group_timeout's)."""
     return datetime.timedelta(seconds=float(os.environ.get("HETERMOE_COLLECTIVE_TIMEOUT_S", "60")))
 
 
@@ -131,6 +132,7 @@ def _quiet_stdout() -> None:
 
 def _child(rank: int, cfg: LaunchConfig, store_path: str, out_dir: str, fn: Callable, args: tuple) -> None:
     global _marker_dir
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # a CPU rank, even on a GPU host
     _marker_dir = os.path.join(out_dir, "warned")
     if rank != 0 and os.environ.get(ALL_RANKS_OUTPUT_ENV, "") in ("", "0"):
         _quiet_stdout()  # routine output comes from rank 0; errors reach the parent below
@@ -146,7 +148,7 @@ def _child(rank: int, cfg: LaunchConfig, store_path: str, out_dir: str, fn: Call
     torch.set_num_threads(cfg.threads_per_rank)
     code = 0
     try:
-        cpu_backend.apply()
+        cpu_backend.apply(force=True)
         store = dist.FileStore(store_path, cfg.world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.world_size,
                                 timeout=collective_timeout())
@@ -197,9 +199,16 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
     under torchrun or SLURM, where no parent kills them) before they are killed; LaunchError
     then tells when each exited.
     """
+    import torch
+
     from megatron_hetermoe.parallel import cpu_backend
 
-    cpu_backend.apply()  # in the parent, so children inherit it
+    if torch.backends.cuda.is_built():
+        # The parent may use a GPU, and asking it about CUDA would poison fork: each rank
+        # patches itself (_child).
+        cpu_backend.preload()
+    else:
+        cpu_backend.apply()  # in the parent, so children inherit it
     show_warnings_once()  # after megatron's import: what it showed there counts as shown
     cfg = LaunchConfig(world_size, timeout_s, collective_timeout_s)
     ctx = mp.get_context("fork")

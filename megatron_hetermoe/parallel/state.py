@@ -17,6 +17,7 @@ Groups, per the paper's placement:
 """
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -89,17 +90,19 @@ class HeteroParallelState:
         )
 
 
-def initialize_hetero_parallel(plan: HeteroPlan, timeout=None, device: torch.device | None = None) -> HeteroParallelState:
+def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | None = None,
+                               device: torch.device | None = None) -> HeteroParallelState:
     """Validate the plan against the job, then build every group (collective over the world).
-    `device`: where this rank's tensors live (default: the current CUDA device when the world
-    runs NCCL, else the CPU)."""
-    from megatron_hetermoe.parallel.launcher import collective_timeout
+    `timeout`: of every group (default: device.group_timeout of the world's backend, 10 minutes
+    on NCCL). `device`: where this rank's tensors live (default: device.rank_device(), the
+    current CUDA device when the world runs NCCL, else the CPU)."""
+    from megatron_hetermoe.parallel.device import group_timeout, rank_device
 
     world, rank = dist.get_world_size(), dist.get_rank()
     from megatron_hetermoe.planner.profiles import known_gpu_types
 
     plan.validate(world_size=world, known_gpu_types=known_gpu_types())  # before any group exists
-    timeout = timeout or collective_timeout()
+    timeout = timeout or group_timeout()
 
     def new(ranks):
         return dist.new_group(sorted(ranks), timeout=timeout)
@@ -122,7 +125,7 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout=None, device: torch.dev
     world_group = new(range(world))
 
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        device = rank_device()
     gi = plan.group_of(rank)
     role = plan.role(rank)
     return HeteroParallelState(

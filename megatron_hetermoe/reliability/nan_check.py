@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_hetermoe.parallel.device import rank_device
+
 NAN_MODES = ("stop", "skip", "off")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -79,13 +81,15 @@ def layer_of(canonical: str) -> str:
 class NanGuard:
     """One per training run and rank. `chunks`: the DDP-wrapped model chunks (their
     finish_grad_sync is wrapped to scan local gradients first); `names`: parameter -> canonical
-    name; `group`: the group all ranks agree over (the world)."""
+    name; `group`: the group all ranks agree over (the world); `device`: the rank's device
+    (default: parallel.device.rank_device())."""
 
     def __init__(self, mode: str, chunks: list, names: dict[torch.nn.Parameter, str], rank: int, role: str,
-                 group=None, injection: NanInjection | None = None):
+                 group=None, injection: NanInjection | None = None, device: torch.device | None = None):
         if mode not in NAN_MODES:
             raise ValueError(f"check_for_nan_in_loss_and_grad={mode!r}; use one of {list(NAN_MODES)}")
         self.mode, self.names, self.rank, self.role, self.group = mode, names, rank, role, group
+        self.device = device if device is not None else rank_device()
         self.injection = injection if injection is not None and injection.rank == rank else None
         self.iteration = 0  # advanced by after_backward; start() sets it for a resumed run
         self.local: list[Finding] = []
@@ -139,7 +143,7 @@ class NanGuard:
             return False
         if not all(bool(torch.isfinite(t).all()) for t in local_losses):
             self.local.insert(0, Finding(self.rank, self.role, "loss", "-", "", 1, 1))
-        flag = torch.tensor([1.0 if self.local else 0.0])
+        flag = torch.tensor([1.0 if self.local else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         found, self.local = self.local, []
         self.iteration = iteration + 1  # the scan of the next step's gradients belongs to it

@@ -11,8 +11,6 @@ import argparse
 import os
 import sys
 
-import torch
-
 from megatron_hetermoe.config import (
     HeteroRunConfig,
     ModelConfig,
@@ -198,13 +196,9 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     except ValueError as e:
         p.error(str(e))
     if joining:
-        import torch.distributed as dist
+        from megatron_hetermoe.parallel.device import init_distributed
 
-        from megatron_hetermoe.parallel import cpu_backend
-        from megatron_hetermoe.parallel.launcher import collective_timeout
-
-        cpu_backend.apply()
-        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl", timeout=collective_timeout())
+        init_distributed()  # this rank's GPU first, then NCCL (gloo and CPU patches without CUDA)
         result = _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg,
                             plan if a.hetero_plan else None, hetero)
     else:

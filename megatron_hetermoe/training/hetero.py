@@ -32,6 +32,7 @@ from megatron_hetermoe.models.builder import (
 )
 from megatron_hetermoe.models.experts import ExpertRuntime
 from megatron_hetermoe.models.moe_layer import hetero_layer_spec
+from megatron_hetermoe.parallel.device import rank_device
 from megatron_hetermoe.parallel.megatron_globals import megatron_globals
 from megatron_hetermoe.parallel.state import (
     HeteroParallelState,
@@ -49,6 +50,7 @@ from megatron_hetermoe.tools.timeline import TimelineRecorder
 from megatron_hetermoe.training.logging import StepLogger, last_step_busy
 from megatron_hetermoe.training.loop import LoopParts, train_loop
 from megatron_hetermoe.training.step import (
+    batch_to,
     clip_coefficient,
     forward_step,
     global_grad_norm,
@@ -77,10 +79,11 @@ class HeteroStep:
 
     def forward_backward(self, it: int):
         cfg, nmb, hs = self.cfg, self.nmb, self.hs
-        tot = torch.zeros(2)
+        tot = torch.zeros(2, device=hs.device)
         if hs.role == "attention":
             d = hs.attention_dp_rank
-            batches = iter([self.data.microbatch(it, d * nmb + m, cfg.micro_batch_size, cfg.global_batch_size)
+            batches = iter([batch_to(self.data.microbatch(it, d * nmb + m, cfg.micro_batch_size,
+                                                          cfg.global_batch_size), hs.device)
                             for m in range(nmb)])
             reduced = self.fwd_bwd(forward_step_func=forward_step, data_iterator=batches, model=[self.model],
                                    num_microbatches=nmb, seq_length=cfg.model.seq_length,
@@ -90,14 +93,18 @@ class HeteroStep:
                 tot += r["lm loss"]
         else:
             self.fwd_bwd(model=[self.model], num_microbatches=nmb)
-        return [tot], tot
+        self.tot = tot
+        return [tot]
+
+    def local_loss(self):
+        return self.tot
 
     def before_optimizer(self) -> float:
         hs = self.hs
         grads = [(p.main_grad, _is_expert_param(p)) for p in self.model.parameters()]
         owned = [g for g, is_expert in grads
                  if (hs.group_index == 0 if is_expert else hs.attention_dp_rank == 0)]
-        grad_norm = global_grad_norm(owned, hs.world_group)
+        grad_norm = global_grad_norm(owned, hs.world_group, hs.device)
         coeff = clip_coefficient(self.cfg.clip_grad, grad_norm)
         if coeff < 1.0:
             for g, _ in grads:
@@ -148,7 +155,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
             f"{n_attn} attention ranks, but the plan has R={plan.num_microbatches}; set --global-batch-size "
             f"{cfg.micro_batch_size * plan.num_microbatches * n_attn} or remake the plan with R={nmb}"
         )
-    hs = initialize_hetero_parallel(plan)
+    hs = initialize_hetero_parallel(plan, device=rank_device())
     with megatron_globals(hs, cfg.seed):
         torch.manual_seed(cfg.seed)
         pgc = hs.pg_collection()
@@ -167,12 +174,13 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
             load_params(module, megatron_to_hetero(cfg.init_state, plan, hs.rank))
         else:
             init_layout_invariant(module, cfg.seed, mcfg.num_layers, names)
+        module.to(hs.device)  # built and initialized on the CPU (use_cpu_initialization)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=False)
         model = DistributedDataParallel(config, ddp_config, module, pg_collection=pgc)
         guard = NanGuard(cfg.check_for_nan_in_loss_and_grad, [model],
                          {p: names[n] for n, p in module.named_parameters()}, hs.rank, hs.role,
-                         hs.world_group, cfg.nan_injection)
+                         hs.world_group, cfg.nan_injection, device=hs.device)
         # clip_grad=0: clipped by HeteroStep on the global norm of both sides.
         optimizer, scheduler = build_optimizer(cfg, model, 0.0, False, pg_collection=pgc)
         if hs.role == "attention":
@@ -217,7 +225,8 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
 def export_megatron(hs: HeteroParallelState, model, attr: str = "data", scale: float = 1.0) -> dict[str, torch.Tensor]:
     """Every rank's parameters (or main_grad) merged into a plain Megatron state dict, on all
     ranks (plan.layout.hetero_to_megatron over an all_gather)."""
-    local = {n.removeprefix("module."): getattr(p, attr).detach().clone().float() * scale
+    # CPU copies: a pickled CUDA tensor would unpickle onto the sender's GPU.
+    local = {n.removeprefix("module."): (getattr(p, attr).detach().clone().float() * scale).cpu()
              for n, p in model.named_parameters()}
     world = [None] * dist.get_world_size()
     dist.all_gather_object(world, local, group=hs.world_group)

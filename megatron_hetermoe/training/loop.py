@@ -19,9 +19,12 @@ class RoleStep(Protocol):
     def before_step(self, it: int) -> None:
         """Before the step's clock starts: load pinned parameters, record parameters."""
 
-    def forward_backward(self, it: int) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Run the step's microbatches. Returns (the loss values the NaN guard checks, this
-        rank's [token-summed loss, tokens], zeros where the rank computes no loss)."""
+    def forward_backward(self, it: int) -> list[torch.Tensor]:
+        """Run the step's microbatches. Returns the loss values the NaN guard checks."""
+
+    def local_loss(self) -> torch.Tensor:
+        """This rank's [token-summed loss, tokens] of the step (zeros where it computes no
+        loss), read after the NaN guard (a test injects its NaN into the checked values)."""
 
     def before_optimizer(self) -> float | None:
         """Finish the gradients (global norm and clip where the rank owns that); return the norm
@@ -62,8 +65,9 @@ def train_loop(parts: LoopParts, role: RoleStep) -> LoopResult:
         parts.recorder.step = it
         parts.model.zero_grad_buffer()
         optimizer.zero_grad()
-        checked, tot = role.forward_backward(it)
+        checked = role.forward_backward(it)
         skip = parts.guard.after_backward(it, checked)  # every rank agrees
+        tot = role.local_loss()
         grad_norm = role.before_optimizer()
         lr_used = optimizer.param_groups[0]["lr"]
         if not skip:  # Megatron's skipped iteration: no update, no LR step

@@ -19,12 +19,14 @@ from megatron_hetermoe.models.builder import (
     init_layout_invariant,
     transformer_config,
 )
+from megatron_hetermoe.parallel.device import group_timeout, rank_device, set_deterministic
 from megatron_hetermoe.plan.layout import load_params
 from megatron_hetermoe.reliability.nan_check import NanGuard
 from megatron_hetermoe.tools.timeline import TimelineRecorder
 from megatron_hetermoe.training.logging import StepLogger, last_step_busy
 from megatron_hetermoe.training.loop import LoopParts, train_loop
 from megatron_hetermoe.training.step import (
+    batch_to,
     build_optimizer,
     forward_step,
     gather_canonical,
@@ -35,12 +37,13 @@ class MegatronEPStep:
     """A Megatron EP rank's part of the loop: Megatron's forward_backward_func over its
     microbatches; Megatron's optimizer clips and reports the norm."""
 
-    def __init__(self, cfg: TrainConfig, model, module, names: dict[str, str], nmb: int, data_parallel_rank: int):
+    def __init__(self, cfg: TrainConfig, model, module, names: dict[str, str], nmb: int, data_parallel_rank: int,
+                 device: torch.device):
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.cfg, self.model, self.module, self.names, self.nmb = cfg, model, module, names, nmb
-        self.dp_rank = data_parallel_rank
+        self.dp_rank, self.device = data_parallel_rank, device
         self.last_stage = ps.is_pipeline_last_stage()
         self.fwd_bwd = get_forward_backward_func()
         self.model_names = {f"module.{k}": v for k, v in names.items()}
@@ -57,18 +60,23 @@ class MegatronEPStep:
 
     def forward_backward(self, it: int):
         cfg, nmb = self.cfg, self.nmb
-        batches = iter([self.data.microbatch(it, self.dp_rank * nmb + m, cfg.micro_batch_size, cfg.global_batch_size)
+        batches = iter([batch_to(self.data.microbatch(it, self.dp_rank * nmb + m, cfg.micro_batch_size,
+                                                      cfg.global_batch_size), self.device)
                         for m in range(nmb)])
         reduced = self.fwd_bwd(
             forward_step_func=forward_step, data_iterator=batches, model=[self.model],
             num_microbatches=nmb, seq_length=cfg.model.seq_length, micro_batch_size=cfg.micro_batch_size,
             forward_only=False,
         )
-        tot = torch.zeros(2)
+        self.reduced = reduced
+        return [r["lm loss"] for r in reduced]
+
+    def local_loss(self):
+        tot = torch.zeros(2, device=self.device)
         if self.last_stage:  # the loss is known on the last pipeline stage only
-            for r in reduced:
+            for r in self.reduced:
                 tot += r["lm loss"]
-        return [r["lm loss"] for r in reduced], tot
+        return tot
 
     def before_optimizer(self):
         if self.cfg.collect_grads:
@@ -87,19 +95,18 @@ def train(cfg: TrainConfig) -> dict:
     )
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hetermoe.parallel.launcher import collective_timeout
-
     par = cfg.parallel
     world = dist.get_world_size()
     if world % (par.tp * par.pp):
         raise ValueError(f"world size {world} is not divisible by TP {par.tp} x PP {par.pp}")
+    device = rank_device()
     if cfg.deterministic:
-        torch.use_deterministic_algorithms(True)
+        set_deterministic(device)
     ps.initialize_model_parallel(
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
         expert_model_parallel_size=par.ep,
-        distributed_timeout_minutes=max(1, int(collective_timeout().total_seconds() // 60)),
+        distributed_timeout_minutes=max(1, int(group_timeout().total_seconds() // 60)),
     )
     emu_undo = None
     try:
@@ -116,13 +123,14 @@ def train(cfg: TrainConfig) -> dict:
             load_params(module, {local: cfg.init_state[canon] for local, canon in names.items()})
         else:
             init_layout_invariant(module, cfg.seed, mcfg.num_layers, names)
+        module.to(device)  # built and initialized on the CPU (use_cpu_initialization)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
         model = DistributedDataParallel(config, ddp_config, module)
         guard = NanGuard(cfg.check_for_nan_in_loss_and_grad, [model], {p: names[n] for n, p in module.named_parameters()},
-                         dist.get_rank(), MEGATRON_ROLE, injection=cfg.nan_injection)
+                         dist.get_rank(), MEGATRON_ROLE, injection=cfg.nan_injection, device=device)
         optimizer, scheduler = build_optimizer(cfg, model, cfg.clip_grad, cfg.use_distributed_optimizer)
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = optimizer.scale_loss
@@ -132,7 +140,7 @@ def train(cfg: TrainConfig) -> dict:
         clock = None
         if cfg.emulate is not None:
             emu_undo, clock = _install_ep_emulation(cfg, module, nmb, recorder)
-        role = MegatronEPStep(cfg, model, module, names, nmb, ps.get_data_parallel_rank())
+        role = MegatronEPStep(cfg, model, module, names, nmb, ps.get_data_parallel_rank(), device)
         parts = LoopParts(cfg, model, optimizer, scheduler, guard, recorder, steplog,
                           megatron_checkpointer(cfg, module, names, optimizer, scheduler), dist.group.WORLD, clock)
         res = train_loop(parts, role)

@@ -21,6 +21,12 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     return loss, num_tokens, {"lm loss": torch.stack([loss.detach().clone(), num_tokens.float()])}
 
 
+def batch_to(batch: dict, device: torch.device) -> dict:
+    """A microbatch's tensors on `device` (the data source builds them on the CPU); the same
+    tensors when they are there already."""
+    return {k: v.to(device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 def forward_step(data_iterator, model):
     batch = next(data_iterator)
     out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
@@ -50,7 +56,7 @@ def build_optimizer(cfg: TrainConfig, model, clip_grad: float, use_distributed_o
 
 
 def gather_canonical(model_chunks, names_per_chunk, attr: str) -> dict[str, torch.Tensor]:
-    """{canonical name: tensor} of params (attr='data') or grads (attr='main_grad') from every
+    """{canonical name: CPU tensor} of params (attr='data') or grads (attr='main_grad') from every
     rank, merged on all ranks. Replicas hold equal values, so the first copy is kept."""
     local = {}
     for chunk, names in zip(model_chunks, names_per_chunk):
@@ -58,7 +64,8 @@ def gather_canonical(model_chunks, names_per_chunk, attr: str) -> dict[str, torc
             t = getattr(p, attr, None)
             if t is None and attr == "main_grad":
                 t = p.grad
-            local[names[n]] = (t.detach().clone().float() if t is not None else torch.zeros_like(p, dtype=torch.float))
+            t = t.detach().clone().float() if t is not None else torch.zeros_like(p, dtype=torch.float)
+            local[names[n]] = t.cpu()  # pickled: a CUDA tensor would unpickle onto the sender's GPU
     world = [None] * dist.get_world_size()
     dist.all_gather_object(world, local)
     merged: dict[str, torch.Tensor] = {}
@@ -68,10 +75,10 @@ def gather_canonical(model_chunks, names_per_chunk, attr: str) -> dict[str, torc
     return merged
 
 
-def global_grad_norm(owned_grads, group) -> float:
+def global_grad_norm(owned_grads, group, device: torch.device) -> float:
     """The exact L2 norm of the whole model's gradient over `group`: each rank passes the
-    gradients it owns (every distinct parameter owned by exactly one rank)."""
-    sq = torch.zeros(1, dtype=torch.float64)
+    gradients it owns (every distinct parameter owned by exactly one rank) and its device."""
+    sq = torch.zeros(1, dtype=torch.float64, device=device)
     for g in owned_grads:
         sq += g.double().pow(2).sum()
     dist.all_reduce(sq, group=group)

@@ -1,0 +1,117 @@
+"""A rank's device, and how a torchrun rank joins its job.
+
+`init_distributed` is the joining path (torchrun, SLURM's rank.sh): it makes the rank's GPU
+(LOCAL_RANK modulo the visible GPUs) the current device before anything touches CUDA, then
+starts the default process group (NCCL on GPUs, gloo on CPUs). `rank_device` is where every
+tensor the plugin allocates lives; `group_timeout` is a process group's timeout per backend;
+`bind_device` carries a GPU into a worker thread (a new thread starts on cuda:0).
+
+The CPU fork launcher (launcher.py) starts gloo ranks itself and never touches CUDA.
+"""
+from __future__ import annotations
+
+import datetime
+import inspect
+import os
+from typing import Callable, TypeVar
+
+import torch
+import torch.distributed as dist
+
+# Megatron-LM's --distributed-timeout-minutes default.
+NCCL_TIMEOUT = datetime.timedelta(minutes=10)
+
+T = TypeVar("T")
+
+
+def _is_nccl(backend: str) -> bool:
+    return "nccl" in str(backend)  # "nccl", or a per-device spec such as "cpu:gloo,cuda:nccl"
+
+
+def group_timeout(backend: str | None = None) -> datetime.timedelta:
+    """Timeout of a process group on `backend` (default: the default group's): NCCL gets
+    Megatron's 10 minutes; gloo gets the CPU launcher's collective_timeout() (60 s unless
+    $HETERMOE_COLLECTIVE_TIMEOUT_S says otherwise)."""
+    from megatron_hetermoe.parallel.launcher import collective_timeout
+
+    if backend is None:
+        backend = dist.get_backend()
+    return NCCL_TIMEOUT if _is_nccl(backend) else collective_timeout()
+
+
+def rank_device(cuda: bool | None = None) -> torch.device:
+    """Where this rank's tensors live: the current CUDA device when `cuda` is True or, by
+    default, when the default process group runs NCCL; else the CPU. Call it on the rank's main
+    thread (a worker thread starts on cuda:0) and pass the result on."""
+    if cuda is None:
+        cuda = dist.is_available() and dist.is_initialized() and _is_nccl(dist.get_backend())
+    if cuda:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def local_cuda_device() -> torch.device:
+    """This rank's GPU: LOCAL_RANK modulo the visible GPUs (all GPUs visible, or one per
+    process through CUDA_VISIBLE_DEVICES)."""
+    n = torch.cuda.device_count()
+    if n == 0:
+        raise RuntimeError("no CUDA device is visible (check CUDA_VISIBLE_DEVICES); run on a GPU host or "
+                           "use backend 'gloo'")
+    local = os.environ.get("LOCAL_RANK")
+    if local is None:
+        if n > 1:
+            raise RuntimeError(f"LOCAL_RANK is not set and {n} GPUs are visible: every rank would take cuda:0; "
+                               f"start the ranks with torchrun (or export LOCAL_RANK)")
+        local = "0"
+    return torch.device("cuda", int(local) % n)
+
+
+def init_distributed(backend: str | None = None) -> torch.device:
+    """Join the surrounding job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and, on GPUs,
+    LOCAL_RANK in the environment); return this rank's device.
+
+    backend: "nccl" or "gloo"; default: nccl when CUDA is available. With NCCL the rank's GPU
+    becomes the current device first, so megatron-core's torch.cuda.current_device() and
+    all_gather_object find it. With gloo the ranks are CPU ranks (cpu_backend's patches)."""
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "gloo":
+        from megatron_hetermoe.parallel import cpu_backend
+
+        cpu_backend.apply(force=True)
+        dist.init_process_group("gloo", timeout=group_timeout("gloo"))
+        return torch.device("cpu")
+    if backend != "nccl":
+        raise ValueError(f"backend={backend!r}; use 'nccl' (GPUs) or 'gloo' (CPUs)")
+    device = local_cuda_device()
+    torch.cuda.set_device(device)
+    # device_id (torch >= 2.3) binds the default group to this GPU at once.
+    kw = {"device_id": device} if "device_id" in inspect.signature(dist.init_process_group).parameters else {}
+    dist.init_process_group("nccl", timeout=NCCL_TIMEOUT, **kw)
+    return device
+
+
+def set_deterministic(device: torch.device) -> None:
+    """torch.use_deterministic_algorithms(True), with the cuBLAS workspace setting it needs on
+    CUDA (CUBLAS_WORKSPACE_CONFIG, read when cuBLAS starts: call this before the first matmul)."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
+def bind_device(fn: Callable[[], T], device: torch.device | None = None) -> Callable[[], T]:
+    """`fn`, to run on a new thread with `device` (default: this thread's current CUDA device)
+    current there. Call it on the thread that creates the worker; returns `fn` itself for a CPU
+    device, or, by default, where CUDA is not in use (CPU ranks)."""
+    if device is None:
+        if not torch.cuda.is_initialized():
+            return fn
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        return fn
+
+    def run() -> T:
+        torch.cuda.set_device(device)
+        return fn()
+
+    return run
