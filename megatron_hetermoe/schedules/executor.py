@@ -2,26 +2,85 @@
 
 Compute tasks run on the issuing thread in list order. Each transfer is submitted, in list
 order, to the stream its task names ("dispatch" or "combine"); a stream runs its transfers in
-FIFO order, as a CUDA stream would. A compute task waits only for the transfer that
-schedules.tasks.inputs() names as its input; everything else overlaps.
+FIFO order. A compute task waits only for the transfer that schedules.tasks.inputs() names as
+its input (`wait`, then `Stream.consume`); everything else overlaps.
 
-A `Stream` is the abstraction: `ThreadStream` (a worker thread per stream, the CPU/gloo
-runtime) implements it today; a CUDA-stream implementation plugs in through `make_stream`.
+A `Stream` is the abstraction; `TaskExecutor` picks the implementation from the rank's device:
+
+* `ThreadStream` (CPU ranks, gloo): a worker thread per stream runs the transfer function; its
+  Future resolving means the data has arrived. The CPU runtime is exactly this.
+* `CudaStream` (CUDA ranks): the same worker thread per stream, but each stream also owns a
+  side CUDA stream (`torch.cuda.Stream(device)`, one per (device, stream name), made once per
+  process) and the work is ordered on the device by events, not by host waits:
+    - `submit` (compute thread) records a producer event on the compute thread's current
+      stream: every compute task before the transfer in the list, i.e. the one that made its
+      send buffer, has been enqueued by then;
+    - the worker thread calls `set_device(device)` once, then per transfer runs
+      `with torch.cuda.stream(side): side.wait_event(producer); fn(); done.record(side)`, so the
+      collective (issued on the side stream) starts on the device only after its producer;
+    - the consumer: TaskExecutor.run waits (host) for the worker to have *issued* the transfer
+      (its Future), then `consume` makes the compute stream wait on the done event
+      (`current_stream(device).wait_event(done)`) right before the dependent compute task is
+      enqueued. No host synchronize anywhere in this path;
+    - `close` (end of the step, compute thread) makes the compute stream wait on every done
+      event not consumed yet, so what runs after the step (finalize grads, optimizer, the next
+      step) is ordered after all of the step's transfers.
+  The torch.cuda calls go through `CudaApi`, so tests drive the ordering with fake streams
+  and events on CPU (tests/schedules/test_stream_ordering.py).
+
+What the CUDA path achieves, and what it does not:
+* Compute kernels (compute thread, its current stream) and the two streams' collectives are
+  enqueued on different CUDA streams and may run concurrently; each side stream serializes its
+  own transfers (FIFO, as ThreadStream). With NCCL, ProcessGroupNCCL runs each collective on
+  its communicator's internal stream, fenced against the side stream (the current stream of
+  the issuing worker thread) before and after, so the two groups' NCCL kernels run on two
+  streams of two communicators, concurrently with compute.
+* It is not host-free: `TokenRoute.exchange` (D_F) reads the counts with `.tolist()`/`.item()`,
+  which blocks that stream's worker thread until the side stream reached it, i.e. until the
+  producer compute finished on the device. Only that worker blocks; the compute thread keeps
+  enqueueing. That is one reason issuing stays on one thread per stream: with a single issuing
+  thread, a blocking counts exchange on one communicator issued before a collective of the
+  other communicator that a peer issued in the other order could deadlock.
+* A consumer's host wait is for the worker to have issued the transfer (the Python result
+  objects, e.g. the received tensor, exist only then), not for the transfer to finish.
+* Timelines (recorder) and the emulation clock (cfg.clock/stretch) see host times: on CUDA a
+  transfer's recorded end is when it was issued, not when it finished on the device.
+* Ordering guarantee relied on: on each stream every member of the ZP group issues the same
+  collectives in the same order (tasks.check_stream_order), each stream on its own process
+  group (dispatch_group / combine_group), so each NCCL communicator sees one consistent order.
+  Across the two communicators there is no common order; that is safe while the GPU can hold
+  both NCCL kernels at once (all_to_all uses a few SMs), as NCCL requires for concurrently used
+  communicators.
+
+Tensors crossing streams (the caching allocator gives a freed block back to the stream that
+allocated it). No `record_stream` is called; we rely on references and on the waits above:
+* received tensors are allocated inside `fn` on the side stream and are held by zebra's Slot
+  objects until the step ends; the compute stream reads them only after waiting their done
+  event, and a later allocation on that side stream reuses a block only in a transfer whose
+  side-stream work starts by waiting a producer event recorded after those reads (and after
+  the step, `close` has joined the compute stream with every done event);
+* send buffers are allocated on the compute stream. Slot holds them until the step ends,
+  except `permuted` (freed by A_B(l, j), which waits D_B(l, j)) and `expert_out` (freed by
+  E_B/X_B(l, j), which waits C_B(l, j)): the data of those waited transfers is computed by the
+  peers from the very rows this rank sent, so the send had completed on the device. A change to
+  zebra.py that frees a send buffer earlier must call `t.record_stream(side)` on it instead.
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
 import weakref
 from concurrent.futures import FIRST_COMPLETED, Future
 from concurrent.futures import wait as futures_wait
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
 from megatron_hetermoe.config import ZebraConfig
 from megatron_hetermoe.emulation.clock import sleep_until
+from megatron_hetermoe.parallel.device import bind_device
 from megatron_hetermoe.reliability import faults
 from megatron_hetermoe.schedules.tasks import Task, inputs
 from megatron_hetermoe.tools.timeline import TimelineRecorder
@@ -35,6 +94,10 @@ class Stream(Protocol):
     executed: list  # transfers in the order they ran
 
     def submit(self, task: Task, fn: Callable[[], object], issued: float = 0.0) -> Future: ...
+
+    def consume(self, task: Task) -> None:
+        """On the compute thread, after `task`'s Future resolved and right before the compute
+        task that reads its result: order that compute after the transfer."""
 
     def close(self) -> None:
         """Wait for every submitted transfer, then stop."""
@@ -55,7 +118,7 @@ class ThreadStream:
         self.q: queue.Queue = queue.Queue()
         self.executed: list[Task] = []
         self.failed: BaseException | None = None
-        self.t = threading.Thread(target=self._loop, name=f"zebra-{name}", daemon=True)
+        self.t = threading.Thread(target=bind_device(self._loop), name=f"zebra-{name}", daemon=True)
         self.t.start()
 
     def _loop(self):
@@ -94,6 +157,9 @@ class ThreadStream:
         self.q.put((task, fn, fut, issued))
         return fut
 
+    def consume(self, task: Task) -> None:
+        """The Future resolving means the data arrived: nothing to order."""
+
     def close(self):
         self.q.put(None)
         self.t.join()
@@ -102,6 +168,86 @@ class ThreadStream:
         # A daemon thread blocked in a collective with a dead peer: do not join it (its
         # collective times out); the error ends the rank now.
         self.q.put(None)
+
+
+class CudaApi:
+    """The torch.cuda calls a CudaStream makes, in one place so that tests can pass fake
+    streams and events (`stream_type(device=...)`, `event_type()`; a stream has
+    wait_event(event), an event record(stream)). Side streams are made once per (device, name)
+    and kept: a step's executor is made anew each step, and a fresh pool stream each time
+    could be shared with other users of torch's stream pool."""
+
+    def __init__(self, stream_type: Callable[..., Any] | None = None, event_type: Callable[[], Any] | None = None,
+                 current_stream: Callable[[torch.device], Any] | None = None,
+                 use_stream: Callable[[Any], Any] | None = None,
+                 set_device: Callable[[torch.device], None] | None = None):
+        # torch.cuda is looked up at each call, not here (at import).
+        self.stream_type = stream_type or (lambda **kw: torch.cuda.Stream(**kw))
+        self.event_type = event_type or (lambda: torch.cuda.Event())
+        self.current_stream = current_stream or (lambda d: torch.cuda.current_stream(d))  # this thread's
+        self.use_stream = use_stream or (lambda s: torch.cuda.stream(s))  # context: make `s` current in this thread
+        self.set_device = set_device or (lambda d: torch.cuda.set_device(d))
+        self._side: dict[tuple[torch.device, str], Any] = {}
+        self._lock = threading.Lock()
+
+    def side_stream(self, device: torch.device, name: str):
+        with self._lock:
+            key = (device, name)
+            if key not in self._side:
+                self._side[key] = self.stream_type(device=device)
+            return self._side[key]
+
+
+CUDA = CudaApi()
+
+
+class CudaStream(ThreadStream):
+    """ThreadStream's worker thread issuing on its own CUDA stream, ordered against the compute
+    stream by events (see the module docstring for what is and is not overlapped)."""
+
+    def __init__(self, name: str, recorder: TimelineRecorder | None, failure: Future, on_done: OnDone | None = None,
+                 *, device: torch.device, api: CudaApi | None = None):
+        self.device, self.api = device, api or CUDA
+        self.side = self.api.side_stream(device, name)
+        self.done: dict[Task, Any] = {}  # transfer -> its done event, until consumed or closed
+        super().__init__(name, recorder, failure, on_done)  # starts the worker
+
+    def _loop(self):
+        self.api.set_device(self.device)  # this thread's current device: the side stream's
+        super()._loop()
+
+    def submit(self, task: Task, fn, issued: float = 0.0) -> Future:
+        producer = self.api.event_type()
+        producer.record(self.api.current_stream(self.device))  # after the compute enqueued so far
+        done = self.api.event_type()
+        self.done[task] = done
+        side, use_stream = self.side, self.api.use_stream
+
+        def on_side_stream():
+            with use_stream(side):
+                side.wait_event(producer)
+                out = fn()
+                done.record(side)  # before the Future resolves: consume() never waits an unrecorded event
+            return out
+
+        return super().submit(task, on_side_stream, issued)
+
+    def consume(self, task: Task) -> None:
+        self.api.current_stream(self.device).wait_event(self.done.pop(task))
+
+    def close(self):
+        super().close()  # every transfer issued (and its done event recorded)
+        compute = self.api.current_stream(self.device)
+        for done in self.done.values():
+            compute.wait_event(done)
+        self.done.clear()
+
+
+def stream_factory(device: torch.device, api: CudaApi | None = None) -> "StreamFactory":
+    """The Stream implementation for a rank's device: CudaStream on CUDA, else ThreadStream."""
+    if torch.device(device).type == "cuda":
+        return functools.partial(CudaStream, device=torch.device(device), api=api)
+    return ThreadStream
 
 
 StreamFactory = Callable[[str, "TimelineRecorder | None", Future, OnDone], Stream]
@@ -113,8 +259,11 @@ class TaskExecutor:
     STREAMS = ("dispatch", "combine")
 
     def __init__(self, num_layers: int, cfg: ZebraConfig, recorder: TimelineRecorder | None,
-                 make_stream: StreamFactory = ThreadStream):
-        self.L, self.cfg, self.recorder, self.make_stream = num_layers, cfg, recorder, make_stream
+                 make_stream: StreamFactory | None = None, device: torch.device = torch.device("cpu")):
+        """`device`: the rank's device; picks the Stream (stream_factory) unless `make_stream`
+        is given."""
+        self.L, self.cfg, self.recorder, self.device = num_layers, cfg, recorder, torch.device(device)
+        self.make_stream = make_stream if make_stream is not None else stream_factory(self.device)
         self.executed: list[Task] = []
         self.executed_streams: dict[str, list[Task]] = {}
         self.meter = ActivationMeter()
@@ -157,6 +306,7 @@ class TaskExecutor:
                 need = inputs(t, self.L)
                 if need is not None:
                     wait(futures[need])
+                    streams[need.stream].consume(need)
                 # When emulating, a task's time starts when it could (the previous task ended and
                 # its input arrived), as in the simulator: the host's delay in getting to it and
                 # the real work both run inside its emulated time.

@@ -69,7 +69,7 @@ class ZebraRank:
         self.experts_of_layer = experts_of_layer
         self.is_attention = hs.role == "attention"
         self.slots: dict[tuple[int, int], Slot] = {}
-        self.ex = TaskExecutor(hs.plan.num_layers, cfg, recorder)
+        self.ex = TaskExecutor(hs.plan.num_layers, cfg, recorder, device=hs.device)
 
     def slot(self, layer: int, j: int) -> Slot:
         return self.slots.setdefault((layer, j), Slot())
@@ -193,8 +193,10 @@ class AttentionZebra(ZebraRank):
 
         R = len(batches)
         L = self.stages.num_layers
-        # Megatron scales the aux loss like the LM loss: 1/R per microbatch (fp32: loss scale 1).
-        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=self.hs.device) / R)
+        # As Megatron's forward_step: the loss is scaled by config.grad_scale_func (the optimizer's
+        # loss scale), and the aux loss by grad_scale_func(1) / R.
+        scale_loss = self.stages.gpt.config.grad_scale_func or (lambda t: t)
+        MoEAuxLossAutoScaler.set_loss_scale(scale_loss(torch.ones(1, device=self.hs.device)) / R)
         ropes = [self.stages.rotary(batches[j]["tokens"].shape[1]) for j in range(R)]
         losses: dict[int, torch.Tensor] = {}
         reported: dict[int, dict] = {}
@@ -223,7 +225,7 @@ class AttentionZebra(ZebraRank):
                     reported[j] = rep
             elif t.kind == "A_B":
                 if s == L:
-                    torch.autograd.backward(losses.pop(j))
+                    torch.autograd.backward(scale_loss(losses.pop(j)))
                 else:
                     st = self.slot(s, j)
                     nxt = st.leaves
