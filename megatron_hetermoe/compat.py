@@ -50,9 +50,10 @@ What changed, and what the plugin does about it
    `pad_offsets` (0.19); `sort_chunks_by_idxs` is unchanged. The alltoall dispatcher calls
    `tensor_parallel.all_to_all(group, input, out_splits, in_splits, use_nccl_stream=...)` on
    0.19 (a new keyword): the EP emulation's hook on it (emulation/emulator.py) passes keywords through.
-5. CPU backend (cpu_backend.py chooses its patches by version, NEEDED_IN):
-   te_general_gemm: needed on 0.13-0.16 only; 0.17 binds `te_general_gemm = None` without
-   transformer-engine (its canary shows the fix on 0.19). cuda_streams, current_device, rng,
+5. Without transformer-engine, 0.13-0.16 leave `moe_utils.te_general_gemm` unbound (NameError in
+   the router on any device); 0.17 binds it to None. `bind_missing_te_general_gemm` does it here
+   (tests/test_compat.py shows the upstream state). CPU backend (cpu_backend.py chooses its
+   patches by version, NEEDED_IN): cuda_streams, current_device, rng,
    split_sizes_to_cpu and cuda_device_literals are still needed on 0.19 (canaries, same sites:
    the alltoall dispatcher's side stream, grad buffers, the RNG tracker, split sizes handed to
    all_to_all_single as tensors, the optimizer's device="cuda"). With a CUDA build of torch on a
@@ -203,3 +204,14 @@ def permute(tokens, routing_map, num_out_tokens=None):
 
     out = _permute(tokens, routing_map, num_out_tokens=num_out_tokens)
     return out[0], out[1], out[2]
+
+
+def bind_missing_te_general_gemm() -> None:
+    """megatron-core 0.13-0.16 import transformer-engine's general_gemm inside a try block and
+    test `te_general_gemm is not None` in the router's gating, but never bind the name when the
+    import fails: without transformer-engine the router raises NameError, on CPU and GPU alike
+    (seen on an H200 with 0.16.1). Bind it to None, as 0.17 does. Idempotent."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None

@@ -1,5 +1,7 @@
 """compat.py: one layer spec form on megatron-core 0.16.1 .. 0.19.x (make compat runs 0.19)."""
 import functools
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -95,3 +97,16 @@ def test_build_experts_and_permute(tiny):
     permuted, probs, idx = compat.permute(tokens, routing, num_out_tokens=4)
     assert probs is None and idx.tolist() == [0, 2, 1, 2]
     assert torch.equal(permuted, tokens[[0, 2, 1, 2]])
+
+
+def test_router_without_transformer_engine_gets_te_general_gemm_bound():
+    # megatron-core < 0.17 leaves te_general_gemm unbound without transformer-engine (NameError in
+    # the router, on CPU and GPU: seen on an H200); compat binds it. The subprocess shows the
+    # upstream state first, so a release that fixes it is noticed.
+    code = ("from megatron.core.transformer.moe import moe_utils as m; before = hasattr(m, 'te_general_gemm'); "
+            "from megatron_hetermoe.compat import bind_missing_te_general_gemm as f, mcore_version as v; f(); "
+            "print(before, m.te_general_gemm is None or callable(m.te_general_gemm), v() >= (0, 17, 0))")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+    before, bound, fixed_upstream = out.stdout.split()
+    assert bound == "True", out.stderr[-2000:]
+    assert before == fixed_upstream, f"upstream binding {before} on a release where it is {'' if fixed_upstream == 'True' else 'not '}expected"

@@ -26,21 +26,14 @@ KNOWN_FAILURES = {
     "cuda_streams": ("torch.cuda.Stream requires CUDA support", (_NO_DRIVER, "torch/cuda/streams.py")),
     "current_device": ("Torch not compiled with CUDA enabled", (_NO_DRIVER, "current_device")),
     "rng": ("Torch not compiled with CUDA enabled", (_NO_DRIVER, "tensor_parallel/random.py")),
-    "te_general_gemm": ("name 'te_general_gemm' is not defined", (("name 'te_general_gemm' is not defined",), "")),
     "split_sizes_to_cpu": ("all_to_all_single(): incompatible function arguments",
                            (("all_to_all_single(): incompatible function arguments",), "")),
     "cuda_device_literals": ("Torch not compiled with CUDA enabled", (_NO_DRIVER, "megatron/core/optimizer")),
 }
 
 
-def _upstream_te_general_gemm_fixed() -> bool:
-    from megatron.core.transformer.moe import moe_utils
-
-    return "te_general_gemm" in vars(moe_utils) and "te_general_gemm" not in cpu_backend.applied()
-
-
 # For a patch the installed release does not need: the upstream fix, seen without the patch.
-UPSTREAM_FIXES = {"te_general_gemm": _upstream_te_general_gemm_fixed}
+UPSTREAM_FIXES: dict = {}
 
 
 def _step(skip: str) -> subprocess.CompletedProcess:
@@ -65,7 +58,7 @@ def test_patches_chosen_per_version():
     every = tuple(cpu_backend.PATCHES)
     assert cpu_backend.patches_for((0, 16, 1)) == every
     for v in ((0, 17, 0), (0, 18, 2), (0, 19, 2)):
-        assert cpu_backend.patches_for(v) == tuple(n for n in every if n != "te_general_gemm")
+        assert cpu_backend.patches_for(v) == every
 
 
 @pytest.mark.slow

@@ -121,20 +121,6 @@ def patch_rng() -> None:
     torch.cuda.initial_seed = lambda: torch.initial_seed()
 
 
-# --- 4. te_general_gemm -----------------------------------------------------------------
-def patch_te_general_gemm() -> None:
-    """Define `moe_utils.te_general_gemm = None` when transformer-engine is absent.
-
-    Why: megatron-core 0.13-0.16 import it inside a try block and test `is not None` in the
-    router's fp32 gating, but never bind the name when the import fails (NameError). 0.17 binds
-    it to None without transformer-engine, so the patch is applied on 0.16 only (NEEDED_IN).
-    """
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
 # --- 5. split sizes ---------------------------------------------------------------------
 def patch_split_sizes_to_cpu() -> None:
     """Make `maybe_move_tensor_to_cpu` convert CPU tensors too (to numpy when asked).
@@ -216,7 +202,6 @@ PATCHES: dict[str, Callable[[], None]] = {
     "cuda_streams": patch_cuda_streams,
     "current_device": patch_current_device,
     "rng": patch_rng,
-    "te_general_gemm": patch_te_general_gemm,
     "split_sizes_to_cpu": patch_split_sizes_to_cpu,
     "cuda_device_literals": patch_cuda_device_literals,
 }
@@ -229,7 +214,6 @@ NEEDED_IN: dict[str, tuple[tuple[int, int, int], tuple[int, int, int] | None]] =
     "cuda_streams": _ALWAYS,
     "current_device": _ALWAYS,
     "rng": _ALWAYS,
-    "te_general_gemm": ((0, 13, 0), (0, 17, 0)),  # 0.17 binds te_general_gemm = None without TE
     "split_sizes_to_cpu": _ALWAYS,
     "cuda_device_literals": _ALWAYS,
 }

@@ -960,7 +960,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
-        return WORKERS[a.worker](a)
+        # A worker ends with os._exit: a process holding NCCL communicators or CUDA-stream worker
+        # threads can hang at interpreter exit (seen on the H200: step 4 and 5 hung after their
+        # results), and a hung worker costs the whole step its timeout.
+        try:
+            rc = WORKERS[a.worker](a)
+        except BaseException:  # noqa: BLE001 - shown, then the process ends
+            import traceback
+
+            traceback.print_exc()
+            rc = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(rc or 0))
     return orchestrate(a)
 
 
