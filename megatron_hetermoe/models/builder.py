@@ -64,8 +64,9 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, **overrides):
 def layer_spec(model: ModelConfig):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_hetermoe.compat import normalize_layer_spec
+    from megatron_hetermoe.compat import bind_missing_te_general_gemm, normalize_layer_spec
 
+    bind_missing_te_general_gemm()  # the router needs it without transformer-engine (compat.py)
     # 0.18+ give the MoE mlp as builders; normalized to 0.16.1's ModuleSpec form (compat.py).
     return normalize_layer_spec(get_gpt_layer_local_spec(num_experts=model.num_experts, normalization="RMSNorm"))
 
