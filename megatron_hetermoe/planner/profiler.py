@@ -164,11 +164,16 @@ def measure(model: ModelConfig, seq_lens: list[int], seqs: list[int], expert_tok
         expert.append({"tokens": t, "fwd_s": f, "bwd_s": bw})
         expert_mod.zero_grad(set_to_none=True)
 
-    # device peaks as reached by plain torch ops
-    n = 2048 if dev.type == "cuda" else 512
-    a = torch.randn(n, n, device=dev, dtype=dtype)
-    mm = _median_time(lambda: a @ a, dev, repeats)
-    peak_tflops = 2 * n ** 3 / mm / 1e12
+    # device peaks as reached by plain torch ops: the best of a square-GEMM size sweep (one
+    # 2048^3 GEMM under-reports a Hopper GPU: it is too small to fill 132 SMs)
+    sweep = []
+    for n_ in ((2048, 4096, 8192) if dev.type == "cuda" else (256, 512)):
+        a = torch.randn(n_, n_, device=dev, dtype=dtype)
+        mm = _median_time(lambda: a @ a, dev, repeats)
+        sweep.append({"n": n_, "tflops": round(2 * n_ ** 3 / mm / 1e12, 3)})
+        del a
+    best = max(sweep, key=lambda r: r["tflops"])
+    n, peak_tflops = best["n"], best["tflops"]
     big = torch.empty(64 * 2**20 // 4, device=dev, dtype=torch.float32)
     cp = _median_time(lambda: big.clone(), dev, repeats)
     membw = 2 * big.numel() * 4 / cp / 1e9
@@ -187,7 +192,9 @@ def measure(model: ModelConfig, seq_lens: list[int], seqs: list[int], expert_tok
     if dev.type == "cuda":
         props = torch.cuda.get_device_properties(dev)
         mem_gib, name = props.total_memory / 2**30, props.name
-        bf16 = bool(torch.cuda.is_bf16_supported())
+        # Native bf16 only (Ampere, sm_80, and later): is_bf16_supported() also says True on
+        # V100 and T4, where bf16 runs emulated.
+        bf16 = props.major >= 8
         flash = props.major >= 8
     else:
         mem_gib = _cpu_memory_gib()
@@ -211,6 +218,7 @@ def measure(model: ModelConfig, seq_lens: list[int], seqs: list[int], expert_tok
         "expert_params": int(exp_params),
         "expert_params_match_model_config": int(exp_params) == model.expert_params(),
         "flops_note": "tables are converted to FLOP rates and scaled to other shapes by cost_model.py",
+        "gemm_sweep": sweep,  # square matmuls n x n x n in the profile's precision: TFLOP/s
     }
     large = max(expert, key=lambda e: e["tokens"])
     gemm_rate = 6.0 * h * model.moe_ffn_hidden_size * large["tokens"] / large["fwd_s"] / 1e12
@@ -224,7 +232,7 @@ def measure(model: ModelConfig, seq_lens: list[int], seqs: list[int], expert_tok
         "flash_attention": flash,
         "memory_gib": {"value": round(mem_gib, 2), "source": f"{src}: total device memory"},
         "peak_fp16_tflops": {"value": round(peak_tflops, 4),
-                             "source": f"{src}: {n}x{n} matmul rate in {dtype_name} (an achieved peak, not a datasheet one)"},
+                             "source": f"{src}: best square matmul of a size sweep ({n}^3) in {dtype_name} (an achieved peak, not a datasheet one)"},
         "memory_bandwidth_gbs": {"value": round(membw, 2), "source": f"{src}: 256 MiB clone"},
         "gemm_efficiency": {"value": round(min(1.0, gemm_rate / peak_tflops), 4),
                             "source": f"{src}: expert forward FLOP rate at {large['tokens']} tokens / matmul peak"},
