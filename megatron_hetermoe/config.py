@@ -188,6 +188,29 @@ class TrainConfig:
     save_interval: int | None = None
     ckpt_step: int | None = None
     ckpt_reshard: bool = False
+    # Megatron's --bf16/--fp16: 16-bit parameters and activations, fp32 main parameters and
+    # gradients. Loss scaling as Megatron's: --loss-scale (None: dynamic for fp16, none for
+    # bf16), --initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis.
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None
+    initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
+
+    @property
+    def precision(self) -> str:
+        """"bf16", "fp16" or "fp32": the world's parameter and activation precision."""
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+    def nan_check_mode(self) -> str:
+        """check_for_nan_in_loss_and_grad as the trainers apply it: "off" under fp16 with a
+        dynamic loss scale, where a non-finite gradient is the scaler's signal (Megatron-LM's
+        validate_args turns the check off there too)."""
+        if self.fp16 and self.loss_scale is None:
+            return "off"
+        return self.check_for_nan_in_loss_and_grad
 
     def num_microbatches(self, dp: int) -> int:
         per = self.micro_batch_size * dp
@@ -220,7 +243,12 @@ class HeteroRunConfig:
     schedule: str | None = None
     recompute: bool = False
     timeline_dir: str | None = None
+    # --hetero-expert-precision: the expert ranks' precision; None: the world's (--bf16/--fp16).
+    # Only the world's is supported (plan/validation.py says why).
+    expert_precision: str | None = None
 
     def __post_init__(self) -> None:
         if self.schedule not in (None, "distep", "zebra"):
             raise ValueError(f"hetero schedule {self.schedule!r} is unknown; use distep or zebra")
+        if self.expert_precision not in (None, "bf16", "fp16", "fp32"):
+            raise ValueError(f"--hetero-expert-precision {self.expert_precision!r} is unknown; use bf16, fp16 or fp32")

@@ -45,9 +45,9 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_unsupported_and_unknown_flags_are_named():
-    r = _run(TINY_FLAGS + ["--fp16", "--moe-grouped-gemm", "--not-a-flag", "3"])
+    r = _run(TINY_FLAGS + ["--use-flash-attn", "--moe-grouped-gemm", "--not-a-flag", "3"])
     assert r.returncode == 2
-    assert "unsupported Megatron-LM flag(s): --fp16 --moe-grouped-gemm" in r.stderr
+    assert "unsupported Megatron-LM flag(s): --use-flash-attn --moe-grouped-gemm" in r.stderr
     assert "unknown flag(s): --not-a-flag" in r.stderr
     r = _run(TINY_FLAGS + ["--lr-warmup", "3"])  # a prefix of --lr-warmup-iters: no abbreviations
     assert r.returncode == 2 and "unknown flag(s): --lr-warmup" in r.stderr

@@ -134,6 +134,26 @@ CASES = [
      "exact global norm); drop the flag"),
     ("flags", "--hetero-plan", flags("--hetero-plan", "/no/such/plan.json"), FileNotFoundError,
      "--hetero-plan: [Errno 2] No such file or directory"),
+    ("flags", "--bf16 with --fp16", flags("--bf16", "--fp16"), SystemExit,
+     "argument --fp16: not allowed with argument --bf16"),
+    ("flags", "--bf16 with --hetero-plan", flags("--bf16", plan=edit(PLAN, gpu_types=["A40", "V100-32GB", "T4"])),
+     ConfigError, "--bf16: the plan has GPU type(s) without native bf16 (profile bf16: false): V100-32GB (ranks [1]); "
+                  "T4 (ranks [2]); use --fp16"),
+    ("flags", "--hetero-expert-precision", flags("--bf16", "--hetero-expert-precision", "fp16", plan=PLAN),
+     ConfigError, "--hetero-expert-precision fp16 with --bf16 (attention ranks bf16): per-pool precision is not "
+                  "supported; one precision runs on every rank"),
+    ("flags", "--loss-scale", flags("--loss-scale", "128"), ConfigError,
+     "--loss-scale 128.0: scales the loss of --fp16/--bf16 runs only (fp32 has none); drop --loss-scale, or add "
+     "--fp16 or --bf16"),
+    ("flags", "--min-loss-scale", flags("--fp16", "--initial-loss-scale", "4", "--min-loss-scale", "8"), ConfigError,
+     "--min-loss-scale 8.0: is above --initial-loss-scale 4.0; pass --min-loss-scale at most 4.0"),
+    ("flags", "--hysteresis", flags("--fp16", "--hysteresis", "0"), ConfigError,
+     "--hysteresis 0: must be an integer >= 1; pass e.g. --hysteresis 2"),
+    ("flags", "--hetero-ckpt-reshard with --bf16", flags("--bf16", "--load", "/tmp/ckpt", "--hetero-ckpt-reshard"),
+     ConfigError, "--hetero-ckpt-reshard with --bf16: resharding by name moves fp32 parameters and Adam moments"),
+    ("flags", "--emulate with --bf16", flags("--bf16", "--emulate", "mini-2a40-2v100"), ConfigError,
+     "--bf16 with --emulate: emulated runs time fp32 work on CPU ranks (the emulated cluster is priced by the cost "
+     "model); drop --bf16"),
     # ---- model config YAML (configs/models/, --model)
     ("model config", "(file)", model("- a list\n"), ModelConfigError,
      "PATH: a model config is a YAML mapping of fields, got list"),

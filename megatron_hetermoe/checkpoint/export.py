@@ -128,6 +128,11 @@ def export_checkpoint(load_dir: str, out: str, step: int | None = None, plan=Non
     from megatron_hetermoe.parallel.launcher import launch
 
     iter_dir, manifest = locate(load_dir, step)
+    precision = manifest.get("train", {}).get("precision", "fp32")
+    if precision != "fp32":
+        raise CheckpointError(f"{iter_dir} was saved by a {precision} run: its fp32 master weights sit in Megatron's "
+                              f"mixed-precision optimizer state, which export does not read by name yet; export "
+                              f"an fp32 run's checkpoint")
     if plan is not None:
         if manifest["trainer"] != "hetero":
             raise CheckpointError(f"{iter_dir} was saved by the {manifest['trainer']} trainer, not under a plan; "

@@ -48,8 +48,10 @@ class Checkpointer:
 
 
 def _train_dict(cfg) -> dict:
-    return {k: getattr(cfg, k) for k in ("lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad",
-                                         "train_iters", "micro_batch_size", "global_batch_size", "seed")}
+    out = {k: getattr(cfg, k) for k in ("lr", "min_lr", "lr_warmup_iters", "weight_decay", "clip_grad",
+                                        "train_iters", "micro_batch_size", "global_batch_size", "seed")}
+    out["precision"] = cfg.precision  # bf16/fp16 files hold Megatron's mixed-precision optimizer state
+    return out
 
 
 def megatron_checkpointer(cfg, module, names: dict[str, str], optimizer, scheduler) -> Checkpointer:

@@ -85,6 +85,11 @@ def check_compatible(manifest: dict, iter_dir: Path, state: RankState, reshard: 
         raise CheckpointError(
             f"{iter_dir}: model shape differs: {'; '.join(diff)}; load it with the model it was saved with "
             f"(--model {manifest['model'].get('name')})")
+    saved, now = manifest.get("train", {}).get("precision", "fp32"), state.train.get("precision", "fp32")
+    if saved != now:  # Megatron's fp32 and mixed-precision optimizers keep different state
+        flag = {"bf16": "--bf16", "fp16": "--fp16"}.get(saved, "neither --bf16 nor --fp16")
+        raise CheckpointError(f"{iter_dir}: saved by a {saved} run, this run is {now}; load it with the precision "
+                              f"it was saved with ({flag})")
     diff = layout_difference(manifest, state.trainer, state.layout, state.world_size)
     if diff and not reshard:
         raise CheckpointError(

@@ -12,9 +12,23 @@ import torch.nn.functional as F
 from megatron_hetermoe.config import ModelConfig, ParallelConfig
 
 
-def transformer_config(model: ModelConfig, par: ParallelConfig, **overrides):
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def precision_dtype(precision: str) -> torch.dtype:
+    """The parameter and activation dtype of a precision name (TrainConfig.precision)."""
+    try:
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    except KeyError:
+        raise ValueError(f"precision {precision!r} is unknown; use one of {list(PRECISIONS)}") from None
+
+
+def transformer_config(model: ModelConfig, par: ParallelConfig, precision: str = "fp32", **overrides):
+    """megatron-core's TransformerConfig of `model`; `precision` sets bf16/fp16 and
+    params_dtype as Megatron-LM's --bf16/--fp16 do."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    dtype = precision_dtype(precision)
     kw = dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -35,8 +49,10 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, **overrides):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        pipeline_dtype=torch.float32,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
         expert_model_parallel_size=par.ep,
@@ -88,6 +104,26 @@ def build_gpt(model: ModelConfig, config, spec=None, pre_process: bool = True, p
         position_embedding_type="rope",
         **kw,
     )
+
+
+def wrap_precision(config, module: torch.nn.Module) -> torch.nn.Module:
+    """Megatron-LM's get_model: a bf16/fp16 model chunk is wrapped in Float16Module (which
+    casts it) before DDP; fp32 chunks are returned as they are."""
+    if not (config.bf16 or config.fp16):
+        return module
+    from megatron.core.transformer.module import Float16Module
+
+    return Float16Module(config, module)
+
+
+def wrapped_names(model: torch.nn.Module, names: dict[str, str]) -> dict[str, str]:
+    """`names` (the unwrapped module's local name -> canonical name) keyed by the names the
+    wrapped model (DDP, Float16Module) gives the same parameters."""
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    by_param = {p: names[n] for n, p in inner.named_parameters()}
+    return {n: by_param[p] for n, p in model.named_parameters()}
 
 
 # --- canonical names: the same parameter has the same name in every layout -----------------

@@ -58,8 +58,9 @@ class HeteroTokenDispatcher(MoETokenDispatcher):
         return meta, permuted
 
     def exchange_route(self, meta: DispatchMeta) -> DispatchMeta:
+        # The wire dtype is params_dtype, as on the expert ranks (ExpertRuntime.forward_layer).
         route, _ = TokenRoute.exchange(self.hs, self.layer, meta.per_expert, list(meta.send_splits),
-                                       meta.hidden_shape[-1], meta.probs.dtype)
+                                       meta.hidden_shape[-1], self.config.params_dtype)
         return dataclasses.replace(meta, route=route)
 
     def postprocess(self, meta: DispatchMeta, combined: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,6 +12,10 @@ expert mirror). Zebra issues the four transfers as separate tasks with the raw m
 
 Every member calls every collective in the same order, whether it sends or receives anything:
 a rank with nothing to send passes an empty [0, H] tensor (`route.empty()`).
+
+Tokens travel as raw bytes, so every member must send the route's `dtype` (the wire dtype):
+both roles make it from their TransformerConfig's params_dtype, one world-wide precision
+(plan/validation.py refuses per-pool precision), and each transfer checks what it sends.
 """
 from __future__ import annotations
 
@@ -55,7 +59,7 @@ class TokenRoute:
     dispatch_group: object
     combine_group: object
     width: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the wire dtype: every member sends and receives this
     device: torch.device
 
     @classmethod
@@ -64,8 +68,9 @@ class TokenRoute:
                  stamp: int | None = None) -> tuple["TokenRoute", int | None]:
         """The counts exchange of `layer` (collective over the dispatch group). per_expert: this
         rank's token count per expert of the layer in travel order, None on a rank that routes
-        nothing (an expert rank). `stamp`: an int every member adds; the maximum comes back
-        (emulation carries when each member could start the transfer)."""
+        nothing (an expert rank). dtype: the wire dtype (the world's params_dtype). `stamp`: an
+        int every member adds; the maximum comes back (emulation carries when each member could
+        start the transfer)."""
         n = len(hs.zp.members)
         if per_expert is None:
             per_expert = torch.zeros(len(hs.layer_order(layer)), dtype=torch.int64, device=hs.device)
@@ -84,15 +89,25 @@ class TokenRoute:
     def empty(self) -> torch.Tensor:
         return torch.empty(0, self.width, dtype=self.dtype, device=self.device)
 
+    def _wire(self, x: torch.Tensor | None, what: str) -> torch.Tensor:
+        """x, or an empty send; a tensor of another dtype than the wire's is refused (the peer
+        would read its bytes as the wire dtype)."""
+        if x is None:
+            return self.empty()
+        if x.dtype != self.dtype:
+            raise TypeError(f"TokenRoute.{what}: sending a {x.dtype} tensor on a {self.dtype} route; every "
+                            f"member must send the route's dtype (one --bf16/--fp16/fp32 precision on all ranks)")
+        return x
+
     # ---- raw transfers (zebra's tasks) ------------------------------------------------------
     def to_experts(self, x: torch.Tensor | None, a2a: AllToAll = all_to_all) -> torch.Tensor:
         """Attention -> experts on the dispatch group (forward dispatch, gradient of combine)."""
-        return a2a(self.empty() if x is None else x, list(self.recv_splits), list(self.send_splits),
+        return a2a(self._wire(x, "to_experts"), list(self.recv_splits), list(self.send_splits),
                    self.dispatch_group)
 
     def to_attention(self, x: torch.Tensor | None, a2a: AllToAll = all_to_all) -> torch.Tensor:
         """Experts -> attention on the combine group (forward combine, gradient of dispatch)."""
-        return a2a(self.empty() if x is None else x, list(self.send_splits), list(self.recv_splits),
+        return a2a(self._wire(x, "to_attention"), list(self.send_splits), list(self.recv_splits),
                    self.combine_group)
 
     # ---- autograd transfers (DistEP) ----------------------------------------------------------

@@ -91,6 +91,17 @@ def init_distributed(backend: str | None = None) -> torch.device:
     return device
 
 
+def check_native_bf16(device: torch.device) -> None:
+    """Refuse --bf16 on a GPU without native bf16 (compute capability < 8.0: V100, T4).
+    torch.cuda.is_bf16_supported() says True there (emulated), so the capability decides."""
+    if device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        raise ValueError(f"--bf16 on {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}): "
+                         f"no native bf16 (it needs 8.0+, Ampere or newer); use --fp16")
+
+
 def set_deterministic(device: torch.device) -> None:
     """torch.use_deterministic_algorithms(True), with the cuBLAS workspace setting it needs on
     CUDA (CUBLAS_WORKSPACE_CONFIG, read when cuBLAS starts: call this before the first matmul)."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from megatron_hetermoe.plan.hetero_plan import SCHEDULES, HeteroPlan, PlanError
 
 if TYPE_CHECKING:
-    from megatron_hetermoe.config import TrainConfig
+    from megatron_hetermoe.config import HeteroRunConfig, TrainConfig
 
 
 class ConfigError(ValueError):
@@ -29,6 +29,8 @@ FLAGS = {
     "weight_decay": "--weight-decay", "clip_grad": "--clip-grad", "seed": "--seed", "log_interval": "--log-interval",
     "check_for_nan_in_loss_and_grad": "--check-for-nan-in-loss-and-grad",
     "save_interval": "--save-interval", "ckpt_step": "--ckpt-step",
+    "bf16": "--bf16", "fp16": "--fp16", "loss_scale": "--loss-scale", "initial_loss_scale": "--initial-loss-scale",
+    "min_loss_scale": "--min-loss-scale", "loss_scale_window": "--loss-scale-window", "hysteresis": "--hysteresis",
     "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size", "ep": "--expert-model-parallel-size",
 }
 SEED_LIMIT = 2**32  # data and init generators take seed * 1_000_003 + index: keep it in int64
@@ -80,6 +82,71 @@ def check_train_config(cfg: "TrainConfig") -> None:
             _int(cfg, name, low)
     if cfg.nan_injection is not None and not isinstance(cfg.nan_injection, NanInjection):
         raise ConfigError(f"nan_injection={cfg.nan_injection!r} must be a nan_check.NanInjection (a test hook)")
+    check_precision(cfg)
+
+
+def _positive(cfg, field: str, example: str) -> None:
+    v = getattr(cfg, field)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        raise _bad(field, v, "must be a finite number > 0", f"pass e.g. {FLAGS[field]} {example}")
+
+
+def check_precision(cfg: "TrainConfig") -> None:
+    """--bf16/--fp16 and Megatron's loss-scale flags."""
+    for name in ("bf16", "fp16"):
+        if type(getattr(cfg, name)) is not bool:
+            raise _bad(name, getattr(cfg, name), "must be true or false", f"pass {FLAGS[name]} or leave it out")
+    if cfg.bf16 and cfg.fp16:
+        raise ConfigError("--bf16 and --fp16 together: pick one precision (Megatron-LM refuses both too)")
+    if cfg.loss_scale is not None:
+        _positive(cfg, "loss_scale", "4096")
+        if cfg.precision == "fp32":
+            raise _bad("loss_scale", cfg.loss_scale, "scales the loss of --fp16/--bf16 runs only (fp32 has none)",
+                       "drop --loss-scale, or add --fp16 or --bf16")
+    if cfg.fp16 and cfg.loss_scale is None:  # Megatron's DynamicGradScaler asserts these on every rank
+        _positive(cfg, "initial_loss_scale", "65536")
+        _positive(cfg, "min_loss_scale", "1")
+        if cfg.min_loss_scale > cfg.initial_loss_scale:
+            raise _bad("min_loss_scale", cfg.min_loss_scale, f"is above --initial-loss-scale {cfg.initial_loss_scale}",
+                       f"pass --min-loss-scale at most {cfg.initial_loss_scale}")
+        _positive(cfg, "loss_scale_window", "1000")
+        if type(cfg.hysteresis) is not int or cfg.hysteresis < 1:
+            raise _bad("hysteresis", cfg.hysteresis, "must be an integer >= 1", "pass e.g. --hysteresis 2")
+    if cfg.precision != "fp32" and cfg.ckpt_reshard:
+        raise ConfigError(f"--hetero-ckpt-reshard with --{cfg.precision}: resharding by name moves fp32 parameters "
+                          f"and Adam moments, but a {cfg.precision} run's fp32 master weights sit in Megatron's "
+                          f"mixed-precision optimizer state, not read by name yet; resume on the layout (plan) it "
+                          f"was saved with, without --hetero-ckpt-reshard")
+    if cfg.precision != "fp32" and cfg.emulate is not None:
+        raise ConfigError(f"--{cfg.precision} with --emulate: emulated runs time fp32 work on CPU ranks (the "
+                          f"emulated cluster is priced by the cost model); drop --{cfg.precision}")
+
+
+def per_pool_precision_error(world: str, expert: str) -> ConfigError:
+    """--hetero-expert-precision other than the world's: refused (see the message)."""
+    flag = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "no precision flag"}[world]
+    return ConfigError(
+        f"--hetero-expert-precision {expert} with {flag} (attention ranks {world}): per-pool precision is not "
+        f"supported; one precision runs on every rank (tokens cross roles in one wire dtype, and fp16 on one "
+        f"pool needs a dynamic loss scale that Megatron's bf16 optimizer does not have). Use one precision "
+        f"everywhere: --fp16 if a GPU of the plan has no native bf16 (V100, T4), and drop "
+        f"--hetero-expert-precision")
+
+
+def check_bf16_gpus(cfg: "TrainConfig", gpu_types: list[str], what: str) -> None:
+    """--bf16 on GPU types whose profile says bf16: false (no native bf16: V100, T4)."""
+    if not cfg.bf16:
+        return
+    from megatron_hetermoe.planner.profiles import load_profile
+
+    bad: dict[str, list[int]] = {}
+    for r, t in enumerate(gpu_types):
+        if t.lower() != "cpu" and not load_profile(t).bf16:
+            bad.setdefault(t, []).append(r)
+    if bad:
+        where = "; ".join(f"{t} (ranks {rs})" for t, rs in bad.items())
+        raise ConfigError(f"--bf16: {what} has GPU type(s) without native bf16 (profile bf16: false): {where}; "
+                          f"use --fp16")
 
 
 def check_megatron_layout(cfg: "TrainConfig", world: int) -> None:
@@ -110,13 +177,15 @@ def check_megatron_layout(cfg: "TrainConfig", world: int) -> None:
     from megatron_hetermoe.models.builder import transformer_config
 
     try:  # megatron-core's own config checks, run here with no process group
-        transformer_config(m, par)
+        transformer_config(m, par, cfg.precision)
     except (ValueError, AssertionError) as e:
         raise ConfigError(f"megatron-core refuses model {m.name!r} with TP={par.tp} PP={par.pp} EP={par.ep}: {e}") from None
 
 
-def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str | None = None) -> None:
-    """A HeterMoE job: the plan against the job, the model and the batch."""
+def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str | None = None,
+                 run: "HeteroRunConfig | None" = None) -> None:
+    """A HeterMoE job: the plan against the job, the model and the batch; its precision against
+    the plan's GPU types."""
     from megatron_hetermoe.config import ParallelConfig
     from megatron_hetermoe.planner.profiles import known_gpu_types
 
@@ -128,6 +197,9 @@ def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str
         raise ConfigError("--use-distributed-optimizer with --hetero-plan is not supported yet (each side steps "
                           "Megatron's Adam on an exact global norm); drop the flag")
     plan.validate(world_size=world, known_gpu_types=known_gpu_types())
+    check_bf16_gpus(cfg, plan.gpu_types, "the plan")
+    if run is not None and run.expert_precision not in (None, cfg.precision):
+        raise per_pool_precision_error(cfg.precision, run.expert_precision)
     m = cfg.model
     if plan.num_layers != m.num_layers or plan.num_experts != m.num_experts:
         raise PlanError(
@@ -144,12 +216,13 @@ def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str
     from megatron_hetermoe.models.builder import transformer_config
 
     try:
-        transformer_config(m, ParallelConfig(), expert_model_parallel_size=2)
+        transformer_config(m, ParallelConfig(), cfg.precision, expert_model_parallel_size=2)
     except (ValueError, AssertionError) as e:
         raise ConfigError(f"megatron-core refuses model {m.name!r}: {e}") from None
 
 
-def validate_job(cfg: "TrainConfig", world: int, plan: HeteroPlan | None = None, schedule: str | None = None) -> None:
+def validate_job(cfg: "TrainConfig", world: int, plan: HeteroPlan | None = None, schedule: str | None = None,
+                 run: "HeteroRunConfig | None" = None) -> None:
     """Everything a job's ranks would otherwise find out after their process groups exist."""
     if type(world) is not int or world < 1:
         raise ConfigError(f"world size {world!r} must be an integer >= 1; pass --nproc 1 or more")
@@ -157,4 +230,4 @@ def validate_job(cfg: "TrainConfig", world: int, plan: HeteroPlan | None = None,
     if plan is None:
         check_megatron_layout(cfg, world)
     else:
-        check_hetero(cfg, plan, world, schedule)
+        check_hetero(cfg, plan, world, schedule, run)

@@ -131,7 +131,8 @@ PAPER_PROGRAM = Program("fp16", "fused", "full")  # what the paper ran and the G
 
 
 def runtime_program(recompute: bool = False) -> Program:
-    """The program this package's trainers run, on CPU and GPU alike: models/builder.py's
+    """The program this package's trainers run by default (without --bf16/--fp16; emulated runs
+    are fp32 only), on CPU and GPU alike: models/builder.py's
     TransformerConfig has fp32 parameters and activations and megatron-core's local layer spec
     (unfused DotProductAttention); trainer.build_optimizer is fp32 Adam; activations are
     recomputed only by zebra's --recompute-granularity full (per attention stage)."""

@@ -66,7 +66,7 @@ class GpuProfile:
     name: str
     memory_gib: float
     fp16: bool
-    bf16: bool
+    bf16: bool  # native bf16 (Ampere+); false on V100/T4, where the trainers refuse --bf16
     peak_fp16_tflops: float  # dense tensor-core FP16 (FP32 accumulate)
     memory_bandwidth_gbs: float
     gemm_efficiency: float  # fraction of peak that large expert / projection GEMMs reach

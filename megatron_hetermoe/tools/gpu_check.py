@@ -269,29 +269,13 @@ def step_1rank(ck: Check, r: StepResult) -> None:
             continue
         outs = {d: ck.work / f"s2_{name}_{d}.json" for d in ("gpu", "cpu")}
         cmd = lambda d: ck.torchrun(1, *base, *extra, "--golden-values-out", str(outs[d]))  # noqa: E731
-        hs = []
-        if ck.gpu:
-            hs.append(ck.start(f"s2_{name}_gpu", cmd("gpu"), ck.env()))
-        hc = ck.start(f"s2_{name}_cpu", cmd("cpu"), ck.env(cpu=True, threads=2))
-        pg = ck.finish(hs[0], min(150, ck.left())) if hs else None
-        pc = ck.finish(hc, min(150, ck.left()))
-        cpu = _losses(outs["cpu"]) if pc.ok else None
-        gpu = _losses(outs["gpu"]) if pg is not None and pg.ok else None
+        pg, pc, gpu, cpu = _gpu_and_cpu(ck, f"s2_{name}", cmd, outs, ck.gpu, threads=2, timeout=150)
         got[name] = {"cpu": cpu, "gpu": gpu}
         if not _finite(cpu):
             fails.append(f"{name} CPU: {pc.why() if not pc.ok else 'no finite losses'}")
         if pg is not None and not _finite(gpu):
             fails.append(f"{name} GPU: {pg.why() if not pg.ok else 'no finite losses'}")
-        if _finite(cpu):
-            ck.log(f"  {name}: CPU losses {_fmt(cpu, '.7f')}")
-        if _finite(gpu):
-            ck.log(f"  {name}: GPU losses {_fmt(gpu, '.7f')}")
-        if _finite(cpu) and _finite(gpu):
-            rel = _rel(gpu, cpu)
-            ck.log(f"  {name}: GPU vs CPU rel diff per step {_fmt(rel, '.2e')}")
-            parts.append(f"{name} GPU/CPU max rel {max(rel):.2e}")
-            if max(rel) > LOOSE_REL:
-                fails.append(f"{name}: GPU vs CPU rel diff {max(rel):.2e} > {LOOSE_REL}")
+        _log_gpu_vs_cpu(ck, name, "GPU", cpu, gpu, parts, fails)
     for dev in ("cpu", "gpu"):  # the three runs train the same model on the same data
         ref = got.get("ep", {}).get(dev)
         for name in ("distep", "zebra"):
@@ -307,6 +291,33 @@ def step_1rank(ck: Check, r: StepResult) -> None:
     else:
         r.status = "PASS"
         r.summary = ("; ".join(parts) if ck.gpu else "CPU references only (ep, distep, zebra ran; GPU part SKIP)")
+
+
+def _gpu_and_cpu(ck: "Check", tag: str, cmd, outs: dict, on_gpu: bool, threads: int, timeout: float):
+    """Start the GPU run (when on_gpu) and its CPU reference side by side; returns (gpu process or
+    None, cpu process, gpu losses or None, cpu losses or None)."""
+    hg = ck.start(f"{tag}_gpu", cmd("gpu"), ck.env()) if on_gpu else None
+    hc = ck.start(f"{tag}_cpu", cmd("cpu"), ck.env(cpu=True, threads=threads))
+    pg = ck.finish(hg, min(timeout, ck.left())) if hg is not None else None
+    pc = ck.finish(hc, min(timeout, ck.left()))
+    cpu = _losses(outs["cpu"]) if pc.ok else None
+    gpu = _losses(outs["gpu"]) if pg is not None and pg.ok else None
+    return pg, pc, gpu, cpu
+
+
+def _log_gpu_vs_cpu(ck: "Check", name: str, gpu_label: str, cpu, gpu, parts: list, fails: list) -> None:
+    """Log a run's CPU and GPU losses and their per-step relative difference; a difference over
+    the loose sanity bound is a failure."""
+    if _finite(cpu):
+        ck.log(f"  {name}: CPU losses {_fmt(cpu, '.7f')}")
+    if _finite(gpu):
+        ck.log(f"  {name}: {gpu_label} losses {_fmt(gpu, '.7f')}")
+    if _finite(cpu) and _finite(gpu):
+        rel = _rel(gpu, cpu)
+        ck.log(f"  {name}: GPU vs CPU rel diff per step {_fmt(rel, '.2e')}")
+        parts.append(f"{name} GPU/CPU max rel {max(rel):.2e}")
+        if max(rel) > LOOSE_REL:
+            fails.append(f"{name}: GPU vs CPU rel diff {max(rel):.2e} > {LOOSE_REL}")
 
 
 def step_gloo2(ck: Check, r: StepResult) -> None:
@@ -337,14 +348,7 @@ def step_gloo2(ck: Check, r: StepResult) -> None:
         outs = {d: ck.work / f"s3_{sched}_{d}.json" for d in ("gpu", "cpu")}
         cmd = lambda d: ck.torchrun(2, *ck.worker("hetero-train", "--plan", str(plan), "--iters", "4",  # noqa: E731
                                                    "--out", str(outs[d])))
-        hs = []
-        if gloo_cuda:
-            hs.append(ck.start(f"s3_{sched}_gpu", cmd("gpu"), ck.env()))
-        hc = ck.start(f"s3_{sched}_cpu", cmd("cpu"), ck.env(cpu=True, threads=1))
-        pg = ck.finish(hs[0], min(180, ck.left())) if hs else None
-        pc = ck.finish(hc, min(180, ck.left()))
-        cpu = _losses(outs["cpu"]) if pc.ok else None
-        gpu = _losses(outs["gpu"]) if pg is not None and pg.ok else None
+        pg, pc, gpu, cpu = _gpu_and_cpu(ck, f"s3_{sched}", cmd, outs, gloo_cuda, threads=1, timeout=180)
         got[sched] = {"cpu": cpu, "gpu": gpu}
         if not _finite(cpu):
             fails.append(f"{sched} CPU: {pc.why() if not pc.ok else 'no finite losses'}")
@@ -353,16 +357,7 @@ def step_gloo2(ck: Check, r: StepResult) -> None:
                 impossible.append(sched)
             else:
                 fails.append(f"{sched} GPU(gloo): {pg.why() if not pg.ok else 'no finite losses'}")
-        if _finite(cpu):
-            ck.log(f"  {sched}: CPU losses {_fmt(cpu, '.7f')}")
-        if _finite(gpu):
-            ck.log(f"  {sched}: GPU (gloo, 2 ranks on one GPU) losses {_fmt(gpu, '.7f')}")
-        if _finite(cpu) and _finite(gpu):
-            rel = _rel(gpu, cpu)
-            ck.log(f"  {sched}: GPU vs CPU rel diff per step {_fmt(rel, '.2e')}")
-            parts.append(f"{sched} max rel {max(rel):.2e}")
-            if max(rel) > LOOSE_REL:
-                fails.append(f"{sched}: GPU vs CPU rel diff {max(rel):.2e} > {LOOSE_REL}")
+        _log_gpu_vs_cpu(ck, sched, "GPU (gloo, 2 ranks on one GPU)", cpu, gpu, parts, fails)
     r.data = {"losses": got, "gloo_cuda_all_to_all": gloo_cuda, "probe": probe_note}
     if fails:
         r.status, r.summary = "FAIL", "; ".join(fails) + (f" | {probe_note}" if ck.gpu else "")

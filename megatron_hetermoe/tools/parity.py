@@ -124,13 +124,15 @@ def reference_ep(plan: HeteroPlan, num_experts: int) -> int:
 
 def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch_size: int = 2,
                seed: int = 1234, timeout_s: float = 600.0, schedule: str | None = None,
-               recompute: bool = False, init_state: dict | None = None, free_run: bool = True) -> ParityReport:
+               recompute: bool = False, init_state: dict | None = None, free_run: bool = True,
+               precision: str = "fp32") -> ParityReport:
     """Megatron EP runs free; HeterMoE computes every step's loss and gradients at the
     reference's parameters of that step (loaded through the layout conversion), so round-off
     cannot compound across steps. free_run: also train HeterMoE on its own trajectory and report
     its final weights' difference. init_state: start from this plain Megatron state dict
     (canonical names) instead of the seed's layout-invariant init, e.g. weights crafted to force
-    a routing."""
+    a routing. precision: "fp32", "bf16" or "fp16" on both sides (the tolerances above are fp32's;
+    pass measured ones to ok() for the others)."""
     from megatron_hetermoe.parallel.launcher import launch
     from megatron_hetermoe.training.args import run
 
@@ -140,15 +142,18 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     if (plan.num_layers, plan.num_experts) != (model.num_layers, model.num_experts):
         raise ValueError(f"plan is for {plan.num_layers} layers x {plan.num_experts} experts but model {model.name!r} "
                          f"has {model.num_layers} x {model.num_experts}; make the plan with --model {model.name}")
+    if precision not in ("fp32", "bf16", "fp16"):
+        raise ValueError(f"precision {precision!r} is unknown; use fp32, bf16 or fp16")
+    prec = {"bf16": precision == "bf16", "fp16": precision == "fp16"}
     n_attn = len(plan.attention_ranks)
     gbs = micro_batch_size * plan.num_microbatches * n_attn
     ep = reference_ep(plan, model.num_experts)
     ref_cfg = TrainConfig(model, ParallelConfig(ep=ep), micro_batch_size=micro_batch_size, global_batch_size=gbs,
-                          train_iters=steps, seed=seed, collect_grads=True, quiet=True, init_state=init_state)
+                          train_iters=steps, seed=seed, collect_grads=True, quiet=True, init_state=init_state, **prec)
     ref = run(ref_cfg, n_attn, timeout_s=timeout_s)
     het_cfg = TrainConfig(model, ParallelConfig(), micro_batch_size=micro_batch_size, global_batch_size=gbs,
                           train_iters=steps, seed=seed, collect_grads=True, quiet=True,
-                          init_state=ref["initial_params"], pin_params=ref["step_params"])
+                          init_state=ref["initial_params"], pin_params=ref["step_params"], **prec)
     het = launch(_hetero_rank, plan.world_size, het_cfg, plan, schedule, recompute, timeout_s=timeout_s)[0]
 
     by_step = [diff_by_category(g_h, g_r, scale="category") for g_h, g_r in zip(het["grads"], ref["grads"])]

@@ -45,6 +45,23 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=1234, help="seed of weights and data order, in [0, 2^32)")
     p.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over data-parallel ranks (Megatron's); not with --hetero-plan")
+    g = p.add_argument_group("mixed precision (Megatron-LM flags)")
+    prec = g.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", action="store_true",
+                      help="bf16 parameters and activations, fp32 main parameters and gradients (Megatron's "
+                           "mixed-precision optimizer); needs native bf16 on every GPU (not V100/T4: use --fp16)")
+    prec.add_argument("--fp16", action="store_true",
+                      help="fp16 parameters and activations, fp32 main parameters and gradients, loss scaling "
+                           "(dynamic unless --loss-scale)")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="constant loss scale for --fp16/--bf16 (a positive power of 2 helps fp16; default: dynamic "
+                        "for --fp16, none for --bf16)")
+    g.add_argument("--initial-loss-scale", type=float, default=2**32, help="initial dynamic loss scale")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="minimum dynamic loss scale")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="steps without overflow before the dynamic loss scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="overflowing steps in a row before the dynamic loss scale halves")
     p.add_argument("--deterministic-mode", action="store_true",
                    help="bitwise reproducible runs (deterministic kernels; regress compares exactly)")
     p.add_argument("--log-interval", type=int, default=1, help="print an iteration line every this many steps")
@@ -100,6 +117,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         save=a.save, load=a.load, save_interval=a.save_interval, ckpt_step=a.ckpt_step,
         ckpt_reshard=a.hetero_ckpt_reshard, emulate=emulation_from_args(a),
         data=data_config_from_args(a, model),
+        bf16=a.bf16, fp16=a.fp16, loss_scale=a.loss_scale, initial_loss_scale=a.initial_loss_scale,
+        min_loss_scale=a.min_loss_scale, loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
     )
 
 
@@ -157,6 +176,9 @@ def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
                    help="zebra: recompute attention stages in backward (Megatron's 'full' meaning, per stage; "
                         "default: keep activations)")
     p.add_argument("--timeline-dir", default=None, help="HeterMoE: write each rank's timeline here (default: none)")
+    p.add_argument("--hetero-expert-precision", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="HeterMoE: the expert ranks' precision; only the world's (--bf16/--fp16/fp32) is supported "
+                        "(default: the world's)")
     return p
 
 
@@ -171,9 +193,10 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         cfg = config_from_args(a)
     except (ValueError, FileNotFoundError) as e:  # a bad model config, --seq-length, parallel size
         p.error(str(e))
-    hetero = HeteroRunConfig(a.hetero_schedule, a.recompute_granularity == "full", a.timeline_dir)
-    if not a.hetero_plan and (a.hetero_schedule or a.timeline_dir):
-        raise SystemExit("--hetero-schedule and --timeline-dir need --hetero-plan")
+    hetero = HeteroRunConfig(a.hetero_schedule, a.recompute_granularity == "full", a.timeline_dir,
+                             a.hetero_expert_precision)
+    if not a.hetero_plan and (a.hetero_schedule or a.timeline_dir or a.hetero_expert_precision):
+        raise SystemExit("--hetero-schedule, --timeline-dir and --hetero-expert-precision need --hetero-plan")
     if a.hetero_plan:
         from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
@@ -192,9 +215,12 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         from megatron_hetermoe.plan.validation import validate_job
 
         validate_job(cfg, int(os.environ.get("WORLD_SIZE", 0)) if joining else (a.nproc or 4),
-                     plan if a.hetero_plan else None, a.hetero_schedule)
+                     plan if a.hetero_plan else None, a.hetero_schedule, hetero)
     except ValueError as e:
         p.error(str(e))
+    if cfg.nan_check_mode() != cfg.check_for_nan_in_loss_and_grad and int(os.environ.get("RANK", "0")) == 0:
+        print("WARNING: --check-for-nan-in-loss-and-grad is off: --fp16 with a dynamic loss scale skips steps "
+              "whose gradients overflow (as Megatron-LM does)", file=sys.stderr)
     if joining:
         from megatron_hetermoe.parallel.device import init_distributed
 

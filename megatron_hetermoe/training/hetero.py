@@ -10,6 +10,7 @@ collective the expert ranks never enter.
 """
 from __future__ import annotations
 
+import re
 import resource
 
 import torch
@@ -29,10 +30,11 @@ from megatron_hetermoe.models.builder import (
     init_layout_invariant,
     layer_spec,
     transformer_config,
+    wrap_precision,
 )
 from megatron_hetermoe.models.experts import ExpertRuntime
 from megatron_hetermoe.models.moe_layer import hetero_layer_spec
-from megatron_hetermoe.parallel.device import rank_device
+from megatron_hetermoe.parallel.device import check_native_bf16, rank_device
 from megatron_hetermoe.parallel.megatron_globals import megatron_globals
 from megatron_hetermoe.parallel.state import (
     HeteroParallelState,
@@ -54,6 +56,8 @@ from megatron_hetermoe.training.step import (
     clip_coefficient,
     forward_step,
     global_grad_norm,
+    loss_scale_of,
+    share_loss_scale,
 )
 
 
@@ -67,8 +71,9 @@ class HeteroStep:
     parameters owned by attention DP rank 0, experts by ZP group 0) and clip by it, as Megatron
     clips one model."""
 
-    def __init__(self, cfg: TrainConfig, hs: HeteroParallelState, model, module, fwd_bwd, nmb: int):
+    def __init__(self, cfg: TrainConfig, hs: HeteroParallelState, model, module, fwd_bwd, nmb: int, optimizer=None):
         self.cfg, self.hs, self.model, self.module, self.fwd_bwd, self.nmb = cfg, hs, model, module, fwd_bwd, nmb
+        self.optimizer = optimizer
         self.pgc = hs.pg_collection()
         self.data = make_data(cfg)
         self.grads: list[dict] = []
@@ -104,14 +109,19 @@ class HeteroStep:
         grads = [(p.main_grad, _is_expert_param(p)) for p in self.model.parameters()]
         owned = [g for g, is_expert in grads
                  if (hs.group_index == 0 if is_expert else hs.attention_dp_rank == 0)]
+        # The gradients carry the world's one loss scale (training/step.py share_loss_scale); the
+        # norm and the clip are of the unscaled ones, as Megatron clips after unscaling.
+        scale = 1.0 if self.optimizer is None else loss_scale_of(self.optimizer)
         grad_norm = global_grad_norm(owned, hs.world_group, hs.device)
+        if scale != 1.0:
+            grad_norm /= scale
         coeff = clip_coefficient(self.cfg.clip_grad, grad_norm)
         if coeff < 1.0:
             for g, _ in grads:
                 g.mul_(coeff)
         if self.cfg.collect_grads:
             # Reported before clipping, as Megatron's main_grad is before its step clips.
-            self.grads.append(export_megatron(hs, self.model, "main_grad", scale=1.0 / coeff))
+            self.grads.append(export_megatron(hs, self.model, "main_grad", scale=1.0 / (coeff * scale)))
         return grad_norm
 
 
@@ -139,6 +149,10 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
     if cfg.use_distributed_optimizer:
         raise ValueError("use_distributed_optimizer is not supported by HeterMoE yet (each side steps Megatron's "
                          "Adam on an exact global norm); set it False")
+    if run.expert_precision not in (None, cfg.precision):
+        from megatron_hetermoe.plan.validation import per_pool_precision_error
+
+        raise per_pool_precision_error(cfg.precision, run.expert_precision)
     schedule = run.schedule or plan.schedule
     emulator = None
     if cfg.emulate is not None:
@@ -156,12 +170,15 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
             f"{cfg.micro_batch_size * plan.num_microbatches * n_attn} or remake the plan with R={nmb}"
         )
     hs = initialize_hetero_parallel(plan, device=rank_device())
+    if cfg.bf16:
+        check_native_bf16(hs.device)
     with megatron_globals(hs, cfg.seed):
         torch.manual_seed(cfg.seed)
         pgc = hs.pg_collection()
         # ep>1 only marks expert weights allreduce=False, so DDP reduces them over the
         # expert replica group instead of the attention DP group.
-        config = transformer_config(mcfg, ParallelConfig(), expert_model_parallel_size=2,
+        # One precision on both roles: TokenRoute's wire dtype is this params_dtype on every rank.
+        config = transformer_config(mcfg, ParallelConfig(), cfg.precision, expert_model_parallel_size=2,
                                     deterministic_mode=cfg.deterministic)
         base = layer_spec(mcfg)
         if hs.role == "attention":
@@ -177,12 +194,17 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         module.to(hs.device)  # built and initialized on the CPU (use_cpu_initialization)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=False)
-        model = DistributedDataParallel(config, ddp_config, module, pg_collection=pgc)
-        guard = NanGuard(cfg.check_for_nan_in_loss_and_grad, [model],
+        # bf16/fp16: Float16Module on both roles (the expert ranks' ExpertRuntime too), as
+        # Megatron-LM's get_model wraps a chunk before DDP.
+        model = DistributedDataParallel(config, ddp_config, wrap_precision(config, module), pg_collection=pgc)
+        guard = NanGuard(cfg.nan_check_mode(), [model],
                          {p: names[n] for n, p in module.named_parameters()}, hs.rank, hs.role,
                          hs.world_group, cfg.nan_injection, device=hs.device)
         # clip_grad=0: clipped by HeteroStep on the global norm of both sides.
         optimizer, scheduler = build_optimizer(cfg, model, 0.0, False, pg_collection=pgc)
+        # Attention ranks scale the loss (grad_scale_func); expert ranks get gradients already
+        # scaled by it, so every rank's scaler must hold the same scale and skip the same steps.
+        share_loss_scale(optimizer, hs.world_group, hs.device)
         if hs.role == "attention":
             config.finalize_model_grads_func = lambda m, n=None, pg_collection=None, force_all_reduce=False: \
                 finalize_model_grads(m, n, pg_collection=pgc, force_all_reduce=force_all_reduce)
@@ -201,7 +223,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         extra = {} if (hs.role == "attention" and schedule == "distep" and not task_list) else \
             {"zebra_config": zebra_config, "recorder": recorder, "executed": executed}
         fwd_bwd = get_forward_backward_func(hs, schedule, task_list=task_list, **extra)
-        role = HeteroStep(cfg, hs, model, module, fwd_bwd, nmb)
+        role = HeteroStep(cfg, hs, model, module, fwd_bwd, nmb, optimizer)
         parts = LoopParts(cfg, model, optimizer, scheduler, guard, recorder, steplog,
                           hetero_checkpointer(cfg, hs, module, names, optimizer, scheduler), hs.world_group, clock)
         res = train_loop(parts, role)
@@ -214,7 +236,9 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
                                group=hs.world_group)
         return {"losses": res.losses, "grads": role.grads, "params": params, "step_times": res.step_times,
                 "start_iteration": res.start_iteration, "num_microbatches": nmb, "dp": n_attn,
-                "schedule": schedule, "skipped": guard.skipped,
+                "schedule": schedule, "skipped": guard.skipped, "loss_scales": res.loss_scales,
+                "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+                "overflow_skipped": res.overflow_skipped,
                 "executed": [(list(a), {k: list(v) for k, v in b.items()}) for a, b, _ in executed],
                 "peak_activation_mib": max((m for _, _, m in executed), default=0) / 2**20,
                 "peak_rss_mib": peak,
@@ -222,11 +246,14 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
                 "emulation": emulation}
 
 
+_UNWRAP = re.compile(r"^(?:module\.)+")  # DDP's and Float16Module's prefixes
+
+
 def export_megatron(hs: HeteroParallelState, model, attr: str = "data", scale: float = 1.0) -> dict[str, torch.Tensor]:
     """Every rank's parameters (or main_grad) merged into a plain Megatron state dict, on all
     ranks (plan.layout.hetero_to_megatron over an all_gather)."""
     # CPU copies: a pickled CUDA tensor would unpickle onto the sender's GPU.
-    local = {n.removeprefix("module."): (getattr(p, attr).detach().clone().float() * scale).cpu()
+    local = {_UNWRAP.sub("", n): (getattr(p, attr).detach().clone().float() * scale).cpu()
              for n, p in model.named_parameters()}
     world = [None] * dist.get_world_size()
     dist.all_gather_object(world, local, group=hs.world_group)

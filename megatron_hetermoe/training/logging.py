@@ -9,10 +9,14 @@ import torch.distributed as dist
 from megatron_hetermoe.config import TrainConfig
 
 
-def format_iteration(it: int, cfg: TrainConfig, dt: float, lr, loss: float, grad_norm) -> str:
-    """A Megatron-style iteration line."""
+def format_iteration(it: int, cfg: TrainConfig, dt: float, lr, loss: float, grad_norm,
+                     loss_scale: float | None = None, skipped: int = 0) -> str:
+    """A Megatron-style iteration line; with `loss_scale` (bf16/fp16 runs) also Megatron's loss
+    scale and skipped-iteration fields."""
     tokens = cfg.global_batch_size * cfg.model.seq_length
     gn = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
+    scale = f"loss scale: {loss_scale:.1f} | " if loss_scale is not None else ""
+    tail = f" number of skipped iterations: {skipped:3d} |" if loss_scale is not None else ""
     bar = ""
     if cfg.progress_bar:
         done = round(20 * it / cfg.train_iters)
@@ -20,7 +24,7 @@ def format_iteration(it: int, cfg: TrainConfig, dt: float, lr, loss: float, grad
     return (bar + f" iteration {it:>8}/{cfg.train_iters:>8} | consumed samples: {it * cfg.global_batch_size:>10} | "
             f"elapsed time per iteration (ms): {dt * 1000:.1f} | tokens/s: {tokens / dt:.0f} | "
             f"learning rate: {lr:.6E} | global batch size: {cfg.global_batch_size:>5} | "
-            f"lm loss: {loss:.6E} | grad norm: {gn} |")
+            f"lm loss: {loss:.6E} | {scale}grad norm: {gn} |" + tail)
 
 
 def last_step_busy(recorder, step: int, group) -> list[float]:
@@ -34,6 +38,7 @@ class StepLogger:
     def __init__(self, cfg, role: str, recorder, group, is_first_rank: bool):
         self.cfg, self.role, self.recorder, self.group = cfg, role, recorder, group
         self.first = is_first_rank
+        self.skipped = 0
         self.tb = None
         if cfg.tensorboard_dir and is_first_rank:
             try:
@@ -54,13 +59,16 @@ class StepLogger:
         # busy compute / step time; never above 1 (compute tasks of a rank do not overlap)
         return {r: min(1.0, sum(v) / len(v) / dt) for r, v in by.items()}
 
-    def log(self, it: int, dt: float, lr: float, loss: float, grad_norm) -> None:
+    def log(self, it: int, dt: float, lr: float, loss: float, grad_norm, loss_scale: float | None = None,
+            skipped: int = 0) -> None:
+        self.skipped += skipped  # Megatron's count: skipped iterations since the last line
         if self.cfg.quiet or it % self.cfg.log_interval:
             return
+        skipped, self.skipped = self.skipped, 0
         util = self.utilization(it - 1, dt)
         if not self.first:
             return
-        line = format_iteration(it, self.cfg, dt, lr, loss, grad_norm)
+        line = format_iteration(it, self.cfg, dt, lr, loss, grad_norm, loss_scale, skipped)
         if util:
             line += " utilization: " + " ".join(f"{r} {u:.0%}" for r, u in sorted(util.items())) + " |"
         print(line, flush=True)
@@ -70,6 +78,8 @@ class StepLogger:
             self.tb.add_scalar("learning-rate", lr, it)
             if grad_norm is not None:
                 self.tb.add_scalar("grad-norm", grad_norm, it)
+            if loss_scale is not None:
+                self.tb.add_scalar("loss-scale", loss_scale, it)
             self.tb.add_scalar("iteration-time", dt, it)
             self.tb.add_scalar("throughput (tokens/s)", tokens / dt, it)
             for r, u in util.items():

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetermoe.config import TrainConfig
+from megatron_hetermoe.training.step import loss_scale_of
 
 
 class RoleStep(Protocol):
@@ -28,7 +29,7 @@ class RoleStep(Protocol):
 
     def before_optimizer(self) -> float | None:
         """Finish the gradients (global norm and clip where the rank owns that); return the norm
-        it computed, or None when Megatron's optimizer computes it."""
+        it computed (of the unscaled gradients), or None when Megatron's optimizer computes it."""
 
 
 @dataclass
@@ -51,6 +52,8 @@ class LoopResult:
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     start_iteration: int = 0
+    loss_scales: list[float] = field(default_factory=list)  # after each step (1.0 without a grad scaler)
+    overflow_skipped: list[int] = field(default_factory=list)  # iterations the grad scaler skipped
 
 
 def train_loop(parts: LoopParts, role: RoleStep) -> LoopResult:
@@ -70,9 +73,15 @@ def train_loop(parts: LoopParts, role: RoleStep) -> LoopResult:
         tot = role.local_loss()
         grad_norm = role.before_optimizer()
         lr_used = optimizer.param_groups[0]["lr"]
+        overflow = False
         if not skip:  # Megatron's skipped iteration: no update, no LR step
-            _, step_norm, _ = optimizer.step()
-            parts.scheduler.step(increment=1)
+            ok, step_norm, _ = optimizer.step()
+            overflow = not ok  # the grad scaler found an inf on some rank: every rank skips (step.py)
+            if ok:
+                parts.scheduler.step(increment=1)
+            else:
+                res.overflow_skipped.append(it)
+                grad_norm = None  # as Megatron reports a skipped step
             if grad_norm is None:
                 grad_norm = step_norm
         if clock is not None:  # gradient all-reduce + optimizer on the emulated GPUs
@@ -84,7 +93,10 @@ def train_loop(parts: LoopParts, role: RoleStep) -> LoopResult:
         res.step_times.append(time.perf_counter() - t0)
         if clock is not None:
             clock.step_end(it, res.step_times[-1])
-        parts.steplog.log(it + 1, res.step_times[-1], lr_used, loss, grad_norm)
+        res.loss_scales.append(loss_scale_of(optimizer))
+        parts.steplog.log(it + 1, res.step_times[-1], lr_used, loss, grad_norm,
+                          loss_scale=None if cfg.precision == "fp32" else res.loss_scales[-1],
+                          skipped=int(skip or overflow))
         parts.checkpointer.after_step(it + 1)
     parts.checkpointer.finish(max(res.start_iteration, cfg.train_iters))
     return res

@@ -18,8 +18,15 @@ from megatron_hetermoe.models.builder import (
     canonical_names,
     init_layout_invariant,
     transformer_config,
+    wrap_precision,
+    wrapped_names,
 )
-from megatron_hetermoe.parallel.device import group_timeout, rank_device, set_deterministic
+from megatron_hetermoe.parallel.device import (
+    check_native_bf16,
+    group_timeout,
+    rank_device,
+    set_deterministic,
+)
 from megatron_hetermoe.plan.layout import load_params
 from megatron_hetermoe.reliability.nan_check import NanGuard
 from megatron_hetermoe.tools.timeline import TimelineRecorder
@@ -30,6 +37,8 @@ from megatron_hetermoe.training.step import (
     build_optimizer,
     forward_step,
     gather_canonical,
+    loss_scale_of,
+    share_loss_scale,
 )
 
 
@@ -38,15 +47,15 @@ class MegatronEPStep:
     microbatches; Megatron's optimizer clips and reports the norm."""
 
     def __init__(self, cfg: TrainConfig, model, module, names: dict[str, str], nmb: int, data_parallel_rank: int,
-                 device: torch.device):
+                 device: torch.device, optimizer=None):
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.cfg, self.model, self.module, self.names, self.nmb = cfg, model, module, names, nmb
-        self.dp_rank, self.device = data_parallel_rank, device
+        self.dp_rank, self.device, self.optimizer = data_parallel_rank, device, optimizer
         self.last_stage = ps.is_pipeline_last_stage()
         self.fwd_bwd = get_forward_backward_func()
-        self.model_names = {f"module.{k}": v for k, v in names.items()}
+        self.model_names = wrapped_names(model, names)
         self.data = make_data(cfg)
         self.step_params: list[dict] = []
         self.grads: list[dict] = []
@@ -79,8 +88,9 @@ class MegatronEPStep:
         return tot
 
     def before_optimizer(self):
-        if self.cfg.collect_grads:
-            self.grads.append(gather_canonical([self.model], [self.model_names], "main_grad"))
+        if self.cfg.collect_grads:  # unscaled, as Megatron's optimizer reads them
+            scale = 1.0 if self.optimizer is None else 1.0 / loss_scale_of(self.optimizer)
+            self.grads.append(gather_canonical([self.model], [self.model_names], "main_grad", scale))
         return None
 
 
@@ -100,6 +110,8 @@ def train(cfg: TrainConfig) -> dict:
     if world % (par.tp * par.pp):
         raise ValueError(f"world size {world} is not divisible by TP {par.tp} x PP {par.pp}")
     device = rank_device()
+    if cfg.bf16:
+        check_native_bf16(device)
     if cfg.deterministic:
         set_deterministic(device)
     ps.initialize_model_parallel(
@@ -115,7 +127,7 @@ def train(cfg: TrainConfig) -> dict:
         dp = ps.get_data_parallel_world_size()
         nmb = cfg.num_microbatches(dp)
         mcfg = cfg.model
-        config = transformer_config(mcfg, par, deterministic_mode=cfg.deterministic)
+        config = transformer_config(mcfg, par, cfg.precision, deterministic_mode=cfg.deterministic)
         module = build_gpt(mcfg, config, pre_process=ps.is_pipeline_first_stage(),
                            post_process=ps.is_pipeline_last_stage())
         names = canonical_names(module)
@@ -128,10 +140,13 @@ def train(cfg: TrainConfig) -> dict:
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=cfg.use_distributed_optimizer,
         )
-        model = DistributedDataParallel(config, ddp_config, module)
-        guard = NanGuard(cfg.check_for_nan_in_loss_and_grad, [model], {p: names[n] for n, p in module.named_parameters()},
+        model = DistributedDataParallel(config, ddp_config, wrap_precision(config, module))
+        guard = NanGuard(cfg.nan_check_mode(), [model], {p: names[n] for n, p in module.named_parameters()},
                          dist.get_rank(), MEGATRON_ROLE, injection=cfg.nan_injection, device=device)
         optimizer, scheduler = build_optimizer(cfg, model, cfg.clip_grad, cfg.use_distributed_optimizer)
+        # One loss scale for the world, as HeterMoE has it (step.py: Megatron's dense and expert
+        # scalers would back off apart when only expert gradients overflow).
+        share_loss_scale(optimizer, dist.group.WORLD, device)
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = optimizer.scale_loss
         config.no_sync_func = model.no_sync
@@ -140,7 +155,7 @@ def train(cfg: TrainConfig) -> dict:
         clock = None
         if cfg.emulate is not None:
             emu_undo, clock = _install_ep_emulation(cfg, module, nmb, recorder)
-        role = MegatronEPStep(cfg, model, module, names, nmb, ps.get_data_parallel_rank(), device)
+        role = MegatronEPStep(cfg, model, module, names, nmb, ps.get_data_parallel_rank(), device, optimizer)
         parts = LoopParts(cfg, model, optimizer, scheduler, guard, recorder, steplog,
                           megatron_checkpointer(cfg, module, names, optimizer, scheduler), dist.group.WORLD, clock)
         res = train_loop(parts, role)
@@ -149,7 +164,9 @@ def train(cfg: TrainConfig) -> dict:
         return {"losses": res.losses, "grads": role.grads, "params": params, "step_params": role.step_params,
                 "initial_params": role.step_params[0] if role.step_params else params,
                 "start_iteration": res.start_iteration, "step_times": res.step_times, "num_microbatches": nmb,
-                "dp": dp, "skipped": guard.skipped,
+                "dp": dp, "skipped": guard.skipped, "loss_scales": res.loss_scales,
+                "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+                "overflow_skipped": res.overflow_skipped,
                 "busy_s": last_step_busy(recorder, cfg.train_iters - 1, dist.group.WORLD), "emulation": emulation}
     finally:
         if emu_undo is not None:

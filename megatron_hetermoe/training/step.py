@@ -4,6 +4,7 @@ norm and clip of a HeterMoE world (each parameter counted once over roles that h
 parameters)."""
 from __future__ import annotations
 
+import math
 from functools import partial
 
 import torch
@@ -39,10 +40,16 @@ def build_optimizer(cfg: TrainConfig, model, clip_grad: float, use_distributed_o
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+    from megatron_hetermoe.models.builder import precision_dtype
+
+    # bf16/fp16: Megatron's mixed-precision optimizer (fp32 main params and grads) and its
+    # grad scaler (constant with --loss-scale, dynamic for fp16 without, none for bf16 without).
     opt_config = OptimizerConfig(
         optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-        adam_beta1=0.9, adam_beta2=0.95, clip_grad=clip_grad, bf16=False, fp16=False,
-        params_dtype=torch.float32, use_distributed_optimizer=use_distributed_optimizer,
+        adam_beta1=0.9, adam_beta2=0.95, clip_grad=clip_grad, bf16=cfg.bf16, fp16=cfg.fp16,
+        params_dtype=precision_dtype(cfg.precision), use_distributed_optimizer=use_distributed_optimizer,
+        loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale, min_loss_scale=cfg.min_loss_scale,
+        loss_scale_window=cfg.loss_scale_window, hysteresis=cfg.hysteresis,
     )
     kw = {} if pg_collection is None else {"pg_collection": pg_collection}
     optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False, **kw)
@@ -55,9 +62,78 @@ def build_optimizer(cfg: TrainConfig, model, clip_grad: float, use_distributed_o
     return optimizer, scheduler
 
 
-def gather_canonical(model_chunks, names_per_chunk, attr: str) -> dict[str, torch.Tensor]:
+class _OneScaler:
+    """Every sub-optimizer's grad scaler on a rank: scale and inv_scale are one Megatron scaler's;
+    update() only records that a sub-optimizer found an inf (share_loss_scale updates once)."""
+
+    def __init__(self, scaler):
+        self.scaler, self.found = scaler, False
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.scaler.scale
+
+    @property
+    def inv_scale(self) -> torch.Tensor:
+        return self.scaler.inv_scale
+
+    def update(self, found_inf: bool) -> None:
+        self.found |= bool(found_inf)
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.scaler.load_state_dict(state_dict)
+
+
+def share_loss_scale(optimizer, group, device: torch.device) -> None:
+    """One loss scale for the world: every sub-optimizer (dense, expert) of every rank in `group`
+    skips the same steps and holds the same scale. No-op without a grad scaler (fp32; bf16
+    without --loss-scale).
+
+    Megatron all-reduces found_inf per sub-optimizer over its grad-stats group (model parallel)
+    and updates that sub-optimizer's own scaler. Both break here: (1) ranks hold different
+    sub-optimizers (an attention rank without offloaded experts has no expert one), so a
+    per-sub-optimizer collective over the world would not pair up across ranks; (2) an inf seen
+    only by expert gradients (e.g. on an expert rank) would back off the expert scaler but not
+    the dense one whose scale the loss is multiplied by. So the sub-optimizers share one scaler,
+    their own all-reduce stays on their (model-parallel) group, and the chain's prepare_grads
+    ORs their findings over `group` once and updates the one scaler with it. Their
+    grad-stats group, and so Megatron's grad norm (unused with clip_grad=0 in HeterMoE, which
+    clips on its own exact global norm), is left as it was."""
+    subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    scalers = [getattr(o, "grad_scaler", None) for o in subs]
+    if not any(s is not None for s in scalers):
+        return
+    one = _OneScaler(next(s for s in scalers if s is not None))
+    for o, s in zip(subs, scalers):
+        if s is not None:
+            o.grad_scaler = one
+    per_rank = optimizer.prepare_grads
+
+    @torch.no_grad()
+    def prepare_grads() -> bool:
+        one.found = False
+        per_rank()  # copy to main grads, unscale, check: each sub-optimizer records into `one`
+        flag = torch.tensor([1.0 if one.found else 0.0], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        found = bool(flag.item() > 0)
+        one.scaler.update(found)
+        return found
+
+    optimizer.prepare_grads = prepare_grads
+
+
+def loss_scale_of(optimizer) -> float:
+    """The loss scale the step's gradients carry (1.0 without a grad scaler)."""
+    return float(optimizer.get_loss_scale().item())
+
+
+def gather_canonical(model_chunks, names_per_chunk, attr: str, scale: float = 1.0) -> dict[str, torch.Tensor]:
     """{canonical name: CPU tensor} of params (attr='data') or grads (attr='main_grad') from every
-    rank, merged on all ranks. Replicas hold equal values, so the first copy is kept."""
+    rank, merged on all ranks (times `scale`: 1/loss scale for grads). Replicas hold equal
+    values, so the first copy is kept."""
     local = {}
     for chunk, names in zip(model_chunks, names_per_chunk):
         for n, p in chunk.named_parameters():
@@ -65,6 +141,8 @@ def gather_canonical(model_chunks, names_per_chunk, attr: str) -> dict[str, torc
             if t is None and attr == "main_grad":
                 t = p.grad
             t = t.detach().clone().float() if t is not None else torch.zeros_like(p, dtype=torch.float)
+            if scale != 1.0:
+                t.mul_(scale)
             local[names[n]] = t.cpu()  # pickled: a CUDA tensor would unpickle onto the sender's GPU
     world = [None] * dist.get_world_size()
     dist.all_gather_object(world, local)
@@ -87,8 +165,8 @@ def global_grad_norm(owned_grads, group, device: torch.device) -> float:
 
 def clip_coefficient(clip_grad: float, grad_norm: float) -> float:
     """Megatron's rule (clip_grad_by_total_norm_fp32): scale by clip/(norm+1e-6) when below 1;
-    1.0 when not clipping."""
-    if clip_grad <= 0:
+    1.0 when not clipping, or when the norm is not finite (the step is skipped then)."""
+    if clip_grad <= 0 or not math.isfinite(grad_norm):
         return 1.0
     coeff = clip_grad / (grad_norm + 1.0e-6)
     return coeff if coeff < 1.0 else 1.0
