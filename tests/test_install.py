@@ -185,7 +185,7 @@ def test_installed_commands_run_from_outside_the_checkout(venv):
 
 def test_timeline_without_the_plot_extra_names_it(venv):
     assert sh([venv["py"], "-c", "import matplotlib"], env=venv["env"]).returncode != 0  # not a dependency
-    make = ("from megatron_hetermoe.tools.timeline import TimelineRecorder as T; r = T(0, 'attention'); "
+    make = ("from megatron_hetermoe.schedules.timeline import TimelineRecorder as T; r = T(0, 'attention'); "
             "r.record('compute', 'A_F', 0, 0, 1.0, 2.0); r.save('tl')")
     assert sh([venv["py"], "-c", make], cwd=venv["work"], env=venv["env"]).returncode == 0
     r = hetermoe(venv, "timeline", "tl")

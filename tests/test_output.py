@@ -182,7 +182,7 @@ def test_config_dir_must_be_a_config_directory(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- matplotlib is the [plot] extra
 def _timeline_dir(tmp_path: Path) -> Path:
-    from megatron_hetermoe.tools.timeline import TimelineRecorder
+    from megatron_hetermoe.schedules.timeline import TimelineRecorder
 
     rec = TimelineRecorder(0, "attention")
     rec.record("compute", "A_F", 0, 0, 1.0, 1.5)

@@ -46,8 +46,8 @@ from typing import Callable
 
 import torch
 
-from megatron_hetermoe.emulation.clock import sleep_until
 from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.emulation.clock import sleep_until
 from megatron_hetermoe.parallel.device import rank_device
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import (

@@ -11,7 +11,6 @@ import torch.nn.functional as F
 
 from megatron_hetermoe.config import ModelConfig, ParallelConfig
 
-
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
@@ -80,7 +79,10 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, precision: str =
 def layer_spec(model: ModelConfig):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_hetermoe.compat import bind_missing_te_general_gemm, normalize_layer_spec
+    from megatron_hetermoe.compat import (
+        bind_missing_te_general_gemm,
+        normalize_layer_spec,
+    )
 
     bind_missing_te_general_gemm()  # the router needs it without transformer-engine (compat.py)
     # 0.18+ give the MoE mlp as builders; normalized to 0.16.1's ModuleSpec form (compat.py).

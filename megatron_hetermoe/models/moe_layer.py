@@ -15,8 +15,8 @@ import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 
 from megatron_hetermoe.compat import normalize_layer_spec, set_moe_layer
-from megatron_hetermoe.models.experts import build_experts, run_local_experts
 from megatron_hetermoe.models.dispatcher import HeteroTokenDispatcher
+from megatron_hetermoe.models.experts import build_experts, run_local_experts
 from megatron_hetermoe.parallel.state import HeteroParallelState
 
 # TransformerLayer passes pg_collection only to exactly MoELayer and logs "Unknown MLP type"

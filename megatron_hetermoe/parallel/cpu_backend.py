@@ -4,7 +4,7 @@ megatron-core assumes CUDA in a handful of places. Each assumption is bridged by
 patch below; `apply()` installs the ones the installed megatron-core needs (`patches_for`,
 `NEEDED_IN`) once and is a no-op when CUDA is available, so the same code runs unchanged on GPU
 ranks; `apply(force=True)` makes a CPU rank even on a GPU host (the fork launcher's children).
-Each patch has a canary test (tests/test_cpu_backend.py) that shows the original failure
+Each patch has a canary test (tests/parallel/test_cpu_backend.py) that shows the original failure
 with the patch off, so an upstream fix is noticed; a patch that a release no longer needs has a
 canary showing the fix (compat.py records which release changed what).
 """

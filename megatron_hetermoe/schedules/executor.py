@@ -83,7 +83,7 @@ from megatron_hetermoe.emulation.clock import sleep_until
 from megatron_hetermoe.parallel.device import bind_device
 from megatron_hetermoe.reliability import faults
 from megatron_hetermoe.schedules.tasks import Task, inputs
-from megatron_hetermoe.tools.timeline import TimelineRecorder
+from megatron_hetermoe.schedules.timeline import TimelineRecorder
 
 OnDone = Callable[[str, Task, float], None]
 

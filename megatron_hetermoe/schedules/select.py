@@ -13,8 +13,8 @@ from megatron_hetermoe.config import ZebraConfig
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.schedules.distep import expert_distep
 from megatron_hetermoe.schedules.tasks import distep_tasks, zebra_tasks
+from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.schedules.zebra import AttentionZebra, ExpertZebra
-from megatron_hetermoe.tools.timeline import TimelineRecorder
 
 TASK_LISTS = {"zebra": zebra_tasks, "distep": distep_tasks}
 

@@ -35,7 +35,7 @@ from megatron_hetermoe.parallel.comm import TokenRoute, all_to_all
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.schedules.executor import TaskExecutor
 from megatron_hetermoe.schedules.tasks import Task
-from megatron_hetermoe.tools.timeline import TimelineRecorder
+from megatron_hetermoe.schedules.timeline import TimelineRecorder
 
 
 @dataclass

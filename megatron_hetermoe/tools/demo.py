@@ -58,7 +58,8 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
     from megatron_hetermoe.parallel.launcher import launch
     from megatron_hetermoe.planner.cluster import Cluster
     from megatron_hetermoe.planner.search import search
-    from megatron_hetermoe.tools.timeline import draw_png, load_events
+    from megatron_hetermoe.schedules.timeline import load_events
+    from megatron_hetermoe.tools.timeline import draw_png
     from megatron_hetermoe.training.args import run
 
     import_extra("matplotlib", "plot", "the demo's timeline.png")  # before minutes of training, not after

@@ -606,7 +606,11 @@ def worker_moe_layer(a) -> int:
     import torch
 
     from megatron_hetermoe.config import ModelConfig, ParallelConfig
-    from megatron_hetermoe.models.builder import build_gpt, layer_spec, transformer_config
+    from megatron_hetermoe.models.builder import (
+        build_gpt,
+        layer_spec,
+        transformer_config,
+    )
 
     dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     model = ModelConfig.load(a.model).replace(num_layers=1)
@@ -871,7 +875,11 @@ def _executor_probe(dev, gemm, timed, calibrate, numel: int = 64 * 2**20) -> dic
     import torch.distributed as dist
 
     from megatron_hetermoe.config import ZebraConfig
-    from megatron_hetermoe.schedules.executor import CudaStream, TaskExecutor, ThreadStream
+    from megatron_hetermoe.schedules.executor import (
+        CudaStream,
+        TaskExecutor,
+        ThreadStream,
+    )
     from megatron_hetermoe.schedules.tasks import zebra_tasks_for_role
 
     groups = {"dispatch": dist.new_group([0]), "combine": dist.new_group([0])}

@@ -48,7 +48,7 @@ from megatron_hetermoe.plan.layout import (
 )
 from megatron_hetermoe.reliability.nan_check import NanGuard
 from megatron_hetermoe.schedules.select import get_forward_backward_func
-from megatron_hetermoe.tools.timeline import TimelineRecorder
+from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.training.logging import StepLogger, last_step_busy
 from megatron_hetermoe.training.loop import LoopParts, train_loop
 from megatron_hetermoe.training.step import (

@@ -29,7 +29,7 @@ from megatron_hetermoe.parallel.device import (
 )
 from megatron_hetermoe.plan.layout import load_params
 from megatron_hetermoe.reliability.nan_check import NanGuard
-from megatron_hetermoe.tools.timeline import TimelineRecorder
+from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.training.logging import StepLogger, last_step_busy
 from megatron_hetermoe.training.loop import LoopParts, train_loop
 from megatron_hetermoe.training.step import (

@@ -12,7 +12,6 @@ from megatron_hetermoe.planner.profiles import known_gpu_types, load_profiles
 from megatron_hetermoe.planner.search import (
     PICK,
     ZEBRA,
-    ZEBRA_GREEDY,
     ZEBRA_NO_EA,
     asym_problem,
     build_plan,

@@ -7,7 +7,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_hetermoe.config import ModelConfig
-from megatron_hetermoe.planner import asym_ea
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
 from megatron_hetermoe.planner.profiles import load_profiles

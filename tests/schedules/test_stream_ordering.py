@@ -18,8 +18,18 @@ import torch
 
 from megatron_hetermoe.config import ZebraConfig
 from megatron_hetermoe.schedules import executor as ex_mod
-from megatron_hetermoe.schedules.executor import CudaApi, CudaStream, TaskExecutor, ThreadStream, stream_factory
-from megatron_hetermoe.schedules.tasks import inputs, zebra_tasks_for_role, distep_tasks_for_role
+from megatron_hetermoe.schedules.executor import (
+    CudaApi,
+    CudaStream,
+    TaskExecutor,
+    ThreadStream,
+    stream_factory,
+)
+from megatron_hetermoe.schedules.tasks import (
+    distep_tasks_for_role,
+    inputs,
+    zebra_tasks_for_role,
+)
 
 DEVICE = torch.device("cuda", 3)
 

@@ -3,7 +3,7 @@ import pytest
 from margins import within
 
 from megatron_hetermoe.parallel.launcher import LaunchError, launch
-from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, even_plan
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
 from megatron_hetermoe.plan.layout import hetero_to_megatron, megatron_to_hetero
 from megatron_hetermoe.tools.parity import (
     FREE_RUN_LOSS_TOL,

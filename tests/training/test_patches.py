@@ -23,7 +23,7 @@ from megatron_hetermoe.training.pretrain_gpt import (
     megatron_flags,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PATCH_DIR = ROOT / "patches"
 PATCH_FILES = sorted(PATCH_DIR.glob("*.patch"))
 

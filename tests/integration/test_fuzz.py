@@ -151,7 +151,7 @@ def test_plan_file_that_is_not_json(tmp_path):
 
 
 # ---------------------------------------------------------------- model configs
-VALID_MODEL = yaml.safe_load((Path(__file__).parent.parent / "configs/models/tiny.yaml").read_text())
+VALID_MODEL = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs/models/tiny.yaml").read_text())
 
 
 @FAST
@@ -168,7 +168,7 @@ def test_fuzz_model_config(doc):
 
 
 # ---------------------------------------------------------------- clusters
-VALID_CLUSTER = yaml.safe_load((Path(__file__).parent.parent / "configs/clusters/o1.yaml").read_text())
+VALID_CLUSTER = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs/clusters/o1.yaml").read_text())
 
 
 @FAST
@@ -186,7 +186,7 @@ def test_fuzz_cluster_file(doc):
 
 
 # ---------------------------------------------------------------- GPU profiles
-PROFILE_DOCS = [yaml.safe_load(p.read_text()) for p in sorted((Path(__file__).parent.parent / "configs/gpus").glob("*.yaml"))
+PROFILE_DOCS = [yaml.safe_load(p.read_text()) for p in sorted((Path(__file__).resolve().parents[2] / "configs/gpus").glob("*.yaml"))
                 if p.stem in ("a40", "v100-16gb", "cpu")]
 
 

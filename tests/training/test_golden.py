@@ -12,7 +12,7 @@ from megatron_hetermoe.training.golden_values import (
     write_golden,
 )
 
-GOLDEN = Path(__file__).parent / "golden_values" / "tiny_ep2_4ranks.json"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden_values" / "tiny_ep2_4ranks.json"
 ARGS = ["--nproc", "4", "--expert-model-parallel-size", "2", "--train-iters", "10"]
 
 

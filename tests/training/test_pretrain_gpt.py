@@ -16,7 +16,7 @@ from megatron_hetermoe.training.pretrain_gpt import (
     model_from_args,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
               "--moe-ffn-hidden-size", "128", "--num-experts", "4", "--moe-router-topk", "2",
               "--moe-aux-loss-coeff", "0.01", "--seq-length", "32", "--max-position-embeddings", "32",

@@ -23,7 +23,11 @@ from megatron_hetermoe.checkpoint.format import (
     sha256_file,
     verify_file,
 )
-from megatron_hetermoe.checkpoint.load import layout_difference, model_difference, plan_difference
+from megatron_hetermoe.checkpoint.load import (
+    layout_difference,
+    model_difference,
+    plan_difference,
+)
 from megatron_hetermoe.checkpoint.reshard import gather_canonical
 from megatron_hetermoe.config import ParallelConfig, TrainConfig
 from megatron_hetermoe.parallel.launcher import LaunchError, launch

@@ -12,7 +12,7 @@ import torch
 from megatron_hetermoe import compat
 from megatron_hetermoe.parallel import cpu_backend
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[1]  # tests/ (canary_step.py)
 VERSION = compat.mcore_version()
 NEEDED = cpu_backend.patches_for()
 

@@ -11,8 +11,8 @@ from megatron_hetermoe.config import (
 from megatron_hetermoe.parallel.launcher import launch
 from megatron_hetermoe.plan.hetero_plan import even_plan
 from megatron_hetermoe.schedules.tasks import tasks_for_rank
+from megatron_hetermoe.schedules.timeline import load_events
 from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
-from megatron_hetermoe.tools.timeline import load_events
 from megatron_hetermoe.training.hetero import train_hetero
 
 pytestmark = pytest.mark.slow

@@ -23,7 +23,7 @@ from megatron_hetermoe.planner.gpu_profile import ProfileError
 from megatron_hetermoe.planner.profiles import load_profile
 from megatron_hetermoe.training import args as train_args
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 TINY = yaml.safe_load((ROOT / "configs/models/tiny.yaml").read_text())
 O1 = yaml.safe_load((ROOT / "configs/clusters/o1.yaml").read_text())
@@ -359,7 +359,7 @@ def test_readme_table_lists_every_error():
         m = re.fullmatch(r"(`+) ?(.*?) ?\1 \((\w+)\)", r[2])
         assert m, f"README row's message cell is not `MESSAGE` (Type): {r}"
         got.append((r[0], r[1].strip("`"), m.group(2), m.group(3)))
-    assert got == want, "README.md's input error table is out of date (see tests/test_validation.py CASES)"
+    assert got == want, "README.md's input error table is out of date (see tests/plan/test_validation.py CASES)"
     assert all(len(r) == 4 and r[3] for r in rows), "every row needs a fix column"
 
 

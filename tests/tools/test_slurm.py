@@ -14,7 +14,7 @@ import pytest
 
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "scripts" / "slurm"
 TASK = re.compile(r"^\[task (\d+): het group (\d+), (\S+) node (\d+), GPU (\d+)\] RANK=(\d+) LOCAL_RANK=(\d+) "
                   r"WORLD_SIZE=(\d+) MASTER_ADDR=<first (\S+) node> MASTER_PORT=(\d+) (.*)$")

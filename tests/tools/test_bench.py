@@ -1,7 +1,7 @@
 """The side-by-side benchmark runs every strategy on one emulated cluster and reports
 measured and predicted step times, and whether each run's emulation held. Timed assertions are
 avoided here (a short fixed step on a busy machine is often invalid, and then says so):
-tests/test_emulation_validity.py checks the numbers against the simulator; here we check the
+tests/integration/test_emulation_validity.py checks the numbers against the simulator; here we check the
 report is complete and self-consistent."""
 import pytest
 
