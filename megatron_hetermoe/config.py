@@ -198,6 +198,11 @@ class TrainConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: float = 1000
     hysteresis: int = 2
+    # Megatron's --transformer-impl (local / transformer_engine) and --moe-grouped-gemm, with its
+    # meaning when given; None (not given): the kernels are chosen for the device
+    # (models.builder.choose_kernels: TE, else the legacy grouped GEMM, else the local spec).
+    transformer_impl: str | None = None
+    moe_grouped_gemm: bool | None = None
 
     @property
     def precision(self) -> str:

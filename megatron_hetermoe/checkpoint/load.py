@@ -31,6 +31,7 @@ from megatron_hetermoe.checkpoint.reshard import (
     inject_optimizer_state,
     load_canonical_params,
 )
+from megatron_hetermoe.models import expert_names
 
 # ModelConfig fields that decide parameter shapes (seq_length and the aux-loss coefficient do not).
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "moe_ffn_hidden_size",
@@ -97,17 +98,18 @@ def check_compatible(manifest: dict, iter_dir: Path, state: RankState, reshard: 
             f"{f' (+{len(diff) - 6} more)' if len(diff) > 6 else ''}; run with the layout (plan) it was saved "
             f"with, or pass --hetero-ckpt-reshard to move its parameters and optimizer state to this layout by name")
     # Shapes by canonical name: catches what the model config alone would not (e.g. a hand-edited
-    # manifest or a model built differently).
-    mine = {state.names[n]: list(p.shape) for n, p in state.module.named_parameters()}
+    # manifest or a model built differently). GroupedMLP labels count as their experts, so files
+    # of other kernels compare by the same names.
+    mine = _canonical_shapes({state.names[n]: list(p.shape) for n, p in state.module.named_parameters()})
     rel = rank_file_name(state.rank)
-    held = manifest["files"].get(rel, {}).get("params", {}) if not diff else {}
+    held = _canonical_shapes(manifest["files"].get(rel, {}).get("params", {})) if not diff else {}
     if not diff and set(held) != set(mine):
         raise CheckpointError(
             f"{iter_dir / rel}: holds parameters {sorted(set(held) - set(mine))[:3]} this rank lacks and lacks "
             f"{sorted(set(mine) - set(held))[:3]}; the layout differs, pass --hetero-ckpt-reshard")
     everywhere = {}
     for f, meta in manifest["files"].items():
-        for n, s in meta["params"].items():
+        for n, s in _canonical_shapes(meta["params"]).items():
             everywhere.setdefault(n, (f, s))
     for n, s in mine.items():
         if n not in everywhere:
@@ -117,6 +119,27 @@ def check_compatible(manifest: dict, iter_dir: Path, state: RankState, reshard: 
             raise CheckpointError(f"{iter_dir / f}: parameter {n} has shape {tuple(saved)} in the checkpoint, "
                                   f"{tuple(s)} in this model; load it with the model it was saved with")
     return bool(diff)
+
+
+def _canonical_shapes(params: dict) -> dict[str, list[int]]:
+    out = {}
+    for n, shape in params.items():
+        out.update({c: list(s) for c, s in expert_names.canonical_shapes(n, shape).items()})
+    return out
+
+
+def kernels_difference(payload: dict, state: RankState) -> str | None:
+    """Why this rank cannot read its file back as written: the file names its parameters as other
+    kernels do (TE, GroupedMLP or the local spec), and Megatron's optimizer state in it is in that
+    model's parameter order and shapes. None when the names match, or when the file's Adam state
+    is keyed by name (an imported checkpoint)."""
+    mine = {n for n, _ in state.module.named_parameters()}
+    saved = set(payload["model"])
+    if saved == mine or payload.get("optimizer") is None:
+        return None
+    only_saved, only_mine = sorted(saved - mine), sorted(mine - saved)
+    return (f"saved with other kernels: the file names parameters {only_saved[:2]}, this model "
+            f"{only_mine[:2]} (--transformer-impl / --moe-grouped-gemm, or what imports on this machine, differ)")
 
 
 # ---- load --------------------------------------------------------------------------------
@@ -167,6 +190,15 @@ def load(state: RankState, load_dir: str | os.PathLike, step: int | None = None,
                     raise CheckpointError(f"{iter_dir / rank_file_name(state.rank)}: holds rank "
                                           f"{payload.get('rank')} iteration {payload.get('iteration')}, "
                                           f"expected rank {state.rank} iteration {iteration}")
+                why = kernels_difference(payload, state)
+                if why and not reshard:
+                    raise CheckpointError(
+                        f"{iter_dir / rank_file_name(state.rank)}: {why}; resume with the kernels it was saved "
+                        f"with, or pass --hetero-ckpt-reshard to load parameters and optimizer state by name")
+                if why:  # by canonical name, as under another layout
+                    resharded = True
+                    params, opt, first = gather_canonical(iter_dir, manifest, set(state.names.values()))
+                    payload = {"params": params, "opt": opt, "opt_param_scheduler": first["opt_param_scheduler"]}
     except CheckpointError as e:
         error = str(e)
     except (OSError, RuntimeError, KeyError, ValueError, EOFError) as e:  # unreadable despite the checks

@@ -2,8 +2,9 @@
 
 Tokens arrive grouped by source member, then by expert (the layer's travel order, see
 HeteroParallelState.layer_order). `run_local_experts` regroups them by expert for megatron-core's
-SequentialMLP and back by source for the return trip; attention ranks holding offloaded experts
-(Asym-EA) use the same function.
+experts module (SequentialMLP, TEGroupedMLP or GroupedMLP, whichever the kernels build) and back
+by source for the return trip; attention ranks holding offloaded experts (Asym-EA) use the same
+function.
 
 `ExpertRuntime` is what an expert rank holds: megatron-core expert modules for its experts of
 every layer, named as in a plain Megatron model, and `forward_layer`, one layer's expert side of
@@ -11,10 +12,9 @@ a DistEP step. The schedules drive it (schedules/distep.py, schedules/zebra.py).
 """
 from __future__ import annotations
 
-import re
-
 import torch
 
+from megatron_hetermoe.models import expert_names
 from megatron_hetermoe.parallel.comm import TokenRoute
 from megatron_hetermoe.parallel.state import HeteroParallelState
 
@@ -34,6 +34,8 @@ def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor) -> torc
     by_src = counts.reshape(-1)
     x, _ = sort_chunks_by_idxs(recv, by_src, _chunk_order(n_src, n_exp, True))
     tokens_per_expert = counts.sum(0)
+    if any(c.__name__ == expert_names.GROUPED for c in type(experts).__mro__):
+        tokens_per_expert = tokens_per_expert.cpu()  # grouped_gemm's gmm takes its batch sizes on the CPU
     # Probabilities are applied after combine on the attention rank (the paper's choice, so
     # the gate's gradient needs no expert rank): experts compute unweighted outputs.
     probs = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
@@ -58,8 +60,9 @@ def _megatron_module():
 
 class ExpertRuntime(_megatron_module()):
     """All experts an expert rank holds, named as in a plain Megatron model
-    (decoder.layers.L.mlp.experts.local_experts.i) so DDP, the optimizer and checkpoints
-    treat them like Megatron's own."""
+    (decoder.layers.L.mlp.experts.local_experts.i with SequentialMLP; the kernels' own names
+    otherwise, see models/expert_names.py) so DDP, the optimizer and checkpoints treat them like
+    Megatron's own."""
 
     def __init__(self, config, experts_spec, hs: HeteroParallelState):
         super().__init__(config=config)
@@ -75,14 +78,11 @@ class ExpertRuntime(_megatron_module()):
             self.decoder.layers.append(holder)
 
     def canonical_names(self) -> dict[str, str]:
-        out = {}
-        pat = re.compile(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.")
-        for name, _ in self.named_parameters():
-            m = pat.search(name)
-            layer, i = int(m.group(1)), int(m.group(2))
-            glob = self.hs.local_experts(layer)[i]
-            out[name] = pat.sub(f"decoder.layers.{layer}.mlp.experts.local_experts.{glob}.", name)
-        return out
+        """local name -> canonical name (global expert ids; a GroupedMLP weight's label)."""
+        def ids_of(pre: str) -> list[int]:
+            return self.hs.local_experts(expert_names.layer_of_prefix(pre))
+
+        return {name: expert_names.canonical_name(name, ids_of) for name, _ in self.named_parameters()}
 
     # ---- one layer, forward: the expert side of dispatch -> experts -> combine ---------
     def forward_layer(self, layer: int, hidden_size: int) -> torch.Tensor:

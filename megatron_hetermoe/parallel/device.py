@@ -4,7 +4,8 @@
 (LOCAL_RANK modulo the visible GPUs) the current device before anything touches CUDA, then
 starts the default process group (NCCL on GPUs, gloo on CPUs). `rank_device` is where every
 tensor the plugin allocates lives; `group_timeout` is a process group's timeout per backend;
-`bind_device` carries a GPU into a worker thread (a new thread starts on cuda:0).
+`bind_device` carries a GPU into a worker thread (a new thread starts on cuda:0);
+`reset_peak_memory` / `peak_gpu_mib` are the trainers' GPU memory report (absent on CPU).
 
 The CPU fork launcher (launcher.py) starts gloo ranks itself and never touches CUDA.
 """
@@ -126,3 +127,23 @@ def bind_device(fn: Callable[[], T], device: torch.device | None = None) -> Call
         return fn()
 
     return run
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start counting this rank's peak GPU memory now (torch.cuda.reset_peak_memory_stats: the
+    peak restarts at what is allocated now, the model and optimizer included); no-op on CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gpu_mib(role: str, device: torch.device, group=None) -> list[tuple[str, float]] | None:
+    """[(role, MiB)] per rank of `group`: each rank's torch.cuda.max_memory_allocated since
+    reset_peak_memory, on every rank (collective over `group` on CUDA ranks). None on CPU ranks,
+    without a collective: a world's ranks are all CUDA (NCCL) or all CPU (gloo), see rank_device."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    mine = (role, torch.cuda.max_memory_allocated(device) / 2**20)
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, mine, group=group)
+    return [tuple(x) for x in out]

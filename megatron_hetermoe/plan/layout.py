@@ -7,6 +7,11 @@ models.builder.canonical_names produces for any Megatron layout. A HeterMoE rank
 - expert rank: only its experts, under the same module path.
 Either way an expert appears under its *local* index on the rank (position in the plan's
 sorted expert list for that rank and layer), as in Megatron's own EP sharding.
+
+The per-rank states megatron_to_hetero makes use SequentialMLP's names (the local spec's);
+load_params puts them into a module of any kernels (TEGroupedMLP, GroupedMLP, TE's fused input
+norm) and hetero_to_megatron takes every rank's state in its module's own names
+(models/expert_names.py converts).
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import re
 
 import torch
 
+from megatron_hetermoe.models import expert_names
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
 _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)$")
@@ -37,12 +43,15 @@ def megatron_to_hetero(state: dict[str, torch.Tensor], plan: HeteroPlan, rank: i
 
 
 def hetero_to_megatron(per_rank: list[dict[str, torch.Tensor]], plan: HeteroPlan) -> dict[str, torch.Tensor]:
-    """Merge every rank's local state (index = rank) into one plain Megatron state dict.
-    Replicas (other ZP groups, other attention DP ranks) must agree; the first copy is kept."""
+    """Merge every rank's local state (index = rank; in its module's names, whatever its kernels)
+    into one plain Megatron state dict. Replicas (other ZP groups, other attention DP ranks) must
+    agree; the first copy is kept."""
     if len(per_rank) != plan.world_size:
         raise ValueError(f"got states of {len(per_rank)} ranks for a plan of {plan.world_size}")
     out: dict[str, torch.Tensor] = {}
     for rank, state in enumerate(per_rank):
+        state = expert_names.to_sequential(
+            state, lambda pre, rank=rank: len(plan.local_experts(rank, expert_names.layer_of_prefix(pre))))
         for name, t in state.items():
             m = _EXPERT.match(name)
             if m is not None:
@@ -54,8 +63,15 @@ def hetero_to_megatron(per_rank: list[dict[str, torch.Tensor]], plan: HeteroPlan
 
 @torch.no_grad()
 def load_params(module: torch.nn.Module, local_state: dict[str, torch.Tensor]) -> None:
-    """Copy a rank's local state into its module's parameters; every parameter must be given."""
+    """Copy a rank's local state into its module's parameters; every parameter must be given.
+    The state may name experts (and the input norm) as any kernels do: it is converted to the
+    module's names (models/expert_names.py) when they differ."""
     params = dict(module.named_parameters())
+    if set(local_state) != set(params):
+        try:
+            local_state = expert_names.convert(local_state, params)
+        except expert_names.ExpertNameError as e:
+            raise ValueError(f"state does not fit this rank's module: {e}") from None
     missing = sorted(set(params) - set(local_state))
     unexpected = sorted(set(local_state) - set(params))
     if missing or unexpected:

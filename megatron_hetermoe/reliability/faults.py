@@ -6,7 +6,7 @@ occurrence of SITE on that rank:
   gradients; forward and backward; DistEP and zebra; counts exchanges included);
 - site "task": a compute task of the zebra/DistEP task list (A_F, A_B, X_*, E_F, E_B).
 MODE "raise" raises FaultInjected (a Python error), "exit" ends the process at once (os._exit,
-like a crash or an OOM kill). Read once per process; costs one None check per site otherwise.
+like a crash or an OOM kill). Read once per process; costs a pid and a None check per site otherwise.
 """
 from __future__ import annotations
 
@@ -46,12 +46,15 @@ class Fault:
 
 _fault: Fault | None = None
 _counts = {s: 0 for s in SITES}
-_loaded = False
+# The process that read $HETERMOE_INJECT_FAULT: a rank forked from a parent that already read it
+# (the parent ran a task list in-process, say) reads it again, with its own counts.
+_loaded_pid: int | None = None
 
 
 def _load() -> None:
-    global _fault, _loaded
-    _loaded = True
+    global _fault, _loaded_pid, _counts
+    _loaded_pid = os.getpid()
+    _fault, _counts = None, {s: 0 for s in SITES}
     text = os.environ.get(ENV)
     if text:
         f = Fault.parse(text)
@@ -61,7 +64,7 @@ def _load() -> None:
 
 def checkpoint(site: str, what: str = "") -> None:
     """Called at every occurrence of `site`; fails here if this is the injected point."""
-    if not _loaded:
+    if _loaded_pid != os.getpid():
         _load()
     if _fault is None or _fault.site != site:
         return

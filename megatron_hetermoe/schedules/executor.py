@@ -43,8 +43,17 @@ What the CUDA path achieves, and what it does not:
   other communicator that a peer issued in the other order could deadlock.
 * A consumer's host wait is for the worker to have issued the transfer (the Python result
   objects, e.g. the received tensor, exist only then), not for the transfer to finish.
-* Timelines (recorder) and the emulation clock (cfg.clock/stretch) see host times: on CUDA a
-  transfer's recorded end is when it was issued, not when it finished on the device.
+* Host times (time.perf_counter) are when work was enqueued: on CUDA a transfer's host end is
+  when it was issued, not when it finished on the device. The emulation clock (cfg.clock,
+  stretch, transfer_time) uses host times on purpose (emulated clusters run on CPU ranks).
+* Device times (`CudaTiming`): with a recorder and no emulation, a CUDA rank also records every
+  compute task and transfer as a pair of timing events on the stream the work runs on (a
+  compute task: the compute thread's current stream, after its input's done-event wait; a
+  transfer: its side stream, after the producer wait, ending with its done event). At the end
+  of a successful step, after the streams closed, one event more is recorded on the compute
+  stream (which close() ordered after every transfer) and the host waits for it: the step's
+  one synchronize, none inside the step. Each span is placed on the host axis backwards from
+  the moment that wait returned (recorder clock "cuda"; schedules/timeline.py).
 * Ordering guarantee relied on: on each stream every member of the ZP group issues the same
   collectives in the same order (tasks.check_stream_order), each stream on its own process
   group (dispatch_group / combine_group), so each NCCL communicator sees one consistent order.
@@ -180,10 +189,13 @@ class CudaApi:
     def __init__(self, stream_type: Callable[..., Any] | None = None, event_type: Callable[[], Any] | None = None,
                  current_stream: Callable[[torch.device], Any] | None = None,
                  use_stream: Callable[[Any], Any] | None = None,
-                 set_device: Callable[[torch.device], None] | None = None):
+                 set_device: Callable[[torch.device], None] | None = None,
+                 timing_event_type: Callable[[], Any] | None = None):
         # torch.cuda is looked up at each call, not here (at import).
         self.stream_type = stream_type or (lambda **kw: torch.cuda.Stream(**kw))
         self.event_type = event_type or (lambda: torch.cuda.Event())
+        # CudaTiming's events: also record(stream), plus elapsed_time(later) in ms and synchronize().
+        self.timing_event_type = timing_event_type or (lambda: torch.cuda.Event(enable_timing=True))
         self.current_stream = current_stream or (lambda d: torch.cuda.current_stream(d))  # this thread's
         self.use_stream = use_stream or (lambda s: torch.cuda.stream(s))  # context: make `s` current in this thread
         self.set_device = set_device or (lambda d: torch.cuda.set_device(d))
@@ -201,13 +213,55 @@ class CudaApi:
 CUDA = CudaApi()
 
 
+class CudaTiming:
+    """The device-side spans of one step of a CUDA rank: (lane, task, start event, end event),
+    each pair recorded on the stream the task's work runs on; `resolve` turns them into
+    recorder events (clock "cuda") once the step's work is enqueued. Thread-safe (the stream
+    workers add their transfers)."""
+
+    def __init__(self, device: torch.device, api: CudaApi | None = None):
+        self.device, self.api = device, api or CUDA
+        self.spans: list[tuple[str, Task, Any, Any]] = []
+        self._lock = threading.Lock()
+        self.host_clock: Callable[[], float] = time.perf_counter  # the recorder's axis (tests pin it)
+
+    def event(self):
+        return self.api.timing_event_type()
+
+    def add(self, lane: str, task: Task, start, end) -> None:
+        with self._lock:
+            self.spans.append((lane, task, start, end))
+
+    def resolve(self, recorder: TimelineRecorder) -> None:
+        """Record every span in `recorder` on the host clock's axis. Call it on the compute
+        thread after every span's end event was recorded and the compute stream was ordered
+        after them (TaskExecutor.run: after the streams closed). One host wait: for an event
+        recorded now on the compute stream; its completion is taken to be when that wait
+        returned, and each span sits elapsed_time(span event, that event) before it. (Anchored at
+        the step's end rather than its start: a start anchor's host time is when it was
+        enqueued, which runs ahead of the device by whatever the compute stream still had
+        queued; after the wait, host and device agree up to the wait's wake-up latency.)"""
+        anchor = self.event()
+        anchor.record(self.api.current_stream(self.device))
+        anchor.synchronize()
+        now = self.host_clock()
+        with self._lock:
+            spans, self.spans = self.spans, []
+        for lane, t, a, b in spans:
+            start = now - a.elapsed_time(anchor) / 1e3
+            end = now - b.elapsed_time(anchor) / 1e3
+            recorder.record(lane, t.kind, t.layer, t.microbatch, start, end, clock="cuda")
+
+
 class CudaStream(ThreadStream):
     """ThreadStream's worker thread issuing on its own CUDA stream, ordered against the compute
-    stream by events (see the module docstring for what is and is not overlapped)."""
+    stream by events (see the module docstring for what is and is not overlapped). With a
+    `timing`, each transfer also records a start event on the side stream after its producer
+    wait, and its done event is a timing event that ends the span."""
 
     def __init__(self, name: str, recorder: TimelineRecorder | None, failure: Future, on_done: OnDone | None = None,
-                 *, device: torch.device, api: CudaApi | None = None):
-        self.device, self.api = device, api or CUDA
+                 *, device: torch.device, api: CudaApi | None = None, timing: CudaTiming | None = None):
+        self.device, self.api, self.timing = device, api or CUDA, timing
         self.side = self.api.side_stream(device, name)
         self.done: dict[Task, Any] = {}  # transfer -> its done event, until consumed or closed
         super().__init__(name, recorder, failure, on_done)  # starts the worker
@@ -219,15 +273,21 @@ class CudaStream(ThreadStream):
     def submit(self, task: Task, fn, issued: float = 0.0) -> Future:
         producer = self.api.event_type()
         producer.record(self.api.current_stream(self.device))  # after the compute enqueued so far
-        done = self.api.event_type()
+        timing = self.timing
+        done = self.api.event_type() if timing is None else timing.event()
         self.done[task] = done
-        side, use_stream = self.side, self.api.use_stream
+        side, use_stream, name = self.side, self.api.use_stream, self.name
 
         def on_side_stream():
             with use_stream(side):
                 side.wait_event(producer)
+                if timing is not None:
+                    start = timing.event()
+                    start.record(side)  # the transfer can start on the device: producer done, stream free
                 out = fn()
                 done.record(side)  # before the Future resolves: consume() never waits an unrecorded event
+                if timing is not None:
+                    timing.add(name, task, start, done)
             return out
 
         return super().submit(task, on_side_stream, issued)
@@ -243,10 +303,13 @@ class CudaStream(ThreadStream):
         self.done.clear()
 
 
-def stream_factory(device: torch.device, api: CudaApi | None = None) -> "StreamFactory":
-    """The Stream implementation for a rank's device: CudaStream on CUDA, else ThreadStream."""
+def stream_factory(device: torch.device, api: CudaApi | None = None,
+                   timing: CudaTiming | None = None) -> "StreamFactory":
+    """The Stream implementation for a rank's device: CudaStream on CUDA (timing its transfers
+    into `timing` when given), else ThreadStream."""
     if torch.device(device).type == "cuda":
-        return functools.partial(CudaStream, device=torch.device(device), api=api)
+        kw = {} if timing is None else {"timing": timing}
+        return functools.partial(CudaStream, device=torch.device(device), api=api, **kw)
     return ThreadStream
 
 
@@ -259,11 +322,17 @@ class TaskExecutor:
     STREAMS = ("dispatch", "combine")
 
     def __init__(self, num_layers: int, cfg: ZebraConfig, recorder: TimelineRecorder | None,
-                 make_stream: StreamFactory | None = None, device: torch.device = torch.device("cpu")):
+                 make_stream: StreamFactory | None = None, device: torch.device = torch.device("cpu"),
+                 api: CudaApi | None = None):
         """`device`: the rank's device; picks the Stream (stream_factory) unless `make_stream`
-        is given."""
+        is given. On a CUDA device with a recorder and no emulation, every task is also timed
+        on the device (`CudaTiming`, through `api`: torch.cuda by default); the transfers are
+        timed by the streams stream_factory makes, not by a given `make_stream`."""
         self.L, self.cfg, self.recorder, self.device = num_layers, cfg, recorder, torch.device(device)
-        self.make_stream = make_stream if make_stream is not None else stream_factory(self.device)
+        emulated = cfg.stretch is not None or cfg.transfer_time is not None or cfg.clock is not None
+        self.timing = (CudaTiming(self.device, api)
+                       if self.device.type == "cuda" and recorder is not None and not emulated else None)
+        self.make_stream = make_stream if make_stream is not None else stream_factory(self.device, api, self.timing)
         self.executed: list[Task] = []
         self.executed_streams: dict[str, list[Task]] = {}
         self.meter = ActivationMeter()
@@ -274,7 +343,7 @@ class TaskExecutor:
             transfer: Callable[[Task], Callable[[], None]]) -> None:
         """`transfer(task)` returns the function a stream runs for a transfer task."""
         failure: Future = Future()
-        clock = self.cfg.clock
+        clock, timing = self.cfg.clock, self.timing
         tx_end: dict[Task, float] = {}  # when each transfer ended
 
         def done(stream: str, task: Task, end: float) -> None:
@@ -313,7 +382,14 @@ class TaskExecutor:
                 ready = max(last_end, tx_end.get(need, last_end))
                 t0 = time.perf_counter()
                 faults.checkpoint("task", repr(t))
+                if timing is not None:
+                    ev0 = timing.event()
+                    ev0.record(timing.api.current_stream(self.device))  # after the input's done-event wait
                 compute(t)
+                if timing is not None:
+                    ev1 = timing.event()
+                    ev1.record(timing.api.current_stream(self.device))
+                    timing.add("compute", t, ev0, ev1)
                 if self.cfg.stretch is not None:
                     real_end = time.perf_counter()
                     budget = self.cfg.stretch(t)
@@ -337,6 +413,8 @@ class TaskExecutor:
         finally:
             self.meter.__exit__(None, None, None)
         self.executed_streams = {k: s.executed for k, s in streams.items()}
+        if timing is not None:
+            timing.resolve(self.recorder)  # the step's one host wait; after close() ordered every transfer
 
 
 class ActivationMeter:

@@ -1,8 +1,18 @@
 """A rank's timeline: every compute task and transfer it runs, as (lane, kind, layer,
-microbatch, start, end). Lane "compute" holds A/X/E tasks, "dispatch" and "combine" the two
-transfer streams. Times come from time.perf_counter(), which on Linux is one system-wide
-monotonic clock, so the ranks of a CPU job share a time axis (on CUDA the transfer lanes record
-when a transfer was issued: schedules/executor.py). tools/timeline.py draws it.
+microbatch, start, end, clock). Lane "compute" holds A/X/E tasks, "dispatch" and "combine" the
+two transfer streams. Times are seconds of time.perf_counter(), which on Linux is one
+system-wide monotonic clock, so the ranks of a job on one host share a time axis.
+
+`clock` says what a span measures:
+* "host": when the issuing thread ran the task (time.perf_counter() around it). On a CPU rank
+  that is when the work ran; on a CUDA rank it is when the work was enqueued (a transfer's end:
+  when it was issued), not when it ran. Emulated runs (--emulate) are host-timed on purpose.
+* "cuda": when the work ran on the GPU, from a pair of CUDA events (enable_timing) recorded on
+  the stream the work was enqueued to, converted to the host axis once per step
+  (schedules/executor.py `CudaTiming`). A CUDA rank running a task list records both clocks.
+Megatron's own schedule on attention ranks (DistEP without emulation, and the Megatron EP
+trainer) runs no task list and records nothing. `busy` prefers the "cuda" spans of a step.
+tools/timeline.py draws the timeline, labelling each row with its clock.
 """
 from __future__ import annotations
 
@@ -23,6 +33,10 @@ class Event:
     start: float
     end: float
     step: int = 0
+    clock: str = "host"  # "host" or "cuda" (module docstring); files written before it: "host"
+
+
+CLOCKS = ("host", "cuda")
 
 
 class TimelineRecorder:
@@ -34,13 +48,21 @@ class TimelineRecorder:
         self.step = 0
         self._lock = threading.Lock()
 
-    def record(self, lane: str, kind: str, layer: int, microbatch: int, start: float, end: float) -> None:
+    def record(self, lane: str, kind: str, layer: int, microbatch: int, start: float, end: float,
+               clock: str = "host") -> None:
+        if clock not in CLOCKS:
+            raise ValueError(f"clock {clock!r}; use one of {CLOCKS}")
         with self._lock:
-            self.events.append(Event(self.rank, self.role, lane, kind, layer, microbatch, start, end, self.step))
+            self.events.append(Event(self.rank, self.role, lane, kind, layer, microbatch, start, end, self.step,
+                                     clock))
 
     def busy(self, step: int) -> float:
-        """Seconds spent in compute tasks during `step`."""
-        return sum(e.end - e.start for e in self.events if e.step == step and e.lane == "compute")
+        """Seconds spent in compute tasks during `step`: on the GPU when the step has "cuda"
+        spans (a CUDA rank's task list), else on the host clock."""
+        with self._lock:
+            mine = [e for e in self.events if e.step == step and e.lane == "compute"]
+        clock = "cuda" if any(e.clock == "cuda" for e in mine) else "host"
+        return sum(e.end - e.start for e in mine if e.clock == clock)
 
     def save(self, run_dir: str | Path) -> Path:
         path = Path(run_dir) / f"timeline.rank{self.rank}.json"

@@ -1,6 +1,8 @@
 """`hetermoe timeline RUN_DIR -o timeline.png`: draw the ranks' timelines (schedules/timeline.py
-records them) as one row per (rank, lane), and write timeline.json (Chrome trace format) beside
-it for Perfetto.
+records them) as one row per (rank, lane, clock), and write timeline.json (Chrome trace format)
+beside it for Perfetto. Each row names its clock: "host" (when the host ran or, on a CUDA rank,
+enqueued the work) or "cuda" (when it ran on the GPU, from CUDA events); a CUDA rank running a
+task list has rows of both.
 """
 from __future__ import annotations
 
@@ -9,23 +11,39 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_hetermoe.schedules.timeline import Event, load_events
+from megatron_hetermoe.schedules.timeline import CLOCKS, Event, load_events
+
+
+LANES = ("compute", "dispatch", "combine")
+
+
+def _row_key(lane: str, clock: str) -> tuple[int, int]:
+    return (CLOCKS.index(clock) if clock in CLOCKS else len(CLOCKS),
+            LANES.index(lane) if lane in LANES else len(LANES))
+
+
+def row_label(lane: str, clock: str) -> str:
+    return f"{lane} ({clock})"
 
 
 def chrome_trace(events: list[Event]) -> dict:
+    """Chrome trace events: a process per rank, a thread per (lane, clock) it recorded."""
     t0 = min(e.start for e in events)
-    lanes = {"compute": 0, "dispatch": 1, "combine": 2}
+    rows = sorted({(e.lane, e.clock) for e in events}, key=lambda x: _row_key(*x))
+    tid = {row: i for i, row in enumerate(rows)}
     out = []
     for e in events:
         out.append({"name": f"{e.kind}(l{e.layer},mb{e.microbatch})", "cat": e.lane, "ph": "X",
                     "ts": (e.start - t0) * 1e6, "dur": max(e.end - e.start, 0.0) * 1e6,
-                    "pid": e.rank, "tid": lanes.get(e.lane, 3),
-                    "args": {"step": e.step, "layer": e.layer, "microbatch": e.microbatch, "role": e.role}})
+                    "pid": e.rank, "tid": tid[(e.lane, e.clock)],
+                    "args": {"step": e.step, "layer": e.layer, "microbatch": e.microbatch, "role": e.role,
+                             "clock": e.clock}})
     for r in sorted({e.rank for e in events}):
         role = next(e.role for e in events if e.rank == r)
         out.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r} ({role})"}})
-        for lane, tid in lanes.items():
-            out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": lane}})
+        for row in sorted({(e.lane, e.clock) for e in events if e.rank == r}, key=lambda x: _row_key(*x)):
+            out.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid[row],
+                        "args": {"name": row_label(*row)}})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 
@@ -44,17 +62,18 @@ def draw_png(events: list[Event], path: str | Path, step: int | None = None, tit
     if step is not None:
         events = [e for e in events if e.step == step]
     t0 = min(e.start for e in events)
-    rows = sorted({(e.rank, e.lane) for e in events}, key=lambda x: (x[0], ["compute", "dispatch", "combine"].index(x[1])))
+    rows = sorted({(e.rank, e.lane, e.clock) for e in events}, key=lambda x: (x[0], *_row_key(x[1], x[2])))
     fig, ax = plt.subplots(figsize=(14, 0.45 * len(rows) + 1.5))
-    for i, (r, lane) in enumerate(rows):
-        for e in (e for e in events if e.rank == r and e.lane == lane):
+    for i, (r, lane, clock) in enumerate(rows):
+        for e in (e for e in events if e.rank == r and e.lane == lane and e.clock == clock):
             ax.broken_barh([((e.start - t0) * 1e3, max((e.end - e.start) * 1e3, 1e-3))], (i - 0.4, 0.8),
                            facecolors=_COLORS.get(e.kind, "gray"), edgecolor="black", linewidth=0.2)
     roles = {e.rank: e.role for e in events}
     ax.set_yticks(range(len(rows)))
-    ax.set_yticklabels([f"rank {r} {roles[r][:4]} {lane}" for r, lane in rows], fontsize=8)
+    ax.set_yticklabels([f"rank {r} {roles[r][:4]} {row_label(lane, clock)}" for r, lane, clock in rows], fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("time (ms)")
+    clocks = sorted({e.clock for e in events}, key=lambda c: _row_key("compute", c))
+    ax.set_xlabel(f"time (ms; clock: {', '.join(clocks)})")
     ax.set_title(title or "HeterMoE timeline")
     ax.legend(handles=[Patch(color=c, label=k) for k, c in _COLORS.items()], ncol=10, fontsize=7, loc="upper right")
     fig.tight_layout()

@@ -62,6 +62,16 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
                    help="steps without overflow before the dynamic loss scale doubles")
     g.add_argument("--hysteresis", type=int, default=2,
                    help="overflowing steps in a row before the dynamic loss scale halves")
+    g = p.add_argument_group("kernels (Megatron-LM flags; default: chosen for the ranks' device)")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="Megatron-LM's layer spec: transformer_engine (TE layers; needs transformer-engine and CUDA "
+                        "ranks) or local (megatron-core's own). Default: chosen automatically (unlike Megatron-LM, "
+                        "whose default is transformer_engine): TE when it imports on CUDA ranks, else local; the "
+                        "choice is printed (kernels: ...)")
+    g.add_argument("--moe-grouped-gemm", action="store_true", default=None,
+                   help="Megatron-LM's grouped GEMM for experts: TEGroupedMLP with transformer_engine, the legacy "
+                        "GroupedMLP (grouped_gemm package, CUDA, --bf16) with local (default: with TE when chosen "
+                        "automatically, else off)")
     p.add_argument("--deterministic-mode", action="store_true",
                    help="bitwise reproducible runs (deterministic kernels; regress compares exactly)")
     p.add_argument("--log-interval", type=int, default=1, help="print an iteration line every this many steps")
@@ -119,6 +129,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         data=data_config_from_args(a, model),
         bf16=a.bf16, fp16=a.fp16, loss_scale=a.loss_scale, initial_loss_scale=a.initial_loss_scale,
         min_loss_scale=a.min_loss_scale, loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
+        transformer_impl=a.transformer_impl, moe_grouped_gemm=a.moe_grouped_gemm,
     )
 
 
@@ -158,6 +169,20 @@ def run(cfg: TrainConfig, nproc: int, timeout_s: float = 900.0, plan=None, heter
     from megatron_hetermoe.parallel.launcher import launch
 
     return launch(_rank_main, nproc, cfg, plan, hetero, timeout_s=timeout_s)[0]
+
+
+def check_kernels(p: argparse.ArgumentParser, cfg: TrainConfig, device) -> None:
+    """--transformer-impl / --moe-grouped-gemm against what runs on `device` (a clear error for a
+    request that cannot run), and the kernels the ranks will use, printed by the first rank. The
+    trainers make the same choice (models.builder.choose_kernels) when they build the model."""
+    from megatron_hetermoe.models.builder import KernelError, choose_kernels
+
+    try:
+        choice = choose_kernels(device, cfg.precision, cfg.transformer_impl, cfg.moe_grouped_gemm)
+    except KernelError as e:
+        p.error(str(e))
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(" " + choice.line(), flush=True)
 
 
 def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
@@ -222,20 +247,25 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         print("WARNING: --check-for-nan-in-loss-and-grad is off: --fp16 with a dynamic loss scale skips steps "
               "whose gradients overflow (as Megatron-LM does)", file=sys.stderr)
     if joining:
-        from megatron_hetermoe.parallel.device import init_distributed
+        from megatron_hetermoe.parallel.device import init_distributed, rank_device
 
         init_distributed()  # this rank's GPU first, then NCCL (gloo and CPU patches without CUDA)
+        check_kernels(p, cfg, rank_device())
         result = _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg,
                             plan if a.hetero_plan else None, hetero)
     else:
         import megatron.core  # noqa: F401  - import once in the parent, then fork ranks
 
+        check_kernels(p, cfg, "cpu")  # forked ranks are CPU ranks
         result = run(cfg, a.nproc or 4, plan=plan if a.hetero_plan else None, hetero=hetero)
     if "peak_rss_mib" in result and int(os.environ.get("RANK", "0")) == 0:
         for r, (role, rss) in enumerate(result["peak_rss_mib"]):
             print(f" rank {r} ({role}): peak RSS {rss:.0f} MiB")
         if result.get("schedule") == "zebra":
             print(f" rank 0 peak activation memory (saved for backward): {result['peak_activation_mib']:.2f} MiB")
+    if "peak_gpu_mib" in result and int(os.environ.get("RANK", "0")) == 0:  # CUDA ranks (both trainers)
+        for r, (role, mib) in enumerate(result["peak_gpu_mib"]):
+            print(f" rank {r} ({role}): peak GPU memory {mib:.0f} MiB (max allocated)")
     if result.get("emulation") is not None and int(os.environ.get("RANK", "0")) == 0:
         from megatron_hetermoe.emulation.emulator import validity_line
 

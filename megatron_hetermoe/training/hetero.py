@@ -27,6 +27,7 @@ from megatron_hetermoe.data.dataset import make_data
 from megatron_hetermoe.models.builder import (
     build_gpt,
     canonical_names,
+    choose_kernels,
     init_layout_invariant,
     layer_spec,
     transformer_config,
@@ -34,7 +35,12 @@ from megatron_hetermoe.models.builder import (
 )
 from megatron_hetermoe.models.experts import ExpertRuntime
 from megatron_hetermoe.models.moe_layer import hetero_layer_spec
-from megatron_hetermoe.parallel.device import check_native_bf16, rank_device
+from megatron_hetermoe.parallel.device import (
+    check_native_bf16,
+    peak_gpu_mib,
+    rank_device,
+    reset_peak_memory,
+)
 from megatron_hetermoe.parallel.megatron_globals import megatron_globals
 from megatron_hetermoe.parallel.state import (
     HeteroParallelState,
@@ -178,9 +184,10 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         # ep>1 only marks expert weights allreduce=False, so DDP reduces them over the
         # expert replica group instead of the attention DP group.
         # One precision on both roles: TokenRoute's wire dtype is this params_dtype on every rank.
-        config = transformer_config(mcfg, ParallelConfig(), cfg.precision, expert_model_parallel_size=2,
-                                    deterministic_mode=cfg.deterministic)
-        base = layer_spec(mcfg)
+        kernels = choose_kernels(hs.device, cfg.precision, cfg.transformer_impl, cfg.moe_grouped_gemm)
+        config = transformer_config(mcfg, ParallelConfig(), cfg.precision, kernels=kernels.name,
+                                    expert_model_parallel_size=2, deterministic_mode=cfg.deterministic)
+        base = layer_spec(mcfg, kernels.name)
         if hs.role == "attention":
             module = build_gpt(mcfg, config, spec=hetero_layer_spec(base, hs, pgc), pg_collection=pgc)
             names = canonical_names(module)
@@ -226,7 +233,9 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         role = HeteroStep(cfg, hs, model, module, fwd_bwd, nmb, optimizer)
         parts = LoopParts(cfg, model, optimizer, scheduler, guard, recorder, steplog,
                           hetero_checkpointer(cfg, hs, module, names, optimizer, scheduler), hs.world_group, clock)
+        reset_peak_memory(hs.device)  # the GPU peak counts from here (model and optimizer already allocated)
         res = train_loop(parts, role)
+        gpu = peak_gpu_mib(hs.role, hs.device, hs.world_group)  # before the exports below; None on CPU ranks
         emulation = clock.report() if clock is not None else None
         params = export_megatron(hs, model, "data") if cfg.collect_grads else None
         if run.timeline_dir is not None:
@@ -234,16 +243,19 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         peak = [None] * dist.get_world_size()
         dist.all_gather_object(peak, (hs.role, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
                                group=hs.world_group)
-        return {"losses": res.losses, "grads": role.grads, "params": params, "step_times": res.step_times,
-                "start_iteration": res.start_iteration, "num_microbatches": nmb, "dp": n_attn,
-                "schedule": schedule, "skipped": guard.skipped, "loss_scales": res.loss_scales,
-                "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
-                "overflow_skipped": res.overflow_skipped,
-                "executed": [(list(a), {k: list(v) for k, v in b.items()}) for a, b, _ in executed],
-                "peak_activation_mib": max((m for _, _, m in executed), default=0) / 2**20,
-                "peak_rss_mib": peak,
-                "busy_s": last_step_busy(recorder, cfg.train_iters - 1, hs.world_group),
-                "emulation": emulation}
+        out = {"losses": res.losses, "grads": role.grads, "params": params, "step_times": res.step_times,
+               "start_iteration": res.start_iteration, "num_microbatches": nmb, "dp": n_attn,
+               "schedule": schedule, "skipped": guard.skipped, "loss_scales": res.loss_scales,
+               "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+               "overflow_skipped": res.overflow_skipped,
+               "executed": [(list(a), {k: list(v) for k, v in b.items()}) for a, b, _ in executed],
+               "peak_activation_mib": max((m for _, _, m in executed), default=0) / 2**20,
+               "peak_rss_mib": peak,
+               "busy_s": last_step_busy(recorder, cfg.train_iters - 1, hs.world_group),
+               "emulation": emulation, "kernels": kernels.name, "kernels_reason": kernels.reason}
+        if gpu is not None:  # CUDA ranks only: absent, not zeros, on CPU
+            out["peak_gpu_mib"] = gpu
+        return out
 
 
 _UNWRAP = re.compile(r"^(?:module\.)+")  # DDP's and Float16Module's prefixes

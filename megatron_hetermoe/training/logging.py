@@ -1,6 +1,9 @@
 """Per-iteration logging as Megatron does it: the iteration line on the first rank, TensorBoard
 scalars (--tensorboard-dir, Megatron's names), and per-role utilization (busy compute over step
 time, from each rank's timeline) when the ranks record compute tasks (zebra, emulated runs).
+Busy time is TimelineRecorder.busy: on a CUDA rank running a task list, the compute tasks' CUDA
+event spans (when they ran on the GPU); on CPU ranks and emulated runs, host times. Megatron's own
+schedule (DistEP attention ranks without emulation, the Megatron EP trainer) records no tasks.
 `log` is collective over `group`: every rank calls it at the same iterations."""
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ def format_iteration(it: int, cfg: TrainConfig, dt: float, lr, loss: float, grad
 
 
 def last_step_busy(recorder, step: int, group) -> list[float]:
-    """Seconds each rank spent in (emulated) compute during `step`, from its timeline."""
+    """Seconds each rank spent in (emulated) compute during `step`, from its timeline (on the
+    GPU where the rank recorded CUDA spans: TimelineRecorder.busy)."""
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, recorder.busy(step), group=group)
     return out
@@ -56,7 +60,8 @@ class StepLogger:
             by.setdefault(role, []).append(b)
         if not any(b for v in by.values() for b in v):
             return {}  # nothing recorded (Megatron's own schedule without emulation)
-        # busy compute / step time; never above 1 (compute tasks of a rank do not overlap)
+        # busy compute / step time; never above 1 (compute tasks of a rank do not overlap: one
+        # thread on the host, one stream on the GPU)
         return {r: min(1.0, sum(v) / len(v) / dt) for r, v in by.items()}
 
     def log(self, it: int, dt: float, lr: float, loss: float, grad_norm, loss_scale: float | None = None,

@@ -16,6 +16,7 @@ from megatron_hetermoe.data.dataset import make_data
 from megatron_hetermoe.models.builder import (
     build_gpt,
     canonical_names,
+    choose_kernels,
     init_layout_invariant,
     transformer_config,
     wrap_precision,
@@ -24,9 +25,12 @@ from megatron_hetermoe.models.builder import (
 from megatron_hetermoe.parallel.device import (
     check_native_bf16,
     group_timeout,
+    peak_gpu_mib,
     rank_device,
+    reset_peak_memory,
     set_deterministic,
 )
+from megatron_hetermoe.models.expert_names import module_state
 from megatron_hetermoe.plan.layout import load_params
 from megatron_hetermoe.reliability.nan_check import NanGuard
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
@@ -63,7 +67,7 @@ class MegatronEPStep:
     def before_step(self, it: int) -> None:
         cfg = self.cfg
         if cfg.pin_params is not None:
-            load_params(self.module, {local: cfg.pin_params[it][canon] for local, canon in self.names.items()})
+            load_params(self.module, module_state(self.names, cfg.pin_params[it]))
         if cfg.collect_grads:
             self.step_params.append(gather_canonical([self.model], [self.model_names], "data"))
 
@@ -127,12 +131,13 @@ def train(cfg: TrainConfig) -> dict:
         dp = ps.get_data_parallel_world_size()
         nmb = cfg.num_microbatches(dp)
         mcfg = cfg.model
-        config = transformer_config(mcfg, par, cfg.precision, deterministic_mode=cfg.deterministic)
+        kernels = choose_kernels(device, cfg.precision, cfg.transformer_impl, cfg.moe_grouped_gemm)
+        config = transformer_config(mcfg, par, cfg.precision, kernels=kernels.name, deterministic_mode=cfg.deterministic)
         module = build_gpt(mcfg, config, pre_process=ps.is_pipeline_first_stage(),
                            post_process=ps.is_pipeline_last_stage())
         names = canonical_names(module)
         if cfg.init_state is not None:
-            load_params(module, {local: cfg.init_state[canon] for local, canon in names.items()})
+            load_params(module, module_state(names, cfg.init_state))
         else:
             init_layout_invariant(module, cfg.seed, mcfg.num_layers, names)
         module.to(device)  # built and initialized on the CPU (use_cpu_initialization)
@@ -158,16 +163,22 @@ def train(cfg: TrainConfig) -> dict:
         role = MegatronEPStep(cfg, model, module, names, nmb, ps.get_data_parallel_rank(), device, optimizer)
         parts = LoopParts(cfg, model, optimizer, scheduler, guard, recorder, steplog,
                           megatron_checkpointer(cfg, module, names, optimizer, scheduler), dist.group.WORLD, clock)
+        reset_peak_memory(device)  # the GPU peak counts from here (model and optimizer already allocated)
         res = train_loop(parts, role)
+        gpu = peak_gpu_mib(MEGATRON_ROLE, device, dist.group.WORLD)  # before the exports below; None on CPU ranks
         emulation = clock.report() if clock is not None else None
         params = gather_canonical([model], [role.model_names], "data") if cfg.collect_grads else None
-        return {"losses": res.losses, "grads": role.grads, "params": params, "step_params": role.step_params,
-                "initial_params": role.step_params[0] if role.step_params else params,
-                "start_iteration": res.start_iteration, "step_times": res.step_times, "num_microbatches": nmb,
-                "dp": dp, "skipped": guard.skipped, "loss_scales": res.loss_scales,
-                "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
-                "overflow_skipped": res.overflow_skipped,
-                "busy_s": last_step_busy(recorder, cfg.train_iters - 1, dist.group.WORLD), "emulation": emulation}
+        out = {"losses": res.losses, "grads": role.grads, "params": params, "step_params": role.step_params,
+               "initial_params": role.step_params[0] if role.step_params else params,
+               "start_iteration": res.start_iteration, "step_times": res.step_times, "num_microbatches": nmb,
+               "dp": dp, "skipped": guard.skipped, "loss_scales": res.loss_scales,
+               "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+               "overflow_skipped": res.overflow_skipped,
+               "busy_s": last_step_busy(recorder, cfg.train_iters - 1, dist.group.WORLD), "emulation": emulation,
+               "kernels": kernels.name, "kernels_reason": kernels.reason}
+        if gpu is not None:  # CUDA ranks only: absent, not zeros, on CPU
+            out["peak_gpu_mib"] = gpu
+        return out
     finally:
         if emu_undo is not None:
             emu_undo()

@@ -10,7 +10,11 @@
 Flags keep Megatron-LM's names and meanings (model shape, MoE, parallel sizes, batch, optimizer,
 data, tokenizer, checkpoints). The model is always Mixtral-style (every layer MoE, SwiGLU,
 RMSNorm, RoPE, no bias, untied embeddings); the vocabulary is the tokenizer's, padded as
-Megatron pads it. A flag that Megatron-LM has but this trainer does not is refused by name
+Megatron pads it. --transformer-impl and --moe-grouped-gemm keep Megatron-LM's meaning when
+given (a request that cannot run here, e.g. transformer_engine without transformer-engine or on CPU
+ranks, is refused); without them the kernels are chosen for the ranks' device and printed
+(models.builder.choose_kernels), where Megatron-LM would default to transformer_engine.
+A flag that Megatron-LM has but this trainer does not is refused by name
 (from megatron_lm_flags.txt, Megatron-LM core_v0.16.1's own parser), as is a flag neither has.
 The run itself is `hetermoe train` (train_args.run_from_args), with this model shape.
 """

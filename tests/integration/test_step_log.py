@@ -27,3 +27,4 @@ def test_tensorboard_scalars_and_role_utilization(tiny, tmp_path, capfd):
     assert {"lm loss", "learning-rate", "grad-norm", "utilization/attention", "utilization/expert"} <= set(ea.Tags()["scalars"])
     logged = {e.step: e.value for e in ea.Scalars("lm loss")}
     assert logged == pytest.approx({2: res["losses"][1], 4: res["losses"][3]})
+    assert "peak_gpu_mib" not in res and len(res["peak_rss_mib"]) == 2  # CPU ranks: no GPU memory report

@@ -89,6 +89,10 @@ def test_timeline_cli_writes_png_and_chrome_trace(tiny, tmp_path):
     trace = json.loads((tmp_path / "t.json").read_text())
     names = {e["name"].split("(")[0] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {"A_F", "A_B", "E_F", "E_B", "D_F", "C_F", "C_B", "D_B"} <= names
+    # CPU ranks time on the host clock only, and the rows say so.
+    assert {e["args"]["clock"] for e in trace["traceEvents"] if e["ph"] == "X"} == {"host"}
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"} == \
+        {"compute (host)", "dispatch (host)", "combine (host)"}
 
 
 def test_emulated_timing_changes_no_numbers(tiny):

@@ -73,3 +73,31 @@ def test_fork_launcher_never_asks_the_parent_about_cuda(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_available", poisoned)
     assert launch(_cuda_view, 2, timeout_s=60) == [(False, "", torch.device("cpu"))] * 2
+
+
+def test_gpu_memory_report_is_absent_on_cpu(monkeypatch):
+    def no(*a, **k):
+        raise AssertionError("a CPU rank touched CUDA or a collective for the GPU memory report")
+
+    for name in ("reset_peak_memory_stats", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, no)
+    monkeypatch.setattr(dist, "all_gather_object", no)
+    dev.reset_peak_memory(torch.device("cpu"))
+    assert dev.peak_gpu_mib("attention", torch.device("cpu"), None) is None  # absent, not zeros
+
+
+def test_gpu_memory_report_on_cuda_ranks(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda d: calls.append(("reset", d)))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: calls.append(("max", d)) or 3 * 2**20)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+
+    def gather(out, obj, group=None):
+        calls.append(("gather", group))
+        out[:] = [obj, ("expert", 5.0)]
+
+    monkeypatch.setattr(dist, "all_gather_object", gather)
+    cuda = torch.device("cuda", 1)
+    dev.reset_peak_memory(cuda)
+    assert dev.peak_gpu_mib("attention", cuda, "G") == [("attention", 3.0), ("expert", 5.0)]
+    assert calls == [("reset", cuda), ("max", cuda), ("gather", "G")]

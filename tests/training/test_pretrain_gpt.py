@@ -45,9 +45,9 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_unsupported_and_unknown_flags_are_named():
-    r = _run(TINY_FLAGS + ["--use-flash-attn", "--moe-grouped-gemm", "--not-a-flag", "3"])
+    r = _run(TINY_FLAGS + ["--use-flash-attn", "--moe-use-legacy-grouped-gemm", "--not-a-flag", "3"])
     assert r.returncode == 2
-    assert "unsupported Megatron-LM flag(s): --use-flash-attn --moe-grouped-gemm" in r.stderr
+    assert "unsupported Megatron-LM flag(s): --use-flash-attn --moe-use-legacy-grouped-gemm" in r.stderr
     assert "unknown flag(s): --not-a-flag" in r.stderr
     r = _run(TINY_FLAGS + ["--lr-warmup", "3"])  # a prefix of --lr-warmup-iters: no abbreviations
     assert r.returncode == 2 and "unknown flag(s): --lr-warmup" in r.stderr
@@ -135,3 +135,20 @@ def test_cli_registers_pretrain():
     from megatron_hetermoe.cli import SUBCOMMANDS
 
     assert SUBCOMMANDS["pretrain"][0] == f"{pretrain_gpt.__name__}:main"
+
+
+def test_kernel_flags_keep_megatron_meaning_and_refuse_what_cannot_run():
+    """--transformer-impl and --moe-grouped-gemm are Megatron-LM's flags with its meaning; a request that
+    cannot run on these (CPU) ranks is refused by name before any rank starts; without them the kernels are
+    chosen and printed."""
+    p = build_parser()
+    a = p.parse_args(["--transformer-impl", "transformer_engine", "--moe-grouped-gemm"])
+    assert (a.transformer_impl, a.moe_grouped_gemm) == ("transformer_engine", True)
+    a = p.parse_args([])
+    assert (a.transformer_impl, a.moe_grouped_gemm) == (None, None)  # not given: chosen automatically
+    r = _run(TINY_FLAGS + ["--transformer-impl", "transformer_engine", "--nproc", "2", "--train-iters", "1"])
+    assert r.returncode == 2 and "--transformer-impl transformer_engine:" in r.stderr, r.stderr[-2000:]
+    r = _run(TINY_FLAGS + ["--transformer-impl", "local", "--moe-grouped-gemm", "--nproc", "2", "--train-iters", "1"])
+    assert r.returncode == 2 and "GroupedMLP runs on CUDA ranks only" in r.stderr, r.stderr[-2000:]
+    r = _run(TINY_FLAGS + ["--transformer-impl", "inference_optimized"])
+    assert r.returncode == 2 and "invalid choice: 'inference_optimized'" in r.stderr
