@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetermoe.config import TrainConfig
+from megatron_hetermoe.models.expert_names import expand
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -150,7 +151,7 @@ def gather_canonical(model_chunks, names_per_chunk, attr: str, scale: float = 1.
     for d in world:
         for k, v in d.items():
             merged.setdefault(k, v)
-    return merged
+    return expand(merged)  # GroupedMLP's packed tensors -> one canonical name per expert
 
 
 def global_grad_norm(owned_grads, group, device: torch.device) -> float:
