@@ -235,15 +235,7 @@ def test_load_params_converts_to_the_modules_names(impl):
         n = len(plan.local_experts(rank, layer))
         shaped = en.from_sequential({k: v for k, v in seq.items() if k.startswith(pre)}, _names(impl, n, pre))
         target.update({k: v.shape for k, v in shaped.items()})
-    mod = torch.nn.Module()  # a stand-in rank module with the target's parameter names
-    for name, shape in target.items():
-        parent = mod
-        *path, leaf = name.split(".")
-        for part in path:
-            if not hasattr(parent, part):
-                parent.add_module(part, torch.nn.Module())
-            parent = getattr(parent, part)
-        parent.register_parameter(leaf, torch.nn.Parameter(torch.zeros(shape, dtype=torch.float64)))
+    mod = _module_with(target)  # a stand-in rank module with the target's parameter names
     load_params(mod, seq)
     got = {n: p.detach() for n, p in mod.named_parameters()}
     assert _same(en.to_sequential(got, {f"decoder.layers.{l}.mlp.experts.": len(plan.local_experts(rank, l))

@@ -11,7 +11,6 @@ CPU ranks and emulated runs are unchanged (host clock only).
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import threading
@@ -21,11 +20,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
+from fake_streams import CASES, ThreadStreams, num_layers
 
 from megatron_hetermoe.config import ZebraConfig
 from megatron_hetermoe.schedules.executor import CudaApi, TaskExecutor
 from megatron_hetermoe.schedules.tasks import (
-    distep_tasks_for_role,
     inputs,
     zebra_tasks_for_role,
 )
@@ -80,11 +79,11 @@ class SimEvent:
         return True
 
 
-class SimCuda:
+class SimCuda(ThreadStreams):
     def __init__(self):
         self.lock = threading.Lock()
         self.items: list[tuple] = []
-        self.tls = threading.local()
+        super().__init__()
         self.main = threading.current_thread()
         self.compute = SimStream(self, "compute")
         self.defaults: dict[str, SimStream] = {}
@@ -107,22 +106,13 @@ class SimCuda:
 
     def current_stream(self, device=None) -> SimStream:
         assert device == DEVICE
-        s = getattr(self.tls, "stream", None)
+        s = self.thread_stream()
         if s is None:
             if threading.current_thread() is self.main:
                 return self.compute
             name = threading.current_thread().name
             s = self.defaults.setdefault(name, SimStream(self, f"default-{name}"))
         return s
-
-    @contextlib.contextmanager
-    def use_stream(self, s):
-        prev = getattr(self.tls, "stream", None)
-        self.tls.stream = s
-        try:
-            yield
-        finally:
-            self.tls.stream = prev
 
     def work(self, t) -> None:
         """Enqueue `t`'s work on this thread's current stream."""
@@ -188,21 +178,11 @@ def run_step(sim: SimCuda, tasks, L: int, recorder: TimelineRecorder, cfg: Zebra
     return exe
 
 
-def _L(tasks) -> int:
-    return max(t.layer for t in tasks if t.kind not in ("A_F", "A_B")) + 1
-
-
-CASES = [
-    ("attention", zebra_tasks_for_role(2, 3, "attention")),
-    ("expert", zebra_tasks_for_role(2, 3, "expert")),
-    ("attention+offload", zebra_tasks_for_role(3, 2, "attention", offloaded_layers=[0, 2])),
-    ("distep-expert", distep_tasks_for_role(2, 2, "expert")),
-]
 
 
 @pytest.mark.parametrize("name, tasks", CASES, ids=[c[0] for c in CASES])
 def test_cuda_spans_are_the_device_times_on_the_host_axis(sim, name, tasks):
-    L = _L(tasks)
+    L = num_layers(tasks)
     rec = TimelineRecorder(0, "attention")
     run_step(sim, tasks, L, rec)
     cuda = [e for e in rec.events if e.clock == "cuda"]
@@ -224,7 +204,7 @@ def test_cuda_spans_are_the_device_times_on_the_host_axis(sim, name, tasks):
 
 def test_one_host_wait_per_step_after_the_step(sim):
     tasks = zebra_tasks_for_role(2, 3, "attention")
-    L = _L(tasks)
+    L = num_layers(tasks)
     rec = TimelineRecorder(0, "attention")
     bounds = []
     for step in range(3):
@@ -248,7 +228,7 @@ def test_one_host_wait_per_step_after_the_step(sim):
 
 def test_busy_and_utilization_use_the_cuda_spans(sim, monkeypatch):
     tasks = zebra_tasks_for_role(2, 3, "expert")
-    L = _L(tasks)
+    L = num_layers(tasks)
     rec = TimelineRecorder(3, "expert")
     rec.step = 5
     run_step(sim, tasks, L, rec)

@@ -8,13 +8,13 @@ run in FIFO order on their own stream and thread, and nothing synchronizes the h
 """
 from __future__ import annotations
 
-import contextlib
 import random
 import threading
 import time
 
 import pytest
 import torch
+from fake_streams import CASES, ThreadStreams, num_layers
 
 from megatron_hetermoe.config import ZebraConfig
 from megatron_hetermoe.schedules import executor as ex_mod
@@ -26,7 +26,6 @@ from megatron_hetermoe.schedules.executor import (
     stream_factory,
 )
 from megatron_hetermoe.schedules.tasks import (
-    distep_tasks_for_role,
     inputs,
     zebra_tasks_for_role,
 )
@@ -80,13 +79,13 @@ class FakeStream:
         self.log.add("HOST_SYNC", "stream", self.name)
 
 
-class FakeCuda:
+class FakeCuda(ThreadStreams):
     """A CudaApi over fake streams: the compute thread's current stream is 'compute', a worker
     thread's is 'default' until it enters use_stream."""
 
     def __init__(self):
         self.log = Log()
-        self.tls = threading.local()
+        super().__init__()
         self.compute = FakeStream(self.log, "compute")
         self.default = FakeStream(self.log, "default")
         self.made: list[FakeStream] = []
@@ -104,19 +103,10 @@ class FakeCuda:
 
     def current_stream(self, device=None):
         assert device == DEVICE
-        s = getattr(self.tls, "stream", None)
+        s = self.thread_stream()
         if s is None:
             s = self.compute if threading.current_thread() is self.main else self.default
         return s
-
-    @contextlib.contextmanager
-    def use_stream(self, s):
-        prev = getattr(self.tls, "stream", None)
-        self.tls.stream = s
-        try:
-            yield
-        finally:
-            self.tls.stream = prev
 
     def set_device(self, device):
         self.device_of_thread[threading.current_thread().name] = device
@@ -159,17 +149,11 @@ def _events(fake):
     return {it[1]: (i, it[2]) for i, it in enumerate(fake.log.items) if it[0] == "record"}
 
 
-CASES = [
-    ("attention", zebra_tasks_for_role(2, 3, "attention")),
-    ("expert", zebra_tasks_for_role(2, 3, "expert")),
-    ("attention+offload", zebra_tasks_for_role(3, 2, "attention", offloaded_layers=[0, 2])),
-    ("distep-expert", distep_tasks_for_role(2, 2, "expert")),
-]
 
 
 @pytest.mark.parametrize("name, tasks", CASES, ids=[c[0] for c in CASES])
 def test_cuda_stream_ordering(fake, name, tasks):
-    L = max(t.layer for t in tasks if t.kind not in ("A_F", "A_B")) + 1
+    L = num_layers(tasks)
     exe = _run(fake, tasks, L)
     log = fake.log.items
     rec = _events(fake)

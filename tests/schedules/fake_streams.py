@@ -1,0 +1,42 @@
+"""What the stream tests share: the task lists they run (CASES) and, for their fake CUDA APIs, a
+per-thread current stream, set the way torch.cuda.stream(s) sets it."""
+from __future__ import annotations
+
+import contextlib
+import threading
+
+from megatron_hetermoe.schedules.tasks import (
+    distep_tasks_for_role,
+    zebra_tasks_for_role,
+)
+
+
+class ThreadStreams:
+    def __init__(self):
+        self.tls = threading.local()
+
+    def thread_stream(self):
+        """The stream a `use_stream` block made current on this thread, or None."""
+        return getattr(self.tls, "stream", None)
+
+    @contextlib.contextmanager
+    def use_stream(self, s):
+        prev = self.thread_stream()
+        self.tls.stream = s
+        try:
+            yield
+        finally:
+            self.tls.stream = prev
+
+
+# Task lists of both roles, with offloaded experts, and DistEP's.
+CASES = [
+    ("attention", zebra_tasks_for_role(2, 3, "attention")),
+    ("expert", zebra_tasks_for_role(2, 3, "expert")),
+    ("attention+offload", zebra_tasks_for_role(3, 2, "attention", offloaded_layers=[0, 2])),
+    ("distep-expert", distep_tasks_for_role(2, 2, "expert")),
+]
+
+
+def num_layers(tasks) -> int:
+    return max(t.layer for t in tasks if t.kind not in ("A_F", "A_B")) + 1
