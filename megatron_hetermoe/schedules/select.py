@@ -76,7 +76,8 @@ def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model
                             hetero_state: HeteroParallelState, schedule: str, zebra_config: ZebraConfig | None = None,
                             recorder: TimelineRecorder | None = None, executed: list | None = None,
                             task_list: bool = False, **unused):
-    """An expert rank's step: mirror the attention ranks, then reduce expert gradients."""
+    """An expert rank's step: mirror the attention ranks, then reduce expert gradients over the
+    expert replica group."""
     hs = hetero_state
     if forward_only:
         raise NotImplementedError("forward-only passes are not mirrored on expert ranks yet")
@@ -89,11 +90,7 @@ def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model
             executed.append((ez.ex.executed, ez.ex.executed_streams, ez.ex.meter.peak))
     else:
         expert_distep(runtime, num_microbatches)
-    ddp.finish_grad_sync()
-    # Each expert saw the tokens of M attention ranks, each a local-mean loss: Megatron's DP
-    # average needs 1/(M*G); DDP applied 1/G over the replica group.
-    for p in ddp.parameters():
-        p.main_grad.mul_(1.0 / hs.num_attention_per_group)
+    ddp.finish_grad_sync()  # the expert side of Megatron's finalize_model_grads (1/M: training/hetero.py)
     return []
 
 

@@ -112,6 +112,11 @@ class HeteroStep:
 
     def before_optimizer(self) -> float:
         hs = self.hs
+        if hs.role == "expert":
+            # Each expert saw the tokens of M attention ranks, each a local-mean loss: Megatron's
+            # DP average needs 1/(M*G); DDP applied 1/G over the replica group.
+            for p in self.model.parameters():
+                p.main_grad.mul_(1.0 / hs.num_attention_per_group)
         grads = [(p.main_grad, _is_expert_param(p)) for p in self.model.parameters()]
         owned = [g for g, is_expert in grads
                  if (hs.group_index == 0 if is_expert else hs.attention_dp_rank == 0)]

@@ -16,36 +16,16 @@ import json
 import os
 
 import pytest
-import torch
 from margins import within
+from routing import force_routing, initial_state
 
-from megatron_hetermoe.config import ModelConfig, ParallelConfig, TrainConfig
+from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.models.dispatcher import HeteroTokenDispatcher
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
 from megatron_hetermoe.planner.search import build_plan
 from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
-from megatron_hetermoe.training.args import run
 
 pytestmark = pytest.mark.slow
-
-
-def initial_state(model: ModelConfig, seed: int = 1234) -> dict[str, torch.Tensor]:
-    """The seed's plain Megatron initial state (canonical names), from a 0-step 1-rank run."""
-    cfg = TrainConfig(model, ParallelConfig(), micro_batch_size=1, global_batch_size=1, train_iters=0,
-                      seed=seed, collect_grads=True, quiet=True)
-    return run(cfg, 1)["initial_params"]
-
-
-def force_routing(state: dict[str, torch.Tensor], experts: list[int], num_layers: int) -> dict[str, torch.Tensor]:
-    """Make every token of every layer prefer `experts` in this order (see the module doc)."""
-    state = {k: v.clone() for k, v in state.items()}
-    state["embedding.word_embeddings.weight"][:, 0] = 1.0
-    for layer in range(num_layers):
-        w = state[f"decoder.layers.{layer}.mlp.router.weight"]
-        w[:, 0] = 0.0
-        for i, e in enumerate(experts):
-            w[e, 0] = 5.0 - 0.1 * i
-    return state
 
 
 @pytest.fixture

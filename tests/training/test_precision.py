@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 from margins import within
-from test_routing_extremes import force_routing, initial_state
+from routing import force_routing, initial_state
 
 from megatron_hetermoe.config import HeteroRunConfig, ParallelConfig, TrainConfig
 from megatron_hetermoe.parallel.comm import TokenRoute
