@@ -294,13 +294,18 @@ def wrap_precision(config, module: torch.nn.Module) -> torch.nn.Module:
     return Float16Module(config, module)
 
 
+def unwrap(model) -> torch.nn.Module:
+    """The module inside DDP and Float16Module (a model chunk list: its first chunk)."""
+    m = model[0] if isinstance(model, (list, tuple)) else model
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
 def wrapped_names(model: torch.nn.Module, names: dict[str, str]) -> dict[str, str]:
     """`names` (the unwrapped module's local name -> canonical name) keyed by the names the
     wrapped model (DDP, Float16Module) gives the same parameters."""
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
-    by_param = {p: names[n] for n, p in inner.named_parameters()}
+    by_param = {p: names[n] for n, p in unwrap(model).named_parameters()}
     return {n: by_param[p] for n, p in model.named_parameters()}
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import partial
 
 from megatron_hetermoe.config import ZebraConfig
+from megatron_hetermoe.models.builder import unwrap
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.schedules.distep import expert_distep
 from megatron_hetermoe.schedules.tasks import distep_tasks, zebra_tasks
@@ -32,13 +33,6 @@ class _CaptureModel:
         return None
 
 
-def _unwrap(model):
-    m = model[0] if isinstance(model, (list, tuple)) else model
-    while hasattr(m, "module"):
-        m = m.module
-    return m
-
-
 def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_microbatches: int, seq_length: int,
                            micro_batch_size: int, decoder_seq_length=None, forward_only: bool = False,
                            collect_non_loss_data: bool = False, first_val_step=None, adjust_tensor_shapes_fn=None,
@@ -59,7 +53,7 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
     for _ in range(num_microbatches):
         _, lf = forward_step_func(data_iterator, cap)
         loss_funcs.append(lf)
-    gpt = _unwrap(model)
+    gpt = unwrap(model)
     az = AttentionZebra(gpt, hs, zebra_config or ZebraConfig(), recorder)
     reported = az.run(cap.calls, loss_funcs, TASK_LISTS[schedule](hs.plan, hs.rank))
     if executed is not None:
@@ -81,7 +75,7 @@ def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model
     hs = hetero_state
     if forward_only:
         raise NotImplementedError("forward-only passes are not mirrored on expert ranks yet")
-    runtime = _unwrap(model)
+    runtime = unwrap(model)
     ddp = model[0] if isinstance(model, list) else model
     if schedule == "zebra" or task_list:
         ez = ExpertZebra(runtime, hs, zebra_config or ZebraConfig(), recorder)

@@ -77,7 +77,7 @@ class HeteroStep:
     parameters owned by attention DP rank 0, experts by ZP group 0) and clip by it, as Megatron
     clips one model."""
 
-    def __init__(self, cfg: TrainConfig, hs: HeteroParallelState, model, module, fwd_bwd, nmb: int, optimizer=None):
+    def __init__(self, cfg: TrainConfig, hs: HeteroParallelState, model, module, fwd_bwd, nmb: int, optimizer):
         self.cfg, self.hs, self.model, self.module, self.fwd_bwd, self.nmb = cfg, hs, model, module, fwd_bwd, nmb
         self.optimizer = optimizer
         self.pgc = hs.pg_collection()
@@ -122,7 +122,7 @@ class HeteroStep:
                  if (hs.group_index == 0 if is_expert else hs.attention_dp_rank == 0)]
         # The gradients carry the world's one loss scale (training/step.py share_loss_scale); the
         # norm and the clip are of the unscaled ones, as Megatron clips after unscaling.
-        scale = 1.0 if self.optimizer is None else loss_scale_of(self.optimizer)
+        scale = loss_scale_of(self.optimizer)
         grad_norm = global_grad_norm(owned, hs.world_group, hs.device)
         if scale != 1.0:
             grad_norm /= scale

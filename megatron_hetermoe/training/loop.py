@@ -79,11 +79,11 @@ def train_loop(parts: LoopParts, role: RoleStep) -> LoopResult:
             overflow = not ok  # the grad scaler found an inf on some rank: every rank skips (step.py)
             if ok:
                 parts.scheduler.step(increment=1)
+                if grad_norm is None:  # the role left the norm to Megatron's optimizer
+                    grad_norm = step_norm
             else:
                 res.overflow_skipped.append(it)
                 grad_norm = None  # as Megatron reports a skipped step
-            if grad_norm is None:
-                grad_norm = step_norm
         if clock is not None:  # gradient all-reduce + optimizer on the emulated GPUs
             clock.post_step()
         # lm loss: token-weighted over microbatches and data-parallel ranks.

@@ -51,7 +51,7 @@ class MegatronEPStep:
     microbatches; Megatron's optimizer clips and reports the norm."""
 
     def __init__(self, cfg: TrainConfig, model, module, names: dict[str, str], nmb: int, data_parallel_rank: int,
-                 device: torch.device, optimizer=None):
+                 device: torch.device, optimizer):
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -93,8 +93,8 @@ class MegatronEPStep:
 
     def before_optimizer(self):
         if self.cfg.collect_grads:  # unscaled, as Megatron's optimizer reads them
-            scale = 1.0 if self.optimizer is None else 1.0 / loss_scale_of(self.optimizer)
-            self.grads.append(gather_canonical([self.model], [self.model_names], "main_grad", scale))
+            self.grads.append(gather_canonical([self.model], [self.model_names], "main_grad",
+                                               1.0 / loss_scale_of(self.optimizer)))
         return None
 
 
