@@ -23,7 +23,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python scripts/demo.py
 
+# With MEGATRON_LM_DIR (a Megatron-LM checkout), the tests of Megatron-LM's own pretrain() run too;
+# they need its training-side packages (the megatron-lm extra: triton alone is ~1 GB, so only then).
 test: $(STAMP)
+	if [ -n "$$MEGATRON_LM_DIR" ]; then $(PIP_INSTALL) --no-build-isolation -e '.[megatron-lm]'; fi
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
 
 test-fast: $(STAMP)

@@ -346,27 +346,30 @@ def canonical_names(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def canonical_init(name: str, shape: torch.Size, seed: int, num_layers: int) -> torch.Tensor:
+def canonical_init(name: str, shape: torch.Size, seed: int, num_layers: int, std: float = 0.02) -> torch.Tensor:
     """Deterministic initial value of canonical parameter `name` (Megatron's init rules:
-    norms at 1, output projections scaled by 1/sqrt(2 L), others N(0, 0.02))."""
+    norms at 1, biases at 0, output projections N(0, std/sqrt(2 L)), others N(0, std);
+    std is Megatron's --init-method-std)."""
     if re.search(r"(norm|layernorm)\.weight$", name):
         return torch.ones(shape)
+    if name.endswith("bias"):
+        return torch.zeros(shape)
     g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    std = 0.02
     if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
-        std = 0.02 / (2.0 * num_layers) ** 0.5
+        std = std / (2.0 * num_layers) ** 0.5
     return torch.randn(shape, generator=g) * std
 
 
 @torch.no_grad()
-def init_layout_invariant(model: torch.nn.Module, seed: int, num_layers: int, names: dict[str, str] | None = None) -> None:
+def init_layout_invariant(model: torch.nn.Module, seed: int, num_layers: int, names: dict[str, str] | None = None,
+                          std: float = 0.02) -> None:
     """Every parameter at canonical_init of its canonical name: the same values under any layout
     and any kernels (a GroupedMLP weight is packed from its experts' canonical values)."""
     names = names or canonical_names(model)
     for name, p in model.named_parameters():
         c = names[name]
         if expert_names.is_label(c):
-            p.copy_(expert_names.pack(c, {k: canonical_init(k, torch.Size(s), seed, num_layers)
+            p.copy_(expert_names.pack(c, {k: canonical_init(k, torch.Size(s), seed, num_layers, std)
                                           for k, s in expert_names.canonical_shapes(c, p.shape).items()}))
         else:
-            p.copy_(canonical_init(c, p.shape, seed, num_layers))
+            p.copy_(canonical_init(c, p.shape, seed, num_layers, std))

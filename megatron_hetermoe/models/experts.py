@@ -68,6 +68,7 @@ class ExpertRuntime(_megatron_module()):
         super().__init__(config=config)
         self.hs = hs
         pgc = hs.pg_collection()
+        self.pg_collection = pgc  # as GPTModel keeps it (Megatron-LM's training_log reads it)
         self.decoder = torch.nn.Module()
         self.decoder.layers = torch.nn.ModuleList()
         for layer in range(hs.plan.num_layers):

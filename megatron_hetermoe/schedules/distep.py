@@ -6,10 +6,17 @@ from __future__ import annotations
 import torch
 
 
-def expert_distep(runtime, num_microbatches: int) -> None:
-    """`runtime`: the rank's models.experts.ExpertRuntime."""
+def expert_distep(runtime, num_microbatches: int, forward_only: bool = False) -> None:
+    """`runtime`: the rank's models.experts.ExpertRuntime. forward_only: the mirror of a
+    forward-only pass (evaluation): every layer forward, no backward."""
     L = runtime.hs.plan.num_layers
     H = runtime.config.hidden_size
+    if forward_only:
+        with torch.no_grad():
+            for _ in range(num_microbatches):
+                for layer in range(L):
+                    runtime.forward_layer(layer, H)
+        return
     for _ in range(num_microbatches):
         sent = [runtime.forward_layer(layer, H) for layer in range(L)]
         for layer in reversed(range(L)):

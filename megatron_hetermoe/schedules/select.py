@@ -25,6 +25,8 @@ class _CaptureModel:
     microbatch (tokens, positions, labels) and its loss_func without running the model: zebra
     runs the model stage by stage itself."""
 
+    vp_stage = None  # Megatron-LM's forward_step reads it (get_attr_wrapped_model)
+
     def __init__(self):
         self.calls: list[dict] = []
 
@@ -73,9 +75,12 @@ def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model
     """An expert rank's step: mirror the attention ranks, then reduce expert gradients over the
     expert replica group."""
     hs = hetero_state
-    if forward_only:
-        raise NotImplementedError("forward-only passes are not mirrored on expert ranks yet")
     runtime = unwrap(model)
+    if forward_only:
+        if schedule != "distep" or task_list:
+            raise NotImplementedError("forward-only passes run the distep schedule; zebra has no forward-only order")
+        expert_distep(runtime, num_microbatches, forward_only=True)
+        return []
     ddp = model[0] if isinstance(model, list) else model
     if schedule == "zebra" or task_list:
         ez = ExpertZebra(runtime, hs, zebra_config or ZebraConfig(), recorder)

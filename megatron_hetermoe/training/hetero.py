@@ -71,6 +71,14 @@ def _is_expert_param(p) -> bool:
     return not getattr(p, "allreduce", True)
 
 
+def average_expert_grads(hs: HeteroParallelState, model) -> None:
+    """An expert rank's share of Megatron's data-parallel average. Each expert saw the tokens of
+    the M attention ranks of its ZP group, each a local-mean loss: Megatron's average needs
+    1/(M*G); DDP applied 1/G over the replica group."""
+    for p in model.parameters():
+        p.main_grad.mul_(1.0 / hs.num_attention_per_group)
+
+
 class HeteroStep:
     """A HeterMoE rank's part of the loop. Attention ranks feed microbatches to the schedule;
     expert ranks mirror it. Both sides then compute the exact global gradient norm (dense
@@ -113,10 +121,7 @@ class HeteroStep:
     def before_optimizer(self) -> float:
         hs = self.hs
         if hs.role == "expert":
-            # Each expert saw the tokens of M attention ranks, each a local-mean loss: Megatron's
-            # DP average needs 1/(M*G); DDP applied 1/G over the replica group.
-            for p in self.model.parameters():
-                p.main_grad.mul_(1.0 / hs.num_attention_per_group)
+            average_expert_grads(hs, self.model)
         grads = [(p.main_grad, _is_expert_param(p)) for p in self.model.parameters()]
         owned = [g for g, is_expert in grads
                  if (hs.group_index == 0 if is_expert else hs.attention_dp_rank == 0)]

@@ -6,17 +6,23 @@ itself with `parse_and_validate_args(extra_args_provider=...)` before calling `p
 `patch_for(checkout)` names the patch for a checkout (patches/check_patch.sh does the same).
 
 The patched pretrain_gpt.py gets the --hetero-* flags through `extra_args_provider`
-(`add_hetero_args`), so Megatron-LM's parser and --help know them. A run with --hetero-plan is
-handed to this plugin's trainer (`run_hetero`) with the same command line: HeterMoE replaces
-Megatron-LM's training loop for that run (expert ranks build no GPTModel, and the zebra
-schedule drives both roles), while the flags keep Megatron-LM's names and meanings and a flag
-this plugin does not support is refused by name. Without --hetero-plan nothing changes.
+(`add_hetero_args`), so Megatron-LM's parser and --help know them. Without --hetero-plan nothing
+changes. With it:
+- core_v0.16.1: Megatron-LM's own pretrain() runs on every rank, attention and expert alike, with
+  the plugin's group setup, model builder, schedule and global gradient norm in place
+  (`hetero_pretrain`, training/megatron_lm_hooks.py).
+- core_v0.19.0: the run is still handed to this plugin's trainer (`run_hetero`) with the same
+  command line, before Megatron-LM's training-side imports (not yet ported to pretrain()).
 """
 from __future__ import annotations
 
 import argparse
 import re
 from pathlib import Path
+
+from megatron_hetermoe.training.megatron_lm_hooks import hetero_pretrain
+
+__all__ = ["add_hetero_args", "hetero_pretrain", "hetero_requested", "run_hetero", "patch_for", "checkout_version"]
 
 HETERO_FLAGS = ("--hetero-plan", "--hetero-schedule", "--hetero-ckpt-reshard")
 
@@ -69,7 +75,8 @@ def hetero_requested(argv: list[str]) -> bool:
 
 
 def run_hetero(argv: list[str]) -> int:
-    """Run Megatron-LM's command line on the plugin's trainer (joins the torchrun job)."""
+    """Run Megatron-LM's command line on the plugin's trainer (joins the torchrun job); the
+    core_v0.19.0 patch's hand-off."""
     from megatron_hetermoe.training.pretrain_gpt import main
 
     return main(argv)

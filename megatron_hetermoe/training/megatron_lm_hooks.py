@@ -1,0 +1,325 @@
+"""HeterMoE inside Megatron-LM's own pretrain(): what the patched pretrain_gpt.py hands it.
+
+Every rank, attention and expert alike, runs Megatron-LM's pretrain(): initialize_megatron,
+setup_model_and_optimizer, the dataset builders, train() with its timers, rerun state machine,
+logging and exit checks, and evaluate(). Every world-wide collective of that loop is therefore
+entered by every rank by construction. HeterMoE changes five things, each through a hook that
+`HeteroPretrain.installed()` puts in place for the call and takes out after it:
+
+1. validate_args: flags this path cannot honour are refused by name (`refusals`), and Megatron's
+   data-parallel size (hence its microbatch calculator) is the plan's attention ranks.
+2. Model parallel state: megatron's initialize_model_parallel is replaced by the plan's groups
+   (parallel/state.py), installed into megatron-core's parallel_state
+   (parallel/megatron_globals.py install_parallel_state).
+3. The model: `HeteroPretrain.builder`, a Megatron-LM model builder (pretrain_gpt.py's
+   model_provider calls it): Megatron's config and layer spec from the flags, with HeteroMoELayer
+   on attention ranks and the expert-only ExpertRuntime on expert ranks.
+4. The schedule: Megatron-LM's get_forward_backward_func returns the plan's schedule (distep or
+   zebra; forward-only passes run distep's forward on both roles). Expert ranks report the
+   world's lm loss, so whichever rank prints sees the same numbers.
+5. The optimizer: Megatron's own, with its gradient norm taken over the world (each gradient
+   counted once: dense ones on attention DP rank 0, experts on ZP group 0), so both roles clip by
+   one global norm and agree on every step.
+On a host without CUDA the CPU backend (parallel/cpu_backend.py) runs the same path over gloo.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_hetermoe.parallel.state import HeteroParallelState
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
+
+# Megatron-LM flags this path refuses, with why: (dest, refused when, flag, reason).
+_REFUSED: list[tuple[str, Callable, str, str]] = [
+    ("tensor_model_parallel_size", lambda v: v != 1, "--tensor-model-parallel-size",
+     "HeterMoE's roles run without tensor parallelism"),
+    ("pipeline_model_parallel_size", lambda v: v != 1, "--pipeline-model-parallel-size",
+     "HeterMoE's roles run without pipeline parallelism"),
+    ("context_parallel_size", lambda v: v != 1, "--context-parallel-size", "not supported with HeterMoE"),
+    ("expert_model_parallel_size", lambda v: v != 1, "--expert-model-parallel-size",
+     "the plan places the experts (hetermoe plan)"),
+    ("expert_tensor_parallel_size", lambda v: v not in (None, 1), "--expert-tensor-parallel-size",
+     "not supported with HeterMoE"),
+    ("num_experts", lambda v: not v, "--num-experts", "HeterMoE trains MoE models: give --num-experts"),
+    ("moe_layer_freq", lambda v: v != 1, "--moe-layer-freq", "every layer must be an MoE layer (the plan's)"),
+    ("mtp_num_layers", lambda v: v is not None, "--mtp-num-layers", "not supported with HeterMoE"),
+    ("use_legacy_models", bool, "--use-legacy-models", "HeterMoE builds megatron-core's GPTModel"),
+    ("spec", lambda v: v is not None, "--spec", "HeterMoE builds its own layer spec from Megatron's"),
+    ("heterogeneous_layers_config_path", lambda v: v is not None, "--heterogeneous-layers-config-path",
+     "not supported with HeterMoE"),
+    ("experimental_attention_variant", lambda v: v is not None, "--experimental-attention-variant",
+     "not supported with HeterMoE"),
+    ("moe_shared_expert_intermediate_size", lambda v: v is not None, "--moe-shared-expert-intermediate-size",
+     "shared experts are not placed by HeterMoE plans"),
+    ("moe_expert_capacity_factor", lambda v: v is not None, "--moe-expert-capacity-factor",
+     "HeterMoE's dispatcher drops no tokens"),
+    ("use_distributed_optimizer", bool, "--use-distributed-optimizer",
+     "not implemented with --hetero-plan yet (issue 15)"),
+    ("use_torch_fsdp2", bool, "--use-torch-fsdp2", "not supported with HeterMoE"),
+    ("use_megatron_fsdp", bool, "--use-megatron-fsdp", "not supported with HeterMoE"),
+    ("overlap_grad_reduce", bool, "--overlap-grad-reduce", "not tested with HeterMoE's schedules yet"),
+    ("overlap_param_gather", bool, "--overlap-param-gather", "not tested with HeterMoE's schedules yet"),
+    ("recompute_granularity", lambda v: v is not None, "--recompute-granularity",
+     "Megatron's recomputation would replay the dispatch collectives that expert ranks do not mirror; "
+     "zebra's own recomputation is hetermoe's --recompute"),
+    ("moe_layer_recompute", bool, "--moe-layer-recompute", "same reason as --recompute-granularity"),
+    ("calculate_per_token_loss", bool, "--calculate-per-token-loss", "not supported by the zebra schedule"),
+    ("log_num_zeros_in_grad", bool, "--log-num-zeros-in-grad", "not counted across HeterMoE's roles"),
+    ("fp16", bool, "--fp16", "16-bit training inside pretrain() is not verified yet (issue 14/15)"),
+    ("bf16", bool, "--bf16", "16-bit training inside pretrain() is not verified yet (issue 14/15)"),
+    ("save", lambda v: v is not None, "--save",
+     "checkpoints of a --hetero-plan run inside pretrain() are not implemented yet (issue 15); "
+     "`hetermoe pretrain` saves and resumes HeterMoE runs"),
+    ("load", lambda v: v is not None, "--load", "same reason as --save"),
+    ("hetero_ckpt_reshard", bool, "--hetero-ckpt-reshard", "same reason as --save"),
+]
+# Flags refused whenever they appear on the command line: their value has no meaning here.
+_REFUSED_WHEN_GIVEN = {
+    "--moe-token-dispatcher-type": "HeterMoE replaces the token dispatcher with its attention->expert one",
+}
+
+
+def refusals(args, argv: list[str]) -> list[str]:
+    """Each Megatron-LM flag of this command line that a --hetero-plan run cannot honour, with
+    the reason (empty: the run may go on)."""
+    out = [f"{flag} {getattr(args, dest)!r}: {why}" for dest, bad, flag, why in _REFUSED
+           if bad(getattr(args, dest, None))]
+    given = {t.split("=", 1)[0] for t in argv if t.startswith("--")}
+    out += [f"{flag}: {why}" for flag, why in _REFUSED_WHEN_GIVEN.items() if flag in given]
+    if args.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            out.append("--transformer-impl transformer_engine (Megatron-LM's default): transformer-engine is not "
+                       "installed; install it or pass --transformer-impl local")
+    if not torch.cuda.is_available() and args.distributed_backend != "gloo":
+        out.append(f"--distributed-backend {args.distributed_backend!r}: this host has no CUDA; pass "
+                   f"--distributed-backend gloo to run the ranks on the CPU")
+    return out
+
+
+@dataclasses.dataclass
+class HeteroPretrain:
+    """One --hetero-plan run of Megatron-LM's pretrain() on this rank."""
+    argv: list[str]
+    plan: HeteroPlan | None = None
+    schedule: str | None = None
+    hs: HeteroParallelState | None = None
+    _fwd_bwd: Callable | None = None
+
+    # ---- 1. arguments ---------------------------------------------------------------------
+    def validate_args(self, validate, args, defaults=None):
+        bad = refusals(args, self.argv)
+        if bad:
+            raise SystemExit("--hetero-plan: Megatron-LM flag(s) this run cannot honour:\n  " + "\n  ".join(bad))
+        self.plan = HeteroPlan.load(args.hetero_plan)
+        world, n_attn = args.world_size, len(self.plan.attention_ranks)
+        if self.plan.world_size != world:
+            raise PlanError(f"plan {args.hetero_plan} has {self.plan.world_size} ranks but the job has {world}; "
+                            f"launch {self.plan.world_size} processes or remake the plan for {world}")
+        # Megatron's data parallelism is over the attention ranks: validate_args derives
+        # data_parallel_size (and set_global_variables the microbatch calculator) from it.
+        args.world_size = n_attn
+        try:
+            validate(args, defaults or {})
+        finally:
+            args.world_size = world
+        nmb = args.global_batch_size // (args.micro_batch_size * n_attn)
+        if nmb != self.plan.num_microbatches:
+            raise PlanError(
+                f"--global-batch-size {args.global_batch_size} = micro batch {args.micro_batch_size} x {nmb} "
+                f"microbatches x {n_attn} attention ranks, but the plan has R={self.plan.num_microbatches}; set "
+                f"--global-batch-size {args.micro_batch_size * self.plan.num_microbatches * n_attn} or remake the "
+                f"plan with R={nmb}")
+        if self.plan.num_layers != args.num_layers or self.plan.num_experts != args.num_experts:
+            raise PlanError(f"plan {args.hetero_plan} is for {self.plan.num_layers} layers x {self.plan.num_experts} "
+                            f"experts but the flags give --num-layers {args.num_layers} --num-experts "
+                            f"{args.num_experts}; remake the plan for this model")
+        self.schedule = args.hetero_schedule or self.plan.schedule
+        if args.rank == 0:
+            print(f"> HeterMoE: plan {args.hetero_plan}, {n_attn} attention ranks (Megatron's data parallel size) + "
+                  f"{world - n_attn} expert ranks, schedule {self.schedule}, {nmb} microbatches", flush=True)
+
+    # ---- 2. process groups ----------------------------------------------------------------
+    def initialize_distributed(self, initialize, *a, **k):
+        """Megatron's _initialize_distributed (torch.distributed, the device), with the plan's
+        groups in place of initialize_model_parallel (which it calls only when CUDA exists)."""
+        from megatron.core import parallel_state as ps
+
+        original = ps.initialize_model_parallel
+        ps.initialize_model_parallel = lambda *x, **y: self._setup_groups()
+        try:
+            initialize(*a, **k)
+        finally:
+            ps.initialize_model_parallel = original
+        if self.hs is None:
+            self._setup_groups()
+
+    def _setup_groups(self) -> None:
+        from megatron.training import get_args
+
+        from megatron_hetermoe.parallel.device import rank_device
+        from megatron_hetermoe.parallel.megatron_globals import install_parallel_state
+        from megatron_hetermoe.parallel.state import initialize_hetero_parallel
+
+        timeout = datetime.timedelta(minutes=get_args().distributed_timeout_minutes)
+        self.hs = initialize_hetero_parallel(self.plan, timeout=timeout, device=rank_device())
+        install_parallel_state(self.hs)
+        experts = {layer: self.hs.local_experts(layer) for layer in range(self.plan.num_layers)}
+        print(f"> HeterMoE rank {self.hs.rank} ({self.hs.role}, ZP group {self.hs.group_index}"
+              + (f", experts {experts}" if self.hs.role == "expert" else "") + ")", flush=True)
+
+    # ---- 3. the model -----------------------------------------------------------------------
+    def builder(self, args, pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None,
+                pg_collection=None):
+        """A Megatron-LM model builder (gpt_builder's signature): GPTModel with HeteroMoELayer on
+        attention ranks, ExpertRuntime on expert ranks, from Megatron's config and layer spec for
+        these flags. Every parameter starts at its layout-invariant value (models.builder), so any
+        plan, and the plugin's own trainer, start from the same weights."""
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        from megatron.training.arguments import core_transformer_config_from_args
+
+        from megatron_hetermoe.compat import bind_missing_te_general_gemm, moe_experts_spec, normalize_layer_spec
+        from megatron_hetermoe.models.builder import canonical_names, init_layout_invariant
+        from megatron_hetermoe.models.experts import ExpertRuntime
+        from megatron_hetermoe.models.moe_layer import hetero_layer_spec
+
+        hs = self.hs
+        config = config or core_transformer_config_from_args(args)
+        # ep > 1 marks expert weights allreduce=False (Megatron's expert parameters): DDP reduces
+        # them over the expert replica group and the optimizer keeps them apart, as in training/hetero.py.
+        config = dataclasses.replace(config, expert_model_parallel_size=2)
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_impl == "transformer_engine",
+                                           normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
+                                           vp_stage=vp_stage)
+        # Every layer is MoE (--moe-layer-freq 1, checked); 0.18+ spell its mlp as builders (compat).
+        base = normalize_layer_spec(block.layer_specs[0])
+        bind_missing_te_general_gemm()  # the router needs it without transformer-engine (compat.py)
+        pgc = hs.pg_collection()
+        if hs.role == "attention":
+            model = GPTModel(
+                config=config, transformer_layer_spec=hetero_layer_spec(base, hs, pgc),
+                vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
+                pre_process=pre_process, post_process=post_process,
+                fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
+                share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
+                rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling, pg_collection=pgc,
+            )
+            names = canonical_names(model)
+        else:
+            model = ExpertRuntime(config, moe_experts_spec(base), hs)
+            names = model.canonical_names()
+        with torch.no_grad():
+            init_layout_invariant(model, args.seed, config.num_layers, names, std=config.init_method_std)
+        return model
+
+    # ---- 4. the schedule --------------------------------------------------------------------
+    def get_forward_backward_func(self, *args, **kwargs):
+        if self._fwd_bwd is None:
+            from megatron_hetermoe.schedules.select import get_forward_backward_func
+
+            train = get_forward_backward_func(self.hs, self.schedule)
+            evaluate = get_forward_backward_func(self.hs, "distep")
+            self._fwd_bwd = lambda **kw: self._step(train, evaluate, **kw)
+        return self._fwd_bwd
+
+    def _step(self, train, evaluate, *, forward_only: bool = False, model, **kw):
+        from megatron_hetermoe.training.hetero import average_expert_grads
+
+        hs = self.hs
+        if forward_only:
+            reported = evaluate(forward_only=True, model=model, **kw)
+        else:
+            reported = train(forward_only=False, model=model, **kw)
+            if hs.role == "expert":
+                average_expert_grads(hs, model[0] if isinstance(model, list) else model)
+        # The world's [token-summed lm loss, tokens]: attention ranks keep their own reports
+        # (Megatron sums them over the attention DP group); expert ranks report the world's,
+        # divided by their DP (replica) group's size, which Megatron sums over.
+        tot = torch.zeros(2, device=hs.device)
+        for r in reported or []:
+            if "lm loss" in r:
+                tot += r["lm loss"].detach().float().view(-1)
+        dist.all_reduce(tot, group=hs.world_group)
+        if hs.role == "attention":
+            return reported
+        return [{"lm loss": tot / dist.get_world_size(hs.replica_group)}]
+
+    # ---- 5. the optimizer -------------------------------------------------------------------
+    def get_megatron_optimizer(self, build, *a, **k):
+        # Megatron's gloo twins of the DP groups serve only the distributed optimizer's
+        # checkpoints, and that optimizer is refused here: none are made (parallel_state).
+        optimizer = build(*a, **{**k, "use_gloo_process_groups": False})
+        hs = self.hs
+        owner = hs.attention_dp_rank == 0 if hs.role == "attention" else hs.group_index == 0
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            opt.grad_stats_parallel_group = hs.world_group
+            if not owner:  # a replica's gradients are counted on its owner only
+                opt.get_main_grads_for_grad_norm = list
+        return optimizer
+
+    # ---- the hooks, in place for one pretrain() call ------------------------------------------
+    @contextlib.contextmanager
+    def installed(self):
+        import megatron.training.initialize as initialize
+        import megatron.training.training as training
+
+        def wrap(original, hook):
+            return lambda *a, **k: hook(original, *a, **k)
+
+        replaced = [
+            (initialize, "validate_args", wrap(initialize.validate_args, self.validate_args)),
+            (initialize, "_initialize_distributed",
+             wrap(initialize._initialize_distributed, self.initialize_distributed)),
+            (training, "get_forward_backward_func", self.get_forward_backward_func),
+            (training, "get_megatron_optimizer", wrap(training.get_megatron_optimizer, self.get_megatron_optimizer)),
+        ]
+        if not torch.cuda.is_available():
+            # Megatron-LM asserts CUDA unless told the run may go without; the CPU backend
+            # stands in for it (parallel/cpu_backend.py).
+            from megatron_hetermoe.parallel import cpu_backend
+
+            cpu_backend.apply()
+            import megatron.legacy.fused_kernels as fused_kernels
+
+            init = training.initialize_megatron
+            replaced += [(training, "initialize_megatron", lambda *a, **k: init(*a, allow_no_cuda=True, **k)),
+                         # its legacy CUDA kernels need nvcc; CPU ranks run none of them
+                         (fused_kernels, "load", lambda args: None),
+                         (initialize, "_set_random_seed", wrap(initialize._set_random_seed, _seed_cpu_rng_tracker))]
+        saved = [(mod, name, getattr(mod, name)) for mod, name, _ in replaced]
+        for mod, name, new in replaced:
+            setattr(mod, name, new)
+        try:
+            yield self
+        finally:
+            for mod, name, old in saved:
+                setattr(mod, name, old)
+
+
+def _seed_cpu_rng_tracker(set_random_seed, seed: int, *a, **k) -> None:
+    """Megatron seeds its model-parallel RNG tracker only when CUDA devices exist; on CPU ranks
+    the CPU backend's tracker gets the same seed (every model-parallel rank is 0 here)."""
+    from megatron.core import tensor_parallel
+
+    set_random_seed(seed, *a, **k)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def hetero_pretrain(pretrain: Callable, argv: list[str]) -> tuple[Callable, Callable]:
+    """(pretrain with HeterMoE's hooks in place, the model builder to give model_provider)."""
+    run = HeteroPretrain(list(argv))
+
+    def hetero(*a, **k):
+        with run.installed():
+            return pretrain(*a, **k)
+
+    return hetero, run.builder
