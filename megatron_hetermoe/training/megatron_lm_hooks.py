@@ -59,8 +59,13 @@ _REFUSED: list[tuple[str, Callable, str, str]] = [
      "shared experts are not placed by HeterMoE plans"),
     ("moe_expert_capacity_factor", lambda v: v is not None, "--moe-expert-capacity-factor",
      "HeterMoE's dispatcher drops no tokens"),
-    ("use_distributed_optimizer", bool, "--use-distributed-optimizer",
-     "not implemented with --hetero-plan yet (issue 15)"),
+    ("moe_permute_fusion", bool, "--moe-permute-fusion", "HeterMoE's dispatcher replaces Megatron's permutation"),
+    ("moe_enable_deepep", bool, "--moe-enable-deepep", "HeterMoE's dispatcher replaces Megatron's"),
+    ("moe_apply_probs_on_input", bool, "--moe-apply-probs-on-input", "not implemented by HeterMoE's dispatcher"),
+    ("overlap_moe_expert_parallel_comm", bool, "--overlap-moe-expert-parallel-comm",
+     "zebra is HeterMoE's overlap of expert communication"),
+    ("delay_wgrad_compute", bool, "--delay-wgrad-compute", "not supported with HeterMoE"),
+    ("moe_use_upcycling", bool, "--moe-use-upcycling", "not supported with HeterMoE"),
     ("use_torch_fsdp2", bool, "--use-torch-fsdp2", "not supported with HeterMoE"),
     ("use_megatron_fsdp", bool, "--use-megatron-fsdp", "not supported with HeterMoE"),
     ("overlap_grad_reduce", bool, "--overlap-grad-reduce", "not tested with HeterMoE's schedules yet"),
@@ -258,11 +263,16 @@ class HeteroPretrain:
         # Megatron's gloo twins of the DP groups serve only the distributed optimizer's
         # checkpoints, and that optimizer is refused here: none are made (parallel_state).
         optimizer = build(*a, **{**k, "use_gloo_process_groups": False})
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
         hs = self.hs
         owner = hs.attention_dp_rank == 0 if hs.role == "attention" else hs.group_index == 0
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
             opt.grad_stats_parallel_group = hs.world_group
-            if not owner:  # a replica's gradients are counted on its owner only
+            # A replica's gradients are counted on its owner only. The distributed optimizer
+            # already counts each shard once: dense ones over the attention DP group, experts
+            # over their replica group.
+            if not owner and not isinstance(opt, DistributedOptimizer):
                 opt.get_main_grads_for_grad_norm = list
         return optimizer
 

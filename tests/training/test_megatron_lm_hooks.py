@@ -1,0 +1,79 @@
+"""training/megatron_lm_hooks.py without a Megatron-LM checkout: the refusals and the hooks'
+installation (the runs themselves: test_megatron_lm_pretrain.py, with MEGATRON_LM_DIR)."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_hetermoe.training import megatron_lm_hooks as hooks
+from megatron_hetermoe.training.pretrain_gpt import megatron_flags
+
+
+def _megatron_defaults(**given) -> argparse.Namespace:
+    """The Megatron-LM core_v0.16.1 defaults of the attributes the refusals read."""
+    a = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+             expert_model_parallel_size=1, expert_tensor_parallel_size=None, num_experts=4, moe_layer_freq=1,
+             mtp_num_layers=None, use_legacy_models=False, spec=None, heterogeneous_layers_config_path=None,
+             experimental_attention_variant=None, moe_shared_expert_intermediate_size=None,
+             moe_expert_capacity_factor=None, moe_permute_fusion=False, moe_enable_deepep=False,
+             moe_apply_probs_on_input=False, overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False,
+             moe_use_upcycling=False, use_torch_fsdp2=False, use_megatron_fsdp=False, overlap_grad_reduce=False,
+             overlap_param_gather=False, recompute_granularity=None, moe_layer_recompute=False,
+             calculate_per_token_loss=False, log_num_zeros_in_grad=False, fp16=False, bf16=False, save=None,
+             load=None, hetero_ckpt_reshard=False, transformer_impl="local", distributed_backend="gloo",
+             use_distributed_optimizer=False)
+    a.update(given)
+    return argparse.Namespace(**a)
+
+
+def test_every_refused_flag_is_a_megatron_lm_flag():
+    known = megatron_flags() | {"--hetero-ckpt-reshard"}
+    names = [flag for _, _, flag, _ in hooks._REFUSED] + list(hooks._REFUSED_WHEN_GIVEN)
+    assert set(names) <= known, set(names) - known
+    assert len(names) == len(set(names))
+
+
+def test_megatron_defaults_are_not_refused():
+    assert hooks.refusals(_megatron_defaults(), []) == []
+    assert hooks.refusals(_megatron_defaults(use_distributed_optimizer=True), []) == []  # supported
+
+
+@pytest.mark.parametrize("given,expect", [
+    ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size 2: HeterMoE's roles run without tensor"),
+    ({"expert_model_parallel_size": 4}, "--expert-model-parallel-size 4: the plan places the experts"),
+    ({"num_experts": None}, "--num-experts None: HeterMoE trains MoE models"),
+    ({"recompute_granularity": "full"}, "--recompute-granularity 'full': Megatron's recomputation would replay"),
+    ({"save": "/ckpt"}, "--save '/ckpt': checkpoints of a --hetero-plan run inside pretrain() are not implemented"),
+    ({"bf16": True}, "--bf16 True: 16-bit training inside pretrain() is not verified yet"),
+    ({"moe_permute_fusion": True}, "--moe-permute-fusion True: HeterMoE's dispatcher replaces"),
+])
+def test_each_refusal_names_flag_value_and_reason(given, expect):
+    out = hooks.refusals(_megatron_defaults(**given), [])
+    assert len(out) == 1 and out[0].startswith(expect), out
+
+
+def test_dispatcher_type_is_refused_whenever_given():
+    out = hooks.refusals(_megatron_defaults(), ["--num-layers", "2", "--moe-token-dispatcher-type=alltoall"])
+    assert out == ["--moe-token-dispatcher-type: HeterMoE replaces the token dispatcher with its attention->expert one"]
+
+
+def test_transformer_engine_default_needs_transformer_engine():
+    pytest.importorskip("torch")
+    try:
+        import transformer_engine  # noqa: F401
+        pytest.skip("transformer-engine is installed here")
+    except ImportError:
+        pass
+    out = hooks.refusals(_megatron_defaults(transformer_impl="transformer_engine"), [])
+    assert out == ["--transformer-impl transformer_engine (Megatron-LM's default): transformer-engine is not installed; "
+                   "install it or pass --transformer-impl local"]
+
+
+def test_cpu_host_needs_gloo(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    out = hooks.refusals(_megatron_defaults(distributed_backend="nccl"), [])
+    assert out == ["--distributed-backend 'nccl': this host has no CUDA; pass --distributed-backend gloo to run the "
+                   "ranks on the CPU"]
