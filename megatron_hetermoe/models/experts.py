@@ -46,6 +46,37 @@ def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor) -> torc
     return out
 
 
+def experts_sharded_state_dict(experts, global_ids: list[int], num_experts: int, replica_rank: int, prefix: str = "",
+                               sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+    """megatron-core SequentialMLP's checkpoint layout (dist_checkpointing) with the plan's expert
+    ids: local expert i is global expert global_ids[i] on the expert axis, whatever the holder,
+    so a HeterMoE checkpoint and a Megatron EP one name every expert alike and reshard into each
+    other. `replica_rank`: this holder's index among the replicas of these experts (ZP groups)."""
+    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+
+    if not isinstance(experts, SequentialMLP):
+        raise NotImplementedError(f"Megatron-format checkpoints of HeterMoE experts are built for SequentialMLP "
+                                  f"(--transformer-impl local without --moe-grouped-gemm), not {type(experts).__name__}")
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    singleton = (metadata or {}).get("singleton_local_shards", False)
+    out = {}
+    for local, (gid, expert) in enumerate(zip(global_ids, experts.local_experts)):
+        local_prefix = f"{prefix}local_experts.{local}."
+        if singleton:
+            sharded_prefix, offsets = f"{prefix}experts.{gid}.", sharded_offsets
+        else:
+            sharded_prefix = f"{prefix}experts."
+            offsets = (*sharded_offsets, (len(sharded_offsets), gid, num_experts))
+        sd = expert.sharded_state_dict(local_prefix, offsets, metadata)
+        replace_prefix_for_sharding(sd, local_prefix, sharded_prefix)
+        for sh in sd.values():  # (PP, TP, DP) -> replicated across ZP groups only
+            sh.replica_id = (*sh.replica_id[:2], replica_rank)
+        out.update(sd)
+    return out
+
+
 def build_experts(config, experts_spec, num_local: int, pg_collection):
     from megatron_hetermoe import compat
 
@@ -77,6 +108,27 @@ class ExpertRuntime(_megatron_module()):
             n = len(hs.local_experts(layer))
             holder.mlp.experts = build_experts(config, experts_spec, n, pgc) if n else None
             self.decoder.layers.append(holder)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """The experts' part of a plain Megatron GPTModel's sharded state dict: the keys and
+        offsets TransformerBlock gives its layers' experts (layer axis first), with the plan's
+        expert ids (experts_sharded_state_dict)."""
+        import torch.distributed as dist
+        from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
+
+        hs, out = self.hs, {}
+        L, E = hs.plan.num_layers, hs.plan.num_experts
+        separate = (metadata or {}).get("non_homogeneous_layers", False)
+        for layer, holder in enumerate(self.decoder.layers):
+            if holder.mlp.experts is None:
+                continue
+            local = f"{prefix}decoder.layers.{layer}."
+            sd = experts_sharded_state_dict(holder.mlp.experts, hs.local_experts(layer), E,
+                                            dist.get_rank(hs.replica_group), f"{local}mlp.experts.",
+                                            () if separate else ((0, layer, L),), metadata)
+            replace_prefix_for_sharding(sd, local, local if separate else f"{prefix}decoder.layers.")
+            out.update(sd)
+        return out
 
     def canonical_names(self) -> dict[str, str]:
         """local name -> canonical name (global expert ids; a GroupedMLP weight's label)."""

@@ -57,6 +57,21 @@ class HeteroMoELayer(MoELayer):
         self.num_local_experts = len(mine)
         self.experts = build_experts(self.config, self._experts_spec, len(mine), self._pgc) if mine else None
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """MoELayer's, with the experts this rank holds (Asym-EA) under the plan's expert ids."""
+        import torch.distributed as dist
+
+        from megatron_hetermoe.models.experts import experts_sharded_state_dict
+
+        sd = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.experts is not None:
+            mine = f"{prefix}experts."
+            sd = {k: v for k, v in sd.items() if not k.startswith(mine)}
+            sd.update(experts_sharded_state_dict(self.experts, self.local_expert_indices, self.config.num_moe_experts,
+                                                 dist.get_rank(self.hs.replica_group), mine, sharded_offsets,
+                                                 metadata))
+        return sd
+
     def routed_experts_compute(self, hidden_states, probs):
         _, counts, _ = self.token_dispatcher.dispatch_postprocess(hidden_states, probs)
         if self.experts is None:

@@ -20,9 +20,9 @@ import argparse
 import re
 from pathlib import Path
 
-from megatron_hetermoe.training.megatron_lm_hooks import hetero_pretrain
+from megatron_hetermoe.training.megatron_lm_hooks import hetero_pretrain, megatron_on_cpu
 
-__all__ = ["add_hetero_args", "hetero_pretrain", "hetero_requested", "run_hetero", "patch_for", "checkout_version"]
+__all__ = ["add_hetero_args", "hetero_pretrain", "megatron_on_cpu", "hetero_requested", "run_hetero", "patch_for", "checkout_version"]
 
 HETERO_FLAGS = ("--hetero-plan", "--hetero-schedule", "--hetero-ckpt-reshard")
 

@@ -78,11 +78,10 @@ _REFUSED: list[tuple[str, Callable, str, str]] = [
     ("log_num_zeros_in_grad", bool, "--log-num-zeros-in-grad", "not counted across HeterMoE's roles"),
     ("fp16", bool, "--fp16", "16-bit training inside pretrain() is not verified yet (issue 14/15)"),
     ("bf16", bool, "--bf16", "16-bit training inside pretrain() is not verified yet (issue 14/15)"),
-    ("save", lambda v: v is not None, "--save",
-     "checkpoints of a --hetero-plan run inside pretrain() are not implemented yet (issue 15); "
-     "`hetermoe pretrain` saves and resumes HeterMoE runs"),
-    ("load", lambda v: v is not None, "--load", "same reason as --save"),
-    ("hetero_ckpt_reshard", bool, "--hetero-ckpt-reshard", "same reason as --save"),
+    ("ckpt_format", lambda v: v != "torch_dist", "--ckpt-format",
+     "HeterMoE checkpoints inside pretrain() are Megatron's torch_dist (dist_checkpointing) format"),
+    ("hetero_ckpt_reshard", bool, "--hetero-ckpt-reshard",
+     "inside pretrain() dist_checkpointing reshards by itself: load with --no-load-optim --no-load-rng"),
 ]
 # Flags refused whenever they appear on the command line: their value has no meaning here.
 _REFUSED_WHEN_GIVEN = {
@@ -95,6 +94,9 @@ def refusals(args, argv: list[str]) -> list[str]:
     the reason (empty: the run may go on)."""
     out = [f"{flag} {getattr(args, dest)!r}: {why}" for dest, bad, flag, why in _REFUSED
            if bad(getattr(args, dest, None))]
+    if getattr(args, "add_bias_linear", False):
+        out.append("biased linear layers (Megatron-LM's default): HeterMoE's experts have no bias; pass "
+                   "--disable-bias-linear")
     given = {t.split("=", 1)[0] for t in argv if t.startswith("--")}
     out += [f"{flag}: {why}" for flag, why in _REFUSED_WHEN_GIVEN.items() if flag in given]
     if args.transformer_impl == "transformer_engine":
@@ -265,6 +267,8 @@ class HeteroPretrain:
         optimizer = build(*a, **{**k, "use_gloo_process_groups": False})
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+        from megatron_hetermoe.checkpoint.megatron_optimizer import per_rank_optimizer_state
+
         hs = self.hs
         owner = hs.attention_dp_rank == 0 if hs.role == "attention" else hs.group_index == 0
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -274,54 +278,120 @@ class HeteroPretrain:
             # over their replica group.
             if not owner and not isinstance(opt, DistributedOptimizer):
                 opt.get_main_grads_for_grad_norm = list
+        per_rank_optimizer_state(optimizer, hs.rank, dist.get_world_size())
         return optimizer
+
+    # ---- 6. checkpoints: the RNG states, one shard per rank ------------------------------------
+    def get_rng_state(self, get, ckpt_format, *a, **k):
+        """Megatron shards its RNG-state object by (PP, TP, DP) rank, and an attention rank and an
+        expert rank share DP rank 0 here: one shard per rank of the world instead."""
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        state = get(ckpt_format, *a, **k)
+        if not isinstance(state, ShardedObject):
+            return state
+        return ShardedObject("rng_state", state.data, (1, 1, dist.get_world_size()), (0, 0, dist.get_rank()),
+                             replica_id=0)
 
     # ---- the hooks, in place for one pretrain() call ------------------------------------------
     @contextlib.contextmanager
     def installed(self):
+        import megatron.training.checkpointing as checkpointing
         import megatron.training.initialize as initialize
         import megatron.training.training as training
 
-        def wrap(original, hook):
-            return lambda *a, **k: hook(original, *a, **k)
-
-        replaced = [
-            (initialize, "validate_args", wrap(initialize.validate_args, self.validate_args)),
-            (initialize, "_initialize_distributed",
-             wrap(initialize._initialize_distributed, self.initialize_distributed)),
-            (training, "get_forward_backward_func", self.get_forward_backward_func),
-            (training, "get_megatron_optimizer", wrap(training.get_megatron_optimizer, self.get_megatron_optimizer)),
-        ]
-        if not torch.cuda.is_available():
-            # Megatron-LM asserts CUDA unless told the run may go without; the CPU backend
-            # stands in for it (parallel/cpu_backend.py).
-            from megatron_hetermoe.parallel import cpu_backend
-
-            cpu_backend.apply()
-            import megatron.legacy.fused_kernels as fused_kernels
-
-            init = training.initialize_megatron
-            replaced += [(training, "initialize_megatron", lambda *a, **k: init(*a, allow_no_cuda=True, **k)),
-                         # its legacy CUDA kernels need nvcc; CPU ranks run none of them
-                         (fused_kernels, "load", lambda args: None),
-                         (initialize, "_set_random_seed", wrap(initialize._set_random_seed, _seed_cpu_rng_tracker))]
-        saved = [(mod, name, getattr(mod, name)) for mod, name, _ in replaced]
-        for mod, name, new in replaced:
-            setattr(mod, name, new)
-        try:
+        with contextlib.ExitStack() as stack:
+            if not torch.cuda.is_available():
+                stack.enter_context(_replaced(_cpu_replacements()))
+            # Read after the CPU layer is in: these wrap it.
+            stack.enter_context(_replaced([
+                (initialize, "validate_args", _wrap(initialize.validate_args, self.validate_args)),
+                (initialize, "_initialize_distributed",
+                 _wrap(initialize._initialize_distributed, self.initialize_distributed)),
+                (training, "get_forward_backward_func", self.get_forward_backward_func),
+                (training, "get_megatron_optimizer",
+                 _wrap(training.get_megatron_optimizer, self.get_megatron_optimizer)),
+                (checkpointing, "get_rng_state", _wrap(checkpointing.get_rng_state, self.get_rng_state)),
+            ]))
             yield self
-        finally:
-            for mod, name, old in saved:
-                setattr(mod, name, old)
 
 
-def _seed_cpu_rng_tracker(set_random_seed, seed: int, *a, **k) -> None:
+def _wrap(original: Callable, hook: Callable) -> Callable:
+    return lambda *a, **k: hook(original, *a, **k)
+
+
+@contextlib.contextmanager
+def _replaced(replacements: list):
+    """Set each (module, name, value) for the block, then put the originals back."""
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in replacements]
+    for mod, name, new in replacements:
+        setattr(mod, name, new)
+    try:
+        yield
+    finally:
+        for mod, name, old in reversed(saved):
+            setattr(mod, name, old)
+
+
+def _cpu_replacements() -> list:
+    """Megatron-LM's pretrain() on CPU ranks over gloo, HeterMoE or not. Megatron asserts CUDA
+    unless told the run may go without, builds legacy CUDA kernels with nvcc, and initializes
+    model parallelism and its RNG tracker only when CUDA devices exist; the CPU backend
+    (parallel/cpu_backend.py) stands in for CUDA, and these let Megatron's own code do the rest."""
+    import megatron.legacy.fused_kernels as fused_kernels
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+
+    from megatron_hetermoe.compat import bind_missing_te_general_gemm
+    from megatron_hetermoe.parallel import cpu_backend
+
+    cpu_backend.apply()
+    bind_missing_te_general_gemm()  # megatron's router needs it without transformer-engine (compat.py)
+    init = training.initialize_megatron
+    return [
+        (training, "initialize_megatron", lambda *a, **k: init(*a, allow_no_cuda=True, **k)),
+        (fused_kernels, "load", lambda args: None),
+        (initialize, "_initialize_distributed", _wrap(initialize._initialize_distributed, _as_if_one_device)),
+        (initialize, "_set_random_seed", _wrap(initialize._set_random_seed, _seed_cpu_rng_tracker)),
+    ]
+
+
+def _as_if_one_device(initialize_distributed, *a, **k) -> None:
+    """Megatron's _initialize_distributed calls initialize_model_parallel only when
+    torch.cuda.device_count() > 0; the CPU backend's device is the CPU (set_device is a no-op)."""
+    count = torch.cuda.device_count
+    torch.cuda.device_count = lambda: 1
+    try:
+        initialize_distributed(*a, **k)
+    finally:
+        torch.cuda.device_count = count
+
+
+def _seed_cpu_rng_tracker(set_random_seed, seed_: int, data_parallel_random_init: bool = False, *a, **k) -> None:
     """Megatron seeds its model-parallel RNG tracker only when CUDA devices exist; on CPU ranks
-    the CPU backend's tracker gets the same seed (every model-parallel rank is 0 here)."""
+    the CPU backend's tracker gets the seed Megatron's _set_random_seed would give it."""
+    from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    set_random_seed(seed, *a, **k)
+    set_random_seed(seed_, data_parallel_random_init, *a, **k)
+    seed = seed_ + 100 * ps.get_pipeline_model_parallel_rank()
+    if data_parallel_random_init:
+        seed += 10 * ps.get_data_parallel_rank()
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def megatron_on_cpu(pretrain: Callable) -> Callable:
+    """Megatron-LM's pretrain() with the CPU layer (_cpu_replacements) in place on a host
+    without CUDA; unchanged where CUDA exists. Lets a plain Megatron EP run share the CPU tests'
+    machine (its checkpoints load into HeterMoE runs and back)."""
+    if torch.cuda.is_available():
+        return pretrain
+
+    def on_cpu(*a, **k):
+        with _replaced(_cpu_replacements()):
+            return pretrain(*a, **k)
+
+    return on_cpu
 
 
 def hetero_pretrain(pretrain: Callable, argv: list[str]) -> tuple[Callable, Callable]:

@@ -20,8 +20,8 @@ def _megatron_defaults(**given) -> argparse.Namespace:
              moe_apply_probs_on_input=False, overlap_moe_expert_parallel_comm=False, delay_wgrad_compute=False,
              moe_use_upcycling=False, use_torch_fsdp2=False, use_megatron_fsdp=False, overlap_grad_reduce=False,
              overlap_param_gather=False, recompute_granularity=None, moe_layer_recompute=False,
-             calculate_per_token_loss=False, log_num_zeros_in_grad=False, fp16=False, bf16=False, save=None,
-             load=None, hetero_ckpt_reshard=False, transformer_impl="local", distributed_backend="gloo",
+             calculate_per_token_loss=False, log_num_zeros_in_grad=False, fp16=False, bf16=False,
+             ckpt_format="torch_dist", hetero_ckpt_reshard=False, add_bias_linear=False, transformer_impl="local", distributed_backend="gloo",
              use_distributed_optimizer=False)
     a.update(given)
     return argparse.Namespace(**a)
@@ -44,13 +44,19 @@ def test_megatron_defaults_are_not_refused():
     ({"expert_model_parallel_size": 4}, "--expert-model-parallel-size 4: the plan places the experts"),
     ({"num_experts": None}, "--num-experts None: HeterMoE trains MoE models"),
     ({"recompute_granularity": "full"}, "--recompute-granularity 'full': Megatron's recomputation would replay"),
-    ({"save": "/ckpt"}, "--save '/ckpt': checkpoints of a --hetero-plan run inside pretrain() are not implemented"),
+    ({"ckpt_format": "torch"}, "--ckpt-format 'torch': HeterMoE checkpoints inside pretrain() are Megatron's torch_dist"),
     ({"bf16": True}, "--bf16 True: 16-bit training inside pretrain() is not verified yet"),
     ({"moe_permute_fusion": True}, "--moe-permute-fusion True: HeterMoE's dispatcher replaces"),
 ])
 def test_each_refusal_names_flag_value_and_reason(given, expect):
     out = hooks.refusals(_megatron_defaults(**given), [])
     assert len(out) == 1 and out[0].startswith(expect), out
+
+
+def test_biased_linear_layers_are_refused_with_the_fix():
+    out = hooks.refusals(_megatron_defaults(add_bias_linear=True), [])
+    assert out == ["biased linear layers (Megatron-LM's default): HeterMoE's experts have no bias; pass "
+                   "--disable-bias-linear"]
 
 
 def test_dispatcher_type_is_refused_whenever_given():
