@@ -45,7 +45,7 @@ def test_patch_touches_only_pretrain_gpt_and_calls_real_hooks(patch):
     assert "extra_args_provider=extra_args_provider" in added
     if "core_v0.16" in patch.name:
         # Megatron-LM's own pretrain() runs, with the plugin's hooks and model builder.
-        assert names == {"hetero_requested", "hetero_pretrain", "add_hetero_args"}
+        assert names == {"hetero_requested", "hetero_pretrain", "add_hetero_args", "megatron_on_cpu"}
         assert "pretrain, builder = hetero_pretrain(pretrain, sys.argv[1:])" in added
         assert "partial(model_provider, builder)" in added
     else:
