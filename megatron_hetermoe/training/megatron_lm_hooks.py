@@ -78,6 +78,12 @@ _REFUSED: list[tuple[str, Callable, str, str]] = [
     ("log_num_zeros_in_grad", bool, "--log-num-zeros-in-grad", "not counted across HeterMoE's roles"),
     ("fp16", bool, "--fp16", "16-bit training inside pretrain() is not verified yet (issue 14/15)"),
     ("bf16", bool, "--bf16", "16-bit training inside pretrain() is not verified yet (issue 14/15)"),
+    ("yaml_cfg", lambda v: v is not None, "--yaml-cfg", "HeterMoE builds the model from the command line's flags"),
+    ("embedding_init_method_std", lambda v: v is not None, "--embedding-init-method-std",
+     "HeterMoE's layout-invariant init uses --init-method-std for every weight"),
+    ("apply_layernorm_1p", bool, "--apply-layernorm-1p", "HeterMoE's layout-invariant init sets norm weights to 1"),
+    ("init_model_with_meta_device", bool, "--init-model-with-meta-device",
+     "HeterMoE initializes every parameter where it is built"),
     ("ckpt_format", lambda v: v != "torch_dist", "--ckpt-format",
      "HeterMoE checkpoints inside pretrain() are Megatron's torch_dist (dist_checkpointing) format"),
     ("hetero_ckpt_reshard", bool, "--hetero-ckpt-reshard",
@@ -97,6 +103,9 @@ def refusals(args, argv: list[str]) -> list[str]:
     if getattr(args, "add_bias_linear", False):
         out.append("biased linear layers (Megatron-LM's default): HeterMoE's experts have no bias; pass "
                    "--disable-bias-linear")
+    if getattr(args, "moe_grouped_gemm", False) and (args.save or args.load):
+        out.append("--moe-grouped-gemm with --save/--load: Megatron-format checkpoints of HeterMoE experts are built "
+                   "for SequentialMLP; drop --moe-grouped-gemm")
     given = {t.split("=", 1)[0] for t in argv if t.startswith("--")}
     out += [f"{flag}: {why}" for flag, why in _REFUSED_WHEN_GIVEN.items() if flag in given]
     if args.transformer_impl == "transformer_engine":
@@ -265,6 +274,13 @@ class HeteroPretrain:
         # Megatron's gloo twins of the DP groups serve only the distributed optimizer's
         # checkpoints, and that optimizer is refused here: none are made (parallel_state).
         optimizer = build(*a, **{**k, "use_gloo_process_groups": False})
+        chained = getattr(optimizer, "chained_optimizers", None)
+        if chained and any(not o.get_parameters() for o in chained) and any(o.get_parameters() for o in chained):
+            # Megatron always adds a dense optimizer; an expert rank has no dense parameter, and an
+            # empty distributed optimizer cannot write its state (it asserts one Adam step).
+            from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+            optimizer = ChainedOptimizer([o for o in chained if o.get_parameters()])
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
         from megatron_hetermoe.checkpoint.megatron_optimizer import per_rank_optimizer_state
@@ -278,6 +294,11 @@ class HeteroPretrain:
             # over their replica group.
             if not owner and not isinstance(opt, DistributedOptimizer):
                 opt.get_main_grads_for_grad_norm = list
+            if isinstance(opt, DistributedOptimizer):
+                # Its checkpoint keys name the model-parallel group the state belongs to; here the
+                # attention DP group (dense) or the replica group of one ZP member position (experts).
+                opt.data_parallel_group_idx = 0 if opt.data_parallel_group is hs.attention_dp_group \
+                    else 1 + hs.member_index
         per_rank_optimizer_state(optimizer, hs.rank, dist.get_world_size())
         return optimizer
 

@@ -21,7 +21,9 @@ def _megatron_defaults(**given) -> argparse.Namespace:
              moe_use_upcycling=False, use_torch_fsdp2=False, use_megatron_fsdp=False, overlap_grad_reduce=False,
              overlap_param_gather=False, recompute_granularity=None, moe_layer_recompute=False,
              calculate_per_token_loss=False, log_num_zeros_in_grad=False, fp16=False, bf16=False,
-             ckpt_format="torch_dist", hetero_ckpt_reshard=False, add_bias_linear=False, transformer_impl="local", distributed_backend="gloo",
+             ckpt_format="torch_dist", hetero_ckpt_reshard=False, add_bias_linear=False, yaml_cfg=None,
+             embedding_init_method_std=None, apply_layernorm_1p=False, init_model_with_meta_device=False,
+             moe_grouped_gemm=False, save=None, load=None, transformer_impl="local", distributed_backend="gloo",
              use_distributed_optimizer=False)
     a.update(given)
     return argparse.Namespace(**a)
@@ -47,10 +49,17 @@ def test_megatron_defaults_are_not_refused():
     ({"ckpt_format": "torch"}, "--ckpt-format 'torch': HeterMoE checkpoints inside pretrain() are Megatron's torch_dist"),
     ({"bf16": True}, "--bf16 True: 16-bit training inside pretrain() is not verified yet"),
     ({"moe_permute_fusion": True}, "--moe-permute-fusion True: HeterMoE's dispatcher replaces"),
+    ({"apply_layernorm_1p": True}, "--apply-layernorm-1p True: HeterMoE's layout-invariant init sets norm weights"),
 ])
 def test_each_refusal_names_flag_value_and_reason(given, expect):
     out = hooks.refusals(_megatron_defaults(**given), [])
     assert len(out) == 1 and out[0].startswith(expect), out
+
+
+def test_grouped_experts_are_refused_only_with_checkpoints():
+    assert hooks.refusals(_megatron_defaults(moe_grouped_gemm=True), []) == []
+    out = hooks.refusals(_megatron_defaults(moe_grouped_gemm=True, save="/ckpt"), [])
+    assert len(out) == 1 and out[0].startswith("--moe-grouped-gemm with --save/--load")
 
 
 def test_biased_linear_layers_are_refused_with_the_fix():
