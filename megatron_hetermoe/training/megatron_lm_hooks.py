@@ -35,71 +35,57 @@ import torch.distributed as dist
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
 
-# Megatron-LM flags this path refuses, with why: (dest, refused when, flag, reason).
-_REFUSED: list[tuple[str, Callable, str, str]] = [
-    ("tensor_model_parallel_size", lambda v: v != 1, "--tensor-model-parallel-size",
-     "HeterMoE's roles run without tensor parallelism"),
-    ("pipeline_model_parallel_size", lambda v: v != 1, "--pipeline-model-parallel-size",
-     "HeterMoE's roles run without pipeline parallelism"),
-    ("context_parallel_size", lambda v: v != 1, "--context-parallel-size", "not supported with HeterMoE"),
-    ("expert_model_parallel_size", lambda v: v != 1, "--expert-model-parallel-size",
-     "the plan places the experts (hetermoe plan)"),
-    ("expert_tensor_parallel_size", lambda v: v not in (None, 1), "--expert-tensor-parallel-size",
-     "not supported with HeterMoE"),
-    ("num_experts", lambda v: not v, "--num-experts", "HeterMoE trains MoE models: give --num-experts"),
-    ("moe_layer_freq", lambda v: v != 1, "--moe-layer-freq", "every layer must be an MoE layer (the plan's)"),
-    ("mtp_num_layers", lambda v: v is not None, "--mtp-num-layers", "not supported with HeterMoE"),
-    ("use_legacy_models", bool, "--use-legacy-models", "HeterMoE builds megatron-core's GPTModel"),
-    ("spec", lambda v: v is not None, "--spec", "HeterMoE builds its own layer spec from Megatron's"),
-    ("heterogeneous_layers_config_path", lambda v: v is not None, "--heterogeneous-layers-config-path",
-     "not supported with HeterMoE"),
-    ("experimental_attention_variant", lambda v: v is not None, "--experimental-attention-variant",
-     "not supported with HeterMoE"),
-    ("moe_shared_expert_intermediate_size", lambda v: v is not None, "--moe-shared-expert-intermediate-size",
-     "shared experts are not placed by HeterMoE plans"),
-    ("moe_expert_capacity_factor", lambda v: v is not None, "--moe-expert-capacity-factor",
-     "HeterMoE's dispatcher drops no tokens"),
-    ("moe_permute_fusion", bool, "--moe-permute-fusion", "HeterMoE's dispatcher replaces Megatron's permutation"),
-    ("moe_enable_deepep", bool, "--moe-enable-deepep", "HeterMoE's dispatcher replaces Megatron's"),
-    ("moe_apply_probs_on_input", bool, "--moe-apply-probs-on-input", "not implemented by HeterMoE's dispatcher"),
-    ("overlap_moe_expert_parallel_comm", bool, "--overlap-moe-expert-parallel-comm",
-     "zebra is HeterMoE's overlap of expert communication"),
-    ("delay_wgrad_compute", bool, "--delay-wgrad-compute", "not supported with HeterMoE"),
-    ("moe_use_upcycling", bool, "--moe-use-upcycling", "not supported with HeterMoE"),
-    ("use_torch_fsdp2", bool, "--use-torch-fsdp2", "not supported with HeterMoE"),
-    ("use_megatron_fsdp", bool, "--use-megatron-fsdp", "not supported with HeterMoE"),
-    ("overlap_grad_reduce", bool, "--overlap-grad-reduce", "not tested with HeterMoE's schedules yet"),
-    ("overlap_param_gather", bool, "--overlap-param-gather", "not tested with HeterMoE's schedules yet"),
-    ("recompute_granularity", lambda v: v is not None, "--recompute-granularity",
-     "Megatron's recomputation would replay the dispatch collectives that expert ranks do not mirror; "
-     "zebra's own recomputation is hetermoe's --recompute"),
-    ("moe_layer_recompute", bool, "--moe-layer-recompute", "same reason as --recompute-granularity"),
-    ("calculate_per_token_loss", bool, "--calculate-per-token-loss", "not supported by the zebra schedule"),
-    ("log_num_zeros_in_grad", bool, "--log-num-zeros-in-grad", "not counted across HeterMoE's roles"),
-    ("fp16", bool, "--fp16", "16-bit training inside pretrain() is not verified yet (issue 14/15)"),
-    ("bf16", bool, "--bf16", "16-bit training inside pretrain() is not verified yet (issue 14/15)"),
-    ("yaml_cfg", lambda v: v is not None, "--yaml-cfg", "HeterMoE builds the model from the command line's flags"),
-    ("embedding_init_method_std", lambda v: v is not None, "--embedding-init-method-std",
-     "HeterMoE's layout-invariant init uses --init-method-std for every weight"),
-    ("apply_layernorm_1p", bool, "--apply-layernorm-1p", "HeterMoE's layout-invariant init sets norm weights to 1"),
-    ("init_model_with_meta_device", bool, "--init-model-with-meta-device",
-     "HeterMoE initializes every parameter where it is built"),
-    ("ckpt_format", lambda v: v != "torch_dist", "--ckpt-format",
-     "HeterMoE checkpoints inside pretrain() are Megatron's torch_dist (dist_checkpointing) format"),
-    ("hetero_ckpt_reshard", bool, "--hetero-ckpt-reshard",
-     "inside pretrain() dist_checkpointing reshards by itself: load with --no-load-optim --no-load-rng"),
-]
+# Megatron-LM flags this path refuses: reason -> {flag: the values it may keep} (Megatron's
+# defaults). A flag's argparse dest is its name without dashes.
+_OFF, _UNSET, _ONE = (False,), (None,), (1,)
+_REFUSED: dict[str, dict[str, tuple]] = {
+    "HeterMoE's roles run without model parallelism inside a role": {
+        "--tensor-model-parallel-size": _ONE, "--pipeline-model-parallel-size": _ONE,
+        "--context-parallel-size": _ONE, "--expert-tensor-parallel-size": (None, 1)},
+    "the plan places the experts (hetermoe plan)": {"--expert-model-parallel-size": _ONE},
+    "every layer must be an MoE layer (the plan's)": {"--moe-layer-freq": _ONE},
+    "HeterMoE builds megatron-core's GPTModel from the command line's flags and Megatron's spec": {
+        "--use-legacy-models": _OFF, "--spec": _UNSET, "--yaml-cfg": _UNSET},
+    "not supported with HeterMoE": {
+        "--mtp-num-layers": _UNSET, "--heterogeneous-layers-config-path": _UNSET,
+        "--experimental-attention-variant": _UNSET, "--delay-wgrad-compute": _OFF, "--moe-use-upcycling": _OFF,
+        "--use-torch-fsdp2": _OFF, "--use-megatron-fsdp": _OFF, "--calculate-per-token-loss": _OFF},
+    "shared experts are not placed by HeterMoE plans": {"--moe-shared-expert-intermediate-size": _UNSET},
+    "HeterMoE's dispatcher replaces Megatron's (it drops no tokens and applies the probabilities after combine)": {
+        "--moe-expert-capacity-factor": _UNSET, "--moe-permute-fusion": _OFF, "--moe-enable-deepep": _OFF,
+        "--moe-apply-probs-on-input": _OFF},
+    "zebra is HeterMoE's overlap of expert communication": {"--overlap-moe-expert-parallel-comm": _OFF},
+    "not tested with HeterMoE's schedules yet": {"--overlap-grad-reduce": _OFF, "--overlap-param-gather": _OFF},
+    "Megatron's recomputation would replay the dispatch collectives that expert ranks do not mirror; "
+    "zebra's own recomputation is hetermoe's --recompute": {
+        "--recompute-granularity": _UNSET, "--moe-layer-recompute": _OFF},
+    "not counted across HeterMoE's roles": {"--log-num-zeros-in-grad": _OFF},
+    "16-bit training inside pretrain() is not verified yet (issue 14/15)": {"--fp16": _OFF, "--bf16": _OFF},
+    "HeterMoE's layout-invariant init takes --init-method-std for every weight and 1 for norm weights": {
+        "--embedding-init-method-std": _UNSET, "--apply-layernorm-1p": _OFF,
+        "--init-model-with-meta-device": _OFF},
+    "HeterMoE checkpoints inside pretrain() are Megatron's torch_dist (dist_checkpointing) format": {
+        "--ckpt-format": ("torch_dist",)},
+    "inside pretrain() dist_checkpointing reshards by itself: load with --no-load-optim --no-load-rng": {
+        "--hetero-ckpt-reshard": _OFF},
+}
 # Flags refused whenever they appear on the command line: their value has no meaning here.
 _REFUSED_WHEN_GIVEN = {
     "--moe-token-dispatcher-type": "HeterMoE replaces the token dispatcher with its attention->expert one",
 }
 
 
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
 def refusals(args, argv: list[str]) -> list[str]:
     """Each Megatron-LM flag of this command line that a --hetero-plan run cannot honour, with
     the reason (empty: the run may go on)."""
-    out = [f"{flag} {getattr(args, dest)!r}: {why}" for dest, bad, flag, why in _REFUSED
-           if bad(getattr(args, dest, None))]
+    out = [f"{flag} {getattr(args, _dest(flag))!r}: {why}" for why, flags in _REFUSED.items()
+           for flag, keep in flags.items() if getattr(args, _dest(flag), keep[0]) not in keep]
+    if not getattr(args, "num_experts", None):
+        out.append("--num-experts: HeterMoE trains MoE models; give --num-experts")
     if getattr(args, "add_bias_linear", False):
         out.append("biased linear layers (Megatron-LM's default): HeterMoE's experts have no bias; pass "
                    "--disable-bias-linear")
