@@ -62,7 +62,9 @@ def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--hetero-schedule", choices=["distep", "zebra"], default=None,
                    help="HeterMoE schedule (default: the plan's)")
     g.add_argument("--hetero-ckpt-reshard", action="store_true",
-                   help="--load a checkpoint saved with another layout (HeterMoE <-> Megatron EP)")
+                   help="--load a checkpoint saved with another layout (HeterMoE <-> Megatron EP) on the plugin's "
+                        "trainer; inside Megatron-LM's pretrain() dist_checkpointing reshards by itself "
+                        "(--no-load-optim --no-load-rng)")
     return parser
 
 

@@ -358,6 +358,9 @@ def _cpu_replacements() -> list:
     return [
         (training, "initialize_megatron", lambda *a, **k: init(*a, allow_no_cuda=True, **k)),
         (fused_kernels, "load", lambda args: None),
+        # It calls Megatron's fused kernels only to have torch.compile build them ahead (inductor's
+        # C++ on CPU ranks, seconds each); an enabled fusion still builds on first use.
+        (initialize, "_warmup_jit_function", lambda: None),
         (initialize, "_initialize_distributed", _wrap(initialize._initialize_distributed, _as_if_one_device)),
         (initialize, "_set_random_seed", _wrap(initialize._set_random_seed, _seed_cpu_rng_tracker)),
     ]

@@ -28,9 +28,11 @@ DATA = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "
 RECIPE = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
           "--untie-embeddings-and-output-weights", "--hidden-dropout", "0", "--attention-dropout", "0",
           "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--min-lr", "1e-4"]
-# What Megatron-LM needs on a CPU without transformer-engine or apex, HeterMoE or not.
+# What Megatron-LM needs on a CPU without transformer-engine or apex, HeterMoE or not; the last two
+# keep torch.compile (Megatron's jit_fuser) out: its C++ does not build under ATEN_CPU_CAPABILITY=default.
 CPU = ["--transformer-impl", "local", "--distributed-backend", "gloo", "--no-rope-fusion", "--no-persist-layer-norm",
-       "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion"]
+       "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
+       "--no-bias-dropout-fusion"]
 ITERATION = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
 
 
@@ -288,3 +290,12 @@ def test_megatron_lm_pretrain_with_mock_data(mlm, tmp_path):
     assert "2 attention ranks (Megatron's data parallel size) + 2 expert ranks, schedule zebra" in log
     assert sorted(int(i) for i, _ in ITERATION.findall(log)) == [1, 2]
     assert "validation loss at iteration 1 |" in log and "validation loss at iteration 2 |" in log
+
+
+@pytest.mark.slow
+def test_help_lists_the_hetero_flags(mlm):
+    r = subprocess.run([sys.executable, "-W", "ignore", "pretrain_gpt.py", "--help"], cwd=mlm, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "HeterMoE (megatron-hetermoe):" in r.stdout and "--hetero-plan HETERO_PLAN" in r.stdout
+    assert "--num-layers NUM_LAYERS" in r.stdout  # Megatron's own, in the same help
