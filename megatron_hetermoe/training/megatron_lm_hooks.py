@@ -300,9 +300,24 @@ class HeteroPretrain:
         return ShardedObject("rng_state", state.data, (1, 1, dist.get_world_size()), (0, 0, dist.get_rank()),
                              replica_id=0)
 
+    # ---- 7. MoE metrics: the routers are on attention ranks ------------------------------------
+    def reduce_aux_losses(self, reduce, track_names=None, pg_collection=None):
+        """Megatron reduces its per-layer MoE losses (load balancing, z-loss) per rank's groups;
+        expert ranks hold no router, so theirs stay zero, and the last rank, which logs them, may
+        be an expert rank: every rank gets the first attention rank's values."""
+        from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+        reduce(track_names, pg_collection=pg_collection)
+        if track_names is None:  # names may differ between roles; Megatron's training_log gives them
+            return
+        tracker = get_moe_layer_wise_logging_tracker()
+        for name in track_names:
+            dist.broadcast(tracker[name]["values"], src=self.plan.attention_ranks[0], group=self.hs.world_group)
+
     # ---- the hooks, in place for one pretrain() call ------------------------------------------
     @contextlib.contextmanager
     def installed(self):
+        import megatron.core.transformer.moe.moe_utils as moe_utils
         import megatron.training.checkpointing as checkpointing
         import megatron.training.initialize as initialize
         import megatron.training.training as training
@@ -319,6 +334,8 @@ class HeteroPretrain:
                 (training, "get_megatron_optimizer",
                  _wrap(training.get_megatron_optimizer, self.get_megatron_optimizer)),
                 (checkpointing, "get_rng_state", _wrap(checkpointing.get_rng_state, self.get_rng_state)),
+                (moe_utils, "reduce_aux_losses_tracker_across_ranks",
+                 _wrap(moe_utils.reduce_aux_losses_tracker_across_ranks, self.reduce_aux_losses)),
             ]))
             yield self
 
