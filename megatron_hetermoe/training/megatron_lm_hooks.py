@@ -59,7 +59,9 @@ _REFUSED: dict[str, dict[str, tuple]] = {
     "Megatron's recomputation would replay the dispatch collectives that expert ranks do not mirror; "
     "zebra's own recomputation is hetermoe's --recompute": {
         "--recompute-granularity": _UNSET, "--moe-layer-recompute": _OFF},
-    "not counted across HeterMoE's roles": {"--log-num-zeros-in-grad": _OFF},
+    "not computed across HeterMoE's roles (the logging rank may hold experts only)": {
+        "--log-num-zeros-in-grad": _OFF, "--log-params-norm": _OFF, "--log-max-attention-logit": _OFF,
+        "--qk-clip": _OFF},
     "16-bit training inside pretrain() is not verified yet (issue 14/15)": {"--fp16": _OFF, "--bf16": _OFF},
     "HeterMoE's layout-invariant init takes --init-method-std for every weight and 1 for norm weights": {
         "--embedding-init-method-std": _UNSET, "--apply-layernorm-1p": _OFF,

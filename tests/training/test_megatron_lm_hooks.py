@@ -23,7 +23,8 @@ def _megatron_defaults(**given) -> argparse.Namespace:
              calculate_per_token_loss=False, log_num_zeros_in_grad=False, fp16=False, bf16=False,
              ckpt_format="torch_dist", hetero_ckpt_reshard=False, add_bias_linear=False, yaml_cfg=None,
              embedding_init_method_std=None, apply_layernorm_1p=False, init_model_with_meta_device=False,
-             moe_grouped_gemm=False, save=None, load=None, transformer_impl="local", distributed_backend="gloo",
+             moe_grouped_gemm=False, save=None, load=None, log_params_norm=False, log_max_attention_logit=False,
+             qk_clip=False, transformer_impl="local", distributed_backend="gloo",
              use_distributed_optimizer=False)
     a.update(given)
     return argparse.Namespace(**a)
