@@ -259,20 +259,19 @@ class HeteroPretrain:
 
     # ---- 5. the optimizer -------------------------------------------------------------------
     def get_megatron_optimizer(self, build, *a, **k):
-        # Megatron's gloo twins of the DP groups serve only the distributed optimizer's
-        # checkpoints, and that optimizer is refused here: none are made (parallel_state).
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+        from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+        from megatron_hetermoe.checkpoint.megatron_optimizer import per_rank_optimizer_state
+
+        # install_parallel_state makes no gloo twins of the DP groups (only the distributed
+        # optimizer's checkpoints use them; on CPU ranks every group is gloo already).
         optimizer = build(*a, **{**k, "use_gloo_process_groups": False})
         chained = getattr(optimizer, "chained_optimizers", None)
         if chained and any(not o.get_parameters() for o in chained) and any(o.get_parameters() for o in chained):
             # Megatron always adds a dense optimizer; an expert rank has no dense parameter, and an
             # empty distributed optimizer cannot write its state (it asserts one Adam step).
-            from megatron.core.optimizer.optimizer import ChainedOptimizer
-
             optimizer = ChainedOptimizer([o for o in chained if o.get_parameters()])
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-        from megatron_hetermoe.checkpoint.megatron_optimizer import per_rank_optimizer_state
-
         hs = self.hs
         owner = hs.attention_dp_rank == 0 if hs.role == "attention" else hs.group_index == 0
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
