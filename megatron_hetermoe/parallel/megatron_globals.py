@@ -1,6 +1,11 @@
-"""The few megatron-core globals that have no explicit-process-group path, set for a HeterMoE
-rank: the global memory buffer, the RNG tracker, and the tensor-parallel group that
-vocab-parallel cross-entropy reads. Everything else gets HeteroParallelState's groups."""
+"""megatron-core's globals on a HeterMoE rank.
+
+`megatron_globals`: for the plugin's own trainer, the few globals that have no explicit-process-group
+path (the global memory buffer, the RNG tracker, the tensor-parallel group that vocab-parallel
+cross-entropy reads); everything else gets HeteroParallelState's groups explicitly.
+`install_parallel_state`: for Megatron-LM's own pretrain(), which reads parallel_state throughout,
+every group global set to the rank's HeterMoE group (training/megatron_lm_hooks.py).
+"""
 from __future__ import annotations
 
 from contextlib import contextmanager
