@@ -3,6 +3,8 @@ ranks run with HeteroMoELayer (for each microbatch, every layer forward, then ev
 backward in reverse), so both sides enter the same collectives in the same order."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -11,13 +13,10 @@ def expert_distep(runtime, num_microbatches: int, forward_only: bool = False) ->
     forward-only pass (evaluation): every layer forward, no backward."""
     L = runtime.hs.plan.num_layers
     H = runtime.config.hidden_size
-    if forward_only:
-        with torch.no_grad():
-            for _ in range(num_microbatches):
-                for layer in range(L):
-                    runtime.forward_layer(layer, H)
-        return
-    for _ in range(num_microbatches):
-        sent = [runtime.forward_layer(layer, H) for layer in range(L)]
-        for layer in reversed(range(L)):
-            torch.autograd.backward(sent[layer], torch.zeros_like(sent[layer]))
+    with torch.no_grad() if forward_only else contextlib.nullcontext():
+        for _ in range(num_microbatches):
+            sent = [runtime.forward_layer(layer, H) for layer in range(L)]
+            if forward_only:
+                continue
+            for layer in reversed(range(L)):
+                torch.autograd.backward(sent[layer], torch.zeros_like(sent[layer]))

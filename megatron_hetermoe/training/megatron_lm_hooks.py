@@ -153,7 +153,8 @@ class HeteroPretrain:
     # ---- 2. process groups ----------------------------------------------------------------
     def initialize_distributed(self, initialize, *a, **k):
         """Megatron's _initialize_distributed (torch.distributed, the device), with the plan's
-        groups in place of initialize_model_parallel (which it calls only when CUDA exists)."""
+        groups in place of initialize_model_parallel (on CPU ranks the CPU layer makes Megatron
+        call it too: _as_if_one_device)."""
         from megatron.core import parallel_state as ps
 
         original = ps.initialize_model_parallel
@@ -162,8 +163,6 @@ class HeteroPretrain:
             initialize(*a, **k)
         finally:
             ps.initialize_model_parallel = original
-        if self.hs is None:
-            self._setup_groups()
 
     def _setup_groups(self) -> None:
         from megatron.training import get_args
