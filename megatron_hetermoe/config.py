@@ -227,6 +227,9 @@ class TrainConfig:
         return self.global_batch_size // per
 
 
+ISSUERS = ("auto", "single", "threads")
+
+
 @dataclass
 class ZebraConfig:
     recompute: bool = False
@@ -238,21 +241,33 @@ class ZebraConfig:
     # emulation.EmulationClock: records every task's window (when it could start, started, its
     # real work ended, it ended), from which the run judges whether its emulation held.
     clock: object | None = None
+    # Who issues the transfers (--hetero-zebra-issuer): "threads", a worker thread per stream
+    # (schedules/executor.py); "single", the compute thread with async collectives
+    # (schedules/issuer.py); "auto": single on a CUDA rank that does not emulate, else threads.
+    issuer: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.issuer not in ISSUERS:
+            raise ValueError(f"zebra issuer {self.issuer!r} is unknown; use one of {list(ISSUERS)}")
 
 
 @dataclass(frozen=True)
 class HeteroRunConfig:
     """How a HeterMoE run executes its plan: --hetero-schedule (None: the plan's),
-    --recompute-granularity full (zebra recomputes attention stages in backward), and
-    --timeline-dir (each rank writes its timeline there)."""
+    --recompute-granularity full (zebra recomputes attention stages in backward),
+    --timeline-dir (each rank writes its timeline there) and --hetero-zebra-issuer."""
     schedule: str | None = None
     recompute: bool = False
     timeline_dir: str | None = None
     # --hetero-expert-precision: the expert ranks' precision; None: the world's (--bf16/--fp16).
     # Only the world's is supported (plan/validation.py says why).
     expert_precision: str | None = None
+    # --hetero-zebra-issuer: who issues zebra's transfers (ZebraConfig.issuer).
+    zebra_issuer: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.zebra_issuer not in ISSUERS:
+            raise ValueError(f"--hetero-zebra-issuer {self.zebra_issuer!r} is unknown; use one of {list(ISSUERS)}")
         if self.schedule not in (None, "distep", "zebra"):
             raise ValueError(f"hetero schedule {self.schedule!r} is unknown; use distep or zebra")
         if self.expert_precision not in (None, "bf16", "fp16", "fp32"):

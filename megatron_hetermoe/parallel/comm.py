@@ -1,7 +1,8 @@
 """The one token transport between attention and expert ranks: a `TokenRoute`.
 
-A route is made once per (layer, microbatch) by the counts exchange: every member of the ZP
-group sends its per-expert token counts (in the layer's travel order) to every member, which
+A route is made once per (layer, microbatch) by the counts exchange (on the dispatch group;
+the single issuer, schedules/issuer.py, runs it asynchronously on the counts group): every
+member of the ZP group sends its per-expert token counts (in the layer's travel order) to every member, which
 fixes how many rows each member sends to and receives from each other member. Tokens then move
 with all_to_all_single over one group per direction (parallel/state.py):
 - `to_experts`  on the dispatch group: forward dispatch, and the gradient of combine;
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.reliability import faults
 
-AllToAll = Callable[[torch.Tensor, list, list, object], torch.Tensor]
+AllToAll = Callable[[torch.Tensor, list, list, object], object]  # all_to_all or all_to_all_async
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
@@ -37,6 +38,24 @@ def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], gro
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
     return out
+
+
+def all_to_all_async(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> tuple[torch.Tensor, object]:
+    """all_to_all, issued asynchronously: (the receive buffer, the Work to wait on)."""
+    faults.checkpoint("exchange", "tokens")
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
+    return out, work
+
+
+def exchange_counts_async(counts: torch.Tensor, group) -> tuple[torch.Tensor, object]:
+    """exchange_counts, issued asynchronously: ([members, len(counts)] receive buffer, Work)."""
+    faults.checkpoint("exchange", "counts")
+    n = dist.get_world_size(group)
+    send = counts.to(torch.int64).repeat(n)
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return recv.view(n, -1), work
 
 
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
@@ -71,7 +90,6 @@ class TokenRoute:
         nothing (an expert rank). dtype: the wire dtype (the world's params_dtype). `stamp`: an
         int every member adds; the maximum comes back (emulation carries when each member could
         start the transfer)."""
-        n = len(hs.zp.members)
         if per_expert is None:
             per_expert = torch.zeros(len(hs.layer_order(layer)), dtype=torch.int64, device=hs.device)
         counts = per_expert.to(torch.int64)
@@ -81,10 +99,25 @@ class TokenRoute:
         got = None
         if stamp is not None:
             got, allc = int(allc[:, -1].max().item()), allc[:, :-1]
-        local = hs.received_counts(layer, allc)
-        route = cls(tuple(int(s) for s in (send_splits or [0] * n)), tuple(int(s) for s in local.sum(1).tolist()),
-                    local, hs.dispatch_group, hs.combine_group, width, dtype, hs.device)
-        return route, got
+        return cls.from_counts(hs, layer, allc, send_splits, width, dtype), got
+
+    @staticmethod
+    def start_exchange(hs: HeteroParallelState, layer: int, per_expert: torch.Tensor | None) -> tuple[torch.Tensor, object]:
+        """The counts exchange of `layer`, issued asynchronously on the counts group (the single
+        issuer's: its split sizes travel ahead of the dispatch group's queued payloads). Returns
+        (received counts, Work); `from_counts` makes the route once they arrived."""
+        if per_expert is None:
+            per_expert = torch.zeros(len(hs.layer_order(layer)), dtype=torch.int64, device=hs.device)
+        return exchange_counts_async(per_expert, hs.counts_group)
+
+    @classmethod
+    def from_counts(cls, hs: HeteroParallelState, layer: int, all_counts: torch.Tensor, send_splits: list[int] | None,
+                    width: int, dtype: torch.dtype) -> "TokenRoute":
+        """The route of `layer` from the counts exchange's [member, expert in travel order] result."""
+        n = len(hs.zp.members)
+        local = hs.received_counts(layer, all_counts)
+        return cls(tuple(int(s) for s in (send_splits or [0] * n)), tuple(int(s) for s in local.sum(1).tolist()),
+                   local, hs.dispatch_group, hs.combine_group, width, dtype, hs.device)
 
     def empty(self) -> torch.Tensor:
         return torch.empty(0, self.width, dtype=self.dtype, device=self.device)
@@ -100,12 +133,13 @@ class TokenRoute:
         return x
 
     # ---- raw transfers (zebra's tasks) ------------------------------------------------------
-    def to_experts(self, x: torch.Tensor | None, a2a: AllToAll = all_to_all) -> torch.Tensor:
-        """Attention -> experts on the dispatch group (forward dispatch, gradient of combine)."""
+    def to_experts(self, x: torch.Tensor | None, a2a: AllToAll = all_to_all):
+        """Attention -> experts on the dispatch group (forward dispatch, gradient of combine).
+        Returns what `a2a` returns (all_to_all_async: the buffer and its Work)."""
         return a2a(self._wire(x, "to_experts"), list(self.recv_splits), list(self.send_splits),
                    self.dispatch_group)
 
-    def to_attention(self, x: torch.Tensor | None, a2a: AllToAll = all_to_all) -> torch.Tensor:
+    def to_attention(self, x: torch.Tensor | None, a2a: AllToAll = all_to_all):
         """Experts -> attention on the combine group (forward combine, gradient of dispatch)."""
         return a2a(self._wire(x, "to_attention"), list(self.send_splits), list(self.recv_splits),
                    self.combine_group)

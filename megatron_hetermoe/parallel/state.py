@@ -11,6 +11,8 @@ Groups, per the paper's placement:
   carries one direction only (forward dispatch and the gradient of combine go attention->expert
   on `dispatch`; forward combine and the gradient of dispatch go expert->attention on `combine`),
   so the two can be in flight at once.
+- counts group (same members): the single issuer's counts exchanges (schedules/issuer.py), so
+  the split sizes of a dispatch travel ahead of the payloads queued on the dispatch group.
 - attention DP group: every attention rank of every ZP group (replicas of the dense weights).
 - replica group: the k-th member of every ZP group (replicas of the experts that member holds).
 - world group: every rank, for the global gradient norm and step-wide agreement.
@@ -37,6 +39,7 @@ class HeteroParallelState:
     attention_dp_rank: int | None  # data-parallel rank among all attention ranks
     dispatch_group: dist.ProcessGroup
     combine_group: dist.ProcessGroup
+    counts_group: dist.ProcessGroup
     attention_dp_group: dist.ProcessGroup | None
     replica_group: dist.ProcessGroup
     self_group: dist.ProcessGroup
@@ -109,9 +112,9 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | N
 
     made: dict[str, dist.ProcessGroup] = {}
     for gi, g in enumerate(plan.groups):
-        d, c = new(g.members), new(g.members)
+        d, c, n = new(g.members), new(g.members), new(g.members)
         if rank in g.members:
-            made["dispatch"], made["combine"] = d, c
+            made["dispatch"], made["combine"], made["counts"] = d, c, n
     attn = new(plan.attention_ranks)
     n_members = len(plan.groups[0].members)
     for k in range(n_members):
@@ -132,7 +135,7 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | N
         plan=plan, rank=rank, role=role, group_index=gi,
         member_index=plan.groups[gi].members.index(rank),
         attention_dp_rank=plan.attention_ranks.index(rank) if role == "attention" else None,
-        dispatch_group=made["dispatch"], combine_group=made["combine"],
+        dispatch_group=made["dispatch"], combine_group=made["combine"], counts_group=made["counts"],
         attention_dp_group=attn if role == "attention" else None,
         replica_group=made["replica"], self_group=made["self"], world_group=world_group, device=device,
     )

@@ -182,6 +182,13 @@ def check_megatron_layout(cfg: "TrainConfig", world: int) -> None:
         raise ConfigError(f"megatron-core refuses model {m.name!r} with TP={par.tp} PP={par.pp} EP={par.ep}: {e}") from None
 
 
+def check_issuer(issuer: str, emulated: bool) -> None:
+    """--hetero-zebra-issuer against the run: an emulated cluster needs the threaded issuer."""
+    if issuer == "single" and emulated:
+        raise ConfigError("--hetero-zebra-issuer single cannot emulate a cluster (emulated transfers sleep in their "
+                          "stream's thread); drop --hetero-zebra-issuer or pass threads")
+
+
 def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str | None = None,
                  run: "HeteroRunConfig | None" = None) -> None:
     """A HeterMoE job: the plan against the job, the model and the batch; its precision against
@@ -200,6 +207,8 @@ def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str
     check_bf16_gpus(cfg, plan.gpu_types, "the plan")
     if run is not None and run.expert_precision not in (None, cfg.precision):
         raise per_pool_precision_error(cfg.precision, run.expert_precision)
+    if run is not None:
+        check_issuer(run.zebra_issuer, cfg.emulate is not None)
     m = cfg.model
     if plan.num_layers != m.num_layers or plan.num_experts != m.num_experts:
         raise PlanError(

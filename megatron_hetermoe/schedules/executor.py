@@ -38,9 +38,9 @@ What the CUDA path achieves, and what it does not:
 * It is not host-free: `TokenRoute.exchange` (D_F) reads the counts with `.tolist()`/`.item()`,
   which blocks that stream's worker thread until the side stream reached it, i.e. until the
   producer compute finished on the device. Only that worker blocks; the compute thread keeps
-  enqueueing. That is one reason issuing stays on one thread per stream: with a single issuing
-  thread, a blocking counts exchange on one communicator issued before a collective of the
-  other communicator that a peer issued in the other order could deadlock.
+  enqueueing. schedules/issuer.py is the other executor: one issuing thread and no blocking
+  call at all, the counts going ahead asynchronously on a third communicator and polled
+  (the default on CUDA ranks; this one stays the default on CPU ranks and when emulating).
 * A consumer's host wait is for the worker to have issued the transfer (the Python result
   objects, e.g. the received tensor, exist only then), not for the transfer to finish.
 * Host times (time.perf_counter) are when work was enqueued: on CUDA a transfer's host end is
@@ -180,9 +180,9 @@ class ThreadStream:
 
 
 class CudaApi:
-    """The torch.cuda calls a CudaStream makes, in one place so that tests can pass fake
-    streams and events (`stream_type(device=...)`, `event_type()`; a stream has
-    wait_event(event), an event record(stream)). Side streams are made once per (device, name)
+    """The torch.cuda calls a CudaStream (and the single issuer's CudaTransport) makes, in one
+    place so that tests can pass fake streams and events (`stream_type(device=...)`,
+    `event_type()`; a stream has wait_event(event), an event record(stream) and query()). Side streams are made once per (device, name)
     and kept: a step's executor is made anew each step, and a fresh pool stream each time
     could be shared with other users of torch's stream pool."""
 
@@ -190,7 +190,8 @@ class CudaApi:
                  current_stream: Callable[[torch.device], Any] | None = None,
                  use_stream: Callable[[Any], Any] | None = None,
                  set_device: Callable[[torch.device], None] | None = None,
-                 timing_event_type: Callable[[], Any] | None = None):
+                 timing_event_type: Callable[[], Any] | None = None,
+                 host_copy: Callable[[torch.Tensor], torch.Tensor] | None = None):
         # torch.cuda is looked up at each call, not here (at import).
         self.stream_type = stream_type or (lambda **kw: torch.cuda.Stream(**kw))
         self.event_type = event_type or (lambda: torch.cuda.Event())
@@ -199,6 +200,10 @@ class CudaApi:
         self.current_stream = current_stream or (lambda d: torch.cuda.current_stream(d))  # this thread's
         self.use_stream = use_stream or (lambda s: torch.cuda.stream(s))  # context: make `s` current in this thread
         self.set_device = set_device or (lambda d: torch.cuda.set_device(d))
+        # A device tensor's copy to pinned host memory, enqueued on the current stream (the single
+        # issuer's counts: the host reads it once an event recorded after it completed).
+        self.host_copy = host_copy or (lambda t: torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                                       .copy_(t, non_blocking=True))
         self._side: dict[tuple[torch.device, str], Any] = {}
         self._lock = threading.Lock()
 

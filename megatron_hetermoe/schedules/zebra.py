@@ -31,9 +31,9 @@ from megatron_hetermoe.models.dispatcher import DispatchMeta
 from megatron_hetermoe.models.experts import run_local_experts
 from megatron_hetermoe.models.stages import AttentionStages
 from megatron_hetermoe.parallel import cpu_backend
-from megatron_hetermoe.parallel.comm import TokenRoute, all_to_all
+from megatron_hetermoe.parallel.comm import TokenRoute, all_to_all, all_to_all_async
 from megatron_hetermoe.parallel.state import HeteroParallelState
-from megatron_hetermoe.schedules.executor import TaskExecutor
+from megatron_hetermoe.schedules.issuer import AsyncTransfer, IssueExecutor, make_executor
 from megatron_hetermoe.schedules.tasks import Task
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 
@@ -69,7 +69,7 @@ class ZebraRank:
         self.experts_of_layer = experts_of_layer
         self.is_attention = hs.role == "attention"
         self.slots: dict[tuple[int, int], Slot] = {}
-        self.ex = TaskExecutor(hs.plan.num_layers, cfg, recorder, device=hs.device)
+        self.ex = make_executor(hs.plan.num_layers, cfg, recorder, hs.device)
 
     def slot(self, layer: int, j: int) -> Slot:
         return self.slots.setdefault((layer, j), Slot())
@@ -139,6 +139,50 @@ class ZebraRank:
             st.grad_permuted = st.route.to_attention(send, self._timed(task))
 
         return {"D_F": d_f, "C_F": c_f, "C_B": c_b, "D_B": d_b}[task.kind]
+
+    def start(self, task: Task, counts) -> AsyncTransfer:
+        """The single issuer's form of `transfer` (schedules/issuer.py): called at the task's place
+        in the list; a D_F starts its counts exchange there (`counts`), and each transfer is
+        issued asynchronously once its route is known."""
+        l, j = task.layer, task.microbatch
+        st = self.slot(l, j)
+        routed = lambda: st.route is not None  # noqa: E731 - made by this (layer, microbatch)'s D_F, issued earlier
+
+        if task.kind == "D_F":
+            if self.is_attention:
+                per_expert, send_splits = st.meta.per_expert, list(st.meta.send_splits)
+            else:
+                per_expert = send_splits = None
+            ticket = counts(lambda: TokenRoute.start_exchange(self.hs, l, per_expert))
+
+            def d_f():
+                ticket.consume()  # a CPU rank: re-raises a failed counts exchange
+                st.route = TokenRoute.from_counts(self.hs, l, ticket.value, send_splits, self.H, self.dtype)
+                st.routed.set()
+                send = st.permuted.detach() if self.is_attention else None
+                st.recv_tokens, work = st.route.to_experts(send, all_to_all_async)
+                return [work]
+            return AsyncTransfer(ready=ticket.arrived, launch=d_f)
+
+        def c_f():
+            send = st.expert_out.detach() if self.holds(l) else None
+            st.recv_combined, work = st.route.to_attention(send, all_to_all_async)
+            return [work]
+
+        def c_b():
+            send = st.grad_combined if self.is_attention else None
+            st.recv_grad, work = st.route.to_experts(send, all_to_all_async)
+            return [work]
+
+        def d_b():
+            send = st.grad_recv if self.holds(l) else None
+            st.grad_permuted, work = st.route.to_attention(send, all_to_all_async)
+            return [work]
+
+        return AsyncTransfer(ready=routed, launch={"C_F": c_f, "C_B": c_b, "D_B": d_b}[task.kind])
+
+    def execute(self, tasks: list[Task], compute: Callable[[Task], None]) -> None:
+        self.ex.run(tasks, compute, self.start if isinstance(self.ex, IssueExecutor) else self.transfer)
 
     # ---- expert compute (expert ranks: E_*, attention ranks' offloaded experts: X_*) -----
     def expert_forward(self, l: int, j: int) -> None:
@@ -246,7 +290,7 @@ class AttentionZebra(ZebraRank):
             else:
                 raise ValueError(f"attention rank cannot run task {t}")
 
-        self.ex.run(tasks, compute, self.transfer)
+        self.execute(tasks, compute)
         return [reported[j] for j in range(R)]
 
 
@@ -266,4 +310,4 @@ class ExpertZebra(ZebraRank):
             else:
                 raise ValueError(f"expert rank cannot run task {t}")
 
-        self.ex.run(tasks, compute, self.transfer)
+        self.execute(tasks, compute)

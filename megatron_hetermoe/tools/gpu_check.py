@@ -9,8 +9,10 @@ own timeout, so one failure or hang does not stop the others.
 Steps (`--steps 1,2,5` runs some; they always run in the order 1, 2, 5, 3, 4, 6):
   1 environment   python, torch, CUDA, the GPU, NCCL, megatron-core, transformer_engine.
   2 1-rank NCCL   `torchrun --nproc-per-node 1 -m megatron_hetermoe.cli train --model tiny
-                  --deterministic-mode ...` for (a) Megatron EP (EP=1), (b) DistEP and (c) zebra
-                  on a 1-rank plan whose attention rank holds every expert. `hetermoe plan
+                  --deterministic-mode ...` for (a) Megatron EP (EP=1), (b) DistEP, (c) zebra
+                  (the default issuer: single on the GPU, threads on the CPU) and (d) zebra with
+                  --hetero-zebra-issuer threads, on a 1-rank plan whose attention rank holds
+                  every expert. `hetermoe plan
                   --even` refuses N=0 expert ranks, so the plan is written here with HeteroPlan
                   (its validate() accepts M=1, N=0). Each run is repeated with
                   CUDA_VISIBLE_DEVICES="" (gloo, the CPU reference) and the per-step relative
@@ -32,8 +34,9 @@ Steps (`--steps 1,2,5` runs some; they always run in the order 1, 2, 5, 3, 4, 6)
                   all_to_all (world of 1) alone, then GEMM and each on two CUDA streams:
                   overlap = (t_gemm + t_comm) / t_both (2.0 = perfect, 1.0 = serialized);
                   (b) the zebra executor itself (schedules/executor.py) on an expert rank's
-                  task list with GEMM compute and all_to_all transfers: CudaStream against
-                  ThreadStream (all on the default stream), with the transferred values checked.
+                  task list with GEMM compute and all_to_all transfers: CudaStream and the
+                  single issuer (schedules/issuer.py) against ThreadStream (all on the default
+                  stream), with the transferred values checked.
   6 profile       `hetermoe profile --model d1 ...` of this GPU (a few shapes; the YAML is kept).
 
 --dry-run (or no GPU): every step that can run on the CPU runs at tiny sizes (CPU references
@@ -260,8 +263,11 @@ def step_1rank(ck: Check, r: StepResult) -> None:
     iters = 4
     base = ["-m", "megatron_hetermoe.cli", "train", "--model", "tiny", "--micro-batch-size", "1",
             "--global-batch-size", "2", "--train-iters", str(iters), "--deterministic-mode"]
+    # zebra: the default issuer (on the GPU the single issuer, on the CPU reference the threaded
+    # one); zebra-threads: the threaded issuer on both.
     runs = {"ep": [], "distep": ["--hetero-plan", str(plans["1rank_distep"])],
-            "zebra": ["--hetero-plan", str(plans["1rank_zebra"])]}
+            "zebra": ["--hetero-plan", str(plans["1rank_zebra"])],
+            "zebra-threads": ["--hetero-plan", str(plans["1rank_zebra"]), "--hetero-zebra-issuer", "threads"]}
     fails, parts, got = [], [], {}
     for name, extra in runs.items():
         if ck.left() < 20:
@@ -278,7 +284,7 @@ def step_1rank(ck: Check, r: StepResult) -> None:
         _log_gpu_vs_cpu(ck, name, "GPU", cpu, gpu, parts, fails)
     for dev in ("cpu", "gpu"):  # the three runs train the same model on the same data
         ref = got.get("ep", {}).get(dev)
-        for name in ("distep", "zebra"):
+        for name in ("distep", "zebra", "zebra-threads"):
             x = got.get(name, {}).get(dev)
             if _finite(ref) and _finite(x):
                 d = max(_rel(x, ref))
@@ -290,7 +296,7 @@ def step_1rank(ck: Check, r: StepResult) -> None:
         r.status, r.summary = "FAIL", "; ".join(fails)
     else:
         r.status = "PASS"
-        r.summary = ("; ".join(parts) if ck.gpu else "CPU references only (ep, distep, zebra ran; GPU part SKIP)")
+        r.summary = ("; ".join(parts) if ck.gpu else "CPU references only (ep, distep, zebra, zebra-threads ran; GPU part SKIP)")
 
 
 def _gpu_and_cpu(ck: "Check", tag: str, cmd, outs: dict, on_gpu: bool, threads: int, timeout: float):
@@ -440,8 +446,11 @@ def step_overlap(ck: Check, r: StepResult) -> None:
                f"{ex['t_cuda'] * 1e3:.1f} ms (compute alone {ex['t_compute'] * 1e3:.1f} ms, transfers alone "
                f"{ex['t_transfer'] * 1e3:.1f} ms): speed-up x{ex['speedup']:.2f}; values ok: "
                f"thread {ex['ok_thread']}, cuda {ex['ok_cuda']}")
-        parts.append(f"executor CudaStream x{ex['speedup']:.2f} vs ThreadStream")
-        if not (ex["ok_thread"] and ex["ok_cuda"]):
+        ck.log(f"  single issuer {ex['t_single'] * 1e3:.1f} ms: speed-up x{ex['speedup_single']:.2f} vs ThreadStream; "
+               f"values ok: {ex['ok_single']}")
+        parts.append(f"executor CudaStream x{ex['speedup']:.2f}, single issuer x{ex['speedup_single']:.2f} "
+                     f"vs ThreadStream")
+        if not (ex["ok_thread"] and ex["ok_cuda"] and ex["ok_single"]):
             fails.append("executor: transferred values wrong (stream ordering bug)")
     r.status = "FAIL" if fails else "PASS"
     r.summary = "; ".join(fails + parts)
@@ -868,8 +877,9 @@ def worker_overlap(a) -> int:
 
 def _executor_probe(dev, gemm, timed, calibrate, numel: int = 64 * 2**20) -> dict:
     """The zebra executor on an expert rank's list (L=1, R=4) with GEMM compute and all_to_all
-    transfers (world of 1: a copy through NCCL, one group per stream), CudaStream vs ThreadStream.
-    Each compute task writes its outputs after a long GEMM and each transfer sends a compute
+    transfers (world of 1: a copy through NCCL, one group per stream), CudaStream vs ThreadStream,
+    and the single issuer (schedules/issuer.py: async collectives, a counts exchange per D_F on a
+    third group). Each compute task writes its outputs after a long GEMM and each transfer sends a compute
     output (and vice versa), so a missing event wait shows as a wrong value."""
     import torch
     import torch.distributed as dist
@@ -880,9 +890,10 @@ def _executor_probe(dev, gemm, timed, calibrate, numel: int = 64 * 2**20) -> dic
         TaskExecutor,
         ThreadStream,
     )
+    from megatron_hetermoe.schedules.issuer import AsyncTransfer, IssueExecutor
     from megatron_hetermoe.schedules.tasks import zebra_tasks_for_role
 
-    groups = {"dispatch": dist.new_group([0]), "combine": dist.new_group([0])}
+    groups = {"dispatch": dist.new_group([0]), "combine": dist.new_group([0]), "counts": dist.new_group([0])}
     R = 4
     tasks = zebra_tasks_for_role(1, R, "expert")
     # numel: 64 Mi elements = 128 MiB bf16 per message
@@ -921,9 +932,30 @@ def _executor_probe(dev, gemm, timed, calibrate, numel: int = 64 * 2**20) -> dic
                 recv[(t.kind, j)] = out
             return fn
 
-        ex = TaskExecutor(1, ZebraConfig(), None, make_stream=make_stream)
+        def start(t, counts):
+            def launch():
+                j = t.microbatch
+                send = {"D_F": send_df, "C_F": out_f, "C_B": out_b, "D_B": res_b}[t.kind][j]
+                out = torch.empty_like(send)
+                recv[(t.kind, j)] = out
+                return [dist.all_to_all_single(out, send, group=groups[t.stream], async_op=True) for _ in range(k_tx)]
+
+            if t.kind != "D_F":
+                return AsyncTransfer(ready=lambda: True, launch=launch)
+
+            def exchange():
+                c = torch.full((1,), t.microbatch, dtype=torch.int64, device=dev)
+                got = torch.empty_like(c)
+                return got, dist.all_to_all_single(got, c, group=groups["counts"], async_op=True)
+
+            ticket = counts(exchange)
+            return AsyncTransfer(ready=ticket.arrived, launch=launch)
+
         t0 = time.perf_counter()
-        ex.run(tasks, compute, transfer)
+        if make_stream == "single":
+            IssueExecutor(1, ZebraConfig(issuer="single"), None, device=dev).run(tasks, compute, start)
+        else:
+            TaskExecutor(1, ZebraConfig(), None, make_stream=make_stream).run(tasks, compute, transfer)
         torch.cuda.synchronize()
         sec = time.perf_counter() - t0
         ok = True
@@ -940,6 +972,8 @@ def _executor_probe(dev, gemm, timed, calibrate, numel: int = 64 * 2**20) -> dic
     run_once(cuda_stream)
     t_thread, ok_thread = min((run_once(ThreadStream) for _ in range(3)), key=lambda x: x[0])
     t_cuda, ok_cuda = min((run_once(cuda_stream) for _ in range(3)), key=lambda x: x[0])
+    run_once("single")
+    t_single, ok_single = min((run_once("single") for _ in range(3)), key=lambda x: x[0])
     n_compute = sum(not t.is_comm for t in tasks)
     n_tx = sum(t.is_comm for t in tasks)
     t_compute = timed(lambda: [gemm() for _ in range(k_c * n_compute)], 2)
@@ -948,6 +982,7 @@ def _executor_probe(dev, gemm, timed, calibrate, numel: int = 64 * 2**20) -> dic
     t_transfer = timed(lambda: [dist.all_to_all_single(y, x, group=groups["dispatch"]) for _ in range(k_tx * n_tx)], 2)
     return {"tasks": f"expert rank, L=1, R={R}: {n_compute} compute, {n_tx} transfers", "t_thread": t_thread,
             "t_cuda": t_cuda, "speedup": t_thread / t_cuda, "ok_thread": ok_thread, "ok_cuda": ok_cuda,
+            "t_single": t_single, "speedup_single": t_thread / t_single, "ok_single": ok_single,
             "t_compute": t_compute, "t_transfer": t_transfer, "k_gemm": k_c, "k_a2a": k_tx}
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_hetermoe.config import ModelConfig, ParallelConfig, TrainConfig
+from megatron_hetermoe.config import ISSUERS, ModelConfig, ParallelConfig, TrainConfig
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
 # Tolerances at identical parameters (both sides' gradients of step i are taken at the
@@ -125,14 +125,14 @@ def reference_ep(plan: HeteroPlan, num_experts: int) -> int:
 def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch_size: int = 2,
                seed: int = 1234, timeout_s: float = 600.0, schedule: str | None = None,
                recompute: bool = False, init_state: dict | None = None, free_run: bool = True,
-               precision: str = "fp32") -> ParityReport:
+               precision: str = "fp32", issuer: str = "auto") -> ParityReport:
     """Megatron EP runs free; HeterMoE computes every step's loss and gradients at the
     reference's parameters of that step (loaded through the layout conversion), so round-off
     cannot compound across steps. free_run: also train HeterMoE on its own trajectory and report
     its final weights' difference. init_state: start from this plain Megatron state dict
     (canonical names) instead of the seed's layout-invariant init, e.g. weights crafted to force
     a routing. precision: "fp32", "bf16" or "fp16" on both sides (the tolerances above are fp32's;
-    pass measured ones to ok() for the others)."""
+    pass measured ones to ok() for the others). issuer: zebra's (ZebraConfig.issuer)."""
     from megatron_hetermoe.parallel.launcher import launch
     from megatron_hetermoe.training.args import run
 
@@ -154,7 +154,7 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     het_cfg = TrainConfig(model, ParallelConfig(), micro_batch_size=micro_batch_size, global_batch_size=gbs,
                           train_iters=steps, seed=seed, collect_grads=True, quiet=True,
                           init_state=ref["initial_params"], pin_params=ref["step_params"], **prec)
-    het = launch(_hetero_rank, plan.world_size, het_cfg, plan, schedule, recompute, timeout_s=timeout_s)[0]
+    het = launch(_hetero_rank, plan.world_size, het_cfg, plan, schedule, recompute, issuer, timeout_s=timeout_s)[0]
 
     by_step = [diff_by_category(g_h, g_r, scale="category") for g_h, g_r in zip(het["grads"], ref["grads"])]
     worst = max((worst_tensor(g_h, g_r) for g_h, g_r in zip(het["grads"], ref["grads"])), key=lambda kv: kv[1])
@@ -162,18 +162,18 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     free = free_loss = None
     if free_run:
         free_cfg = dataclasses.replace(het_cfg, pin_params=None)
-        got = launch(_hetero_rank, plan.world_size, free_cfg, plan, schedule, recompute, timeout_s=timeout_s)[0]
+        got = launch(_hetero_rank, plan.world_size, free_cfg, plan, schedule, recompute, issuer, timeout_s=timeout_s)[0]
         free = max(diff_by_category(got["params"], ref["params"]).values())
         free_loss = max_rel_loss_diff(got["losses"], ref["losses"])
     return ParityReport(ref["losses"], het["losses"], max_rel_loss_diff(het["losses"], ref["losses"]),
                         max(by_cat.values()), by_cat, by_step, worst, free, free_loss)
 
 
-def _hetero_rank(rank, world, cfg, plan, schedule, recompute):
+def _hetero_rank(rank, world, cfg, plan, schedule, recompute, issuer):
     from megatron_hetermoe.config import HeteroRunConfig
     from megatron_hetermoe.training.hetero import train_hetero
 
-    return train_hetero(cfg, plan, HeteroRunConfig(schedule=schedule, recompute=recompute))
+    return train_hetero(cfg, plan, HeteroRunConfig(schedule=schedule, recompute=recompute, zebra_issuer=issuer))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234, help="seed of weights and data (both runs)")
     p.add_argument("--schedule", choices=["distep", "zebra"], default=None, help="override the plan's schedule (default: the plan's)")
     p.add_argument("--recompute", action="store_true", help="zebra: recompute attention stages in backward")
+    p.add_argument("--zebra-issuer", choices=list(ISSUERS), default="auto",
+                   help="zebra: who issues the transfers (--hetero-zebra-issuer's meaning; default: auto)")
     p.add_argument("--loss-tol", type=float, default=LOSS_TOL, help="bound on max_rel_loss_diff (identical parameters)")
     p.add_argument("--grad-tol", type=float, default=GRAD_TOL, help="bound on max_rel_grad_diff (identical parameters)")
     p.add_argument("--free-run-tol", type=float, default=FREE_RUN_PARAM_TOL,
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         plan = HeteroPlan.load(a.plan)
         model = ModelConfig.load(a.model)
         r = run_parity(plan, model, a.steps, a.micro_batch_size, a.seed, schedule=a.schedule, recompute=a.recompute,
-                       free_run=a.free_run)
+                       free_run=a.free_run, issuer=a.zebra_issuer)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
     ok = r.ok(a.loss_tol, a.grad_tol, a.free_run_tol, a.free_run_loss_tol)

@@ -12,6 +12,7 @@ import os
 import sys
 
 from megatron_hetermoe.config import (
+    ISSUERS,
     HeteroRunConfig,
     ModelConfig,
     ParallelConfig,
@@ -204,6 +205,10 @@ def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
     p.add_argument("--hetero-expert-precision", choices=["bf16", "fp16", "fp32"], default=None,
                    help="HeterMoE: the expert ranks' precision; only the world's (--bf16/--fp16/fp32) is supported "
                         "(default: the world's)")
+    p.add_argument("--hetero-zebra-issuer", choices=list(ISSUERS), default="auto",
+                   help="HeterMoE zebra: who issues the transfers: 'single', the compute thread with async "
+                        "collectives and split sizes sent ahead; 'threads', a worker thread per stream; 'auto': "
+                        "single on GPU ranks, threads on CPU ranks and emulated clusters (default: auto)")
     return p
 
 
@@ -219,9 +224,11 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:  # a bad model config, --seq-length, parallel size
         p.error(str(e))
     hetero = HeteroRunConfig(a.hetero_schedule, a.recompute_granularity == "full", a.timeline_dir,
-                             a.hetero_expert_precision)
-    if not a.hetero_plan and (a.hetero_schedule or a.timeline_dir or a.hetero_expert_precision):
-        raise SystemExit("--hetero-schedule, --timeline-dir and --hetero-expert-precision need --hetero-plan")
+                             a.hetero_expert_precision, a.hetero_zebra_issuer)
+    if not a.hetero_plan and (a.hetero_schedule or a.timeline_dir or a.hetero_expert_precision
+                              or a.hetero_zebra_issuer != "auto"):
+        raise SystemExit("--hetero-schedule, --timeline-dir, --hetero-expert-precision and --hetero-zebra-issuer "
+                         "need --hetero-plan")
     if a.hetero_plan:
         from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 

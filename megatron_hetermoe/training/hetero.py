@@ -155,7 +155,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
     from megatron_hetermoe.training.step import build_optimizer
 
     run = run or HeteroRunConfig()
-    zebra_config = zebra_config or ZebraConfig(recompute=run.recompute)
+    zebra_config = zebra_config or ZebraConfig(recompute=run.recompute, issuer=run.zebra_issuer)
     mcfg = cfg.model
     if plan.num_layers != mcfg.num_layers or plan.num_experts != mcfg.num_experts:
         raise PlanError(
@@ -170,6 +170,9 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
 
         raise per_pool_precision_error(cfg.precision, run.expert_precision)
     schedule = run.schedule or plan.schedule
+    from megatron_hetermoe.plan.validation import check_issuer
+
+    check_issuer(zebra_config.issuer, cfg.emulate is not None)
     emulator = None
     if cfg.emulate is not None:
         from megatron_hetermoe.emulation.emulator import Emulator

@@ -20,11 +20,12 @@ import argparse
 import re
 from pathlib import Path
 
+from megatron_hetermoe.config import ISSUERS
 from megatron_hetermoe.training.megatron_lm_hooks import hetero_pretrain, megatron_on_cpu
 
 __all__ = ["add_hetero_args", "hetero_pretrain", "megatron_on_cpu", "hetero_requested", "run_hetero", "patch_for", "checkout_version"]
 
-HETERO_FLAGS = ("--hetero-plan", "--hetero-schedule", "--hetero-ckpt-reshard")
+HETERO_FLAGS = ("--hetero-plan", "--hetero-schedule", "--hetero-ckpt-reshard", "--hetero-zebra-issuer")
 
 # megatron-core release line (major, minor) of a Megatron-LM checkout -> the patch made for it.
 PATCHES = {
@@ -65,6 +66,9 @@ def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="--load a checkpoint saved with another layout (HeterMoE <-> Megatron EP) on the plugin's "
                         "trainer; inside Megatron-LM's pretrain() dist_checkpointing reshards by itself "
                         "(--no-load-optim --no-load-rng)")
+    g.add_argument("--hetero-zebra-issuer", choices=list(ISSUERS), default="auto",
+                   help="zebra: who issues the transfers: 'single' (the compute thread, async collectives), "
+                        "'threads' (a worker thread per stream), 'auto' (single on GPU ranks, else threads)")
     return parser
 
 

@@ -174,9 +174,13 @@ class HeteroPretrain:
         timeout = datetime.timedelta(minutes=get_args().distributed_timeout_minutes)
         self.hs = initialize_hetero_parallel(self.plan, timeout=timeout, device=rank_device())
         install_parallel_state(self.hs)
+        from megatron_hetermoe.schedules.issuer import resolve_issuer
+
         experts = {layer: self.hs.local_experts(layer) for layer in range(self.plan.num_layers)}
+        issuer = resolve_issuer(get_args().hetero_zebra_issuer, self.hs.device, emulated=False)
         print(f"> HeterMoE rank {self.hs.rank} ({self.hs.role}, ZP group {self.hs.group_index}"
-              + (f", experts {experts}" if self.hs.role == "expert" else "") + ")", flush=True)
+              + (f", experts {experts}" if self.hs.role == "expert" else "")
+              + (f", zebra issuer {issuer}" if self.schedule == "zebra" else "") + ")", flush=True)
 
     # ---- 3. the model -----------------------------------------------------------------------
     def builder(self, args, pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None,
@@ -227,9 +231,13 @@ class HeteroPretrain:
     # ---- 4. the schedule --------------------------------------------------------------------
     def get_forward_backward_func(self, *args, **kwargs):
         if self._fwd_bwd is None:
+            from megatron.training import get_args
+
+            from megatron_hetermoe.config import ZebraConfig
             from megatron_hetermoe.schedules.select import get_forward_backward_func
 
-            train = get_forward_backward_func(self.hs, self.schedule)
+            issuer = get_args().hetero_zebra_issuer
+            train = get_forward_backward_func(self.hs, self.schedule, zebra_config=ZebraConfig(issuer=issuer))
             evaluate = get_forward_backward_func(self.hs, "distep")
             self._fwd_bwd = lambda **kw: self._step(train, evaluate, **kw)
         return self._fwd_bwd

@@ -125,8 +125,9 @@ def _plugin_losses(tmp_path: Path, plan: Path, schedule: str, data_path: str) ->
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,extra", [("zebra", []), ("distep", []), ("zebra", ["--use-distributed-optimizer"])],
-                         ids=["zebra", "distep", "zebra-distributed-optimizer"])
+@pytest.mark.parametrize("schedule,extra", [("zebra", []), ("distep", []), ("zebra", ["--use-distributed-optimizer"]),
+                                             ("zebra", ["--hetero-zebra-issuer", "single"])],
+                         ids=["zebra", "distep", "zebra-distributed-optimizer", "zebra-single-issuer"])
 def test_megatron_lm_pretrain_runs_hetermoe(mlm, data, tmp_path, schedule, extra):
     """4 CPU ranks (2 ZP groups of 1 attention + 1 expert rank): Megatron-LM's loop, its
     iteration lines and its validation/test evaluation, with the plugin trainer's losses (whose
@@ -141,9 +142,11 @@ def test_megatron_lm_pretrain_runs_hetermoe(mlm, data, tmp_path, schedule, extra
                            "--tensorboard-dir", str(tb), *extra])
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-4000:]
-    assert f"use_distributed_optimizer={bool(extra)}" in log  # Megatron's DDP config, as built
+    dist_opt = "--use-distributed-optimizer" in extra
+    assert f"use_distributed_optimizer={dist_opt}" in log  # Megatron's DDP config, as built
     assert f"2 attention ranks (Megatron's data parallel size) + 2 expert ranks, schedule {schedule}" in log
-    assert "HeterMoE rank 1 (expert, ZP group 0" in log and "HeterMoE rank 2 (attention, ZP group 1)" in log
+    issuer = ", zebra issuer " + ("single" if "single" in extra else "threads") if schedule == "zebra" else ""
+    assert "HeterMoE rank 1 (expert, ZP group 0" in log and f"HeterMoE rank 2 (attention, ZP group 1{issuer})" in log
     assert "validation loss at iteration 2 | lm loss value:" in log
     assert "validation loss at iteration 3 on test set | lm loss value:" in log
     assert sorted(int(i) for i, _ in ITERATION.findall(log)) == [1, 2, 3], log[-4000:]
@@ -306,4 +309,5 @@ def test_help_lists_the_hetero_flags(mlm):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "HeterMoE (megatron-hetermoe):" in r.stdout and "--hetero-plan HETERO_PLAN" in r.stdout
+    assert "--hetero-zebra-issuer {auto,single,threads}" in r.stdout
     assert "--num-layers NUM_LAYERS" in r.stdout  # Megatron's own, in the same help

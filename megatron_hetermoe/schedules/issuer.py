@@ -1,0 +1,264 @@
+"""One issuing thread: a rank's task list issued in list order by the thread that runs its
+compute, every collective asynchronous (`async_op=True`), split sizes exchanged ahead.
+
+The other executor (schedules/executor.py, `TaskExecutor`) gives each stream a worker thread
+that blocks in its collectives. This one has no worker thread. For each task of the list, in
+order:
+* a transfer task is appended to its stream's FIFO ("dispatch" or "combine"). A D_F also
+  starts its counts exchange right there, asynchronously, on the ZP group's third
+  communicator (`counts_group`): the split sizes of (l, j) are on their way while the rank goes
+  on issuing, and they never wait behind the payloads queued on the dispatch group;
+* a compute task first waits until the transfer `inputs()` names is issued (and, on a CPU
+  rank, has arrived), then runs (CPU) or is enqueued (CUDA).
+Between tasks and inside every wait the executor pumps: each stream's head transfer is issued
+as soon as its split sizes are on the host (D_F: its counts arrived; C_F/C_B/D_B: the route
+its D_F made exists). A stream issues its transfers in FIFO order, so on every communicator
+(dispatch, combine, counts) every member issues the same collectives in the same order
+(tasks.check_stream_order); across communicators the order is whatever the timing gives,
+which is safe while the collectives of the three communicators can be in flight at once.
+
+Deadlock freedom is the threaded executor's: there a stream's worker issues a transfer as soon
+as the rank reached it in its list, the stream's earlier transfers were issued and its split
+sizes are known, and the compute thread waits only for its input. Here the same transfer is
+issued under the same conditions, by the pump, whose host waits are all polls that keep
+pumping: no wait can hold back a transfer a peer needs. (A CPU compute task cannot be
+interrupted; it delays this rank's issuing by its length, as the threaded executor's compute
+would delay its submissions. That is why CPU ranks keep the threaded executor by default.)
+
+Host synchronization on CUDA: none inside the step except the counts. A counts exchange runs
+on a side stream after a producer event, is copied to pinned host memory there, and the host
+polls that copy's event (`query()`, never a blocking wait) before it issues the payload. Token
+transfers run on the side stream of their direction after a producer event recorded on the
+compute stream at their place in the list (not when they are issued, which may be later); the consumer's compute stream waits on the transfer's done event
+right before the consumer is enqueued (`Ticket.consume`). Tensors crossing streams are held
+as in executor.py's docstring (Slot keeps them to the end of the step).
+
+The CUDA calls go through executor.CudaApi, so tests drive them with fake streams and events
+(tests/schedules/test_issuer.py); on CPU ranks the same executor runs over gloo's async
+collectives (tests/integration/test_single_issuer.py).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from megatron_hetermoe.config import ZebraConfig
+from megatron_hetermoe.reliability import faults
+from megatron_hetermoe.schedules.executor import CUDA, ActivationMeter, CudaApi, CudaTiming, TaskExecutor
+from megatron_hetermoe.schedules.tasks import Task, inputs
+from megatron_hetermoe.schedules.timeline import TimelineRecorder
+
+STREAMS = ("dispatch", "combine")
+
+
+@dataclass
+class AsyncTransfer:
+    """What a rank gives the issuer for one transfer task, at the task's place in its list."""
+    ready: Callable[[], bool]  # its split sizes are on the host: it can be issued now
+    launch: Callable[[], list]  # issue its collective(s) asynchronously; returns their Work objects
+
+
+@dataclass
+class Ticket:
+    """An issued collective. `arrived()`: the host may read its result (a CPU rank: the works
+    completed; a CUDA rank: always, its consumer is ordered on the device by `consume`)."""
+    arrived: Callable[[], bool]
+    consume: Callable[[], None]  # right before the compute task that reads the result
+    value: Any = None  # a counts exchange: the host tensor of the received counts
+    works: list = field(default_factory=list)
+    keep: Any = None  # a device tensor a pending copy still reads
+
+
+def _completed(works: list) -> bool:
+    return all(w.is_completed() for w in works)
+
+
+def _wait_all(works: list) -> None:
+    for w in works:
+        w.wait()  # re-raises a failed collective's error
+
+
+class HostTransport:
+    """A CPU rank: gloo's async collectives run on gloo's own threads; the host polls them."""
+
+    def mark(self) -> None:
+        """A CPU rank's compute is done when its task returns: nothing to mark."""
+
+    def counts(self, fn: Callable[[], tuple]) -> Ticket:
+        recv, work = fn()
+        return Ticket(arrived=lambda: work.is_completed(), consume=lambda: work.wait(), value=recv, works=[work])
+
+    def launch(self, task: Task, fn: Callable[[], list], producer: None = None) -> Ticket:
+        works = fn()
+        return Ticket(arrived=lambda: _completed(works), consume=lambda: _wait_all(works), works=works)
+
+    def close(self, tickets: list[Ticket]) -> None:
+        for t in tickets:
+            _wait_all(t.works)
+
+
+class CudaTransport:
+    """A CUDA rank: collectives issued on a side stream per communicator after a producer event,
+    ordered against the compute stream by events; the counts copied to pinned host memory."""
+
+    def __init__(self, device: torch.device, api: CudaApi | None = None, timing: CudaTiming | None = None):
+        self.device, self.api, self.timing = device, api or CUDA, timing
+        self.done: list = []  # every transfer's done event (close() joins the compute stream with them)
+
+    def mark(self):
+        """The producer event of a transfer, recorded at its place in the list: after the compute
+        tasks before it (the one that made its send buffer), before those after it. A transfer
+        issued later than its place (split sizes still on the way) waits for no more compute
+        than that, so it still overlaps the compute enqueued meanwhile."""
+        ev = self.api.event_type()
+        ev.record(self.api.current_stream(self.device))
+        return ev
+
+    def counts(self, fn: Callable[[], tuple]) -> Ticket:
+        producer, side = self.mark(), self.api.side_stream(self.device, "counts")
+        copied = self.api.event_type()
+        with self.api.use_stream(side):
+            side.wait_event(producer)
+            recv, work = fn()
+            work.wait()  # the side stream waits for the collective (no host wait)
+            host = self.api.host_copy(recv)  # non-blocking copy to pinned memory, on the side stream
+            copied.record(side)
+        return Ticket(arrived=copied.query, consume=lambda: None, value=host, works=[work], keep=recv)
+
+    def launch(self, task: Task, fn: Callable[[], list], producer) -> Ticket:
+        side, timing = self.api.side_stream(self.device, task.stream), self.timing
+        done = self.api.event_type() if timing is None else timing.event()
+        with self.api.use_stream(side):
+            side.wait_event(producer)
+            if timing is not None:
+                start = timing.event()
+                start.record(side)
+            works = fn()
+            for w in works:
+                w.wait()  # the side stream waits for the collective (no host wait)
+            done.record(side)
+        if timing is not None:
+            timing.add(task.stream, task, start, done)
+        self.done.append(done)
+        consume = lambda: self.api.current_stream(self.device).wait_event(done)  # noqa: E731
+        return Ticket(arrived=lambda: True, consume=consume, works=works)
+
+    def close(self, tickets: list[Ticket]) -> None:
+        compute = self.api.current_stream(self.device)
+        for done in self.done:
+            compute.wait_event(done)  # what runs after the step is ordered after all its transfers
+        self.done.clear()
+
+
+class IssueExecutor:
+    """Runs one task list from one thread (see the module docstring)."""
+
+    def __init__(self, num_layers: int, cfg: ZebraConfig, recorder: TimelineRecorder | None,
+                 device: torch.device = torch.device("cpu"), api: CudaApi | None = None):
+        if cfg.stretch is not None or cfg.transfer_time is not None or cfg.clock is not None:
+            raise ValueError("ZebraConfig(issuer='single') cannot emulate a cluster: emulated transfers sleep "
+                             "in their stream's thread; use issuer='threads' (what 'auto' picks when emulating)")
+        self.L, self.cfg, self.recorder, self.device = num_layers, cfg, recorder, torch.device(device)
+        self.timing = CudaTiming(self.device, api) if self.device.type == "cuda" and recorder is not None else None
+        self.transport = (CudaTransport(self.device, api, self.timing) if self.device.type == "cuda"
+                          else HostTransport())
+        self.executed: list[Task] = []
+        self.executed_streams: dict[str, list[Task]] = {}
+        self.meter = ActivationMeter()
+        self.polls = 0  # host polls that found nothing to do (tests read it)
+
+    def run(self, tasks: list[Task], compute: Callable[[Task], None],
+            start: Callable[[Task, Callable[[Callable[[], tuple]], Ticket]], AsyncTransfer]) -> None:
+        """`start(task, counts)`: the AsyncTransfer of a transfer task, called at its place in the
+        list; a D_F calls `counts(fn)` there, fn issuing its async counts exchange and returning
+        (received counts, work)."""
+        fifo: dict[str, deque] = {s: deque() for s in STREAMS}
+        issued: dict[Task, Ticket] = {}
+        issued_at: dict[Task, float] = {}
+        streams_done: dict[str, list[Task]] = {s: [] for s in STREAMS}
+        transport, timing, recorder = self.transport, self.timing, self.recorder
+
+        def pump() -> bool:
+            moved = False
+            for name, q in fifo.items():
+                while q and q[0][1].ready():
+                    t, tr, producer = q.popleft()
+                    issued_at[t] = time.perf_counter()
+                    issued[t] = transport.launch(t, tr.launch, producer)
+                    streams_done[name].append(t)
+                    moved = True
+            return moved
+
+        def until(cond: Callable[[], bool]) -> None:
+            delay = 0.0
+            while not cond():
+                if pump():
+                    delay = 0.0
+                    continue
+                self.polls += 1
+                time.sleep(delay)
+                delay = min(max(2 * delay, 2e-5), 1e-3)
+
+        def record_transfer(t: Task) -> None:
+            # CPU rank: from its issue to when this thread saw it arrive (host clock).
+            if recorder is not None and timing is None and t in issued_at:
+                recorder.record(t.stream, t.kind, t.layer, t.microbatch, issued_at.pop(t), time.perf_counter())
+
+        self.meter.__enter__()
+        try:
+            for t in tasks:
+                if t.is_comm:
+                    producer = transport.mark()  # at its place: the counts exchange may start it at once
+                    fifo[t.stream].append((t, start(t, transport.counts), producer))
+                    pump()
+                    continue
+                need = inputs(t, self.L)
+                if need is not None:
+                    until(lambda: need in issued and issued[need].arrived())
+                    issued[need].consume()
+                    record_transfer(need)
+                t0 = time.perf_counter()
+                faults.checkpoint("task", repr(t))
+                if timing is not None:
+                    ev0 = timing.event()
+                    ev0.record(timing.api.current_stream(self.device))  # after the input's done-event wait
+                compute(t)
+                if timing is not None:
+                    ev1 = timing.event()
+                    ev1.record(timing.api.current_stream(self.device))
+                    timing.add("compute", t, ev0, ev1)
+                self.executed.append(t)
+                if recorder is not None:
+                    recorder.record("compute", t.kind, t.layer, t.microbatch, t0, time.perf_counter())
+                pump()
+            until(lambda: not any(fifo.values()))
+            until(lambda: all(k.arrived() for k in issued.values()))
+            for t in list(issued_at):
+                record_transfer(t)
+            transport.close(list(issued.values()))
+        finally:
+            self.meter.__exit__(None, None, None)
+        self.executed_streams = streams_done
+        if timing is not None:
+            timing.resolve(recorder)  # the step's one host wait; after close() ordered every transfer
+
+
+def resolve_issuer(issuer: str, device, emulated: bool) -> str:
+    """"single" or "threads" for ZebraConfig.issuer `issuer` on `device`; "auto": one issuing
+    thread on a CUDA rank that does not emulate, a worker thread per stream otherwise (CPU ranks,
+    emulated clusters)."""
+    if issuer != "auto":
+        return issuer
+    return "single" if torch.device(device).type == "cuda" and not emulated else "threads"
+
+
+def make_executor(num_layers: int, cfg: ZebraConfig, recorder: TimelineRecorder | None, device: torch.device):
+    """The executor `cfg.issuer` names (resolve_issuer)."""
+    emulated = cfg.stretch is not None or cfg.transfer_time is not None or cfg.clock is not None
+    if resolve_issuer(cfg.issuer, device, emulated) == "single":
+        return IssueExecutor(num_layers, cfg, recorder, device=device)
+    return TaskExecutor(num_layers, cfg, recorder, device=device)
