@@ -258,6 +258,21 @@ class CudaTiming:
             recorder.record(lane, t.kind, t.layer, t.microbatch, start, end, clock="cuda")
 
 
+def run_compute(task: Task, compute: Callable[[Task], None], timing: CudaTiming | None) -> None:
+    """Run (CPU) or enqueue (CUDA) one compute task; with `timing`, between two timing events on
+    the compute stream, the first after its input's done-event wait."""
+    faults.checkpoint("task", repr(task))
+    if timing is None:
+        compute(task)
+        return
+    ev0 = timing.event()
+    ev0.record(timing.api.current_stream(timing.device))
+    compute(task)
+    ev1 = timing.event()
+    ev1.record(timing.api.current_stream(timing.device))
+    timing.add("compute", task, ev0, ev1)
+
+
 class CudaStream(ThreadStream):
     """ThreadStream's worker thread issuing on its own CUDA stream, ordered against the compute
     stream by events (see the module docstring for what is and is not overlapped). With a
@@ -386,15 +401,7 @@ class TaskExecutor:
                 # the real work both run inside its emulated time.
                 ready = max(last_end, tx_end.get(need, last_end))
                 t0 = time.perf_counter()
-                faults.checkpoint("task", repr(t))
-                if timing is not None:
-                    ev0 = timing.event()
-                    ev0.record(timing.api.current_stream(self.device))  # after the input's done-event wait
-                compute(t)
-                if timing is not None:
-                    ev1 = timing.event()
-                    ev1.record(timing.api.current_stream(self.device))
-                    timing.add("compute", t, ev0, ev1)
+                run_compute(t, compute, timing)
                 if self.cfg.stretch is not None:
                     real_end = time.perf_counter()
                     budget = self.cfg.stretch(t)

@@ -47,8 +47,14 @@ from typing import Any, Callable
 import torch
 
 from megatron_hetermoe.config import ZebraConfig
-from megatron_hetermoe.reliability import faults
-from megatron_hetermoe.schedules.executor import CUDA, ActivationMeter, CudaApi, CudaTiming, TaskExecutor
+from megatron_hetermoe.schedules.executor import (
+    CUDA,
+    ActivationMeter,
+    CudaApi,
+    CudaTiming,
+    TaskExecutor,
+    run_compute,
+)
 from megatron_hetermoe.schedules.tasks import Task, inputs
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 
@@ -222,15 +228,7 @@ class IssueExecutor:
                     issued[need].consume()
                     record_transfer(need)
                 t0 = time.perf_counter()
-                faults.checkpoint("task", repr(t))
-                if timing is not None:
-                    ev0 = timing.event()
-                    ev0.record(timing.api.current_stream(self.device))  # after the input's done-event wait
-                compute(t)
-                if timing is not None:
-                    ev1 = timing.event()
-                    ev1.record(timing.api.current_stream(self.device))
-                    timing.add("compute", t, ev0, ev1)
+                run_compute(t, compute, timing)
                 self.executed.append(t)
                 if recorder is not None:
                     recorder.record("compute", t.kind, t.layer, t.microbatch, t0, time.perf_counter())

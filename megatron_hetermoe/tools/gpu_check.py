@@ -10,9 +10,10 @@ Steps (`--steps 1,2,5` runs some; they always run in the order 1, 2, 5, 3, 4, 6)
   1 environment   python, torch, CUDA, the GPU, NCCL, megatron-core, transformer_engine.
   2 1-rank NCCL   `torchrun --nproc-per-node 1 -m megatron_hetermoe.cli train --model tiny
                   --deterministic-mode ...` for (a) Megatron EP (EP=1), (b) DistEP, (c) zebra
-                  (the default issuer: single on the GPU, threads on the CPU) and (d) zebra with
-                  --hetero-zebra-issuer threads, on a 1-rank plan whose attention rank holds
-                  every expert. `hetermoe plan
+                  (the default issuer: single on the GPU, threads on the CPU), (d) zebra with
+                  --hetero-zebra-issuer threads, (e) zebra --bf16 and (f) zebra --fp16
+                  --initial-loss-scale 4096, on a 1-rank plan whose attention rank holds every
+                  expert. `hetermoe plan
                   --even` refuses N=0 expert ranks, so the plan is written here with HeteroPlan
                   (its validate() accepts M=1, N=0). Each run is repeated with
                   CUDA_VISIBLE_DEVICES="" (gloo, the CPU reference) and the per-step relative
@@ -267,7 +268,11 @@ def step_1rank(ck: Check, r: StepResult) -> None:
     # one); zebra-threads: the threaded issuer on both.
     runs = {"ep": [], "distep": ["--hetero-plan", str(plans["1rank_distep"])],
             "zebra": ["--hetero-plan", str(plans["1rank_zebra"])],
-            "zebra-threads": ["--hetero-plan", str(plans["1rank_zebra"]), "--hetero-zebra-issuer", "threads"]}
+            "zebra-threads": ["--hetero-plan", str(plans["1rank_zebra"]), "--hetero-zebra-issuer", "threads"],
+            # Megatron's mixed precision on the GPU (the CPU reference runs the same precision).
+            "zebra-bf16": ["--hetero-plan", str(plans["1rank_zebra"]), "--bf16"],
+            # --initial-loss-scale: Megatron's default 2**32 skips the first steps of 4 (overflow).
+            "zebra-fp16": ["--hetero-plan", str(plans["1rank_zebra"]), "--fp16", "--initial-loss-scale", "4096"]}
     fails, parts, got = [], [], {}
     for name, extra in runs.items():
         if ck.left() < 20:
@@ -296,7 +301,7 @@ def step_1rank(ck: Check, r: StepResult) -> None:
         r.status, r.summary = "FAIL", "; ".join(fails)
     else:
         r.status = "PASS"
-        r.summary = ("; ".join(parts) if ck.gpu else "CPU references only (ep, distep, zebra, zebra-threads ran; GPU part SKIP)")
+        r.summary = ("; ".join(parts) if ck.gpu else "CPU references only (ep, distep, zebra, zebra-threads, zebra-bf16, zebra-fp16 ran; GPU part SKIP)")
 
 
 def _gpu_and_cpu(ck: "Check", tag: str, cmd, outs: dict, on_gpu: bool, threads: int, timeout: float):

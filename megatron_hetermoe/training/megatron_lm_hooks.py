@@ -19,11 +19,13 @@ entered by every rank by construction. HeterMoE changes five things, each throug
    world's lm loss, so whichever rank prints sees the same numbers.
 5. The optimizer: Megatron's own, with its gradient norm taken over the world (each gradient
    counted once: dense ones on attention DP rank 0, experts on ZP group 0), so both roles clip by
-   one global norm and agree on every step.
+   one global norm and agree on every step; with --fp16 (or --bf16 with a loss scale) one loss
+   scale for the world (training/step.py share_loss_scale).
 On a host without CUDA the CPU backend (parallel/cpu_backend.py) runs the same path over gloo.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import datetime
@@ -34,6 +36,7 @@ import torch.distributed as dist
 
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
+from megatron_hetermoe.plan.validation import check_bf16_gpus
 
 # Megatron-LM flags this path refuses: reason -> {flag: the values it may keep} (Megatron's
 # defaults). A flag's argparse dest is its name without dashes.
@@ -62,7 +65,6 @@ _REFUSED: dict[str, dict[str, tuple]] = {
     "not computed across HeterMoE's roles (the logging rank may hold experts only)": {
         "--log-num-zeros-in-grad": _OFF, "--log-params-norm": _OFF, "--log-max-attention-logit": _OFF,
         "--qk-clip": _OFF},
-    "16-bit training inside pretrain() is not verified yet (issue 14/15)": {"--fp16": _OFF, "--bf16": _OFF},
     "HeterMoE's layout-invariant init takes --init-method-std for every weight and 1 for norm weights": {
         "--embedding-init-method-std": _UNSET, "--apply-layernorm-1p": _OFF,
         "--init-model-with-meta-device": _OFF},
@@ -127,6 +129,7 @@ class HeteroPretrain:
         if self.plan.world_size != world:
             raise PlanError(f"plan {args.hetero_plan} has {self.plan.world_size} ranks but the job has {world}; "
                             f"launch {self.plan.world_size} processes or remake the plan for {world}")
+        check_bf16_gpus(argparse.Namespace(bf16=args.bf16), self.plan.gpu_types, f"plan {args.hetero_plan}")
         # Megatron's data parallelism is over the attention ranks: validate_args derives
         # data_parallel_size (and set_global_variables the microbatch calculator) from it.
         args.world_size = n_attn
@@ -270,6 +273,7 @@ class HeteroPretrain:
         from megatron.core.optimizer.optimizer import ChainedOptimizer
 
         from megatron_hetermoe.checkpoint.megatron_optimizer import per_rank_optimizer_state
+        from megatron_hetermoe.training.step import share_loss_scale
 
         # install_parallel_state makes no gloo twins of the DP groups (only the distributed
         # optimizer's checkpoints use them; on CPU ranks every group is gloo already).
@@ -293,6 +297,8 @@ class HeteroPretrain:
                 # attention DP group (dense) or the replica group of one ZP member position (experts).
                 opt.data_parallel_group_idx = 0 if opt.data_parallel_group is hs.attention_dp_group \
                     else 1 + hs.member_index
+        # --fp16 / --bf16 with a loss scale: one scale for the world, found_inf ORed over it once.
+        share_loss_scale(optimizer, hs.world_group, hs.device, check_group=hs.self_group)
         per_rank_optimizer_state(optimizer, hs.rank, dist.get_world_size())
         return optimizer
 

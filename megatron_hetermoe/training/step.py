@@ -88,7 +88,7 @@ class _OneScaler:
         self.scaler.load_state_dict(state_dict)
 
 
-def share_loss_scale(optimizer, group, device: torch.device) -> None:
+def share_loss_scale(optimizer, group, device: torch.device, check_group=None) -> None:
     """One loss scale for the world: every sub-optimizer (dense, expert) of every rank in `group`
     skips the same steps and holds the same scale. No-op without a grad scaler (fp32; bf16
     without --loss-scale).
@@ -102,7 +102,10 @@ def share_loss_scale(optimizer, group, device: torch.device) -> None:
     their own all-reduce stays on their (model-parallel) group, and the chain's prepare_grads
     ORs their findings over `group` once and updates the one scaler with it. Their
     grad-stats group, and so Megatron's grad norm (unused with clip_grad=0 in HeterMoE, which
-    clips on its own exact global norm), is left as it was."""
+    clips on its own exact global norm), is left as it was. `check_group`: where the grad-stats
+    group is the world (Megatron-LM's pretrain(), whose grad norm is taken over it), the group
+    each sub-optimizer's own found_inf all-reduce runs over instead, during the check only (this
+    rank alone: the per-sub-optimizer collectives would not pair up over the world)."""
     subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
     scalers = [getattr(o, "grad_scaler", None) for o in subs]
     if not any(s is not None for s in scalers):
@@ -116,7 +119,14 @@ def share_loss_scale(optimizer, group, device: torch.device) -> None:
     @torch.no_grad()
     def prepare_grads() -> bool:
         one.found = False
-        per_rank()  # copy to main grads, unscale, check: each sub-optimizer records into `one`
+        kept = [(o, o.grad_stats_parallel_group) for o in subs if check_group is not None]
+        for o, _ in kept:
+            o.grad_stats_parallel_group = check_group
+        try:
+            per_rank()  # copy to main grads, unscale, check: each sub-optimizer records into `one`
+        finally:
+            for o, g in kept:
+                o.grad_stats_parallel_group = g
         flag = torch.tensor([1.0 if one.found else 0.0], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         found = bool(flag.item() > 0)

@@ -117,7 +117,7 @@ def _run(fake: Fake, tasks, L: int):
     return ex
 
 
-@pytest.mark.parametrize("lag", [0, 3])
+@pytest.mark.parametrize("lag", [0, 40])
 @pytest.mark.parametrize("name, tasks", CASES, ids=[c[0] for c in CASES])
 def test_single_issuer_orders_the_device_without_host_syncs(name, tasks, lag):
     fake = Fake(lag)
@@ -188,6 +188,7 @@ def test_single_issuer_orders_the_device_without_host_syncs(name, tasks, lag):
         assert i < launched[t][0]
     copies = [i for i, it in enumerate(log) if it[0] == "host_copy"]
     assert len(copies) == len(started) and all(log[i][1] == counts_stream for i in copies)
+    assert (ex.polls > 0) == (lag > 0)  # the host waited only by polling, and only while counts travelled
     if lag:
         # The first dispatch was held back while its counts travelled, and compute after it in
         # the list that does not need it was enqueued meanwhile.

@@ -40,6 +40,8 @@ def test_every_refused_flag_is_a_megatron_lm_flag():
 def test_megatron_defaults_are_not_refused():
     assert hooks.refusals(_megatron_defaults(), []) == []
     assert hooks.refusals(_megatron_defaults(use_distributed_optimizer=True), []) == []  # supported
+    assert hooks.refusals(_megatron_defaults(bf16=True), []) == []
+    assert hooks.refusals(_megatron_defaults(fp16=True), []) == []
 
 
 @pytest.mark.parametrize("given,expect", [
@@ -48,7 +50,6 @@ def test_megatron_defaults_are_not_refused():
     ({"num_experts": None}, "--num-experts: HeterMoE trains MoE models; give --num-experts"),
     ({"recompute_granularity": "full"}, "--recompute-granularity 'full': Megatron's recomputation would replay"),
     ({"ckpt_format": "torch"}, "--ckpt-format 'torch': HeterMoE checkpoints inside pretrain() are Megatron's torch_dist"),
-    ({"bf16": True}, "--bf16 True: 16-bit training inside pretrain() is not verified yet"),
     ({"moe_permute_fusion": True}, "--moe-permute-fusion True: HeterMoE's dispatcher replaces"),
     ({"apply_layernorm_1p": True}, "--apply-layernorm-1p True: HeterMoE's layout-invariant init takes"),
 ])

@@ -33,6 +33,10 @@ RECIPE = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
 CPU = ["--transformer-impl", "local", "--distributed-backend", "gloo", "--no-rope-fusion", "--no-persist-layer-norm",
        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
        "--no-bias-dropout-fusion"]
+# 16-bit losses, pretrain() vs the plugin's trainer: iteration 1 bitwise, then |diff| <= 8.9e-5 (bf16) and
+# 2.7e-5 (fp16) measured over ATEN_CPU_CAPABILITY default/avx2/avx512 (the rounding of 16-bit gradients
+# summed in another order moves the next step's weights by an ulp).
+TOL_16 = 5e-4
 ITERATION = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
 
 
@@ -112,12 +116,12 @@ def _tb_losses(tb: Path, tag: str = "lm loss") -> dict[int, float]:
     return {e.step: e.value for e in ea.Scalars(tag)}
 
 
-def _plugin_losses(tmp_path: Path, plan: Path, schedule: str, data_path: str) -> list[float]:
+def _plugin_losses(tmp_path: Path, plan: Path, schedule: str, data_path: str, extra: tuple = ()) -> list[float]:
     """The same run on the plugin's own trainer (python -m megatron_hetermoe.training.pretrain_gpt)."""
     out = tmp_path / f"plugin-{schedule}.json"
     r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.training.pretrain_gpt", *MODEL, *BATCH,
                         *DATA, "--data-path", data_path, "--nproc", "4", "--hetero-plan", str(plan),
-                        "--hetero-schedule", schedule, "--golden-values-out", str(out)],
+                        "--hetero-schedule", schedule, "--golden-values-out", str(out), *extra],
                        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     values = json.loads(out.read_text())["lm loss"]["values"]
@@ -157,6 +161,34 @@ def test_megatron_lm_pretrain_runs_hetermoe(mlm, data, tmp_path, schedule, extra
     # another order.
     assert [megatron[i] for i in (1, 2, 3)] == pytest.approx(plugin, abs=3e-6), (megatron, plugin)
     assert plugin[2] < plugin[0]  # it learns
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "4096"]], ids=["bf16", "fp16"])
+def test_megatron_lm_pretrain_in_16_bit(mlm, data, tmp_path, precision):
+    """--bf16 / --fp16 inside Megatron-LM's pretrain(): Float16Module and Megatron's mixed-precision
+    optimizer on both roles, one loss scale for the world; the losses are the plugin trainer's
+    (whose 16-bit runs are checked against Megatron EP in tests/training/test_precision.py)."""
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+
+    plan = tmp_path / "plan.json"
+    even_plan(2, 4, 1, 1, groups=2, num_microbatches=2, schedule="zebra").save(plan)
+    tb = tmp_path / "tb"
+    r = _torchrun(mlm, 4, [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1",
+                           "--eval-interval", "2", "--eval-iters", "1", "--hetero-plan", str(plan),
+                           "--tensorboard-dir", str(tb), *precision])
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    assert sorted(int(i) for i, _ in ITERATION.findall(log)) == [1, 2, 3], log[-4000:]
+    if "--fp16" in precision:
+        # Megatron's dynamic scale from --initial-loss-scale, the same on every rank: no step skipped.
+        lines = [ln for ln in log.splitlines() if ITERATION.search(ln)]
+        assert len(lines) == 3 and all("loss scale: 4096.0 |" in ln and "skipped iterations:   0 |" in ln
+                                       for ln in lines), lines
+    megatron = _tb_losses(tb)
+    plugin = _plugin_losses(tmp_path, plan, "zebra", data, tuple(precision))
+    assert megatron[1] == plugin[0]
+    assert [megatron[i] for i in (1, 2, 3)] == pytest.approx(plugin, abs=TOL_16), (megatron, plugin)
 
 
 @pytest.mark.slow
@@ -213,15 +245,18 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.slow
-def test_resume_from_a_torch_dist_checkpoint_is_bitwise(mlm, data, tmp_path):
+@pytest.mark.parametrize("precision", [[], ["--bf16"], ["--fp16", "--initial-loss-scale", "4096"]],
+                         ids=["fp32", "bf16", "fp16"])
+def test_resume_from_a_torch_dist_checkpoint_is_bitwise(mlm, data, tmp_path, precision):
     """HeterMoE zebra, 2+2: three iterations in one go, or two, a save, and a resume: the
-    checkpoints after iteration 3 (model, Adam moments, RNG states) are bitwise equal."""
+    checkpoints after iteration 3 (model, Adam moments, RNG states; in 16-bit the fp32 main
+    weights too) are bitwise equal."""
     from megatron_hetermoe.plan.hetero_plan import even_plan
 
     plan = tmp_path / "plan.json"
     even_plan(2, 4, 1, 1, groups=2, num_microbatches=2, schedule="zebra").save(plan)
     flags = [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1", "--eval-interval",
-             "100", "--eval-iters", "0", "--hetero-plan", str(plan), "--ckpt-format", "torch_dist"]
+             "100", "--eval-iters", "0", "--hetero-plan", str(plan), "--ckpt-format", "torch_dist", *precision]
     a, b = tmp_path / "a", tmp_path / "b"
     r = _torchrun(mlm, 4, [*flags, "--save", str(a), "--save-interval", "2", "--tensorboard-dir", str(tmp_path / "tb_a")])
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
@@ -233,6 +268,7 @@ def test_resume_from_a_torch_dist_checkpoint_is_bitwise(mlm, data, tmp_path):
     assert _tb_losses(tmp_path / "tb_b") == {3: _tb_losses(tmp_path / "tb_a")[3]}
     whole, resumed = _load_dcp(a / "iter_0000003"), _load_dcp(b / "iter_0000003")
     assert any("exp_avg" in k for k in whole) and any("experts.experts.linear_fc1" in k for k in whole)
+    assert any("fp32_param" in k for k in whole) == bool(precision)  # 16-bit: the fp32 main weights
     for ck in (whole, resumed):
         for k in [k for k in ck if k.startswith("rng_state")]:
             # Megatron's own: its data loader draws from torch's RNG when the iterator is made, which
