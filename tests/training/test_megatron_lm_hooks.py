@@ -94,3 +94,24 @@ def test_cpu_host_needs_gloo(monkeypatch):
     out = hooks.refusals(_megatron_defaults(distributed_backend="nccl"), [])
     assert out == ["--distributed-backend 'nccl': this host has no CUDA; pass --distributed-backend gloo to run the "
                    "ranks on the CPU"]
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_bf16_on_a_plan_with_v100_experts_is_refused_with_the_fix(tmp_path, bf16):
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+    from megatron_hetermoe.plan.validation import ConfigError
+
+    plan = even_plan(2, 4, 1, 1, gpu_types=["A100-80GB", "V100-32GB"])
+    plan.save(tmp_path / "plan.json")
+    args = _megatron_defaults(bf16=bf16, fp16=not bf16, hetero_plan=str(tmp_path / "plan.json"), world_size=2,
+                              global_batch_size=1, micro_batch_size=1, num_layers=2, hetero_schedule=None, rank=1)
+    validated = []
+    run = hooks.HeteroPretrain([])
+    if bf16:
+        with pytest.raises(ConfigError, match=r"--bf16: plan .* has GPU type\(s\) without native bf16.*V100-32GB "
+                                              r"\(ranks \[1\]\); use --fp16"):
+            run.validate_args(lambda a, d: validated.append(a), args)
+        assert not validated  # refused before Megatron validates anything
+    else:
+        run.validate_args(lambda a, d: validated.append(a), args)
+        assert validated and run.schedule == "distep"

@@ -168,11 +168,9 @@ def test_megatron_lm_pretrain_runs_hetermoe(mlm, data, tmp_path, schedule, extra
 def test_megatron_lm_pretrain_in_16_bit(mlm, data, tmp_path, precision):
     """--bf16 / --fp16 inside Megatron-LM's pretrain(): Float16Module and Megatron's mixed-precision
     optimizer on both roles, one loss scale for the world; the losses are the plugin trainer's
-    (whose 16-bit runs are checked against Megatron EP in tests/training/test_precision.py)."""
-    from megatron_hetermoe.plan.hetero_plan import even_plan
-
-    plan = tmp_path / "plan.json"
-    even_plan(2, 4, 1, 1, groups=2, num_microbatches=2, schedule="zebra").save(plan)
+    (whose 16-bit runs are checked against Megatron EP in tests/training/test_precision.py). An
+    Asym-EA plan: attention ranks step a dense and an expert sub-optimizer, expert ranks one."""
+    plan = _asym_plan(tmp_path / "plan.json")
     tb = tmp_path / "tb"
     r = _torchrun(mlm, 4, [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1",
                            "--eval-interval", "2", "--eval-iters", "1", "--hetero-plan", str(plan),
