@@ -243,7 +243,8 @@ class ZebraConfig:
     clock: object | None = None
     # Who issues the transfers (--hetero-zebra-issuer): "threads", a worker thread per stream
     # (schedules/executor.py); "single", the compute thread with async collectives
-    # (schedules/issuer.py); "auto": single on a CUDA rank that does not emulate, else threads.
+    # (schedules/issuer.py); "auto": single on a CUDA rank over NCCL that does not emulate,
+    # else threads.
     issuer: str = "auto"
 
     def __post_init__(self) -> None:

@@ -245,18 +245,24 @@ class IssueExecutor:
             timing.resolve(recorder)  # the step's one host wait; after close() ordered every transfer
 
 
-def resolve_issuer(issuer: str, device, emulated: bool) -> str:
-    """"single" or "threads" for ZebraConfig.issuer `issuer` on `device`; "auto": one issuing
-    thread on a CUDA rank that does not emulate, a worker thread per stream otherwise (CPU ranks,
-    emulated clusters)."""
+def resolve_issuer(issuer: str, device, emulated: bool, backend: str) -> str:
+    """"single" or "threads" for ZebraConfig.issuer `issuer` on a rank of `device` whose transfers
+    run on `backend`; "auto": one issuing thread on a CUDA rank over NCCL that does not emulate, a
+    worker thread per stream otherwise (CPU ranks, emulated clusters, CUDA tensors over gloo)."""
+    cuda = torch.device(device).type == "cuda"
+    if issuer == "single" and cuda and backend != "nccl":
+        # CudaTransport relies on NCCL's Work.wait() ordering a stream; gloo's blocks the host,
+        # which one issuing thread cannot afford (a peer may need a transfer queued behind it).
+        raise ValueError(f"--hetero-zebra-issuer single on a CUDA rank needs NCCL, not {backend}; pass threads")
     if issuer != "auto":
         return issuer
-    return "single" if torch.device(device).type == "cuda" and not emulated else "threads"
+    return "single" if cuda and backend == "nccl" and not emulated else "threads"
 
 
-def make_executor(num_layers: int, cfg: ZebraConfig, recorder: TimelineRecorder | None, device: torch.device):
+def make_executor(num_layers: int, cfg: ZebraConfig, recorder: TimelineRecorder | None, device: torch.device,
+                  backend: str):
     """The executor `cfg.issuer` names (resolve_issuer)."""
     emulated = cfg.stretch is not None or cfg.transfer_time is not None or cfg.clock is not None
-    if resolve_issuer(cfg.issuer, device, emulated) == "single":
+    if resolve_issuer(cfg.issuer, device, emulated, backend) == "single":
         return IssueExecutor(num_layers, cfg, recorder, device=device)
     return TaskExecutor(num_layers, cfg, recorder, device=device)

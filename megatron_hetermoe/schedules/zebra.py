@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from megatron_hetermoe.config import ZebraConfig
@@ -69,7 +70,7 @@ class ZebraRank:
         self.experts_of_layer = experts_of_layer
         self.is_attention = hs.role == "attention"
         self.slots: dict[tuple[int, int], Slot] = {}
-        self.ex = make_executor(hs.plan.num_layers, cfg, recorder, hs.device)
+        self.ex = make_executor(hs.plan.num_layers, cfg, recorder, hs.device, dist.get_backend(hs.dispatch_group))
 
     def slot(self, layer: int, j: int) -> Slot:
         return self.slots.setdefault((layer, j), Slot())

@@ -26,8 +26,10 @@ Steps (`--steps 1,2,5` runs some; they always run in the order 1, 2, 5, 3, 4, 6)
                   over gloo: `hetermoe train` under torchrun picks NCCL, which refuses two ranks
                   on one GPU), with the same command on CPU as the reference. Seen on an H200:
                   gloo moves CUDA tensors in all_to_all, but Megatron DDP's grad sync
-                  (allreduce_coalesced) has no gloo CUDA path, so the GPU runs SKIP with that
-                  reason; multi-rank HeterMoE on GPUs needs NCCL and two or more GPUs.
+                  (allreduce_coalesced) has no gloo CUDA path; the worker now reduces DDP's
+                  buckets one collective each (`reduce_buckets_one_by_one`; not yet run on a
+                  GPU). Zebra runs the threaded issuer there (gloo's Work.wait blocks the
+                  host). If the coalesced call still appears, the GPU runs SKIP with that reason.
   4 MoE layer     forward+backward time of one MoE layer, megatron-core's MoELayer and
                   HeteroMoELayer (a 1-rank hetero world holding every expert), on the D1 shape
                   (configs/models/d1.yaml) at 8K tokens, bf16 and fp32, one process each.
@@ -757,6 +759,28 @@ def worker_gloo_a2a(a) -> int:
     return 0
 
 
+class _EachOnItsOwn:
+    def wait(self) -> None:  # every collective inside was synchronous
+        pass
+
+
+def reduce_buckets_one_by_one() -> None:
+    """gloo has allreduce_coalesced for CPU tensors only: Megatron DDP's grad buckets are reduced
+    with one collective each instead (synchronously: --overlap-grad-reduce is off), so 2 ranks
+    can share one GPU over gloo."""
+    import contextlib
+
+    import megatron.core.distributed.param_and_grad_buffer as pgb
+
+    @contextlib.contextmanager
+    def each_on_its_own(group=None, device=None, async_ops=False):
+        if async_ops:
+            raise RuntimeError("gpu_check's gloo-on-CUDA worker reduces gradients synchronously only")
+        yield _EachOnItsOwn()
+
+    pgb._coalescing_manager = each_on_its_own
+
+
 def worker_hetero_train(a) -> int:
     """One rank of `torchrun --nproc-per-node N`: train_hetero over gloo, on the GPU (both ranks
     on cuda:LOCAL_RANK % GPUs, CUDA tensors over gloo) or, with CUDA_VISIBLE_DEVICES='', on
@@ -783,6 +807,7 @@ def worker_hetero_train(a) -> int:
     from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
     if cuda:
+        reduce_buckets_one_by_one()
         # The trainer puts a rank on the GPU only under NCCL (rank_device): force this GPU.
         orig = H.initialize_hetero_parallel
         H.initialize_hetero_parallel = lambda plan, timeout=None, device=None: orig(plan, timeout, device=dev)

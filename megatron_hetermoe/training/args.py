@@ -208,7 +208,7 @@ def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
     p.add_argument("--hetero-zebra-issuer", choices=list(ISSUERS), default="auto",
                    help="HeterMoE zebra: who issues the transfers: 'single', the compute thread with async "
                         "collectives and split sizes sent ahead; 'threads', a worker thread per stream; 'auto': "
-                        "single on GPU ranks, threads on CPU ranks and emulated clusters (default: auto)")
+                        "single on GPU ranks over NCCL, threads on CPU ranks and emulated clusters (default: auto)")
     return p
 
 

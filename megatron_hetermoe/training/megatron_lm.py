@@ -68,7 +68,7 @@ def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(--no-load-optim --no-load-rng)")
     g.add_argument("--hetero-zebra-issuer", choices=list(ISSUERS), default="auto",
                    help="zebra: who issues the transfers: 'single' (the compute thread, async collectives), "
-                        "'threads' (a worker thread per stream), 'auto' (single on GPU ranks, else threads)")
+                        "'threads' (a worker thread per stream), 'auto' (single on GPU ranks over NCCL, else threads)")
     return parser
 
 

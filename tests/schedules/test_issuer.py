@@ -206,14 +206,18 @@ def test_single_issuer_orders_the_device_without_host_syncs(name, tasks, lag):
 
 def test_issuer_choice_and_refusals():
     cfg = ZebraConfig()
-    assert isinstance(make_executor(2, cfg, None, torch.device("cuda", 0)), IssueExecutor)
-    assert isinstance(make_executor(2, cfg, None, torch.device("cpu")), TaskExecutor)
-    assert isinstance(make_executor(2, ZebraConfig(issuer="single"), None, torch.device("cpu")), IssueExecutor)
-    assert isinstance(make_executor(2, ZebraConfig(issuer="threads"), None, torch.device("cuda", 0)), TaskExecutor)
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert isinstance(make_executor(2, cfg, None, gpu, "nccl"), IssueExecutor)
+    assert isinstance(make_executor(2, cfg, None, gpu, "gloo"), TaskExecutor)  # gloo's wait blocks the host
+    assert isinstance(make_executor(2, cfg, None, cpu, "gloo"), TaskExecutor)
+    assert isinstance(make_executor(2, ZebraConfig(issuer="single"), None, cpu, "gloo"), IssueExecutor)
+    assert isinstance(make_executor(2, ZebraConfig(issuer="threads"), None, gpu, "nccl"), TaskExecutor)
     emulated = ZebraConfig(stretch=lambda t: 0.0)
-    assert isinstance(make_executor(2, emulated, None, torch.device("cuda", 0)), TaskExecutor)
+    assert isinstance(make_executor(2, emulated, None, gpu, "nccl"), TaskExecutor)
     with pytest.raises(ValueError, match="cannot emulate a cluster"):
-        make_executor(2, ZebraConfig(issuer="single", stretch=lambda t: 0.0), None, torch.device("cpu"))
+        make_executor(2, ZebraConfig(issuer="single", stretch=lambda t: 0.0), None, cpu, "gloo")
+    with pytest.raises(ValueError, match="single on a CUDA rank needs NCCL, not gloo; pass threads"):
+        make_executor(2, ZebraConfig(issuer="single"), None, gpu, "gloo")
     with pytest.raises(ValueError, match="zebra issuer 'one' is unknown"):
         ZebraConfig(issuer="one")
     with pytest.raises(ConfigError, match="--hetero-zebra-issuer single cannot emulate"):
