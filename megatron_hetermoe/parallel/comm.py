@@ -32,24 +32,25 @@ from megatron_hetermoe.reliability import faults
 AllToAll = Callable[[torch.Tensor, list, list, object], object]  # all_to_all or all_to_all_async
 
 
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """Send x's rows in_splits[k] to member k; receive out_splits[k] rows from member k."""
-    faults.checkpoint("exchange", "tokens")
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-    return out
-
-
 def all_to_all_async(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> tuple[torch.Tensor, object]:
-    """all_to_all, issued asynchronously: (the receive buffer, the Work to wait on)."""
+    """Send x's rows in_splits[k] to member k; receive out_splits[k] rows from member k. Issued
+    asynchronously: (the receive buffer, the Work to wait on)."""
     faults.checkpoint("exchange", "tokens")
     out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
     work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
     return out, work
 
 
+def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """all_to_all_async, waited (on NCCL the current stream waits, as a synchronous call would)."""
+    out, work = all_to_all_async(x, out_splits, in_splits, group)
+    work.wait()
+    return out
+
+
 def exchange_counts_async(counts: torch.Tensor, group) -> tuple[torch.Tensor, object]:
-    """exchange_counts, issued asynchronously: ([members, len(counts)] receive buffer, Work)."""
+    """Every member sends its int64 count vector to every member. Issued asynchronously:
+    ([members, len(counts)] receive buffer, row k = what member k sent; the Work)."""
     faults.checkpoint("exchange", "counts")
     n = dist.get_world_size(group)
     send = counts.to(torch.int64).repeat(n)
@@ -59,14 +60,18 @@ def exchange_counts_async(counts: torch.Tensor, group) -> tuple[torch.Tensor, ob
 
 
 def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
-    """Every member sends its int64 count vector to every member; returns [members, len(counts)]:
-    row k = what member k sent."""
-    faults.checkpoint("exchange", "counts")
-    n = dist.get_world_size(group)
-    send = counts.to(torch.int64).repeat(n)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=group)
-    return recv.view(n, -1)
+    """exchange_counts_async, waited."""
+    recv, work = exchange_counts_async(counts, group)
+    work.wait()
+    return recv
+
+
+def _counts_of(hs: HeteroParallelState, layer: int, per_expert: torch.Tensor | None) -> torch.Tensor:
+    """What a rank sends in the counts exchange: its int64 token count per expert of `layer` in
+    travel order; zeros on a rank that routes nothing (an expert rank)."""
+    if per_expert is None:
+        return torch.zeros(len(hs.layer_order(layer)), dtype=torch.int64, device=hs.device)
+    return per_expert.to(torch.int64)
 
 
 @dataclass(frozen=True)
@@ -90,9 +95,7 @@ class TokenRoute:
         nothing (an expert rank). dtype: the wire dtype (the world's params_dtype). `stamp`: an
         int every member adds; the maximum comes back (emulation carries when each member could
         start the transfer)."""
-        if per_expert is None:
-            per_expert = torch.zeros(len(hs.layer_order(layer)), dtype=torch.int64, device=hs.device)
-        counts = per_expert.to(torch.int64)
+        counts = _counts_of(hs, layer, per_expert)
         if stamp is not None:
             counts = torch.cat([counts, torch.tensor([stamp], dtype=torch.int64, device=counts.device)])
         allc = exchange_counts(counts, hs.dispatch_group)
@@ -106,9 +109,7 @@ class TokenRoute:
         """The counts exchange of `layer`, issued asynchronously on the counts group (the single
         issuer's: its split sizes travel ahead of the dispatch group's queued payloads). Returns
         (received counts, Work); `from_counts` makes the route once they arrived."""
-        if per_expert is None:
-            per_expert = torch.zeros(len(hs.layer_order(layer)), dtype=torch.int64, device=hs.device)
-        return exchange_counts_async(per_expert, hs.counts_group)
+        return exchange_counts_async(_counts_of(hs, layer, per_expert), hs.counts_group)
 
     @classmethod
     def from_counts(cls, hs: HeteroParallelState, layer: int, all_counts: torch.Tensor, send_splits: list[int] | None,
