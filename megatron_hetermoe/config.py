@@ -247,6 +247,11 @@ class ZebraConfig:
     # else threads.
     issuer: str = "auto"
 
+    @property
+    def emulated(self) -> bool:
+        """Whether any task's time is emulated (stretched compute, emulated links or a clock)."""
+        return self.stretch is not None or self.transfer_time is not None or self.clock is not None
+
     def __post_init__(self) -> None:
         if self.issuer not in ISSUERS:
             raise ValueError(f"zebra issuer {self.issuer!r} is unknown; use one of {list(ISSUERS)}")

@@ -349,9 +349,8 @@ class TaskExecutor:
         on the device (`CudaTiming`, through `api`: torch.cuda by default); the transfers are
         timed by the streams stream_factory makes, not by a given `make_stream`."""
         self.L, self.cfg, self.recorder, self.device = num_layers, cfg, recorder, torch.device(device)
-        emulated = cfg.stretch is not None or cfg.transfer_time is not None or cfg.clock is not None
         self.timing = (CudaTiming(self.device, api)
-                       if self.device.type == "cuda" and recorder is not None and not emulated else None)
+                       if self.device.type == "cuda" and recorder is not None and not cfg.emulated else None)
         self.make_stream = make_stream if make_stream is not None else stream_factory(self.device, api, self.timing)
         self.executed: list[Task] = []
         self.executed_streams: dict[str, list[Task]] = {}

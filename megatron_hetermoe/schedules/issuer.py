@@ -165,7 +165,7 @@ class IssueExecutor:
 
     def __init__(self, num_layers: int, cfg: ZebraConfig, recorder: TimelineRecorder | None,
                  device: torch.device = torch.device("cpu"), api: CudaApi | None = None):
-        if cfg.stretch is not None or cfg.transfer_time is not None or cfg.clock is not None:
+        if cfg.emulated:
             raise ValueError("ZebraConfig(issuer='single') cannot emulate a cluster: emulated transfers sleep "
                              "in their stream's thread; use issuer='threads' (what 'auto' picks when emulating)")
         self.L, self.cfg, self.recorder, self.device = num_layers, cfg, recorder, torch.device(device)
@@ -262,7 +262,6 @@ def resolve_issuer(issuer: str, device, emulated: bool, backend: str) -> str:
 def make_executor(num_layers: int, cfg: ZebraConfig, recorder: TimelineRecorder | None, device: torch.device,
                   backend: str):
     """The executor `cfg.issuer` names (resolve_issuer)."""
-    emulated = cfg.stretch is not None or cfg.transfer_time is not None or cfg.clock is not None
-    if resolve_issuer(cfg.issuer, device, emulated, backend) == "single":
+    if resolve_issuer(cfg.issuer, device, cfg.emulated, backend) == "single":
         return IssueExecutor(num_layers, cfg, recorder, device=device)
     return TaskExecutor(num_layers, cfg, recorder, device=device)

@@ -110,34 +110,45 @@ class ZebraRank:
         return a2a
 
     # ---- transfers (run on the streams; read the slot when they run) -----------------------
+    def _dispatch_counts(self, st: Slot) -> tuple:
+        """(per-expert counts, send splits) a D_F exchanges; (None, None) on a rank that routes
+        nothing (an expert rank)."""
+        if self.is_attention:
+            return st.meta.per_expert, list(st.meta.send_splits)
+        return None, None
+
+    def _send(self, task: Task, st: Slot) -> torch.Tensor | None:
+        """What this rank sends in transfer `task` (None: nothing, an empty send)."""
+        k, l = task.kind, task.layer
+        if k == "D_F":
+            return st.permuted.detach() if self.is_attention else None
+        if k == "C_F":
+            return st.expert_out.detach() if self.holds(l) else None
+        if k == "C_B":
+            return st.grad_combined if self.is_attention else None
+        return st.grad_recv if self.holds(l) else None  # D_B
+
     def transfer(self, task: Task) -> Callable[[], None]:
         l, j = task.layer, task.microbatch
         st = self.slot(l, j)
 
         def d_f():
-            if self.is_attention:
-                per_expert, send_splits = st.meta.per_expert, list(st.meta.send_splits)
-            else:
-                per_expert = send_splits = None
+            per_expert, send_splits = self._dispatch_counts(st)
             stamp = int(self.ex.ready(task) * 1e9) if self.cfg.transfer_time is not None else None
             st.route, got = TokenRoute.exchange(self.hs, l, per_expert, send_splits, self.H, self.dtype, stamp)
             st.routed.set()
             started = got / 1e9 if got is not None else None  # the counts carried when each member could start
-            send = st.permuted.detach() if self.is_attention else None
-            st.recv_tokens = st.route.to_experts(send, self._timed(task, started))
+            st.recv_tokens = st.route.to_experts(self._send(task, st), self._timed(task, started))
 
         def c_f():
             st.routed.wait()
-            send = st.expert_out.detach() if self.holds(l) else None
-            st.recv_combined = st.route.to_attention(send, self._timed(task))
+            st.recv_combined = st.route.to_attention(self._send(task, st), self._timed(task))
 
         def c_b():
-            send = st.grad_combined if self.is_attention else None
-            st.recv_grad = st.route.to_experts(send, self._timed(task))
+            st.recv_grad = st.route.to_experts(self._send(task, st), self._timed(task))
 
         def d_b():
-            send = st.grad_recv if self.holds(l) else None
-            st.grad_permuted = st.route.to_attention(send, self._timed(task))
+            st.grad_permuted = st.route.to_attention(self._send(task, st), self._timed(task))
 
         return {"D_F": d_f, "C_F": c_f, "C_B": c_b, "D_B": d_b}[task.kind]
 
@@ -150,34 +161,27 @@ class ZebraRank:
         routed = lambda: st.route is not None  # noqa: E731 - made by this (layer, microbatch)'s D_F, issued earlier
 
         if task.kind == "D_F":
-            if self.is_attention:
-                per_expert, send_splits = st.meta.per_expert, list(st.meta.send_splits)
-            else:
-                per_expert = send_splits = None
+            per_expert, send_splits = self._dispatch_counts(st)
             ticket = counts(lambda: TokenRoute.start_exchange(self.hs, l, per_expert))
 
             def d_f():
                 ticket.consume()  # a CPU rank: re-raises a failed counts exchange
                 st.route = TokenRoute.from_counts(self.hs, l, ticket.value, send_splits, self.H, self.dtype)
                 st.routed.set()
-                send = st.permuted.detach() if self.is_attention else None
-                st.recv_tokens, work = st.route.to_experts(send, all_to_all_async)
+                st.recv_tokens, work = st.route.to_experts(self._send(task, st), all_to_all_async)
                 return [work]
             return AsyncTransfer(ready=ticket.arrived, launch=d_f)
 
         def c_f():
-            send = st.expert_out.detach() if self.holds(l) else None
-            st.recv_combined, work = st.route.to_attention(send, all_to_all_async)
+            st.recv_combined, work = st.route.to_attention(self._send(task, st), all_to_all_async)
             return [work]
 
         def c_b():
-            send = st.grad_combined if self.is_attention else None
-            st.recv_grad, work = st.route.to_experts(send, all_to_all_async)
+            st.recv_grad, work = st.route.to_experts(self._send(task, st), all_to_all_async)
             return [work]
 
         def d_b():
-            send = st.grad_recv if self.holds(l) else None
-            st.grad_permuted, work = st.route.to_attention(send, all_to_all_async)
+            st.grad_permuted, work = st.route.to_attention(self._send(task, st), all_to_all_async)
             return [work]
 
         return AsyncTransfer(ready=routed, launch={"C_F": c_f, "C_B": c_b, "D_B": d_b}[task.kind])
