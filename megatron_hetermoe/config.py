@@ -209,11 +209,12 @@ class TrainConfig:
         """"bf16", "fp16" or "fp32": the world's parameter and activation precision."""
         return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
 
-    def nan_check_mode(self) -> str:
+    def nan_check_mode(self, pools: "PoolPrecision | None" = None) -> str:
         """check_for_nan_in_loss_and_grad as the trainers apply it: "off" under fp16 with a
-        dynamic loss scale, where a non-finite gradient is the scaler's signal (Megatron-LM's
-        validate_args turns the check off there too)."""
-        if self.fp16 and self.loss_scale is None:
+        dynamic loss scale (on any pool of `pools`), where a non-finite gradient is the scaler's
+        signal (Megatron-LM's validate_args turns the check off there too)."""
+        dynamic = pools.dynamic_scale(self.loss_scale) if pools is not None else (self.fp16 and self.loss_scale is None)
+        if dynamic:
             return "off"
         return self.check_for_nan_in_loss_and_grad
 
@@ -265,8 +266,8 @@ class HeteroRunConfig:
     schedule: str | None = None
     recompute: bool = False
     timeline_dir: str | None = None
-    # --hetero-expert-precision: the expert ranks' precision; None: the world's (--bf16/--fp16).
-    # Only the world's is supported (plan/validation.py says why).
+    # --hetero-expert-precision: the expert ranks' precision; None: the world's (--bf16/--fp16,
+    # which the attention ranks run). See PoolPrecision.
     expert_precision: str | None = None
     # --hetero-zebra-issuer: who issues zebra's transfers (ZebraConfig.issuer).
     zebra_issuer: str = "auto"
@@ -278,3 +279,40 @@ class HeteroRunConfig:
             raise ValueError(f"hetero schedule {self.schedule!r} is unknown; use distep or zebra")
         if self.expert_precision not in (None, "bf16", "fp16", "fp32"):
             raise ValueError(f"--hetero-expert-precision {self.expert_precision!r} is unknown; use bf16, fp16 or fp32")
+
+    def pools(self, cfg: "TrainConfig") -> "PoolPrecision":
+        """Each pool's precision: the attention ranks run the world's, the expert ranks this."""
+        return PoolPrecision(cfg.precision, self.expert_precision or cfg.precision)
+
+
+@dataclass(frozen=True)
+class PoolPrecision:
+    """The precision of each pool of a HeterMoE world: the attention ranks run the world's
+    (--bf16/--fp16), the expert ranks --hetero-expert-precision (e.g. bf16 on A100 attention
+    ranks, fp16 on V100 expert ranks, which have no native bf16).
+
+    - Tokens cross roles in one wire dtype, the expert pool's: the attention ranks (the newer
+      GPUs) cast at the boundary, both ways, and an attention rank's own experts (Asym-EA)
+      receive and send in it too (parallel/comm.py TokenRoute).
+    - With fp16 on either pool the world takes Megatron's fp16 loss scaling (dynamic from
+      --initial-loss-scale unless --loss-scale): gradients cross in fp16 scaled, so the bf16
+      pool's optimizer holds the same scale (training/step.py build_optimizer) and every rank
+      skips the same steps (share_loss_scale).
+    - Pools that differ are both 16-bit (plan/validation.py check_pool_precision)."""
+    attention: str
+    expert: str
+
+    @property
+    def mixed(self) -> bool:
+        return self.attention != self.expert
+
+    @property
+    def wire(self) -> str:
+        return self.expert
+
+    def of(self, role: str) -> str:
+        return self.attention if role == "attention" else self.expert
+
+    def dynamic_scale(self, loss_scale: float | None) -> bool:
+        """Whether the world's loss scale is dynamic (fp16 somewhere, no --loss-scale)."""
+        return "fp16" in (self.attention, self.expert) and loss_scale is None

@@ -68,10 +68,13 @@ def megatron_checkpointer(cfg, module, names: dict[str, str], optimizer, schedul
     return Checkpointer.from_config(cfg, state)
 
 
-def hetero_checkpointer(cfg, hs, module, names: dict[str, str], optimizer, scheduler) -> Checkpointer:
+def hetero_checkpointer(cfg, hs, module, names: dict[str, str], optimizer, scheduler,
+                        expert_precision: str | None = None) -> Checkpointer:
     """A HeterMoE rank's checkpointer; the layout is the plan (schedule, GPU types and R do not
-    change who holds what, so they may differ between save and load)."""
+    change who holds what, so they may differ between save and load). `expert_precision`: the
+    expert pool's (--hetero-expert-precision; default the world's), recorded like the world's."""
+    train = _train_dict(cfg)
+    train["expert_precision"] = expert_precision or cfg.precision
     state = RankState("hetero", hs.rank, hs.plan.world_size, hs.role, module, dict(names), optimizer,
-                      scheduler, asdict(cfg.model), {"plan": hs.plan.to_dict()}, _train_dict(cfg),
-                      group=hs.world_group)
+                      scheduler, asdict(cfg.model), {"plan": hs.plan.to_dict()}, train, group=hs.world_group)
     return Checkpointer.from_config(cfg, state)

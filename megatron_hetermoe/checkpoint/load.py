@@ -91,6 +91,12 @@ def check_compatible(manifest: dict, iter_dir: Path, state: RankState, reshard: 
         flag = {"bf16": "--bf16", "fp16": "--fp16"}.get(saved, "neither --bf16 nor --fp16")
         raise CheckpointError(f"{iter_dir}: saved by a {saved} run, this run is {now}; load it with the precision "
                               f"it was saved with ({flag})")
+    # The expert pool's (--hetero-expert-precision); absent before per-pool precision: the world's.
+    saved_e = manifest.get("train", {}).get("expert_precision", saved)
+    now_e = state.train.get("expert_precision", now)
+    if saved_e != now_e:
+        raise CheckpointError(f"{iter_dir}: its expert ranks ran {saved_e}, this run's run {now_e}; load it with "
+                              f"--hetero-expert-precision {saved_e}")
     diff = layout_difference(manifest, state.trainer, state.layout, state.world_size)
     if diff and not reshard:
         raise CheckpointError(

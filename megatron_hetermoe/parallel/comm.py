@@ -14,9 +14,14 @@ expert mirror). Zebra issues the four transfers as separate tasks with the raw m
 Every member calls every collective in the same order, whether it sends or receives anything:
 a rank with nothing to send passes an empty [0, H] tensor (`route.empty()`).
 
-Tokens travel as raw bytes, so every member must send the route's `dtype` (the wire dtype):
-both roles make it from their TransformerConfig's params_dtype, one world-wide precision
-(plan/validation.py refuses per-pool precision), and each transfer checks what it sends.
+Tokens travel as raw bytes, so every member sends the route's `dtype`, the wire dtype: the same
+on every rank (HeteroParallelState.wire_dtype, the expert pool's precision; with one precision
+on every rank, the world's params_dtype). A rank computes in its own dtype (`compute`, its
+TransformerConfig's params_dtype): each transfer casts what it sends from it to the wire dtype
+(and refuses any third dtype), and whoever consumes a received tensor casts it back with
+`arrived`, so with per-pool precision (config.PoolPrecision) the cast sits at the boundary,
+inside the autograd graph of the rank that computes on it. With one precision both casts are
+no-ops.
 """
 from __future__ import annotations
 
@@ -85,6 +90,11 @@ class TokenRoute:
     width: int
     dtype: torch.dtype  # the wire dtype: every member sends and receives this
     device: torch.device
+    compute: torch.dtype | None = None  # this rank's dtype (None: the wire dtype)
+
+    @property
+    def local_dtype(self) -> torch.dtype:
+        return self.compute or self.dtype
 
     @classmethod
     def exchange(cls, hs: HeteroParallelState, layer: int, per_expert: torch.Tensor | None,
@@ -92,7 +102,8 @@ class TokenRoute:
                  stamp: int | None = None) -> tuple["TokenRoute", int | None]:
         """The counts exchange of `layer` (collective over the dispatch group). per_expert: this
         rank's token count per expert of the layer in travel order, None on a rank that routes
-        nothing (an expert rank). dtype: the wire dtype (the world's params_dtype). `stamp`: an
+        nothing (an expert rank). dtype: this rank's compute dtype (its params_dtype; the wire
+        dtype is hs.wire_dtype, or this where that is None). `stamp`: an
         int every member adds; the maximum comes back (emulation carries when each member could
         start the transfer)."""
         counts = _counts_of(hs, layer, per_expert)
@@ -114,24 +125,33 @@ class TokenRoute:
     @classmethod
     def from_counts(cls, hs: HeteroParallelState, layer: int, all_counts: torch.Tensor, send_splits: list[int] | None,
                     width: int, dtype: torch.dtype) -> "TokenRoute":
-        """The route of `layer` from the counts exchange's [member, expert in travel order] result."""
+        """The route of `layer` from the counts exchange's [member, expert in travel order] result;
+        dtype: this rank's compute dtype (as `exchange`)."""
         n = len(hs.zp.members)
         local = hs.received_counts(layer, all_counts)
         return cls(tuple(int(s) for s in (send_splits or [0] * n)), tuple(int(s) for s in local.sum(1).tolist()),
-                   local, hs.dispatch_group, hs.combine_group, width, dtype, hs.device)
+                   local, hs.dispatch_group, hs.combine_group, width, hs.wire_dtype or dtype, hs.device, dtype)
 
     def empty(self) -> torch.Tensor:
         return torch.empty(0, self.width, dtype=self.dtype, device=self.device)
 
     def _wire(self, x: torch.Tensor | None, what: str) -> torch.Tensor:
-        """x, or an empty send; a tensor of another dtype than the wire's is refused (the peer
-        would read its bytes as the wire dtype)."""
+        """x in the wire dtype, or an empty send. x is in this rank's compute dtype (cast here) or
+        already the wire's; any other dtype is refused (a caller's bug: the peer would read its
+        bytes as the wire dtype)."""
         if x is None:
             return self.empty()
-        if x.dtype != self.dtype:
-            raise TypeError(f"TokenRoute.{what}: sending a {x.dtype} tensor on a {self.dtype} route; every "
-                            f"member must send the route's dtype (one --bf16/--fp16/fp32 precision on all ranks)")
-        return x
+        if x.dtype == self.dtype:
+            return x
+        if x.dtype != self.local_dtype:
+            raise TypeError(f"TokenRoute.{what}: sending a {x.dtype} tensor on a {self.dtype} route whose rank "
+                            f"computes in {self.local_dtype}; send the compute or the wire dtype")
+        return x.to(self.dtype)
+
+    def arrived(self, x: torch.Tensor) -> torch.Tensor:
+        """A received (wire dtype) tensor in this rank's compute dtype; call it where the tensor is
+        consumed, so the cast is part of the consumer's autograd graph."""
+        return x.to(self.local_dtype)
 
     # ---- raw transfers (zebra's tasks) ------------------------------------------------------
     def to_experts(self, x: torch.Tensor | None, a2a: AllToAll = all_to_all):
@@ -154,12 +174,15 @@ class TokenRoute:
 
 
 class _Transfer(torch.autograd.Function):
+    """A transfer whose backward is the reverse one; in and out in the rank's compute dtype."""
+
     @staticmethod
     def forward(ctx, x, route: TokenRoute, to_experts: bool):
-        ctx.route, ctx.to_experts = route, to_experts
-        return route.to_experts(x) if to_experts else route.to_attention(x)
+        ctx.route, ctx.to_experts, ctx.dtype = route, to_experts, x.dtype
+        return route.arrived(route.to_experts(x) if to_experts else route.to_attention(x))
 
     @staticmethod
     def backward(ctx, grad):
         r = ctx.route
-        return (r.to_attention(grad) if ctx.to_experts else r.to_experts(grad)), None, None
+        back = r.arrived(r.to_attention(grad) if ctx.to_experts else r.to_experts(grad))
+        return back.to(ctx.dtype), None, None

@@ -47,6 +47,9 @@ class HeteroParallelState:
     # Where every tensor this rank's plugin code allocates lives; worker threads read it
     # here, never from torch.cuda.current_device().
     device: torch.device = torch.device("cpu")
+    # The dtype tokens cross roles in, the same on every rank (config.PoolPrecision.wire);
+    # None: each rank's params_dtype, one precision on every rank.
+    wire_dtype: torch.dtype | None = None
 
     @property
     def zp(self) -> ZPGroup:
@@ -94,11 +97,13 @@ class HeteroParallelState:
 
 
 def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | None = None,
-                               device: torch.device | None = None) -> HeteroParallelState:
+                               device: torch.device | None = None,
+                               wire_dtype: torch.dtype | None = None) -> HeteroParallelState:
     """Validate the plan against the job, then build every group (collective over the world).
     `timeout`: of every group (default: device.group_timeout of the world's backend, 10 minutes
     on NCCL). `device`: where this rank's tensors live (default: device.rank_device(), the
-    current CUDA device when the world runs NCCL, else the CPU)."""
+    current CUDA device when the world runs NCCL, else the CPU). `wire_dtype`: what tokens cross
+    roles in (HeteroParallelState.wire_dtype)."""
     from megatron_hetermoe.parallel.device import group_timeout, rank_device
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -138,4 +143,5 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | N
         dispatch_group=made["dispatch"], combine_group=made["combine"], counts_group=made["counts"],
         attention_dp_group=attn if role == "attention" else None,
         replica_group=made["replica"], self_group=made["self"], world_group=world_group, device=device,
+        wire_dtype=wire_dtype,
     )

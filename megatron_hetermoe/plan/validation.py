@@ -122,31 +122,46 @@ def check_precision(cfg: "TrainConfig") -> None:
                           f"emulated cluster is priced by the cost model); drop --{cfg.precision}")
 
 
-def per_pool_precision_error(world: str, expert: str) -> ConfigError:
-    """--hetero-expert-precision other than the world's: refused (see the message)."""
-    flag = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "no precision flag"}[world]
-    return ConfigError(
-        f"--hetero-expert-precision {expert} with {flag} (attention ranks {world}): per-pool precision is not "
-        f"supported; one precision runs on every rank (tokens cross roles in one wire dtype, and fp16 on one "
-        f"pool needs a dynamic loss scale that Megatron's bf16 optimizer does not have). Use one precision "
-        f"everywhere: --fp16 if a GPU of the plan has no native bf16 (V100, T4), and drop "
-        f"--hetero-expert-precision")
+def check_pool_precision(cfg: "TrainConfig", plan, run) -> None:
+    """Each pool's precision (config.PoolPrecision): pools that differ are both 16-bit, and bf16
+    runs only on GPU types with native bf16, per pool."""
+    pools = run.pools(cfg) if run is not None else None
+    if pools is None or not pools.mixed:
+        check_bf16_gpus(cfg.bf16, plan.gpu_types, "the plan")
+        return
+    if "fp32" in (pools.attention, pools.expert):
+        flag = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "no precision flag"}[pools.attention]
+        raise ConfigError(
+            f"--hetero-expert-precision {pools.expert} with {flag} (attention ranks {pools.attention}): pools of "
+            f"different precision must both be 16-bit (an fp16 pool's gradients carry a loss scale that "
+            f"Megatron's fp32 optimizer does not take out); use bf16 or fp16 on both pools, or one precision "
+            f"everywhere")
+    if cfg.emulate is not None:
+        raise ConfigError("--hetero-expert-precision with --emulate: emulated runs time fp32 work on CPU ranks; "
+                          "drop --hetero-expert-precision")
+    for role, ranks in (("attention", plan.attention_ranks), ("expert", plan.expert_ranks)):
+        if pools.of(role) == "bf16":
+            check_bf16_gpus(True, [plan.gpu_types[r] for r in ranks], f"the plan's {role} pool", list(ranks),
+                            "--bf16" if role == "attention" else "--hetero-expert-precision bf16")
 
 
-def check_bf16_gpus(cfg: "TrainConfig", gpu_types: list[str], what: str) -> None:
-    """--bf16 on GPU types whose profile says bf16: false (no native bf16: V100, T4)."""
-    if not cfg.bf16:
+def check_bf16_gpus(bf16: bool, gpu_types: list[str], what: str, ranks: list[int] | None = None,
+                    flag: str = "--bf16") -> None:
+    """bf16 (`flag`) on GPU types whose profile says bf16: false (no native bf16: V100, T4).
+    `ranks`: the ranks of gpu_types (default 0, 1, ...)."""
+    if not bf16:
         return
     from megatron_hetermoe.planner.profiles import load_profile
 
     bad: dict[str, list[int]] = {}
-    for r, t in enumerate(gpu_types):
+    for r, t in zip(ranks if ranks is not None else range(len(gpu_types)), gpu_types):
         if t.lower() != "cpu" and not load_profile(t).bf16:
             bad.setdefault(t, []).append(r)
     if bad:
         where = "; ".join(f"{t} (ranks {rs})" for t, rs in bad.items())
-        raise ConfigError(f"--bf16: {what} has GPU type(s) without native bf16 (profile bf16: false): {where}; "
-                          f"use --fp16")
+        fix = "use --fp16" if flag == "--bf16" else "use --hetero-expert-precision fp16"
+        raise ConfigError(f"{flag}: {what} has GPU type(s) without native bf16 (profile bf16: false): {where}; "
+                          f"{fix}")
 
 
 def check_megatron_layout(cfg: "TrainConfig", world: int) -> None:
@@ -204,9 +219,7 @@ def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str
         raise ConfigError("--use-distributed-optimizer with --hetero-plan is not supported yet (each side steps "
                           "Megatron's Adam on an exact global norm); drop the flag")
     plan.validate(world_size=world, known_gpu_types=known_gpu_types())
-    check_bf16_gpus(cfg, plan.gpu_types, "the plan")
-    if run is not None and run.expert_precision not in (None, cfg.precision):
-        raise per_pool_precision_error(cfg.precision, run.expert_precision)
+    check_pool_precision(cfg, plan, run)
     if run is not None:
         check_issuer(run.zebra_issuer, cfg.emulate is not None)
     m = cfg.model

@@ -192,12 +192,12 @@ class ZebraRank:
     # ---- expert compute (expert ranks: E_*, attention ranks' offloaded experts: X_*) -----
     def expert_forward(self, l: int, j: int) -> None:
         st = self.slot(l, j)
-        st.expert_in = st.recv_tokens.detach().requires_grad_()
+        st.expert_in = st.route.arrived(st.recv_tokens).detach().requires_grad_()
         st.expert_out = run_local_experts(self.experts_of_layer(l), st.expert_in, st.route.local_counts)
 
     def expert_backward(self, l: int, j: int) -> None:
         st = self.slot(l, j)
-        torch.autograd.backward(st.expert_out, st.recv_grad)
+        torch.autograd.backward(st.expert_out, st.route.arrived(st.recv_grad))
         st.grad_recv = st.expert_in.grad if st.expert_in.grad is not None else torch.zeros_like(st.expert_in)
         st.expert_in = st.expert_out = None
 
@@ -252,7 +252,8 @@ class AttentionZebra(ZebraRank):
 
         def leaves_for(s: int, j: int) -> tuple:
             prev = self.slot(s - 1, j)
-            lv = (prev.recv_combined.detach().requires_grad_(), prev.residual.detach().requires_grad_(),
+            lv = (prev.route.arrived(prev.recv_combined).detach().requires_grad_(),
+                  prev.residual.detach().requires_grad_(),
                   prev.probs.detach().requires_grad_())
             prev.leaves = {"combined": lv[0], "residual": lv[1], "probs": lv[2]}
             return lv
@@ -278,7 +279,7 @@ class AttentionZebra(ZebraRank):
                 else:
                     st = self.slot(s, j)
                     nxt = st.leaves
-                    grads = [st.grad_permuted, nxt["residual"].grad, nxt["probs"].grad]
+                    grads = [st.route.arrived(st.grad_permuted), nxt["residual"].grad, nxt["probs"].grad]
                     outs = [st.permuted, st.residual, st.probs]
                     keep = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
                     torch.autograd.backward([o for o, _ in keep], [g for _, g in keep])

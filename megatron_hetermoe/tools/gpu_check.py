@@ -21,7 +21,8 @@ Steps (`--steps 1,2,5` runs some; they always run in the order 1, 2, 5, 3, 4, 6)
                   sanity bound, 5e-2, fails the step).
   3 2 ranks/1 GPU two processes sharing the GPU over gloo: first a probe that gloo's
                   all_to_all_single takes CUDA tensors (uneven splits, checked values); then
-                  DistEP and zebra on an even 1 attention + 1 expert plan (`hetermoe plan --even`)
+                  DistEP, zebra, and zebra with per-pool precision (bf16 attention rank, fp16
+                  expert rank, tokens in fp16) on an even 1 attention + 1 expert plan (`hetermoe plan --even`)
                   through this module's `--worker hetero-train` (train_hetero on CUDA tensors
                   over gloo: `hetermoe train` under torchrun picks NCCL, which refuses two ranks
                   on one GPU), with the same command on CPU as the reference. Seen on an H200:
@@ -354,13 +355,15 @@ def step_gloo2(ck: Check, r: StepResult) -> None:
                       f"gloo all_to_all_single on CUDA tensors FAILED: {(res or {}).get('error') or p.why()}")
         ck.log(f"  {probe_note}")
     fails, parts, got, impossible = [], [], {}, []
-    for sched, plan in plans.items():
+    # zebra-pools: bf16 on the attention rank, fp16 on the expert rank (per-pool precision).
+    runs = {"distep": (plans["distep"], []), "zebra": (plans["zebra"], []), "zebra-pools": (plans["zebra"], ["--pools"])}
+    for sched, (plan, extra) in runs.items():
         if ck.left() < 25:
             fails.append(f"{sched}: out of time budget")
             continue
         outs = {d: ck.work / f"s3_{sched}_{d}.json" for d in ("gpu", "cpu")}
         cmd = lambda d: ck.torchrun(2, *ck.worker("hetero-train", "--plan", str(plan), "--iters", "4",  # noqa: E731
-                                                   "--out", str(outs[d])))
+                                                   "--out", str(outs[d]), *extra))
         pg, pc, gpu, cpu = _gpu_and_cpu(ck, f"s3_{sched}", cmd, outs, gloo_cuda, threads=1, timeout=180)
         got[sched] = {"cpu": cpu, "gpu": gpu}
         if not _finite(cpu):
@@ -383,7 +386,7 @@ def step_gloo2(ck: Check, r: StepResult) -> None:
     else:
         r.status = "PASS"
         r.summary = ("; ".join(parts) + " | gloo all_to_all takes CUDA tensors" if ck.gpu
-                     else "CPU references only (distep, zebra on 1+1; GPU part SKIP)")
+                     else "CPU references only (distep, zebra, zebra with bf16/fp16 pools on 1+1; GPU part SKIP)")
 
 
 def step_moe_layer(ck: Check, r: StepResult) -> None:
@@ -810,14 +813,16 @@ def worker_hetero_train(a) -> int:
         reduce_buckets_one_by_one()
         # The trainer puts a rank on the GPU only under NCCL (rank_device): force this GPU.
         orig = H.initialize_hetero_parallel
-        H.initialize_hetero_parallel = lambda plan, timeout=None, device=None: orig(plan, timeout, device=dev)
+        H.initialize_hetero_parallel = lambda plan, timeout=None, device=None, **kw: orig(plan, timeout, device=dev, **kw)
         if hasattr(H, "rank_device"):
             H.rank_device = lambda *x, **k: dev
     plan = HeteroPlan.load(a.plan)
     tiny = ModelConfig.load("tiny")
+    # --pools: bf16 attention ranks, fp16 expert ranks (tokens cross in fp16), one fp16 loss scale.
     cfg = TrainConfig(model=tiny, micro_batch_size=1, global_batch_size=plan.num_microbatches * len(plan.attention_ranks),
-                      train_iters=a.iters, deterministic=True)  # quiet must agree on every rank (collective logging)
-    res = H.train_hetero(cfg, plan, HeteroRunConfig(schedule=plan.schedule))
+                      train_iters=a.iters, deterministic=True,  # quiet must agree on every rank (collective logging)
+                      bf16=a.pools, initial_loss_scale=4096.0 if a.pools else 2.0**32)
+    res = H.train_hetero(cfg, plan, HeteroRunConfig(schedule=plan.schedule, expert_precision="fp16" if a.pools else None))
     if int(os.environ["RANK"]) == 0:
         Path(a.out).write_text(json.dumps({"losses": [float(x) for x in res["losses"]], "device": str(dev)}))
         print(f"rank 0 on {dev}: losses {res['losses']}")
@@ -1037,6 +1042,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plan", help=argparse.SUPPRESS)
     p.add_argument("--iters", type=int, default=4, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--pools", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker:
         # A worker ends with os._exit: a process holding NCCL communicators or CUDA-stream worker

@@ -203,8 +203,10 @@ def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
                         "default: keep activations)")
     p.add_argument("--timeline-dir", default=None, help="HeterMoE: write each rank's timeline here (default: none)")
     p.add_argument("--hetero-expert-precision", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="HeterMoE: the expert ranks' precision; only the world's (--bf16/--fp16/fp32) is supported "
-                        "(default: the world's)")
+                   help="HeterMoE: the expert ranks' precision (default: the world's, --bf16/--fp16/fp32, which "
+                        "the attention ranks run), e.g. fp16 on V100 expert ranks with --bf16 attention ranks; "
+                        "tokens cross in it; pools that differ are both 16-bit, and fp16 on either pool gives "
+                        "the world one fp16 loss scale")
     p.add_argument("--hetero-zebra-issuer", choices=list(ISSUERS), default="auto",
                    help="HeterMoE zebra: who issues the transfers: 'single', the compute thread with async "
                         "collectives and split sizes sent ahead; 'threads', a worker thread per stream; 'auto': "

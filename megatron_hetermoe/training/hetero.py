@@ -30,6 +30,7 @@ from megatron_hetermoe.models.builder import (
     choose_kernels,
     init_layout_invariant,
     layer_spec,
+    precision_dtype,
     transformer_config,
     wrap_precision,
 )
@@ -165,14 +166,12 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
     if cfg.use_distributed_optimizer:
         raise ValueError("use_distributed_optimizer is not supported by HeterMoE yet (each side steps Megatron's "
                          "Adam on an exact global norm); set it False")
-    if run.expert_precision not in (None, cfg.precision):
-        from megatron_hetermoe.plan.validation import per_pool_precision_error
-
-        raise per_pool_precision_error(cfg.precision, run.expert_precision)
     schedule = run.schedule or plan.schedule
-    from megatron_hetermoe.plan.validation import check_issuer
+    from megatron_hetermoe.plan.validation import check_issuer, check_pool_precision
 
     check_issuer(zebra_config.issuer, cfg.emulate is not None)
+    check_pool_precision(cfg, plan, run)
+    pools = run.pools(cfg)
     emulator = None
     if cfg.emulate is not None:
         from megatron_hetermoe.emulation.emulator import Emulator
@@ -188,17 +187,22 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
             f"{n_attn} attention ranks, but the plan has R={plan.num_microbatches}; set --global-batch-size "
             f"{cfg.micro_batch_size * plan.num_microbatches * n_attn} or remake the plan with R={nmb}"
         )
-    hs = initialize_hetero_parallel(plan, device=rank_device())
-    if cfg.bf16:
+    hs = initialize_hetero_parallel(plan, device=rank_device(), wire_dtype=precision_dtype(pools.wire))
+    precision = pools.of(hs.role)  # this rank's pool's
+    if pools.mixed and hs.rank == 0 and not cfg.quiet:
+        scale = "dynamic" if pools.dynamic_scale(cfg.loss_scale) else f"constant {cfg.loss_scale}"
+        print(f" precision: attention ranks {pools.attention}, expert ranks {pools.expert}, tokens cross in "
+              f"{pools.wire}, one {scale} loss scale", flush=True)
+    if precision == "bf16":
         check_native_bf16(hs.device)
     with megatron_globals(hs, cfg.seed):
         torch.manual_seed(cfg.seed)
         pgc = hs.pg_collection()
         # ep>1 only marks expert weights allreduce=False, so DDP reduces them over the
         # expert replica group instead of the attention DP group.
-        # One precision on both roles: TokenRoute's wire dtype is this params_dtype on every rank.
-        kernels = choose_kernels(hs.device, cfg.precision, cfg.transformer_impl, cfg.moe_grouped_gemm)
-        config = transformer_config(mcfg, ParallelConfig(), cfg.precision, kernels=kernels.name,
+        # The pool's precision; tokens cross in hs.wire_dtype (TokenRoute casts at the boundary).
+        kernels = choose_kernels(hs.device, precision, cfg.transformer_impl, cfg.moe_grouped_gemm)
+        config = transformer_config(mcfg, ParallelConfig(), precision, kernels=kernels.name,
                                     expert_model_parallel_size=2, deterministic_mode=cfg.deterministic)
         base = layer_spec(mcfg, kernels.name)
         if hs.role == "attention":
@@ -217,11 +221,12 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         # bf16/fp16: Float16Module on both roles (the expert ranks' ExpertRuntime too), as
         # Megatron-LM's get_model wraps a chunk before DDP.
         model = DistributedDataParallel(config, ddp_config, wrap_precision(config, module), pg_collection=pgc)
-        guard = NanGuard(cfg.nan_check_mode(), [model],
+        guard = NanGuard(cfg.nan_check_mode(pools), [model],
                          {p: names[n] for n, p in module.named_parameters()}, hs.rank, hs.role,
                          hs.world_group, cfg.nan_injection, device=hs.device)
         # clip_grad=0: clipped by HeteroStep on the global norm of both sides.
-        optimizer, scheduler = build_optimizer(cfg, model, 0.0, False, pg_collection=pgc)
+        optimizer, scheduler = build_optimizer(cfg, model, 0.0, False, pg_collection=pgc, precision=precision,
+                                               dynamic_scale=pools.dynamic_scale(cfg.loss_scale))
         # Attention ranks scale the loss (grad_scale_func); expert ranks get gradients already
         # scaled by it, so every rank's scaler must hold the same scale and skip the same steps.
         share_loss_scale(optimizer, hs.world_group, hs.device)
@@ -245,7 +250,8 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         fwd_bwd = get_forward_backward_func(hs, schedule, task_list=task_list, **extra)
         role = HeteroStep(cfg, hs, model, module, fwd_bwd, nmb, optimizer)
         parts = LoopParts(cfg, model, optimizer, scheduler, guard, recorder, steplog,
-                          hetero_checkpointer(cfg, hs, module, names, optimizer, scheduler), hs.world_group, clock)
+                          hetero_checkpointer(cfg, hs, module, names, optimizer, scheduler, pools.expert),
+                          hs.world_group, clock)
         reset_peak_memory(hs.device)  # the GPU peak counts from here (model and optimizer already allocated)
         res = train_loop(parts, role)
         gpu = peak_gpu_mib(hs.role, hs.device, hs.world_group)  # before the exports below; None on CPU ranks

@@ -25,7 +25,6 @@ On a host without CUDA the CPU backend (parallel/cpu_backend.py) runs the same p
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import datetime
@@ -129,7 +128,7 @@ class HeteroPretrain:
         if self.plan.world_size != world:
             raise PlanError(f"plan {args.hetero_plan} has {self.plan.world_size} ranks but the job has {world}; "
                             f"launch {self.plan.world_size} processes or remake the plan for {world}")
-        check_bf16_gpus(argparse.Namespace(bf16=args.bf16), self.plan.gpu_types, f"plan {args.hetero_plan}")
+        check_bf16_gpus(bool(args.bf16), self.plan.gpu_types, f"plan {args.hetero_plan}")
         # Megatron's data parallelism is over the attention ranks: validate_args derives
         # data_parallel_size (and set_global_variables the microbatch calculator) from it.
         args.world_size = n_attn

@@ -36,24 +36,30 @@ def forward_step(data_iterator, model):
 
 
 def build_optimizer(cfg: TrainConfig, model, clip_grad: float, use_distributed_optimizer: bool,
-                    pg_collection=None):
-    """Megatron's Adam and its cosine LR schedule, as both trainers use them."""
+                    pg_collection=None, precision: str | None = None, dynamic_scale: bool = False):
+    """Megatron's Adam and its cosine LR schedule, as both trainers use them. `precision`: the
+    model's (default the world's, cfg.precision; a HeterMoE rank's pool's). `dynamic_scale`: the
+    world scales its loss dynamically (fp16 on some pool, config.PoolPrecision): a bf16 rank's
+    sub-optimizers get Megatron's fp16 dynamic scaler too (see attach_dynamic_scaler)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_hetermoe.models.builder import precision_dtype
 
+    precision = precision or cfg.precision
     # bf16/fp16: Megatron's mixed-precision optimizer (fp32 main params and grads) and its
     # grad scaler (constant with --loss-scale, dynamic for fp16 without, none for bf16 without).
     opt_config = OptimizerConfig(
         optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
-        adam_beta1=0.9, adam_beta2=0.95, clip_grad=clip_grad, bf16=cfg.bf16, fp16=cfg.fp16,
-        params_dtype=precision_dtype(cfg.precision), use_distributed_optimizer=use_distributed_optimizer,
+        adam_beta1=0.9, adam_beta2=0.95, clip_grad=clip_grad, bf16=precision == "bf16", fp16=precision == "fp16",
+        params_dtype=precision_dtype(precision), use_distributed_optimizer=use_distributed_optimizer,
         loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale, min_loss_scale=cfg.min_loss_scale,
         loss_scale_window=cfg.loss_scale_window, hysteresis=cfg.hysteresis,
     )
     kw = {} if pg_collection is None else {"pg_collection": pg_collection}
     optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False, **kw)
+    if dynamic_scale and precision == "bf16":
+        attach_dynamic_scaler(optimizer, opt_config)
     steps = max(cfg.train_iters, 1)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
@@ -61,6 +67,24 @@ def build_optimizer(cfg: TrainConfig, model, clip_grad: float, use_distributed_o
         start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=steps, wd_incr_style="constant",
     )
     return optimizer, scheduler
+
+
+def attach_dynamic_scaler(optimizer, opt_config) -> None:
+    """Give each bf16 sub-optimizer without a grad scaler the dynamic one Megatron builds for
+    fp16 (its --initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis), as
+    MixedPrecisionOptimizer.__init__ would have set it up: the scaler and its found_inf flag.
+    Megatron's bf16 path takes a scaler (its prepare_grads unscales and checks for inf whenever
+    one is set); only its factory does not make a dynamic one for bf16."""
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(o, "grad_scaler", "absent") is not None:
+            continue  # fp32 (no scaler attribute) or a scaler already
+        device = o.get_loss_scale().device
+        o.grad_scaler = DynamicGradScaler(
+            initial_scale=opt_config.initial_loss_scale, min_scale=opt_config.min_loss_scale, growth_factor=2.0,
+            backoff_factor=0.5, growth_interval=opt_config.loss_scale_window, hysteresis=opt_config.hysteresis)
+        o.found_inf = torch.tensor([0.0], dtype=torch.float, device=device)
 
 
 class _OneScaler:

@@ -139,9 +139,13 @@ CASES = [
     ("flags", "--bf16 with --hetero-plan", flags("--bf16", plan=edit(PLAN, gpu_types=["A40", "V100-32GB", "T4"])),
      ConfigError, "--bf16: the plan has GPU type(s) without native bf16 (profile bf16: false): V100-32GB (ranks [1]); "
                   "T4 (ranks [2]); use --fp16"),
-    ("flags", "--hetero-expert-precision", flags("--bf16", "--hetero-expert-precision", "fp16", plan=PLAN),
-     ConfigError, "--hetero-expert-precision fp16 with --bf16 (attention ranks bf16): per-pool precision is not "
-                  "supported; one precision runs on every rank"),
+    ("flags", "--hetero-expert-precision", flags("--bf16", "--hetero-expert-precision", "fp32", plan=PLAN),
+     ConfigError, "--hetero-expert-precision fp32 with --bf16 (attention ranks bf16): pools of different precision "
+                  "must both be 16-bit"),
+    ("flags", "--hetero-expert-precision bf16",
+     flags("--fp16", "--hetero-expert-precision", "bf16", plan=edit(PLAN, gpu_types=["A40", "V100-32GB", "T4"])),
+     ConfigError, "--hetero-expert-precision bf16: the plan's expert pool has GPU type(s) without native bf16 "
+                  "(profile bf16: false): V100-32GB (ranks [1]); T4 (ranks [2]); use --hetero-expert-precision fp16"),
     ("flags", "--loss-scale", flags("--loss-scale", "128"), ConfigError,
      "--loss-scale 128.0: scales the loss of --fp16/--bf16 runs only (fp32 has none); drop --loss-scale, or add "
      "--fp16 or --bf16"),
