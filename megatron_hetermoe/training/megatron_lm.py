@@ -25,7 +25,8 @@ from megatron_hetermoe.training.megatron_lm_hooks import hetero_pretrain, megatr
 
 __all__ = ["add_hetero_args", "hetero_pretrain", "megatron_on_cpu", "hetero_requested", "run_hetero", "patch_for", "checkout_version"]
 
-HETERO_FLAGS = ("--hetero-plan", "--hetero-schedule", "--hetero-ckpt-reshard", "--hetero-zebra-issuer")
+HETERO_FLAGS = ("--hetero-plan", "--hetero-schedule", "--hetero-ckpt-reshard", "--hetero-zebra-issuer",
+                "--hetero-expert-precision")
 
 # megatron-core release line (major, minor) of a Megatron-LM checkout -> the patch made for it.
 PATCHES = {
@@ -66,6 +67,9 @@ def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="--load a checkpoint saved with another layout (HeterMoE <-> Megatron EP) on the plugin's "
                         "trainer; inside Megatron-LM's pretrain() dist_checkpointing reshards by itself "
                         "(--no-load-optim --no-load-rng)")
+    g.add_argument("--hetero-expert-precision", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="the expert ranks' precision: only the world's inside pretrain(); per-pool precision runs "
+                        "on the plugin's trainer (python -m megatron_hetermoe.training.pretrain_gpt)")
     g.add_argument("--hetero-zebra-issuer", choices=list(ISSUERS), default="auto",
                    help="zebra: who issues the transfers: 'single' (the compute thread, async collectives), "
                         "'threads' (a worker thread per stream), 'auto' (single on GPU ranks over NCCL, else threads)")

@@ -95,6 +95,12 @@ def refusals(args, argv: list[str]) -> list[str]:
     if getattr(args, "moe_grouped_gemm", False) and (args.save or args.load):
         out.append("--moe-grouped-gemm with --save/--load: Megatron-format checkpoints of HeterMoE experts are built "
                    "for SequentialMLP; drop --moe-grouped-gemm")
+    expert = getattr(args, "hetero_expert_precision", None)
+    world = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if expert not in (None, world):
+        out.append(f"--hetero-expert-precision {expert} (the world runs {world}): per-pool precision runs on the "
+                   f"plugin's trainer (python -m megatron_hetermoe.training.pretrain_gpt, same flags); inside "
+                   f"Megatron-LM's pretrain() every rank runs the world's --bf16/--fp16")
     given = {t.split("=", 1)[0] for t in argv if t.startswith("--")}
     out += [f"{flag}: {why}" for flag, why in _REFUSED_WHEN_GIVEN.items() if flag in given]
     if args.transformer_impl == "transformer_engine":

@@ -115,3 +115,11 @@ def test_bf16_on_a_plan_with_v100_experts_is_refused_with_the_fix(tmp_path, bf16
     else:
         run.validate_args(lambda a, d: validated.append(a), args)
         assert validated and run.schedule == "distep"
+
+
+def test_per_pool_precision_is_refused_inside_pretrain_with_the_fix():
+    out = hooks.refusals(_megatron_defaults(bf16=True, hetero_expert_precision="fp16"), [])
+    assert out == ["--hetero-expert-precision fp16 (the world runs bf16): per-pool precision runs on the plugin's "
+                   "trainer (python -m megatron_hetermoe.training.pretrain_gpt, same flags); inside Megatron-LM's "
+                   "pretrain() every rank runs the world's --bf16/--fp16"]
+    assert hooks.refusals(_megatron_defaults(bf16=True, hetero_expert_precision="bf16"), []) == []  # the world's
