@@ -123,11 +123,23 @@ def check_precision(cfg: "TrainConfig") -> None:
 
 
 def check_pool_precision(cfg: "TrainConfig", plan, run) -> None:
-    """Each pool's precision (config.PoolPrecision): pools that differ are both 16-bit, and bf16
-    runs only on GPU types with native bf16, per pool."""
+    """Each pool's precision (config.PoolPrecision) on the plugin's trainer: check_pools, and no
+    per-pool precision with --emulate."""
     pools = run.pools(cfg) if run is not None else None
     if pools is None or not pools.mixed:
         check_bf16_gpus(cfg.bf16, plan.gpu_types, "the plan")
+        return
+    check_pools(pools, plan)
+    if cfg.emulate is not None:
+        raise ConfigError("--hetero-expert-precision with --emulate: emulated runs time fp32 work on CPU ranks; "
+                          "drop --hetero-expert-precision")
+
+
+def check_pools(pools, plan, what: str = "the plan") -> None:
+    """Pools that differ are both 16-bit, and bf16 runs only on GPU types with native bf16, per
+    pool (what: how errors name the plan)."""
+    if not pools.mixed:
+        check_bf16_gpus(pools.attention == "bf16", plan.gpu_types, what)
         return
     if "fp32" in (pools.attention, pools.expert):
         flag = {"bf16": "--bf16", "fp16": "--fp16", "fp32": "no precision flag"}[pools.attention]
@@ -136,12 +148,9 @@ def check_pool_precision(cfg: "TrainConfig", plan, run) -> None:
             f"different precision must both be 16-bit (an fp16 pool's gradients carry a loss scale that "
             f"Megatron's fp32 optimizer does not take out); use bf16 or fp16 on both pools, or one precision "
             f"everywhere")
-    if cfg.emulate is not None:
-        raise ConfigError("--hetero-expert-precision with --emulate: emulated runs time fp32 work on CPU ranks; "
-                          "drop --hetero-expert-precision")
     for role, ranks in (("attention", plan.attention_ranks), ("expert", plan.expert_ranks)):
         if pools.of(role) == "bf16":
-            check_bf16_gpus(True, [plan.gpu_types[r] for r in ranks], f"the plan's {role} pool", list(ranks),
+            check_bf16_gpus(True, [plan.gpu_types[r] for r in ranks], f"{what}'s {role} pool", list(ranks),
                             "--bf16" if role == "attention" else "--hetero-expert-precision bf16")
 
 

@@ -68,8 +68,8 @@ def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "trainer; inside Megatron-LM's pretrain() dist_checkpointing reshards by itself "
                         "(--no-load-optim --no-load-rng)")
     g.add_argument("--hetero-expert-precision", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="the expert ranks' precision: only the world's inside pretrain(); per-pool precision runs "
-                        "on the plugin's trainer (python -m megatron_hetermoe.training.pretrain_gpt)")
+                   help="the expert ranks' precision (default: the world's, --bf16/--fp16, which the attention "
+                        "ranks run), e.g. fp16 on V100 expert ranks with --bf16; tokens cross in it")
     g.add_argument("--hetero-zebra-issuer", choices=list(ISSUERS), default="auto",
                    help="zebra: who issues the transfers: 'single' (the compute thread, async collectives), "
                         "'threads' (a worker thread per stream), 'auto' (single on GPU ranks over NCCL, else threads)")

@@ -33,9 +33,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from megatron_hetermoe.config import PoolPrecision
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
-from megatron_hetermoe.plan.validation import check_bf16_gpus
+from megatron_hetermoe.plan.validation import check_pools
 
 # Megatron-LM flags this path refuses: reason -> {flag: the values it may keep} (Megatron's
 # defaults). A flag's argparse dest is its name without dashes.
@@ -95,12 +96,6 @@ def refusals(args, argv: list[str]) -> list[str]:
     if getattr(args, "moe_grouped_gemm", False) and (args.save or args.load):
         out.append("--moe-grouped-gemm with --save/--load: Megatron-format checkpoints of HeterMoE experts are built "
                    "for SequentialMLP; drop --moe-grouped-gemm")
-    expert = getattr(args, "hetero_expert_precision", None)
-    world = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
-    if expert not in (None, world):
-        out.append(f"--hetero-expert-precision {expert} (the world runs {world}): per-pool precision runs on the "
-                   f"plugin's trainer (python -m megatron_hetermoe.training.pretrain_gpt, same flags); inside "
-                   f"Megatron-LM's pretrain() every rank runs the world's --bf16/--fp16")
     given = {t.split("=", 1)[0] for t in argv if t.startswith("--")}
     out += [f"{flag}: {why}" for flag, why in _REFUSED_WHEN_GIVEN.items() if flag in given]
     if args.transformer_impl == "transformer_engine":
@@ -122,6 +117,7 @@ class HeteroPretrain:
     plan: HeteroPlan | None = None
     schedule: str | None = None
     hs: HeteroParallelState | None = None
+    pools: PoolPrecision | None = None
     _fwd_bwd: Callable | None = None
 
     # ---- 1. arguments ---------------------------------------------------------------------
@@ -134,7 +130,9 @@ class HeteroPretrain:
         if self.plan.world_size != world:
             raise PlanError(f"plan {args.hetero_plan} has {self.plan.world_size} ranks but the job has {world}; "
                             f"launch {self.plan.world_size} processes or remake the plan for {world}")
-        check_bf16_gpus(bool(args.bf16), self.plan.gpu_types, f"plan {args.hetero_plan}")
+        world_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        self.pools = PoolPrecision(world_precision, getattr(args, "hetero_expert_precision", None) or world_precision)
+        check_pools(self.pools, self.plan, f"plan {args.hetero_plan}")
         # Megatron's data parallelism is over the attention ranks: validate_args derives
         # data_parallel_size (and set_global_variables the microbatch calculator) from it.
         args.world_size = n_attn
@@ -154,9 +152,33 @@ class HeteroPretrain:
                             f"experts but the flags give --num-layers {args.num_layers} --num-experts "
                             f"{args.num_experts}; remake the plan for this model")
         self.schedule = args.hetero_schedule or self.plan.schedule
+        self._pool_args(args)
         if args.rank == 0:
             print(f"> HeterMoE: plan {args.hetero_plan}, {n_attn} attention ranks (Megatron's data parallel size) + "
                   f"{world - n_attn} expert ranks, schedule {self.schedule}, {nmb} microbatches", flush=True)
+
+    def _pool_args(self, args) -> None:
+        """Per-pool precision (config.PoolPrecision): this rank's --bf16/--fp16/params_dtype become
+        its pool's, so Megatron-LM's own code (its TransformerConfig, get_model's Float16Module,
+        its optimizer config) builds this rank in it; each rule Megatron's validate_args ties to
+        a precision is applied as it would for that precision: bf16 reduces gradients in fp32, and
+        dynamic loss scaling (fp16 on either pool) turns the NaN check off on every rank (an
+        overflow is the scaler's signal)."""
+        from megatron_hetermoe.models.builder import precision_dtype
+
+        pools = self.pools
+        if not pools.mixed:
+            return
+        if pools.dynamic_scale(args.loss_scale) and args.check_for_nan_in_loss_and_grad:
+            args.check_for_nan_in_loss_and_grad = False
+        mine = pools.of(self.plan.role(args.rank))
+        args.bf16, args.fp16, args.params_dtype = mine == "bf16", mine == "fp16", precision_dtype(mine)
+        if mine == "bf16":
+            args.accumulate_allreduce_grads_in_fp32 = True
+        if args.rank == 0:
+            scale = "dynamic" if pools.dynamic_scale(args.loss_scale) else f"constant {args.loss_scale}"
+            print(f"> HeterMoE precision: attention ranks {pools.attention}, expert ranks {pools.expert}, tokens "
+                  f"cross in {pools.wire}, one {scale} loss scale", flush=True)
 
     # ---- 2. process groups ----------------------------------------------------------------
     def initialize_distributed(self, initialize, *a, **k):
@@ -175,12 +197,14 @@ class HeteroPretrain:
     def _setup_groups(self) -> None:
         from megatron.training import get_args
 
+        from megatron_hetermoe.models.builder import precision_dtype
         from megatron_hetermoe.parallel.device import rank_device
         from megatron_hetermoe.parallel.megatron_globals import install_parallel_state
         from megatron_hetermoe.parallel.state import initialize_hetero_parallel
 
         timeout = datetime.timedelta(minutes=get_args().distributed_timeout_minutes)
-        self.hs = initialize_hetero_parallel(self.plan, timeout=timeout, device=rank_device())
+        self.hs = initialize_hetero_parallel(self.plan, timeout=timeout, device=rank_device(),
+                                             wire_dtype=precision_dtype(self.pools.wire))
         install_parallel_state(self.hs)
         from megatron_hetermoe.schedules.issuer import resolve_issuer
 
@@ -279,7 +303,7 @@ class HeteroPretrain:
         from megatron.core.optimizer.optimizer import ChainedOptimizer
 
         from megatron_hetermoe.checkpoint.megatron_optimizer import per_rank_optimizer_state
-        from megatron_hetermoe.training.step import share_loss_scale
+        from megatron_hetermoe.training.step import attach_dynamic_scaler, share_loss_scale
 
         # install_parallel_state makes no gloo twins of the DP groups (only the distributed
         # optimizer's checkpoints use them; on CPU ranks every group is gloo already).
@@ -303,6 +327,10 @@ class HeteroPretrain:
                 # attention DP group (dense) or the replica group of one ZP member position (experts).
                 opt.data_parallel_group_idx = 0 if opt.data_parallel_group is hs.attention_dp_group \
                     else 1 + hs.member_index
+        # Per-pool precision with fp16 on a pool: this rank's bf16 sub-optimizers scale too.
+        config = a[0] if a else k["config"]
+        if self.pools.dynamic_scale(config.loss_scale) and config.bf16:
+            attach_dynamic_scaler(optimizer, config)
         # --fp16 / --bf16 with a loss scale: one scale for the world, found_inf ORed over it once.
         share_loss_scale(optimizer, hs.world_group, hs.device, check_group=hs.self_group)
         per_rank_optimizer_state(optimizer, hs.rank, dist.get_world_size())

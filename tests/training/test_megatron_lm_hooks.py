@@ -117,9 +117,37 @@ def test_bf16_on_a_plan_with_v100_experts_is_refused_with_the_fix(tmp_path, bf16
         assert validated and run.schedule == "distep"
 
 
-def test_per_pool_precision_is_refused_inside_pretrain_with_the_fix():
-    out = hooks.refusals(_megatron_defaults(bf16=True, hetero_expert_precision="fp16"), [])
-    assert out == ["--hetero-expert-precision fp16 (the world runs bf16): per-pool precision runs on the plugin's "
-                   "trainer (python -m megatron_hetermoe.training.pretrain_gpt, same flags); inside Megatron-LM's "
-                   "pretrain() every rank runs the world's --bf16/--fp16"]
-    assert hooks.refusals(_megatron_defaults(bf16=True, hetero_expert_precision="bf16"), []) == []  # the world's
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_bf16_attention_fp16_experts_set_each_rank_to_its_pool(tmp_path, rank):
+    import torch
+
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+    from megatron_hetermoe.plan.validation import ConfigError
+
+    plan = even_plan(2, 4, 1, 1, gpu_types=["A100-80GB", "V100-32GB"])
+    plan.save(tmp_path / "plan.json")
+
+    def args(**kw):
+        base = dict(bf16=True, hetero_plan=str(tmp_path / "plan.json"), world_size=2, global_batch_size=1,
+                    micro_batch_size=1, num_layers=2, hetero_schedule=None, rank=rank, loss_scale=None,
+                    check_for_nan_in_loss_and_grad=True, accumulate_allreduce_grads_in_fp32=True,
+                    params_dtype=torch.bfloat16)
+        return _megatron_defaults(**{**base, **kw})
+
+    a = args(hetero_expert_precision="fp16")
+    run = hooks.HeteroPretrain([])
+    run.validate_args(lambda a, d: None, a)
+    want = (True, False, torch.bfloat16) if rank == 0 else (False, True, torch.float16)  # attention, expert
+    assert (a.bf16, a.fp16, a.params_dtype) == want
+    assert a.check_for_nan_in_loss_and_grad is False  # dynamic scaling (fp16 pool), on every rank
+    assert a.accumulate_allreduce_grads_in_fp32
+    a = args(hetero_expert_precision="fp16", loss_scale=1024.0)
+    hooks.HeteroPretrain([]).validate_args(lambda a, d: None, a)
+    assert a.check_for_nan_in_loss_and_grad is True  # a constant scale keeps Megatron's NaN check
+    with pytest.raises(ConfigError, match=r"--hetero-expert-precision bf16: plan .*'s expert pool has .*"
+                                          r"V100-32GB \(ranks \[1\]\); use --hetero-expert-precision fp16"):
+        hooks.HeteroPretrain([]).validate_args(lambda a, d: None, args(bf16=False, fp16=True,
+                                                                      hetero_expert_precision="bf16"))
+    with pytest.raises(ConfigError, match=r"pools of different precision must both be 16-bit"):
+        hooks.HeteroPretrain([]).validate_args(lambda a, d: None, args(hetero_expert_precision="fp32"))

@@ -164,12 +164,16 @@ def test_megatron_lm_pretrain_runs_hetermoe(mlm, data, tmp_path, schedule, extra
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "4096"]], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "4096"],
+                                       ["--bf16", "--hetero-expert-precision", "fp16", "--initial-loss-scale", "4096"]],
+                         ids=["bf16", "fp16", "bf16-attention-fp16-experts"])
 def test_megatron_lm_pretrain_in_16_bit(mlm, data, tmp_path, precision):
     """--bf16 / --fp16 inside Megatron-LM's pretrain(): Float16Module and Megatron's mixed-precision
     optimizer on both roles, one loss scale for the world; the losses are the plugin trainer's
     (whose 16-bit runs are checked against Megatron EP in tests/training/test_precision.py). An
-    Asym-EA plan: attention ranks step a dense and an expert sub-optimizer, expert ranks one."""
+    Asym-EA plan: attention ranks step a dense and an expert sub-optimizer, expert ranks one.
+    Per-pool precision: the expert ranks (and the attention ranks' bf16 experts) get fp16 tokens,
+    and the bf16 attention ranks hold the world's fp16 loss scale."""
     plan = _asym_plan(tmp_path / "plan.json")
     tb = tmp_path / "tb"
     r = _torchrun(mlm, 4, [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1",
@@ -178,7 +182,7 @@ def test_megatron_lm_pretrain_in_16_bit(mlm, data, tmp_path, precision):
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-4000:]
     assert sorted(int(i) for i, _ in ITERATION.findall(log)) == [1, 2, 3], log[-4000:]
-    if "--fp16" in precision:
+    if "--initial-loss-scale" in precision:
         # Megatron's dynamic scale from --initial-loss-scale, the same on every rank: no step skipped.
         lines = [ln for ln in log.splitlines() if ITERATION.search(ln)]
         assert len(lines) == 3 and all("loss scale: 4096.0 |" in ln and "skipped iterations:   0 |" in ln
