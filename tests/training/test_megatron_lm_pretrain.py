@@ -15,6 +15,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+from margins import within
 
 from megatron_hetermoe.training import megatron_lm
 
@@ -33,9 +34,10 @@ RECIPE = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
 CPU = ["--transformer-impl", "local", "--distributed-backend", "gloo", "--no-rope-fusion", "--no-persist-layer-norm",
        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
        "--no-bias-dropout-fusion"]
-# 16-bit losses, pretrain() vs the plugin's trainer: iteration 1 bitwise, then |diff| <= 8.9e-5 (bf16) and
-# 2.7e-5 (fp16) measured over ATEN_CPU_CAPABILITY default/avx2/avx512 (the rounding of 16-bit gradients
-# summed in another order moves the next step's weights by an ulp).
+# 16-bit losses, pretrain() vs the plugin's trainer: iteration 1 bitwise, then |diff| <= 8.9e-5 (bf16),
+# 2.7e-5 (fp16) and 9.2e-5 (bf16 attention + fp16 experts) measured over ATEN_CPU_CAPABILITY
+# default/avx2/avx512 (the rounding of 16-bit gradients summed in another order moves the next step's
+# weights by an ulp).
 TOL_16 = 5e-4
 ITERATION = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
 
@@ -190,7 +192,8 @@ def test_megatron_lm_pretrain_in_16_bit(mlm, data, tmp_path, precision):
     megatron = _tb_losses(tb)
     plugin = _plugin_losses(tmp_path, plan, "zebra", data, tuple(precision))
     assert megatron[1] == plugin[0]
-    assert [megatron[i] for i in (1, 2, 3)] == pytest.approx(plugin, abs=TOL_16), (megatron, plugin)
+    within(f"pretrain() vs plugin, {' '.join(precision)}", max(abs(megatron[i] - plugin[i - 1]) for i in (1, 2, 3)),
+           TOL_16)
 
 
 @pytest.mark.slow
