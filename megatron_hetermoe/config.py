@@ -298,7 +298,7 @@ class PoolPrecision:
       --initial-loss-scale unless --loss-scale): gradients cross in fp16 scaled, so the bf16
       pool's optimizer holds the same scale (training/step.py build_optimizer) and every rank
       skips the same steps (share_loss_scale).
-    - Pools that differ are both 16-bit (plan/validation.py check_pool_precision)."""
+    - Pools that differ are both 16-bit (plan/validation.py check_pools)."""
     attention: str
     expert: str
 
