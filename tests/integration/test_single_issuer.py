@@ -5,26 +5,17 @@ import random
 
 import pytest
 from margins import within
+from shared_plans import asym_ea_plan
 
 from megatron_hetermoe.config import HeteroRunConfig, ParallelConfig, TrainConfig
 from megatron_hetermoe.parallel.launcher import LaunchError, launch
-from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup, even_plan
+from megatron_hetermoe.plan.hetero_plan import even_plan
 from megatron_hetermoe.reliability.faults import ENV, Fault
 from megatron_hetermoe.schedules.tasks import tasks_for_rank
 from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
 from megatron_hetermoe.training.hetero import train_hetero
 
 pytestmark = pytest.mark.slow
-
-
-def _asym_plan(tiny) -> HeteroPlan:
-    """2 ZP groups of 1 attention + 1 expert rank; each attention rank also holds one expert,
-    another one per layer (Asym-EA: X_F/X_B tasks and receive-only transfers)."""
-    def group(a: int, e: int) -> ZPGroup:
-        return ZPGroup([a], [e], [{a: [0], e: [1, 2, 3]}, {a: [3], e: [0, 1, 2]}])
-
-    return HeteroPlan(tiny.num_layers, tiny.num_experts, ["cpu"] * 4, [group(0, 1), group(2, 3)],
-                      num_microbatches=2, schedule="zebra")
 
 
 PLANS = {
@@ -34,7 +25,7 @@ PLANS = {
     "3+1 R2": lambda t: even_plan(t.num_layers, t.num_experts, 3, 1, num_microbatches=2, schedule="zebra"),
     "2x(2+2) R2": lambda t: even_plan(t.num_layers, t.num_experts, 2, 2, groups=2, num_microbatches=2,
                                       schedule="zebra"),
-    "asym-ea 2x(1+1) R2": _asym_plan,
+    "asym-ea 2x(1+1) R2": lambda t: asym_ea_plan(),
 }
 
 

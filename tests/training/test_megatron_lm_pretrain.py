@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from margins import within
+from shared_plans import asym_ea_plan
 
 from megatron_hetermoe.training import megatron_lm
 
@@ -212,15 +213,8 @@ def test_megatron_lm_flags_it_cannot_honour_are_refused_by_name(mlm, tmp_path):
 
 
 def _asym_plan(path: Path) -> Path:
-    """2 ZP groups of 1 attention + 1 expert rank; each attention rank also holds one expert
-    (Asym-EA), a different one per layer, so no rank's experts are the contiguous block
-    Megatron EP would give it."""
-    from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup
-
-    def group(a: int, e: int) -> ZPGroup:
-        return ZPGroup([a], [e], [{a: [0], e: [1, 2, 3]}, {a: [3], e: [0, 1, 2]}])
-
-    HeteroPlan(2, 4, ["cpu"] * 4, [group(0, 1), group(2, 3)], num_microbatches=2, schedule="zebra").save(path)
+    """shared_plans.asym_ea_plan, saved at `path`."""
+    asym_ea_plan().save(path)
     return path
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from margins import within
 from routing import force_routing, initial_state
+from shared_plans import asym_ea_plan
 
 from megatron_hetermoe.config import HeteroRunConfig, ParallelConfig, TrainConfig
 from megatron_hetermoe.parallel.comm import TokenRoute
@@ -253,23 +254,11 @@ MIXED_VS_FP32_LOSS_TOL = 1e-3
 MIXED_VS_FP32_GRAD_TOL = 0.25
 
 
-def _asym_plan(tiny):
-    """2 ZP groups of 1 attention + 1 expert rank; each attention rank holds one expert of each
-    layer too (its experts run bf16 and receive fp16 tokens from the wire)."""
-    from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup
-
-    def group(a: int, e: int) -> ZPGroup:
-        return ZPGroup([a], [e], [{a: [0], e: [1, 2, 3]}, {a: [3], e: [0, 1, 2]}])
-
-    return HeteroPlan(tiny.num_layers, tiny.num_experts, ["cpu"] * 4, [group(0, 1), group(2, 3)],
-                      num_microbatches=2, schedule="zebra")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["2+2", "asym-ea 2x(1+1)"])
 def test_bf16_attention_fp16_experts_train_close_to_fp32(tiny, name):
     plan = (even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=2, schedule="zebra")
-            if name == "2+2" else _asym_plan(tiny))
+            if name == "2+2" else asym_ea_plan())
     base = TrainConfig(tiny, micro_batch_size=1, global_batch_size=4, train_iters=4, quiet=True, collect_grads=True)
     fp32 = launch(train_args._rank_main, 4, base, plan, HeteroRunConfig(), timeout_s=600)[0]
     mixed = dataclasses.replace(base, bf16=True, initial_loss_scale=4096.0)
