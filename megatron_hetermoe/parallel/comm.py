@@ -184,5 +184,4 @@ class _Transfer(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         r = ctx.route
-        back = r.arrived(r.to_attention(grad) if ctx.to_experts else r.to_experts(grad))
-        return back.to(ctx.dtype), None, None
+        return (r.to_attention(grad) if ctx.to_experts else r.to_experts(grad)).to(ctx.dtype), None, None

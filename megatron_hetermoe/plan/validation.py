@@ -125,12 +125,11 @@ def check_precision(cfg: "TrainConfig") -> None:
 def check_pool_precision(cfg: "TrainConfig", plan, run) -> None:
     """Each pool's precision (config.PoolPrecision) on the plugin's trainer: check_pools, and no
     per-pool precision with --emulate."""
-    pools = run.pools(cfg) if run is not None else None
-    if pools is None or not pools.mixed:
-        check_bf16_gpus(cfg.bf16, plan.gpu_types, "the plan")
-        return
+    from megatron_hetermoe.config import PoolPrecision
+
+    pools = run.pools(cfg) if run is not None else PoolPrecision(cfg.precision, cfg.precision)
     check_pools(pools, plan)
-    if cfg.emulate is not None:
+    if pools.mixed and cfg.emulate is not None:
         raise ConfigError("--hetero-expert-precision with --emulate: emulated runs time fp32 work on CPU ranks; "
                           "drop --hetero-expert-precision")
 
