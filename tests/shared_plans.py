@@ -13,3 +13,13 @@ def asym_ea_plan() -> HeteroPlan:
         return ZPGroup([a], [e], [{a: [0], e: [1, 2, 3]}, {a: [3], e: [0, 1, 2]}])
 
     return HeteroPlan(2, 4, ["cpu"] * 4, [group(0, 1), group(2, 3)], num_microbatches=2, schedule="zebra")
+
+
+def sparse_asym_ea_plan(schedule: str = "zebra") -> HeteroPlan:
+    """For the tiny model: one ZP group of 2 attention ranks (0, 1) + 2 expert ranks (2, 3), R=2.
+    Layer 0: rank 0 holds expert 0, rank 2 experts 1-2, rank 3 expert 3; layer 1: the second
+    attention rank (1) holds expert 3 and rank 2 the rest, so expert rank 3 holds no expert at
+    all in layer 1 (as Asym-EA's placement makes when it moves more than E-N experts of a layer)
+    and attention rank 0 none either."""
+    g = ZPGroup([0, 1], [2, 3], [{0: [0], 2: [1, 2], 3: [3]}, {1: [3], 2: [0, 1, 2]}])
+    return HeteroPlan(2, 4, ["cpu"] * 4, [g], num_microbatches=2, schedule=schedule)

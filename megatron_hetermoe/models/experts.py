@@ -27,10 +27,18 @@ def _chunk_order(n_src: int, n_exp: int, by_expert: bool) -> torch.Tensor:
 
 def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """counts[src, i]: tokens from member src for the i-th local expert; recv is laid out
-    [src][expert]. Returns the experts' outputs in the same layout."""
+    [src][expert]. Returns the experts' outputs in the same layout. A rank holding no expert of
+    the layer (experts None, no count columns; Asym-EA can empty an expert rank's layer)
+    receives nothing and returns recv * 0: an empty output still tied to recv, so the transfer's
+    backward runs as on every other member."""
     from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 
     n_src, n_exp = counts.shape
+    if experts is None or n_exp == 0:
+        if experts is not None or recv.shape[0]:
+            raise ValueError(f"a rank without experts in this layer received {recv.shape[0]} tokens for "
+                             f"{n_exp} local experts (experts module {'present' if experts is not None else 'absent'})")
+        return recv * 0
     by_src = counts.reshape(-1)
     x, _ = sort_chunks_by_idxs(recv, by_src, _chunk_order(n_src, n_exp, True))
     tokens_per_expert = counts.sum(0)
@@ -144,7 +152,6 @@ class ExpertRuntime(_megatron_module()):
         route, _ = TokenRoute.exchange(self.hs, layer, None, None, hidden_size, self.config.params_dtype)
         leaf = route.empty().requires_grad_()
         recv = route.dispatch(leaf)
-        experts = self.decoder.layers[layer].mlp.experts
-        out = run_local_experts(experts, recv, route.local_counts) if experts is not None else recv * 0
+        out = run_local_experts(self.decoder.layers[layer].mlp.experts, recv, route.local_counts)
         # The combined output lands on the attention ranks: nothing comes back here.
         return route.combine(out)
