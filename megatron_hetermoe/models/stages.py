@@ -6,15 +6,41 @@ probabilities, the MLP's bias-dropout-add onto the residual) + layer s's attenti
 permute; stage L = combine of layer L-1 + final norm + output head and loss. Zebra detaches
 between stages (schedules/zebra.py), so each piece here is a plain differentiable function.
 
+Each stage runs the code GPTModel.forward runs for it, with the same inputs: stage 0 is
+GPTModel._preprocess (the embedding, with learned absolute positions where the model has them,
+and the rotary embedding of the model's --position-embedding-type: rope, yarn, mrope, or none),
+and every layer's attention gets the batch's attention mask (e.g. --reset-attention-mask's
+document mask) and that rotary embedding, as TransformerBlock hands them to its layers.
+
 megatron-core has no public per-piece API for a TransformerLayer in 0.16-0.19: these call
-TransformerLayer._forward_attention / _forward_pre_mlp_layernorm / _forward_post_mlp and
-GPTModel._postprocess (what its own fine-grained callables for the 1F1B A2A overlap use too;
-those drive megatron's dispatcher and schedule, not a disaggregated one). tests/canary_step.py and
-the compat tests fail first when a release changes them.
+GPTModel._preprocess / _postprocess and TransformerLayer._forward_attention /
+_forward_pre_mlp_layernorm / _forward_post_mlp (what its own fine-grained callables for the 1F1B
+A2A overlap use too; those drive megatron's dispatcher and schedule, not a disaggregated one).
+tests/canary_step.py and the compat tests fail first when a release changes them.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class StageContext:
+    """What every stage of one microbatch reads besides its hidden states, as GPTModel.forward
+    passes it to its decoder: the batch's attention mask and packed-sequence parameters, and the
+    rotary embedding _preprocess made (all None for learned_absolute and none)."""
+    attention_mask: torch.Tensor | None = None
+    packed_seq_params: object | None = None
+    rotary_pos_emb: torch.Tensor | None = None
+    rotary_pos_cos: torch.Tensor | None = None
+    rotary_pos_sin: torch.Tensor | None = None
+    sequence_len_offset: torch.Tensor | None = None
+
+    def layer_kwargs(self) -> dict:
+        return {"attention_mask": self.attention_mask, "rotary_pos_emb": self.rotary_pos_emb,
+                "rotary_pos_cos": self.rotary_pos_cos, "rotary_pos_sin": self.rotary_pos_sin,
+                "packed_seq_params": self.packed_seq_params, "sequence_len_offset": self.sequence_len_offset}
 
 
 class AttentionStages:
@@ -28,17 +54,21 @@ class AttentionStages:
     def num_layers(self) -> int:
         return len(self.layers)
 
-    def rotary(self, seq_len: int):
-        return self.gpt.rotary_pos_emb(seq_len)
+    def embed(self, batch: dict) -> tuple[torch.Tensor, StageContext]:
+        """Stage 0's start: GPTModel._preprocess on the batch (embedding, rotary embedding)."""
+        out = self.gpt._preprocess(input_ids=batch["tokens"], position_ids=batch["position_ids"],
+                                   packed_seq_params=batch.get("packed_seq_params"))
+        if len(out) > 6:  # flashinfer's fused rope: inference only
+            raise NotImplementedError("zebra runs training passes; GPTModel._preprocess returned inference-only "
+                                      "rotary tensors (flashinfer fused rope)")
+        hidden, emb, cos, sin, offset = out[:5]
+        return hidden, StageContext(batch.get("attention_mask"), batch.get("packed_seq_params"), emb, cos, sin, offset)
 
-    def embed(self, batch: dict) -> torch.Tensor:
-        return self.gpt.embedding(input_ids=batch["tokens"], position_ids=batch["position_ids"])
-
-    def attention_and_route(self, layer: int, hidden: torch.Tensor, rope):
+    def attention_and_route(self, layer: int, hidden: torch.Tensor, ctx: StageContext):
         """Layer `layer` up to dispatch: returns (DispatchMeta, permuted tokens, residual,
         routing probabilities in travel order)."""
         tl = self.layers[layer]
-        hidden, _ = tl._forward_attention(hidden, attention_mask=None, rotary_pos_emb=rope)
+        hidden, _ = tl._forward_attention(hidden, **ctx.layer_kwargs())
         pre = tl._forward_pre_mlp_layernorm(hidden)
         probs, routing_map = tl.mlp.route(pre)
         meta, permuted = tl.mlp.token_dispatcher.preprocess(pre, routing_map, probs)
@@ -52,8 +82,13 @@ class AttentionStages:
         out = tl.mlp.token_dispatcher.postprocess(meta, combined, probs)
         return tl._forward_post_mlp((out, None), residual)
 
-    def head(self, hidden: torch.Tensor, batch: dict, rope) -> torch.Tensor:
-        hidden = self.gpt.decoder.final_layernorm(hidden)
-        return self.gpt._postprocess(hidden_states=hidden, input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                                     labels=batch["labels"], rotary_pos_emb=rope, rotary_pos_cos=None,
-                                     rotary_pos_sin=None)
+    def head(self, hidden: torch.Tensor, batch: dict, ctx: StageContext) -> torch.Tensor:
+        final = self.gpt.decoder.final_layernorm
+        if final is not None:
+            hidden = final(hidden)
+        return self.gpt._postprocess(hidden_states=hidden, input_ids=batch["tokens"],
+                                     position_ids=batch["position_ids"], labels=batch["labels"],
+                                     rotary_pos_emb=ctx.rotary_pos_emb, rotary_pos_cos=ctx.rotary_pos_cos,
+                                     rotary_pos_sin=ctx.rotary_pos_sin, loss_mask=batch.get("loss_mask"),
+                                     attention_mask=ctx.attention_mask, packed_seq_params=ctx.packed_seq_params,
+                                     sequence_len_offset=ctx.sequence_len_offset)

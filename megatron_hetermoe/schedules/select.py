@@ -22,16 +22,25 @@ TASK_LISTS = {"zebra": zebra_tasks, "distep": distep_tasks}
 
 class _CaptureModel:
     """Stands in for the model when calling a Megatron forward_step_func, to get the
-    microbatch (tokens, positions, labels) and its loss_func without running the model: zebra
-    runs the model stage by stage itself."""
+    microbatch (tokens, positions, labels, attention mask, loss mask, packed-sequence
+    parameters: what GPTModel.forward takes) and its loss_func without running the model: zebra
+    runs the model stage by stage itself (models/stages.py) with the same inputs. An input zebra
+    has no place for is refused, never dropped."""
 
     vp_stage = None  # Megatron-LM's forward_step reads it (get_attr_wrapped_model)
+    _PASSED = ("loss_mask", "packed_seq_params")
 
     def __init__(self):
         self.calls: list[dict] = []
 
     def __call__(self, input_ids, position_ids, attention_mask=None, labels=None, **kwargs):
-        self.calls.append({"tokens": input_ids, "position_ids": position_ids, "labels": labels})
+        other = sorted(k for k, v in kwargs.items() if v is not None and k not in self._PASSED)
+        if other:
+            raise NotImplementedError(f"the zebra schedule runs GPTModel stage by stage and cannot pass "
+                                      f"{other} to it; use --hetero-schedule distep")
+        self.calls.append({"tokens": input_ids, "position_ids": position_ids, "labels": labels,
+                           "attention_mask": attention_mask,
+                           **{k: kwargs.get(k) for k in self._PASSED}})
         return None
 
 

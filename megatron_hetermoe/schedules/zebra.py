@@ -30,7 +30,7 @@ from megatron_hetermoe.config import ZebraConfig
 from megatron_hetermoe.emulation.clock import sleep_until
 from megatron_hetermoe.models.dispatcher import DispatchMeta
 from megatron_hetermoe.models.experts import run_local_experts
-from megatron_hetermoe.models.stages import AttentionStages
+from megatron_hetermoe.models.stages import AttentionStages, StageContext
 from megatron_hetermoe.parallel import cpu_backend
 from megatron_hetermoe.parallel.comm import TokenRoute, all_to_all, all_to_all_async
 from megatron_hetermoe.parallel.state import HeteroParallelState
@@ -222,11 +222,15 @@ class AttentionZebra(ZebraRank):
         super().__init__(hs, c.hidden_size, c.params_dtype, cfg, recorder,
                          lambda l: self.stages.layers[l].mlp.experts)
 
-    def _stage(self, s: int, j: int, batch: dict, rope, leaves: tuple):
+    def _stage(self, s: int, j: int, batch: dict, leaves: tuple):
         """Forward of attention stage s (0..L-1): returns (permuted, residual, probs) and keeps
-        the stage's DispatchMeta in its slot."""
-        hidden = self.stages.embed(batch) if s == 0 else self._combine(s - 1, j, leaves)
-        meta, permuted, residual, probs = self.stages.attention_and_route(s, hidden, rope)
+        the stage's DispatchMeta in its slot; stage 0 also keeps the microbatch's StageContext
+        (attention mask, rotary embedding), which every later stage of it reads."""
+        if s == 0:
+            hidden, self.contexts[j] = self.stages.embed(batch)
+        else:
+            hidden = self._combine(s - 1, j, leaves)
+        meta, permuted, residual, probs = self.stages.attention_and_route(s, hidden, self.contexts[j])
         self.slot(s, j).meta = meta
         return permuted, residual, probs
 
@@ -234,8 +238,8 @@ class AttentionZebra(ZebraRank):
         combined, residual, probs = leaves
         return self.stages.combine(layer, self.slot(layer, j).meta, combined, residual, probs)
 
-    def _head(self, j: int, batch: dict, rope, leaves: tuple):
-        return self.stages.head(self._combine(self.stages.num_layers - 1, j, leaves), batch, rope)
+    def _head(self, j: int, batch: dict, leaves: tuple):
+        return self.stages.head(self._combine(self.stages.num_layers - 1, j, leaves), batch, self.contexts[j])
 
     def run(self, batches: list[dict], loss_funcs: list, tasks: list[Task]) -> list:
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -246,7 +250,7 @@ class AttentionZebra(ZebraRank):
         # loss scale), and the aux loss by grad_scale_func(1) / R.
         scale_loss = self.stages.gpt.config.grad_scale_func or (lambda t: t)
         MoEAuxLossAutoScaler.set_loss_scale(scale_loss(torch.ones(1, device=self.hs.device)) / R)
-        ropes = [self.stages.rotary(batches[j]["tokens"].shape[1]) for j in range(R)]
+        self.contexts: dict[int, StageContext] = {}
         losses: dict[int, torch.Tensor] = {}
         reported: dict[int, dict] = {}
 
@@ -263,12 +267,12 @@ class AttentionZebra(ZebraRank):
             if t.kind == "A_F":
                 lv = leaves_for(s, j) if s > 0 else ()
                 if s < L:
-                    fn = _in_device_scope(lambda *a: self._stage(s, j, batches[j], ropes[j], a))
+                    fn = _in_device_scope(lambda *a: self._stage(s, j, batches[j], a))
                     out = checkpoint(fn, *lv, use_reentrant=False) if self.cfg.recompute else fn(*lv)
                     st = self.slot(s, j)
                     st.permuted, st.residual, st.probs = out
                 else:
-                    fn = _in_device_scope(lambda *a: self._head(j, batches[j], ropes[j], a))
+                    fn = _in_device_scope(lambda *a: self._head(j, batches[j], a))
                     out_tensor = checkpoint(fn, *lv, use_reentrant=False) if self.cfg.recompute else fn(*lv)
                     loss, num_tokens, rep = loss_funcs[j](out_tensor)
                     losses[j] = loss / torch.clamp(num_tokens, min=1) / R

@@ -4,131 +4,26 @@ ranks over gloo. Skipped, with the reason, without a checkout or without Megatro
 training-side packages (the megatron-lm extra; `make test` installs it when MEGATRON_LM_DIR is set)."""
 from __future__ import annotations
 
-import importlib
-import json
-import os
-import re
-import socket
 import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
 import pytest
 from margins import within
+from megatron_lm_run import (
+    BATCH,
+    CPU,
+    DATA,
+    ITERATION,
+    MODEL,
+    RECIPE,
+    TOL_16,
+    env,
+    plugin_losses,
+    tb_losses,
+    torchrun,
+)
 from shared_plans import asym_ea_plan
-
-from megatron_hetermoe.training import megatron_lm
-
-ROOT = Path(__file__).resolve().parents[2]
-MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
-         "--num-experts", "4", "--seq-length", "32", "--max-position-embeddings", "32"]
-BATCH = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3"]
-DATA = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "90,5,5"]
-# The plugin's trainer always builds this recipe; these are its Megatron-LM flags (Megatron's
-# defaults differ: GeLU, LayerNorm, dropout 0.1, adam beta2 0.999, linear decay, min lr 0).
-RECIPE = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
-          "--untie-embeddings-and-output-weights", "--hidden-dropout", "0", "--attention-dropout", "0",
-          "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--min-lr", "1e-4"]
-# What Megatron-LM needs on a CPU without transformer-engine or apex, HeterMoE or not; the last two
-# keep torch.compile (Megatron's jit_fuser) out: its C++ does not build under ATEN_CPU_CAPABILITY=default.
-CPU = ["--transformer-impl", "local", "--distributed-backend", "gloo", "--no-rope-fusion", "--no-persist-layer-norm",
-       "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
-       "--no-bias-dropout-fusion"]
-# 16-bit losses, pretrain() vs the plugin's trainer: iteration 1 bitwise, then |diff| <= 8.9e-5 (bf16),
-# 2.7e-5 (fp16) and 9.2e-5 (bf16 attention + fp16 experts) measured over ATEN_CPU_CAPABILITY
-# default/avx2/avx512 (the rounding of 16-bit gradients summed in another order moves the next step's
-# weights by an ulp).
-TOL_16 = 5e-4
-ITERATION = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
-
-
-def _checkout() -> Path:
-    src = os.environ.get("MEGATRON_LM_DIR")
-    if not src:
-        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 work tree to run its pretrain() with HeterMoE")
-    checkout = Path(src)
-    if megatron_lm.checkout_version(checkout)[:2] != (0, 16):
-        pytest.skip(f"{checkout} is not core_v0.16.x: the pretrain() hooks are made for core_v0.16.1's")
-    for name in ("six", "regex", "pydantic", "triton", "tensorboard"):
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pytest.skip(f"Megatron-LM's training side needs {name!r}: pip install -e '.[megatron-lm]'")
-    return checkout
-
-
-@pytest.fixture(scope="module")
-def mlm(tmp_path_factory) -> Path:
-    """The checkout, linked entry by entry, with the patched pretrain_gpt.py."""
-    checkout = _checkout()
-    work = tmp_path_factory.mktemp("mlm")
-    for entry in checkout.iterdir():
-        if entry.name not in (".git", "pretrain_gpt.py"):
-            (work / entry.name).symlink_to(entry)
-    (work / "pretrain_gpt.py").write_text((checkout / "pretrain_gpt.py").read_text())
-    subprocess.run(["git", "apply", str(ROOT / "patches" / megatron_lm.patch_for(checkout))], cwd=work, check=True)
-    return work
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> str:
-    """Real text (the docstrings of Python's standard library) as UTF-8 byte ids, preprocessed by the
-    plugin's preprocess_data for NullTokenizer --vocab-size 256."""
-    from megatron_hetermoe.data.preprocess import main as preprocess
-
-    d = tmp_path_factory.mktemp("data")
-    docs = []
-    for m in ("json", "collections", "argparse", "functools", "itertools", "pathlib", "inspect", "logging",
-              "threading", "dataclasses", "heapq", "random", "statistics", "textwrap"):
-        mod = importlib.import_module(m)
-        for name in sorted(dir(mod)):
-            doc = getattr(getattr(mod, name), "__doc__", None)
-            if isinstance(doc, str) and len(doc) > 200:
-                docs.append(" ".join(str(b) for b in doc.encode("utf-8")))
-    (d / "docs.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
-    assert preprocess(["--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--input", str(d / "docs.jsonl"),
-                       "--output-prefix", str(d / "docs"), "--append-eod", "--workers", "1"]) in (0, None)
-    return str(d / "docs_text_document")
-
-
-def _env() -> dict:
-    # Megatron-LM compiles its dataset helpers with `python3 -m pybind11` and `python3-config`:
-    # this interpreter's, then its base installation's.
-    path = os.pathsep.join([str(Path(sys.executable).parent), sysconfig.get_config_var("BINDIR"), os.environ["PATH"]])
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path,
-            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-
-
-def _torchrun(work: Path, nproc: int, flags: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node",
-                           str(nproc), "--master-port", str(port), "pretrain_gpt.py", *flags],
-                          cwd=work, env=_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def _tb_losses(tb: Path, tag: str = "lm loss") -> dict[int, float]:
-    """Megatron-LM's own per-iteration values (its tensorboard scalars, written by the last rank:
-    float32, unlike its 7-digit log lines)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    ea = EventAccumulator(str(tb))
-    ea.Reload()
-    return {e.step: e.value for e in ea.Scalars(tag)}
-
-
-def _plugin_losses(tmp_path: Path, plan: Path, schedule: str, data_path: str, extra: tuple = ()) -> list[float]:
-    """The same run on the plugin's own trainer (python -m megatron_hetermoe.training.pretrain_gpt)."""
-    out = tmp_path / f"plugin-{schedule}.json"
-    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.training.pretrain_gpt", *MODEL, *BATCH,
-                        *DATA, "--data-path", data_path, "--nproc", "4", "--hetero-plan", str(plan),
-                        "--hetero-schedule", schedule, "--golden-values-out", str(out), *extra],
-                       cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    values = json.loads(out.read_text())["lm loss"]["values"]
-    return [values[str(i)] for i in range(1, len(values) + 1)]
 
 
 @pytest.mark.slow
@@ -144,7 +39,7 @@ def test_megatron_lm_pretrain_runs_hetermoe(mlm, data, tmp_path, schedule, extra
     plan = tmp_path / "plan.json"
     even_plan(2, 4, 1, 1, groups=2, num_microbatches=2, schedule=schedule).save(plan)
     tb = tmp_path / "tb"
-    r = _torchrun(mlm, 4, [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1",
+    r = torchrun(mlm, 4, [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1",
                            "--eval-interval", "2", "--eval-iters", "1", "--hetero-plan", str(plan),
                            "--tensorboard-dir", str(tb), *extra])
     log = r.stdout + r.stderr
@@ -157,9 +52,9 @@ def test_megatron_lm_pretrain_runs_hetermoe(mlm, data, tmp_path, schedule, extra
     assert "validation loss at iteration 2 | lm loss value:" in log
     assert "validation loss at iteration 3 on test set | lm loss value:" in log
     assert sorted(int(i) for i, _ in ITERATION.findall(log)) == [1, 2, 3], log[-4000:]
-    megatron = _tb_losses(tb)
-    assert sorted(megatron) == [1, 2, 3] and sorted(_tb_losses(tb, "lm loss validation")) == [2, 3]
-    plugin = _plugin_losses(tmp_path, plan, schedule, data)
+    megatron = tb_losses(tb)
+    assert sorted(megatron) == [1, 2, 3] and sorted(tb_losses(tb, "lm loss validation")) == [2, 3]
+    plugin = plugin_losses(tmp_path, plan, schedule, data)
     # Measured: |diff| <= 4.8e-7 (iteration 1; the others bitwise), the token-weighted sums added in
     # another order.
     assert [megatron[i] for i in (1, 2, 3)] == pytest.approx(plugin, abs=3e-6), (megatron, plugin)
@@ -179,7 +74,7 @@ def test_megatron_lm_pretrain_in_16_bit(mlm, data, tmp_path, precision):
     and the bf16 attention ranks hold the world's fp16 loss scale."""
     plan = _asym_plan(tmp_path / "plan.json")
     tb = tmp_path / "tb"
-    r = _torchrun(mlm, 4, [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1",
+    r = torchrun(mlm, 4, [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1",
                            "--eval-interval", "2", "--eval-iters", "1", "--hetero-plan", str(plan),
                            "--tensorboard-dir", str(tb), *precision])
     log = r.stdout + r.stderr
@@ -190,8 +85,8 @@ def test_megatron_lm_pretrain_in_16_bit(mlm, data, tmp_path, precision):
         lines = [ln for ln in log.splitlines() if ITERATION.search(ln)]
         assert len(lines) == 3 and all("loss scale: 4096.0 |" in ln and "skipped iterations:   0 |" in ln
                                        for ln in lines), lines
-    megatron = _tb_losses(tb)
-    plugin = _plugin_losses(tmp_path, plan, "zebra", data, tuple(precision))
+    megatron = tb_losses(tb)
+    plugin = plugin_losses(tmp_path, plan, "zebra", data, tuple(precision))
     assert megatron[1] == plugin[0]
     within(f"pretrain() vs plugin, {' '.join(precision)}", max(abs(megatron[i] - plugin[i - 1]) for i in (1, 2, 3)),
            TOL_16)
@@ -203,7 +98,7 @@ def test_megatron_lm_flags_it_cannot_honour_are_refused_by_name(mlm, tmp_path):
 
     plan = tmp_path / "plan.json"
     even_plan(2, 4, 1, 1, num_microbatches=4).save(plan)
-    r = _torchrun(mlm, 1, [*MODEL, *BATCH, *CPU, "--mock-data", "--vocab-size", "256", "--tokenizer-type",
+    r = torchrun(mlm, 1, [*MODEL, *BATCH, *CPU, "--mock-data", "--vocab-size", "256", "--tokenizer-type",
                            "NullTokenizer", "--recompute-granularity", "full", "--moe-token-dispatcher-type",
                            "alltoall", "--hetero-plan", str(plan)], timeout=300)
     log = r.stdout + r.stderr
@@ -257,14 +152,14 @@ def test_resume_from_a_torch_dist_checkpoint_is_bitwise(mlm, data, tmp_path, pre
     flags = [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1", "--eval-interval",
              "100", "--eval-iters", "0", "--hetero-plan", str(plan), "--ckpt-format", "torch_dist", *precision]
     a, b = tmp_path / "a", tmp_path / "b"
-    r = _torchrun(mlm, 4, [*flags, "--save", str(a), "--save-interval", "2", "--tensorboard-dir", str(tmp_path / "tb_a")])
+    r = torchrun(mlm, 4, [*flags, "--save", str(a), "--save-interval", "2", "--tensorboard-dir", str(tmp_path / "tb_a")])
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-    r2 = _torchrun(mlm, 4, [*flags, "--load", str(a), "--ckpt-step", "2", "--save", str(b), "--save-interval", "3",
+    r2 = torchrun(mlm, 4, [*flags, "--load", str(a), "--ckpt-step", "2", "--save", str(b), "--save-interval", "3",
                             "--tensorboard-dir", str(tmp_path / "tb_b")])
     log2 = r2.stdout + r2.stderr
     assert r2.returncode == 0, log2[-4000:]
     assert f"successfully loaded checkpoint from {a}" in log2 and "at iteration 2" in log2
-    assert _tb_losses(tmp_path / "tb_b") == {3: _tb_losses(tmp_path / "tb_a")[3]}
+    assert tb_losses(tmp_path / "tb_b") == {3: tb_losses(tmp_path / "tb_a")[3]}
     whole, resumed = _load_dcp(a / "iter_0000003"), _load_dcp(b / "iter_0000003")
     assert any("exp_avg" in k for k in whole) and any("experts.experts.linear_fc1" in k for k in whole)
     assert any("fp32_param" in k for k in whole) == bool(precision)  # 16-bit: the fp32 main weights
@@ -296,12 +191,12 @@ def test_megatron_ep_and_hetermoe_checkpoints_load_into_each_other(mlm, data, tm
 
     def run(nproc, extra):
         tb = tmp_path / f"tb{len(list(tmp_path.glob('tb*')))}"
-        r = _torchrun(mlm, nproc, [*flags, *extra, "--tensorboard-dir", str(tb)])
+        r = torchrun(mlm, nproc, [*flags, *extra, "--tensorboard-dir", str(tb)])
         assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-        balance = _tb_losses(tb, "load_balancing_loss")  # logged by the last rank: an expert rank here
+        balance = tb_losses(tb, "load_balancing_loss")  # logged by the last rank: an expert rank here
         assert balance and all(v > 0.5 for v in balance.values()), balance
         seen.append(balance)
-        return _tb_losses(tb)
+        return tb_losses(tb)
 
     seen: list[dict] = []
 
@@ -327,7 +222,7 @@ def test_megatron_lm_pretrain_with_mock_data(mlm, tmp_path):
 
     plan = tmp_path / "plan.json"
     even_plan(2, 4, 2, 2, num_microbatches=2, schedule="zebra").save(plan)
-    r = _torchrun(mlm, 4, [*MODEL, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2",
+    r = torchrun(mlm, 4, [*MODEL, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "2",
                            "--lr", "1e-3", "--mock-data", "--vocab-size", "256", "--tokenizer-type", "NullTokenizer",
                            *RECIPE, *CPU, "--log-interval", "1", "--eval-interval", "1", "--eval-iters", "1",
                            "--hetero-plan", str(plan)])
@@ -340,7 +235,7 @@ def test_megatron_lm_pretrain_with_mock_data(mlm, tmp_path):
 
 @pytest.mark.slow
 def test_help_lists_the_hetero_flags(mlm):
-    r = subprocess.run([sys.executable, "-W", "ignore", "pretrain_gpt.py", "--help"], cwd=mlm, env=_env(),
+    r = subprocess.run([sys.executable, "-W", "ignore", "pretrain_gpt.py", "--help"], cwd=mlm, env=env(),
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
     assert "HeterMoE (megatron-hetermoe):" in r.stdout and "--hetero-plan HETERO_PLAN" in r.stdout

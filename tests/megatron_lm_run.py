@@ -1,0 +1,112 @@
+"""Running Megatron-LM's own pretrain_gpt.py from a checkout (MEGATRON_LM_DIR) in tests: the flags
+of the tiny recipe, torchrun on CPU ranks, Megatron's tensorboard scalars, and the same run on the
+plugin's trainer. The checkout and data fixtures are in tests/training/conftest.py."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from megatron_hetermoe.training import megatron_lm
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+         "--num-experts", "4", "--seq-length", "32", "--max-position-embeddings", "32"]
+BATCH = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3"]
+DATA = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "90,5,5"]
+# The plugin's trainer always builds this recipe; these are its Megatron-LM flags (Megatron's
+# defaults differ: GeLU, LayerNorm, dropout 0.1, adam beta2 0.999, linear decay, min lr 0).
+RECIPE = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+          "--untie-embeddings-and-output-weights", "--hidden-dropout", "0", "--attention-dropout", "0",
+          "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--min-lr", "1e-4"]
+# What Megatron-LM needs on a CPU without transformer-engine or apex, HeterMoE or not; the last two
+# keep torch.compile (Megatron's jit_fuser) out: its C++ does not build under ATEN_CPU_CAPABILITY=default.
+CPU = ["--transformer-impl", "local", "--distributed-backend", "gloo", "--no-rope-fusion", "--no-persist-layer-norm",
+       "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
+       "--no-bias-dropout-fusion"]
+# 16-bit losses, pretrain() vs the plugin's trainer: iteration 1 bitwise, then |diff| <= 8.9e-5 (bf16),
+# 2.7e-5 (fp16) and 9.2e-5 (bf16 attention + fp16 experts) measured over ATEN_CPU_CAPABILITY
+# default/avx2/avx512 (the rounding of 16-bit gradients summed in another order moves the next step's
+# weights by an ulp).
+TOL_16 = 5e-4
+ITERATION = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*? lm loss: ([0-9.E+-]+) \|")
+
+
+def checkout_dir() -> Path:
+    src = os.environ.get("MEGATRON_LM_DIR")
+    if not src:
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 work tree to run its pretrain() with HeterMoE")
+    checkout = Path(src)
+    if megatron_lm.checkout_version(checkout)[:2] != (0, 16):
+        pytest.skip(f"{checkout} is not core_v0.16.x: the pretrain() hooks are made for core_v0.16.1's")
+    for name in ("six", "regex", "pydantic", "triton", "tensorboard"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pytest.skip(f"Megatron-LM's training side needs {name!r}: pip install -e '.[megatron-lm]'")
+    return checkout
+
+
+def env() -> dict:
+    # Megatron-LM compiles its dataset helpers with `python3 -m pybind11` and `python3-config`:
+    # this interpreter's, then its base installation's.
+    path = os.pathsep.join([str(Path(sys.executable).parent), sysconfig.get_config_var("BINDIR"), os.environ["PATH"]])
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path,
+            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+
+def torchrun(work: Path, nproc: int, flags: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node",
+                           str(nproc), "--master-port", str(port), "pretrain_gpt.py", *flags],
+                          cwd=work, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def tb_losses(tb: Path, tag: str = "lm loss") -> dict[int, float]:
+    """Megatron-LM's own per-iteration values (its tensorboard scalars, written by the last rank:
+    float32, unlike its 7-digit log lines)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    ea = EventAccumulator(str(tb))
+    ea.Reload()
+    return {e.step: e.value for e in ea.Scalars(tag)}
+
+
+def plugin_losses(tmp_path: Path, plan: Path, schedule: str, data_path: str, extra: tuple = ()) -> list[float]:
+    """The same run on the plugin's own trainer (python -m megatron_hetermoe.training.pretrain_gpt)."""
+    out = tmp_path / f"plugin-{schedule}.json"
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.training.pretrain_gpt", *MODEL, *BATCH,
+                        *DATA, "--data-path", data_path, "--nproc", "4", "--hetero-plan", str(plan),
+                        "--hetero-schedule", schedule, "--golden-values-out", str(out), *extra],
+                       cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    values = json.loads(out.read_text())["lm loss"]["values"]
+    return [values[str(i)] for i in range(1, len(values) + 1)]
+
+
+
+
+# Megatron-LM's own model defaults, as its MoE CI configs train them: GeLU, LayerNorm, learned absolute
+# positions, tied embeddings (biases off: HeterMoE's experts have none yet), no dropout.
+MEGATRON_DEFAULTS = ["--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]
+
+
+def run_losses(work: Path, tmp_path: Path, nproc: int, flags: list[str], name: str,
+               tag: str = "lm loss") -> tuple[dict[int, float], str]:
+    """torchrun pretrain_gpt.py with `flags` and its own --tensorboard-dir under tmp_path/name;
+    returns (Megatron's per-iteration `tag` scalars, the log). Fails with the log's tail."""
+    tb = tmp_path / name
+    r = torchrun(work, nproc, [*flags, "--tensorboard-dir", str(tb)])
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    return tb_losses(tb, tag), log

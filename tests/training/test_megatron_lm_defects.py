@@ -1,0 +1,50 @@
+"""Defects of Megatron-LM's pretrain() with --hetero-plan found by review (issue 24), each
+reproduced as a Megatron user runs it, from a core_v0.16.1 checkout (MEGATRON_LM_DIR)."""
+from __future__ import annotations
+
+import pytest
+from margins import within
+from megatron_lm_run import BATCH, CPU, DATA, MEGATRON_DEFAULTS, MODEL, RECIPE, run_losses
+
+from megatron_hetermoe.plan.hetero_plan import even_plan
+
+pytestmark = pytest.mark.slow
+EVAL_OFF = ["--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0"]
+
+
+def _max_diff(a: dict[int, float], b: dict[int, float]) -> float:
+    assert sorted(a) == sorted(b), (a, b)
+    return max(abs(a[i] - b[i]) for i in a)
+
+
+def _plan(tmp_path, schedule: str, m: int = 1, n: int = 1, groups: int = 1):
+    path = tmp_path / f"plan-{schedule}-{m}+{n}x{groups}.json"
+    even_plan(2, 4, m, n, groups=groups, num_microbatches=8 // (2 * m * groups), schedule=schedule).save(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("positions", [[], ["--position-embedding-type", "none"]], ids=["learned_absolute", "none"])
+def test_zebra_trains_megatrons_default_model_as_distep_does(mlm, data, tmp_path, positions):
+    """Issue 24 item 2: Megatron's default model (GeLU, LayerNorm, learned absolute positions,
+    tied embeddings), and one without position embeddings, under zebra: the losses of DistEP
+    (Megatron's own schedule and MoELayer.forward). Zebra crashed on any model without RoPE."""
+    flags = [*MODEL, *BATCH, *DATA, *CPU, *MEGATRON_DEFAULTS, *positions, *EVAL_OFF, "--data-path", data]
+    losses = {s: run_losses(mlm, tmp_path, 2, [*flags, "--hetero-plan", _plan(tmp_path, s)], s)[0]
+              for s in ("zebra", "distep")}
+    assert sorted(losses["zebra"]) == sorted(losses["distep"]) == [1, 2, 3]
+    within("zebra vs distep, Megatron's default model", _max_diff(losses["zebra"], losses["distep"]), 3e-6)
+
+
+def test_zebra_uses_the_document_attention_mask(mlm, data, tmp_path):
+    """Issue 24 item 10: --reset-attention-mask (document masking) under zebra trains with the
+    data loader's mask, as DistEP does; that mask changes the losses (the test's data has
+    documents shorter than some samples), so a zebra run that dropped it would fail here. The
+    recipe's RoPE model: zebra ran it before, with a plain causal mask."""
+    flags = [*MODEL, *BATCH, *DATA, *CPU, *RECIPE, *EVAL_OFF, "--data-path", data]
+    reset = ["--reset-attention-mask", "--reset-position-ids"]
+    zebra, _ = run_losses(mlm, tmp_path, 2, [*flags, *reset, "--hetero-plan", _plan(tmp_path, "zebra")], "zebra")
+    distep, _ = run_losses(mlm, tmp_path, 2, [*flags, *reset, "--hetero-plan", _plan(tmp_path, "distep")], "distep")
+    causal, _ = run_losses(mlm, tmp_path, 2, [*flags, "--reset-position-ids", "--hetero-plan",
+                                               _plan(tmp_path, "distep")], "causal")
+    within("zebra vs distep, --reset-attention-mask", _max_diff(zebra, distep), 3e-6)
+    assert _max_diff(causal, distep) > 1e-4, (causal, distep)
