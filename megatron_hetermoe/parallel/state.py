@@ -80,6 +80,15 @@ class HeteroParallelState:
         order = self.layer_order(layer)
         return all_counts[:, [order.index(e) for e in self.local_experts(layer)]]
 
+    def owns_gradient(self, is_expert: bool) -> bool:
+        """Whether this rank counts a gradient it holds in the world's gradient norm, so that each
+        distinct parameter is counted exactly once: a dense parameter (replicated on every
+        attention rank) by attention DP rank 0; an expert (replicated across ZP groups, on an
+        expert rank or, with Asym-EA, an attention rank) by its holder in ZP group 0."""
+        if is_expert:
+            return self.group_index == 0
+        return self.attention_dp_rank == 0
+
     def pg_collection(self):
         """ProcessGroupCollection for megatron-core modules on this rank: every model-parallel
         dimension is this rank alone; data parallelism is the attention DP group (attention

@@ -124,8 +124,7 @@ class HeteroStep:
         if hs.role == "expert":
             average_expert_grads(hs, self.model)
         grads = [(p.main_grad, _is_expert_param(p)) for p in self.model.parameters()]
-        owned = [g for g, is_expert in grads
-                 if (hs.group_index == 0 if is_expert else hs.attention_dp_rank == 0)]
+        owned = [g for g, is_expert in grads if hs.owns_gradient(is_expert)]
         # The gradients carry the world's one loss scale (training/step.py share_loss_scale); the
         # norm and the clip are of the unscaled ones, as Megatron clips after unscaling.
         scale = loss_scale_of(self.optimizer)

@@ -314,13 +314,13 @@ class HeteroPretrain:
             # empty distributed optimizer cannot write its state (it asserts one Adam step).
             optimizer = ChainedOptimizer([o for o in chained if o.get_parameters()])
         hs = self.hs
-        owner = hs.attention_dp_rank == 0 if hs.role == "attention" else hs.group_index == 0
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
             opt.grad_stats_parallel_group = hs.world_group
-            # A replica's gradients are counted on its owner only. The distributed optimizer
-            # already counts each shard once: dense ones over the attention DP group, experts
-            # over their replica group.
-            if not owner and not isinstance(opt, DistributedOptimizer):
+            # A replica's gradients are counted on its owner only, decided per sub-optimizer (an
+            # Asym-EA attention rank steps a dense one and an expert one, owned apart). The
+            # distributed optimizer already counts each shard once: dense ones over the attention
+            # DP group, experts over their replica group.
+            if not isinstance(opt, DistributedOptimizer) and not hs.owns_gradient(_holds_experts(opt)):
                 opt.get_main_grads_for_grad_norm = list
             if isinstance(opt, DistributedOptimizer):
                 # Its checkpoint keys name the model-parallel group the state belongs to; here the
@@ -386,6 +386,17 @@ class HeteroPretrain:
                  _wrap(moe_utils.reduce_aux_losses_tracker_across_ranks, self.reduce_aux_losses)),
             ]))
             yield self
+
+
+def _holds_experts(optimizer) -> bool:
+    """Whether a Megatron sub-optimizer steps expert parameters: Megatron's factory keeps dense and
+    expert parameters (allreduce=False) in separate sub-optimizers and marks each param group's
+    is_expert_parallel (its main-parameter copies in 16-bit carry no allreduce attribute)."""
+    expert = {bool(g.get("is_expert_parallel", False)) for g in optimizer.param_groups}
+    if len(expert) > 1:
+        raise RuntimeError("a Megatron sub-optimizer holds both dense and expert parameters; HeterMoE counts "
+                           "each sub-optimizer's gradients in the global norm on one owner")
+    return expert == {True}
 
 
 def _wrap(original: Callable, hook: Callable) -> Callable:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 from margins import within
-from megatron_lm_run import BATCH, CPU, DATA, MEGATRON_DEFAULTS, MODEL, RECIPE, run_losses
+from megatron_lm_run import BATCH, CPU, DATA, MEGATRON_DEFAULTS, MODEL, RECIPE, plugin_losses, run_losses
+from shared_plans import sparse_asym_ea_plan
 
 from megatron_hetermoe.plan.hetero_plan import even_plan
 
@@ -48,3 +49,29 @@ def test_zebra_uses_the_document_attention_mask(mlm, data, tmp_path):
                                                _plan(tmp_path, "distep")], "causal")
     within("zebra vs distep, --reset-attention-mask", _max_diff(zebra, distep), 3e-6)
     assert _max_diff(causal, distep) > 1e-4, (causal, distep)
+
+
+def test_global_grad_norm_counts_experts_on_every_attention_rank(mlm, data, tmp_path):
+    """Issue 24 item 9: on a 2+2 Asym-EA plan whose second attention rank holds an expert (and
+    whose second expert rank holds none in layer 1), pretrain()'s gradient norm is Megatron EP's
+    at identical parameters (a plain EP checkpoint loaded into HeterMoE), and with clipping
+    active the losses are the plugin trainer's. Gradient-norm ownership was one flag per rank,
+    which left out the experts of every attention rank but the first."""
+    plan = tmp_path / "plan.json"
+    sparse_asym_ea_plan().save(plan)
+    flags = [*MODEL, *BATCH, *DATA, *CPU, *RECIPE, *EVAL_OFF, "--data-path", data, "--moe-aux-loss-coeff", "0.01"]
+    ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    ckpt = tmp_path / "ckpt"
+    ep_norm, _ = run_losses(mlm, tmp_path, 2, [*flags, *ep, "--save", str(ckpt), "--save-interval", "2"], "ep",
+                            tag="grad-norm")
+    het_norm, _ = run_losses(mlm, tmp_path, 4, [*flags, "--hetero-plan", str(plan), "--load", str(ckpt),
+                                                "--ckpt-step", "2", "--no-load-optim", "--no-load-rng"], "hetero",
+                             tag="grad-norm")
+    assert sorted(het_norm) == [3]
+    within("grad norm at identical parameters, HeterMoE vs Megatron EP", abs(het_norm[3] - ep_norm[3]) / ep_norm[3],
+           1e-5)
+    # Clipping at 0.05 (below every norm here): a wrong norm changes every update.
+    clip = ["--clip-grad", "0.05"]
+    megatron, _ = run_losses(mlm, tmp_path, 4, [*flags, *clip, "--hetero-plan", str(plan)], "clipped")
+    plugin = plugin_losses(tmp_path, plan, "zebra", data, ("--moe-aux-loss-coeff", "0.01", *clip))
+    within("pretrain() vs plugin trainer, clipped", max(abs(megatron[i] - plugin[i - 1]) for i in (1, 2, 3)), 3e-6)
