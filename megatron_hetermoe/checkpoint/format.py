@@ -124,7 +124,9 @@ def rank_payload(state: RankState, iteration: int) -> dict:
         "iteration": iteration,
         "rank": state.rank,
         "role": state.role,
-        "model": {n: p.detach().clone() for n, p in state.module.named_parameters()},
+        # Host copies: a copy on the rank's device would double the model's memory there at the
+        # first --save-interval (the likeliest out-of-memory point on a small expert GPU).
+        "model": {n: p.detach().to("cpu", copy=True) for n, p in state.module.named_parameters()},
         "names": dict(state.names),
         "optimizer": opt.state_dict(),
         "optimizer_param_names": optimizer_param_names(state),
