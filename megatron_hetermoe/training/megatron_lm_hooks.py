@@ -384,8 +384,36 @@ class HeteroPretrain:
                 (checkpointing, "get_rng_state", _wrap(checkpointing.get_rng_state, self.get_rng_state)),
                 (moe_utils, "reduce_aux_losses_tracker_across_ranks",
                  _wrap(moe_utils.reduce_aux_losses_tracker_across_ranks, self.reduce_aux_losses)),
+                (checkpointing, "FullyParallelSaveStrategyWrapper", _save_wrapper_for_roles()),
             ]))
             yield self
+
+
+def _save_wrapper_for_roles():
+    """megatron-core's FullyParallelSaveStrategyWrapper for ranks whose save groups differ in size
+    by role (Megatron-LM saves over each rank's data-parallel group: an attention rank's is the
+    attention DP group, an expert rank's its replica group, often of one rank).
+
+    With --ckpt-assume-constant-structure the wrapper caches its save distribution after the first
+    save and from then on skips the sharding validation, a world-wide all_gather_object. For a
+    one-rank group it computes no distribution, so it caches nothing and validated again at every
+    save: those ranks entered the world-wide gather while the others had moved on to the save's
+    own collectives, and the second save hung. Here a one-rank group caches that it has nothing to
+    distribute, so every rank validates at the first save only, as with equal groups."""
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelSaveStrategyWrapper
+
+    class SaveParallelizationForRoles(FullyParallelSaveStrategyWrapper):
+        def apply_saving_parallelization(self, sharded_state_dict) -> None:
+            super().apply_saving_parallelization(sharded_state_dict)
+            if (self.do_cache_distribution and self.cached_distribution is None
+                    and dist.get_world_size(self.parallelization_group) <= 1):
+                # Never read for a one-rank group (the distribution is applied only to larger ones).
+                self.cached_distribution = _NOTHING_TO_DISTRIBUTE
+
+    return SaveParallelizationForRoles
+
+
+_NOTHING_TO_DISTRIBUTE = ()
 
 
 def _holds_experts(optimizer) -> bool:

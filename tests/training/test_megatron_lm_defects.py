@@ -75,3 +75,21 @@ def test_global_grad_norm_counts_experts_on_every_attention_rank(mlm, data, tmp_
     megatron, _ = run_losses(mlm, tmp_path, 4, [*flags, *clip, "--hetero-plan", str(plan)], "clipped")
     plugin = plugin_losses(tmp_path, plan, "zebra", data, ("--moe-aux-loss-coeff", "0.01", *clip))
     within("pretrain() vs plugin trainer, clipped", max(abs(megatron[i] - plugin[i - 1]) for i in (1, 2, 3)), 3e-6)
+
+
+def test_second_save_with_assume_constant_structure(mlm, data, tmp_path):
+    """Issue 24 item 4: --ckpt-assume-constant-structure (Megatron's MoE CI sets it) on a 1x(2+2)
+    plan: the attention ranks' save group (their DP group) has 2 ranks and caches its save
+    layout; the expert ranks' (their replica group) has 1, for which megatron-core caches
+    nothing, so at the second save they re-entered a world-wide all_gather_object the attention
+    ranks skip. Both saves complete and the second loads."""
+    flags = [*MODEL, *BATCH, *DATA, *CPU, *RECIPE, *EVAL_OFF, "--data-path", data, "--distributed-timeout-minutes", "1",
+             "--ckpt-assume-constant-structure", "--ckpt-format", "torch_dist"]
+    ckpt = tmp_path / "ckpt"
+    plan = _plan(tmp_path, "zebra", 2, 2)
+    run_losses(mlm, tmp_path, 4, [*flags, "--hetero-plan", plan, "--save", str(ckpt), "--save-interval", "1"], "save")
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+    assert all((ckpt / f"iter_000000{i}" / "metadata.json").exists() for i in (1, 2, 3))
+    resumed, log = run_losses(mlm, tmp_path, 4, [*flags, "--hetero-plan", plan, "--load", str(ckpt), "--ckpt-step",
+                                                 "2"], "resume")
+    assert sorted(resumed) == [3] and "at iteration 2" in log
