@@ -17,9 +17,9 @@ def asym_ea_plan() -> HeteroPlan:
 
 def sparse_asym_ea_plan(schedule: str = "zebra") -> HeteroPlan:
     """For the tiny model: one ZP group of 2 attention ranks (0, 1) + 2 expert ranks (2, 3), R=2.
-    Layer 0: rank 0 holds expert 0, rank 2 experts 1-2, rank 3 expert 3; layer 1: the second
-    attention rank (1) holds expert 3 and rank 2 the rest, so expert rank 3 holds no expert at
-    all in layer 1 (as Asym-EA's placement makes when it moves more than E-N experts of a layer)
-    and attention rank 0 none either."""
-    g = ZPGroup([0, 1], [2, 3], [{0: [0], 2: [1, 2], 3: [3]}, {1: [3], 2: [0, 1, 2]}])
+    Only the second attention rank holds experts (expert 0 of layer 0, expert 3 of layer 1), so
+    attention rank 0 steps a dense sub-optimizer only and rank 1 a dense and an expert one; expert
+    rank 3 holds expert 3 of layer 0 and nothing at all in layer 1 (as Asym-EA's placement makes
+    when it moves more than E-N experts of a layer)."""
+    g = ZPGroup([0, 1], [2, 3], [{1: [0], 2: [1, 2], 3: [3]}, {1: [3], 2: [0, 1, 2]}])
     return HeteroPlan(2, 4, ["cpu"] * 4, [g], num_microbatches=2, schedule=schedule)

@@ -7,6 +7,7 @@ loop that mirrors the attention ranks' order of collectives for either schedule.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 
 from megatron_hetermoe.config import ZebraConfig
@@ -59,20 +60,21 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
                                   "evaluate with --hetero-schedule distep")
     if num_microbatches != hs.plan.num_microbatches:
         raise ValueError(f"num_microbatches={num_microbatches} but the plan's R={hs.plan.num_microbatches}")
-    cap = _CaptureModel()
-    loss_funcs = []
-    for _ in range(num_microbatches):
-        _, lf = forward_step_func(data_iterator, cap)
-        loss_funcs.append(lf)
     gpt = unwrap(model)
-    az = AttentionZebra(gpt, hs, zebra_config or ZebraConfig(), recorder)
-    reported = az.run(cap.calls, loss_funcs, TASK_LISTS[schedule](hs.plan, hs.rank))
-    if executed is not None:
-        executed.append((az.ex.executed, az.ex.executed_streams, az.ex.meter.peak))
     cfg = gpt.config
-    if cfg.finalize_model_grads_func is not None:
-        cfg.finalize_model_grads_func(model if isinstance(model, list) else [model], None,
-                                      pg_collection=pg_collection)
+    with _forward_backward_timer(cfg):
+        cap = _CaptureModel()
+        loss_funcs = []
+        for _ in range(num_microbatches):
+            _, lf = forward_step_func(data_iterator, cap)
+            loss_funcs.append(lf)
+        az = AttentionZebra(gpt, hs, zebra_config or ZebraConfig(), recorder)
+        reported = az.run(cap.calls, loss_funcs, TASK_LISTS[schedule](hs.plan, hs.rank))
+        if executed is not None:
+            executed.append((az.ex.executed, az.ex.executed_streams, az.ex.meter.peak))
+        if cfg.finalize_model_grads_func is not None:
+            cfg.finalize_model_grads_func(model if isinstance(model, list) else [model], None,
+                                          pg_collection=pg_collection)
     return reported
 
 
@@ -91,15 +93,29 @@ def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model
         expert_distep(runtime, num_microbatches, forward_only=True)
         return []
     ddp = model[0] if isinstance(model, list) else model
-    if schedule == "zebra" or task_list:
-        ez = ExpertZebra(runtime, hs, zebra_config or ZebraConfig(), recorder)
-        ez.run(TASK_LISTS[schedule](hs.plan, hs.rank))
-        if executed is not None:
-            executed.append((ez.ex.executed, ez.ex.executed_streams, ez.ex.meter.peak))
-    else:
-        expert_distep(runtime, num_microbatches)
-    ddp.finish_grad_sync()  # the expert side of Megatron's finalize_model_grads (1/M: training/hetero.py)
+    with _forward_backward_timer(runtime.config):
+        if schedule == "zebra" or task_list:
+            ez = ExpertZebra(runtime, hs, zebra_config or ZebraConfig(), recorder)
+            ez.run(TASK_LISTS[schedule](hs.plan, hs.rank))
+            if executed is not None:
+                executed.append((ez.ex.executed, ez.ex.executed_streams, ez.ex.meter.peak))
+        else:
+            expert_distep(runtime, num_microbatches)
+        ddp.finish_grad_sync()  # the expert side of Megatron's finalize_model_grads (1/M: training/hetero.py)
     return []
+
+
+@contextmanager
+def _forward_backward_timer(config):
+    """Megatron's 'forward-backward' L1 timer around a step, as its own schedules time theirs
+    (when Megatron-LM's training loop set config.timers), so every rank of every role reports it."""
+    timers = getattr(config, "timers", None)
+    if timers is None:
+        yield
+        return
+    timers("forward-backward", log_level=1).start(barrier=config.barrier_with_L1_time)
+    yield
+    timers("forward-backward").stop()
 
 
 def get_forward_backward_func(hs: HeteroParallelState, schedule: str | None = None, task_list: bool = False,

@@ -235,7 +235,10 @@ class HeteroPretrain:
         config = config or core_transformer_config_from_args(args)
         # ep > 1 marks expert weights allreduce=False (Megatron's expert parameters): DDP reduces
         # them over the expert replica group and the optimizer keeps them apart, as in training/hetero.py.
-        config = dataclasses.replace(config, expert_model_parallel_size=2)
+        # No barrier in the model's own L1 timers (Megatron's schedule, finalize_model_grads): the
+        # roles run different code there, so a world-wide barrier in one role's never meets the
+        # other's (see _no_role_barriers).
+        config = dataclasses.replace(config, expert_model_parallel_size=2, barrier_with_L1_time=False)
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_impl == "transformer_engine",
                                            normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
                                            vp_stage=vp_stage)
@@ -307,6 +310,7 @@ class HeteroPretrain:
 
         # install_parallel_state makes no gloo twins of the DP groups (only the distributed
         # optimizer's checkpoints use them; on CPU ranks every group is gloo already).
+        a, k = _no_role_barriers(a, k)
         optimizer = build(*a, **{**k, "use_gloo_process_groups": False})
         chained = getattr(optimizer, "chained_optimizers", None)
         if chained and any(not o.get_parameters() for o in chained) and any(o.get_parameters() for o in chained):
@@ -387,6 +391,21 @@ class HeteroPretrain:
                 (checkpointing, "FullyParallelSaveStrategyWrapper", _save_wrapper_for_roles()),
             ]))
             yield self
+
+
+def _no_role_barriers(a: tuple, k: dict) -> tuple[tuple, dict]:
+    """get_megatron_optimizer's arguments with its OptimizerConfig's barrier_with_L1_time off.
+
+    --barrier-with-L1-time (Megatron's default) makes every L1 timer barrier over the world when
+    it starts and stops. Megatron-LM's loop-level timers (forward-backward-and-optimizer pieces
+    train_step times itself) run on every rank alike and keep their barriers. The timers inside
+    the optimizer run once per sub-optimizer, and HeterMoE ranks hold different numbers of them
+    (dense only, dense + Asym-EA experts, experts only): their world barriers would pair up
+    wrongly and hang. Those, and the model's (builder), time without a barrier: each rank's own
+    time, which --timing-log-option all shows per rank."""
+    if a:
+        return (dataclasses.replace(a[0], barrier_with_L1_time=False), *a[1:]), k
+    return a, {**k, "config": dataclasses.replace(k["config"], barrier_with_L1_time=False)}
 
 
 def _save_wrapper_for_roles():

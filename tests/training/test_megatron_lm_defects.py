@@ -2,6 +2,8 @@
 reproduced as a Megatron user runs it, from a core_v0.16.1 checkout (MEGATRON_LM_DIR)."""
 from __future__ import annotations
 
+import re
+
 import pytest
 from margins import within
 from megatron_lm_run import BATCH, CPU, DATA, MEGATRON_DEFAULTS, MODEL, RECIPE, plugin_losses, run_losses
@@ -93,3 +95,22 @@ def test_second_save_with_assume_constant_structure(mlm, data, tmp_path):
     resumed, log = run_losses(mlm, tmp_path, 4, [*flags, "--hetero-plan", plan, "--load", str(ckpt), "--ckpt-step",
                                                  "2"], "resume")
     assert sorted(resumed) == [3] and "at iteration 2" in log
+
+
+@pytest.mark.parametrize("schedule", ["distep", "zebra"])
+def test_timing_log_level_2(mlm, data, tmp_path, schedule):
+    """Issue 24 item 5: --timing-log-level 2 with Megatron's default --barrier-with-L1-time, on a
+    plan where the roles run different gradient finalization and different numbers of
+    sub-optimizers (attention rank 0 a dense one, attention rank 1 a dense and an expert one,
+    expert ranks an expert one). The run trains, and Megatron's timing lines report the
+    forward-backward time of every rank."""
+    plan = tmp_path / "plan.json"
+    sparse_asym_ea_plan(schedule).save(plan)
+    flags = [*MODEL, *BATCH, *DATA, *CPU, *RECIPE, *EVAL_OFF, "--data-path", data, "--distributed-timeout-minutes", "1",
+             "--timing-log-level", "2", "--timing-log-option", "all"]
+    losses, log = run_losses(mlm, tmp_path, 4, [*flags, "--hetero-plan", str(plan)], "timed")
+    assert sorted(losses) == [1, 2, 3]
+    # --timing-log-option all: "  forward-backward:" then "     rank  N: <ms>" for each rank that timed it.
+    blocks = re.findall(r"\n  forward-backward:((?:\n     rank +\d+: [0-9.]+)+)", log)
+    assert len(blocks) == 3, log[-3000:]
+    assert all(sorted(map(int, re.findall(r"rank +(\d+):", b))) == [0, 1, 2, 3] for b in blocks), blocks
