@@ -53,13 +53,12 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
                            recorder: TimelineRecorder | None = None, executed: list | None = None,
                            schedule: str = "zebra"):
     """One step on an attention rank executing a task list: zebra (Theorem 1's order) or, for
-    emulated timing, the DistEP list, over R = num_microbatches."""
+    emulated timing, the DistEP list, over R = num_microbatches (the plan's R, or fewer while
+    Megatron's --rampup-batch-size grows the batch: the expert ranks get the same count)."""
     hs = hetero_state
     if forward_only or collect_non_loss_data:
         raise NotImplementedError("forward-only passes are not supported by the zebra schedule yet; "
                                   "evaluate with --hetero-schedule distep")
-    if num_microbatches != hs.plan.num_microbatches:
-        raise ValueError(f"num_microbatches={num_microbatches} but the plan's R={hs.plan.num_microbatches}")
     gpt = unwrap(model)
     cfg = gpt.config
     with _forward_backward_timer(cfg):
@@ -69,7 +68,7 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
             _, lf = forward_step_func(data_iterator, cap)
             loss_funcs.append(lf)
         az = AttentionZebra(gpt, hs, zebra_config or ZebraConfig(), recorder)
-        reported = az.run(cap.calls, loss_funcs, TASK_LISTS[schedule](hs.plan, hs.rank))
+        reported = az.run(cap.calls, loss_funcs, TASK_LISTS[schedule](hs.plan, hs.rank, num_microbatches))
         if executed is not None:
             executed.append((az.ex.executed, az.ex.executed_streams, az.ex.meter.peak))
         if cfg.finalize_model_grads_func is not None:
@@ -96,7 +95,7 @@ def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model
     with _forward_backward_timer(runtime.config):
         if schedule == "zebra" or task_list:
             ez = ExpertZebra(runtime, hs, zebra_config or ZebraConfig(), recorder)
-            ez.run(TASK_LISTS[schedule](hs.plan, hs.rank))
+            ez.run(TASK_LISTS[schedule](hs.plan, hs.rank, num_microbatches))
             if executed is not None:
                 executed.append((ez.ex.executed, ez.ex.executed_streams, ez.ex.meter.peak))
         else:

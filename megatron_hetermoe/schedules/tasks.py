@@ -180,18 +180,19 @@ def offloaded_layers_of(plan, rank: int) -> set[int]:
     return {l for l in range(plan.num_layers) if plan.local_experts(rank, l)}
 
 
-def zebra_tasks(plan, rank: int) -> list[Task]:
-    """Zebra task list of `rank` in a HeteroPlan (megatron_hetermoe.plan.hetero_plan)."""
+def zebra_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[Task]:
+    """Zebra task list of `rank` in a HeteroPlan (megatron_hetermoe.plan.hetero_plan), over the
+    plan's R microbatches or `num_microbatches` (a step of Megatron's batch-size ramp-up)."""
     role = plan.role(rank)
     off = offloaded_layers_of(plan, rank) if role == "attention" else set()
-    return zebra_tasks_for_role(plan.num_layers, plan.num_microbatches, role, off)
+    return zebra_tasks_for_role(plan.num_layers, num_microbatches or plan.num_microbatches, role, off)
 
 
-def distep_tasks(plan, rank: int) -> list[Task]:
-    """DistEP task list of `rank` in a HeteroPlan."""
+def distep_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[Task]:
+    """DistEP task list of `rank` in a HeteroPlan (R as zebra_tasks)."""
     role = plan.role(rank)
     off = offloaded_layers_of(plan, rank) if role == "attention" else set()
-    return distep_tasks_for_role(plan.num_layers, plan.num_microbatches, role, off)
+    return distep_tasks_for_role(plan.num_layers, num_microbatches or plan.num_microbatches, role, off)
 
 
 def tasks_for_rank(plan, rank: int) -> list[Task]:

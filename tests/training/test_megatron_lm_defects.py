@@ -114,3 +114,18 @@ def test_timing_log_level_2(mlm, data, tmp_path, schedule):
     blocks = re.findall(r"\n  forward-backward:((?:\n     rank +\d+: [0-9.]+)+)", log)
     assert len(blocks) == 3, log[-3000:]
     assert all(sorted(map(int, re.findall(r"rank +(\d+):", b))) == [0, 1, 2, 3] for b in blocks), blocks
+
+
+def test_rampup_batch_size(mlm, data, tmp_path):
+    """Issue 24 item 6: Megatron's --rampup-batch-size grows the global batch (4, 4, 6, then the
+    full 8 sequences) and with it the microbatches per step (2, 2, 3, 4 on one attention rank; the
+    plan's R=4 is the full batch's). Zebra's task lists follow the step's count on both roles;
+    the losses are DistEP's (which runs Megatron's own schedule)."""
+    flags = [*MODEL, *DATA, *CPU, *RECIPE, *EVAL_OFF, "--data-path", data, "--distributed-timeout-minutes", "1",
+             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-samples", "26", "--lr", "1e-3",
+             "--rampup-batch-size", "4", "2", "12"]
+    zebra, log = run_losses(mlm, tmp_path, 2, [*flags, "--hetero-plan", _plan(tmp_path, "zebra")], "zebra")
+    distep, _ = run_losses(mlm, tmp_path, 2, [*flags, "--hetero-plan", _plan(tmp_path, "distep")], "distep")
+    sizes = [int(b) for b in re.findall(r"global batch size: +(\d+) \|", log)]
+    assert sizes == [4, 4, 6, 8], sizes  # Megatron: +2 every 12 / 2 = 6 ramp samples
+    within("zebra vs distep under batch-size ramp-up", _max_diff(zebra, distep), 3e-6)
