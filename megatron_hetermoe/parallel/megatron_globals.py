@@ -74,12 +74,17 @@ def install_parallel_state(hs: HeteroParallelState) -> None:
         setattr(ps, name, groups[which])
     for name, which in _PARALLEL_STATE_RANKS.items():
         setattr(ps, name, list(ranks[which]))
+    # How many data-parallel ranks the job has is a question about the data (Megatron-LM counts
+    # consumed samples, hence batch-size ramp-up and sample-based schedules, and sizes its data
+    # samplers by it): the attention ranks, which consume distinct data, on every rank. An expert
+    # rank's data-parallel group stays its replica group (gradients are reduced over that).
+    ps._MPU_DATA_PARALLEL_WORLD_SIZE = len(hs.plan.attention_ranks)
     ps._set_global_memory_buffer()
 
 
 def uninstall_parallel_state() -> None:
     from megatron.core import parallel_state as ps
 
-    for name in (*_PARALLEL_STATE_GROUPS, *_PARALLEL_STATE_RANKS):
+    for name in (*_PARALLEL_STATE_GROUPS, *_PARALLEL_STATE_RANKS, "_MPU_DATA_PARALLEL_WORLD_SIZE"):
         setattr(ps, name, None)
     ps.destroy_global_memory_buffer()

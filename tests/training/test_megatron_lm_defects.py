@@ -129,3 +129,14 @@ def test_rampup_batch_size(mlm, data, tmp_path):
     sizes = [int(b) for b in re.findall(r"global batch size: +(\d+) \|", log)]
     assert sizes == [4, 4, 6, 8], sizes  # Megatron: +2 every 12 / 2 = 6 ramp samples
     within("zebra vs distep under batch-size ramp-up", _max_diff(zebra, distep), 3e-6)
+
+
+def test_logging_rank_reports_the_jobs_samples(mlm, data, tmp_path):
+    """Issue 24 item 11: Megatron-LM logs from its last rank, an expert rank on a 1x(2+2) plan;
+    its consumed samples (which batch-size ramp-up and sample-based schedules read too) counted
+    the expert replica group's data-parallel size. Every iteration line reports the job's: 8
+    sequences a step."""
+    flags = [*MODEL, *BATCH, *DATA, *CPU, *RECIPE, *EVAL_OFF, "--data-path", data]
+    _, log = run_losses(mlm, tmp_path, 4, [*flags, "--hetero-plan", _plan(tmp_path, "zebra", 2, 2)], "log")
+    consumed = [int(c) for c in re.findall(r"consumed samples: +(\d+) \|", log)]
+    assert consumed == [8, 16, 24], consumed
