@@ -110,3 +110,13 @@ def run_losses(work: Path, tmp_path: Path, nproc: int, flags: list[str], name: s
     log = r.stdout + r.stderr
     assert r.returncode == 0, log[-4000:]
     return tb_losses(tb, tag), log
+
+
+def load_dcp(ckpt: Path) -> dict:
+    """A torch_dist checkpoint as one dict of its global tensors and objects (torch DCP)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = ckpt.parent / (ckpt.name + ".pt")
+    dcp_to_torch_save(str(ckpt), str(out))
+    return torch.load(out, weights_only=False)

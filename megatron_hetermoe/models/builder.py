@@ -346,30 +346,69 @@ def canonical_names(model: torch.nn.Module) -> dict[str, str]:
     return out
 
 
-def canonical_init(name: str, shape: torch.Size, seed: int, num_layers: int, std: float = 0.02) -> torch.Tensor:
-    """Deterministic initial value of canonical parameter `name` (Megatron's init rules:
-    norms at 1, biases at 0, output projections N(0, std/sqrt(2 L)), others N(0, std);
-    std is Megatron's --init-method-std)."""
+def _init_kind(name: str) -> str:
+    """Which of Megatron's init rules a canonical parameter follows: "norm" (weights of norms),
+    "bias", "embedding" (word and position embeddings: embedding_init_method), "output" (attention
+    and MLP/expert output projections: output_layer_init_method) or "weight" (init_method:
+    QKV, fc1, routers, the output layer)."""
     if re.search(r"(norm|layernorm)\.weight$", name):
-        return torch.ones(shape)
+        return "norm"
     if name.endswith("bias"):
-        return torch.zeros(shape)
-    g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        return "bias"
+    if name.startswith("embedding."):
+        return "embedding"
     if name.endswith("linear_proj.weight") or name.endswith("linear_fc2.weight"):
-        std = std / (2.0 * num_layers) ** 0.5
-    return torch.randn(shape, generator=g) * std
+        return "output"
+    return "weight"
+
+
+def canonical_init(name: str, shape: torch.Size, seed: int, config) -> torch.Tensor:
+    """Deterministic initial value of canonical parameter `name`, by Megatron's init method for
+    its kind in `config` (a TransformerConfig, built from Megatron's flags: --init-method-std,
+    --init-method-xavier-uniform, --embedding-init-method-std, --apply-layernorm-1p): norms at 1
+    (0 with zero-centered gamma, whose forward adds 1), biases at 0, embeddings by
+    embedding_init_method, output projections by output_layer_init_method (N(0, std/sqrt(2 L)) by
+    default), others by init_method. The random draw is seeded by (seed, name) alone, so every
+    layout and kernel gets the same values."""
+    kind = _init_kind(name)
+    if kind == "norm":
+        return torch.zeros(shape) if config.layernorm_zero_centered_gamma else torch.ones(shape)
+    if kind == "bias":
+        return torch.zeros(shape)
+    method = {"embedding": config.embedding_init_method, "output": config.output_layer_init_method,
+              "weight": config.init_method}[kind]
+    key = seed * 1_000_003 + zlib.crc32(name.encode())
+    normal = _normal_params(method)
+    if normal is not None:  # Megatron's normal init: drawn as before for bitwise-stable starts
+        mean, std = normal
+        return torch.randn(shape, generator=torch.Generator().manual_seed(key)) * std + mean
+    out = torch.empty(shape)
+    with torch.random.fork_rng(devices=[]):  # any other init method Megatron's config holds
+        torch.manual_seed(key)
+        method(out)
+    return out
+
+
+def _normal_params(method) -> tuple[float, float] | None:
+    """(mean, std) of an init method that is torch.nn.init.normal_ with fixed arguments
+    (megatron.core.utils.init_method_normal / scaled_init_method_normal), else None."""
+    import functools
+
+    if isinstance(method, functools.partial) and method.func is torch.nn.init.normal_ and not method.args:
+        return float(method.keywords.get("mean", 0.0)), float(method.keywords.get("std", 1.0))
+    return None
 
 
 @torch.no_grad()
-def init_layout_invariant(model: torch.nn.Module, seed: int, num_layers: int, names: dict[str, str] | None = None,
-                          std: float = 0.02) -> None:
-    """Every parameter at canonical_init of its canonical name: the same values under any layout
-    and any kernels (a GroupedMLP weight is packed from its experts' canonical values)."""
+def init_layout_invariant(model: torch.nn.Module, seed: int, config, names: dict[str, str] | None = None) -> None:
+    """Every parameter at canonical_init of its canonical name under `config`'s init methods: the
+    same values under any layout and any kernels (a GroupedMLP weight is packed from its experts'
+    canonical values)."""
     names = names or canonical_names(model)
     for name, p in model.named_parameters():
         c = names[name]
         if expert_names.is_label(c):
-            p.copy_(expert_names.pack(c, {k: canonical_init(k, torch.Size(s), seed, num_layers, std)
+            p.copy_(expert_names.pack(c, {k: canonical_init(k, torch.Size(s), seed, config)
                                           for k, s in expert_names.canonical_shapes(c, p.shape).items()}))
         else:
-            p.copy_(canonical_init(c, p.shape, seed, num_layers, std))
+            p.copy_(canonical_init(c, p.shape, seed, config))

@@ -213,7 +213,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         if cfg.init_state is not None:
             load_params(module, megatron_to_hetero(cfg.init_state, plan, hs.rank))
         else:
-            init_layout_invariant(module, cfg.seed, mcfg.num_layers, names)
+            init_layout_invariant(module, cfg.seed, config, names)
         module.to(hs.device)  # built and initialized on the CPU (use_cpu_initialization)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=False)

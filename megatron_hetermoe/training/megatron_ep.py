@@ -139,7 +139,7 @@ def train(cfg: TrainConfig) -> dict:
         if cfg.init_state is not None:
             load_params(module, module_state(names, cfg.init_state))
         else:
-            init_layout_invariant(module, cfg.seed, mcfg.num_layers, names)
+            init_layout_invariant(module, cfg.seed, config, names)
         module.to(device)  # built and initialized on the CPU (use_cpu_initialization)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,

@@ -65,9 +65,9 @@ _REFUSED: dict[str, dict[str, tuple]] = {
     "not computed across HeterMoE's roles (the logging rank may hold experts only)": {
         "--log-num-zeros-in-grad": _OFF, "--log-params-norm": _OFF, "--log-max-attention-logit": _OFF,
         "--qk-clip": _OFF},
-    "HeterMoE's layout-invariant init takes --init-method-std for every weight and 1 for norm weights": {
-        "--embedding-init-method-std": _UNSET, "--apply-layernorm-1p": _OFF,
-        "--init-model-with-meta-device": _OFF},
+    "HeterMoE initializes every parameter by Megatron's init method for it, seeded by its name, so every "
+    "replica and every layout starts from the same values": {
+        "--data-parallel-random-init": _OFF, "--init-model-with-meta-device": _OFF},
     "HeterMoE checkpoints inside pretrain() are Megatron's torch_dist (dist_checkpointing) format": {
         "--ckpt-format": ("torch_dist",)},
     "inside pretrain() dist_checkpointing reshards by itself: load with --no-load-optim --no-load-rng": {
@@ -261,7 +261,7 @@ class HeteroPretrain:
             model = ExpertRuntime(config, moe_experts_spec(base), hs)
             names = model.canonical_names()
         with torch.no_grad():
-            init_layout_invariant(model, args.seed, config.num_layers, names, std=config.init_method_std)
+            init_layout_invariant(model, args.seed, config, names)
         return model
 
     # ---- 4. the schedule --------------------------------------------------------------------

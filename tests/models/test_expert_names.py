@@ -302,13 +302,13 @@ def test_megatron_grouped_mlp_matches_sequential_mlp(tiny, one_rank_groups, monk
     snames = {k: en.canonical_name(PRE + k, lambda pre: ids) for k, _ in seqmlp.named_parameters()}
     assert set(gnames.values()) == {f"{PRE}weight1[6,1,3]", f"{PRE}weight2[6,1,3]"}
     assert en.expand_names(gnames.values()) == set(snames.values())
-    init_layout_invariant(grouped, 7, tiny.num_layers, gnames)
-    init_layout_invariant(seqmlp, 7, tiny.num_layers, snames)
+    init_layout_invariant(grouped, 7, cfg, gnames)
+    init_layout_invariant(seqmlp, 7, cfg, snames)
     gstate = {gnames[k]: p.detach() for k, p in grouped.named_parameters()}
     sstate = {snames[k]: p.detach() for k, p in seqmlp.named_parameters()}
     assert _same(en.expand(gstate), sstate)
     c = f"{PRE}local_experts.1.linear_fc2.weight"
-    assert torch.equal(sstate[c], canonical_init(c, sstate[c].shape, 7, tiny.num_layers))
+    assert torch.equal(sstate[c], canonical_init(c, sstate[c].shape, 7, cfg))
     # megatron's own forward on both, through HeterMoE's expert entry point
     counts = torch.tensor([[2, 0, 3], [1, 4, 0]])  # [source member, local expert]
     x = torch.randn(int(counts.sum()), tiny.hidden_size, generator=torch.Generator().manual_seed(0))

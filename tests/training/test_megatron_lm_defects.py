@@ -6,7 +6,8 @@ import re
 
 import pytest
 from margins import within
-from megatron_lm_run import BATCH, CPU, DATA, MEGATRON_DEFAULTS, MODEL, RECIPE, plugin_losses, run_losses
+import torch
+from megatron_lm_run import BATCH, CPU, DATA, MEGATRON_DEFAULTS, MODEL, RECIPE, load_dcp, plugin_losses, run_losses
 from shared_plans import sparse_asym_ea_plan
 
 from megatron_hetermoe.plan.hetero_plan import even_plan
@@ -140,3 +141,30 @@ def test_logging_rank_reports_the_jobs_samples(mlm, data, tmp_path):
     _, log = run_losses(mlm, tmp_path, 4, [*flags, "--hetero-plan", _plan(tmp_path, "zebra", 2, 2)], "log")
     consumed = [int(c) for c in re.findall(r"consumed samples: +(\d+) \|", log)]
     assert consumed == [8, 16, 24], consumed
+
+
+def test_init_flags_are_megatrons(mlm, data, tmp_path):
+    """Issue 24 item 12: Megatron's init flags reach the layout-invariant init, which took
+    --init-method-std alone and refused the rest. --init-method-std 0.05 with
+    --embedding-init-method-std 0.5: the initial weights (one step at --lr 0, saved) of HeterMoE and
+    of Megatron EP's own init have the same std per tensor (embeddings 0.5, output projections
+    0.05/sqrt(2L), the rest 0.05). (--init-method-xavier-uniform crashes plain Megatron-LM at
+    core_v0.16.1 and core_v0.19.0 alike: it sets a TransformerConfig field that does not exist,
+    scaled_init_method; tests/models/test_init.py checks xavier on the config Megatron means.)"""
+    flags = [*MODEL, *DATA, *CPU, *MEGATRON_DEFAULTS, *EVAL_OFF, "--data-path", data, "--micro-batch-size", "2",
+             "--global-batch-size", "8", "--train-iters", "1", "--lr", "0", "--init-method-std", "0.05",
+             "--embedding-init-method-std", "0.5", "--ckpt-format", "torch_dist", "--save-interval", "1"]
+    ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    run_losses(mlm, tmp_path, 2, [*flags, *ep, "--save", str(tmp_path / "ep")], "tb_ep")
+    run_losses(mlm, tmp_path, 4, [*flags, "--hetero-plan", _plan(tmp_path, "zebra", 1, 1, 2), "--save",
+                                  str(tmp_path / "het")], "tb_het")
+    ep_w, het_w = (load_dcp(tmp_path / d / "iter_0000001") for d in ("ep", "het"))
+    weights = [k for k in ep_w if not k.startswith("optimizer.") and k.endswith(".weight") and "norm" not in k]
+    assert len(weights) == 7 and set(weights) <= set(het_w)  # embeddings, QKV, proj, router, expert fc1/fc2
+    for k in weights:
+        a, b = ep_w[k].float(), het_w[k].float()
+        assert a.shape == b.shape and not torch.equal(a, b), k  # Megatron's own draw and HeterMoE's differ
+        # Two estimates of one std from n draws differ by ~1/sqrt(n) relative: 5x that.
+        assert abs(b.std().item() / a.std().item() - 1) < max(0.05, 5 / a.numel() ** 0.5), (k, a.std(), b.std())
+        if "embedding" in k:
+            assert abs(b.std().item() - 0.5) < 0.05, k

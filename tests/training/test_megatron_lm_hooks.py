@@ -23,6 +23,7 @@ def _megatron_defaults(**given) -> argparse.Namespace:
              calculate_per_token_loss=False, log_num_zeros_in_grad=False, fp16=False, bf16=False,
              ckpt_format="torch_dist", hetero_ckpt_reshard=False, add_bias_linear=False, yaml_cfg=None,
              embedding_init_method_std=None, apply_layernorm_1p=False, init_model_with_meta_device=False,
+             data_parallel_random_init=False,
              moe_grouped_gemm=False, save=None, load=None, log_params_norm=False, log_max_attention_logit=False,
              qk_clip=False, transformer_impl="local", distributed_backend="gloo",
              use_distributed_optimizer=False)
@@ -51,7 +52,7 @@ def test_megatron_defaults_are_not_refused():
     ({"recompute_granularity": "full"}, "--recompute-granularity 'full': Megatron's recomputation would replay"),
     ({"ckpt_format": "torch"}, "--ckpt-format 'torch': HeterMoE checkpoints inside pretrain() are Megatron's torch_dist"),
     ({"moe_permute_fusion": True}, "--moe-permute-fusion True: HeterMoE's dispatcher replaces"),
-    ({"apply_layernorm_1p": True}, "--apply-layernorm-1p True: HeterMoE's layout-invariant init takes"),
+    ({"data_parallel_random_init": True}, "--data-parallel-random-init True: HeterMoE initializes every parameter"),
 ])
 def test_each_refusal_names_flag_value_and_reason(given, expect):
     out = hooks.refusals(_megatron_defaults(**given), [])

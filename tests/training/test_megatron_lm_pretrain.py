@@ -19,6 +19,7 @@ from megatron_lm_run import (
     RECIPE,
     TOL_16,
     env,
+    load_dcp,
     plugin_losses,
     tb_losses,
     torchrun,
@@ -113,16 +114,6 @@ def _asym_plan(path: Path) -> Path:
     return path
 
 
-def _load_dcp(ckpt: Path) -> dict:
-    """A torch_dist checkpoint as one dict of its global tensors and objects (torch DCP)."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
-    out = ckpt.parent / (ckpt.name + ".pt")
-    dcp_to_torch_save(str(ckpt), str(out))
-    return torch.load(out, weights_only=False)
-
-
 def _same(a, b) -> bool:
     import numpy as np
     import torch
@@ -160,7 +151,7 @@ def test_resume_from_a_torch_dist_checkpoint_is_bitwise(mlm, data, tmp_path, pre
     assert r2.returncode == 0, log2[-4000:]
     assert f"successfully loaded checkpoint from {a}" in log2 and "at iteration 2" in log2
     assert tb_losses(tmp_path / "tb_b") == {3: tb_losses(tmp_path / "tb_a")[3]}
-    whole, resumed = _load_dcp(a / "iter_0000003"), _load_dcp(b / "iter_0000003")
+    whole, resumed = load_dcp(a / "iter_0000003"), load_dcp(b / "iter_0000003")
     assert any("exp_avg" in k for k in whole) and any("experts.experts.linear_fc1" in k for k in whole)
     assert any("fp32_param" in k for k in whole) == bool(precision)  # 16-bit: the fp32 main weights
     for ck in (whole, resumed):
