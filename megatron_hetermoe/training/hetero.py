@@ -53,6 +53,7 @@ from megatron_hetermoe.plan.layout import (
     load_params,
     megatron_to_hetero,
 )
+from megatron_hetermoe.reliability import collective_trace
 from megatron_hetermoe.reliability.nan_check import NanGuard
 from megatron_hetermoe.schedules.select import get_forward_backward_func
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
@@ -186,6 +187,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
             f"{n_attn} attention ranks, but the plan has R={plan.num_microbatches}; set --global-batch-size "
             f"{cfg.micro_batch_size * plan.num_microbatches * n_attn} or remake the plan with R={nmb}"
         )
+    collective_trace.install()  # $HETERMOE_TRACE_COLLECTIVES: every collective's order, to check
     hs = initialize_hetero_parallel(plan, device=rank_device(), wire_dtype=precision_dtype(pools.wire))
     precision = pools.of(hs.role)  # this rank's pool's
     if pools.mixed and hs.rank == 0 and not cfg.quiet:

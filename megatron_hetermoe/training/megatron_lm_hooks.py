@@ -202,6 +202,9 @@ class HeteroPretrain:
         from megatron_hetermoe.parallel.megatron_globals import install_parallel_state
         from megatron_hetermoe.parallel.state import initialize_hetero_parallel
 
+        from megatron_hetermoe.reliability import collective_trace
+
+        collective_trace.install()  # $HETERMOE_TRACE_COLLECTIVES: every collective's order, to check
         timeout = datetime.timedelta(minutes=get_args().distributed_timeout_minutes)
         self.hs = initialize_hetero_parallel(self.plan, timeout=timeout, device=rank_device(),
                                              wire_dtype=precision_dtype(self.pools.wire))

@@ -24,3 +24,26 @@ def test_expert_rank_without_experts_in_a_layer(tiny, make, schedule, issuer):
     r = run_parity(make(schedule), tiny, steps=2, micro_batch_size=1, free_run=False, issuer=issuer)
     within("loss", r.max_rel_loss_diff, LOSS_TOL)
     within("grad", r.max_rel_grad_diff, GRAD_TOL)
+
+
+def _train(rank, world, cfg, plan, issuer):
+    from megatron_hetermoe.config import HeteroRunConfig
+    from megatron_hetermoe.training.hetero import train_hetero
+
+    return train_hetero(cfg, plan, HeteroRunConfig(zebra_issuer=issuer))
+
+
+@pytest.mark.parametrize("schedule, issuer", [("distep", "auto"), ("zebra", "threads"), ("zebra", "single")])
+def test_plugin_trainer_enters_every_collective_in_one_order(tiny, tmp_path, monkeypatch, schedule, issuer):
+    """Issue 24 item 7, on the plugin's trainer: every member of every group enters the same
+    collectives in the same order, each group from one thread at a time
+    (reliability/collective_trace.py)."""
+    from megatron_hetermoe.config import ParallelConfig, TrainConfig
+    from megatron_hetermoe.parallel.launcher import launch
+    from megatron_hetermoe.reliability import collective_trace
+
+    monkeypatch.setenv(collective_trace.ENV, str(tmp_path))
+    cfg = TrainConfig(tiny, ParallelConfig(), micro_batch_size=1, global_batch_size=4, train_iters=2, quiet=True)
+    launch(_train, 4, cfg, sparse_asym_ea_plan(schedule), issuer)
+    assert len(list(tmp_path.glob("collectives.rank*.jsonl"))) == 4
+    assert collective_trace.check(tmp_path) == []

@@ -2,7 +2,9 @@
 reproduced as a Megatron user runs it, from a core_v0.16.1 checkout (MEGATRON_LM_DIR)."""
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import pytest
 from margins import within
@@ -168,3 +170,41 @@ def test_init_flags_are_megatrons(mlm, data, tmp_path):
         assert abs(b.std().item() / a.std().item() - 1) < max(0.05, 5 / a.numel() ** 0.5), (k, a.std(), b.std())
         if "embedding" in k:
             assert abs(b.std().item() - 0.5) < 0.05, k
+
+
+@pytest.fixture(scope="module")
+def ep_checkpoint(mlm, data, tmp_path_factory) -> Path:
+    """Megatron-LM's own EP run (2 ranks, EP 2, 2 iterations) saved with torch_dist."""
+    tmp = tmp_path_factory.mktemp("ep")
+    flags = [*MODEL, *BATCH, *DATA, *CPU, *RECIPE, *EVAL_OFF, "--data-path", data, "--moe-aux-loss-coeff", "0.01",
+             "--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall", "--train-iters", "2",
+             "--save", str(tmp / "ckpt"), "--save-interval", "2"]
+    run_losses(mlm, tmp, 2, flags, "tb")
+    return tmp / "ckpt"
+
+
+@pytest.mark.parametrize("schedule, issuer", [("zebra", "threads"), ("zebra", "single"), ("distep", "auto")])
+def test_every_member_enters_every_collective_in_one_order(mlm, data, tmp_path, ep_checkpoint, schedule, issuer):
+    """Issue 24 item 7 (a pretrain() run that hung once in three at its first step): the run that
+    hung (2+2 Asym-EA, a plain Megatron EP checkpoint loaded, --tensorboard-dir on an expert
+    logging rank, evaluation) traced: on every process group (world, dispatch, combine, counts,
+    DDP's, the logging rank's gathers) every member entered the same collectives in the same
+    order, each group from one thread at a time. A violation fails here in every run, not in the
+    one whose timing hangs."""
+    from megatron_hetermoe.reliability import collective_trace
+
+    plan = tmp_path / "plan.json"
+    sparse_asym_ea_plan(schedule).save(plan)
+    trace = tmp_path / "trace"
+    flags = [*MODEL, *BATCH, *DATA, *CPU, *RECIPE, "--data-path", data, "--moe-aux-loss-coeff", "0.01",
+             "--log-interval", "1", "--eval-interval", "3", "--eval-iters", "1", "--train-iters", "4",
+             "--hetero-plan", str(plan), "--hetero-zebra-issuer", issuer, "--load", str(ep_checkpoint),
+             "--no-load-optim", "--no-load-rng", "--distributed-timeout-minutes", "1"]
+    os.environ[collective_trace.ENV] = str(trace)
+    try:
+        losses, _ = run_losses(mlm, tmp_path, 4, flags, "tb")
+    finally:
+        del os.environ[collective_trace.ENV]
+    assert sorted(losses) == [3, 4]
+    assert len(list(trace.glob("collectives.rank*.jsonl"))) == 4
+    assert collective_trace.check(trace) == []

@@ -1,0 +1,143 @@
+"""A trace of every collective a rank enters, to prove (or find where not) that every member of
+every process group enters the same collectives in the same order, each group from one thread
+at a time. That is what makes a job free of collective-order hangs; a violation shows up here as
+the first (group, position) where two members disagree, in any run, not only in the rare run
+whose timing turns it into a hang.
+
+$HETERMOE_TRACE_COLLECTIVES=DIR makes `install()` (called by both trainers at rank start) wrap
+torch.distributed's collectives in this process; each rank writes DIR/collectives.rank<R>.jsonl,
+one line per outermost collective call: the group's name (torch names every group alike on all
+its members, in creation order), its global ranks, the op, the calling thread, start and end.
+`check(DIR)` reads the files and returns every violation:
+- order: for a group, the members' sequences of ops differ (the first differing position);
+- threads: two threads of one rank were inside collectives of one group at once (the order
+  between them is then up to the scheduler).
+Point-to-point ops (send/recv and their async forms) are recorded but not compared: their two
+ends name different ops by design. Costs nothing unless the variable is set.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+ENV = "HETERMOE_TRACE_COLLECTIVES"
+COLLECTIVES = (
+    "all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "_all_gather_base",
+    "all_gather_object", "all_to_all", "all_to_all_single", "broadcast", "broadcast_object_list", "barrier",
+    "monitored_barrier", "gather", "gather_object", "scatter", "scatter_object_list", "reduce", "reduce_scatter",
+    "reduce_scatter_tensor", "_reduce_scatter_base",
+)
+POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
+
+_installed: Path | None = None
+_local = threading.local()  # depth: a collective that calls another (all_gather_object) is recorded once
+_lock = threading.Lock()
+
+
+def install(rank: int | None = None) -> Path | None:
+    """Trace this process's collectives into $HETERMOE_TRACE_COLLECTIVES (no-op without it, and
+    when already installed). Returns the rank's trace file."""
+    global _installed
+    out = os.environ.get(ENV)
+    if not out:
+        return None
+    import torch.distributed as dist
+
+    if _installed is not None:
+        return _installed
+    rank = dist.get_rank() if rank is None else rank
+    path = Path(out) / f"collectives.rank{rank}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    for name in (*COLLECTIVES, *POINT_TO_POINT):
+        fn = getattr(dist, name, None)
+        if fn is not None and not getattr(fn, "_hetermoe_traced", False):
+            setattr(dist, name, _traced(fn, name, path))
+    _installed = path
+    return path
+
+
+def _group_of(args: tuple, kwargs: dict, name: str):
+    import torch.distributed as dist
+
+    group = kwargs.get("group")
+    if group is None and name == "batch_isend_irecv" and args:
+        group = getattr(args[0][0], "group", None) if args[0] else None
+    return group if group is not None else dist.group.WORLD
+
+
+def _traced(fn, name: str, path: Path):
+    import torch.distributed as dist
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        depth = getattr(_local, "depth", 0)
+        if depth:
+            return fn(*args, **kwargs)
+        group = _group_of(args, kwargs, name)
+        t0 = time.monotonic()
+        _local.depth = depth + 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _local.depth = depth
+            rec = {"group": getattr(group, "group_name", str(group)), "ranks": dist.get_process_group_ranks(group),
+                   "op": name, "thread": threading.current_thread().name, "start": t0, "end": time.monotonic()}
+            with _lock, open(path, "a") as f:
+                f.write(json.dumps(rec) + "\n")
+
+    call._hetermoe_traced = True
+    return call
+
+
+def check(trace_dir: str | os.PathLike) -> list[str]:
+    """Every order or thread violation in a job's traces (empty: none)."""
+    files = sorted(Path(trace_dir).glob("collectives.rank*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no collectives.rank*.jsonl in {trace_dir}; run with ${ENV}={trace_dir}")
+    by_rank = {int(f.name[len("collectives.rank"):-len(".jsonl")]): [json.loads(ln) for ln in f.read_text().splitlines()]
+               for f in files}
+    problems: list[str] = []
+    seqs: dict[str, dict[int, list[str]]] = {}
+    members: dict[str, list[int]] = {}
+    for rank, recs in by_rank.items():
+        for r in recs:
+            members[r["group"]] = r["ranks"]
+            if r["op"] not in POINT_TO_POINT:
+                seqs.setdefault(r["group"], {}).setdefault(rank, []).append(r["op"])
+        problems += _overlapping_threads(rank, recs)
+    for group, per_rank in sorted(seqs.items()):
+        traced = [r for r in members[group] if r in by_rank]
+        ref_rank = traced[0]
+        ref = per_rank.get(ref_rank, [])
+        for r in traced[1:]:
+            got = per_rank.get(r, [])
+            if got != ref:
+                i = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), min(len(ref), len(got)))
+                problems.append(f"order: group {group} (ranks {members[group]}): collective #{i} is "
+                                f"{ref[i] if i < len(ref) else 'none'} on rank {ref_rank} but "
+                                f"{got[i] if i < len(got) else 'none'} on rank {r} ({len(ref)} vs {len(got)} in all)")
+    return problems
+
+
+def _overlapping_threads(rank: int, recs: list[dict]) -> list[str]:
+    out = []
+    by_group: dict[str, list[dict]] = {}
+    for r in recs:
+        by_group.setdefault(r["group"], []).append(r)
+    for group, rs in by_group.items():
+        rs = sorted(rs, key=lambda r: r["start"])
+        open_: list[dict] = []
+        for r in rs:
+            open_ = [o for o in open_ if o["end"] > r["start"]]
+            clash = next((o for o in open_ if o["thread"] != r["thread"]), None)
+            if clash is not None:
+                out.append(f"threads: rank {rank}, group {group}: {clash['op']} on thread {clash['thread']} and "
+                           f"{r['op']} on thread {r['thread']} at once")
+                break
+            open_.append(r)
+    return out
