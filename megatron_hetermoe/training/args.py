@@ -172,18 +172,26 @@ def run(cfg: TrainConfig, nproc: int, timeout_s: float = 900.0, plan=None, heter
     return launch(_rank_main, nproc, cfg, plan, hetero, timeout_s=timeout_s)[0]
 
 
-def check_kernels(p: argparse.ArgumentParser, cfg: TrainConfig, device) -> None:
-    """--transformer-impl / --moe-grouped-gemm against what runs on `device` (a clear error for a
-    request that cannot run), and the kernels the ranks will use, printed by the first rank. The
-    trainers make the same choice (models.builder.choose_kernels) when they build the model."""
+def check_kernels(p: argparse.ArgumentParser, cfg: TrainConfig, device, pools=None) -> None:
+    """--transformer-impl / --moe-grouped-gemm against what runs on `device` in each pool's
+    precision (`pools`, a config.PoolPrecision: HeterMoE's attention and expert ranks may differ;
+    None: the world's), a clear error naming the pool for a request that cannot run, before any
+    group exists; the first rank prints the kernels each pool will use. The trainers make the
+    same choice (models.builder.choose_kernels) when they build the model."""
     from megatron_hetermoe.models.builder import KernelError, choose_kernels
 
-    try:
-        choice = choose_kernels(device, cfg.precision, cfg.transformer_impl, cfg.moe_grouped_gemm)
-    except KernelError as e:
-        p.error(str(e))
+    per_pool = {"": cfg.precision} if pools is None or not pools.mixed else \
+        {"attention ranks": pools.attention, "expert ranks": pools.expert}
+    lines = []
+    for pool, precision in per_pool.items():
+        try:
+            choice = choose_kernels(device, precision, cfg.transformer_impl, cfg.moe_grouped_gemm)
+        except KernelError as e:
+            p.error(f"{pool} ({precision}): {e}" if pool else str(e))
+        lines.append(f"{pool} ({precision}): {choice.line()}" if pool else choice.line())
     if int(os.environ.get("RANK", "0")) == 0:
-        print(" " + choice.line(), flush=True)
+        for line in lines:
+            print(" " + line, flush=True)
 
 
 def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
@@ -259,13 +267,13 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         from megatron_hetermoe.parallel.device import init_distributed, rank_device
 
         init_distributed()  # this rank's GPU first, then NCCL (gloo and CPU patches without CUDA)
-        check_kernels(p, cfg, rank_device())
+        check_kernels(p, cfg, rank_device(), hetero.pools(cfg) if a.hetero_plan else None)
         result = _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg,
                             plan if a.hetero_plan else None, hetero)
     else:
         import megatron.core  # noqa: F401  - import once in the parent, then fork ranks
 
-        check_kernels(p, cfg, "cpu")  # forked ranks are CPU ranks
+        check_kernels(p, cfg, "cpu", hetero.pools(cfg) if a.hetero_plan else None)  # forked ranks are CPU ranks
         result = run(cfg, a.nproc or 4, plan=plan if a.hetero_plan else None, hetero=hetero)
     if "peak_rss_mib" in result and int(os.environ.get("RANK", "0")) == 0:
         for r, (role, rss) in enumerate(result["peak_rss_mib"]):
