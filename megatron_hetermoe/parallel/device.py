@@ -147,3 +147,95 @@ def peak_gpu_mib(role: str, device: torch.device, group=None) -> list[tuple[str,
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, mine, group=group)
     return [tuple(x) for x in out]
+
+
+# ---- is this GPU the one the plan means, and can this torch run on it ------------------------
+# torch builds (pip wheels) by the CUDA version they ship and the GPU architectures they carry
+# kernels for (torch.cuda.get_arch_list()); README "On GPUs" has the table by GPU pair.
+TORCH_BUILD_FOR_ARCH = (((5, 0), (7, 0), "cu126"),)  # (oldest, newest capability) that needs that build
+
+
+def _parse_arch(arch: str) -> tuple[str, int, int, bool] | None:
+    """'sm_86' -> ('sm', 8, 6, False); 'compute_90' -> ('compute', 9, 0, False); 'sm_90a' ->
+    ('sm', 9, 0, True) (an arch-specific cubin: that exact GPU only); None if unreadable."""
+    kind, _, num = arch.partition("_")
+    exact = num.endswith(("a", "f"))
+    num = num.rstrip("af")
+    if kind not in ("sm", "compute") or len(num) < 2 or not num.isdigit():
+        return None
+    return kind, int(num[:-1]), int(num[-1]), exact
+
+
+def arch_covered(capability: tuple[int, int], arch_list: list[str]) -> bool:
+    """Whether a torch built for `arch_list` has kernels for a GPU of `capability`: a cubin of
+    the same major version and a minor version up to the GPU's (sm_80 runs on 8.6), or PTX of any
+    version up to the GPU's (compiled when loaded)."""
+    major, minor = capability
+    for a in arch_list:
+        parsed = _parse_arch(a)
+        if parsed is None:
+            continue
+        kind, ma, mi, exact = parsed
+        if exact:
+            if (ma, mi) == (major, minor):
+                return True
+        elif kind == "sm" and ma == major and mi <= minor:
+            return True
+        elif kind == "compute" and (ma, mi) <= (major, minor):
+            return True
+    return False
+
+
+def arch_error(device_name: str, capability: tuple[int, int], arch_list: list[str], torch_version: str,
+               cuda_version: str | None) -> str:
+    """What to tell a rank whose GPU this torch has no kernels for, naming a build that has."""
+    major, minor = capability
+    fix = next((b for lo, hi, b in TORCH_BUILD_FOR_ARCH if lo <= capability <= hi), None)
+    how = (f"install a {fix} build of torch (pip install torch --index-url https://download.pytorch.org/whl/{fix}), "
+           f"or a container whose torch lists sm_{major}{minor}" if fix else
+           f"install a torch build whose torch.cuda.get_arch_list() covers sm_{major}{minor}")
+    return (f"this rank's GPU, {device_name} (compute capability {major}.{minor}, sm_{major}{minor}), has no kernels "
+            f"in the installed torch {torch_version} (CUDA {cuda_version}), built for {' '.join(arch_list) or 'no GPU'}; "
+            f"its first kernel would fail with 'no kernel image is available'. {how} (README: On GPUs)")
+
+
+def gpu_type_matches(profile, device_name: str, total_gib: float) -> bool:
+    """Whether a GPU named `device_name` with `total_gib` of memory is of the plan's type
+    `profile` (a planner GpuProfile): its device_name pattern, or else its name's first part as a
+    word of the device name ("V100" of "V100-16GB" in "Tesla V100-SXM2-16GB") and its memory within
+    20 % of the profile's (16 GB and 32 GB V100s differ there)."""
+    import re
+
+    if profile.device_name is not None:
+        return re.search(profile.device_name, device_name, re.IGNORECASE) is not None
+    family = re.split(r"[-_ ]", profile.name)[0]
+    if not re.search(rf"(?<![A-Za-z0-9]){re.escape(family)}(?![A-Za-z0-9])", device_name, re.IGNORECASE):
+        return False
+    return abs(total_gib - profile.memory_gib) <= 0.2 * profile.memory_gib
+
+
+def check_rank_gpu(plan, rank: int, device: torch.device) -> None:
+    """At a CUDA rank's start, before any group: the installed torch has kernels for its GPU, and
+    the GPU is of the type the plan gives the rank (a scheduler's allocation order must not put
+    attention on a V100). No-op on CPU ranks and for plan type 'cpu'."""
+    if torch.device(device).type != "cuda":
+        return
+    name = torch.cuda.get_device_name(device)
+    capability = tuple(torch.cuda.get_device_capability(device))
+    arch_list = list(torch.cuda.get_arch_list())
+    if not arch_covered(capability, arch_list):
+        raise RuntimeError(f"rank {rank}: " + arch_error(name, capability, arch_list, torch.__version__,
+                                                         torch.version.cuda))
+    gpu_type = plan.gpu_types[rank]
+    if gpu_type.lower() == "cpu":
+        return
+    from megatron_hetermoe.planner.profiles import load_profile
+
+    profile = load_profile(gpu_type)
+    total_gib = torch.cuda.get_device_properties(device).total_memory / 2**30
+    if not gpu_type_matches(profile, name, total_gib):
+        raise RuntimeError(
+            f"rank {rank} ({plan.role(rank)} rank) is on a {name} ({total_gib:.0f} GiB) but the plan gives it a "
+            f"{profile.name} ({profile.memory_gib:g} GB); launch so that each rank lands on its plan type (SLURM: "
+            f"the --nodelist / --partition order of `hetermoe slurm`; CUDA_VISIBLE_DEVICES on a mixed node), or "
+            f"remake the plan for this allocation (a profile's device_name names a GPU the default match misses)")

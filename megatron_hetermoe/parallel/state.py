@@ -113,12 +113,15 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | N
     on NCCL). `device`: where this rank's tensors live (default: device.rank_device(), the
     current CUDA device when the world runs NCCL, else the CPU). `wire_dtype`: what tokens cross
     roles in (HeteroParallelState.wire_dtype)."""
-    from megatron_hetermoe.parallel.device import group_timeout, rank_device
+    from megatron_hetermoe.parallel.device import check_rank_gpu, group_timeout, rank_device
 
     world, rank = dist.get_world_size(), dist.get_rank()
     from megatron_hetermoe.planner.profiles import known_gpu_types
 
     plan.validate(world_size=world, known_gpu_types=known_gpu_types())  # before any group exists
+    if device is None:
+        device = rank_device()
+    check_rank_gpu(plan, rank, device)  # this torch runs on this GPU, of the plan's type
     timeout = timeout or group_timeout()
 
     def new(ranks):
@@ -141,8 +144,6 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | N
             made["self"] = grp
     world_group = new(range(world))
 
-    if device is None:
-        device = rank_device()
     gi = plan.group_of(rank)
     role = plan.role(rank)
     return HeteroParallelState(

@@ -79,6 +79,9 @@ class GpuProfile:
     sources: dict[str, str] = field(default_factory=dict)  # field name -> source string
     measured: MeasuredTables | None = None
     peak_fp32_tflops: float = 0.0  # dense FP32 (no tensor cores); 0: not given (fp32 programs cannot be priced)
+    # A regular expression torch.cuda.get_device_name() of this type matches (case-insensitive);
+    # None: the name's first part ("V100" of "V100-16GB") as a word, and memory_gib within 20 %.
+    device_name: str | None = None
 
     def source(self, name: str) -> str:
         return self.sources.get(name, "unknown")

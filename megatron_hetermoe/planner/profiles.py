@@ -186,8 +186,12 @@ def _load_path(path: Path, chain: tuple[str, ...]) -> GpuProfile:
     missing = [k for k in _NUMERIC if k not in vals and k not in {_RATIO_FIELDS[r] for r in ratios}]
     if missing:
         raise ProfileError(f"{where}: missing field(s) {missing}; give each as {{value, source}}")
+    device_name = raw.get("device_name")
+    if device_name is not None and (not isinstance(device_name, str) or not device_name):
+        raise ProfileError(f"{where}: device_name={device_name!r} must be a regular expression that "
+                           f"torch.cuda.get_device_name() of this GPU type matches")
     prof = GpuProfile(
-        name=name, fp16=raw["fp16"], bf16=raw["bf16"], flash_attention=raw["flash_attention"],
+        name=name, fp16=raw["fp16"], bf16=raw["bf16"], flash_attention=raw["flash_attention"], device_name=device_name,
         sources=sources, measured=_measured(raw.get("measured"), where),
         **{k: vals.get(k, 0.0) for k in _NUMERIC + _OPTIONAL},
     )
