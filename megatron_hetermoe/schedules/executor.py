@@ -431,12 +431,15 @@ class TaskExecutor:
 class ActivationMeter:
     """Peak bytes of tensors saved for backward (activations; parameters excluded), tracked
     with autograd's saved-tensor hooks: a tensor counts from when it is saved until autograd
-    drops it."""
+    drops it, within one step. At the step's end (__exit__) the finalizers of tensors still alive
+    (a saved alias of a weight outlives the graph) are detached, so nothing of a step's meter
+    outlives it: a long run's host memory stays flat."""
 
     def __init__(self):
         self.live = 0
         self.peak = 0
         self._ids: set[int] = set()
+        self._finalizers: list[weakref.finalize] = []
 
     def _pack(self, t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter) or id(t) in self._ids:
@@ -445,7 +448,7 @@ class ActivationMeter:
         self._ids.add(id(t))
         self.live += n
         self.peak = max(self.peak, self.live)
-        weakref.finalize(t, self._free, id(t), n)
+        self._finalizers.append(weakref.finalize(t, self._free, id(t), n))
         return t
 
     def _free(self, key: int, n: int) -> None:
@@ -459,3 +462,7 @@ class ActivationMeter:
 
     def __exit__(self, *exc):
         self._ctx.__exit__(*exc)
+        for f in self._finalizers:
+            f.detach()
+        self._finalizers.clear()
+        self._ids.clear()

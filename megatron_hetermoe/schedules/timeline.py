@@ -40,20 +40,33 @@ CLOCKS = ("host", "cuda")
 
 
 class TimelineRecorder:
-    """Thread-safe event list of one rank (the stream threads record too)."""
+    """Thread-safe event list of one rank (the stream threads record too). With keep_history
+    (a run writing its timeline) every step's events are kept; without, only the current step's
+    (what per-step utilization reads), so memory and busy() stay flat over a long run."""
 
-    def __init__(self, rank: int, role: str):
-        self.rank, self.role = rank, role
+    def __init__(self, rank: int, role: str, keep_history: bool = True):
+        self.rank, self.role, self.keep_history = rank, role, keep_history
         self.events: list[Event] = []
-        self.step = 0
+        self._step = 0
         self._lock = threading.Lock()
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, step: int) -> None:
+        with self._lock:
+            self._step = step
+            if not self.keep_history:
+                self.events = [e for e in self.events if e.step >= step]
 
     def record(self, lane: str, kind: str, layer: int, microbatch: int, start: float, end: float,
                clock: str = "host") -> None:
         if clock not in CLOCKS:
             raise ValueError(f"clock {clock!r}; use one of {CLOCKS}")
         with self._lock:
-            self.events.append(Event(self.rank, self.role, lane, kind, layer, microbatch, start, end, self.step,
+            self.events.append(Event(self.rank, self.role, lane, kind, layer, microbatch, start, end, self._step,
                                      clock))
 
     def busy(self, step: int) -> float:

@@ -188,6 +188,9 @@ class ZebraRank:
 
     def execute(self, tasks: list[Task], compute: Callable[[Task], None]) -> None:
         self.ex.run(tasks, compute, self.start if isinstance(self.ex, IssueExecutor) else self.transfer)
+        # The step is over: its slots (tensors referenced from the transfers' closures, a cycle
+        # through this rank) go now, by reference counting, not at the next full collection.
+        self.slots.clear()
 
     # ---- expert compute (expert ranks: E_*, attention ranks' offloaded experts: X_*) -----
     def expert_forward(self, l: int, j: int) -> None:
@@ -301,6 +304,7 @@ class AttentionZebra(ZebraRank):
                 raise ValueError(f"attention rank cannot run task {t}")
 
         self.execute(tasks, compute)
+        self.contexts.clear()
         return [reported[j] for j in range(R)]
 
 

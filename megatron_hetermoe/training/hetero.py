@@ -10,6 +10,7 @@ collective the expert ranks never enter.
 """
 from __future__ import annotations
 
+import collections
 import re
 import resource
 
@@ -236,9 +237,10 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
                 finalize_model_grads(m, n, pg_collection=pgc, force_all_reduce=force_all_reduce)
             config.grad_scale_func = optimizer.scale_loss
             config.no_sync_func = model.no_sync
-        recorder = TimelineRecorder(hs.rank, hs.role)
+        # Every step's events only for a timeline to write; else the current step's (utilization).
+        recorder = TimelineRecorder(hs.rank, hs.role, keep_history=run.timeline_dir is not None)
         steplog = StepLogger(cfg, hs.role, recorder, hs.world_group, dist.get_rank() == 0)
-        executed: list = []
+        executed: collections.deque = collections.deque(maxlen=1)  # the last step's order and activation peak
         clock = None
         if emulator is not None:
             clock = emulator.hetero_clock(plan, schedule, hs.world_group, zebra_config.recompute)

@@ -155,7 +155,7 @@ def train(cfg: TrainConfig) -> dict:
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = optimizer.scale_loss
         config.no_sync_func = model.no_sync
-        recorder = TimelineRecorder(dist.get_rank(), MEGATRON_ROLE)
+        recorder = TimelineRecorder(dist.get_rank(), MEGATRON_ROLE, keep_history=False)  # writes no timeline
         steplog = StepLogger(cfg, MEGATRON_ROLE, recorder, dist.group.WORLD, dist.get_rank() == 0)
         clock = None
         if cfg.emulate is not None:
