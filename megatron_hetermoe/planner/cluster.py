@@ -20,13 +20,14 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_hetermoe.errors import UserError
+from megatron_hetermoe.limits import MAX_RANKS  # a typo (nodes: 1e9) must not eat memory
 from megatron_hetermoe.paths import read_yaml, resolve_config
 from megatron_hetermoe.planner.gpu_profile import GpuProfile
 
-MAX_RANKS = 1 << 17  # far above any cluster we plan for; keeps a typo (nodes: 1e9) from eating memory
 
 
-class ClusterError(ValueError):
+class ClusterError(UserError, ValueError):
     """A cluster file that cannot be used; the message names the bad value and the fix."""
 
 
