@@ -6,7 +6,8 @@ the fix: a refused plan, flag, model config, checkpoint or data file. Every pack
 of that kind derives from it (PlanError, ConfigError, CheckpointError, ...). `run_command` runs a
 command's main: a user error, or a rank's (the launcher's LaunchError carries it), becomes one
 line `PROG: error: MESSAGE` on stderr and exit code 1; anything else is a bug and keeps its full
-traceback. $HETERMOE_TRACEBACK=1 shows the traceback of user errors too. A leaf module: it
+traceback. $HETERMOE_TRACEBACK=1 shows the traceback of user errors too. SIGTERM/SIGHUP (raised
+as Terminated by the launcher) and Ctrl-C end with 128 + the signal's number. A leaf module: it
 imports nothing of the package.
 """
 from __future__ import annotations
@@ -59,6 +60,10 @@ def run_command(prog: str, main: Callable[[list[str] | None], int | None], argv:
         sys.stdout.flush()
         print(f"{prog}: {e}; stopped", file=sys.stderr, flush=True)
         return 128 + e.signum
+    except KeyboardInterrupt:  # Ctrl-C: the launcher has stopped its ranks on the way out
+        sys.stdout.flush()
+        print(f"{prog}: interrupted; stopped", file=sys.stderr, flush=True)
+        return 128 + signal.SIGINT
     except Exception as e:  # noqa: BLE001 - sorted into a user's error or a bug below
         line = user_message(e)
         if line is None or want_traceback():

@@ -313,11 +313,6 @@ def _rank_failure(tmp: str, rank: int, procs: list, world_size: int, exit_at: di
         detail = stall
     elif err.exists():
         detail = err.read_text().split("\n", 1)[1]
-    elif code is None:  # still running when the job failed: blamed for its peers' timeouts
-        from megatron_hetermoe.parallel.watchdog import describe_state, process_state
-
-        detail = (f"made no progress ({describe_state(process_state(procs[rank].pid))}) while its peers timed "
-                  f"out waiting for it")
     else:
         detail = (f"exited with {'signal ' + str(-code) if code < 0 else 'code ' + str(code)} without a Python "
                   f"traceback")
@@ -345,7 +340,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
     import torch
 
     from megatron_hetermoe.parallel import cpu_backend
-    from megatron_hetermoe.parallel.watchdog import Watchdog
+    from megatron_hetermoe.parallel.watchdog import Watchdog, describe_state, process_state
 
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: start at least 1 rank")
@@ -382,6 +377,10 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
                 bad = [r for r, c in enumerate(codes) if c not in (None, 0)]
                 if bad:
                     failed = _first_failure(tmp, procs, stopped=dog.stopped())
+                    if procs[failed].exitcode is None and not (Path(tmp) / f"error.{failed}").exists():
+                        # Alive without an error of its own: its peers timed out waiting for it.
+                        stall = (f"rank {failed} made no progress ({describe_state(process_state(procs[failed].pid))})"
+                                 f" while its peers timed out waiting for it")
                     t_fail = time.monotonic()
                     exit_at: dict[int, float] = {}
                     while time.monotonic() - t_fail < peer_grace_s:
