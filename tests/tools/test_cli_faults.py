@@ -554,7 +554,9 @@ def test_absurd_sizes_fail_fast(tmp_path, capfd):
     even = ["plan", "--even", "--attention-ranks", "1", "--expert-ranks", "1", "-o", str(tmp_path / "p.json")]
     for argv, names in (
             ([*even, "--model", str(huge)], ["num_layers=100000000000000000000 is above 4096", "limits.py"]),
-            ([*even, "--model", "tiny", "--groups", "1000000000"], ["world size", "=2000000000 is above 131072"]),
+            ([*even, "--model", "tiny", "--groups", "1000000000"], ["--groups 1000000000 x (--attention-ranks 1 + "
+                                                                   "--expert-ranks 1) = 2000000000 ranks is above "
+                                                                   "131072"]),
             (["plan", "--cluster", "mini-2a40-2v100", "--model", "tiny", "--seq-len", "32", "--global-batch",
               "1000000000000000"], ["--global-batch 1000000000000000 is above 16777216"]),
             ([*TRAIN, "--global-batch-size", "1000000000000000"], ["--global-batch-size 1000000000000000",
@@ -596,3 +598,41 @@ def test_torchrun_rank_failure_ends_the_job_at_once(tmp_path, plan11):
     assert r.returncode != 0 and "FaultInjected: injected fault on rank 1" in text and "Traceback" in text, text[-3000:]
     assert took < 60, f"the job took {took:.0f} s to end (the collective timeout is 600 s)"
     print(f"torchrun job ended {took:.1f} s after start")
+
+
+_JOINED = """
+import sys, threading, time
+import torch.distributed as dist
+from megatron_hetermoe.training import args
+# Something that keeps a process alive after an uncaught exception (NCCL's communicators did on an
+# H200: an ordinary exit hung); a rank must end anyway, at once.
+threading.Thread(target=time.sleep, args=(3600,), name="lingering").start()
+code = args.main(sys.argv[1:])
+print("process group destroyed:", not dist.is_initialized(), flush=True)
+import os; os._exit(code)
+"""
+
+
+@pytest.mark.slow
+def test_joined_rank_ends_at_once_on_failure_and_destroys_its_group_on_success(ckpt, tmp_path):
+    """Issue 24 item 8 (the joining path, RANK set): a failing rank prints its error and exits
+    even though something would keep the interpreter alive; a clean run destroys its group."""
+    import shutil
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = _env(tmp_path, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONWARNINGS="ignore")
+    bad = tmp_path / "bad"
+    shutil.copytree(ckpt, bad)
+    (bad / "iter_0000002" / "manifest.json").write_text("{}")
+    one = ["--model", "tiny", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "1"]
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", _JOINED, *one, "--load", str(bad)], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert r.returncode == 1 and "error: rank 0: " in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
+    assert time.monotonic() - t0 < 60
+    r = subprocess.run([sys.executable, "-c", _JOINED, *one], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and "process group destroyed: True" in r.stdout, r.stdout[-2000:] + r.stderr[-2000:]
