@@ -64,7 +64,7 @@ def run_command(prog: str, main: Callable[[list[str] | None], int | None], argv:
         sys.stdout.flush()
         print(f"{prog}: interrupted; stopped", file=sys.stderr, flush=True)
         return 128 + signal.SIGINT
-    except Exception as e:  # noqa: BLE001 - sorted into a user's error or a bug below
+    except Exception as e:  # sorted into a user's error or a bug below
         line = user_message(e)
         if line is None or want_traceback():
             raise

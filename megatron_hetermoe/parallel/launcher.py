@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 import warnings
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -155,13 +155,10 @@ def _die_with_parent(parent_pid: int) -> None:
     """End this process when `parent_pid` (the launcher) dies, however it dies: the kernel's
     parent-death signal on Linux, and a thread that polls the parent's pid as a fallback (other
     systems, or a prctl that failed)."""
-    try:
+    with suppress(OSError, AttributeError):  # no libc prctl (not Linux): the thread below does it
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != parent_pid:  # it died before the prctl took effect
         os._exit(1)
 
@@ -216,10 +213,8 @@ def _end_multiprocessing_children() -> None:
     Manager, whose server holds the caller's stdout open) and remove its pymp-* temp directory."""
     import multiprocessing.util
 
-    try:
+    with suppress(Exception):  # best effort on the way out
         multiprocessing.util._exit_function()
-    except Exception:  # noqa: BLE001 - best effort on the way out
-        pass
 
 
 def _child(rank: int, cfg: LaunchConfig, store_path: str, out_dir: str, fn: Callable, args: tuple,
@@ -340,7 +335,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
     import torch
 
     from megatron_hetermoe.parallel import cpu_backend
-    from megatron_hetermoe.parallel.watchdog import Watchdog, describe_state, process_state
+    from megatron_hetermoe.parallel.watchdog import (
+        Watchdog,
+        describe_state,
+        process_state,
+    )
 
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: start at least 1 rank")

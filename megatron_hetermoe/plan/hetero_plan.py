@@ -16,7 +16,12 @@ from typing import Iterable
 
 from megatron_hetermoe.config import Role
 from megatron_hetermoe.errors import UserError
-from megatron_hetermoe.limits import MAX_MICROBATCHES, MAX_PLACEMENT_ENTRIES, MAX_RANKS, MODEL_LIMITS
+from megatron_hetermoe.limits import (
+    MAX_MICROBATCHES,
+    MAX_PLACEMENT_ENTRIES,
+    MAX_RANKS,
+    MODEL_LIMITS,
+)
 
 PLAN_VERSION = 1
 SCHEDULES = ("distep", "zebra")

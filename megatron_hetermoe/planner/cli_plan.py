@@ -15,7 +15,12 @@ import math
 import sys
 
 from megatron_hetermoe.config import ModelConfig
-from megatron_hetermoe.limits import MAX_GLOBAL_BATCH, MAX_MICROBATCHES, MAX_RANKS, MODEL_LIMITS
+from megatron_hetermoe.limits import (
+    MAX_GLOBAL_BATCH,
+    MAX_MICROBATCHES,
+    MAX_RANKS,
+    MODEL_LIMITS,
+)
 from megatron_hetermoe.plan.hetero_plan import PlanError, even_plan
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.profiles import known_gpu_types

@@ -34,8 +34,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--update", action="store_true", help="write the run's losses as the new golden values")
     a = p.parse_args(own)
 
-    from megatron_hetermoe.training import args as train_args
     from megatron_hetermoe.outputs import writable_file
+    from megatron_hetermoe.training import args as train_args
 
     tp = argparse.ArgumentParser(prog="hetermoe regress -- (trainer args)")
     train_args.add_megatron_args(tp)

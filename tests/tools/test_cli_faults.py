@@ -279,7 +279,7 @@ def test_peers_timing_out_blame_the_rank_they_waited_for():
 
 def test_training_runs_have_no_wall_clock_cap(monkeypatch, capfd):
     """2: `hetermoe train` hands the launcher no job deadline, only the progress watchdog's period."""
-    import megatron_hetermoe.parallel.launcher as launcher
+    from megatron_hetermoe.parallel import launcher
 
     seen = {}
 
@@ -416,7 +416,7 @@ def test_user_errors_in_a_rank_are_one_line(ckpt, tmp_path, capfd, monkeypatch):
     f = next(bad.glob("iter_*/rank_00001/model_optim_rng.pt"))
     f.write_bytes(f.read_bytes()[:100])
     code, out, err = hetermoe([*TRAIN, "--train-iters", "3", "--load", str(bad)], capfd)
-    assert_named(code, err, "hetermoe train: error: rank ", "model_optim_rng.pt is 100 bytes")
+    assert_named(code, err, "hetermoe train: error: rank ", "model_optim_rng.pt is 100 bytes", out=out)
     assert len([line for line in err.splitlines() if "error" in line]) == 1, err
     monkeypatch.setenv("HETERMOE_TRACEBACK", "1")
     with pytest.raises(Exception, match="model_optim_rng.pt is 100 bytes") as e:
