@@ -176,6 +176,8 @@ def _janitor(run_dir: str, parent_pid: int) -> None:
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):  # hold no pipe of the caller open (`hetermoe ... | cat` must end)
         os.dup2(devnull, fd)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):  # a signal to the group is the launcher's to handle
+        signal.signal(sig, signal.SIG_IGN)
     while os.getppid() == parent_pid:
         time.sleep(0.25)
     time.sleep(0.5)  # the ranks die with the parent (PR_SET_PDEATHSIG); let the kernel reap them
@@ -213,8 +215,12 @@ def _end_multiprocessing_children() -> None:
     Manager, whose server holds the caller's stdout open) and remove its pymp-* temp directory."""
     import multiprocessing.util
 
-    with suppress(Exception):  # best effort on the way out
-        multiprocessing.util._exit_function()
+    with suppress(Exception):  # best effort on the way out (multiprocessing's own exit steps)
+        multiprocessing.util._run_finalizers(0)  # managers and pools shut down
+        for p in mp.active_children():  # anything else the rank started: not waited for
+            p.kill()
+            p.join(1)
+        multiprocessing.util._run_finalizers()  # the rest, its pymp-* directory included
 
 
 def _child(rank: int, cfg: LaunchConfig, store_path: str, out_dir: str, fn: Callable, args: tuple,

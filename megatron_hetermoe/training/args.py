@@ -270,8 +270,10 @@ def _run_joined(cfg: TrainConfig, p: argparse.ArgumentParser, plan, hetero: Hete
     except BaseException as e:  # noqa: BLE001 - every failure ends this rank now
         code = 1
         line = user_message(e) if isinstance(e, Exception) else None
-        if isinstance(e, SystemExit):  # argparse's error, already printed
-            code = e.code if isinstance(e.code, int) and e.code else 1
+        if isinstance(e, SystemExit):  # argparse's error (already printed), or an exit with a message
+            code = e.code if isinstance(e.code, int) else 1
+            if isinstance(e.code, str):
+                print(f"error: rank {rank}: {e.code}", file=sys.stderr)
         elif line is not None and not want_traceback():
             print(f"error: rank {rank}: {line}", file=sys.stderr)
         else:
