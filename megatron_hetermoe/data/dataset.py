@@ -44,6 +44,10 @@ class DataError(UserError, ValueError):
     """A --data-path, --split or data file that cannot be read as asked; the message names it."""
 
 
+class DataFileMissing(UserError, FileNotFoundError):
+    """A --data-path prefix whose .bin or .idx does not exist."""
+
+
 def blend(data_path: list[str]) -> tuple[list[str], list[float] | None]:
     """Megatron's reading of --data-path: prefixes, or "weight prefix" pairs (get_blend_from_list),
     with weights that are finite and >= 0, not all zero."""
@@ -98,7 +102,7 @@ def check_data_files(data: DataConfig) -> None:
     for prefix in blend(list(data.data_path))[0]:
         for ext in (".bin", ".idx"):
             if not Path(prefix + ext).is_file():
-                raise DataError(
+                raise DataFileMissing(
                     f"--data-path {prefix}: {prefix + ext} does not exist; give the prefix without .bin/.idx, "
                     f"as written by scripts/preprocess_data.py --output-prefix P (P_text_document)"
                 )
