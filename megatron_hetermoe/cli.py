@@ -1,6 +1,10 @@
 """`hetermoe` console script. Each subcommand lives in the module named for its idea and is
 imported only when used (planning needs no torch).
 
+A command ends in one line `hetermoe COMMAND: error: ...` (exit code 1) on a user's error, a
+rank's included, and with a traceback on a bug ($HETERMOE_TRACEBACK=1: always). SIGTERM ends it
+with code 143 after stopping its ranks.
+
 Options before the command apply to all of them: `--version`, and `--config-dir DIR` (the
 models/, gpus/, clusters/ that bare names like `--model tiny` are looked up in; the same as
 $HETERMOE_CONFIG_DIR). `--config-dir` is also taken after the command (before a `--`).
@@ -101,6 +105,7 @@ def _take_config_dir(rest: list[str]) -> tuple[str | None, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_hetermoe.errors import run_command
     from megatron_hetermoe.parallel.launcher import show_warnings_once
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -140,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     show_warnings_once()  # megatron's import-time warnings, and each rank's, once per command
     mod, fn = SUBCOMMANDS[name][0].split(":")
     try:
-        return int(getattr(importlib.import_module(mod), fn)(rest) or 0)
+        # A user's error (a rank's too) is one line; a bug keeps its traceback (errors.py).
+        return run_command(f"hetermoe {name}", getattr(importlib.import_module(mod), fn), rest)
     except ImportError as e:
         from megatron_hetermoe import MissingExtraError
 

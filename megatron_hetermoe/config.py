@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Literal
 
+from megatron_hetermoe.errors import UserError
+from megatron_hetermoe.limits import MODEL_LIMITS
 from megatron_hetermoe.paths import read_yaml_mapping, resolve_config
 
 if TYPE_CHECKING:
@@ -25,7 +27,7 @@ TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError, ValueError):
     """A model config that cannot be built; the message names the field, the value and the fix."""
 
 
@@ -53,6 +55,9 @@ class ModelConfig:
             # bool is an int subclass: `num_layers: true` in YAML must not mean 1.
             if f.name not in ("name", "moe_aux_loss_coeff") and (type(v) is not int or v <= 0):
                 raise ModelConfigError(f"model {self.name!r}: {f.name}={v!r} must be a positive integer")
+            if f.name in MODEL_LIMITS and v > MODEL_LIMITS[f.name]:  # limits.py: no cluster holds more
+                raise ModelConfigError(f"model {self.name!r}: {f.name}={v} is above {MODEL_LIMITS[f.name]}, the "
+                                       f"largest this plugin takes (megatron_hetermoe/limits.py); check the value")
         c = self.moe_aux_loss_coeff
         if type(c) not in (int, float) or not math.isfinite(c) or c < 0:
             raise ModelConfigError(f"model {self.name!r}: moe_aux_loss_coeff={c!r} must be a finite number >= 0 "

@@ -10,9 +10,15 @@ import functools
 import os
 from pathlib import Path
 
+from megatron_hetermoe.errors import UserError
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CONFIG_DIR_ENV = "HETERMOE_CONFIG_DIR"
 KINDS = ("models", "gpus", "clusters")
+
+
+class ConfigNotFoundError(UserError, FileNotFoundError):
+    """A config name or path that names no file; the message lists the known names."""
 
 
 def shipped_config_dir() -> Path:
@@ -62,7 +68,7 @@ def resolve_config(path_or_name: str, kind: str) -> Path:
     if cand.exists():
         return cand
     known = sorted(f.stem for f in d.glob("*.yaml"))
-    raise FileNotFoundError(
+    raise ConfigNotFoundError(
         f"{kind} config {path_or_name!r} not found: give a path to a YAML file or one of {known} "
         f"(from {d}; --config-dir or ${CONFIG_DIR_ENV} names another directory)"
     )

@@ -30,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from megatron_hetermoe.errors import UserError
+
 FORMAT = "megatron_hetermoe.checkpoint"
 FORMAT_VERSION = 1
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's name and content
@@ -37,7 +39,7 @@ MANIFEST = "manifest.json"
 RANK_FILE = "model_optim_rng.pt"  # Megatron's file name
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be saved or loaded; the message names the file and the fix."""
 
 

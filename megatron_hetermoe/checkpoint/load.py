@@ -237,8 +237,33 @@ def load(state: RankState, load_dir: str | os.PathLike, step: int | None = None,
         if payload.get("rng_state") is not None:
             set_rng_state(payload["rng_state"])
     # Megatron's scheduler re-derives lr/wd for every param group from num_steps on load.
+    given = _schedule(state.scheduler)
     state.scheduler.load_state_dict(payload["opt_param_scheduler"])
     if state.rank == 0:
         how = " (resharded by parameter name; RNG states not restored)" if resharded else ""
         print(f" loaded checkpoint {load_dir} at iteration {iteration}{how}", flush=True)
+        note = schedule_note(given, _schedule(state.scheduler))
+        if note:
+            print(note, flush=True)
     return iteration
+
+
+def _schedule(scheduler) -> dict[str, float]:
+    """The LR schedule of a megatron-core OptimizerParamScheduler, by the flag that sets each part."""
+    return {"--lr": scheduler.max_lr, "--min-lr": scheduler.min_lr, "--lr-warmup-iters": scheduler.lr_warmup_steps,
+            "--train-iters": scheduler.lr_decay_steps}
+
+
+def schedule_note(given: dict[str, float], loaded: dict[str, float]) -> str | None:
+    """What a resumed run should know when its flags ask for another LR schedule than the
+    checkpoint's: the checkpoint's stays in force (megatron-core's use_checkpoint_opt_param_scheduler,
+    Megatron-LM's default), the flags given now do not change it."""
+    diff = [f"{flag} {loaded[flag]:g} (given now: {given[flag]:g})" for flag in given if given[flag] != loaded[flag]]
+    if not diff:
+        return None
+    note = (" note: resuming keeps the checkpoint's LR schedule (Megatron's use_checkpoint_opt_param_scheduler): "
+            + ", ".join(diff) + "; the values given now do not change it")
+    if given["--train-iters"] > loaded["--train-iters"]:
+        note += (f"; training runs to --train-iters {given['--train-iters']:g}, past the schedule's end (iteration "
+                 f"{loaded['--train-iters']:g}) at --min-lr {loaded['--min-lr']:g}")
+    return note

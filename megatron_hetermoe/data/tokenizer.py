@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Iterable
 
 from megatron_hetermoe.config import TOKENIZER_TYPES
+from megatron_hetermoe.errors import UserError
 
 EOD_TOKEN = "<|endoftext|>"  # GPT-2's end-of-document token, kept for familiarity
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     pass
 
 

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_hetermoe.config import ModelConfig, ParallelConfig
+from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.models import expert_names
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -35,7 +36,7 @@ KERNELS = ("local", "te", "te_sequential", "grouped")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")  # Megatron-LM's --transformer-impl values run here
 
 
-class KernelError(ValueError):
+class KernelError(UserError, ValueError):
     """Kernels asked for (--transformer-impl, --moe-grouped-gemm) that cannot run here."""
 
 

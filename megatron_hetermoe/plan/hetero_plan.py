@@ -15,12 +15,19 @@ from pathlib import Path
 from typing import Iterable
 
 from megatron_hetermoe.config import Role
+from megatron_hetermoe.errors import UserError
+from megatron_hetermoe.limits import (
+    MAX_MICROBATCHES,
+    MAX_PLACEMENT_ENTRIES,
+    MAX_RANKS,
+    MODEL_LIMITS,
+)
 
 PLAN_VERSION = 1
 SCHEDULES = ("distep", "zebra")
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """A plan that cannot run; the message names the bad value and the fix."""
 
 
@@ -95,14 +102,19 @@ class HeteroPlan:
     # ---- validation --------------------------------------------------------------------
     def validate(self, world_size: int | None = None, known_gpu_types: Iterable[str] | None = None) -> None:
         """Raise PlanError naming the bad value and the fix. Touches no process group."""
-        if self.version != PLAN_VERSION:
-            raise PlanError(f"plan version {self.version} is not supported; this build reads version {PLAN_VERSION}")
+        if type(self.version) is not int or self.version != PLAN_VERSION:  # "1" is not 1, nor is true
+            what = (f"{self.version!r} (a {type(self.version).__name__})" if type(self.version) is not int
+                    else str(self.version))
+            raise PlanError(f"plan version {what} is not supported; this build reads version {PLAN_VERSION}, the "
+                            f'integer ("version": {PLAN_VERSION})')
         if self.schedule not in SCHEDULES:
             raise PlanError(f"plan schedule {self.schedule!r} is unknown; use one of {list(SCHEDULES)}")
         for name in ("num_layers", "num_experts", "num_microbatches"):
             v = getattr(self, name)
             if type(v) is not int or v < 1:  # bool is an int subclass: `true` must not mean 1
                 raise PlanError(f"plan {name}={v!r} must be a positive integer")
+        check_plan_size(self.num_layers, self.num_experts, len(self.groups), len(self.gpu_types),
+                        self.num_microbatches)
         if not isinstance(self.meta, dict):
             raise PlanError(f"plan meta={self.meta!r} must be a JSON object (free-form notes) or absent")
         if not self.groups:
@@ -274,6 +286,21 @@ def split_evenly(items: list[int], holders: list[int]) -> dict[int, list[int]]:
     return out
 
 
+def check_plan_size(num_layers: int, num_experts: int, groups: int, world_size: int, num_microbatches: int) -> None:
+    """PlanError when a plan asks for more than any cluster could hold (limits.py)."""
+    for what, v, most in (("num_layers", num_layers, MODEL_LIMITS["num_layers"]),
+                          ("num_experts", num_experts, MODEL_LIMITS["num_experts"]),
+                          ("world size (ranks: ZP groups x (M + N))", world_size, MAX_RANKS),
+                          ("num_microbatches", num_microbatches, MAX_MICROBATCHES)):
+        if isinstance(v, int) and v > most:
+            raise PlanError(f"plan {what}={v} is above {most}, the most any cluster could hold "
+                            f"(megatron_hetermoe/limits.py); check the value")
+    entries = groups * num_layers * num_experts
+    if entries > MAX_PLACEMENT_ENTRIES:
+        raise PlanError(f"plan of {groups} ZP groups x {num_layers} layers x {num_experts} experts places {entries} "
+                        f"experts, above {MAX_PLACEMENT_ENTRIES} (megatron_hetermoe/limits.py); use fewer groups")
+
+
 def even_plan(
     num_layers: int,
     num_experts: int,
@@ -291,6 +318,7 @@ def even_plan(
     M, N = attention_ranks, expert_ranks
     if M < 1 or N < 1 or groups < 1:
         raise PlanError(f"even plan needs M>=1, N>=1, groups>=1; got M={M}, N={N}, groups={groups}")
+    check_plan_size(num_layers, num_experts, groups, groups * (M + N), num_microbatches)  # before allocating
     if N > num_experts:
         raise PlanError(f"{N} expert ranks for {num_experts} experts leaves ranks idle; use at most {num_experts}")
     zp = []

@@ -12,13 +12,15 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from megatron_hetermoe.errors import UserError
+from megatron_hetermoe.limits import MAX_GLOBAL_BATCH
 from megatron_hetermoe.plan.hetero_plan import SCHEDULES, HeteroPlan, PlanError
 
 if TYPE_CHECKING:
     from megatron_hetermoe.config import HeteroRunConfig, TrainConfig
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A training flag or layout that cannot run; names the flag, the value and the fix."""
 
 
@@ -61,6 +63,10 @@ def check_train_config(cfg: "TrainConfig") -> None:
     for name, low in (("micro_batch_size", 1), ("global_batch_size", 1), ("train_iters", 0),
                       ("lr_warmup_iters", 0), ("log_interval", 1)):
         _int(cfg, name, low)
+    for name in ("micro_batch_size", "global_batch_size"):  # a typo (1e15) must fail here, not loop per microbatch
+        if getattr(cfg, name) > MAX_GLOBAL_BATCH:
+            raise _bad(name, getattr(cfg, name), f"is above {MAX_GLOBAL_BATCH} sequences per step, more than any "
+                       f"cluster could hold (megatron_hetermoe/limits.py)", "check the value")
     # megatron-core's OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps (the
     # trainers pass max(--train-iters, 1)) on every rank, after the ranks started.
     decay = max(cfg.train_iters, 1)

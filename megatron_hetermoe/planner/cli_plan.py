@@ -15,6 +15,12 @@ import math
 import sys
 
 from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.limits import (
+    MAX_GLOBAL_BATCH,
+    MAX_MICROBATCHES,
+    MAX_RANKS,
+    MODEL_LIMITS,
+)
 from megatron_hetermoe.plan.hetero_plan import PlanError, even_plan
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.profiles import known_gpu_types
@@ -90,6 +96,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.attention_ranks is None or args.expert_ranks is None:
                 print("hetermoe plan: --even needs --attention-ranks and --expert-ranks", file=sys.stderr)
                 return 2
+            world = args.groups * (args.attention_ranks + args.expert_ranks)
+            if world > MAX_RANKS:  # named by its flags here; even_plan would only say "world size"
+                print(f"hetermoe plan: --groups {args.groups} x (--attention-ranks {args.attention_ranks} + "
+                      f"--expert-ranks {args.expert_ranks}) = {world} ranks is above {MAX_RANKS}, more than any "
+                      f"cluster could hold (megatron_hetermoe/limits.py)", file=sys.stderr)
+                return 2
             known = known_gpu_types()
             for flag, t in (("--attention-gpu", args.attention_gpu), ("--expert-gpu", args.expert_gpu)):
                 if t not in known:
@@ -118,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hetermoe plan: --seq-len {args.seq_len} and --global-batch {args.global_batch} must be >= 1",
                   file=sys.stderr)
             return 2
+        for flag, v, most in (("--seq-len", args.seq_len, MODEL_LIMITS["seq_length"]),
+                              ("--global-batch", args.global_batch, MAX_GLOBAL_BATCH),
+                              ("--max-microbatches", args.max_microbatches, MAX_MICROBATCHES)):
+            if v > most:
+                print(f"hetermoe plan: {flag} {v} is above {most}, more than any cluster could hold "
+                      f"(megatron_hetermoe/limits.py)", file=sys.stderr)
+                return 2
         cluster = Cluster.load(args.cluster)
         res = search(model, cluster, args.seq_len, args.global_batch, asym=args.asym, engine=args.engine,
                      max_microbatches=args.max_microbatches)

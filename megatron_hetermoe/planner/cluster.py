@@ -20,13 +20,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_hetermoe.errors import UserError
+from megatron_hetermoe.limits import MAX_RANKS
 from megatron_hetermoe.paths import read_yaml, resolve_config
 from megatron_hetermoe.planner.gpu_profile import GpuProfile
 
-MAX_RANKS = 1 << 17  # far above any cluster we plan for; keeps a typo (nodes: 1e9) from eating memory
 
-
-class ClusterError(ValueError):
+class ClusterError(UserError, ValueError):
     """A cluster file that cannot be used; the message names the bad value and the fix."""
 
 
@@ -89,7 +89,7 @@ class Cluster:
                 raise ClusterError(f"{path}: node_groups entries need gpu, nodes, gpus_per_node, nic_gbps_per_gpu "
                                    f"({type(e).__name__}: {e})") from None
         total = sum(g.count for g in groups)
-        if total > MAX_RANKS:
+        if total > MAX_RANKS:  # a typo (nodes: 1e9) must not eat memory
             raise ClusterError(f"{path}: {total} GPUs in all; at most {MAX_RANKS} are supported (check nodes)")
         return cls(str(raw.get("name", path.stem)), tuple(groups),
                    _positive(raw.get("network_latency_us", 10.0), "network_latency_us", path, allow_zero=True),

@@ -38,6 +38,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.planner.gpu_profile import GpuProfile, MeasuredTables
 
 # Estimates (documented here once; the profile files carry the per-GPU numbers).
@@ -81,7 +82,7 @@ ATTENTION_KERNELS = ("fused", "unfused")
 RECOMPUTE = ("full", "none")
 
 
-class ProgramError(ValueError):
+class ProgramError(UserError, ValueError):
     """A program a profile cannot price; the message names the profile, the difference and the fix."""
 
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megatron_hetermoe.errors import UserError
 
-class ProfileError(ValueError):
+
+class ProfileError(UserError, ValueError):
     """A profile that cannot be used; the message names the bad value and the fix."""
 
 

@@ -88,8 +88,8 @@ def _init_dist(dev) -> None:
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
-        path = Path(tempfile.mkdtemp(prefix="hetermoe-profile-")) / "store"
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"file://{path}",
+        # One rank: an in-process store (a file store would leave its directory behind).
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", store=dist.HashStore(),
                                 rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
@@ -343,15 +343,16 @@ def measure_pair(sizes: list[int], repeats: int, dtype_name: str | None = None, 
     backend = "nccl" if n_gpu >= 2 else "gloo"
     program = runtime_program()
     dtype_name = dtype_name or program.precision
-    store = Path(tempfile.mkdtemp(prefix="hetermoe-pair-")) / "store"
+    store_dir = tempfile.TemporaryDirectory(prefix="hetermoe-pair-")  # removed in the finally below
+    store = Path(store_dir.name) / "store"
     ctx = mp.get_context("spawn")  # no fork after CUDA (or torch threads) started
     q = ctx.Queue()
     procs = [ctx.Process(target=_pair_rank, args=(r, str(store), backend, sizes, repeats, dtype_name, q))
              for r in (0, 1)]
-    for p in procs:
-        p.start()
     got: dict[int, dict] = {}
     try:
+        for p in procs:
+            p.start()
         deadline = time.monotonic() + timeout_s
         while len(got) < 2:
             if time.monotonic() > deadline:
@@ -369,9 +370,13 @@ def measure_pair(sizes: list[int], repeats: int, dtype_name: str | None = None, 
             got[r] = res
     finally:
         for p in procs:
+            if p.pid is None:
+                continue
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+                p.join()
+        store_dir.cleanup()
     rows = got[0]["rows"]
     lat, bw = _fit_link(rows)
     devices = [got[0]["device"], got[1]["device"]]
@@ -464,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
                    help="precision to measure (default: the trainers' own, fp32; recorded in the profile)")
     args = p.parse_args(argv)
+    from megatron_hetermoe.outputs import writable_file
+
+    writable_file("--out", args.out)  # before the minutes of measuring
     if args.gpu_pair:
         if args.repeats < 1:
             print(f"hetermoe profile: --repeats {args.repeats} must be >= 1", file=sys.stderr)
@@ -495,4 +503,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_hetermoe.errors import run_command
+
+    sys.exit(run_command("hetermoe profile", main))

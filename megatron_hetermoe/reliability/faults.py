@@ -7,11 +7,15 @@ occurrence of SITE on that rank:
 - site "task": a compute task of the zebra/DistEP task list (A_F, A_B, X_*, E_F, E_B).
 MODE "raise" raises FaultInjected (a Python error), "exit" ends the process at once (os._exit,
 like a crash or an OOM kill). Read once per process; costs a pid and a None check per site otherwise.
+The launching process checks the variable against the job's world size first (`check_env`): a
+malformed value, or a rank the job does not have, is refused before any rank starts.
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from megatron_hetermoe.errors import UserError
 
 ENV = "HETERMOE_INJECT_FAULT"
 SITES = ("exchange", "task")
@@ -20,6 +24,10 @@ MODES = ("raise", "exit")
 
 class FaultInjected(RuntimeError):
     pass
+
+
+class FaultSpecError(UserError, ValueError):
+    """A malformed $HETERMOE_INJECT_FAULT, or one aimed at a rank the job does not have."""
 
 
 @dataclass(frozen=True)
@@ -35,13 +43,28 @@ class Fault:
             kv = dict(item.split("=", 1) for item in text.split(",") if item)
             f = cls(int(kv["rank"]), kv["site"], int(kv["at"]), kv.get("mode", "raise"))
         except (KeyError, ValueError) as e:
-            raise ValueError(f"${ENV}={text!r} is malformed ({e}); use rank=R,site=SITE,at=N[,mode=MODE]") from None
-        if f.site not in SITES or f.mode not in MODES or f.at < 0:
-            raise ValueError(f"${ENV}={text!r}: site must be one of {SITES}, mode one of {MODES}, at >= 0")
+            raise FaultSpecError(f"${ENV}={text!r} is malformed ({type(e).__name__}: {e}); use "
+                                 f"rank=R,site=SITE,at=N[,mode=MODE]") from None
+        if f.site not in SITES or f.mode not in MODES or f.at < 0 or f.rank < 0:
+            raise FaultSpecError(f"${ENV}={text!r}: site must be one of {SITES}, mode one of {MODES}, rank and at "
+                                 f">= 0")
         return f
 
     def env(self) -> str:
         return f"rank={self.rank},site={self.site},at={self.at},mode={self.mode}"
+
+
+def check_env(world_size: int) -> Fault | None:
+    """The fault $HETERMOE_INJECT_FAULT asks for in a job of `world_size` ranks (None without
+    one); FaultSpecError when it is malformed or names a rank outside the job."""
+    text = os.environ.get(ENV)
+    if not text:
+        return None
+    f = Fault.parse(text)
+    if f.rank >= world_size:
+        raise FaultSpecError(f"${ENV}={text!r} aims at rank {f.rank}, but the job has ranks 0..{world_size - 1}; "
+                             f"pick one of those (or unset {ENV})")
+    return f
 
 
 _fault: Fault | None = None

@@ -23,13 +23,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.parallel.device import rank_device
 
 NAN_MODES = ("stop", "skip", "off")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError, RuntimeError):
     """A non-finite loss or gradient under --check-for-nan-in-loss-and-grad stop."""
 
 

@@ -279,9 +279,22 @@ def main(argv: list[str] | None = None) -> int:
     bad = [s for s in only if s not in STRATEGIES]
     if bad:
         raise SystemExit(f"unknown strategies {bad}; choose from {list(STRATEGIES)}")
+    from megatron_hetermoe.limits import MAX_GLOBAL_BATCH, MODEL_LIMITS
+
+    for flag, v, most in (("--seq-len", a.seq_len, MODEL_LIMITS["seq_length"]),
+                          ("--global-batch", a.global_batch, MAX_GLOBAL_BATCH)):
+        if v is not None and not 1 <= v <= most:
+            p.error(f"{flag} {v}: must be an integer in 1..{most}")
+    # The inputs, before megatron's import and any rank: a bad name or file is one line, not a traceback.
+    cluster = Cluster.load(a.cluster)
+    ModelConfig.load(a.model)
+    if a.timeline_dir:
+        from megatron_hetermoe.outputs import writable_dir
+
+        writable_dir("--timeline-dir", a.timeline_dir)
     import megatron.core  # noqa: F401  - import once, then fork ranks
 
-    gb = a.global_batch or 4 * Cluster.load(a.cluster).world_size
+    gb = a.global_batch or 4 * cluster.world_size
     rep = run_bench(a.cluster, a.model, a.seq_len, gb, a.steps, a.step_seconds, a.timeline_dir, only,
                     max_step_seconds=a.max_step_seconds, max_overrun=a.max_overrun)
     print(json.dumps(rep, default=str) if a.json else format_report(rep))
@@ -289,4 +302,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_hetermoe.errors import run_command
+
+    sys.exit(run_command("hetermoe bench", main))

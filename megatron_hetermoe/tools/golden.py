@@ -34,27 +34,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--update", action="store_true", help="write the run's losses as the new golden values")
     a = p.parse_args(own)
 
+    from megatron_hetermoe.outputs import writable_file
     from megatron_hetermoe.training import args as train_args
 
     tp = argparse.ArgumentParser(prog="hetermoe regress -- (trainer args)")
     train_args.add_megatron_args(tp)
     tp.add_argument("--nproc", type=int, default=4, help="CPU ranks to start")
     ta = tp.parse_args(trainer_argv)
-    cfg = train_args.config_from_args(ta)
+    if not 1 <= ta.nproc <= train_args.MAX_FORKED_RANKS:
+        tp.error(f"--nproc {ta.nproc}: start 1 to {train_args.MAX_FORKED_RANKS} CPU ranks")
+    # The golden file first: a missing or malformed one is reported before the training run.
+    golden = None if a.update else read_golden(a.golden)
+    if a.update:
+        writable_file("--golden", a.golden)
+    try:
+        cfg = train_args.config_from_args(ta)
+    except (ValueError, FileNotFoundError) as e:
+        tp.error(str(e))
     cfg.quiet = True
     import megatron.core  # noqa: F401  - import once, then fork ranks
 
-    losses = train_args.run(cfg, ta.nproc)["losses"]
+    result = train_args.run(cfg, ta.nproc)
+    losses, start = result["losses"], result.get("start_iteration", 0) + 1
     if a.update:
-        write_golden(a.golden, losses)
+        write_golden(a.golden, losses, start_step=start)
         print(f"wrote {len(losses)} golden values to {a.golden} (exact on {kernels()} only)")
         return 0
-    golden = read_golden(a.golden)
-    problems = compare(golden, losses, a.rtol, exact=cfg.deterministic)
-    for step, v in enumerate(losses, 1):
+    problems = compare(golden, losses, a.rtol, exact=cfg.deterministic, start_step=start)
+    for step, v in enumerate(losses, start):
         want = golden.get(step)
         print(f"step {step:>4}: lm loss {v:.8f}" + (f"  golden {want:.8f}" if want is not None else ""))
-    worst = max_rel_diff(golden, losses)
+    worst = max_rel_diff(golden, losses, start)
     if problems:
         print("REGRESSION:\n  " + "\n  ".join(problems))
         if cfg.deterministic:
@@ -66,4 +76,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_hetermoe.errors import run_command
+
+    sys.exit(run_command("hetermoe regress", main))

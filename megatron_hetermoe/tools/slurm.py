@@ -8,16 +8,39 @@ is the type of plan rank 0, which hosts the rendezvous store (MASTER_ADDR is its
 scripts/slurm/launch.sh renders the batch script with this module and submits it (or, with
 --dry-run, prints it and every task's command); scripts/slurm/rank.sh turns SLURM_PROCID into
 RANK inside each task.
+
+- Entry: `--entry plugin` (default) runs this plugin's trainer (`python -m
+  megatron_hetermoe.training.pretrain_gpt`); `--entry megatron-lm --megatron-lm-dir DIR` runs
+  Megatron-LM's own pretrain_gpt.py, patched (patches/), from that checkout.
+- GPUs: each task sees every GPU of its node (`--gpu-bind=none`, no per-task GPU limit), so NCCL
+  finds NVLink between them, and LOCAL_RANK (SLURM_LOCALID) is the task's GPU on the node, the
+  device Megatron-LM's `set_device(args.local_rank)` takes. rank.sh sets LOCAL_RANK=0 where a
+  site's configuration still gives a task a single GPU.
+- The job's flags are checked before anything is written: the plugin's with its own parser and
+  validation (pretrain_gpt.check_flags: `--num-layers 0` or `--frobnicate` is refused here, not on
+  the nodes); Megatron-LM's by name (its core_v0.16.1 parser's flags plus the patch's --hetero-*).
+- Paths: a relative --plan (like every relative path in the flags) means the caller's directory,
+  which is where the job runs (--workdir); the plugin comes from --repo (PYTHONPATH).
+- $PYTHON is the interpreter of every task (default: the one rendering the script).
+- CUDA_DEVICE_MAX_CONNECTIONS is exported (--cuda-device-max-connections, default 8, CUDA's own):
+  Megatron's Mixtral recipe exports 1, which serialises the CUDA streams zebra overlaps on, so 1 is
+  refused for a zebra run.
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import shlex
 import sys
+import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+
+ENTRIES = ("plugin", "megatron-lm")
+DEFAULT_MAX_CONNECTIONS = 8  # CUDA's default
 
 
 @dataclass(frozen=True)
@@ -57,26 +80,92 @@ def rank_map(comps: list[Component]) -> list[int]:
     return [r for c in comps for r in c.ranks]
 
 
-def _type_map(items: list[str], flag: str) -> dict[str, str]:
-    """'a40=8' style pairs; a bare value applies to every type (key '*')."""
-    out = {}
+def type_map(items: list[str], flag: str, plan_types: list[str]) -> dict[str, str]:
+    """'a40=8' style pairs keyed by the plan's own spelling of each type (matched without regard
+    to case, as the plan's types are); a bare value applies to every type. A key that is no type
+    of the plan is refused: it would be dropped without a word."""
+    out: dict[str, str] = {}
+    by_lower = {t.lower(): t for t in plan_types}
     for it in items:
         k, sep, v = it.partition("=")
         if not sep:
             k, v = "*", it
         if not v:
             raise ValueError(f"{flag} {it!r}: expected TYPE=VALUE or VALUE")
+        if k != "*":
+            if k.lower() not in by_lower:
+                raise ValueError(f"{flag} {it!r}: the plan has no GPU type {k!r}; its types are "
+                                 f"{', '.join(sorted(set(plan_types)))}")
+            k = by_lower[k.lower()]
+        if k in out:
+            raise ValueError(f"{flag} given twice for {'every type' if k == '*' else k}: {out[k]!r} and {v!r}")
         out[k] = v
+    if "*" in out:
+        return {t: out.get(t, out["*"]) for t in plan_types}
     return out
 
 
-def _for_type(m: dict[str, str], t: str) -> str | None:
-    return m.get(t, m.get("*"))
+def schedule_of(plan: HeteroPlan, train_args: list[str]) -> str:
+    """The schedule the job runs: --hetero-schedule among its flags, else the plan's."""
+    for i, t in enumerate(train_args):
+        if t == "--hetero-schedule" and i + 1 < len(train_args):
+            return train_args[i + 1]
+        if t.startswith("--hetero-schedule="):
+            return t.split("=", 1)[1]
+    return plan.schedule
+
+
+def entry_command(entry: str, megatron_lm_dir: str | None) -> list[str]:
+    """What each task runs after $PYTHON (the training flags follow)."""
+    if entry == "megatron-lm":
+        return [str(Path(megatron_lm_dir) / "pretrain_gpt.py")]
+    return ["-m", "megatron_hetermoe.training.pretrain_gpt"]
+
+
+def check_megatron_lm(checkout: str, train_args: list[str]) -> None:
+    """A patched Megatron-LM checkout, and flags its parser has (by name: its values are checked
+    by Megatron-LM itself on the nodes, whose training-side packages the login node may lack)."""
+    from megatron_hetermoe.training.megatron_lm import HETERO_FLAGS
+    from megatron_hetermoe.training.pretrain_gpt import MEGATRON_REF, megatron_flags
+
+    script = Path(checkout) / "pretrain_gpt.py"
+    if not script.is_file():
+        raise ValueError(f"--megatron-lm-dir {checkout}: no pretrain_gpt.py there; give a Megatron-LM work tree")
+    if "hetero" not in script.read_text():
+        raise ValueError(f"--megatron-lm-dir {checkout}: pretrain_gpt.py is not patched for --hetero-plan; apply "
+                         f"the patch patches/check_patch.sh {checkout} names (git apply)")
+    known = megatron_flags() | set(HETERO_FLAGS)
+    unknown = [t.split("=", 1)[0] for t in train_args if t.startswith("--") and t.split("=", 1)[0] not in known]
+    if unknown:
+        raise ValueError(f"pretrain_gpt.py flag(s) {' '.join(unknown)}: not flags of Megatron-LM {MEGATRON_REF}'s "
+                         f"parser (or the patch's {', '.join(HETERO_FLAGS)})")
+
+
+def check_train_args(train_args: list[str], plan_path: str, entry: str, megatron_lm_dir: str | None) -> None:
+    """The job's flags, checked before the job script is written (see the module doc)."""
+    if entry == "megatron-lm":
+        check_megatron_lm(megatron_lm_dir, train_args)
+        return
+    from megatron_hetermoe.training.pretrain_gpt import check_flags
+
+    env = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in os.environ}
+    try:  # as the job's own launch sees them: no torchrun job around, megatron's import warnings unshown
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            check_flags([*train_args, "--hetero-plan", plan_path])
+    except SystemExit as e:  # a few refusals of the trainer exit with their message
+        raise ValueError(f"pretrain_gpt flags: {e.code}") from None
+    except ValueError as e:
+        raise ValueError(f"pretrain_gpt flags: {e}") from None
+    finally:
+        os.environ.update(env)
 
 
 def render_sbatch(plan_path: str, comps: list[Component], train_args: list[str], *, partitions: dict[str, str],
                   constraints: dict[str, str], account: str | None, time_limit: str | None, job_name: str,
-                  master_port: int, repo: str) -> str:
+                  master_port: int, repo: str, workdir: str | None = None, python: str = "python3",
+                  entry: str = "plugin", megatron_lm_dir: str | None = None,
+                  max_connections: int = DEFAULT_MAX_CONNECTIONS) -> str:
     """The batch script: one #SBATCH block per GPU type, then a single srun over all of them."""
     lines = ["#!/usr/bin/env bash", f"# HeterMoE job for plan {plan_path}: "
              + ", ".join(f"{len(c.ranks)} x {c.gpu_type}" for c in comps)]
@@ -86,9 +175,9 @@ def render_sbatch(plan_path: str, comps: list[Component], train_args: list[str],
         # One option per #SBATCH line: the portable form across SLURM versions.
         lines += [f"#SBATCH --nodes={c.nodes}", f"#SBATCH --ntasks={len(c.ranks)}",
                   f"#SBATCH --ntasks-per-node={c.tasks_per_node}", f"#SBATCH --gpus-per-node={c.tasks_per_node}"]
-        lines.append(f"#SBATCH --constraint={_for_type(constraints, c.gpu_type) or c.gpu_type}")
-        if _for_type(partitions, c.gpu_type):
-            lines.append(f"#SBATCH --partition={_for_type(partitions, c.gpu_type)}")
+        lines.append(f"#SBATCH --constraint={constraints.get(c.gpu_type) or c.gpu_type}")
+        if partitions.get(c.gpu_type):
+            lines.append(f"#SBATCH --partition={partitions[c.gpu_type]}")
         if i == 0:
             lines.append(f"#SBATCH --job-name={job_name}")
             if account:
@@ -97,23 +186,30 @@ def render_sbatch(plan_path: str, comps: list[Component], train_args: list[str],
                 lines.append(f"#SBATCH --time={time_limit}")
     first_nodes = "SLURM_JOB_NODELIST_HET_GROUP_0" if len(comps) > 1 else "SLURM_JOB_NODELIST"
     groups = f" --het-group=0-{len(comps) - 1}" if len(comps) > 1 else ""
-    cmd = ["python", "-m", "megatron_hetermoe.training.pretrain_gpt", *train_args, "--hetero-plan", plan_path]
+    cmd = [*entry_command(entry, megatron_lm_dir), *train_args, "--hetero-plan", plan_path]
+    rank_sh = shlex.quote(str(Path(repo) / "scripts" / "slurm" / "rank.sh"))
     lines += [
         "set -euo pipefail",
-        f"cd {shlex.quote(repo)}",
+        f"cd {shlex.quote(workdir or os.getcwd())}  # relative paths in the flags mean this directory",
+        f'export PYTHONPATH={shlex.quote(str(repo))}"${{PYTHONPATH:+:${{PYTHONPATH}}}}"',
+        f"PYTHON=${{PYTHON:-{shlex.quote(python)}}}",
+        "# Streams zebra overlaps on need more than one hardware queue (Megatron's Mixtral recipe exports 1).",
+        f"export CUDA_DEVICE_MAX_CONNECTIONS={max_connections}",
         "# Plan rank 0 is task 0 (on the first node of component 0): it hosts the rendezvous store.",
         f'MASTER_ADDR=$(scontrol show hostnames "${first_nodes}" | head -n 1)',
         f"export MASTER_ADDR MASTER_PORT={master_port} WORLD_SIZE={len(rank_map(comps))}",
         f'export HETERMOE_RANK_MAP="{" ".join(map(str, rank_map(comps)))}"',
-        f"srun{groups} --gpus-per-task=1 --kill-on-bad-exit=1 scripts/slurm/rank.sh " + shlex.join(cmd),
+        "# Every task sees all GPUs of its node (NVLink for NCCL); LOCAL_RANK picks its own (rank.sh).",
+        f'srun{groups} --gpu-bind=none --kill-on-bad-exit=1 {rank_sh} "${{PYTHON}}" ' + shlex.join(cmd),
     ]
     return "\n".join(lines) + "\n"
 
 
-def task_commands(comps: list[Component], train_args: list[str], plan_path: str, master_port: int) -> list[str]:
+def task_commands(comps: list[Component], train_args: list[str], plan_path: str, master_port: int,
+                  python: str = "python3", entry: str = "plugin", megatron_lm_dir: str | None = None) -> list[str]:
     """What each task runs, as rank.sh resolves it: for --dry-run."""
     world = len(rank_map(comps))
-    cmd = shlex.join(["python", "-m", "megatron_hetermoe.training.pretrain_gpt", *train_args, "--hetero-plan", plan_path])
+    cmd = shlex.join([python, *entry_command(entry, megatron_lm_dir), *train_args, "--hetero-plan", plan_path])
     out, procid = [], 0
     master = f"<first {comps[0].gpu_type} node>"
     for ci, c in enumerate(comps):
@@ -129,7 +225,7 @@ def task_commands(comps: list[Component], train_args: list[str], plan_path: str,
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatron_hetermoe.tools.slurm",
                                 description="render the sbatch script (and per-task commands) for a plan")
-    p.add_argument("--plan", required=True)
+    p.add_argument("--plan", required=True, help="the plan; a relative path is relative to --workdir")
     p.add_argument("--gpus-per-node", action="append", default=[], metavar="[TYPE=]N",
                    help="GPUs per node, per GPU type (a40=4) or for all types (8); repeatable")
     p.add_argument("--partition", action="append", default=[], metavar="[TYPE=]NAME")
@@ -138,29 +234,64 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--account", default=None)
     p.add_argument("--time", default=None)
     p.add_argument("--job-name", default="hetermoe")
-    p.add_argument("--master-port", type=int, default=29500)
-    p.add_argument("--repo", default=".", help="directory the tasks start in (this repository on the nodes)")
+    p.add_argument("--master-port", type=int, default=29500, help="rendezvous port on rank 0's node, 1..65535")
+    p.add_argument("--repo", default=str(Path(__file__).resolve().parents[2]),
+                   help="this repository's path on the nodes (the plugin and scripts/slurm/rank.sh)")
+    p.add_argument("--workdir", default=None, help="directory the tasks run in (default: the current one)")
+    p.add_argument("--python", default=os.environ.get("PYTHON") or sys.executable,
+                   help="the tasks' interpreter (default: $PYTHON, else this one); $PYTHON at run time wins")
+    p.add_argument("--entry", choices=ENTRIES, default="plugin",
+                   help="plugin: this plugin's trainer; megatron-lm: Megatron-LM's patched pretrain_gpt.py "
+                        "(--megatron-lm-dir)")
+    p.add_argument("--megatron-lm-dir", default=None, help="the Megatron-LM checkout, with --entry megatron-lm")
+    p.add_argument("--cuda-device-max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="CUDA_DEVICE_MAX_CONNECTIONS of every task (1 serialises zebra's streams: refused with zebra)")
     p.add_argument("--tasks", action="store_true", help="print each task's command instead of the script")
+    p.add_argument("--with-tasks", action="store_true", help="print the script, then each task's command (dry run)")
     p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then pretrain_gpt flags")
     a = p.parse_args(argv)
     train_args = a.train_args[1:] if a.train_args[:1] == ["--"] else a.train_args
     if "--hetero-plan" in train_args:
         p.error("give the plan as --plan only; it is passed to every task as --hetero-plan")
+    if not 1 <= a.master_port <= 65535:
+        p.error(f"--master-port {a.master_port}: a TCP port is 1..65535")
+    if (a.entry == "megatron-lm") != (a.megatron_lm_dir is not None):
+        p.error("--entry megatron-lm and --megatron-lm-dir DIR go together")
+    if not 1 <= a.cuda_device_max_connections <= 32:
+        p.error(f"--cuda-device-max-connections {a.cuda_device_max_connections}: CUDA takes 1..32")
+    workdir = Path(a.workdir or os.getcwd()).resolve()
+    plan_path = str(workdir / a.plan)  # absolute: the nodes start elsewhere
+    megatron_lm_dir = str(workdir / a.megatron_lm_dir) if a.megatron_lm_dir else None
     try:
-        plan = HeteroPlan.load(a.plan)
-        gpn = {k: int(v) for k, v in _type_map(a.gpus_per_node, "--gpus-per-node").items()}
-        if "*" in gpn:
-            gpn = {t: gpn.get(t, gpn["*"]) for t in set(plan.gpu_types)}
+        plan = HeteroPlan.load(plan_path)
+        gpn_text = type_map(a.gpus_per_node, "--gpus-per-node", plan.gpu_types)
+        try:
+            gpn = {k: int(v) for k, v in gpn_text.items()}
+        except ValueError:
+            raise ValueError(f"--gpus-per-node {a.gpus_per_node}: give whole numbers, e.g. 8 or A40=4") from None
         comps = components(plan, gpn)
+        partitions = type_map(a.partition, "--partition", plan.gpu_types)
+        constraints = type_map(a.constraint, "--constraint", plan.gpu_types)
+        if a.cuda_device_max_connections == 1 and schedule_of(plan, train_args) == "zebra":
+            raise ValueError("--cuda-device-max-connections 1 with the zebra schedule: one hardware queue serialises "
+                             "the streams zebra overlaps attention and expert work on; leave it at 8 (CUDA's default)")
+        check_train_args(train_args, plan_path, a.entry, megatron_lm_dir)
         if a.tasks:
-            print("\n".join(task_commands(comps, train_args, a.plan, a.master_port)))
+            print("\n".join(task_commands(comps, train_args, plan_path, a.master_port, a.python, a.entry,
+                                          megatron_lm_dir)))
         else:
-            print(render_sbatch(a.plan, comps, train_args, partitions=_type_map(a.partition, "--partition"),
-                                constraints=_type_map(a.constraint, "--constraint"), account=a.account,
-                                time_limit=a.time, job_name=a.job_name, master_port=a.master_port,
-                                repo=a.repo), end="")
-    except (ValueError, OSError) as e:
-        p.error(str(e))
+            print(render_sbatch(plan_path, comps, train_args, partitions=partitions, constraints=constraints,
+                                account=a.account, time_limit=a.time, job_name=a.job_name,
+                                master_port=a.master_port, repo=a.repo, workdir=str(workdir), python=a.python,
+                                entry=a.entry, megatron_lm_dir=megatron_lm_dir,
+                                max_connections=a.cuda_device_max_connections), end="")
+            if a.with_tasks:
+                print("# ---- what each task runs (rank.sh resolves RANK from SLURM_PROCID)")
+                print("\n".join(task_commands(comps, train_args, plan_path, a.master_port, a.python, a.entry,
+                                              megatron_lm_dir)))
+    except (ValueError, OSError) as e:  # named: one line, without the usage text
+        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -90,7 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/timeline.png)")
     p.add_argument("--step", type=int, default=None, help="draw one step only (default: the last)")
     a = p.parse_args(argv)
-    events = load_events(a.run_dir)
+    run_dir = Path(a.run_dir)
+    if not run_dir.is_dir():
+        p.error(f"{a.run_dir}: not a directory; give a --timeline-dir of hetermoe train / bench")
+    if not list(run_dir.glob("timeline.rank*.json")):
+        p.error(f"{a.run_dir}: holds no timeline.rank*.json; give the --timeline-dir of a finished "
+                f"`hetermoe train --hetero-plan ... --timeline-dir DIR` (or bench) run")
+    if a.output:
+        from megatron_hetermoe.outputs import writable_file
+
+        writable_file("-o/--output", a.output)
+    try:
+        events = load_events(a.run_dir)
+    except (ValueError, TypeError) as e:  # not JSON, or not the recorder's events
+        p.error(f"{a.run_dir}: a timeline.rank*.json is malformed ({type(e).__name__}: {e}); record it again")
+    if not events:
+        p.error(f"{a.run_dir}: its timeline files hold no events; train at least one step")
+    if a.step is not None and a.step not in {e.step for e in events}:
+        p.error(f"--step {a.step}: not in {a.run_dir} (steps {sorted({e.step for e in events})})")
     step = a.step if a.step is not None else max(e.step for e in events)
     png = Path(a.output or Path(a.run_dir) / "timeline.png")
     draw_png(events, png, step=step, title=f"{a.run_dir} step {step}")
@@ -101,4 +118,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_hetermoe.errors import run_command
+
+    sys.exit(run_command("hetermoe timeline", main))

@@ -1,15 +1,21 @@
 """`hetermoe train`: Megatron-LM-style flags -> TrainConfig (+ a plan), then ranks.
 
-`main(argv)` parses the flags, validates every input before any process group exists, and
-starts CPU ranks with the launcher (or joins the surrounding torchrun job); each rank runs the
-Megatron EP trainer (training/megatron_ep.py) or, with --hetero-plan, the HeterMoE trainer
-(training/hetero.py).
+`main(argv)` parses the flags, validates every input (and the paths the run writes, and locks
+--save) before any process group exists, and starts CPU ranks with the launcher (or joins the
+surrounding torchrun job); each rank runs the Megatron EP trainer (training/megatron_ep.py) or,
+with --hetero-plan, the HeterMoE trainer (training/hetero.py).
+
+A run has no wall-clock limit: it goes on while its ranks make progress (the launcher's
+watchdog, --progress-timeout). Joining torchrun, a rank that fails prints its error and ends at
+once (os._exit), so torchrun stops the job instead of the other ranks waiting for a collective
+timeout; a clean end destroys the process group.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import traceback
 
 from megatron_hetermoe.config import (
     ISSUERS,
@@ -19,6 +25,10 @@ from megatron_hetermoe.config import (
     TrainConfig,
 )
 from megatron_hetermoe.data.dataset import add_data_args, data_config_from_args
+from megatron_hetermoe.parallel.watchdog import DEFAULT_PROGRESS_TIMEOUT_S
+
+# Forked CPU ranks share one host: more than this is a typo, not a job (each rank holds ~400 MB).
+MAX_FORKED_RANKS = 1024
 
 
 def add_megatron_args(p: argparse.ArgumentParser) -> None:
@@ -164,12 +174,15 @@ def _rank_main(rank: int, world: int, cfg: TrainConfig, plan=None, hetero: Heter
     return train_hetero(cfg, plan, hetero)
 
 
-def run(cfg: TrainConfig, nproc: int, timeout_s: float = 900.0, plan=None, hetero: HeteroRunConfig | None = None) -> dict:
+def run(cfg: TrainConfig, nproc: int, timeout_s: float | None = None, plan=None,
+        hetero: HeteroRunConfig | None = None, progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S) -> dict:
     """Train on `nproc` forked CPU ranks (plain Megatron, or HeterMoE with a plan); return
-    rank 0's result."""
+    rank 0's result. No wall-clock limit unless `timeout_s`: the launcher's watchdog ends a run
+    whose ranks report no progress for `progress_timeout_s` (None: never)."""
     from megatron_hetermoe.parallel.launcher import launch
 
-    return launch(_rank_main, nproc, cfg, plan, hetero, timeout_s=timeout_s)[0]
+    return launch(_rank_main, nproc, cfg, plan, hetero, timeout_s=timeout_s,
+                  progress_timeout_s=progress_timeout_s)[0]
 
 
 def check_kernels(p: argparse.ArgumentParser, cfg: TrainConfig, device, pools=None) -> None:
@@ -201,7 +214,12 @@ def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description="Train the Megatron MoE baseline (plain Megatron-Core TP/PP/EP/DP), or HeterMoE with --hetero-plan.", formatter_class=HelpFormatter)
     add_megatron_args(p)
     p.add_argument("--nproc", type=int, default=None,
-                   help="CPU ranks to start (default: join a torchrun job if RANK is set, else 4)")
+                   help=f"CPU ranks to start, 1..{MAX_FORKED_RANKS} (default: join a torchrun job if RANK is set, "
+                        f"else 4)")
+    p.add_argument("--progress-timeout", type=float, default=DEFAULT_PROGRESS_TIMEOUT_S, metavar="SECONDS",
+                   help="forked CPU ranks: end the job, naming the rank furthest behind, when no rank finishes a "
+                        "step (or a checkpoint save) for this long; 0: never. A run has no other time limit "
+                        "(under torchrun the collective timeouts apply)")
     p.add_argument("--golden-values-out", default=None, help="write per-step lm loss as Megatron golden values JSON (default: none)")
     p.add_argument("--hetero-plan", default=None, help="train with HeterMoE on this plan (hetermoe plan -o plan.json; default: plain Megatron)")
     p.add_argument("--hetero-schedule", choices=["distep", "zebra"], default=None,
@@ -227,8 +245,62 @@ def main(argv: list[str] | None = None) -> int:
     return run_from_args(p, p.parse_args(argv))
 
 
-def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
-    """Validate, launch (forked CPU ranks or the surrounding torchrun job) and report a run."""
+def check_launch_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Flags about the job rather than the model: ranks, the watchdog, --ckpt-step."""
+    if a.nproc is not None and not 1 <= a.nproc <= MAX_FORKED_RANKS:
+        p.error(f"--nproc {a.nproc}: start 1 to {MAX_FORKED_RANKS} CPU ranks (or drop --nproc under torchrun)")
+    if not a.progress_timeout >= 0:
+        p.error(f"--progress-timeout {a.progress_timeout}: give seconds >= 0 (0: no progress watchdog)")
+    if a.ckpt_step is not None and not a.load:
+        p.error(f"--ckpt-step {a.ckpt_step} needs --load DIR: it picks the iteration to load from DIR")
+
+
+def _run_joined(cfg: TrainConfig, p: argparse.ArgumentParser, plan, hetero: HeteroRunConfig | None,
+                save_lock) -> dict:
+    """This process is one rank of a torchrun (or SLURM) job. A failure prints its error (one
+    line for a user's error, else the traceback) and ends the process at once: the other ranks
+    may be blocked in a collective with it, and only the process ending lets torchrun's
+    kill-on-bad-exit stop them (otherwise they wait for the collective timeout, 10 minutes on
+    NCCL). A clean end destroys the process group, as Megatron-LM does."""
+    import torch.distributed as dist
+
+    from megatron_hetermoe.errors import user_message, want_traceback
+
+    rank = int(os.environ["RANK"])
+    try:
+        if save_lock is not None:
+            save_lock.acquire()
+        from megatron_hetermoe.parallel.device import init_distributed, rank_device
+
+        init_distributed()  # this rank's GPU first, then NCCL (gloo and CPU patches without CUDA)
+        check_kernels(p, cfg, rank_device(), hetero.pools(cfg) if plan is not None else None)
+        result = _rank_main(rank, int(os.environ["WORLD_SIZE"]), cfg, plan, hetero)
+    except BaseException as e:  # noqa: BLE001 - every failure ends this rank now
+        code = 1
+        line = user_message(e) if isinstance(e, Exception) else None
+        if isinstance(e, SystemExit):  # argparse's error (already printed), or an exit with a message
+            code = e.code if isinstance(e.code, int) else 1
+            if isinstance(e.code, str):
+                print(f"error: rank {rank}: {e.code}", file=sys.stderr)
+        elif line is not None and not want_traceback():
+            print(f"error: rank {rank}: {line}", file=sys.stderr)
+        else:
+            print(f"rank {rank} failed:", file=sys.stderr)
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+
+def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_outputs: bool = True):
+    """Every input of a run, checked before any process group (torchrun's or ours) exists; the
+    first bad one ends in p.error. Returns (TrainConfig, plan or None, HeteroRunConfig, whether
+    the run joins a torchrun job). check_outputs=False skips the paths the run writes (the SLURM
+    renderer checks a job's flags on a login node, where they need not exist yet)."""
+    check_launch_flags(p, a)
     try:
         cfg = config_from_args(a)
     except (ValueError, FileNotFoundError) as e:  # a bad model config, --seq-length, parallel size
@@ -253,28 +325,48 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         if "RANK" not in os.environ:  # under torchrun, join its ranks instead of forking more
             a.nproc = plan.world_size
     joining = "RANK" in os.environ and a.nproc is None
+    world = int(os.environ.get("WORLD_SIZE", 0)) if joining else (a.nproc or 4)
     try:  # every input, before any process group (torchrun's or ours) exists
+        from megatron_hetermoe.outputs import check_output_paths
         from megatron_hetermoe.plan.validation import validate_job
+        from megatron_hetermoe.reliability.faults import check_env
 
-        validate_job(cfg, int(os.environ.get("WORLD_SIZE", 0)) if joining else (a.nproc or 4),
-                     plan if a.hetero_plan else None, a.hetero_schedule, hetero)
+        validate_job(cfg, world, plan if a.hetero_plan else None, a.hetero_schedule, hetero)
+        check_env(world)  # $HETERMOE_INJECT_FAULT, read by every rank
+        if check_outputs and int(os.environ.get("RANK", "0")) == 0:  # rank 0 of a torchrun job checks them
+            check_output_paths(a)
     except ValueError as e:
         p.error(str(e))
+    return cfg, plan if a.hetero_plan else None, hetero, joining
+
+
+def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    """Validate, launch (forked CPU ranks or the surrounding torchrun job) and report a run."""
+    cfg, plan, hetero, joining = validate_run(p, a)
+    from megatron_hetermoe.checkpoint.lock import SaveLock
+
+    # One run per --save directory, held by the launching process (and so its forked ranks),
+    # or by rank 0 of a torchrun job.
+    save_lock = SaveLock(cfg.save) if cfg.save and int(os.environ.get("RANK", "0")) == 0 else None
     if cfg.nan_check_mode() != cfg.check_for_nan_in_loss_and_grad and int(os.environ.get("RANK", "0")) == 0:
         print("WARNING: --check-for-nan-in-loss-and-grad is off: --fp16 with a dynamic loss scale skips steps "
               "whose gradients overflow (as Megatron-LM does)", file=sys.stderr)
     if joining:
-        from megatron_hetermoe.parallel.device import init_distributed, rank_device
-
-        init_distributed()  # this rank's GPU first, then NCCL (gloo and CPU patches without CUDA)
-        check_kernels(p, cfg, rank_device(), hetero.pools(cfg) if a.hetero_plan else None)
-        result = _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), cfg,
-                            plan if a.hetero_plan else None, hetero)
+        result = _run_joined(cfg, p, plan, hetero, save_lock)
     else:
         import megatron.core  # noqa: F401  - import once in the parent, then fork ranks
 
-        check_kernels(p, cfg, "cpu", hetero.pools(cfg) if a.hetero_plan else None)  # forked ranks are CPU ranks
-        result = run(cfg, a.nproc or 4, plan=plan if a.hetero_plan else None, hetero=hetero)
+        check_kernels(p, cfg, "cpu", hetero.pools(cfg) if plan is not None else None)  # forked ranks are CPU ranks
+        try:
+            if save_lock is not None:
+                save_lock.acquire()
+        except ValueError as e:  # OutputPathError: --save is a file, or cannot be written
+            p.error(str(e))
+        try:
+            result = run(cfg, a.nproc or 4, plan=plan, hetero=hetero, progress_timeout_s=a.progress_timeout or None)
+        finally:
+            if save_lock is not None:
+                save_lock.release()
     if "peak_rss_mib" in result and int(os.environ.get("RANK", "0")) == 0:
         for r, (role, rss) in enumerate(result["peak_rss_mib"]):
             print(f" rank {r} ({role}): peak RSS {rss:.0f} MiB")
@@ -290,9 +382,12 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     if a.golden_values_out and int(os.environ.get("RANK", "0")) == 0:
         from megatron_hetermoe.training.golden_values import write_golden
 
-        write_golden(a.golden_values_out, result["losses"])
+        # Steps are numbered by iteration: a run resumed at iteration 3 writes steps 4, 5, ...
+        write_golden(a.golden_values_out, result["losses"], start_step=result.get("start_iteration", 0) + 1)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_hetermoe.errors import run_command
+
+    sys.exit(run_command("hetermoe train", main))

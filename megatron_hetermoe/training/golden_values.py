@@ -17,29 +17,52 @@ import json
 import math
 from pathlib import Path
 
+from megatron_hetermoe.errors import UserError
+
 DEFAULT_RTOL = 0.05
 
 
-def golden_dict(losses: list[float], metric: str = "lm loss") -> dict:
-    return {metric: {"start_step": 1, "end_step": len(losses), "step_interval": 1,
-                     "values": {str(i + 1): float(v) for i, v in enumerate(losses)}}}
+class GoldenValuesError(UserError, ValueError):
+    """A golden-values file that cannot be read; the message names the file and what is wrong."""
 
 
-def write_golden(path: str | Path, losses: list[float]) -> None:
-    Path(path).write_text(json.dumps(golden_dict(losses), indent=2) + "\n")
+def golden_dict(losses: list[float], metric: str = "lm loss", start_step: int = 1) -> dict:
+    """Megatron's layout; `start_step` numbers the first loss (a run resumed at iteration 3 starts at 4)."""
+    return {metric: {"start_step": start_step, "end_step": start_step + len(losses) - 1, "step_interval": 1,
+                     "values": {str(start_step + i): float(v) for i, v in enumerate(losses)}}}
+
+
+def write_golden(path: str | Path, losses: list[float], start_step: int = 1) -> None:
+    Path(path).write_text(json.dumps(golden_dict(losses, start_step=start_step), indent=2) + "\n")
 
 
 def read_golden(path: str | Path, metric: str = "lm loss") -> dict[int, float]:
-    d = json.loads(Path(path).read_text())
-    if metric not in d or "values" not in d[metric]:
-        raise ValueError(f"{path}: no {metric!r} golden values (keys: {sorted(d)})")
-    return {int(k): float(v) for k, v in d[metric]["values"].items()}
+    """{step: value}; GoldenValuesError for a missing, unreadable or malformed file."""
+    try:
+        d = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise GoldenValuesError(f"--golden {path}: cannot read it ({e.strerror}); give a golden-values JSON "
+                                f"(hetermoe train --golden-values-out, or regress --update)") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise GoldenValuesError(f"--golden {path}: not valid JSON ({e}); give a golden-values JSON "
+                                f"(hetermoe train --golden-values-out, or regress --update)") from None
+    if not isinstance(d, dict) or not isinstance(d.get(metric), dict) or not isinstance(d[metric].get("values"), dict):
+        keys = sorted(d) if isinstance(d, dict) else type(d).__name__
+        raise GoldenValuesError(f"--golden {path}: no {metric!r} golden values (Megatron's layout: "
+                                f"{{{metric!r}: {{'values': {{step: value}}}}}}; found {keys})")
+    try:
+        out = {int(k): float(v) for k, v in d[metric]["values"].items()}
+    except (TypeError, ValueError) as e:
+        raise GoldenValuesError(f"--golden {path}: {metric!r} values must map step numbers to numbers ({e})") from None
+    if not out or min(out) < 1:
+        raise GoldenValuesError(f"--golden {path}: {metric!r} holds no steps >= 1")
+    return out
 
 
-def max_rel_diff(golden: dict[int, float], losses: list[float]) -> float:
-    """The largest relative difference over the steps both have."""
-    return max((abs(losses[s - 1] - v) / abs(v) if v else math.inf for s, v in golden.items() if s <= len(losses)),
-               default=0.0)
+def max_rel_diff(golden: dict[int, float], losses: list[float], start_step: int = 1) -> float:
+    """The largest relative difference over the steps both have (losses[0] is step start_step)."""
+    return max((abs(losses[s - start_step] - v) / abs(v) if v else math.inf for s, v in golden.items()
+                if start_step <= s < start_step + len(losses)), default=0.0)
 
 
 def kernels() -> str:
@@ -49,15 +72,16 @@ def kernels() -> str:
     return f"torch {torch.__version__}, ATen CPU capability {torch.backends.cpu.get_cpu_capability()}"
 
 
-def compare(golden: dict[int, float], losses: list[float], rtol: float, exact: bool) -> list[str]:
-    """Human-readable mismatches; empty when the run matches."""
+def compare(golden: dict[int, float], losses: list[float], rtol: float, exact: bool, start_step: int = 1) -> list[str]:
+    """Human-readable mismatches; empty when the run matches (losses[0] is step start_step)."""
     problems = []
-    if len(losses) < max(golden):
-        problems.append(f"run has {len(losses)} steps but golden values go to step {max(golden)}")
+    last = start_step + len(losses) - 1
+    if last < max(golden) or start_step > min(golden):
+        problems.append(f"run has steps {start_step}..{last} but golden values cover steps {min(golden)}..{max(golden)}")
     for step, want in sorted(golden.items()):
-        if step > len(losses):
-            break
-        got = losses[step - 1]
+        if not start_step <= step <= last:
+            continue
+        got = losses[step - start_step]
         if exact:
             bad = got != want
         else:

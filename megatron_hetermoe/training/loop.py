@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetermoe.config import TrainConfig
+from megatron_hetermoe.parallel import watchdog
 from megatron_hetermoe.training.step import loss_scale_of
 
 
@@ -59,6 +60,7 @@ class LoopResult:
 def train_loop(parts: LoopParts, role: RoleStep) -> LoopResult:
     cfg, optimizer, clock = parts.cfg, parts.optimizer, parts.clock
     res = LoopResult(start_iteration=parts.checkpointer.resume())
+    watchdog.report(res.start_iteration)  # the launcher's progress watchdog: this rank is alive and stepping
     for it in range(res.start_iteration, cfg.train_iters):
         parts.guard.start(it)  # a resumed run starts past 0
         role.before_step(it)
@@ -97,6 +99,8 @@ def train_loop(parts: LoopParts, role: RoleStep) -> LoopResult:
         parts.steplog.log(it + 1, res.step_times[-1], lr_used, loss, grad_norm,
                           loss_scale=None if cfg.precision == "fp32" else res.loss_scales[-1],
                           skipped=int(skip or overflow))
+        watchdog.report(it + 1)
         parts.checkpointer.after_step(it + 1)
+        watchdog.report(it + 1)  # a save is progress too
     parts.checkpointer.finish(max(res.start_iteration, cfg.train_iters))
     return res

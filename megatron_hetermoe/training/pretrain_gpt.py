@@ -24,12 +24,14 @@ import argparse
 import math
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 import yaml
 
 from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.training import args as train_args
 
 MEGATRON_FLAGS_FILE = Path(__file__).with_name("megatron_lm_flags.txt")
@@ -37,7 +39,7 @@ MEGATRON_REF = "core_v0.16.1"
 
 # Flags this entry point takes that Megatron-LM does not have: HeterMoE's own, and the launcher's.
 EXTENSION_FLAGS = frozenset({
-    "--model", "--nproc", "--golden-values-out", "--timeline-dir",
+    "--model", "--nproc", "--progress-timeout", "--golden-values-out", "--timeline-dir",
     "--hetero-plan", "--hetero-schedule", "--hetero-ckpt-reshard", "--hetero-expert-precision",
     "--hetero-zebra-issuer",
     "--emulate", "--emulated-model", "--emulated-seq-length", "--emulated-global-batch-size", "--emulation-scale",
@@ -144,6 +146,12 @@ def model_from_args(a: argparse.Namespace) -> ModelConfig:
     if a.max_position_embeddings is not None and a.max_position_embeddings < m["seq_length"]:
         raise ValueError(f"--max-position-embeddings {a.max_position_embeddings} < --seq-length {m['seq_length']}; "
                          f"raise it to at least {m['seq_length']}")
+    if a.vocab_size is not None and a.vocab_size < 1:  # before padding turns -5 into 0
+        raise ValueError(f"--vocab-size {a.vocab_size}: must be a positive integer (the vocabulary before "
+                         f"Megatron's padding to a multiple of --make-vocab-size-divisible-by)")
+    if a.make_vocab_size_divisible_by < 1:
+        raise ValueError(f"--make-vocab-size-divisible-by {a.make_vocab_size_divisible_by}: must be a positive "
+                         f"integer (Megatron's default is 128)")
     if a.tokenizer_type:
         from megatron_hetermoe.data.tokenizer import build_tokenizer
 
@@ -156,35 +164,65 @@ def model_from_args(a: argparse.Namespace) -> ModelConfig:
     return ModelConfig(**m)
 
 
-def check_supported(a: argparse.Namespace) -> None:
+def check_supported(a: argparse.Namespace) -> str | None:
+    """Refuse what this trainer cannot do; return a note for what it does differently (or None)."""
     if a.eval_iters != 0:
         raise ValueError(f"--eval-iters {a.eval_iters}: evaluation is not implemented here; pass --eval-iters 0")
     missing = [flag for dest, (flag, _) in ARCHITECTURE_FLAGS.items() if not getattr(a, dest)]
     if missing or a.normalization is None or a.position_embedding_type is None:
         # Not an error: the architecture is fixed. Say so, since Megatron-LM's defaults differ.
-        print("note: the model is always Mixtral-style (SwiGLU, RMSNorm, RoPE, no bias, untied embeddings); "
-              "Megatron-LM builds that with --swiglu --normalization RMSNorm --position-embedding-type rope "
-              "--disable-bias-linear --untie-embeddings-and-output-weights", file=sys.stderr)
+        return ("note: the model is always Mixtral-style (SwiGLU, RMSNorm, RoPE, no bias, untied embeddings); "
+                "Megatron-LM builds that with --swiglu --normalization RMSNorm --position-embedding-type rope "
+                "--disable-bias-linear --untie-embeddings-and-output-weights")
+    return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
+class FlagError(UserError, ValueError):
+    """A pretrain_gpt flag refused by check_flags (the message is the parser's)."""
+
+
+@contextmanager
+def _parsed(p: argparse.ArgumentParser, argv: list[str] | None):
+    """The flags, parsed and checked, with the model shape they give written to a YAML file for
+    the block's lifetime (the trainer and its ranks read the model from a path)."""
     a, rest = p.parse_known_args(argv)
     reject_unknown(p, rest)
     try:
-        check_supported(a)
+        note = check_supported(a)
         model = model_from_args(a)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
-    # The trainer reads the model from a YAML path (ranks and emulation load it by name), so the
-    # shape given as flags is written to one for the run's lifetime.
     with tempfile.TemporaryDirectory(prefix="pretrain_gpt_") as tmp:
         path = Path(tmp) / f"{model.name}.yaml"
         path.write_text(yaml.safe_dump(asdict(model), sort_keys=False))
         a.model = str(path)
         a.seq_length = model.seq_length
+        yield a, note
+
+
+def check_flags(argv: list[str]) -> None:
+    """Everything main(argv) checks before it starts ranks, without starting any and without
+    touching the paths the run would write; FlagError names the first bad flag. The SLURM
+    renderer runs it on a job's flags before writing the job script."""
+    p = build_parser()
+
+    def error(message: str):
+        raise FlagError(message)
+
+    p.error = error  # the parser's own checks and ours raise instead of exiting
+    with _parsed(p, argv) as (a, _):
+        train_args.validate_run(p, a, check_outputs=False)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = build_parser()
+    with _parsed(p, argv) as (a, note):
+        if note:
+            print(note, file=sys.stderr)
         return train_args.run_from_args(p, a)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_hetermoe.errors import run_command
+
+    sys.exit(run_command("pretrain_gpt", main))

@@ -5,10 +5,12 @@ accepted input is usable downstream (it builds, simulates or round-trips) withou
 Example counts are bounded so the file runs in well under 30 s on 2 shared cores."""
 from __future__ import annotations
 
+import atexit
 import copy
 import itertools
 import json
 import math
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -36,6 +38,7 @@ from megatron_hetermoe.schedules.tasks import tasks_for_rank
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 TMP = Path(tempfile.mkdtemp(prefix="hetermoe-fuzz-"))
+atexit.register(shutil.rmtree, TMP, True)  # the suite leaves nothing in the temp dir
 _n = itertools.count()
 
 # JSON/YAML-like values: what a hand-edited file can hold.

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import yaml
 
 from megatron_hetermoe.config import ModelConfig, ModelConfigError
+from megatron_hetermoe.outputs import OutputPathError
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, even_plan
 from megatron_hetermoe.plan.validation import ConfigError
 from megatron_hetermoe.planner.cluster import Cluster, ClusterError
@@ -158,6 +159,18 @@ CASES = [
     ("flags", "--emulate with --bf16", flags("--bf16", "--emulate", "mini-2a40-2v100"), ConfigError,
      "--bf16 with --emulate: emulated runs time fp32 work on CPU ranks (the emulated cluster is priced by the cost "
      "model); drop --bf16"),
+    ("flags", "--nproc", flags("--nproc", "0"), SystemExit,
+     "--nproc 0: start 1 to 1024 CPU ranks (or drop --nproc under torchrun)"),
+    ("flags", "--ckpt-step without --load", flags("--ckpt-step", "2"), SystemExit,
+     "--ckpt-step 2 needs --load DIR: it picks the iteration to load from DIR"),
+    ("flags", "--global-batch-size (size)", flags("--global-batch-size", "1000000000000000"), ConfigError,
+     "--global-batch-size 1000000000000000: is above 16777216 sequences per step, more than any cluster could hold "
+     "(megatron_hetermoe/limits.py); check the value"),
+    ("flags", "--save", flags("--save", "/proc/version"), OutputPathError,
+     "--save /proc/version: is a file, not a directory; give a directory (it is created if missing)"),
+    ("flags", "--golden-values-out", flags("--golden-values-out", "/no/such/dir/g.json"), OutputPathError,
+     "--golden-values-out PATH: the directory /no/such/dir does not exist; create it first or give "
+     "another path"),
     # ---- model config YAML (configs/models/, --model)
     ("model config", "(file)", model("- a list\n"), ModelConfigError,
      "PATH: a model config is a YAML mapping of fields, got list"),
@@ -167,6 +180,9 @@ CASES = [
      "PATH: missing model field(s) ['num_experts']"),
     ("model config", "num_layers (any size)", model(edit(TINY, num_layers=True)), ModelConfigError,
      "PATH: model 'tiny': num_layers=True must be a positive integer"),
+    ("model config", "num_layers / num_experts / ... (size)", model(edit(TINY, num_layers=10**20)), ModelConfigError,
+     "PATH: model 'tiny': num_layers=100000000000000000000 is above 4096, the largest this plugin takes "
+     "(megatron_hetermoe/limits.py); check the value"),
     ("model config", "num_attention_heads", model(edit(TINY, num_attention_heads=5)), ModelConfigError,
      "PATH: model 'tiny': hidden_size=64 is not divisible by num_attention_heads=5; pick a head count that divides it"),
     ("model config", "hidden_size / num_attention_heads", model(edit(TINY, hidden_size=12)), ModelConfigError,
@@ -181,6 +197,11 @@ CASES = [
     ("plan", "(required fields)", plan(edit(PLAN, groups=None)), PlanError, "plan is missing the field 'groups'"),
     ("plan", "version", plan(edit(PLAN, version=2)), PlanError,
      "plan version 2 is not supported; this build reads version 1"),
+    ("plan", "version (type)", plan(edit(PLAN, version="1")), PlanError,
+     'plan version \'1\' (a str) is not supported; this build reads version 1, the integer ("version": 1)'),
+    ("plan", "(size)", plan(edit(PLAN, num_layers=5000)), PlanError,
+     "plan num_layers=5000 is above 4096, the most any cluster could hold (megatron_hetermoe/limits.py); check the "
+     "value"),
     ("plan", "schedule", plan(edit(PLAN, schedule="1f1b")), PlanError,
      "plan schedule '1f1b' is unknown; use one of ['distep', 'zebra']"),
     ("plan", "num_layers / num_experts / num_microbatches", plan(edit(PLAN, num_microbatches=0)), PlanError,

@@ -20,12 +20,28 @@ TASK = re.compile(r"^\[task (\d+): het group (\d+), (\S+) node (\d+), GPU (\d+)\
                   r"WORLD_SIZE=(\d+) MASTER_ADDR=<first (\S+) node> MASTER_PORT=(\d+) (.*)$")
 
 
-def _launch(args: list[str], tmp_path: Path, path_prefix: str | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, "HETERMOE_SLURM_DIR": str(tmp_path)}
+def _launch(args: list[str], tmp_path: Path, path_prefix: str | None = None, cwd: Path = ROOT,
+            **env_extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHON": sys.executable, "HETERMOE_SLURM_DIR": str(tmp_path),
+           "TMPDIR": str(tmp_path), **env_extra}
     if path_prefix:
         env["PATH"] = f"{path_prefix}:{env['PATH']}"
     return subprocess.run(["bash", str(SLURM / "launch.sh"), *args], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT, env=env)
+                          cwd=cwd, env=env)
+
+
+def _fake_megatron_lm(tmp_path: Path) -> Path:
+    """A stand-in Megatron-LM work tree: a patched pretrain_gpt.py is all the renderer reads."""
+    d = tmp_path / "Megatron-LM"
+    d.mkdir(exist_ok=True)
+    (d / "pretrain_gpt.py").write_text("from megatron_hetermoe.training.megatron_lm import add_hetero_args\n")
+    return d
+
+
+def _script(out: str) -> str:
+    lines = out.splitlines()
+    return "\n".join(lines[lines.index("#!/usr/bin/env bash"):lines.index(
+        next(l for l in lines if l.startswith("# ---- what")))])
 
 
 @pytest.fixture
@@ -41,7 +57,9 @@ def test_dry_run_places_every_rank_on_its_gpu_type(mixed_plan, tmp_path):
     plan = HeteroPlan.load(mixed_plan)
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'submitted'}\n")
+    # launch.sh removes its temporary script once sbatch returns (sbatch copies it too).
+    (fake / "sbatch").write_text(f"#!/bin/sh\ncp \"$1\" {tmp_path / 'submitted.sbatch'}\necho \"$@\" >> "
+                                 f"{tmp_path / 'submitted'}\n")
     (fake / "sbatch").chmod(0o755)
     train = ["--model", "tiny", "--micro-batch-size", "2", "--global-batch-size", "6", "--train-iters", "3"]
     r = _launch(["--dry-run", "--plan", str(mixed_plan), "--gpus-per-node", "8", "--gpus-per-node", "V100-32GB=4",
@@ -67,13 +85,16 @@ def test_dry_run_places_every_rank_on_its_gpu_type(mixed_plan, tmp_path):
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks=6" in text  # the V100 component
     m = re.search(r'HETERMOE_RANK_MAP="([\d ]+)"', text)
     assert [int(x) for x in m[1].split()] == ranks
-    assert re.search(r"^srun --het-group=0-1 .*scripts/slurm/rank\.sh python -m megatron_hetermoe\.training\.pretrain_gpt", text, re.M)
+    assert re.search(r'^srun --het-group=0-1 --gpu-bind=none .*scripts/slurm/rank\.sh "\$\{PYTHON\}" -m '
+                     r'megatron_hetermoe\.training\.pretrain_gpt', text, re.M)
+    assert f"PYTHON=${{PYTHON:-{sys.executable}}}" in text and "export CUDA_DEVICE_MAX_CONNECTIONS=8" in text
     # Submitting for real hands exactly that script to sbatch.
     r = _launch(["--plan", str(mixed_plan), "--gpus-per-node", "8", "--gpus-per-node", "V100-32GB=4",
                  "--partition", "V100-32GB=old", "--", *train], tmp_path, str(fake))
     assert r.returncode == 0, r.stderr
     submitted = Path((tmp_path / "submitted").read_text().split()[0])
-    assert submitted.read_text().strip() == text.strip()
+    assert (tmp_path / "submitted.sbatch").read_text().strip() == text.strip()
+    assert not submitted.exists() and not list(tmp_path.glob("hetermoe-*.sbatch"))  # no litter
 
 
 def test_bad_inputs_are_named(mixed_plan, tmp_path):
@@ -84,6 +105,64 @@ def test_bad_inputs_are_named(mixed_plan, tmp_path):
     assert not list(tmp_path.glob("hetermoe-*.sbatch"))  # nothing written for a failed render
 
 
+def test_one_hardware_queue_is_refused_with_zebra(mixed_plan, capsys):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's Mixtral recipe) serialises zebra's streams. The
+    type-key, port and flag checks are in tests/tools/test_cli_faults.py (issue 25, item 5)."""
+    from megatron_hetermoe.tools import slurm
+
+    base = ["--plan", str(mixed_plan), "--gpus-per-node", "8", "--cuda-device-max-connections", "1", "--", "--model",
+            "tiny", "--global-batch-size", "6"]
+    assert slurm.main([*base, "--hetero-schedule", "zebra"]) == 2
+    assert "--cuda-device-max-connections 1 with the zebra schedule" in capsys.readouterr().err
+    assert slurm.main(base) == 0  # the plan's distep
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in capsys.readouterr().out
+
+
+def test_relative_paths_mean_the_callers_directory(mixed_plan, tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "myplan.json").write_text(mixed_plan.read_text())
+    r = _launch(["--dry-run", "--plan", "myplan.json", "--gpus-per-node", "8", "--", "--model", "tiny",
+                 "--global-batch-size", "6"], tmp_path, cwd=work)
+    assert r.returncode == 0, r.stderr
+    text = _script(r.stdout)
+    assert f"cd {work}" in text and f"--hetero-plan {work / 'myplan.json'}" in text
+    assert f"export PYTHONPATH={ROOT}" in text  # the plugin comes from the repository, wherever the job runs
+
+
+def test_megatron_lm_entry(mixed_plan, tmp_path):
+    mlm = _fake_megatron_lm(tmp_path)
+    base = ["--dry-run", "--plan", str(mixed_plan), "--gpus-per-node", "8", "--entry", "megatron-lm",
+            "--megatron-lm-dir", str(mlm), "--"]
+    py = tmp_path / "bin" / "python3"  # $PYTHON names the interpreter here and in the batch script
+    py.parent.mkdir()
+    py.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    py.chmod(0o755)
+    r = _launch([*base, "--num-layers", "2", "--use-flash-attn", "--hetero-schedule", "distep"], tmp_path,
+                PYTHON=str(py))
+    assert r.returncode == 0, r.stderr
+    text = _script(r.stdout)
+    assert re.search(rf'rank\.sh "\$\{{PYTHON\}}" {re.escape(str(mlm))}/pretrain_gpt\.py --num-layers 2 '
+                     rf"--use-flash-attn --hetero-schedule distep --hetero-plan {re.escape(str(mixed_plan))}$", text, re.M)
+    assert f"PYTHON=${{PYTHON:-{py}}}" in text
+    assert "--gpus-per-task" not in text and "--gpu-bind=none" in text  # each task sees its node's GPUs
+    r = _launch([*base, "--frobnicate"], tmp_path)
+    assert r.returncode == 2 and "pretrain_gpt.py flag(s) --frobnicate: not flags of Megatron-LM" in r.stderr
+    (mlm / "pretrain_gpt.py").write_text("print('unpatched')\n")
+    r = _launch([*base, "--num-layers", "2"], tmp_path)
+    assert r.returncode == 2 and "is not patched for --hetero-plan" in r.stderr
+
+
+@pytest.mark.parametrize("visible, localid, want", [("", "3", "3"), ("0,1,2,3", "3", "3"), ("5", "3", "0")])
+def test_rank_sh_local_rank(tmp_path, visible, localid, want):
+    """LOCAL_RANK is the task's GPU on its node; a task shown a single GPU has it as device 0."""
+    env = {**os.environ, "HETERMOE_RANK_MAP": "0 2 1 3", "SLURM_PROCID": "1", "SLURM_LOCALID": localid,
+           "WORLD_SIZE": "4", "MASTER_ADDR": "n0", "MASTER_PORT": "29500", "CUDA_VISIBLE_DEVICES": visible}
+    r = subprocess.run(["bash", str(SLURM / "rank.sh"), "sh", "-c", 'echo "$RANK $LOCAL_RANK"'], env=env,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and r.stdout.split() == ["2", want], r.stderr
+
+
 def _shellcheck() -> str:
     exe = shutil.which("shellcheck") or str(Path(sys.executable).with_name("shellcheck"))
     if not Path(exe).exists():
@@ -92,9 +171,19 @@ def _shellcheck() -> str:
 
 
 def test_shellcheck(mixed_plan, tmp_path):
-    r = _launch(["--dry-run", "--plan", str(mixed_plan), "--gpus-per-node", "4", "--", "--model", "tiny"], tmp_path)
-    assert r.returncode == 0, r.stderr
-    scripts = [str(p) for p in sorted(SLURM.glob("*.sh"))] + [str(p) for p in tmp_path.glob("hetermoe-*.sbatch")]
+    scripts = []
+    for entry in ([], ["--entry", "megatron-lm", "--megatron-lm-dir", str(_fake_megatron_lm(tmp_path))]):
+        r = _launch(["--dry-run", "--plan", str(mixed_plan), "--gpus-per-node", "4", *entry, "--", "--model", "tiny",
+                     "--global-batch-size", "6"] if not entry else
+                    ["--dry-run", "--plan", str(mixed_plan), "--gpus-per-node", "4", *entry, "--", "--num-layers", "2"],
+                    tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert not list(tmp_path.glob("hetermoe-*.sbatch"))  # a dry run writes nothing
+        out = r.stdout.splitlines()
+        body = out[out.index("#!/usr/bin/env bash"):out.index(next(l for l in out if l.startswith("# ---- what")))]
+        scripts.append(tmp_path / f"rendered{len(scripts)}.sbatch")
+        scripts[-1].write_text("\n".join(body) + "\n")
+    scripts = [str(p) for p in sorted(SLURM.glob("*.sh"))] + [str(p) for p in scripts]
     scripts += [str(p) for p in sorted((ROOT / "patches").glob("*.sh"))]
     assert len(scripts) >= 4
     c = subprocess.run([_shellcheck(), "--severity=style", *scripts], capture_output=True, text=True)

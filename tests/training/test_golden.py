@@ -29,7 +29,10 @@ def test_compare_rules():
     assert compare(g, [2.09, 1.04], 0.05, exact=False) == []
     assert len(compare(g, [2.11, 1.0], 0.05, exact=False)) == 1
     assert len(compare(g, [2.0, 1.0 + 1e-7], 0.05, exact=True)) == 1
-    assert compare(g, [2.0], 0.05, exact=False)[0].startswith("run has 1 steps")
+    assert compare(g, [2.0], 0.05, exact=False)[0].startswith("run has steps 1..1 but golden values cover steps 1..2")
+    # A resumed run's losses start past step 1 and compare with the golden values of their own steps.
+    assert compare({4: 2.0, 5: 1.0}, [2.0, 1.0], 0.05, exact=True, start_step=4) == []
+    assert len(compare({4: 2.0, 5: 1.0}, [2.0, 1.0], 0.05, exact=True)) == 1
     assert len(compare(g, [float("nan"), 1.0], 0.05, exact=False)) == 1
 
 
