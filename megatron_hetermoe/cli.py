@@ -15,6 +15,8 @@ import argparse
 import importlib
 import sys
 
+from megatron_hetermoe.help_format import HelpFormatter
+
 # name -> (module:function taking argv and returning an exit code, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_hetermoe.training.args:main", "train the baseline Megatron MoE (or HeterMoE with --hetero-plan)"),
@@ -25,26 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "checkpoint": ("megatron_hetermoe.checkpoint.export:main", "export a HeterMoE checkpoint to plain Megatron, or import one"),
     "timeline": ("megatron_hetermoe.tools.timeline:main", "draw a run's timeline (PNG + Chrome trace for Perfetto)"),
     "plan": ("megatron_hetermoe.planner.cli_plan:main", "write a plan (--even, or searched from profiles)"),
-    "profile": ("megatron_hetermoe.planner.profiler:main", "profile this device into a GPU profile YAML"),
+    "profile": ("megatron_hetermoe.tools.profiler:main", "profile this device into a GPU profile YAML"),
 }
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    """The formatter of every hetermoe parser: descriptions keep their line breaks and every
-    flag's help ends with its default, unless the help already says what the default is."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if ("default" in text.lower() or action.default is argparse.SUPPRESS or action.required
-                or action.dest in ("help", "version")):
-            return text
-        if not action.option_strings and action.nargs not in (argparse.OPTIONAL, argparse.ZERO_OR_MORE):
-            return text  # a required positional has no default
-        if action.nargs == 0 and isinstance(action.default, bool):  # store_true / store_false
-            return f"{text} (default: {'on' if action.default else 'off'})"
-        if action.default is None:
-            return f"{text} (default: not set)"
-        return f"{text} (default: %(default)s)"
 
 
 def versions() -> str:

@@ -9,14 +9,11 @@ import dataclasses
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import Literal
 
 from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.limits import MODEL_LIMITS
 from megatron_hetermoe.paths import read_yaml_mapping, resolve_config
-
-if TYPE_CHECKING:
-    from megatron_hetermoe.schedules.tasks import Task
 
 # A rank's part in a run: HeterMoE's attention or expert rank (read from the plan), or a rank of
 # plain Megatron EP (the reference). Logs, timelines, NaN reports and checkpoints name it.
@@ -172,20 +169,14 @@ class TrainConfig:
     seed: int = 1234
     use_distributed_optimizer: bool = False
     deterministic: bool = False
-    collect_grads: bool = False  # gather canonical params (before every step and last) and grads of every step
-    init_state: dict | None = None  # start from this plain Megatron state dict (canonical names)
-    # Parity at identical parameters: before step i, load pin_params[i] (canonical names), so a
-    # step's gradient is measured at another run's parameters, not at a drifted trajectory.
-    pin_params: list[dict] | None = None
-    emulate: object | None = None  # emulation.EmulationSpec: time every task as on an emulated cluster
+    emulate: "EmulationSpec | None" = None  # --emulate: time every task as on an emulated cluster
     log_interval: int = 1
     quiet: bool = False
     progress_bar: bool = False  # prefix iteration lines with a bar (the demo)
     tensorboard_dir: str | None = None  # Megatron's --tensorboard-dir: scalars from the first rank
     data: DataConfig = field(default_factory=DataConfig)  # no data_path: mock data (data.py)
-    # Megatron's --check-for-nan-in-loss-and-grad: "stop" (its default), "skip" or "off" (reliability/nan_check.py).
+    # Megatron's --check-for-nan-in-loss-and-grad: "stop" (its default), "skip" or "off" (training/nan_check.py).
     check_for_nan_in_loss_and_grad: str = "stop"
-    nan_injection: object | None = None  # test hook: a nan_check.NanInjection
     # Megatron's --save/--load/--save-interval/--ckpt-step (checkpoint/); ckpt_reshard loads a
     # checkpoint of another layout by parameter name (--hetero-ckpt-reshard).
     save: str | None = None
@@ -236,31 +227,33 @@ class TrainConfig:
 ISSUERS = ("auto", "single", "threads")
 
 
-@dataclass
-class ZebraConfig:
-    recompute: bool = False
-    # Emulated duration of a compute task (a slower GPU), from when it could start (the previous
-    # task ended and its input arrived); None: as fast as it runs.
-    stretch: Callable[[Task], float] | None = None
-    # Emulated duration of a transfer given its bytes (a link), from when its last member could start it.
-    transfer_time: Callable[[Task, int], float] | None = None
-    # emulation.EmulationClock: records every task's window (when it could start, started, its
-    # real work ended, it ended), from which the run judges whether its emulation held.
-    clock: object | None = None
-    # Who issues the transfers (--hetero-zebra-issuer): "threads", a worker thread per stream
-    # (schedules/executor.py); "single", the compute thread with async collectives
-    # (schedules/issuer.py); "auto": single on a CUDA rank over NCCL that does not emulate,
-    # else threads.
-    issuer: str = "auto"
-
-    @property
-    def emulated(self) -> bool:
-        """Whether any task's time is emulated (stretched compute, emulated links or a clock)."""
-        return self.stretch is not None or self.transfer_time is not None or self.clock is not None
+@dataclass(frozen=True)
+class EmulationSpec:
+    cluster: str  # configs/clusters/NAME.yaml or a path
+    model: str  # the emulated model shape (e.g. d1), not the small model that really runs
+    seq_len: int
+    global_batch: int  # emulated sequences per step
+    scale: float = 1.0  # real seconds per emulated second (the initial one with auto_scale)
+    activation_checkpointing: bool = True  # the paper's setting; the cost model charges re-forward
+    ranks: tuple[int, ...] | None = None  # cluster ranks this job's ranks stand for (None: all, in order)
+    # Validity and automatic scale (module docstring).
+    auto_scale: bool = False  # pick the scale from a calibration step
+    calibrate_step: int = 1  # index (from the run's first step) of the calibration step; earlier steps warm up
+    max_overrun: float = 0.03  # a run whose delay bound exceeds this fraction of the step is invalid
+    target_overrun: float = 0.01  # what auto_scale aims for (a margin under max_overrun)
+    work_margin: float = 1.5  # auto_scale plans for real work this much longer than measured
+    max_step_seconds: float = 30.0  # auto_scale never stretches the predicted step beyond this
+    calibration_duty: float = 0.25  # auto_scale: the calibration step's real work per rank, at most this of it
 
     def __post_init__(self) -> None:
-        if self.issuer not in ISSUERS:
-            raise ValueError(f"zebra issuer {self.issuer!r} is unknown; use one of {list(ISSUERS)}")
+        if self.scale <= 0 or self.seq_len <= 0 or self.global_batch <= 0:
+            raise ValueError(f"emulation needs scale, seq_len, global_batch > 0; got {self.scale}, "
+                             f"{self.seq_len}, {self.global_batch}")
+        if not 0 < self.target_overrun <= self.max_overrun or self.calibrate_step < 0 or self.max_step_seconds <= 0:
+            raise ValueError(f"emulation needs 0 < target_overrun <= max_overrun, calibrate_step >= 0, "
+                             f"max_step_seconds > 0; got {self.target_overrun}, {self.max_overrun}, "
+                             f"{self.calibrate_step}, {self.max_step_seconds}")
+
 
 
 @dataclass(frozen=True)
@@ -274,14 +267,12 @@ class HeteroRunConfig:
     # --hetero-expert-precision: the expert ranks' precision; None: the world's (--bf16/--fp16,
     # which the attention ranks run). See PoolPrecision.
     expert_precision: str | None = None
-    # --hetero-zebra-issuer: who issues zebra's transfers (ZebraConfig.issuer).
+    # --hetero-zebra-issuer: who issues zebra's transfers (schedules/issuer.py resolve_issuer).
     zebra_issuer: str = "auto"
 
     def __post_init__(self) -> None:
         if self.zebra_issuer not in ISSUERS:
             raise ValueError(f"--hetero-zebra-issuer {self.zebra_issuer!r} is unknown; use one of {list(ISSUERS)}")
-        if self.schedule not in (None, "distep", "zebra"):
-            raise ValueError(f"hetero schedule {self.schedule!r} is unknown; use distep or zebra")
         if self.expert_precision not in (None, "bf16", "fp16", "fp32"):
             raise ValueError(f"--hetero-expert-precision {self.expert_precision!r} is unknown; use bf16, fp16 or fp32")
 
@@ -303,7 +294,7 @@ class PoolPrecision:
       --initial-loss-scale unless --loss-scale): gradients cross in fp16 scaled, so the bf16
       pool's optimizer holds the same scale (training/step.py build_optimizer) and every rank
       skips the same steps (share_loss_scale).
-    - Pools that differ are both 16-bit (plan/validation.py check_pools)."""
+    - Pools that differ are both 16-bit (training/validation.py check_pools)."""
     attention: str
     expert: str
 

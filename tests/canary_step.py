@@ -7,4 +7,4 @@ from megatron_hetermoe.training.args import run
 
 out = run(TrainConfig(ModelConfig.load("tiny"), ParallelConfig(ep=2), train_iters=1, quiet=True,
                       micro_batch_size=2, global_batch_size=4), nproc=2, timeout_s=120)
-print("CANARY-OK", out["losses"])
+print("CANARY-OK", out.losses)

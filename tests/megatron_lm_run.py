@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetermoe.training import megatron_lm
+from megatron_hetermoe import megatron_lm
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",

@@ -7,13 +7,14 @@ import torch
 
 from megatron_hetermoe.config import ModelConfig, ParallelConfig, TrainConfig
 from megatron_hetermoe.training.args import run
+from megatron_hetermoe.training.run_hooks import RunHooks
 
 
 def initial_state(model: ModelConfig, seed: int = 1234) -> dict[str, torch.Tensor]:
     """The seed's plain Megatron initial state (canonical names), from a 0-step 1-rank run."""
     cfg = TrainConfig(model, ParallelConfig(), micro_batch_size=1, global_batch_size=1, train_iters=0,
-                      seed=seed, collect_grads=True, quiet=True)
-    return run(cfg, 1)["initial_params"]
+                      seed=seed, quiet=True)
+    return run(cfg, 1, hooks=RunHooks(collect_grads=True)).initial_params
 
 
 def force_routing(state: dict[str, torch.Tensor], experts: list[int], num_layers: int) -> dict[str, torch.Tensor]:

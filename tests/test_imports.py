@@ -119,3 +119,51 @@ def _module_level(path: Path, target: str) -> bool:
         if isinstance(node, ast.Import) and any(target.startswith(a.name) for a in node.names):
             return True
     return False
+
+
+# The packages in ARCHITECTURE.md's order, bottom first: a module may import modules of its own
+# layer and of layers below it, never above (function-level and TYPE_CHECKING imports included).
+LAYERS: list[set[str]] = [
+    {"", "_csim", "errors", "limits", "paths", "outputs", "compat", "help_format", "config"},
+    {"reliability"},
+    {"plan"},
+    {"planner"},
+    {"parallel"},
+    {"models"},
+    {"schedules"},
+    {"emulation"},
+    {"data"},
+    {"checkpoint"},
+    {"training"},
+    {"megatron_lm"},
+    {"tools", "cli"},
+]
+
+
+def layer_of(module: str) -> int:
+    part = module.split(".")[1] if module.count(".") else ""
+    for i, names in enumerate(LAYERS):
+        if part in names:
+            return i
+    raise AssertionError(f"{module}: package {part!r} is in no layer of LAYERS; add it to ARCHITECTURE.md's order")
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} (layer {layer_of(m)}) imports {d} (layer {layer_of(d)})"
+                  for m, deps in graph.items() for d in deps if layer_of(d) > layer_of(m))
+
+
+def test_imports_flow_down_the_layers():
+    found = upward_imports(import_graph())
+    assert not found, "imports that run up ARCHITECTURE.md's order:\n  " + "\n  ".join(found)
+
+
+def test_the_layering_check_finds_a_planted_upward_import(tmp_path):
+    """A function-level import of training from plan, planted in a copy of plan/layout.py's source."""
+    modules = _modules()
+    planted = tmp_path / "layout.py"
+    planted.write_text(modules[f"{NAME}.plan.layout"].read_text()
+                       + "\n\ndef _planted():\n    from megatron_hetermoe.training import loop  # noqa\n")
+    graph = import_graph()
+    graph[f"{NAME}.plan.layout"] = _imports(f"{NAME}.plan.layout", planted, modules)
+    assert upward_imports(graph) == [f"{NAME}.plan.layout (layer 2) imports {NAME}.training.loop (layer 10)"]

@@ -214,7 +214,7 @@ def import_checkpoint(load_dir: str, plan, out: str, model: ModelConfig | None =
 
 # ---- CLI -----------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
-    from megatron_hetermoe.cli import HelpFormatter
+    from megatron_hetermoe.help_format import HelpFormatter
 
     p = argparse.ArgumentParser(prog="hetermoe checkpoint", formatter_class=HelpFormatter,
                                 description="convert between HeterMoE checkpoints and plain Megatron dist checkpoints")

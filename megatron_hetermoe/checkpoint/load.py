@@ -31,7 +31,7 @@ from megatron_hetermoe.checkpoint.reshard import (
     inject_optimizer_state,
     load_canonical_params,
 )
-from megatron_hetermoe.models import expert_names
+from megatron_hetermoe.plan import expert_names
 
 # ModelConfig fields that decide parameter shapes (seq_length and the aux-loss coefficient do not).
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "moe_ffn_hidden_size",

@@ -15,7 +15,10 @@ _MARK = "__hetero_sharded_leaf__"
 
 
 def _flatten(x, path: str, flat: dict):
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
+        ShardedBase,
+    )
 
     if isinstance(x, (ShardedBase, LocalNonpersistentObject)):
         flat[path] = x

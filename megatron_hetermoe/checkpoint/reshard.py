@@ -8,7 +8,7 @@ baseline trainer's EP/PP) is loaded by canonical parameter name: parameters and 
 move to wherever the new layout puts them. RNG states are then not restored (they belong to
 ranks that no longer exist).
 
-Kernels: canonical names are the same under every kernels choice (models/expert_names.py), so a
+Kernels: canonical names are the same under every kernels choice (plan/expert_names.py), so a
 checkpoint also moves between kernels this way. A legacy GroupedMLP weight, which holds several
 experts under one label, is split into its experts' canonical tensors when read (parameter and
 Adam moments alike) and packed back when put into a GroupedMLP module.
@@ -27,7 +27,7 @@ from megatron_hetermoe.checkpoint.format import (
     _torch_load,
     verify_file,
 )
-from megatron_hetermoe.models import expert_names
+from megatron_hetermoe.plan import expert_names
 
 
 def canonical_optimizer_state(payload: dict) -> dict[str, dict]:

@@ -41,12 +41,11 @@ import statistics
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.config import EmulationSpec, ModelConfig
 from megatron_hetermoe.emulation.clock import sleep_until
 from megatron_hetermoe.parallel.device import rank_device
 from megatron_hetermoe.planner.cluster import Cluster
@@ -56,35 +55,6 @@ from megatron_hetermoe.planner.cost_model import (
     runtime_program,
 )
 from megatron_hetermoe.planner.profiles import load_profiles
-
-
-@dataclass(frozen=True)
-class EmulationSpec:
-    cluster: str  # configs/clusters/NAME.yaml or a path
-    model: str  # the emulated model shape (e.g. d1), not the small model that really runs
-    seq_len: int
-    global_batch: int  # emulated sequences per step
-    scale: float = 1.0  # real seconds per emulated second (the initial one with auto_scale)
-    activation_checkpointing: bool = True  # the paper's setting; the cost model charges re-forward
-    ranks: tuple[int, ...] | None = None  # cluster ranks this job's ranks stand for (None: all, in order)
-    # Validity and automatic scale (module docstring).
-    auto_scale: bool = False  # pick the scale from a calibration step
-    calibrate_step: int = 1  # index (from the run's first step) of the calibration step; earlier steps warm up
-    max_overrun: float = 0.03  # a run whose delay bound exceeds this fraction of the step is invalid
-    target_overrun: float = 0.01  # what auto_scale aims for (a margin under max_overrun)
-    work_margin: float = 1.5  # auto_scale plans for real work this much longer than measured
-    max_step_seconds: float = 30.0  # auto_scale never stretches the predicted step beyond this
-    calibration_duty: float = 0.25  # auto_scale: the calibration step's real work per rank, at most this of it
-
-    def __post_init__(self) -> None:
-        if self.scale <= 0 or self.seq_len <= 0 or self.global_batch <= 0:
-            raise ValueError(f"emulation needs scale, seq_len, global_batch > 0; got {self.scale}, "
-                             f"{self.seq_len}, {self.global_batch}")
-        if not 0 < self.target_overrun <= self.max_overrun or self.calibrate_step < 0 or self.max_step_seconds <= 0:
-            raise ValueError(f"emulation needs 0 < target_overrun <= max_overrun, calibrate_step >= 0, "
-                             f"max_step_seconds > 0; got {self.target_overrun}, {self.max_overrun}, "
-                             f"{self.calibrate_step}, {self.max_step_seconds}")
-
 
 FIX = ("rerun with a longer emulated step (bench: --step-seconds, or let it pick one: --step-seconds auto "
        "with a larger --max-step-seconds; train: --emulation-scale), with fewer ranks (a smaller "
@@ -471,14 +441,14 @@ class Emulator:
         return EmulationClock(self.spec, pred, post, group, _TaskGraph(problems, list(range(plan.world_size))),
                               self.programs(recompute))
 
-    def zebra_config(self, plan, rank: int, schedule: str, recompute: bool = False,
-                     clock: EmulationClock | None = None):
-        from megatron_hetermoe.config import ZebraConfig
+    def task_timing(self, plan, rank: int, schedule: str, clock: EmulationClock | None = None):
+        """The executors' task times of `rank` (emulation/timing.py): each task's emulated time on
+        the rank's GPU and links, at the clock's current scale."""
+        from megatron_hetermoe.emulation.timing import EmulatedTiming
 
         times = self.task_times(plan, rank, schedule)
         scale = (lambda: clock.scale) if clock is not None else (lambda: self.spec.scale)
-        return ZebraConfig(recompute=recompute, stretch=lambda t: times[t] * scale(),
-                           transfer_time=lambda t, nbytes: times[t] * scale(), clock=clock)
+        return EmulatedTiming(lambda t: times[t] * scale(), clock)
 
     def predict_hetero(self, plan, schedule: str):
         from megatron_hetermoe.planner.simulator import simulate_plan

@@ -11,7 +11,7 @@ Kernels (`choose_kernels`, decided once per run from the device, what imports an
     "local"         get_gpt_layer_local_spec                             SequentialMLP   local (unfused)
 
 The same weights have other names (and for GroupedMLP another layout) under each: canonical
-names (models/expert_names.py) are one namespace for all of them.
+names (plan/expert_names.py) are one namespace for all of them.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from megatron_hetermoe.config import ModelConfig, ParallelConfig
 from megatron_hetermoe.errors import UserError
-from megatron_hetermoe.models import expert_names
+from megatron_hetermoe.plan import expert_names
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -265,6 +265,13 @@ def layer_spec(model: ModelConfig, kernels: str = "local"):
     return spec
 
 
+def gpt_kwargs(model: ModelConfig) -> dict:
+    """GPTModel's arguments beyond config, spec and groups for `model` (a Mixtral-style model:
+    untied embeddings, RoPE)."""
+    return {"vocab_size": model.vocab_size, "max_sequence_length": model.seq_length,
+            "share_embeddings_and_output_weights": False, "position_embedding_type": "rope"}
+
+
 def build_gpt(model: ModelConfig, config, spec=None, pre_process: bool = True, post_process: bool = True,
               pg_collection=None, pp_rank: int | None = None):
     """One pipeline stage of the GPT model (all of it when PP=1); without `spec`, the layer spec
@@ -275,13 +282,7 @@ def build_gpt(model: ModelConfig, config, spec=None, pre_process: bool = True, p
     return GPTModel(
         config=config,
         transformer_layer_spec=spec if spec is not None else layer_spec(model, config_kernels(config)),
-        vocab_size=model.vocab_size,
-        max_sequence_length=model.seq_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        **kw,
+        pre_process=pre_process, post_process=post_process, **gpt_kwargs(model), **kw,
     )
 
 
@@ -320,7 +321,7 @@ def canonical_names(model: torch.nn.Module) -> dict[str, str]:
 
     Layer numbers come from TransformerLayer.layer_number (global, 1-based) and expert ids
     from MoELayer.local_expert_indices, so PP and EP shards map onto one namespace; expert and
-    fused-norm names of other kernels map through models/expert_names.py (a GroupedMLP weight,
+    fused-norm names of other kernels map through plan/expert_names.py (a GroupedMLP weight,
     which holds several experts, gets its label `...mlp.experts.weight1[E0,E1]`).
     """
     from megatron.core.transformer.transformer_layer import TransformerLayer

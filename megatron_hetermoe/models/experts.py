@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from megatron_hetermoe.models import expert_names
 from megatron_hetermoe.parallel.comm import TokenRoute
 from megatron_hetermoe.parallel.state import HeteroParallelState
+from megatron_hetermoe.plan import expert_names
 
 
 def _chunk_order(n_src: int, n_exp: int, by_expert: bool) -> torch.Tensor:
@@ -100,7 +100,7 @@ def _megatron_module():
 class ExpertRuntime(_megatron_module()):
     """All experts an expert rank holds, named as in a plain Megatron model
     (decoder.layers.L.mlp.experts.local_experts.i with SequentialMLP; the kernels' own names
-    otherwise, see models/expert_names.py) so DDP, the optimizer and checkpoints treat them like
+    otherwise, see plan/expert_names.py) so DDP, the optimizer and checkpoints treat them like
     Megatron's own."""
 
     def __init__(self, config, experts_spec, hs: HeteroParallelState):

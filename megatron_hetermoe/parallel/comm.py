@@ -71,6 +71,14 @@ def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
     return recv
 
 
+def latest(value: float, group, device: torch.device) -> float:
+    """The largest `value` over the members of `group`, agreed on that group (an all-reduce of one
+    float64): emulation times a transfer from when its last member reached it."""
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
 def _counts_of(hs: HeteroParallelState, layer: int, per_expert: torch.Tensor | None) -> torch.Tensor:
     """What a rank sends in the counts exchange: its int64 token count per expert of `layer` in
     travel order; zeros on a rank that routes nothing (an expert rank)."""

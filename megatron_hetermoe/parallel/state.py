@@ -26,17 +26,16 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetermoe.config import Role
+from megatron_hetermoe.parallel.layout import COLLECTION_DIMS, RankLayout, group_plan
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup
 
 
 @dataclass
 class HeteroParallelState:
-    plan: HeteroPlan
-    rank: int
-    role: Role
-    group_index: int
-    member_index: int  # position of this rank in its ZP group's members (attention first)
-    attention_dp_rank: int | None  # data-parallel rank among all attention ranks
+    """A rank's plan arithmetic (`layout`) and its process groups, one per group kind
+    (parallel/layout.py): the ZP group's three communicators, the attention DP group, the
+    replica group, the rank alone and the world."""
+    layout: RankLayout
     dispatch_group: dist.ProcessGroup
     combine_group: dist.ProcessGroup
     counts_group: dist.ProcessGroup
@@ -50,6 +49,34 @@ class HeteroParallelState:
     # The dtype tokens cross roles in, the same on every rank (config.PoolPrecision.wire);
     # None: each rank's params_dtype, one precision on every rank.
     wire_dtype: torch.dtype | None = None
+
+    # ---- the plan arithmetic, read once (RankLayout) -----------------------------------------
+    @property
+    def plan(self) -> HeteroPlan:
+        return self.layout.plan
+
+    @property
+    def rank(self) -> int:
+        return self.layout.rank
+
+    @property
+    def role(self) -> Role:
+        return self.layout.role
+
+    @property
+    def group_index(self) -> int:
+        return self.layout.group_index
+
+    @property
+    def member_index(self) -> int:
+        return self.layout.member_index
+
+    @property
+    def attention_dp_rank(self) -> int | None:
+        return self.layout.attention_dp_rank
+
+    def owns_gradient(self, is_expert: bool) -> bool:
+        return self.layout.owns_gradient(is_expert)
 
     @property
     def zp(self) -> ZPGroup:
@@ -80,40 +107,40 @@ class HeteroParallelState:
         order = self.layer_order(layer)
         return all_counts[:, [order.index(e) for e in self.local_experts(layer)]]
 
-    def owns_gradient(self, is_expert: bool) -> bool:
-        """Whether this rank counts a gradient it holds in the world's gradient norm, so that each
-        distinct parameter is counted exactly once: a dense parameter (replicated on every
-        attention rank) by attention DP rank 0; an expert (replicated across ZP groups, on an
-        expert rank or, with Asym-EA, an attention rank) by its holder in ZP group 0."""
-        if is_expert:
-            return self.group_index == 0
-        return self.attention_dp_rank == 0
+    # ---- the groups megatron-core modules get --------------------------------------------------
+    def group(self, kind: str) -> dist.ProcessGroup | None:
+        """This rank's process group of `kind` (parallel/layout.py GROUP_KINDS; "zp": the
+        dispatch communicator)."""
+        return {"zp": self.dispatch_group, "attention_dp": self.attention_dp_group, "replica": self.replica_group,
+                "self": self.self_group, "world": self.world_group}[kind]
+
+    def megatron_group(self, dim: str) -> dist.ProcessGroup:
+        """The group serving megatron-core dimension `dim` on this rank (layout.MEGATRON_DIMS)."""
+        return self.group(self.layout.megatron_kind(dim))
 
     def pg_collection(self):
-        """ProcessGroupCollection for megatron-core modules on this rank: every model-parallel
-        dimension is this rank alone; data parallelism is the attention DP group (attention
-        ranks) or the expert replica group (expert ranks)."""
+        """ProcessGroupCollection for megatron-core modules on this rank, from layout.MEGATRON_DIMS
+        (the same table install_parallel_state sets megatron-core's globals from): every
+        model-parallel dimension is this rank alone; data parallelism is the attention DP group
+        (attention ranks) or the expert replica group (expert ranks)."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        one = self.self_group
-        dp = self.attention_dp_group if self.role == "attention" else self.replica_group
-        return ProcessGroupCollection(
-            tp=one, pp=one, mp=one, embd=one, pos_embd=one, cp=one, tp_cp=one, ep=one, expt_tp=one,
-            tp_ep=one, tp_ep_pp=one, tp_dp_cp=dp, dp=dp, dp_cp=dp, intra_dp_cp=dp,
-            expt_dp=self.replica_group, intra_expt_dp=self.replica_group, intra_dist_opt=dp,
-            inter_dist_opt=one, hcp=None,
-        )
+        return ProcessGroupCollection(**{d: self.megatron_group(d) for d in COLLECTION_DIMS}, hcp=None)
 
 
 def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | None = None,
                                device: torch.device | None = None,
                                wire_dtype: torch.dtype | None = None) -> HeteroParallelState:
-    """Validate the plan against the job, then build every group (collective over the world).
-    `timeout`: of every group (default: device.group_timeout of the world's backend, 10 minutes
-    on NCCL). `device`: where this rank's tensors live (default: device.rank_device(), the
-    current CUDA device when the world runs NCCL, else the CPU). `wire_dtype`: what tokens cross
-    roles in (HeteroParallelState.wire_dtype)."""
-    from megatron_hetermoe.parallel.device import check_rank_gpu, group_timeout, rank_device
+    """Validate the plan against the job, then build every group of layout.group_plan (collective
+    over the world). `timeout`: of every group (default: device.group_timeout of the world's
+    backend, 10 minutes on NCCL). `device`: where this rank's tensors live (default:
+    device.rank_device(), the current CUDA device when the world runs NCCL, else the CPU).
+    `wire_dtype`: what tokens cross roles in (HeteroParallelState.wire_dtype)."""
+    from megatron_hetermoe.parallel.device import (
+        check_rank_gpu,
+        group_timeout,
+        rank_device,
+    )
 
     world, rank = dist.get_world_size(), dist.get_rank()
     from megatron_hetermoe.planner.profiles import known_gpu_types
@@ -123,35 +150,16 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | N
         device = rank_device()
     check_rank_gpu(plan, rank, device)  # this torch runs on this GPU, of the plan's type
     timeout = timeout or group_timeout()
-
-    def new(ranks):
-        return dist.new_group(sorted(ranks), timeout=timeout)
-
-    made: dict[str, dist.ProcessGroup] = {}
-    for gi, g in enumerate(plan.groups):
-        d, c, n = new(g.members), new(g.members), new(g.members)
-        if rank in g.members:
-            made["dispatch"], made["combine"], made["counts"] = d, c, n
-    attn = new(plan.attention_ranks)
-    n_members = len(plan.groups[0].members)
-    for k in range(n_members):
-        grp = new([g.members[k] for g in plan.groups])
-        if any(g.members[k] == rank for g in plan.groups):
-            made["replica"] = grp
-    for r in range(world):
-        grp = new([r])
-        if r == rank:
-            made["self"] = grp
-    world_group = new(range(world))
-
-    gi = plan.group_of(rank)
-    role = plan.role(rank)
+    layout = RankLayout(plan, rank)
+    mine = {}
+    for name, ranks in group_plan(plan):
+        g = dist.new_group(ranks, timeout=timeout)  # every rank creates every group, in this order
+        if rank in ranks:
+            mine[name] = g
+    gi, k = layout.group_index, layout.member_index
     return HeteroParallelState(
-        plan=plan, rank=rank, role=role, group_index=gi,
-        member_index=plan.groups[gi].members.index(rank),
-        attention_dp_rank=plan.attention_ranks.index(rank) if role == "attention" else None,
-        dispatch_group=made["dispatch"], combine_group=made["combine"], counts_group=made["counts"],
-        attention_dp_group=attn if role == "attention" else None,
-        replica_group=made["replica"], self_group=made["self"], world_group=world_group, device=device,
-        wire_dtype=wire_dtype,
+        layout=layout, dispatch_group=mine[f"dispatch[{gi}]"], combine_group=mine[f"combine[{gi}]"],
+        counts_group=mine[f"counts[{gi}]"], attention_dp_group=mine.get("attention_dp"),
+        replica_group=mine[f"replica[{k}]"], self_group=mine[f"self[{rank}]"], world_group=mine["world"],
+        device=device, wire_dtype=wire_dtype,
     )

@@ -22,9 +22,9 @@ from megatron_hetermoe.limits import (
     MAX_RANKS,
     MODEL_LIMITS,
 )
+from megatron_hetermoe.plan.tasks import SCHEDULES
 
 PLAN_VERSION = 1
-SCHEDULES = ("distep", "zebra")
 
 
 class PlanError(UserError, ValueError):

@@ -11,7 +11,7 @@ sorted expert list for that rank and layer), as in Megatron's own EP sharding.
 The per-rank states megatron_to_hetero makes use SequentialMLP's names (the local spec's);
 load_params puts them into a module of any kernels (TEGroupedMLP, GroupedMLP, TE's fused input
 norm) and hetero_to_megatron takes every rank's state in its module's own names
-(models/expert_names.py converts).
+(plan/expert_names.py converts).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import re
 
 import torch
 
-from megatron_hetermoe.models import expert_names
+from megatron_hetermoe.plan import expert_names
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
 _EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)$")
@@ -65,7 +65,7 @@ def hetero_to_megatron(per_rank: list[dict[str, torch.Tensor]], plan: HeteroPlan
 def load_params(module: torch.nn.Module, local_state: dict[str, torch.Tensor]) -> None:
     """Copy a rank's local state into its module's parameters; every parameter must be given.
     The state may name experts (and the input norm) as any kernels do: it is converted to the
-    module's names (models/expert_names.py) when they differ."""
+    module's names (plan/expert_names.py) when they differ."""
     params = dict(module.named_parameters())
     if set(local_state) != set(params):
         try:

@@ -6,7 +6,7 @@ plan search. A guided tour, in the order data flows:
   profiler.py        `hetermoe profile`: measure this device into a profile
   cluster.py         cluster configs (configs/clusters/*.yaml) and the transfer model
   cost_model.py      seconds and bytes of every piece of a step, any model shape
-  simulator.py       event simulation of the task lists of schedules/tasks.py (C++ core: csrc/simulator.cpp)
+  simulator.py       event simulation of the task lists of plan/tasks.py (C++ core: csrc/simulator.cpp)
   baselines.py       EP, EP (Ideal), heterogeneity-aware PP, physical limit
   asym_ea.py         expert assignment: the paper's Algorithm 1 and an optimal DP
   search.py          picks M:N, groups, R, placement; cli_plan.py is `hetermoe plan`

@@ -22,13 +22,14 @@ from megatron_hetermoe.limits import (
     MODEL_LIMITS,
 )
 from megatron_hetermoe.plan.hetero_plan import PlanError, even_plan
+from megatron_hetermoe.plan.tasks import SCHEDULES
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.profiles import known_gpu_types
 from megatron_hetermoe.planner.search import SearchResult, search
 
 
 def _parser() -> argparse.ArgumentParser:
-    from megatron_hetermoe.cli import HelpFormatter
+    from megatron_hetermoe.help_format import HelpFormatter
 
     p = argparse.ArgumentParser(prog="hetermoe plan", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--model", required=True, help="model config: a path or a name in configs/models/ (tiny, d1, ...)")
@@ -39,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     even.add_argument("--expert-ranks", type=int, help="N: expert ranks per ZP group (required with --even)")
     even.add_argument("--groups", type=int, default=1, help="G: number of ZP groups")
     even.add_argument("--microbatches", type=int, default=1, help="R: microbatches per step")
-    even.add_argument("--schedule", choices=["distep", "zebra"], default="distep",
+    even.add_argument("--schedule", choices=list(SCHEDULES), default="distep",
                       help="the plan's schedule: DistEP (Megatron's schedule) or zebra (overlapped)")
     even.add_argument("--attention-gpu", default="cpu", help="GPU type of attention ranks (a configs/gpus/ name)")
     even.add_argument("--expert-gpu", default="cpu", help="GPU type of expert ranks (a configs/gpus/ name)")

@@ -1,10 +1,10 @@
 """Event simulator of one HeterMoE training step (zebra or DistEP), running the task lists of
-`schedules.tasks` rank by rank.
+`plan.tasks` rank by rank.
 
 Semantics (the same in the C++ core, csrc/simulator.cpp):
   * every rank walks its list in order; compute tasks run one at a time: a compute task starts
     when the previous compute task of that rank has ended and the comm task it waits for
-    (`schedules.tasks.inputs`) has ended;
+    (`plan.tasks.inputs`) has ended;
   * a comm task is issued when the rank reaches it in its list (the end of the previous compute
     task: the moment its send buffer exists); issuing does not block the rank;
   * a comm task is one all_to_all over all members of the ZP group, on its stream (dispatch or
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
+from megatron_hetermoe.plan.tasks import Task, distep_tasks, inputs, zebra_tasks
 from megatron_hetermoe.planner.cluster import (
     Cluster,
     Links,
@@ -32,7 +33,6 @@ from megatron_hetermoe.planner.cluster import (
     rank1_collective_time,
 )
 from megatron_hetermoe.planner.cost_model import CostModel
-from megatron_hetermoe.schedules.tasks import Task, distep_tasks, inputs, zebra_tasks
 
 STREAM_ID = {"dispatch": 0, "combine": 1}
 
@@ -127,7 +127,7 @@ def run_python(p: SimProblem) -> SimTrace:
         if not progress:
             blocked = {p.ranks[r]: p.tasks[r][pc[r]] for r in range(n) if pc[r] < len(p.tasks[r])}
             raise RuntimeError(f"task lists deadlock: each rank waits at {blocked}; the lists do not "
-                               f"issue collectives in one order (schedules.tasks.check_stream_order)")
+                               f"issue collectives in one order (plan.tasks.check_stream_order)")
     for r in range(n):  # comm tasks: the collective's own times
         for i, t in enumerate(p.is_comm[r]):
             if t:

@@ -1,8 +1,8 @@
-"""Executes one rank's task list (schedules/tasks.py) for one step.
+"""Executes one rank's task list (plan/tasks.py) for one step.
 
 Compute tasks run on the issuing thread in list order. Each transfer is submitted, in list
 order, to the stream its task names ("dispatch" or "combine"); a stream runs its transfers in
-FIFO order. A compute task waits only for the transfer that schedules.tasks.inputs() names as
+FIFO order. A compute task waits only for the transfer that plan.tasks.inputs() names as
 its input (`wait`, then `Stream.consume`); everything else overlaps.
 
 A `Stream` is the abstraction; `TaskExecutor` picks the implementation from the rank's device:
@@ -44,8 +44,8 @@ What the CUDA path achieves, and what it does not:
 * A consumer's host wait is for the worker to have issued the transfer (the Python result
   objects, e.g. the received tensor, exist only then), not for the transfer to finish.
 * Host times (time.perf_counter) are when work was enqueued: on CUDA a transfer's host end is
-  when it was issued, not when it finished on the device. The emulation clock (cfg.clock,
-  stretch, transfer_time) uses host times on purpose (emulated clusters run on CPU ranks).
+  when it was issued, not when it finished on the device. Emulated task times (a
+  schedules/timing.TaskTiming) use host times on purpose (emulated clusters run on CPU ranks).
 * Device times (`CudaTiming`): with a recorder and no emulation, a CUDA rank also records every
   compute task and transfer as a pair of timing events on the stream the work runs on (a
   compute task: the compute thread's current stream, after its input's done-event wait; a
@@ -87,12 +87,11 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from megatron_hetermoe.config import ZebraConfig
-from megatron_hetermoe.emulation.clock import sleep_until
 from megatron_hetermoe.parallel.device import bind_device
+from megatron_hetermoe.plan.tasks import Task, inputs
 from megatron_hetermoe.reliability import faults
-from megatron_hetermoe.schedules.tasks import Task, inputs
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
+from megatron_hetermoe.schedules.timing import TaskTiming
 
 OnDone = Callable[[str, Task, float], None]
 
@@ -341,36 +340,33 @@ class TaskExecutor:
 
     STREAMS = ("dispatch", "combine")
 
-    def __init__(self, num_layers: int, cfg: ZebraConfig, recorder: TimelineRecorder | None,
+    def __init__(self, num_layers: int, recorder: TimelineRecorder | None, task_timing: TaskTiming | None = None,
                  make_stream: StreamFactory | None = None, device: torch.device = torch.device("cpu"),
                  api: CudaApi | None = None):
         """`device`: the rank's device; picks the Stream (stream_factory) unless `make_stream`
-        is given. On a CUDA device with a recorder and no emulation, every task is also timed
-        on the device (`CudaTiming`, through `api`: torch.cuda by default); the transfers are
-        timed by the streams stream_factory makes, not by a given `make_stream`."""
-        self.L, self.cfg, self.recorder, self.device = num_layers, cfg, recorder, torch.device(device)
+        is given. `task_timing`: emulated task times (schedules/timing.py), else real ones. On a
+        CUDA device with a recorder and no emulation, every task is also timed on the device
+        (`CudaTiming`, through `api`: torch.cuda by default); the transfers are timed by the
+        streams stream_factory makes, not by a given `make_stream`."""
+        self.L, self.recorder, self.device = num_layers, recorder, torch.device(device)
+        self.task_timing = task_timing
         self.timing = (CudaTiming(self.device, api)
-                       if self.device.type == "cuda" and recorder is not None and not cfg.emulated else None)
+                       if self.device.type == "cuda" and recorder is not None and task_timing is None else None)
         self.make_stream = make_stream if make_stream is not None else stream_factory(self.device, api, self.timing)
         self.executed: list[Task] = []
         self.executed_streams: dict[str, list[Task]] = {}
         self.meter = ActivationMeter()
-        self.windows: dict[Task, tuple] = {}  # emulated transfer: (start, budget, real_end)
         self.ready: Callable[[Task], float] = lambda task: time.perf_counter()  # when a transfer could start
 
     def run(self, tasks: list[Task], compute: Callable[[Task], None],
             transfer: Callable[[Task], Callable[[], None]]) -> None:
         """`transfer(task)` returns the function a stream runs for a transfer task."""
         failure: Future = Future()
-        clock, timing = self.cfg.clock, self.timing
+        task_timing, timing = self.task_timing, self.timing
         tx_end: dict[Task, float] = {}  # when each transfer ended
 
         def done(stream: str, task: Task, end: float) -> None:
             tx_end[task] = end
-            info = self.windows.pop(task, None)
-            if clock is not None and info is not None:
-                start, budget, real_end = info
-                clock.window(stream, task, start, budget, real_end, end)
 
         streams = {name: self.make_stream(name, self.recorder, failure, done) for name in self.STREAMS}
         self.ready = lambda task: streams[task.stream].ready.pop(task, time.perf_counter())
@@ -384,7 +380,7 @@ class TaskExecutor:
                 failure.result()
             fut.result()
 
-        last_end = clock.t0 if clock is not None else time.perf_counter()  # the previous compute task's end
+        last_end = task_timing.origin() if task_timing is not None else time.perf_counter()  # the previous compute's end
         try:
             self.meter.__enter__()
             for t in tasks:
@@ -401,14 +397,11 @@ class TaskExecutor:
                 ready = max(last_end, tx_end.get(need, last_end))
                 t0 = time.perf_counter()
                 run_compute(t, compute, timing)
-                if self.cfg.stretch is not None:
-                    real_end = time.perf_counter()
-                    budget = self.cfg.stretch(t)
+                if task_timing is not None:
                     t0 = min(t0, ready)
-                    sleep_until(t0 + budget)
-                last_end = time.perf_counter()
-                if clock is not None and self.cfg.stretch is not None:
-                    clock.window("compute", t, t0, budget, real_end, last_end)
+                    last_end = task_timing.compute(t, t0, time.perf_counter())
+                else:
+                    last_end = time.perf_counter()
                 self.executed.append(t)
                 if self.recorder is not None:
                     self.recorder.record("compute", t.kind, t.layer, t.microbatch, t0, last_end)

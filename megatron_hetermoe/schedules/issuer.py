@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import torch
 
-from megatron_hetermoe.config import ZebraConfig
+from megatron_hetermoe.plan.tasks import Task, inputs
 from megatron_hetermoe.schedules.executor import (
     CUDA,
     ActivationMeter,
@@ -55,8 +55,8 @@ from megatron_hetermoe.schedules.executor import (
     TaskExecutor,
     run_compute,
 )
-from megatron_hetermoe.schedules.tasks import Task, inputs
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
+from megatron_hetermoe.schedules.timing import TaskTiming
 
 STREAMS = ("dispatch", "combine")
 
@@ -163,12 +163,9 @@ class CudaTransport:
 class IssueExecutor:
     """Runs one task list from one thread (see the module docstring)."""
 
-    def __init__(self, num_layers: int, cfg: ZebraConfig, recorder: TimelineRecorder | None,
+    def __init__(self, num_layers: int, recorder: TimelineRecorder | None,
                  device: torch.device = torch.device("cpu"), api: CudaApi | None = None):
-        if cfg.emulated:
-            raise ValueError("ZebraConfig(issuer='single') cannot emulate a cluster: emulated transfers sleep "
-                             "in their stream's thread; use issuer='threads' (what 'auto' picks when emulating)")
-        self.L, self.cfg, self.recorder, self.device = num_layers, cfg, recorder, torch.device(device)
+        self.L, self.recorder, self.device = num_layers, recorder, torch.device(device)
         self.timing = CudaTiming(self.device, api) if self.device.type == "cuda" and recorder is not None else None
         self.transport = (CudaTransport(self.device, api, self.timing) if self.device.type == "cuda"
                           else HostTransport())
@@ -246,22 +243,26 @@ class IssueExecutor:
 
 
 def resolve_issuer(issuer: str, device, emulated: bool, backend: str) -> str:
-    """"single" or "threads" for ZebraConfig.issuer `issuer` on a rank of `device` whose transfers
-    run on `backend`; "auto": one issuing thread on a CUDA rank over NCCL that does not emulate, a
-    worker thread per stream otherwise (CPU ranks, emulated clusters, CUDA tensors over gloo)."""
+    """"single" or "threads" for --hetero-zebra-issuer `issuer` on a rank of `device` whose
+    transfers run on `backend`; "auto": one issuing thread on a CUDA rank over NCCL that does not
+    emulate, a worker thread per stream otherwise (CPU ranks, emulated clusters, CUDA tensors
+    over gloo). An emulated cluster needs the threads: emulated transfers sleep in their stream's."""
     cuda = torch.device(device).type == "cuda"
     if issuer == "single" and cuda and backend != "nccl":
         # CudaTransport relies on NCCL's Work.wait() ordering a stream; gloo's blocks the host,
         # which one issuing thread cannot afford (a peer may need a transfer queued behind it).
         raise ValueError(f"--hetero-zebra-issuer single on a CUDA rank needs NCCL, not {backend}; pass threads")
+    if issuer == "single" and emulated:
+        raise ValueError("--hetero-zebra-issuer single cannot emulate a cluster (emulated transfers sleep in their "
+                         "stream's thread); drop --hetero-zebra-issuer or pass threads")
     if issuer != "auto":
         return issuer
     return "single" if cuda and backend == "nccl" and not emulated else "threads"
 
 
-def make_executor(num_layers: int, cfg: ZebraConfig, recorder: TimelineRecorder | None, device: torch.device,
-                  backend: str):
-    """The executor `cfg.issuer` names (resolve_issuer)."""
-    if resolve_issuer(cfg.issuer, device, cfg.emulated, backend) == "single":
-        return IssueExecutor(num_layers, cfg, recorder, device=device)
-    return TaskExecutor(num_layers, cfg, recorder, device=device)
+def make_executor(num_layers: int, issuer: str, recorder: TimelineRecorder | None, device: torch.device,
+                  backend: str, task_timing: TaskTiming | None = None):
+    """The executor `issuer` names (resolve_issuer); `task_timing`: emulated task times."""
+    if resolve_issuer(issuer, device, task_timing is not None, backend) == "single":
+        return IssueExecutor(num_layers, recorder, device=device)
+    return TaskExecutor(num_layers, recorder, task_timing, device=device)

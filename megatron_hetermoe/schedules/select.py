@@ -1,24 +1,25 @@
 """Schedules for HeterMoE ranks, with megatron-core's forward_backward keyword signature.
 
-`get_forward_backward_func(hs, schedule)` replaces megatron-core's getter: on an attention
-rank it returns Megatron's own schedule for "distep" (HeteroMoELayer ships tokens from inside
-MoELayer.forward) and `forward_backward_zebra` for "zebra"; on an expert rank it returns the
-loop that mirrors the attention ranks' order of collectives for either schedule.
+`get_forward_backward_func(hs, run)` replaces megatron-core's getter. What runs is decided in
+one place, `runs_task_list`: a schedule whose attention ranks run Megatron's own schedule
+(DistEP: HeteroMoELayer ships tokens from inside MoELayer.forward, plan.tasks.SCHEDULES) does so
+unless its tasks are timed (an emulated run: Megatron's schedule cannot be timed task by task),
+in which case both roles execute its task list on the zebra executor; zebra always does. On an
+expert rank it returns the loop that mirrors the attention ranks' order of collectives.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from functools import partial
 
-from megatron_hetermoe.config import ZebraConfig
+from megatron_hetermoe.config import HeteroRunConfig
 from megatron_hetermoe.models.builder import unwrap
 from megatron_hetermoe.parallel.state import HeteroParallelState
+from megatron_hetermoe.plan.tasks import schedule as schedule_named
 from megatron_hetermoe.schedules.distep import expert_distep
-from megatron_hetermoe.schedules.tasks import distep_tasks, zebra_tasks
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
+from megatron_hetermoe.schedules.timing import TaskTiming
 from megatron_hetermoe.schedules.zebra import AttentionZebra, ExpertZebra
-
-TASK_LISTS = {"zebra": zebra_tasks, "distep": distep_tasks}
 
 
 class _CaptureModel:
@@ -49,9 +50,9 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
                            micro_batch_size: int, decoder_seq_length=None, forward_only: bool = False,
                            collect_non_loss_data: bool = False, first_val_step=None, adjust_tensor_shapes_fn=None,
                            p2p_communicator=None, pg_collection=None, force_all_reduce: bool = False,
-                           hetero_state: HeteroParallelState, zebra_config: ZebraConfig | None = None,
+                           hetero_state: HeteroParallelState, run: HeteroRunConfig, schedule: str,
                            recorder: TimelineRecorder | None = None, executed: list | None = None,
-                           schedule: str = "zebra"):
+                           task_timing: TaskTiming | None = None):
     """One step on an attention rank executing a task list: zebra (Theorem 1's order) or, for
     emulated timing, the DistEP list, over R = num_microbatches (the plan's R, or fewer while
     Megatron's --rampup-batch-size grows the batch: the expert ranks get the same count)."""
@@ -67,8 +68,8 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
         for _ in range(num_microbatches):
             _, lf = forward_step_func(data_iterator, cap)
             loss_funcs.append(lf)
-        az = AttentionZebra(gpt, hs, zebra_config or ZebraConfig(), recorder)
-        reported = az.run(cap.calls, loss_funcs, TASK_LISTS[schedule](hs.plan, hs.rank, num_microbatches))
+        az = AttentionZebra(gpt, hs, run, recorder, task_timing)
+        reported = az.run(cap.calls, loss_funcs, schedule_named(schedule).tasks(hs.plan, hs.rank, num_microbatches))
         if executed is not None:
             executed.append((az.ex.executed, az.ex.executed_streams, az.ex.meter.peak))
         if cfg.finalize_model_grads_func is not None:
@@ -79,23 +80,24 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
 
 def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model, num_microbatches: int,
                             seq_length: int = 0, micro_batch_size: int = 0, forward_only: bool = False,
-                            hetero_state: HeteroParallelState, schedule: str, zebra_config: ZebraConfig | None = None,
+                            hetero_state: HeteroParallelState, run: HeteroRunConfig, schedule: str,
                             recorder: TimelineRecorder | None = None, executed: list | None = None,
-                            task_list: bool = False, **unused):
+                            task_timing: TaskTiming | None = None, **unused):
     """An expert rank's step: mirror the attention ranks, then reduce expert gradients over the
     expert replica group."""
     hs = hetero_state
     runtime = unwrap(model)
     if forward_only:
-        if schedule != "distep" or task_list:
-            raise NotImplementedError("forward-only passes run the distep schedule; zebra has no forward-only order")
+        if runs_task_list(schedule, task_timing):
+            raise NotImplementedError("forward-only passes run Megatron's forward (the distep mirror); a task "
+                                      "list has no forward-only order")
         expert_distep(runtime, num_microbatches, forward_only=True)
         return []
     ddp = model[0] if isinstance(model, list) else model
     with _forward_backward_timer(runtime.config):
-        if schedule == "zebra" or task_list:
-            ez = ExpertZebra(runtime, hs, zebra_config or ZebraConfig(), recorder)
-            ez.run(TASK_LISTS[schedule](hs.plan, hs.rank, num_microbatches))
+        if runs_task_list(schedule, task_timing):
+            ez = ExpertZebra(runtime, hs, run, recorder, task_timing)
+            ez.run(schedule_named(schedule).tasks(hs.plan, hs.rank, num_microbatches))
             if executed is not None:
                 executed.append((ez.ex.executed, ez.ex.executed_streams, ez.ex.meter.peak))
         else:
@@ -117,19 +119,28 @@ def _forward_backward_timer(config):
     timers("forward-backward").stop()
 
 
-def get_forward_backward_func(hs: HeteroParallelState, schedule: str | None = None, task_list: bool = False,
-                              **runtime_kwargs):
-    """The schedule for this rank: Megatron's own (attention, distep), zebra (attention, zebra),
-    or the expert mirror (expert ranks). task_list=True runs DistEP from its task list too (used
-    when emulating, so both schedules are timed by the same executor)."""
-    schedule = schedule or hs.plan.schedule
-    if schedule not in ("distep", "zebra"):
-        raise ValueError(f"unknown hetero schedule {schedule!r}; use distep or zebra")
+def runs_task_list(schedule: str, task_timing: TaskTiming | None) -> bool:
+    """Whether `schedule`'s step executes its task list (zebra's executor) rather than Megatron's
+    own schedule on the attention ranks (mirrored by the expert ranks): always for a schedule
+    without a Megatron form, and for every schedule whose tasks are timed (emulation)."""
+    return task_timing is not None or not schedule_named(schedule).megatron_on_attention
+
+
+def get_forward_backward_func(hs: HeteroParallelState, run: HeteroRunConfig | None = None,
+                              recorder: TimelineRecorder | None = None, executed: list | None = None,
+                              task_timing: TaskTiming | None = None):
+    """The step function of this rank for `run.schedule` (None: the plan's), with megatron-core's
+    forward_backward keywords: Megatron's own schedule (attention ranks, a Megatron-form
+    schedule untimed), the task-list executor (attention ranks otherwise), or the expert mirror
+    (expert ranks). `recorder`/`executed` record the task lists' execution; `task_timing`
+    times every task (an emulated cluster)."""
+    run = run or HeteroRunConfig()
+    name = schedule_named(run.schedule or hs.plan.schedule).name
+    kw = dict(hetero_state=hs, run=run, schedule=name, recorder=recorder, executed=executed, task_timing=task_timing)
     if hs.role == "expert":
-        return partial(expert_forward_backward, hetero_state=hs, schedule=schedule, task_list=task_list,
-                       **runtime_kwargs)
-    if schedule == "zebra" or task_list:
-        return partial(forward_backward_zebra, hetero_state=hs, schedule=schedule, **runtime_kwargs)
+        return partial(expert_forward_backward, **kw)
+    if runs_task_list(name, task_timing):
+        return partial(forward_backward_zebra, **kw)
     from megatron.core.pipeline_parallel import (
         get_forward_backward_func as megatron_get,
     )

@@ -1,4 +1,4 @@
-"""Zebra parallelism: the runtime of schedules.tasks' lists on attention and expert ranks.
+"""Zebra parallelism: the runtime of plan.tasks' lists on attention and expert ranks.
 
 Attention ranks run each microbatch's forward as L+1 stages (models/stages.py) with detach
 points between them: every tensor crossing a stage boundary enters the next stage as a fresh
@@ -26,17 +26,26 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from megatron_hetermoe.config import ZebraConfig
-from megatron_hetermoe.emulation.clock import sleep_until
+from megatron_hetermoe.config import HeteroRunConfig
 from megatron_hetermoe.models.dispatcher import DispatchMeta
 from megatron_hetermoe.models.experts import run_local_experts
 from megatron_hetermoe.models.stages import AttentionStages, StageContext
 from megatron_hetermoe.parallel import cpu_backend
-from megatron_hetermoe.parallel.comm import TokenRoute, all_to_all, all_to_all_async
+from megatron_hetermoe.parallel.comm import (
+    TokenRoute,
+    all_to_all,
+    all_to_all_async,
+    latest,
+)
 from megatron_hetermoe.parallel.state import HeteroParallelState
-from megatron_hetermoe.schedules.issuer import AsyncTransfer, IssueExecutor, make_executor
-from megatron_hetermoe.schedules.tasks import Task
+from megatron_hetermoe.plan.tasks import Task
+from megatron_hetermoe.schedules.issuer import (
+    AsyncTransfer,
+    IssueExecutor,
+    make_executor,
+)
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
+from megatron_hetermoe.schedules.timing import TaskTiming
 
 
 @dataclass
@@ -64,13 +73,18 @@ class Slot:
 class ZebraRank:
     """The state and transfers of one rank's step; AttentionZebra and ExpertZebra add compute."""
 
-    def __init__(self, hs: HeteroParallelState, hidden_size: int, dtype: torch.dtype, cfg: ZebraConfig,
-                 recorder: TimelineRecorder | None, experts_of_layer: Callable[[int], torch.nn.Module | None]):
-        self.hs, self.H, self.dtype, self.cfg = hs, hidden_size, dtype, cfg
+    def __init__(self, hs: HeteroParallelState, hidden_size: int, dtype: torch.dtype, run: HeteroRunConfig,
+                 recorder: TimelineRecorder | None, experts_of_layer: Callable[[int], torch.nn.Module | None],
+                 task_timing: TaskTiming | None = None):
+        """`run`: recompute and zebra_issuer are read; `task_timing`: emulated task times
+        (schedules/timing.py), else tasks take as long as they run."""
+        self.hs, self.H, self.dtype, self.recompute = hs, hidden_size, dtype, run.recompute
+        self.task_timing = task_timing
         self.experts_of_layer = experts_of_layer
         self.is_attention = hs.role == "attention"
         self.slots: dict[tuple[int, int], Slot] = {}
-        self.ex = make_executor(hs.plan.num_layers, cfg, recorder, hs.device, dist.get_backend(hs.dispatch_group))
+        self.ex = make_executor(hs.plan.num_layers, run.zebra_issuer, recorder, hs.device,
+                                dist.get_backend(hs.dispatch_group), task_timing)
 
     def slot(self, layer: int, j: int) -> Slot:
         return self.slots.setdefault((layer, j), Slot())
@@ -79,33 +93,20 @@ class ZebraRank:
         return bool(self.hs.local_experts(layer))
 
     def _timed(self, task: Task, started: float | None = None):
-        """The all-to-all of one transfer task. When emulating links, the collective is taken to
-        start when its last member could start it (issued, and its stream free; `started`, or
-        learned here from one extra row per peer carrying each member's time) and to end its
-        emulated duration later, as the simulator has it, so the real gloo cost, and any host
-        delay in reaching the call, hide inside the emulated time instead of adding to it."""
-        if self.cfg.transfer_time is None:
+        """The all-to-all of one transfer. With emulated task times, the transfer is taken to
+        start when its last member could start it (issued, and its stream free): `started` (a
+        D_F's, carried by its counts exchange), or else agreed on the transfer's own group just
+        before the payload (comm.latest: route metadata, never in the payload), and to end its
+        emulated duration later, as the simulator has it; the real gloo cost, and any host delay
+        in reaching the call, hide inside the emulated time instead of adding to it."""
+        timing = self.task_timing
+        if timing is None:
             return all_to_all
 
         def a2a(send: torch.Tensor, outs: list, ins: list, group) -> torch.Tensor:
-            begun = started
-            if begun is None:
-                row = send.new_zeros(1, send.shape[1])
-                row.view(-1)[:2] = torch.tensor([self.ex.ready(task)], dtype=torch.float64,
-                                                device=send.device).view(send.dtype)
-                chunks = torch.split(send, ins)
-                send = torch.cat([c for ch in chunks for c in (ch, row)])
-                got = all_to_all(send, [o + 1 for o in outs], [i + 1 for i in ins], group)
-                parts = torch.split(got, [o + 1 for o in outs])
-                begun = max(float(p[-1].view(-1)[:2].contiguous().view(torch.float64)) for p in parts)
-                out = torch.cat([p[:-1] for p in parts])
-            else:
-                out = all_to_all(send, outs, ins, group)
-            real_end = time.perf_counter()
-            nbytes = max(send.numel(), out.numel()) * send.element_size()
-            budget = self.cfg.transfer_time(task, nbytes)
-            self.ex.windows[task] = (begun, budget, real_end)
-            sleep_until(begun + budget)
+            begun = started if started is not None else latest(self.ex.ready(task), group, send.device)
+            out = all_to_all(send, outs, ins, group)
+            timing.transfer(task, begun, time.perf_counter())
             return out
         return a2a
 
@@ -134,7 +135,7 @@ class ZebraRank:
 
         def d_f():
             per_expert, send_splits = self._dispatch_counts(st)
-            stamp = int(self.ex.ready(task) * 1e9) if self.cfg.transfer_time is not None else None
+            stamp = int(self.ex.ready(task) * 1e9) if self.task_timing is not None else None
             st.route, got = TokenRoute.exchange(self.hs, l, per_expert, send_splits, self.H, self.dtype, stamp)
             st.routed.set()
             started = got / 1e9 if got is not None else None  # the counts carried when each member could start
@@ -219,11 +220,12 @@ class AttentionZebra(ZebraRank):
     """An attention rank: its GPTModel's stages (models/stages.py) as A_F/A_B tasks, its
     offloaded experts (Asym-EA) as X_F/X_B tasks."""
 
-    def __init__(self, gpt, hs: HeteroParallelState, cfg: ZebraConfig, recorder: TimelineRecorder | None):
+    def __init__(self, gpt, hs: HeteroParallelState, run: HeteroRunConfig, recorder: TimelineRecorder | None,
+                 task_timing: TaskTiming | None = None):
         self.stages = AttentionStages(gpt)
         c = gpt.config
-        super().__init__(hs, c.hidden_size, c.params_dtype, cfg, recorder,
-                         lambda l: self.stages.layers[l].mlp.experts)
+        super().__init__(hs, c.hidden_size, c.params_dtype, run, recorder,
+                         lambda l: self.stages.layers[l].mlp.experts, task_timing)
 
     def _stage(self, s: int, j: int, batch: dict, leaves: tuple):
         """Forward of attention stage s (0..L-1): returns (permuted, residual, probs) and keeps
@@ -271,12 +273,12 @@ class AttentionZebra(ZebraRank):
                 lv = leaves_for(s, j) if s > 0 else ()
                 if s < L:
                     fn = _in_device_scope(lambda *a: self._stage(s, j, batches[j], a))
-                    out = checkpoint(fn, *lv, use_reentrant=False) if self.cfg.recompute else fn(*lv)
+                    out = checkpoint(fn, *lv, use_reentrant=False) if self.recompute else fn(*lv)
                     st = self.slot(s, j)
                     st.permuted, st.residual, st.probs = out
                 else:
                     fn = _in_device_scope(lambda *a: self._head(j, batches[j], a))
-                    out_tensor = checkpoint(fn, *lv, use_reentrant=False) if self.cfg.recompute else fn(*lv)
+                    out_tensor = checkpoint(fn, *lv, use_reentrant=False) if self.recompute else fn(*lv)
                     loss, num_tokens, rep = loss_funcs[j](out_tensor)
                     losses[j] = loss / torch.clamp(num_tokens, min=1) / R
                     reported[j] = rep
@@ -311,9 +313,10 @@ class AttentionZebra(ZebraRank):
 class ExpertZebra(ZebraRank):
     """An expert rank: its ExpertRuntime's experts as E_F/E_B tasks."""
 
-    def __init__(self, runtime, hs: HeteroParallelState, cfg: ZebraConfig, recorder: TimelineRecorder | None):
-        super().__init__(hs, runtime.config.hidden_size, runtime.config.params_dtype, cfg, recorder,
-                         lambda l: runtime.decoder.layers[l].mlp.experts)
+    def __init__(self, runtime, hs: HeteroParallelState, run: HeteroRunConfig, recorder: TimelineRecorder | None,
+                 task_timing: TaskTiming | None = None):
+        super().__init__(hs, runtime.config.hidden_size, runtime.config.params_dtype, run, recorder,
+                         lambda l: runtime.decoder.layers[l].mlp.experts, task_timing)
 
     def run(self, tasks: list[Task]) -> None:
         def compute(t: Task) -> None:

@@ -20,9 +20,13 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field, replace
 
-from megatron_hetermoe.config import ModelConfig, ParallelConfig, TrainConfig
-from megatron_hetermoe.emulation.emulator import (
+from megatron_hetermoe.config import (
     EmulationSpec,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+)
+from megatron_hetermoe.emulation.emulator import (
     Emulator,
     emulation_real_model,
 )
@@ -135,10 +139,10 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
             run_dir = f"{timeline_dir}/{name.replace(' ', '_').replace('+', 'plus')}" if timeline_dir else None
             out = launch(_hetero_rank, W, cfg, plan, schedule, run_dir, timeout_s=timeout_s)[0]
             g = plan.groups[0]
-            rows.append(from_report(name, out["emulation"], pred, types, {
+            rows.append(from_report(name, out.emulation, pred, types, {
                 "M": len(g.attention_ranks), "N": len(g.expert_ranks), "groups": len(plan.groups),
                 "R": plan.num_microbatches, "experts_on_attention_per_layer": plan.experts_on_attention_per_layer(),
-                "schedule": schedule, "emulation": out["emulation"]}))
+                "schedule": schedule, "emulation": out.emulation}))
         elif name == "Megatron EP":
             pred = em.predict_ep()
             if not pred.fits:
@@ -149,8 +153,8 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
             cfg = TrainConfig(real, ParallelConfig(ep=d), micro_batch_size=1, global_batch_size=r_mb * W,
                               train_iters=iters, quiet=True, emulate=spec)
             out = run(cfg, W, timeout_s=timeout_s)
-            rows.append(from_report(name, out["emulation"], pred.step_time_s, types,
-                                    {"ep_size": d, "microbatches": r_mb, "emulation": out["emulation"]}))
+            rows.append(from_report(name, out.emulation, pred.step_time_s, types,
+                                    {"ep_size": d, "microbatches": r_mb, "emulation": out.emulation}))
         elif name == "EP (Ideal)":
             total, pred_total, util, det, bad = 0.0, 0.0, {}, {}, []
             overrun, scales = 0.0, []
@@ -164,7 +168,7 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
                 sub = replace(_spec_for(base, pred.step_time_s, fixed, max_step_seconds, max_overrun), ranks=tuple(ranks))
                 cfg = TrainConfig(real, ParallelConfig(ep=d), micro_batch_size=1, global_batch_size=r_mb * len(ranks),
                                   train_iters=iters, quiet=True, emulate=sub)
-                rep = run(cfg, len(ranks), timeout_s=timeout_s)["emulation"]
+                rep = run(cfg, len(ranks), timeout_s=timeout_s).emulation
                 m = rep["measured_step_s"]
                 share = global_batch * len(ranks) // W * seq_len
                 total += share / m if m else 0.0
@@ -252,7 +256,7 @@ def _step_seconds(s: str) -> float | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_hetermoe.cli import HelpFormatter
+    from megatron_hetermoe.help_format import HelpFormatter
 
     p = argparse.ArgumentParser(prog="hetermoe bench", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--cluster", required=True, help="the emulated cluster: configs/clusters/NAME.yaml or a path")

@@ -44,13 +44,13 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
     from megatron_hetermoe import import_extra
     from megatron_hetermoe.config import (
         DataConfig,
+        EmulationSpec,
         ModelConfig,
         ParallelConfig,
         TrainConfig,
     )
     from megatron_hetermoe.data import corpus
     from megatron_hetermoe.emulation.emulator import (
-        EmulationSpec,
         Emulator,
         emulation_real_model,
         validity_line,
@@ -105,7 +105,7 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
           f"{measure_steps} are timed as the emulated GPUs, at a scale the step before them picks", flush=True)
     tl = out / "timeline"
     het = launch(_hetero_rank, cl.world_size, cfg, plan, str(tl), timeout_s=3600)[0]
-    h_rep = het["emulation"]
+    h_rep = het.emulation
 
     ep_pred = em.predict_ep()
     d, r_mb = ep_pred.detail["ep_size"], ep_pred.detail["microbatches"]
@@ -118,7 +118,7 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
                      train_iters=ep_measure_steps + 2, lr_warmup_iters=0, quiet=True, progress_bar=False,
                      emulate=ep_spec)
     ep = run(ep_cfg, cl.world_size, timeout_s=1800)
-    e_rep = ep["emulation"]
+    e_rep = ep.emulation
 
     tokens = global_batch * seq_len
     h_step, e_step = h_rep["measured_step_s"], e_rep["measured_step_s"]
@@ -129,7 +129,7 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
     last = max(e.step for e in load_events(tl))
     draw_png(load_events(tl), out / "timeline.png", step=last,
              title=f"HeterMoE zebra + Asym-EA, {emulated.upper()} on {cluster} (step {last + 1})")
-    first10, last10 = statistics.mean(het["losses"][:10]), statistics.mean(het["losses"][-10:])
+    first10, last10 = statistics.mean(het.losses[:10]), statistics.mean(het.losses[-10:])
     summary = {
         "loss_first10": first10, "loss_last10": last10,
         "valid": valid,
@@ -164,7 +164,7 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_hetermoe.cli import HelpFormatter
+    from megatron_hetermoe.help_format import HelpFormatter
 
     p = argparse.ArgumentParser(prog="demo", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--out-dir", default="demo-out", help="where timeline.png, plan.json and summary.json go")

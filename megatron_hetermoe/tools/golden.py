@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         own, trainer_argv = argv[:i], argv[i + 1:]
     else:
         own, trainer_argv = argv, []
-    from megatron_hetermoe.cli import HelpFormatter
+    from megatron_hetermoe.help_format import HelpFormatter
 
     p = argparse.ArgumentParser(prog="hetermoe regress", formatter_class=HelpFormatter, usage="hetermoe regress --golden FILE [--rtol R] [--update] -- <trainer args>")
     p.add_argument("--golden", required=True, help="golden values JSON (Megatron's layout)")
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     import megatron.core  # noqa: F401  - import once, then fork ranks
 
     result = train_args.run(cfg, ta.nproc)
-    losses, start = result["losses"], result.get("start_iteration", 0) + 1
+    losses, start = result.losses, result.start_iteration + 1
     if a.update:
         write_golden(a.golden, losses, start_step=start)
         print(f"wrote {len(losses)} golden values to {a.golden} (exact on {kernels()} only)")

@@ -920,13 +920,13 @@ def _executor_probe(dev, gemm, timed, calibrate, numel: int = 64 * 2**20) -> dic
     import torch.distributed as dist
 
     from megatron_hetermoe.config import ZebraConfig
+    from megatron_hetermoe.plan.tasks import zebra_tasks_for_role
     from megatron_hetermoe.schedules.executor import (
         CudaStream,
         TaskExecutor,
         ThreadStream,
     )
     from megatron_hetermoe.schedules.issuer import AsyncTransfer, IssueExecutor
-    from megatron_hetermoe.schedules.tasks import zebra_tasks_for_role
 
     groups = {"dispatch": dist.new_group([0]), "combine": dist.new_group([0]), "counts": dist.new_group([0])}
     R = 4

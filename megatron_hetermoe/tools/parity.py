@@ -17,8 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_hetermoe.config import ISSUERS, ModelConfig, ParallelConfig, TrainConfig
+from megatron_hetermoe.config import (
+    ISSUERS,
+    HeteroRunConfig,
+    ModelConfig,
+    ParallelConfig,
+    TrainConfig,
+)
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+from megatron_hetermoe.plan.tasks import SCHEDULES
 
 # Tolerances at identical parameters (both sides' gradients of step i are taken at the
 # reference's parameters before step i), from measurement: the worst case over the test matrix
@@ -132,9 +139,9 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     its final weights' difference. init_state: start from this plain Megatron state dict
     (canonical names) instead of the seed's layout-invariant init, e.g. weights crafted to force
     a routing. precision: "fp32", "bf16" or "fp16" on both sides (the tolerances above are fp32's;
-    pass measured ones to ok() for the others). issuer: zebra's (ZebraConfig.issuer)."""
-    from megatron_hetermoe.parallel.launcher import launch
+    pass measured ones to ok() for the others). issuer: zebra's (--hetero-zebra-issuer)."""
     from megatron_hetermoe.training.args import run
+    from megatron_hetermoe.training.run_hooks import RunHooks
 
     plan.validate()
     if type(steps) is not int or steps < 1 or type(micro_batch_size) is not int or micro_batch_size < 1:
@@ -148,36 +155,29 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     n_attn = len(plan.attention_ranks)
     gbs = micro_batch_size * plan.num_microbatches * n_attn
     ep = reference_ep(plan, model.num_experts)
-    ref_cfg = TrainConfig(model, ParallelConfig(ep=ep), micro_batch_size=micro_batch_size, global_batch_size=gbs,
-                          train_iters=steps, seed=seed, collect_grads=True, quiet=True, init_state=init_state, **prec)
-    ref = run(ref_cfg, n_attn, timeout_s=timeout_s)
-    het_cfg = TrainConfig(model, ParallelConfig(), micro_batch_size=micro_batch_size, global_batch_size=gbs,
-                          train_iters=steps, seed=seed, collect_grads=True, quiet=True,
-                          init_state=ref["initial_params"], pin_params=ref["step_params"], **prec)
-    het = launch(_hetero_rank, plan.world_size, het_cfg, plan, schedule, recompute, issuer, timeout_s=timeout_s)[0]
+    cfg = TrainConfig(model, ParallelConfig(), micro_batch_size=micro_batch_size, global_batch_size=gbs,
+                      train_iters=steps, seed=seed, quiet=True, **prec)
+    ref = run(dataclasses.replace(cfg, parallel=ParallelConfig(ep=ep)), n_attn, timeout_s=timeout_s,
+              hooks=RunHooks(init_state=init_state, collect_grads=True))
+    hetero = HeteroRunConfig(schedule=schedule, recompute=recompute, zebra_issuer=issuer)
+    pinned = RunHooks(init_state=ref.initial_params, pin_params=ref.step_params, collect_grads=True)
+    het = run(cfg, plan.world_size, timeout_s=timeout_s, plan=plan, hetero=hetero, hooks=pinned)
 
-    by_step = [diff_by_category(g_h, g_r, scale="category") for g_h, g_r in zip(het["grads"], ref["grads"])]
-    worst = max((worst_tensor(g_h, g_r) for g_h, g_r in zip(het["grads"], ref["grads"])), key=lambda kv: kv[1])
+    by_step = [diff_by_category(g_h, g_r, scale="category") for g_h, g_r in zip(het.grads, ref.grads)]
+    worst = max((worst_tensor(g_h, g_r) for g_h, g_r in zip(het.grads, ref.grads)), key=lambda kv: kv[1])
     by_cat = {c: max(s[c] for s in by_step) for c in by_step[0]}
     free = free_loss = None
     if free_run:
-        free_cfg = dataclasses.replace(het_cfg, pin_params=None)
-        got = launch(_hetero_rank, plan.world_size, free_cfg, plan, schedule, recompute, issuer, timeout_s=timeout_s)[0]
-        free = max(diff_by_category(got["params"], ref["params"]).values())
-        free_loss = max_rel_loss_diff(got["losses"], ref["losses"])
-    return ParityReport(ref["losses"], het["losses"], max_rel_loss_diff(het["losses"], ref["losses"]),
+        got = run(cfg, plan.world_size, timeout_s=timeout_s, plan=plan, hetero=hetero,
+                  hooks=RunHooks(init_state=ref.initial_params, collect_grads=True))
+        free = max(diff_by_category(got.params, ref.params).values())
+        free_loss = max_rel_loss_diff(got.losses, ref.losses)
+    return ParityReport(ref.losses, het.losses, max_rel_loss_diff(het.losses, ref.losses),
                         max(by_cat.values()), by_cat, by_step, worst, free, free_loss)
 
 
-def _hetero_rank(rank, world, cfg, plan, schedule, recompute, issuer):
-    from megatron_hetermoe.config import HeteroRunConfig
-    from megatron_hetermoe.training.hetero import train_hetero
-
-    return train_hetero(cfg, plan, HeteroRunConfig(schedule=schedule, recompute=recompute, zebra_issuer=issuer))
-
-
 def main(argv: list[str] | None = None) -> int:
-    from megatron_hetermoe.cli import HelpFormatter
+    from megatron_hetermoe.help_format import HelpFormatter
 
     p = argparse.ArgumentParser(prog="hetermoe parity", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5, help="training steps compared")
     p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per microbatch per attention rank")
     p.add_argument("--seed", type=int, default=1234, help="seed of weights and data (both runs)")
-    p.add_argument("--schedule", choices=["distep", "zebra"], default=None, help="override the plan's schedule (default: the plan's)")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default=None, help="override the plan's schedule (default: the plan's)")
     p.add_argument("--recompute", action="store_true", help="zebra: recompute attention stages in backward")
     p.add_argument("--zebra-issuer", choices=list(ISSUERS), default="auto",
                    help="zebra: who issues the transfers (--hetero-zebra-issuer's meaning; default: auto)")

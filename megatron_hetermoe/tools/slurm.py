@@ -125,7 +125,7 @@ def entry_command(entry: str, megatron_lm_dir: str | None) -> list[str]:
 def check_megatron_lm(checkout: str, train_args: list[str]) -> None:
     """A patched Megatron-LM checkout, and flags its parser has (by name: its values are checked
     by Megatron-LM itself on the nodes, whose training-side packages the login node may lack)."""
-    from megatron_hetermoe.training.megatron_lm import HETERO_FLAGS
+    from megatron_hetermoe.training.hetero_args import HETERO_FLAGS
     from megatron_hetermoe.training.pretrain_gpt import MEGATRON_REF, megatron_flags
 
     script = Path(checkout) / "pretrain_gpt.py"

@@ -13,7 +13,6 @@ from pathlib import Path
 
 from megatron_hetermoe.schedules.timeline import CLOCKS, Event, load_events
 
-
 LANES = ("compute", "dispatch", "combine")
 
 
@@ -82,7 +81,7 @@ def draw_png(events: list[Event], path: str | Path, step: int | None = None, tit
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_hetermoe.cli import HelpFormatter
+    from megatron_hetermoe.help_format import HelpFormatter
 
     p = argparse.ArgumentParser(prog="hetermoe timeline", description="draw a run's timeline",
                                 formatter_class=HelpFormatter)

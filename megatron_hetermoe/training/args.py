@@ -18,7 +18,6 @@ import sys
 import traceback
 
 from megatron_hetermoe.config import (
-    ISSUERS,
     HeteroRunConfig,
     ModelConfig,
     ParallelConfig,
@@ -26,6 +25,9 @@ from megatron_hetermoe.config import (
 )
 from megatron_hetermoe.data.dataset import add_data_args, data_config_from_args
 from megatron_hetermoe.parallel.watchdog import DEFAULT_PROGRESS_TIMEOUT_S
+from megatron_hetermoe.training.hetero_args import add_hetero_args, hetero_run_config
+from megatron_hetermoe.training.result import TrainResult
+from megatron_hetermoe.training.run_hooks import RunHooks
 
 # Forked CPU ranks share one host: more than this is a typo, not a job (each rank holds ~400 MB).
 MAX_FORKED_RANKS = 1024
@@ -95,8 +97,6 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
                    "default: start from scratch)")
     p.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoint saves (default: only at the end)")
     p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration (default: the latest)")
-    p.add_argument("--hetero-ckpt-reshard", action="store_true",
-                   help="load a checkpoint saved under another layout/plan by parameter name (RNG not restored)")
     p.add_argument("--check-for-nan-in-loss-and-grad", nargs="?", const="stop", default="stop",
                    choices=["stop", "skip"],
                    help="on a non-finite loss or gradient: stop the run (Megatron's meaning, the default) "
@@ -136,7 +136,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         use_distributed_optimizer=a.use_distributed_optimizer, deterministic=a.deterministic_mode,
         log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir, check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
         save=a.save, load=a.load, save_interval=a.save_interval, ckpt_step=a.ckpt_step,
-        ckpt_reshard=a.hetero_ckpt_reshard, emulate=emulation_from_args(a),
+        ckpt_reshard=getattr(a, "hetero_ckpt_reshard", False),  # a parser without the --hetero-* flags
+        emulate=emulation_from_args(a),
         data=data_config_from_args(a, model),
         bf16=a.bf16, fp16=a.fp16, loss_scale=a.loss_scale, initial_loss_scale=a.initial_loss_scale,
         min_loss_scale=a.min_loss_scale, loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
@@ -150,7 +151,7 @@ def emulation_from_args(a: argparse.Namespace):
             if getattr(a, flag) is not None:
                 raise SystemExit(f"--{flag.replace('_', '-')} needs --emulate CLUSTER")
         return None
-    from megatron_hetermoe.emulation.emulator import EmulationSpec
+    from megatron_hetermoe.config import EmulationSpec
     from megatron_hetermoe.planner.cluster import Cluster
 
     gb = a.emulated_global_batch_size or 4 * Cluster.load(a.emulate).world_size
@@ -164,24 +165,27 @@ def emulation_from_args(a: argparse.Namespace):
                          scale=scale, auto_scale=auto)
 
 
-def _rank_main(rank: int, world: int, cfg: TrainConfig, plan=None, hetero: HeteroRunConfig | None = None) -> dict:
+def _rank_main(rank: int, world: int, cfg: TrainConfig, plan=None, hetero: HeteroRunConfig | None = None,
+               hooks: RunHooks | None = None) -> TrainResult:
     if plan is None:
         from megatron_hetermoe.training.megatron_ep import train
 
-        return train(cfg)
+        return train(cfg, hooks)
     from megatron_hetermoe.training.hetero import train_hetero
 
-    return train_hetero(cfg, plan, hetero)
+    return train_hetero(cfg, plan, hetero, hooks)
 
 
 def run(cfg: TrainConfig, nproc: int, timeout_s: float | None = None, plan=None,
-        hetero: HeteroRunConfig | None = None, progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S) -> dict:
+        hetero: HeteroRunConfig | None = None, progress_timeout_s: float | None = DEFAULT_PROGRESS_TIMEOUT_S,
+        hooks: RunHooks | None = None) -> TrainResult:
     """Train on `nproc` forked CPU ranks (plain Megatron, or HeterMoE with a plan); return
     rank 0's result. No wall-clock limit unless `timeout_s`: the launcher's watchdog ends a run
-    whose ranks report no progress for `progress_timeout_s` (None: never)."""
+    whose ranks report no progress for `progress_timeout_s` (None: never). `hooks`: build-time
+    objects and test seams (training/run_hooks.py)."""
     from megatron_hetermoe.parallel.launcher import launch
 
-    return launch(_rank_main, nproc, cfg, plan, hetero, timeout_s=timeout_s,
+    return launch(_rank_main, nproc, cfg, plan, hetero, hooks, timeout_s=timeout_s,
                   progress_timeout_s=progress_timeout_s)[0]
 
 
@@ -209,7 +213,7 @@ def check_kernels(p: argparse.ArgumentParser, cfg: TrainConfig, device, pools=No
 
 def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
     """`hetermoe train`'s flags; pretrain_gpt.py adds Megatron's model-shape flags to these."""
-    from megatron_hetermoe.cli import HelpFormatter
+    from megatron_hetermoe.help_format import HelpFormatter
 
     p = argparse.ArgumentParser(prog=prog, description="Train the Megatron MoE baseline (plain Megatron-Core TP/PP/EP/DP), or HeterMoE with --hetero-plan.", formatter_class=HelpFormatter)
     add_megatron_args(p)
@@ -221,22 +225,11 @@ def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
                         "step (or a checkpoint save) for this long; 0: never. A run has no other time limit "
                         "(under torchrun the collective timeouts apply)")
     p.add_argument("--golden-values-out", default=None, help="write per-step lm loss as Megatron golden values JSON (default: none)")
-    p.add_argument("--hetero-plan", default=None, help="train with HeterMoE on this plan (hetermoe plan -o plan.json; default: plain Megatron)")
-    p.add_argument("--hetero-schedule", choices=["distep", "zebra"], default=None,
-                   help="HeterMoE schedule (default: the plan's)")
     p.add_argument("--recompute-granularity", choices=["full"], default=None,
                    help="zebra: recompute attention stages in backward (Megatron's 'full' meaning, per stage; "
                         "default: keep activations)")
     p.add_argument("--timeline-dir", default=None, help="HeterMoE: write each rank's timeline here (default: none)")
-    p.add_argument("--hetero-expert-precision", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="HeterMoE: the expert ranks' precision (default: the world's, --bf16/--fp16/fp32, which "
-                        "the attention ranks run), e.g. fp16 on V100 expert ranks with --bf16 attention ranks; "
-                        "tokens cross in it; pools that differ are both 16-bit, and fp16 on either pool gives "
-                        "the world one fp16 loss scale")
-    p.add_argument("--hetero-zebra-issuer", choices=list(ISSUERS), default="auto",
-                   help="HeterMoE zebra: who issues the transfers: 'single', the compute thread with async "
-                        "collectives and split sizes sent ahead; 'threads', a worker thread per stream; 'auto': "
-                        "single on GPU ranks over NCCL, threads on CPU ranks and emulated clusters (default: auto)")
+    add_hetero_args(p)
     return p
 
 
@@ -305,8 +298,7 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
         cfg = config_from_args(a)
     except (ValueError, FileNotFoundError) as e:  # a bad model config, --seq-length, parallel size
         p.error(str(e))
-    hetero = HeteroRunConfig(a.hetero_schedule, a.recompute_granularity == "full", a.timeline_dir,
-                             a.hetero_expert_precision, a.hetero_zebra_issuer)
+    hetero = hetero_run_config(a, a.recompute_granularity == "full", a.timeline_dir)
     if not a.hetero_plan and (a.hetero_schedule or a.timeline_dir or a.hetero_expert_precision
                               or a.hetero_zebra_issuer != "auto"):
         raise SystemExit("--hetero-schedule, --timeline-dir, --hetero-expert-precision and --hetero-zebra-issuer "
@@ -328,8 +320,8 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
     world = int(os.environ.get("WORLD_SIZE", 0)) if joining else (a.nproc or 4)
     try:  # every input, before any process group (torchrun's or ours) exists
         from megatron_hetermoe.outputs import check_output_paths
-        from megatron_hetermoe.plan.validation import validate_job
         from megatron_hetermoe.reliability.faults import check_env
+        from megatron_hetermoe.training.validation import validate_job
 
         validate_job(cfg, world, plan if a.hetero_plan else None, a.hetero_schedule, hetero)
         check_env(world)  # $HETERMOE_INJECT_FAULT, read by every rank
@@ -367,23 +359,23 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         finally:
             if save_lock is not None:
                 save_lock.release()
-    if "peak_rss_mib" in result and int(os.environ.get("RANK", "0")) == 0:
-        for r, (role, rss) in enumerate(result["peak_rss_mib"]):
+    if result.peak_rss_mib is not None and int(os.environ.get("RANK", "0")) == 0:
+        for r, (role, rss) in enumerate(result.peak_rss_mib):
             print(f" rank {r} ({role}): peak RSS {rss:.0f} MiB")
-        if result.get("schedule") == "zebra":
+        if result.schedule == "zebra":
             print(f" rank 0 peak activation memory (saved for backward): {result['peak_activation_mib']:.2f} MiB")
-    if "peak_gpu_mib" in result and int(os.environ.get("RANK", "0")) == 0:  # CUDA ranks (both trainers)
-        for r, (role, mib) in enumerate(result["peak_gpu_mib"]):
+    if result.peak_gpu_mib is not None and int(os.environ.get("RANK", "0")) == 0:  # CUDA ranks (both trainers)
+        for r, (role, mib) in enumerate(result.peak_gpu_mib):
             print(f" rank {r} ({role}): peak GPU memory {mib:.0f} MiB (max allocated)")
-    if result.get("emulation") is not None and int(os.environ.get("RANK", "0")) == 0:
+    if result.emulation is not None and int(os.environ.get("RANK", "0")) == 0:
         from megatron_hetermoe.emulation.emulator import validity_line
 
-        print(" " + validity_line("timing", result["emulation"]))
+        print(" " + validity_line("timing", result.emulation))
     if a.golden_values_out and int(os.environ.get("RANK", "0")) == 0:
         from megatron_hetermoe.training.golden_values import write_golden
 
         # Steps are numbered by iteration: a run resumed at iteration 3 writes steps 4, 5, ...
-        write_golden(a.golden_values_out, result["losses"], start_step=result.get("start_iteration", 0) + 1)
+        write_golden(a.golden_values_out, result.losses, start_step=result.start_iteration + 1)
     return 0
 
 

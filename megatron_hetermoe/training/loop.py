@@ -40,7 +40,7 @@ class LoopParts:
     model: object  # Megatron DDP
     optimizer: object
     scheduler: object
-    guard: object  # reliability.nan_check.NanGuard
+    guard: object  # training.nan_check.NanGuard
     recorder: object  # tools.timeline.TimelineRecorder
     steplog: object  # training.logging.StepLogger
     checkpointer: object  # checkpoint.hooks.Checkpointer

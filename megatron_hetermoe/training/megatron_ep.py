@@ -30,12 +30,14 @@ from megatron_hetermoe.parallel.device import (
     reset_peak_memory,
     set_deterministic,
 )
-from megatron_hetermoe.models.expert_names import module_state
+from megatron_hetermoe.plan.expert_names import module_state
 from megatron_hetermoe.plan.layout import load_params
-from megatron_hetermoe.reliability.nan_check import NanGuard
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.training.logging import StepLogger, last_step_busy
 from megatron_hetermoe.training.loop import LoopParts, train_loop
+from megatron_hetermoe.training.nan_check import NanGuard
+from megatron_hetermoe.training.result import TrainResult
+from megatron_hetermoe.training.run_hooks import RunHooks
 from megatron_hetermoe.training.step import (
     batch_to,
     build_optimizer,
@@ -50,12 +52,12 @@ class MegatronEPStep:
     """A Megatron EP rank's part of the loop: Megatron's forward_backward_func over its
     microbatches; Megatron's optimizer clips and reports the norm."""
 
-    def __init__(self, cfg: TrainConfig, model, module, names: dict[str, str], nmb: int, data_parallel_rank: int,
-                 device: torch.device, optimizer):
+    def __init__(self, cfg: TrainConfig, hooks: RunHooks, model, module, names: dict[str, str], nmb: int,
+                 data_parallel_rank: int, device: torch.device, optimizer):
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        self.cfg, self.model, self.module, self.names, self.nmb = cfg, model, module, names, nmb
+        self.cfg, self.hooks, self.model, self.module, self.names, self.nmb = cfg, hooks, model, module, names, nmb
         self.dp_rank, self.device, self.optimizer = data_parallel_rank, device, optimizer
         self.last_stage = ps.is_pipeline_last_stage()
         self.fwd_bwd = get_forward_backward_func()
@@ -65,10 +67,9 @@ class MegatronEPStep:
         self.grads: list[dict] = []
 
     def before_step(self, it: int) -> None:
-        cfg = self.cfg
-        if cfg.pin_params is not None:
-            load_params(self.module, module_state(self.names, cfg.pin_params[it]))
-        if cfg.collect_grads:
+        if self.hooks.pin_params is not None:
+            load_params(self.module, module_state(self.names, self.hooks.pin_params[it]))
+        if self.hooks.collect_grads:
             self.step_params.append(gather_canonical([self.model], [self.model_names], "data"))
 
     def forward_backward(self, it: int):
@@ -92,15 +93,15 @@ class MegatronEPStep:
         return tot
 
     def before_optimizer(self):
-        if self.cfg.collect_grads:  # unscaled, as Megatron's optimizer reads them
+        if self.hooks.collect_grads:  # unscaled, as Megatron's optimizer reads them
             self.grads.append(gather_canonical([self.model], [self.model_names], "main_grad",
                                                1.0 / loss_scale_of(self.optimizer)))
         return None
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Train on the current process group with Megatron's parallel state; return per-step
-    losses (and canonical grads when cfg.collect_grads) on every rank."""
+def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
+    """Train on the current process group with Megatron's parallel state; returns per-step
+    losses (and canonical grads with hooks.collect_grads) on every rank."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import (
         DistributedDataParallel,
@@ -109,6 +110,7 @@ def train(cfg: TrainConfig) -> dict:
     )
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    hooks = hooks or RunHooks()
     par = cfg.parallel
     world = dist.get_world_size()
     if world % (par.tp * par.pp):
@@ -136,8 +138,8 @@ def train(cfg: TrainConfig) -> dict:
         module = build_gpt(mcfg, config, pre_process=ps.is_pipeline_first_stage(),
                            post_process=ps.is_pipeline_last_stage())
         names = canonical_names(module)
-        if cfg.init_state is not None:
-            load_params(module, module_state(names, cfg.init_state))
+        if hooks.init_state is not None:
+            load_params(module, module_state(names, hooks.init_state))
         else:
             init_layout_invariant(module, cfg.seed, config, names)
         module.to(device)  # built and initialized on the CPU (use_cpu_initialization)
@@ -147,8 +149,8 @@ def train(cfg: TrainConfig) -> dict:
         )
         model = DistributedDataParallel(config, ddp_config, wrap_precision(config, module))
         guard = NanGuard(cfg.nan_check_mode(), [model], {p: names[n] for n, p in module.named_parameters()},
-                         dist.get_rank(), MEGATRON_ROLE, injection=cfg.nan_injection, device=device)
-        optimizer, scheduler = build_optimizer(cfg, model, cfg.clip_grad, cfg.use_distributed_optimizer)
+                         dist.get_rank(), MEGATRON_ROLE, injection=hooks.nan_injection, device=device)
+        optimizer, scheduler, _ = build_optimizer(cfg, model, cfg.clip_grad, cfg.use_distributed_optimizer)
         # One loss scale for the world, as HeterMoE has it (step.py: Megatron's dense and expert
         # scalers would back off apart when only expert gradients overflow).
         share_loss_scale(optimizer, dist.group.WORLD, device)
@@ -160,25 +162,21 @@ def train(cfg: TrainConfig) -> dict:
         clock = None
         if cfg.emulate is not None:
             emu_undo, clock = _install_ep_emulation(cfg, module, nmb, recorder)
-        role = MegatronEPStep(cfg, model, module, names, nmb, ps.get_data_parallel_rank(), device, optimizer)
+        role = MegatronEPStep(cfg, hooks, model, module, names, nmb, ps.get_data_parallel_rank(), device, optimizer)
         parts = LoopParts(cfg, model, optimizer, scheduler, guard, recorder, steplog,
                           megatron_checkpointer(cfg, module, names, optimizer, scheduler), dist.group.WORLD, clock)
         reset_peak_memory(device)  # the GPU peak counts from here (model and optimizer already allocated)
         res = train_loop(parts, role)
         gpu = peak_gpu_mib(MEGATRON_ROLE, device, dist.group.WORLD)  # before the exports below; None on CPU ranks
         emulation = clock.report() if clock is not None else None
-        params = gather_canonical([model], [role.model_names], "data") if cfg.collect_grads else None
-        out = {"losses": res.losses, "grads": role.grads, "params": params, "step_params": role.step_params,
-               "initial_params": role.step_params[0] if role.step_params else params,
-               "start_iteration": res.start_iteration, "step_times": res.step_times, "num_microbatches": nmb,
-               "dp": dp, "skipped": guard.skipped, "loss_scales": res.loss_scales,
-               "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
-               "overflow_skipped": res.overflow_skipped,
-               "busy_s": last_step_busy(recorder, cfg.train_iters - 1, dist.group.WORLD), "emulation": emulation,
-               "kernels": kernels.name, "kernels_reason": kernels.reason}
-        if gpu is not None:  # CUDA ranks only: absent, not zeros, on CPU
-            out["peak_gpu_mib"] = gpu
-        return out
+        params = gather_canonical([model], [role.model_names], "data") if hooks.collect_grads else None
+        return TrainResult(
+            losses=res.losses, step_times=res.step_times, start_iteration=res.start_iteration, num_microbatches=nmb,
+            dp=dp, skipped=guard.skipped, loss_scales=res.loss_scales, overflow_skipped=res.overflow_skipped,
+            param_dtypes=sorted({str(p.dtype) for p in module.parameters()}), kernels=kernels.name,
+            kernels_reason=kernels.reason, busy_s=last_step_busy(recorder, cfg.train_iters - 1, dist.group.WORLD),
+            emulation=emulation, peak_gpu_mib=gpu, params=params, grads=role.grads, step_params=role.step_params,
+            initial_params=role.step_params[0] if role.step_params else params)
     finally:
         if emu_undo is not None:
             emu_undo()

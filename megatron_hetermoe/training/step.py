@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetermoe.config import TrainConfig
-from megatron_hetermoe.models.expert_names import expand
+from megatron_hetermoe.plan.expert_names import expand
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -36,11 +36,10 @@ def forward_step(data_iterator, model):
 
 
 def build_optimizer(cfg: TrainConfig, model, clip_grad: float, use_distributed_optimizer: bool,
-                    pg_collection=None, precision: str | None = None, dynamic_scale: bool = False):
-    """Megatron's Adam and its cosine LR schedule, as both trainers use them. `precision`: the
-    model's (default the world's, cfg.precision; a HeterMoE rank's pool's). `dynamic_scale`: the
-    world scales its loss dynamically (fp16 on some pool, config.PoolPrecision): a bf16 rank's
-    sub-optimizers get Megatron's fp16 dynamic scaler too (see attach_dynamic_scaler)."""
+                    pg_collection=None, precision: str | None = None):
+    """Megatron's Adam and its cosine LR schedule, as both trainers use them: (optimizer,
+    scheduler, its OptimizerConfig). `precision`: the model's (default the world's,
+    cfg.precision; a HeterMoE rank's pool's)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -58,15 +57,13 @@ def build_optimizer(cfg: TrainConfig, model, clip_grad: float, use_distributed_o
     )
     kw = {} if pg_collection is None else {"pg_collection": pg_collection}
     optimizer = get_megatron_optimizer(opt_config, [model], use_gloo_process_groups=False, **kw)
-    if dynamic_scale and precision == "bf16":
-        attach_dynamic_scaler(optimizer, opt_config)
     steps = max(cfg.train_iters, 1)
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0 if cfg.lr_warmup_iters else cfg.lr, max_lr=cfg.lr, min_lr=cfg.min_lr,
         lr_warmup_steps=cfg.lr_warmup_iters, lr_decay_steps=steps, lr_decay_style="cosine",
         start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=steps, wd_incr_style="constant",
     )
-    return optimizer, scheduler
+    return optimizer, scheduler, opt_config
 
 
 def attach_dynamic_scaler(optimizer, opt_config) -> None:

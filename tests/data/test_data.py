@@ -118,16 +118,18 @@ def test_train_on_real_text_plain_and_hetero_agree(docs_dataset):
     from megatron_hetermoe.plan.hetero_plan import even_plan
     from megatron_hetermoe.tools.parity import LOSS_TOL, max_rel_loss_diff
     from megatron_hetermoe.training.args import run
+    from megatron_hetermoe.training.run_hooks import RunHooks
 
     cfg = _cfg(docs_dataset)
     cfg.train_iters, cfg.global_batch_size, cfg.quiet, cfg.lr = 24, 4, True, 3e-3
-    cfg.parallel, cfg.collect_grads = ParallelConfig(ep=2), True
-    ref = run(cfg, 2)
-    plain = ref["losses"]
+    cfg.parallel = ParallelConfig(ep=2)
+    ref = run(cfg, 2, hooks=RunHooks(collect_grads=True))
+    plain = ref.losses
     # HeterMoE at the plain run's parameters of every step: the same batches give the same loss
     # to one step's fp32 round-off (measured <= 1.5e-7, 6.7x inside), whatever kernels the CPU runs.
-    cfg.parallel, cfg.init_state, cfg.pin_params = ParallelConfig(), ref["initial_params"], ref["step_params"]
-    hetero = run(cfg, 2, plan=even_plan(2, 4, 1, 1, num_microbatches=2))["losses"]
+    cfg.parallel = ParallelConfig()
+    pinned = RunHooks(init_state=ref.initial_params, pin_params=ref.step_params)
+    hetero = run(cfg, 2, plan=even_plan(2, 4, 1, 1, num_microbatches=2), hooks=pinned).losses
     d = max_rel_loss_diff(hetero, plain)
     within("loss", d, LOSS_TOL)
     assert plain[0] == pytest.approx(math.log(1024), abs=0.15)  # untrained: uniform over the vocab

@@ -69,22 +69,22 @@ def _cfg(model, **kw) -> TrainConfig:
                          ids=["ep2", "pp2-ep2-distributed-optimizer"])
 def test_megatron_resume_is_bitwise(tiny, tmp_path, par, distopt):
     cfg = _cfg(tiny, parallel=par, use_distributed_optimizer=distopt, save=str(tmp_path), save_interval=AT)
-    full = _run(cfg)["losses"]
+    full = _run(cfg).losses
     assert (tmp_path / TRACKER).read_text().strip() == str(STEPS)  # saved at 2, 4 and at the end
     assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000002", "iter_0000004", "iter_0000005", TRACKER]
     _, manifest = locate(tmp_path, AT)
     assert manifest["world_size"] == 4 and len(manifest["files"]) == 4
     assert all(len(m["sha256"]) == 64 and m["size"] > 0 for m in manifest["files"].values())
     resumed = _run(dataclasses.replace(cfg, save=None, load=str(tmp_path), ckpt_step=AT))
-    assert resumed["start_iteration"] == AT
-    assert resumed["losses"] == full[AT:], (resumed["losses"], full)
+    assert resumed.start_iteration == AT
+    assert resumed.losses == full[AT:], (resumed.losses, full)
     if not distopt:
         # A Megatron EP checkpoint continues under a HeterMoE plan, by parameter name.
         plan = even_plan(tiny.num_layers, tiny.num_experts, 1, 2, num_microbatches=4)
-        hetero = _run(dataclasses.replace(cfg, save=None, load=str(tmp_path), ckpt_step=AT, ckpt_reshard=True),
-                      plan, "distep")
+        hetero = _run(dataclasses.replace(cfg, parallel=ParallelConfig(), save=None, load=str(tmp_path), ckpt_step=AT,
+                                          ckpt_reshard=True), plan, "distep")
         # Free-running after the load (another layout sums in another order): measured <= 8.9e-8 (112x inside).
-        d = max_rel_loss_diff(hetero["losses"], full[AT:])
+        d = max_rel_loss_diff(hetero.losses, full[AT:])
         within("free-run loss after reshard", d, FREE_RUN_LOSS_TOL)
 
 
@@ -93,7 +93,7 @@ def test_megatron_resume_is_bitwise(tiny, tmp_path, par, distopt):
 def distep(tiny, tmp_path_factory):
     plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=2)  # 2 attention + 2 expert ranks
     root = tmp_path_factory.mktemp("distep")
-    full = _run(_cfg(tiny), plan, "distep")["losses"]
+    full = _run(_cfg(tiny), plan, "distep").losses
     cfg = _cfg(tiny, save=str(root / "ckpt"), save_interval=AT)
     # Expert rank 3 dies right after writing its file of the step-4 checkpoint.
     # (Which rank the launcher blames is racy: a peer may report its broken connection first.)
@@ -109,21 +109,21 @@ def test_crash_mid_save_keeps_previous_and_resume_is_bitwise_distep(distep):
     assert (d / f"{iter_dir_name(CRASH_AT)}.tmp").is_dir() and not (d / iter_dir_name(CRASH_AT)).exists()
     # --load without --ckpt-step follows the tracker, past the debris of the crashed save.
     r = _run(dataclasses.replace(distep["cfg"], save=None, load=str(d)), distep["plan"], "distep")
-    assert r["start_iteration"] == AT
-    assert r["losses"] == distep["full"][AT:], (r["losses"], distep["full"])
+    assert r.start_iteration == AT
+    assert r.losses == distep["full"][AT:], (r.losses, distep["full"])
 
 
 @pytest.mark.slow
 def test_zebra_resume_is_bitwise_after_crash_before_tracker(tiny, tmp_path):
     plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=2, schedule="zebra")
-    full = _run(_cfg(tiny), plan, "zebra")["losses"]
+    full = _run(_cfg(tiny), plan, "zebra").losses
     cfg = _cfg(tiny, save=str(tmp_path), save_interval=AT)
     # Rank 0 dies after renaming iter_0000004 into place but before updating the tracker.
     with pytest.raises(LaunchError, match="rank [0-3] of 4 failed"):
         _run(cfg, plan, "zebra", crash=("tracker", 0, CRASH_AT))
     assert read_tracker(tmp_path) == AT and (tmp_path / iter_dir_name(CRASH_AT) / MANIFEST).exists()
     r = _run(dataclasses.replace(cfg, save=None, load=str(tmp_path)), plan, "zebra")
-    assert r["start_iteration"] == AT and r["losses"] == full[AT:], (r["losses"], full)
+    assert r.start_iteration == AT and r.losses == full[AT:], (r.losses, full)
 
 
 # ---- refusal ---------------------------------------------------------------------------------
@@ -149,9 +149,9 @@ def test_other_plan_is_refused_naming_the_difference_then_resharded(distep, tiny
     # Opting in moves parameters and Adam moments by name: training continues as if uninterrupted
     # (to fp32 round-off: the new layout sums the batch in another order).
     r = _run(dataclasses.replace(cfg, ckpt_reshard=True), other, "distep")
-    assert r["start_iteration"] == AT
+    assert r.start_iteration == AT
     ref = distep["full"][AT:]
-    d = max_rel_loss_diff(r["losses"], ref)  # free-running: measured <= 8.9e-8 (112x inside)
+    d = max_rel_loss_diff(r.losses, ref)  # free-running: measured <= 8.9e-8 (112x inside)
     within("free-run loss after reshard", d, FREE_RUN_LOSS_TOL)
 
 
@@ -224,7 +224,7 @@ def test_export_import_identity_and_resume(distep):
         assert o0[k].keys() == o1[k].keys() and all(torch.equal(o0[k][s], o1[k][s]) for s in o0[k]), k
     # And training from the round-tripped checkpoint is the uninterrupted run, bit for bit.
     r = _run(dataclasses.replace(distep["cfg"], save=None, load=str(back)), distep["plan"], "distep")
-    assert r["start_iteration"] == AT and r["losses"] == distep["full"][AT:], (r["losses"], distep["full"])
+    assert r.start_iteration == AT and r.losses == distep["full"][AT:], (r.losses, distep["full"])
     # The export is a real Megatron checkpoint: megatron-core itself reshards it onto EP=2.
     got = launch(_load_exported_ep2, 2, str(mega / iter_dir_name(AT)), timeout_s=120)
     merged = {**got[0], **got[1]}

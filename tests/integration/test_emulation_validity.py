@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from megatron_hetermoe.config import EmulationSpec
 from megatron_hetermoe.emulation.emulator import (
-    EmulationSpec,
     Emulator,
     _Bulk,
     choose_scale,
@@ -120,7 +120,7 @@ def test_a_run_whose_work_cannot_fit_says_it_is_invalid():
     cfg = TrainConfig(emulation_real_model("w1"), ParallelConfig(), micro_batch_size=1,
                       global_batch_size=plan.num_microbatches * len(plan.attention_ranks), train_iters=3, quiet=True,
                       emulate=spec)
-    rep = launch(_hetero_rank, plan.world_size, cfg, plan, timeout_s=300)[0]["emulation"]
+    rep = launch(_hetero_rank, plan.world_size, cfg, plan, timeout_s=300)[0].emulation
     assert rep["measured_step_s"] > 2 * rep["predicted_step_s"]  # far off: the CPU, not the cluster
     assert rep["valid"] is False and rep["overrun"] > 0.5
     assert "longer" in rep["invalid_reason"] and "fewer ranks" in rep["invalid_reason"]

@@ -27,14 +27,14 @@ from megatron_hetermoe.config import (
 )
 from megatron_hetermoe.models.builder import transformer_config
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, even_plan
-from megatron_hetermoe.plan.validation import ConfigError, validate_job
+from megatron_hetermoe.plan.tasks import tasks_for_rank
 from megatron_hetermoe.planner import asym_ea
 from megatron_hetermoe.planner.cluster import Cluster, ClusterError
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
 from megatron_hetermoe.planner.gpu_profile import ProfileError
 from megatron_hetermoe.planner.profiles import known_gpu_types, load_profile
 from megatron_hetermoe.planner.search import build_plan, search
-from megatron_hetermoe.schedules.tasks import tasks_for_rank
+from megatron_hetermoe.training.validation import ConfigError, validate_job
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 TMP = Path(tempfile.mkdtemp(prefix="hetermoe-fuzz-"))
@@ -210,6 +210,15 @@ def test_fuzz_profile_file(doc):
 
 
 # ---------------------------------------------------------------- training inputs
+def _no_training():
+    """What a stubbed trainer returns: a run of no steps."""
+    from megatron_hetermoe.training.result import TrainResult
+
+    return TrainResult(losses=[], step_times=[], start_iteration=0, num_microbatches=1, dp=1, skipped=[],
+                       loss_scales=[], overflow_skipped=[], param_dtypes=[], kernels="local", kernels_reason="",
+                       busy_s=[])
+
+
 def _mostly(valid, invalid):
     """Valid values 4 times in 5, so whole jobs get accepted often enough to test that path."""
     return st.sampled_from([0, 1, 2, 3, 4]).flatmap(lambda i: invalid if i == 0 else valid)
@@ -316,7 +325,7 @@ def test_fuzz_train_command_line(pairs):
 
     launched = []
     real_run = train_args.run
-    train_args.run = lambda cfg, nproc, **kw: launched.append((cfg, nproc)) or {"losses": []}
+    train_args.run = lambda cfg, nproc, **kw: launched.append((cfg, nproc)) or _no_training()
     try:
         train_args.main([x for pair in pairs for x in pair])
     except SystemExit as e:

@@ -11,21 +11,22 @@ import torch
 from megatron_hetermoe.config import ParallelConfig, TrainConfig
 from megatron_hetermoe.parallel.launcher import LaunchError
 from megatron_hetermoe.plan.hetero_plan import even_plan
-from megatron_hetermoe.reliability.nan_check import NanGuard, NanInjection, layer_of
 from megatron_hetermoe.training.args import add_megatron_args, config_from_args, run
+from megatron_hetermoe.training.nan_check import NanGuard, NanInjection, layer_of
+from megatron_hetermoe.training.run_hooks import RunHooks
 
 
 def _hetero(tiny, schedule: str, steps: int, mode: str, inj: NanInjection | None):
     plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=1, schedule=schedule)
     cfg = TrainConfig(tiny, micro_batch_size=1, global_batch_size=2, train_iters=steps, quiet=True,
-                      collect_grads=True, check_for_nan_in_loss_and_grad=mode, nan_injection=inj)
-    return run(cfg, plan.world_size, plan=plan)
+                      check_for_nan_in_loss_and_grad=mode)
+    return run(cfg, plan.world_size, plan=plan, hooks=RunHooks(collect_grads=True, nan_injection=inj))
 
 
 def _baseline(tiny, steps: int, mode: str, inj: NanInjection | None):
     cfg = TrainConfig(tiny, ParallelConfig(ep=2), micro_batch_size=1, global_batch_size=2, train_iters=steps,
-                      quiet=True, collect_grads=True, check_for_nan_in_loss_and_grad=mode, nan_injection=inj)
-    return run(cfg, 2)
+                      quiet=True, check_for_nan_in_loss_and_grad=mode)
+    return run(cfg, 2, hooks=RunHooks(collect_grads=True, nan_injection=inj))
 
 
 def _same_params(a: dict, b: dict) -> bool:
@@ -57,29 +58,29 @@ def test_skip_makes_no_update_and_training_goes_on(tiny, schedule):
     # those after 1 clean step, on every rank (the experts' and the attention ranks' alike).
     bad = _hetero(tiny, schedule, 2, "skip", NanInjection(step=1, rank=2, param="decoder.layers.0.mlp.experts"))
     clean = _hetero(tiny, schedule, 1, "skip", None)
-    assert bad["skipped"] == [1] and clean["skipped"] == []
-    assert bad["losses"][0] == clean["losses"][0]
-    assert _same_params(bad["params"], clean["params"])
+    assert bad.skipped == [1] and clean.skipped == []
+    assert bad.losses[0] == clean.losses[0]
+    assert _same_params(bad.params, clean.params)
 
 
 @pytest.mark.slow
 def test_skip_in_the_baseline_continues_after_a_nan_loss(tiny):
     r = _baseline(tiny, 3, "skip", NanInjection(step=1, rank=0, target="loss"))
-    assert r["skipped"] == [1]
-    assert math.isnan(r["losses"][1]) and all(math.isfinite(x) for x in (r["losses"][0], r["losses"][2]))
-    assert all(torch.isfinite(v).all() for v in r["params"].values())
+    assert r.skipped == [1]
+    assert math.isnan(r.losses[1]) and all(math.isfinite(x) for x in (r.losses[0], r.losses[2]))
+    assert all(torch.isfinite(v).all() for v in r.params.values())
     # Skipped before the update: identical to a 1-step run followed by nothing.
     two = _baseline(tiny, 2, "skip", NanInjection(step=1, rank=1, param="decoder.layers.1.mlp.router"))
     one = _baseline(tiny, 1, "skip", None)
-    assert two["skipped"] == [1] and _same_params(two["params"], one["params"])
+    assert two.skipped == [1] and _same_params(two.params, one.params)
 
 
 @pytest.mark.slow
 def test_off_lets_the_fault_through(tiny):
     # Without the check the NaN reaches the weights: proof that the check is what stops it.
     r = _baseline(tiny, 2, "off", NanInjection(step=0, rank=0, param="decoder.layers.0.mlp.router"))
-    assert r["skipped"] == []
-    assert not all(torch.isfinite(v).all() for v in r["params"].values())
+    assert r.skipped == []
+    assert not all(torch.isfinite(v).all() for v in r.params.values())
 
 
 def test_flag_keeps_megatrons_name_and_default():

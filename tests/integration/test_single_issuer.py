@@ -10,8 +10,8 @@ from shared_plans import asym_ea_plan
 from megatron_hetermoe.config import HeteroRunConfig, ParallelConfig, TrainConfig
 from megatron_hetermoe.parallel.launcher import LaunchError, launch
 from megatron_hetermoe.plan.hetero_plan import even_plan
+from megatron_hetermoe.plan.tasks import tasks_for_rank
 from megatron_hetermoe.reliability.faults import ENV, Fault
-from megatron_hetermoe.schedules.tasks import tasks_for_rank
 from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
 from megatron_hetermoe.training.hetero import train_hetero
 
@@ -49,7 +49,7 @@ def _train(rank, world, cfg, plan, issuer):
 
     mod.IssueExecutor.run = counted
     res = train_hetero(cfg, plan, HeteroRunConfig(zebra_issuer=issuer))
-    res["issue_executor_runs"] = len(runs)
+    res.issue_executor_runs = len(runs)
     return res
 
 
@@ -63,13 +63,13 @@ def test_single_issuer_gives_the_threaded_issuers_numbers_in_the_generated_order
     plan = PLANS[name](tiny)
     single = launch(_train, plan.world_size, _cfg(tiny, plan), plan, "single")
     threads = launch(_train, plan.world_size, _cfg(tiny, plan), plan, "threads")
-    assert [r["issue_executor_runs"] for r in single] == [3] * plan.world_size  # one per step, every rank
-    assert [r["issue_executor_runs"] for r in threads] == [0] * plan.world_size
+    assert [r.issue_executor_runs for r in single] == [3] * plan.world_size  # one per step, every rank
+    assert [r.issue_executor_runs for r in threads] == [0] * plan.world_size
     # Same operations on the same bytes in the same order: bitwise the same losses.
-    assert single[0]["losses"] == threads[0]["losses"]
+    assert single[0].losses == threads[0].losses
     for rank, res in enumerate(single):
         want = tasks_for_rank(plan, rank)
-        for compute, streams in res["executed"]:
+        for compute, streams in res.executed:
             assert compute == [t for t in want if not t.is_comm]
             for lane in ("dispatch", "combine"):
                 assert streams[lane] == [t for t in want if t.stream == lane], (rank, lane)

@@ -26,5 +26,5 @@ def test_tensorboard_scalars_and_role_utilization(tiny, tmp_path, capfd):
     ea.Reload()
     assert {"lm loss", "learning-rate", "grad-norm", "utilization/attention", "utilization/expert"} <= set(ea.Tags()["scalars"])
     logged = {e.step: e.value for e in ea.Scalars("lm loss")}
-    assert logged == pytest.approx({2: res["losses"][1], 4: res["losses"][3]})
-    assert "peak_gpu_mib" not in res and len(res["peak_rss_mib"]) == 2  # CPU ranks: no GPU memory report
+    assert logged == pytest.approx({2: res.losses[1], 4: res.losses[3]})
+    assert res.peak_gpu_mib is None and len(res.peak_rss_mib) == 2  # CPU ranks: no GPU memory report

@@ -6,14 +6,15 @@ from megatron_hetermoe.config import (
     HeteroRunConfig,
     ParallelConfig,
     TrainConfig,
-    ZebraConfig,
 )
+from megatron_hetermoe.emulation.timing import EmulatedTiming
 from megatron_hetermoe.parallel.launcher import launch
 from megatron_hetermoe.plan.hetero_plan import even_plan
-from megatron_hetermoe.schedules.tasks import tasks_for_rank
+from megatron_hetermoe.plan.tasks import tasks_for_rank
 from megatron_hetermoe.schedules.timeline import load_events
 from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
 from megatron_hetermoe.training.hetero import train_hetero
+from megatron_hetermoe.training.run_hooks import RunHooks
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +31,9 @@ def test_zebra_matches_megatron_ep(tiny, M, N, G, R):
     within("grad", r.max_rel_grad_diff, GRAD_TOL)
 
 
-def _train(rank, world, cfg, plan, zcfg, run_dir):
-    return train_hetero(cfg, plan, HeteroRunConfig(timeline_dir=run_dir), zebra_config=zcfg)
+def _train(rank, world, cfg, plan, run_dir=None, recompute=False, timing=None):
+    return train_hetero(cfg, plan, HeteroRunConfig(recompute=recompute, timeline_dir=run_dir),
+                        RunHooks(task_timing=timing))
 
 
 def _cfg(tiny, plan, steps=2):
@@ -41,10 +43,10 @@ def _cfg(tiny, plan, steps=2):
 
 def test_every_rank_executes_exactly_the_generated_order(tiny):
     plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=4, schedule="zebra")
-    results = launch(_train, 4, _cfg(tiny, plan), plan, None, None)
+    results = launch(_train, 4, _cfg(tiny, plan), plan)
     for rank, res in enumerate(results):
         want = tasks_for_rank(plan, rank)
-        for compute, streams in res["executed"]:
+        for compute, streams in res.executed:
             assert compute == [t for t in want if not t.is_comm]
             for lane in ("dispatch", "combine"):
                 assert streams[lane] == [t for t in want if t.stream == lane], (rank, lane)
@@ -55,10 +57,10 @@ def test_dispatch_of_next_microbatch_overlaps_expert_compute(tiny, tmp_path):
     # then expert compute of microbatch j spans the dispatch of j+1 by 10-20 ms, unambiguous on a
     # loaded 2-core machine. (Much slower experts fall behind, which Asym-EA addresses.)
     dur = {"A_F": 0.04, "A_B": 0.04, "E_F": 0.05, "E_B": 0.05}
-    zcfg = ZebraConfig(stretch=lambda t: dur.get(t.kind, 0.0))
+    timing = EmulatedTiming(lambda t: dur.get(t.kind, 0.0))
     R = 4
     plan = even_plan(tiny.num_layers, tiny.num_experts, 1, 1, num_microbatches=R, schedule="zebra")
-    launch(_train, 2, _cfg(tiny, plan, steps=1), plan, zcfg, str(tmp_path))
+    launch(_train, 2, _cfg(tiny, plan, steps=1), plan, str(tmp_path), False, timing)
     ev = load_events(tmp_path)
     disp = {(e.layer, e.microbatch): e for e in ev if e.rank == 0 and e.kind == "D_F"}
     expert = {(e.layer, e.microbatch): e for e in ev if e.rank == 1 and e.kind == "E_F"}
@@ -69,10 +71,10 @@ def test_dispatch_of_next_microbatch_overlaps_expert_compute(tiny, tmp_path):
 
 def test_recomputation_gives_identical_losses_and_less_activation_memory(tiny):
     plan = even_plan(tiny.num_layers, tiny.num_experts, 1, 1, num_microbatches=4, schedule="zebra")
-    off = launch(_train, 2, _cfg(tiny, plan, steps=3), plan, ZebraConfig(recompute=False), None)[0]
-    on = launch(_train, 2, _cfg(tiny, plan, steps=3), plan, ZebraConfig(recompute=True), None)[0]
-    assert on["losses"] == off["losses"]
-    assert on["peak_activation_mib"] < 0.7 * off["peak_activation_mib"], (on["peak_activation_mib"], off["peak_activation_mib"])
+    off = launch(_train, 2, _cfg(tiny, plan, steps=3), plan, None, False)[0]
+    on = launch(_train, 2, _cfg(tiny, plan, steps=3), plan, None, True)[0]
+    assert on.losses == off.losses
+    assert on.peak_activation_mib < 0.7 * off.peak_activation_mib, (on.peak_activation_mib, off.peak_activation_mib)
 
 
 def test_timeline_cli_writes_png_and_chrome_trace(tiny, tmp_path):
@@ -81,7 +83,7 @@ def test_timeline_cli_writes_png_and_chrome_trace(tiny, tmp_path):
     import sys
 
     plan = even_plan(tiny.num_layers, tiny.num_experts, 1, 1, num_microbatches=2, schedule="zebra")
-    launch(_train, 2, _cfg(tiny, plan, steps=1), plan, None, str(tmp_path))
+    launch(_train, 2, _cfg(tiny, plan, steps=1), plan, str(tmp_path))
     r = subprocess.run([sys.executable, "-m", "megatron_hetermoe.cli", "timeline", str(tmp_path), "-o",
                         str(tmp_path / "t.png")], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
@@ -96,10 +98,10 @@ def test_timeline_cli_writes_png_and_chrome_trace(tiny, tmp_path):
 
 
 def test_emulated_timing_changes_no_numbers(tiny):
-    # Stretching tasks and timing transfers (the extra row carrying call times) must leave
-    # every loss bit-identical.
+    # Stretching tasks and timing transfers (their start agreed on the transfer's group before
+    # the payload) must leave every loss bit-identical.
     plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=2, schedule="zebra")
-    plain = launch(_train, 4, _cfg(tiny, plan, steps=2), plan, None, None)[0]
-    timed = ZebraConfig(stretch=lambda t: 0.002, transfer_time=lambda t, n: 0.001)
-    emulated = launch(_train, 4, _cfg(tiny, plan, steps=2), plan, timed, None)[0]
-    assert emulated["losses"] == plain["losses"]
+    plain = launch(_train, 4, _cfg(tiny, plan, steps=2), plan)[0]
+    timed = EmulatedTiming(lambda t: 0.001 if t.is_comm else 0.002)
+    emulated = launch(_train, 4, _cfg(tiny, plan, steps=2), plan, None, False, timed)[0]
+    assert emulated.losses == plain.losses

@@ -1,4 +1,4 @@
-"""Event simulator: executes exactly the schedules.tasks lists, respects every dependency and
+"""Event simulator: executes exactly the plan.tasks lists, respects every dependency and
 stream, matches a hand computation, and the C++ core agrees with the Python reference."""
 import random
 
@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.plan.tasks import Task, inputs, tasks_for_rank, zebra_tasks
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
 from megatron_hetermoe.planner.profiles import load_profiles
@@ -18,7 +19,6 @@ from megatron_hetermoe.planner.simulator import (
     run_python,
     simulate_plan,
 )
-from megatron_hetermoe.schedules.tasks import Task, inputs, tasks_for_rank, zebra_tasks
 
 
 def setup(M, N, L=3, E=6, G=1, R=3, k=None, types=("A40", "V100-16GB"), seq=2048, schedule="zebra"):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from megatron_hetermoe.schedules.tasks import (
+from megatron_hetermoe.plan.tasks import (
     distep_tasks_for_role,
     zebra_tasks_for_role,
 )

@@ -22,12 +22,12 @@ import torch
 import torch.distributed as dist
 from fake_streams import CASES, ThreadStreams, num_layers
 
-from megatron_hetermoe.config import ZebraConfig
-from megatron_hetermoe.schedules.executor import CudaApi, TaskExecutor
-from megatron_hetermoe.schedules.tasks import (
+from megatron_hetermoe.emulation.timing import EmulatedTiming
+from megatron_hetermoe.plan.tasks import (
     inputs,
     zebra_tasks_for_role,
 )
+from megatron_hetermoe.schedules.executor import CudaApi, TaskExecutor
 from megatron_hetermoe.schedules.timeline import Event, TimelineRecorder, load_events
 from megatron_hetermoe.tools.timeline import chrome_trace
 from megatron_hetermoe.training.logging import StepLogger, last_step_busy
@@ -158,9 +158,9 @@ def expected_events(tasks, L: int, step: int = 0) -> dict:
     return out
 
 
-def run_step(sim: SimCuda, tasks, L: int, recorder: TimelineRecorder, cfg: ZebraConfig | None = None,
+def run_step(sim: SimCuda, tasks, L: int, recorder: TimelineRecorder, timing: EmulatedTiming | None = None,
              jitter: bool = True) -> TaskExecutor:
-    exe = TaskExecutor(L, cfg or ZebraConfig(), recorder, device=DEVICE, api=sim.api)
+    exe = TaskExecutor(L, recorder, timing, device=DEVICE, api=sim.api)
     if exe.timing is not None:
         exe.timing.host_clock = lambda: NOW
     rnd = random.Random(recorder.step)
@@ -266,15 +266,15 @@ def test_emulation_and_cpu_ranks_keep_the_host_clock(sim):
     tasks = zebra_tasks_for_role(1, 2, "expert")
     # Emulated (stretched) tasks on a CUDA device: host times only, no host wait.
     rec = TimelineRecorder(0, "expert")
-    exe = run_step(sim, tasks, 1, rec, ZebraConfig(stretch=lambda t: 0.0), jitter=False)
+    exe = run_step(sim, tasks, 1, rec, EmulatedTiming(lambda t: 0.0), jitter=False)
     assert exe.timing is None
     assert {e.clock for e in rec.events} == {"host"} and len(rec.events) == len(tasks)
     # No recorder: nothing timed.
-    assert TaskExecutor(1, ZebraConfig(), None, device=DEVICE, api=sim.api).timing is None
+    assert TaskExecutor(1, None, device=DEVICE, api=sim.api).timing is None
     assert not [it for it in sim.items if it[0] == "HOST_SYNC" or (it[0] == "record" and it[2])]
     # A CPU rank: host clock only, as before.
     cpu = TimelineRecorder(0, "expert")
-    exe = TaskExecutor(1, ZebraConfig(), cpu)
+    exe = TaskExecutor(1, cpu)
     assert exe.timing is None
     exe.run(tasks, lambda t: None, lambda t: (lambda: None))
     assert {e.clock for e in cpu.events} == {"host"} and len(cpu.events) == len(tasks)

@@ -12,11 +12,16 @@ import pytest
 import torch
 from fake_streams import CASES, ThreadStreams, num_layers
 
-from megatron_hetermoe.config import ZebraConfig
-from megatron_hetermoe.plan.validation import ConfigError, check_issuer
+from megatron_hetermoe.config import HeteroRunConfig
+from megatron_hetermoe.emulation.timing import EmulatedTiming
+from megatron_hetermoe.plan.tasks import inputs
 from megatron_hetermoe.schedules.executor import CudaApi, TaskExecutor
-from megatron_hetermoe.schedules.issuer import AsyncTransfer, IssueExecutor, make_executor
-from megatron_hetermoe.schedules.tasks import inputs
+from megatron_hetermoe.schedules.issuer import (
+    AsyncTransfer,
+    IssueExecutor,
+    make_executor,
+)
+from megatron_hetermoe.training.validation import ConfigError, check_issuer
 
 DEVICE = torch.device("cuda", 1)
 
@@ -92,7 +97,7 @@ class Fake(ThreadStreams):
 
 
 def _run(fake: Fake, tasks, L: int):
-    ex = IssueExecutor(L, ZebraConfig(issuer="single"), None, device=DEVICE, api=fake.api)
+    ex = IssueExecutor(L, None, device=DEVICE, api=fake.api)
     routed: set = set()
 
     def compute(t):
@@ -205,21 +210,20 @@ def test_single_issuer_orders_the_device_without_host_syncs(name, tasks, lag):
 
 
 def test_issuer_choice_and_refusals():
-    cfg = ZebraConfig()
     gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert isinstance(make_executor(2, cfg, None, gpu, "nccl"), IssueExecutor)
-    assert isinstance(make_executor(2, cfg, None, gpu, "gloo"), TaskExecutor)  # gloo's wait blocks the host
-    assert isinstance(make_executor(2, cfg, None, cpu, "gloo"), TaskExecutor)
-    assert isinstance(make_executor(2, ZebraConfig(issuer="single"), None, cpu, "gloo"), IssueExecutor)
-    assert isinstance(make_executor(2, ZebraConfig(issuer="threads"), None, gpu, "nccl"), TaskExecutor)
-    emulated = ZebraConfig(stretch=lambda t: 0.0)
-    assert isinstance(make_executor(2, emulated, None, gpu, "nccl"), TaskExecutor)
+    timed = EmulatedTiming(lambda t: 0.0)
+    assert isinstance(make_executor(2, "auto", None, gpu, "nccl"), IssueExecutor)
+    assert isinstance(make_executor(2, "auto", None, gpu, "gloo"), TaskExecutor)  # gloo's wait blocks the host
+    assert isinstance(make_executor(2, "auto", None, cpu, "gloo"), TaskExecutor)
+    assert isinstance(make_executor(2, "single", None, cpu, "gloo"), IssueExecutor)
+    assert isinstance(make_executor(2, "threads", None, gpu, "nccl"), TaskExecutor)
+    assert isinstance(make_executor(2, "auto", None, gpu, "nccl", timed), TaskExecutor)
     with pytest.raises(ValueError, match="cannot emulate a cluster"):
-        make_executor(2, ZebraConfig(issuer="single", stretch=lambda t: 0.0), None, cpu, "gloo")
+        make_executor(2, "single", None, cpu, "gloo", timed)
     with pytest.raises(ValueError, match="single on a CUDA rank needs NCCL, not gloo; pass threads"):
-        make_executor(2, ZebraConfig(issuer="single"), None, gpu, "gloo")
-    with pytest.raises(ValueError, match="zebra issuer 'one' is unknown"):
-        ZebraConfig(issuer="one")
+        make_executor(2, "single", None, gpu, "gloo")
+    with pytest.raises(ValueError, match="--hetero-zebra-issuer 'one' is unknown"):
+        HeteroRunConfig(zebra_issuer="one")
     with pytest.raises(ConfigError, match="--hetero-zebra-issuer single cannot emulate"):
         check_issuer("single", emulated=True)
     check_issuer("single", emulated=False)

@@ -16,7 +16,10 @@ import pytest
 import torch
 from fake_streams import CASES, ThreadStreams, num_layers
 
-from megatron_hetermoe.config import ZebraConfig
+from megatron_hetermoe.plan.tasks import (
+    inputs,
+    zebra_tasks_for_role,
+)
 from megatron_hetermoe.schedules import executor as ex_mod
 from megatron_hetermoe.schedules.executor import (
     CudaApi,
@@ -24,10 +27,6 @@ from megatron_hetermoe.schedules.executor import (
     TaskExecutor,
     ThreadStream,
     stream_factory,
-)
-from megatron_hetermoe.schedules.tasks import (
-    inputs,
-    zebra_tasks_for_role,
 )
 
 DEVICE = torch.device("cuda", 3)
@@ -124,7 +123,7 @@ def fake(monkeypatch):
 
 
 def _run(fake: FakeCuda, tasks, L: int, jitter: bool = True):
-    exe = TaskExecutor(L, ZebraConfig(), None, make_stream=stream_factory(DEVICE, fake.api))
+    exe = TaskExecutor(L, None, make_stream=stream_factory(DEVICE, fake.api))
     rnd = random.Random(0)
 
     def compute(t):
@@ -240,9 +239,9 @@ def test_side_streams_are_made_once_per_device_and_name(fake):
 
 
 def test_executor_picks_the_stream_from_the_device():
-    assert TaskExecutor(2, ZebraConfig(), None).make_stream is ThreadStream
-    assert TaskExecutor(2, ZebraConfig(), None, device=torch.device("cpu")).make_stream is ThreadStream
-    f = TaskExecutor(2, ZebraConfig(), None, device=torch.device("cuda", 1)).make_stream
+    assert TaskExecutor(2, None).make_stream is ThreadStream
+    assert TaskExecutor(2, None, device=torch.device("cpu")).make_stream is ThreadStream
+    f = TaskExecutor(2, None, device=torch.device("cuda", 1)).make_stream
     assert f.func is CudaStream and f.keywords["device"] == torch.device("cuda", 1)
     assert f.keywords["api"] is None  # the real torch.cuda (ex_mod.CUDA) at construction
     assert isinstance(ex_mod.CUDA, CudaApi)
@@ -250,7 +249,7 @@ def test_executor_picks_the_stream_from_the_device():
 
 def test_failed_transfer_surfaces_and_nothing_waits_an_unrecorded_event(fake):
     tasks = zebra_tasks_for_role(1, 2, "expert")
-    exe = TaskExecutor(1, ZebraConfig(), None, make_stream=stream_factory(DEVICE, fake.api))
+    exe = TaskExecutor(1, None, make_stream=stream_factory(DEVICE, fake.api))
 
     def transfer(t):
         def fn():

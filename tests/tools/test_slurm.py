@@ -34,7 +34,7 @@ def _fake_megatron_lm(tmp_path: Path) -> Path:
     """A stand-in Megatron-LM work tree: a patched pretrain_gpt.py is all the renderer reads."""
     d = tmp_path / "Megatron-LM"
     d.mkdir(exist_ok=True)
-    (d / "pretrain_gpt.py").write_text("from megatron_hetermoe.training.megatron_lm import add_hetero_args\n")
+    (d / "pretrain_gpt.py").write_text("from megatron_hetermoe.megatron_lm import add_hetero_args\n")
     return d
 
 

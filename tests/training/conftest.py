@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from megatron_lm_run import ROOT, checkout_dir
 
-from megatron_hetermoe.training import megatron_lm
+from megatron_hetermoe import megatron_lm
 
 
 @pytest.fixture(scope="session")

@@ -7,9 +7,19 @@ import re
 from pathlib import Path
 
 import pytest
-from margins import within
 import torch
-from megatron_lm_run import BATCH, CPU, DATA, MEGATRON_DEFAULTS, MODEL, RECIPE, load_dcp, plugin_losses, run_losses
+from margins import within
+from megatron_lm_run import (
+    BATCH,
+    CPU,
+    DATA,
+    MEGATRON_DEFAULTS,
+    MODEL,
+    RECIPE,
+    load_dcp,
+    plugin_losses,
+    run_losses,
+)
 from shared_plans import sparse_asym_ea_plan
 
 from megatron_hetermoe.plan.hetero_plan import even_plan

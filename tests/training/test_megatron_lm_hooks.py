@@ -1,4 +1,4 @@
-"""training/megatron_lm_hooks.py without a Megatron-LM checkout: the refusals and the hooks'
+"""megatron_lm/ without a Megatron-LM checkout: the refusals and the hooks'
 installation (the runs themselves: test_megatron_lm_pretrain.py, with MEGATRON_LM_DIR)."""
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from megatron_hetermoe.training import megatron_lm_hooks as hooks
+from megatron_hetermoe.megatron_lm import refusals
+from megatron_hetermoe.megatron_lm.hooks import HeteroPretrain
 from megatron_hetermoe.training.pretrain_gpt import megatron_flags
 
 
@@ -33,16 +34,16 @@ def _megatron_defaults(**given) -> argparse.Namespace:
 
 def test_every_refused_flag_is_a_megatron_lm_flag():
     known = megatron_flags() | {"--hetero-ckpt-reshard"}
-    names = [flag for flags in hooks._REFUSED.values() for flag in flags] + list(hooks._REFUSED_WHEN_GIVEN)
+    names = [flag for flags in refusals._REFUSED.values() for flag in flags] + list(refusals._REFUSED_WHEN_GIVEN)
     assert set(names) <= known, set(names) - known
     assert len(names) == len(set(names))
 
 
 def test_megatron_defaults_are_not_refused():
-    assert hooks.refusals(_megatron_defaults(), []) == []
-    assert hooks.refusals(_megatron_defaults(use_distributed_optimizer=True), []) == []  # supported
-    assert hooks.refusals(_megatron_defaults(bf16=True), []) == []
-    assert hooks.refusals(_megatron_defaults(fp16=True), []) == []
+    assert refusals.refusals(_megatron_defaults(), []) == []
+    assert refusals.refusals(_megatron_defaults(use_distributed_optimizer=True), []) == []  # supported
+    assert refusals.refusals(_megatron_defaults(bf16=True), []) == []
+    assert refusals.refusals(_megatron_defaults(fp16=True), []) == []
 
 
 @pytest.mark.parametrize("given,expect", [
@@ -55,24 +56,24 @@ def test_megatron_defaults_are_not_refused():
     ({"data_parallel_random_init": True}, "--data-parallel-random-init True: HeterMoE initializes every parameter"),
 ])
 def test_each_refusal_names_flag_value_and_reason(given, expect):
-    out = hooks.refusals(_megatron_defaults(**given), [])
+    out = refusals.refusals(_megatron_defaults(**given), [])
     assert len(out) == 1 and out[0].startswith(expect), out
 
 
 def test_grouped_experts_are_refused_only_with_checkpoints():
-    assert hooks.refusals(_megatron_defaults(moe_grouped_gemm=True), []) == []
-    out = hooks.refusals(_megatron_defaults(moe_grouped_gemm=True, save="/ckpt"), [])
+    assert refusals.refusals(_megatron_defaults(moe_grouped_gemm=True), []) == []
+    out = refusals.refusals(_megatron_defaults(moe_grouped_gemm=True, save="/ckpt"), [])
     assert len(out) == 1 and out[0].startswith("--moe-grouped-gemm with --save/--load")
 
 
 def test_biased_linear_layers_are_refused_with_the_fix():
-    out = hooks.refusals(_megatron_defaults(add_bias_linear=True), [])
+    out = refusals.refusals(_megatron_defaults(add_bias_linear=True), [])
     assert out == ["biased linear layers (Megatron-LM's default): HeterMoE's experts have no bias; pass "
                    "--disable-bias-linear"]
 
 
 def test_dispatcher_type_is_refused_whenever_given():
-    out = hooks.refusals(_megatron_defaults(), ["--num-layers", "2", "--moe-token-dispatcher-type=alltoall"])
+    out = refusals.refusals(_megatron_defaults(), ["--num-layers", "2", "--moe-token-dispatcher-type=alltoall"])
     assert out == ["--moe-token-dispatcher-type: HeterMoE replaces the token dispatcher with its attention->expert one"]
 
 
@@ -83,7 +84,7 @@ def test_transformer_engine_default_needs_transformer_engine():
         pytest.skip("transformer-engine is installed here")
     except ImportError:
         pass
-    out = hooks.refusals(_megatron_defaults(transformer_impl="transformer_engine"), [])
+    out = refusals.refusals(_megatron_defaults(transformer_impl="transformer_engine"), [])
     assert out == ["--transformer-impl transformer_engine (Megatron-LM's default): transformer-engine is not installed; "
                    "install it or pass --transformer-impl local"]
 
@@ -92,7 +93,7 @@ def test_cpu_host_needs_gloo(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    out = hooks.refusals(_megatron_defaults(distributed_backend="nccl"), [])
+    out = refusals.refusals(_megatron_defaults(distributed_backend="nccl"), [])
     assert out == ["--distributed-backend 'nccl': this host has no CUDA; pass --distributed-backend gloo to run the "
                    "ranks on the CPU"]
 
@@ -100,14 +101,14 @@ def test_cpu_host_needs_gloo(monkeypatch):
 @pytest.mark.parametrize("bf16", [True, False])
 def test_bf16_on_a_plan_with_v100_experts_is_refused_with_the_fix(tmp_path, bf16):
     from megatron_hetermoe.plan.hetero_plan import even_plan
-    from megatron_hetermoe.plan.validation import ConfigError
+    from megatron_hetermoe.training.validation import ConfigError
 
     plan = even_plan(2, 4, 1, 1, gpu_types=["A100-80GB", "V100-32GB"])
     plan.save(tmp_path / "plan.json")
     args = _megatron_defaults(bf16=bf16, fp16=not bf16, hetero_plan=str(tmp_path / "plan.json"), world_size=2,
                               global_batch_size=1, micro_batch_size=1, num_layers=2, hetero_schedule=None, rank=1)
     validated = []
-    run = hooks.HeteroPretrain([])
+    run = HeteroPretrain([])
     if bf16:
         with pytest.raises(ConfigError, match=r"--bf16: plan .* has GPU type\(s\) without native bf16.*V100-32GB "
                                               r"\(ranks \[1\]\); use --fp16"):
@@ -124,7 +125,7 @@ def test_bf16_attention_fp16_experts_set_each_rank_to_its_pool(tmp_path, rank):
     import torch
 
     from megatron_hetermoe.plan.hetero_plan import even_plan
-    from megatron_hetermoe.plan.validation import ConfigError
+    from megatron_hetermoe.training.validation import ConfigError
 
     plan = even_plan(2, 4, 1, 1, gpu_types=["A100-80GB", "V100-32GB"])
     plan.save(tmp_path / "plan.json")
@@ -137,18 +138,18 @@ def test_bf16_attention_fp16_experts_set_each_rank_to_its_pool(tmp_path, rank):
         return _megatron_defaults(**{**base, **kw})
 
     a = args(hetero_expert_precision="fp16")
-    run = hooks.HeteroPretrain([])
+    run = HeteroPretrain([])
     run.validate_args(lambda a, d: None, a)
     want = (True, False, torch.bfloat16) if rank == 0 else (False, True, torch.float16)  # attention, expert
     assert (a.bf16, a.fp16, a.params_dtype) == want
     assert a.check_for_nan_in_loss_and_grad is False  # dynamic scaling (fp16 pool), on every rank
     assert a.accumulate_allreduce_grads_in_fp32
     a = args(hetero_expert_precision="fp16", loss_scale=1024.0)
-    hooks.HeteroPretrain([]).validate_args(lambda a, d: None, a)
+    HeteroPretrain([]).validate_args(lambda a, d: None, a)
     assert a.check_for_nan_in_loss_and_grad is True  # a constant scale keeps Megatron's NaN check
     with pytest.raises(ConfigError, match=r"--hetero-expert-precision bf16: plan .*'s expert pool has .*"
                                           r"V100-32GB \(ranks \[1\]\); use --hetero-expert-precision fp16"):
-        hooks.HeteroPretrain([]).validate_args(lambda a, d: None, args(bf16=False, fp16=True,
+        HeteroPretrain([]).validate_args(lambda a, d: None, args(bf16=False, fp16=True,
                                                                       hetero_expert_precision="bf16"))
     with pytest.raises(ConfigError, match=r"pools of different precision must both be 16-bit"):
-        hooks.HeteroPretrain([]).validate_args(lambda a, d: None, args(hetero_expert_precision="fp32"))
+        HeteroPretrain([]).validate_args(lambda a, d: None, args(hetero_expert_precision="fp32"))

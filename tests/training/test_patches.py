@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetermoe import compat
-from megatron_hetermoe.training import megatron_lm
+from megatron_hetermoe import compat, megatron_lm
+from megatron_hetermoe.training.hetero_args import HETERO_FLAGS
 from megatron_hetermoe.training.pretrain_gpt import (
     EXTENSION_FLAGS,
     build_parser,
@@ -39,7 +39,7 @@ def test_patch_touches_only_pretrain_gpt_and_calls_real_hooks(patch):
     text = patch.read_text()
     assert re.findall(r"^\+\+\+ b/(\S+)$", text, re.M) == ["pretrain_gpt.py"]
     added = "\n".join(line[1:] for line in text.splitlines() if line.startswith("+") and not line.startswith("+++"))
-    imported = re.findall(r"from megatron_hetermoe\.training\.megatron_lm import ([\w, ]+)", added)
+    imported = re.findall(r"from megatron_hetermoe\.megatron_lm import ([\w, ]+)", added)
     names = {n.strip() for group in imported for n in group.split(",")}
     assert all(callable(getattr(megatron_lm, n)) for n in names)
     assert "extra_args_provider=extra_args_provider" in added
@@ -60,7 +60,7 @@ def test_hetero_flags_same_on_both_sides():
 
     p = megatron_lm.add_hetero_args(argparse.ArgumentParser())
     added = {s for a in p._actions for s in a.option_strings if s.startswith("--") and s != "--help"}
-    assert added == set(megatron_lm.HETERO_FLAGS)
+    assert added == set(HETERO_FLAGS)
     ours = {s for a in build_parser()._actions for s in a.option_strings}
     assert added <= ours and added <= EXTENSION_FLAGS and not added & megatron_flags()
     assert megatron_lm.hetero_requested(["--num-layers", "2", "--hetero-plan", "p.json"])

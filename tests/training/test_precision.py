@@ -17,10 +17,11 @@ from megatron_hetermoe.config import HeteroRunConfig, ParallelConfig, TrainConfi
 from megatron_hetermoe.parallel.comm import TokenRoute
 from megatron_hetermoe.parallel.launcher import launch
 from megatron_hetermoe.plan.hetero_plan import even_plan
-from megatron_hetermoe.plan.validation import ConfigError, validate_job
-from megatron_hetermoe.reliability.nan_check import NanInjection
 from megatron_hetermoe.tools.parity import diff_by_category, run_parity
 from megatron_hetermoe.training import args as train_args
+from megatron_hetermoe.training.nan_check import NanInjection
+from megatron_hetermoe.training.run_hooks import RunHooks
+from megatron_hetermoe.training.validation import ConfigError, validate_job
 
 # bf16, HeterMoE against Megatron EP, measured on the tiny model (micro batch 1, 3-4 steps;
 # plans 2+2 R=2 distep and zebra, 1+1 R=2 zebra, 1+3 R=1 distep, 3+1 R=2 zebra;
@@ -45,11 +46,11 @@ FP16_VS_FP32_LOSS_TOL = 2e-4
 FP16_VS_FP32_GRAD_TOL = 5e-3
 
 
-def _ranks(cfg: TrainConfig, plan=None, schedule: str | None = None) -> list[dict]:
-    """Every rank's result (HeterMoE with a plan, else Megatron EP on 4 ranks)."""
+def _ranks(cfg: TrainConfig, plan=None, schedule: str | None = None, hooks: RunHooks | None = None) -> list:
+    """Every rank's TrainResult (HeterMoE with a plan, else Megatron EP on 4 ranks)."""
     world = plan.world_size if plan is not None else 4
     hetero = HeteroRunConfig(schedule=schedule) if plan is not None else None
-    return launch(train_args._rank_main, world, cfg, plan, hetero, timeout_s=600)
+    return launch(train_args._rank_main, world, cfg, plan, hetero, hooks, timeout_s=600)
 
 
 def _max_rel(got: list[float], want: list[float]) -> float:
@@ -78,15 +79,16 @@ def test_bf16_matches_megatron_ep(tiny, schedule):
 @pytest.mark.slow
 def test_fp16_close_to_fp32_with_fp16_params_on_both_roles(tiny):
     plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=2, schedule="zebra")
-    base = TrainConfig(tiny, micro_batch_size=1, global_batch_size=4, train_iters=4, quiet=True, collect_grads=True)
-    fp32 = _ranks(base, plan, "zebra")[0]
-    got = _ranks(dataclasses.replace(base, fp16=True, initial_loss_scale=4096.0), plan, "zebra")
+    base = TrainConfig(tiny, micro_batch_size=1, global_batch_size=4, train_iters=4, quiet=True)
+    grads = RunHooks(collect_grads=True)
+    fp32 = _ranks(base, plan, "zebra", grads)[0]
+    got = _ranks(dataclasses.replace(base, fp16=True, initial_loss_scale=4096.0), plan, "zebra", grads)
     for rank, r in enumerate(got):
-        assert r["param_dtypes"] == ["torch.float16"], (rank, r["param_dtypes"])  # attention and expert ranks
-        assert r["loss_scales"] == [4096.0] * 4 and r["overflow_skipped"] == []
-    assert all(math.isfinite(x) for x in got[0]["losses"])
-    within("fp16 vs fp32 loss", _max_rel(got[0]["losses"], fp32["losses"]), FP16_VS_FP32_LOSS_TOL)
-    grads = diff_by_category(got[0]["grads"][0], fp32["grads"][0], scale="category")
+        assert r.param_dtypes == ["torch.float16"], (rank, r.param_dtypes)  # attention and expert ranks
+        assert r.loss_scales == [4096.0] * 4 and r.overflow_skipped == []
+    assert all(math.isfinite(x) for x in got[0].losses)
+    within("fp16 vs fp32 loss", _max_rel(got[0].losses, fp32.losses), FP16_VS_FP32_LOSS_TOL)
+    grads = diff_by_category(got[0].grads[0], fp32.grads[0], scale="category")
     within("fp16 vs fp32 first-step grad", max(grads.values()), FP16_VS_FP32_GRAD_TOL)
 
 
@@ -98,25 +100,25 @@ def test_an_inf_on_one_expert_rank_skips_the_step_and_halves_the_scale_everywher
     # A NaN in one expert weight's gradient on one expert rank, at step 1 (before the expert
     # reduction); hysteresis 1: one overflowing step halves the scale.
     cfg = TrainConfig(tiny, micro_batch_size=1, global_batch_size=4, train_iters=3, quiet=True, fp16=True,
-                      initial_loss_scale=4096.0, hysteresis=1,
-                      nan_injection=NanInjection(step=1, rank=expert, target="grad", param="mlp.experts"))
-    got = _ranks(cfg, plan, schedule)
+                      initial_loss_scale=4096.0, hysteresis=1)
+    nan = RunHooks(nan_injection=NanInjection(step=1, rank=expert, target="grad", param="mlp.experts"))
+    got = _ranks(cfg, plan, schedule, nan)
     for rank, r in enumerate(got):
-        assert r["overflow_skipped"] == [1], (rank, r["overflow_skipped"])
-        assert r["loss_scales"] == [4096.0, 2048.0, 2048.0], (rank, r["loss_scales"])
-    assert all(math.isfinite(x) for x in got[0]["losses"])
+        assert r.overflow_skipped == [1], (rank, r.overflow_skipped)
+        assert r.loss_scales == [4096.0, 2048.0, 2048.0], (rank, r.loss_scales)
+    assert all(math.isfinite(x) for x in got[0].losses)
 
 
 @pytest.mark.slow
 def test_megatron_ep_fp16_shares_the_scale_too(tiny):
     # Megatron EP=2: an inf in rank 1's expert gradient only (its experts are not on rank 0).
     cfg = TrainConfig(tiny, ParallelConfig(ep=2), micro_batch_size=1, global_batch_size=4, train_iters=3, quiet=True,
-                      fp16=True, initial_loss_scale=4096.0, hysteresis=1,
-                      nan_injection=NanInjection(step=1, rank=1, target="grad", param="mlp.experts"))
-    got = _ranks(cfg)
+                      fp16=True, initial_loss_scale=4096.0, hysteresis=1)
+    nan = RunHooks(nan_injection=NanInjection(step=1, rank=1, target="grad", param="mlp.experts"))
+    got = _ranks(cfg, hooks=nan)
     for rank, r in enumerate(got):
-        assert r["param_dtypes"] == ["torch.float16"]
-        assert r["overflow_skipped"] == [1] and r["loss_scales"] == [4096.0, 2048.0, 2048.0], (rank, r)
+        assert r.param_dtypes == ["torch.float16"]
+        assert r.overflow_skipped == [1] and r.loss_scales == [4096.0, 2048.0, 2048.0], (rank, r)
 
 
 @pytest.mark.slow
@@ -124,12 +126,12 @@ def test_fp16_resume_is_bitwise_and_keeps_the_loss_scale(tiny, tmp_path):
     plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=2, schedule="zebra")
     # The scale halves at step 0 (an injected NaN, hysteresis 1), so the checkpoint holds 2048.
     cfg = TrainConfig(tiny, micro_batch_size=1, global_batch_size=4, train_iters=4, quiet=True, deterministic=True,
-                      fp16=True, initial_loss_scale=4096.0, hysteresis=1, save=str(tmp_path), save_interval=2,
-                      nan_injection=NanInjection(step=0, rank=plan.expert_ranks[0], target="grad", param="mlp.experts"))
-    full = _ranks(cfg, plan, "zebra")[0]
-    resumed = _ranks(dataclasses.replace(cfg, save=None, load=str(tmp_path), ckpt_step=2), plan, "zebra")[0]
-    assert full["loss_scales"] == [2048.0] * 4 and resumed["loss_scales"] == [2048.0] * 2
-    assert resumed["losses"] == full["losses"][2:]
+                      fp16=True, initial_loss_scale=4096.0, hysteresis=1, save=str(tmp_path), save_interval=2)
+    nan = RunHooks(nan_injection=NanInjection(step=0, rank=plan.expert_ranks[0], target="grad", param="mlp.experts"))
+    full = _ranks(cfg, plan, "zebra", nan)[0]
+    resumed = _ranks(dataclasses.replace(cfg, save=None, load=str(tmp_path), ckpt_step=2), plan, "zebra", nan)[0]
+    assert full.loss_scales == [2048.0] * 4 and resumed.loss_scales == [2048.0] * 2
+    assert resumed.losses == full.losses[2:]
     with pytest.raises(Exception, match=r"saved by a fp16 run, this run is bf16; load it with the precision it "
                                          r"was saved with \(--fp16\)"):
         _ranks(dataclasses.replace(cfg, save=None, load=str(tmp_path), ckpt_step=2, fp16=False, bf16=True),
@@ -259,23 +261,24 @@ MIXED_VS_FP32_GRAD_TOL = 0.25
 def test_bf16_attention_fp16_experts_train_close_to_fp32(tiny, name):
     plan = (even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=2, schedule="zebra")
             if name == "2+2" else asym_ea_plan())
-    base = TrainConfig(tiny, micro_batch_size=1, global_batch_size=4, train_iters=4, quiet=True, collect_grads=True)
-    fp32 = launch(train_args._rank_main, 4, base, plan, HeteroRunConfig(), timeout_s=600)[0]
+    base = TrainConfig(tiny, micro_batch_size=1, global_batch_size=4, train_iters=4, quiet=True)
+    grads = RunHooks(collect_grads=True)
+    fp32 = launch(train_args._rank_main, 4, base, plan, HeteroRunConfig(), grads, timeout_s=600)[0]
     mixed = dataclasses.replace(base, bf16=True, initial_loss_scale=4096.0)
     runs = {(schedule, issuer): launch(train_args._rank_main, 4, mixed, plan,
                                        HeteroRunConfig(schedule=schedule, expert_precision="fp16",
-                                                       zebra_issuer=issuer), timeout_s=600)
+                                                       zebra_issuer=issuer), grads, timeout_s=600)
             for schedule, issuer in (("distep", "auto"), ("zebra", "threads"), ("zebra", "single"))}
     for key, got in runs.items():
         for rank, r in enumerate(got):
             want = "torch.bfloat16" if rank in plan.attention_ranks else "torch.float16"
-            assert r["param_dtypes"] == [want], (key, rank, r["param_dtypes"])
-            assert r["loss_scales"] == [4096.0] * 4 and r["overflow_skipped"] == [], (key, rank)
+            assert r.param_dtypes == [want], (key, rank, r.param_dtypes)
+            assert r.loss_scales == [4096.0] * 4 and r.overflow_skipped == [], (key, rank)
         # The three transports cast at the same places: the same losses, bitwise.
-        assert got[0]["losses"] == runs["distep", "auto"][0]["losses"], key
+        assert got[0].losses == runs["distep", "auto"][0].losses, key
     got = runs["zebra", "threads"][0]
-    within("bf16/fp16 pools vs fp32 loss", _max_rel(got["losses"], fp32["losses"]), MIXED_VS_FP32_LOSS_TOL)
-    grads = diff_by_category(got["grads"][0], fp32["grads"][0], scale="category")
+    within("bf16/fp16 pools vs fp32 loss", _max_rel(got.losses, fp32.losses), MIXED_VS_FP32_LOSS_TOL)
+    grads = diff_by_category(got.grads[0], fp32.grads[0], scale="category")
     within("bf16/fp16 pools vs fp32 first-step grad", max(grads.values()), MIXED_VS_FP32_GRAD_TOL)
 
 
@@ -287,12 +290,12 @@ def test_an_fp16_overflow_on_the_wire_skips_the_bf16_ranks_step_too(tiny):
     cfg = TrainConfig(tiny, micro_batch_size=1, global_batch_size=4, train_iters=6, quiet=True, bf16=True,
                       initial_loss_scale=2.0**24, hysteresis=1)
     got = launch(train_args._rank_main, 4, cfg, plan, HeteroRunConfig(expert_precision="fp16"), timeout_s=600)
-    skipped, scales = got[0]["overflow_skipped"], got[0]["loss_scales"]
+    skipped, scales = got[0].overflow_skipped, got[0].loss_scales
     for rank, r in enumerate(got):
-        assert (r["overflow_skipped"], r["loss_scales"]) == (skipped, scales), rank
+        assert (r.overflow_skipped, r.loss_scales) == (skipped, scales), rank
     assert skipped and skipped == list(range(len(skipped))) and len(skipped) < cfg.train_iters, skipped
     assert scales == [2.0**(23 - min(i, len(skipped) - 1)) for i in range(cfg.train_iters)], scales
-    assert all(math.isfinite(x) for x in got[0]["losses"])
+    assert all(math.isfinite(x) for x in got[0].losses)
 
 
 @pytest.mark.slow
@@ -304,7 +307,7 @@ def test_per_pool_resume_is_bitwise_and_the_expert_precision_is_checked(tiny, tm
     full = launch(train_args._rank_main, 4, cfg, plan, run, timeout_s=600)[0]
     again = dataclasses.replace(cfg, save=None, load=str(tmp_path), ckpt_step=2)
     resumed = launch(train_args._rank_main, 4, again, plan, run, timeout_s=600)[0]
-    assert resumed["losses"] == full["losses"][2:] and resumed["loss_scales"] == [4096.0] * 2
+    assert resumed.losses == full.losses[2:] and resumed.loss_scales == [4096.0] * 2
     with pytest.raises(Exception, match=r"its expert ranks ran fp16, this run's run bf16; load it with "
                                          r"--hetero-expert-precision fp16"):
         launch(train_args._rank_main, 4, again, plan, HeteroRunConfig(), timeout_s=600)

@@ -105,7 +105,7 @@ def test_megatron_flag_list_matches_checkout():
     import re
 
     from megatron_hetermoe.compat import mcore_version
-    from megatron_hetermoe.training.megatron_lm import checkout_version
+    from megatron_hetermoe.megatron_lm import checkout_version
 
     src = os.environ.get("MEGATRON_LM_DIR")
     if not src:

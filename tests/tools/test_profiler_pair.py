@@ -9,8 +9,8 @@ import pytest
 
 from megatron_hetermoe.planner.cost_model import runtime_program
 from megatron_hetermoe.planner.gpu_profile import ProfileError
-from megatron_hetermoe.planner.profiler import _fit_link
 from megatron_hetermoe.planner.profiles import load_link_profile
+from megatron_hetermoe.tools.profiler import _fit_link
 
 
 @pytest.mark.slow

@@ -73,7 +73,8 @@ def test_every_shipped_gpu_profile_prices_fp32_from_a_datasheet_peak():
 
 
 def test_the_emulator_names_both_programs():
-    from megatron_hetermoe.emulation.emulator import EmulationSpec, Emulator
+    from megatron_hetermoe.config import EmulationSpec
+    from megatron_hetermoe.emulation.emulator import Emulator
 
     pr = Emulator(EmulationSpec("mini-2a40-2v100", "w1", 4096, 16)).programs()
     assert set(pr["predicted_program"]) == {"A40", "V100-16GB"}

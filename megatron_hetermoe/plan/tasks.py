@@ -41,7 +41,7 @@ Theorem 1 order (0-based, R microbatches j):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 COMPUTE_KINDS = ("A_F", "A_B", "X_F", "X_B", "E_F", "E_B")
 COMM_KINDS = ("D_F", "C_F", "C_B", "D_B")
@@ -195,9 +195,36 @@ def distep_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[T
     return distep_tasks_for_role(plan.num_layers, num_microbatches or plan.num_microbatches, role, off)
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """A HeterMoE schedule: its task list per rank (what executors run and the simulator prices),
+    and whether attention ranks run it through Megatron's own schedule instead (DistEP: Megatron's
+    forward_backward with HeteroMoELayer shipping tokens from inside MoELayer.forward, the expert
+    ranks mirroring it). Megatron's schedule cannot be timed task by task, so an emulated run
+    executes the task list on both roles, whatever the schedule."""
+    name: str
+    tasks: Callable[..., list[Task]]  # (plan, rank, num_microbatches=None) -> the rank's list
+    megatron_on_attention: bool
+    summary: str
+
+
+# The one registry of schedules: flags, plans, the simulator and the executors read it.
+SCHEDULES: dict[str, Schedule] = {
+    "distep": Schedule("distep", distep_tasks, True,
+                       "each microbatch's whole forward then backward, the other role waiting (no overlap)"),
+    "zebra": Schedule("zebra", zebra_tasks, False, "Theorem 1's order: attention and experts overlap"),
+}
+
+
+def schedule(name: str) -> Schedule:
+    if name not in SCHEDULES:
+        raise ValueError(f"hetero schedule {name!r} is unknown; use one of {list(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
 def tasks_for_rank(plan, rank: int) -> list[Task]:
-    """The list for the plan's own schedule ("zebra" or "distep")."""
-    return zebra_tasks(plan, rank) if plan.schedule == "zebra" else distep_tasks(plan, rank)
+    """The list for the plan's own schedule."""
+    return schedule(plan.schedule).tasks(plan, rank)
 
 
 def stream_order(tasks: list[Task], stream: str) -> list[Task]:

@@ -1,4 +1,4 @@
-"""One canonical namespace for every expert implementation (models/expert_names.py), and the kernel
+"""One canonical namespace for every expert implementation (plan/expert_names.py), and the kernel
 choice (models/builder.py choose_kernels), on CPU without transformer-engine or grouped_gemm.
 
 States are synthesized in each implementation's naming and layout as megatron-core 0.16.1 makes them
@@ -18,9 +18,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_hetermoe.models import expert_names as en
+from megatron_hetermoe.plan import expert_names as en
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup
-from megatron_hetermoe.plan.layout import hetero_to_megatron, load_params, megatron_to_hetero
+from megatron_hetermoe.plan.layout import (
+    hetero_to_megatron,
+    load_params,
+    megatron_to_hetero,
+)
 
 PRE = "decoder.layers.0.mlp.experts."
 
@@ -286,7 +290,12 @@ def test_megatron_grouped_mlp_matches_sequential_mlp(tiny, one_rank_groups, monk
 
     from megatron_hetermoe.compat import build_experts, moe_experts_spec
     from megatron_hetermoe.config import ParallelConfig
-    from megatron_hetermoe.models.builder import canonical_init, init_layout_invariant, layer_spec, transformer_config
+    from megatron_hetermoe.models.builder import (
+        canonical_init,
+        init_layout_invariant,
+        layer_spec,
+        transformer_config,
+    )
     from megatron_hetermoe.models.experts import run_local_experts
     monkeypatch.setattr(gg, "grouped_gemm", object())  # passes assert_grouped_gemm_is_available
     monkeypatch.setattr(gg, "ops", _ReferenceGroupedGemm)
@@ -384,7 +393,11 @@ def test_choose_kernels_rules(monkeypatch):
 
 def test_config_and_spec_follow_the_kernels(tiny):
     from megatron_hetermoe.config import ParallelConfig
-    from megatron_hetermoe.models.builder import config_kernels, layer_spec, transformer_config
+    from megatron_hetermoe.models.builder import (
+        config_kernels,
+        layer_spec,
+        transformer_config,
+    )
 
     for kernels in ("local", "grouped", "te", "te_sequential"):
         cfg = transformer_config(tiny, ParallelConfig(), "bf16", kernels=kernels)
@@ -431,7 +444,11 @@ def _module_with(names_shapes: dict) -> torch.nn.Module:
 def test_checkpoint_moves_between_kernels_by_canonical_name(tmp_path, saved_impl, loaded_impl):
     from megatron_hetermoe.checkpoint.format import RankState, locate
     from megatron_hetermoe.checkpoint.load import kernels_difference
-    from megatron_hetermoe.checkpoint.reshard import gather_canonical, inject_optimizer_state, load_canonical_params
+    from megatron_hetermoe.checkpoint.reshard import (
+        gather_canonical,
+        inject_optimizer_state,
+        load_canonical_params,
+    )
     from megatron_hetermoe.checkpoint.save import write_offline
 
     ids, h, f = [4, 0, 2], 3, 2

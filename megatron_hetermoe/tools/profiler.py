@@ -449,7 +449,7 @@ def _main_pair(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_hetermoe.cli import HelpFormatter
+    from megatron_hetermoe.help_format import HelpFormatter
 
     p = argparse.ArgumentParser(prog="hetermoe profile", description=__doc__,
                                 formatter_class=HelpFormatter)

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_hetermoe.plan.hetero_plan import even_plan
-from megatron_hetermoe.schedules.tasks import (
+from megatron_hetermoe.plan.tasks import (
     COMM_KINDS,
     Task,
     check_stream_order,

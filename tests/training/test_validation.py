@@ -18,11 +18,11 @@ import yaml
 from megatron_hetermoe.config import ModelConfig, ModelConfigError
 from megatron_hetermoe.outputs import OutputPathError
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, even_plan
-from megatron_hetermoe.plan.validation import ConfigError
 from megatron_hetermoe.planner.cluster import Cluster, ClusterError
 from megatron_hetermoe.planner.gpu_profile import ProfileError
 from megatron_hetermoe.planner.profiles import load_profile
 from megatron_hetermoe.training import args as train_args
+from megatron_hetermoe.training.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -129,10 +129,6 @@ CASES = [
     ("flags", "--expert-model-parallel-size with --hetero-plan",
      flags("--expert-model-parallel-size", "2", plan=PLAN), SystemExit,
      "--hetero-plan replaces TP/PP/EP: leave the model-parallel sizes at 1"),
-    ("flags", "--use-distributed-optimizer with --hetero-plan",
-     flags("--use-distributed-optimizer", "--global-batch-size", "4", plan=PLAN), ConfigError,
-     "--use-distributed-optimizer with --hetero-plan is not supported yet (each side steps Megatron's Adam on an "
-     "exact global norm); drop the flag"),
     ("flags", "--hetero-plan", flags("--hetero-plan", "/no/such/plan.json"), FileNotFoundError,
      "--hetero-plan: [Errno 2] No such file or directory"),
     ("flags", "--bf16 with --fp16", flags("--bf16", "--fp16"), SystemExit,
@@ -352,7 +348,7 @@ def test_error_names_field_value_and_fix(inp, field, build, etype, message, tmp_
 def test_flag_errors_come_from_the_documented_types():
     # The same inputs through the library entry point keep their types (not only SystemExit).
     from megatron_hetermoe.config import ParallelConfig, TrainConfig
-    from megatron_hetermoe.plan.validation import validate_job
+    from megatron_hetermoe.training.validation import validate_job
 
     tiny = ModelConfig.load("tiny")
     with pytest.raises(ConfigError, match="--micro-batch-size 0"):

@@ -1,0 +1,74 @@
+"""HeterMoE inside Megatron-LM: what the patched pretrain_gpt.py (patches/) imports.
+
+The hook that the patches in patches/ put into Megatron-LM's pretrain_gpt.py.
+
+One patch per Megatron-LM release line, since pretrain_gpt.py differs between them (PATCHES):
+core_v0.16.1 hands `extra_args_provider` to `pretrain(...)`; core_v0.19.0 parses the arguments
+itself with `parse_and_validate_args(extra_args_provider=...)` before calling `pretrain`.
+`patch_for(checkout)` names the patch for a checkout (patches/check_patch.sh does the same).
+
+The patched pretrain_gpt.py gets the --hetero-* flags through `extra_args_provider`
+(`add_hetero_args`), so Megatron-LM's parser and --help know them. Without --hetero-plan nothing
+changes. With it:
+- core_v0.16.1: Megatron-LM's own pretrain() runs on every rank, attention and expert alike, with
+  the plugin's group setup, model builder, schedule and global gradient norm in place
+  (`hetero_pretrain`, hooks.py).
+- core_v0.19.0: the run is still handed to this plugin's trainer (`run_hetero`) with the same
+  command line, before Megatron-LM's training-side imports (not yet ported to pretrain()).
+
+Inside pretrain() (hooks.py):
+Every rank, attention and expert alike, runs Megatron-LM's pretrain(): initialize_megatron,
+setup_model_and_optimizer, the dataset builders, train() with its timers, rerun state machine,
+logging and exit checks, and evaluate(). Every world-wide collective of that loop is therefore
+entered by every rank by construction. HeterMoE changes five things, each through a hook that
+`HeteroPretrain.installed()` puts in place for the call and takes out after it:
+
+1. validate_args: flags this path cannot honour are refused by name (`refusals`), and Megatron's
+   data-parallel size (hence its microbatch calculator) is the plan's attention ranks.
+2. Model parallel state: megatron's initialize_model_parallel is replaced by the plan's groups
+   (parallel/state.py), installed into megatron-core's parallel_state
+   (parallel/megatron_globals.py install_parallel_state).
+3. The model: `HeteroPretrain.builder`, a Megatron-LM model builder (pretrain_gpt.py's
+   model_provider calls it): Megatron's config and layer spec from the flags, with HeteroMoELayer
+   on attention ranks and the expert-only ExpertRuntime on expert ranks.
+4. The schedule: Megatron-LM's get_forward_backward_func returns the plan's schedule (distep or
+   zebra; forward-only passes run distep's forward on both roles). Expert ranks report the
+   world's lm loss, so whichever rank prints sees the same numbers.
+5. The optimizer: Megatron's own, with its gradient norm taken over the world (each gradient
+   counted once: dense ones on attention DP rank 0, experts on ZP group 0), so both roles clip by
+   one global norm and agree on every step; with --fp16 (or --bf16 with a loss scale) one loss
+   scale for the world (training/step.py share_loss_scale).
+On a host without CUDA the CPU backend (parallel/cpu_backend.py) runs the same path over gloo.
+
+Modules: `hooks` (HeteroPretrain and hetero_pretrain), `refusals` (the flags refused by name),
+`cpu_layer` (pretrain() on CPU ranks, and megatron_on_cpu for a plain Megatron run), `patches`
+(which patch fits a checkout). The --hetero-* flags are training/hetero_args.py's, the plugin
+trainer's too.
+"""
+from __future__ import annotations
+
+import argparse
+
+from megatron_hetermoe.megatron_lm.cpu_layer import megatron_on_cpu
+from megatron_hetermoe.megatron_lm.hooks import hetero_pretrain
+from megatron_hetermoe.megatron_lm.patches import PATCHES, checkout_version, patch_for
+from megatron_hetermoe.training.hetero_args import add_hetero_args
+
+__all__ = ["add_hetero_args", "hetero_pretrain", "megatron_on_cpu", "hetero_requested", "run_hetero", "patch_for",
+           "checkout_version", "PATCHES"]
+
+
+def hetero_requested(argv: list[str]) -> bool:
+    """Whether this command line asks for HeterMoE (--hetero-plan given)."""
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--hetero-plan", default=None)
+    known, _ = p.parse_known_args(argv)
+    return known.hetero_plan is not None
+
+
+def run_hetero(argv: list[str]) -> int:
+    """Run Megatron-LM's command line on the plugin's trainer (joins the torchrun job); the
+    core_v0.19.0 patch's hand-off."""
+    from megatron_hetermoe.training.pretrain_gpt import main
+
+    return main(argv)

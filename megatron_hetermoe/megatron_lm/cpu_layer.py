@@ -1,0 +1,90 @@
+"""Megatron-LM's pretrain() on CPU ranks over gloo, HeterMoE or not: what Megatron-LM needs besides
+the CPU backend (parallel/cpu_backend.py), in place for one call; and the helpers that put any
+replacement in place for a block (the hooks use them too)."""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable
+
+import torch
+
+
+def _wrap(original: Callable, hook: Callable) -> Callable:
+    return lambda *a, **k: hook(original, *a, **k)
+
+
+@contextlib.contextmanager
+def _replaced(replacements: list):
+    """Set each (module, name, value) for the block, then put the originals back."""
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in replacements]
+    for mod, name, new in replacements:
+        setattr(mod, name, new)
+    try:
+        yield
+    finally:
+        for mod, name, old in reversed(saved):
+            setattr(mod, name, old)
+
+
+def _cpu_replacements() -> list:
+    """Megatron-LM's pretrain() on CPU ranks over gloo, HeterMoE or not. Megatron asserts CUDA
+    unless told the run may go without, builds legacy CUDA kernels with nvcc, and initializes
+    model parallelism and its RNG tracker only when CUDA devices exist; the CPU backend
+    (parallel/cpu_backend.py) stands in for CUDA, and these let Megatron's own code do the rest."""
+    import megatron.legacy.fused_kernels as fused_kernels
+    import megatron.training.initialize as initialize
+    import megatron.training.training as training
+
+    from megatron_hetermoe.compat import bind_missing_te_general_gemm
+    from megatron_hetermoe.parallel import cpu_backend
+
+    cpu_backend.apply()
+    bind_missing_te_general_gemm()  # megatron's router needs it without transformer-engine (compat.py)
+    init = training.initialize_megatron
+    return [
+        (training, "initialize_megatron", lambda *a, **k: init(*a, allow_no_cuda=True, **k)),
+        (fused_kernels, "load", lambda args: None),
+        # It calls Megatron's fused kernels only to have torch.compile build them ahead (inductor's
+        # C++ on CPU ranks, seconds each); an enabled fusion still builds on first use.
+        (initialize, "_warmup_jit_function", lambda: None),
+        (initialize, "_initialize_distributed", _wrap(initialize._initialize_distributed, _as_if_one_device)),
+        (initialize, "_set_random_seed", _wrap(initialize._set_random_seed, _seed_cpu_rng_tracker)),
+    ]
+
+
+def _as_if_one_device(initialize_distributed, *a, **k) -> None:
+    """Megatron's _initialize_distributed calls initialize_model_parallel only when
+    torch.cuda.device_count() > 0; the CPU backend's device is the CPU (set_device is a no-op)."""
+    count = torch.cuda.device_count
+    torch.cuda.device_count = lambda: 1
+    try:
+        initialize_distributed(*a, **k)
+    finally:
+        torch.cuda.device_count = count
+
+
+def _seed_cpu_rng_tracker(set_random_seed, seed_: int, data_parallel_random_init: bool = False, *a, **k) -> None:
+    """Megatron seeds its model-parallel RNG tracker only when CUDA devices exist; on CPU ranks
+    the CPU backend's tracker gets the seed Megatron's _set_random_seed would give it."""
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    set_random_seed(seed_, data_parallel_random_init, *a, **k)
+    seed = seed_ + 100 * ps.get_pipeline_model_parallel_rank()
+    if data_parallel_random_init:
+        seed += 10 * ps.get_data_parallel_rank()
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def megatron_on_cpu(pretrain: Callable) -> Callable:
+    """Megatron-LM's pretrain() with the CPU layer (_cpu_replacements) in place on a host
+    without CUDA; unchanged where CUDA exists. Lets a plain Megatron EP run share the CPU tests'
+    machine (its checkpoints load into HeterMoE runs and back)."""
+    if torch.cuda.is_available():
+        return pretrain
+
+    def on_cpu(*a, **k):
+        with _replaced(_cpu_replacements()):
+            return pretrain(*a, **k)
+
+    return on_cpu

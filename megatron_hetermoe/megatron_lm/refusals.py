@@ -1,0 +1,76 @@
+"""The Megatron-LM flags a --hetero-plan run of Megatron-LM's pretrain() cannot honour, each refused
+by name with the reason (every other flag is Megatron-LM's, applied by Megatron-LM itself)."""
+from __future__ import annotations
+
+import torch
+
+# Megatron-LM flags this path refuses: reason -> {flag: the values it may keep} (Megatron's
+# defaults). A flag's argparse dest is its name without dashes.
+_OFF, _UNSET, _ONE = (False,), (None,), (1,)
+_REFUSED: dict[str, dict[str, tuple]] = {
+    "HeterMoE's roles run without model parallelism inside a role": {
+        "--tensor-model-parallel-size": _ONE, "--pipeline-model-parallel-size": _ONE,
+        "--context-parallel-size": _ONE, "--expert-tensor-parallel-size": (None, 1)},
+    "the plan places the experts (hetermoe plan)": {"--expert-model-parallel-size": _ONE},
+    "every layer must be an MoE layer (the plan's)": {"--moe-layer-freq": _ONE},
+    "HeterMoE builds megatron-core's GPTModel from the command line's flags and Megatron's spec": {
+        "--use-legacy-models": _OFF, "--spec": _UNSET, "--yaml-cfg": _UNSET},
+    "not supported with HeterMoE": {
+        "--mtp-num-layers": _UNSET, "--heterogeneous-layers-config-path": _UNSET,
+        "--experimental-attention-variant": _UNSET, "--delay-wgrad-compute": _OFF, "--moe-use-upcycling": _OFF,
+        "--use-torch-fsdp2": _OFF, "--use-megatron-fsdp": _OFF, "--calculate-per-token-loss": _OFF},
+    "shared experts are not placed by HeterMoE plans": {"--moe-shared-expert-intermediate-size": _UNSET},
+    "HeterMoE's dispatcher replaces Megatron's (it drops no tokens and applies the probabilities after combine)": {
+        "--moe-expert-capacity-factor": _UNSET, "--moe-permute-fusion": _OFF, "--moe-enable-deepep": _OFF,
+        "--moe-apply-probs-on-input": _OFF},
+    "zebra is HeterMoE's overlap of expert communication": {"--overlap-moe-expert-parallel-comm": _OFF},
+    "not tested with HeterMoE's schedules yet": {"--overlap-grad-reduce": _OFF, "--overlap-param-gather": _OFF},
+    "Megatron's recomputation would replay the dispatch collectives that expert ranks do not mirror; "
+    "zebra's own recomputation is hetermoe's --recompute": {
+        "--recompute-granularity": _UNSET, "--moe-layer-recompute": _OFF},
+    "not computed across HeterMoE's roles (the logging rank may hold experts only)": {
+        "--log-num-zeros-in-grad": _OFF, "--log-params-norm": _OFF, "--log-max-attention-logit": _OFF,
+        "--qk-clip": _OFF},
+    "HeterMoE initializes every parameter by Megatron's init method for it, seeded by its name, so every "
+    "replica and every layout starts from the same values": {
+        "--data-parallel-random-init": _OFF, "--init-model-with-meta-device": _OFF},
+    "HeterMoE checkpoints inside pretrain() are Megatron's torch_dist (dist_checkpointing) format": {
+        "--ckpt-format": ("torch_dist",)},
+    "inside pretrain() dist_checkpointing reshards by itself: load with --no-load-optim --no-load-rng": {
+        "--hetero-ckpt-reshard": _OFF},
+}
+# Flags refused whenever they appear on the command line: their value has no meaning here.
+_REFUSED_WHEN_GIVEN = {
+    "--moe-token-dispatcher-type": "HeterMoE replaces the token dispatcher with its attention->expert one",
+}
+
+
+def _dest(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def refusals(args, argv: list[str]) -> list[str]:
+    """Each Megatron-LM flag of this command line that a --hetero-plan run cannot honour, with
+    the reason (empty: the run may go on)."""
+    out = [f"{flag} {getattr(args, _dest(flag))!r}: {why}" for why, flags in _REFUSED.items()
+           for flag, keep in flags.items() if getattr(args, _dest(flag), keep[0]) not in keep]
+    if not getattr(args, "num_experts", None):
+        out.append("--num-experts: HeterMoE trains MoE models; give --num-experts")
+    if getattr(args, "add_bias_linear", False):
+        out.append("biased linear layers (Megatron-LM's default): HeterMoE's experts have no bias; pass "
+                   "--disable-bias-linear")
+    if getattr(args, "moe_grouped_gemm", False) and (args.save or args.load):
+        out.append("--moe-grouped-gemm with --save/--load: Megatron-format checkpoints of HeterMoE experts are built "
+                   "for SequentialMLP; drop --moe-grouped-gemm")
+    given = {t.split("=", 1)[0] for t in argv if t.startswith("--")}
+    out += [f"{flag}: {why}" for flag, why in _REFUSED_WHEN_GIVEN.items() if flag in given]
+    if args.transformer_impl == "transformer_engine":
+        try:
+            import transformer_engine  # noqa: F401
+        except ImportError:
+            out.append("--transformer-impl transformer_engine (Megatron-LM's default): transformer-engine is not "
+                       "installed; install it or pass --transformer-impl local")
+    if not torch.cuda.is_available() and args.distributed_backend != "gloo":
+        out.append(f"--distributed-backend {args.distributed_backend!r}: this host has no CUDA; pass "
+                   f"--distributed-backend gloo to run the ranks on the CPU")
+    return out

@@ -1,0 +1,134 @@
+"""How a HeterMoE rank is put together, in one place for both hostings: the plugin's trainer
+(training/hetero.py) and Megatron-LM's own pretrain() (megatron_lm/hooks.py), which builds the
+DDP wrapper and the optimizer itself and calls these pieces from its hooks.
+
+- `model_config`: the role's TransformerConfig as HeterMoE needs it.
+- `RoleAssembly.module`: the role's module, from Megatron's config and layer spec (GPTModel with
+  HeteroMoELayer on attention ranks, the expert-only ExpertRuntime on expert ranks), every
+  parameter at its layout-invariant initial value (or a given Megatron state dict's).
+- `RoleAssembly.configure_optimizer`: Megatron's optimizer on a HeterMoE rank (the global norm,
+  one loss scale).
+- `RoleAssembly.schedule`: the step function of this rank, with megatron-core's keywords.
+- `RoleAssembly.finish_gradients`: the expert ranks' share of the data-parallel average.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from megatron_hetermoe.config import HeteroRunConfig, PoolPrecision
+from megatron_hetermoe.parallel.state import HeteroParallelState
+
+
+def model_config(config, **overrides):
+    """A role's TransformerConfig: Megatron's `config` with expert_model_parallel_size > 1, which
+    marks expert weights allreduce=False (Megatron's expert parameters), so DDP reduces them over
+    the expert replica group and the optimizer keeps them in their own sub-optimizer."""
+    return dataclasses.replace(config, expert_model_parallel_size=2, **overrides)
+
+
+def _holds_experts(optimizer) -> bool:
+    """Whether a Megatron sub-optimizer steps expert parameters: Megatron's factory keeps dense and
+    expert parameters (allreduce=False) in separate sub-optimizers and marks each param group's
+    is_expert_parallel (its main-parameter copies in 16-bit carry no allreduce attribute)."""
+    expert = {bool(g.get("is_expert_parallel", False)) for g in optimizer.param_groups}
+    if len(expert) > 1:
+        raise RuntimeError("a Megatron sub-optimizer holds both dense and expert parameters; HeterMoE counts "
+                           "each sub-optimizer's gradients in the global norm on one owner")
+    return expert == {True}
+
+
+@dataclasses.dataclass
+class RoleAssembly:
+    hs: HeteroParallelState
+    pools: PoolPrecision
+
+    def module(self, config, base_spec, seed: int, gpt_kwargs: dict, init_state: dict | None = None):
+        """The role's module and its canonical parameter names. `config`: model_config's;
+        `base_spec`: Megatron's GPT layer spec for the flags (its MoE layer becomes
+        HeteroMoELayer); `gpt_kwargs`: GPTModel's arguments beyond config, spec and groups
+        (vocab size, positions, embeddings ...). Built and initialized on the CPU
+        (use_cpu_initialization); `init_state`: a plain Megatron state dict (canonical names)
+        to start from instead of the layout-invariant values."""
+        from megatron.core.models.gpt import GPTModel
+
+        from megatron_hetermoe.compat import (
+            bind_missing_te_general_gemm,
+            moe_experts_spec,
+        )
+        from megatron_hetermoe.models.builder import (
+            canonical_names,
+            init_layout_invariant,
+        )
+        from megatron_hetermoe.models.experts import ExpertRuntime
+        from megatron_hetermoe.models.moe_layer import hetero_layer_spec
+        from megatron_hetermoe.plan.layout import load_params, megatron_to_hetero
+
+        hs = self.hs
+        bind_missing_te_general_gemm()  # megatron's router needs it without transformer-engine (compat.py)
+        pgc = hs.pg_collection()
+        if hs.role == "attention":
+            module = GPTModel(config=config, transformer_layer_spec=hetero_layer_spec(base_spec, hs, pgc),
+                              pg_collection=pgc, **gpt_kwargs)
+            names = canonical_names(module)
+        else:
+            module = ExpertRuntime(config, moe_experts_spec(base_spec), hs)
+            names = module.canonical_names()
+        with torch.no_grad():
+            if init_state is not None:
+                load_params(module, megatron_to_hetero(init_state, hs.plan, hs.rank))
+            else:
+                init_layout_invariant(module, seed, config, names)
+        return module, names
+
+    def configure_optimizer(self, optimizer, opt_config):
+        """Megatron's optimizer (get_megatron_optimizer's) as a HeterMoE rank steps it:
+        - an empty sub-optimizer is dropped (Megatron always adds a dense one; an expert rank has
+          no dense parameter, and an empty distributed optimizer cannot write its state);
+        - the gradient norm is taken over the world, each gradient counted once (its owner,
+          decided per sub-optimizer: dense on attention DP rank 0, experts in ZP group 0; the
+          distributed optimizer counts each shard once already), so every rank clips by the one
+          global norm and steps in lockstep;
+        - with fp16 on a pool, this rank's bf16 sub-optimizers take the world's dynamic scaler,
+          and there is one loss scale for the world (training/step.py share_loss_scale).
+        Returns the optimizer to step (a new ChainedOptimizer when one was dropped)."""
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+        from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+        from megatron_hetermoe.training.step import (
+            attach_dynamic_scaler,
+            share_loss_scale,
+        )
+
+        hs = self.hs
+        chained = getattr(optimizer, "chained_optimizers", None)
+        if chained and any(not o.get_parameters() for o in chained) and any(o.get_parameters() for o in chained):
+            optimizer = ChainedOptimizer([o for o in chained if o.get_parameters()])
+        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+            opt.grad_stats_parallel_group = hs.world_group
+            if not isinstance(opt, DistributedOptimizer) and not hs.owns_gradient(_holds_experts(opt)):
+                opt.get_main_grads_for_grad_norm = list
+        if self.pools.dynamic_scale(opt_config.loss_scale) and opt_config.bf16:
+            attach_dynamic_scaler(optimizer, opt_config)
+        # The grad-stats group is the world (the norm): each sub-optimizer's found_inf check runs
+        # over this rank alone, and share_loss_scale ORs the findings over the world once.
+        share_loss_scale(optimizer, hs.world_group, hs.device, check_group=hs.self_group)
+        return optimizer
+
+    def schedule(self, run: HeteroRunConfig, recorder=None, executed: list | None = None, task_timing=None):
+        """This rank's step function for `run` (schedules/select.py)."""
+        from megatron_hetermoe.schedules.select import get_forward_backward_func
+
+        return get_forward_backward_func(self.hs, run, recorder, executed, task_timing)
+
+    def finish_gradients(self, model) -> None:
+        """An expert rank's share of Megatron's data-parallel average, after its step: each expert
+        saw the tokens of the M attention ranks of its ZP group, each a local-mean loss, so
+        Megatron's average needs 1/(M*G); DDP applied 1/G over the replica group."""
+        if self.hs.role != "expert":
+            return
+        from megatron_hetermoe.models.builder import unwrap
+
+        for p in unwrap(model).parameters():
+            p.main_grad.mul_(1.0 / self.hs.num_attention_per_group)

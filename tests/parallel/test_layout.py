@@ -1,0 +1,106 @@
+"""The rank layout (parallel/layout.py): plan arithmetic with no process group, hand-checked; and
+megatron-core's globals (install_parallel_state) equal the groups modules get (pg_collection) on
+every rank of every plan shape the suite trains."""
+from __future__ import annotations
+
+import pytest
+from shared_plans import asym_ea_plan, sparse_asym_ea_plan
+
+from megatron_hetermoe.parallel.layout import (
+    COLLECTION_DIMS,
+    MEGATRON_DIMS,
+    InnerLayout,
+    RankLayout,
+    group_plan,
+)
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup, even_plan
+
+
+def _two_by_two_plus_two() -> HeteroPlan:
+    """2 ZP groups of 2 attention + 2 expert ranks, listed out of rank order: group 0 = attention
+    [0, 5] + experts [2, 3], group 1 = attention [4, 1] + experts [6, 7]."""
+    place = [{2: [0, 1], 3: [2, 3]}]
+    g0 = ZPGroup([0, 5], [2, 3], [dict(p) for p in place])
+    g1 = ZPGroup([4, 1], [6, 7], [{6: [0, 1], 7: [2, 3]}])
+    return HeteroPlan(1, 4, ["cpu"] * 8, [g0, g1])
+
+
+def test_rank_arithmetic_by_hand():
+    plan = _two_by_two_plus_two()
+    at = {r: RankLayout(plan, r) for r in range(8)}
+    assert [at[r].role for r in range(8)] == ["attention", "attention", "expert", "expert", "attention", "attention",
+                                              "expert", "expert"]
+    assert [at[r].group_index for r in range(8)] == [0, 1, 0, 0, 1, 0, 1, 1]
+    assert [at[r].member_index for r in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert [at[r].attention_dp_rank for r in range(8)] == [0, 3, None, None, 2, 1, None, None]
+    assert at[5].ranks("zp") == [0, 2, 3, 5] and at[1].ranks("zp") == [1, 4, 6, 7]
+    assert at[5].ranks("replica") == [1, 5] and at[6].ranks("replica") == [2, 6]  # position 1 in each group
+    assert at[0].ranks("attention_dp") == [0, 1, 4, 5] and at[2].ranks("attention_dp") is None
+    # each distinct gradient counted once: dense on attention DP rank 0, experts in ZP group 0
+    assert [r for r in range(8) if at[r].owns_gradient(False)] == [0]
+    assert [r for r in range(8) if at[r].owns_gradient(True)] == [0, 2, 3, 5]
+    assert at[2].megatron_kind("dp") == "replica" and at[0].megatron_kind("dp") == "attention_dp"
+    assert at[0].megatron_kind("expt_dp") == "replica" and at[3].megatron_kind("tp") == "self"
+
+
+def test_every_rank_creates_the_same_groups_in_the_same_order():
+    plan = _two_by_two_plus_two()
+    names = [n for n, _ in group_plan(plan)]
+    assert names[:6] == ["dispatch[0]", "combine[0]", "counts[0]", "dispatch[1]", "combine[1]", "counts[1]"]
+    assert names[6:11] == ["attention_dp", "replica[0]", "replica[1]", "replica[2]", "replica[3]"]
+    assert names[-1] == "world" and len(names) == 6 + 5 + 8 + 1
+    for r in range(8):  # a rank's groups of each kind are among the created ones
+        lay = RankLayout(plan, r)
+        created = [ranks for _, ranks in group_plan(plan)]
+        for kind in ("zp", "replica", "self", "world"):
+            assert sorted(lay.ranks(kind)) in created
+
+
+def test_every_collection_dimension_has_a_group_on_both_roles():
+    assert set(COLLECTION_DIMS) <= set(MEGATRON_DIMS)
+    assert all(set(kinds) == {"attention", "expert"} for kinds in MEGATRON_DIMS.values())
+
+
+def test_model_parallelism_inside_a_pool_is_not_built_yet():
+    with pytest.raises(NotImplementedError, match="not built yet"):
+        InnerLayout(tp=2)
+
+
+PLANS = {
+    "1+1": lambda: even_plan(2, 4, 1, 1), "2+2": lambda: even_plan(2, 4, 2, 2), "1+3": lambda: even_plan(2, 4, 1, 3),
+    "3+1": lambda: even_plan(2, 4, 3, 1), "2x(2+2)": lambda: even_plan(2, 4, 2, 2, groups=2),
+    "asym-ea 2x(1+1)": asym_ea_plan, "sparse asym-ea 2+2": sparse_asym_ea_plan,
+}
+
+
+def _agree(rank, world, plan):
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_hetermoe.parallel.megatron_globals import (
+        install_parallel_state,
+        uninstall_parallel_state,
+    )
+    from megatron_hetermoe.parallel.state import initialize_hetero_parallel
+
+    hs = initialize_hetero_parallel(plan)
+    install_parallel_state(hs)
+    try:
+        mine, mpu = hs.pg_collection(), ProcessGroupCollection.use_mpu_process_groups(list(COLLECTION_DIMS))
+        differ = [d for d in COLLECTION_DIMS if getattr(mine, d) is not getattr(mpu, d)]
+        return differ, ps.get_data_parallel_world_size(), list(ps._DATA_PARALLEL_GLOBAL_RANKS)
+    finally:
+        uninstall_parallel_state()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PLANS))
+def test_megatron_globals_equal_the_modules_groups(name):
+    from megatron_hetermoe.parallel.launcher import launch
+
+    plan = PLANS[name]()
+    for rank, (differ, dp_world, dp_ranks) in enumerate(launch(_agree, plan.world_size, plan)):
+        assert differ == [], (name, rank, differ)
+        assert dp_world == len(plan.attention_ranks)  # the job's data-parallel size on every rank
+        want = RankLayout(plan, rank).ranks("attention_dp" if plan.role(rank) == "attention" else "replica")
+        assert dp_ranks == want  # the rank's own data-parallel group (gradients are reduced over it)
