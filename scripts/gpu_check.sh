@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared check of HeterMoE on one GPU, about 7 minutes, one log with a SUMMARY block:
-# $OUT/gpu_check.log when $OUT is set, else ./gpu_check.log (megatron_hetermoe/tools/gpu_check.py
-# describes the steps).
+# $OUT/gpu_check.log when $OUT is set, else ./gpu_check.log (scripts/gpu_check/main.py describes
+# the steps).
 #
 #   scripts/gpu_check.sh              # all steps (GPU ones SKIP when no GPU is visible)
 #   scripts/gpu_check.sh --dry-run    # CPU only: tiny sizes, CPU references, GPU-only steps SKIP
@@ -19,4 +19,4 @@ if [ -z "$PY" ]; then
 fi
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec "$PY" -m megatron_hetermoe.tools.gpu_check "$@"
+exec "$PY" scripts/gpu_check/main.py "$@"

@@ -133,7 +133,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         emulator.check_plan(plan)
     nmb = plan.num_microbatches
     collective_trace.install()  # $HETERMOE_TRACE_COLLECTIVES: every collective's order, to check
-    hs = initialize_hetero_parallel(plan, device=rank_device(), wire_dtype=precision_dtype(pools.wire))
+    hs = initialize_hetero_parallel(plan, device=hooks.device or rank_device(), wire_dtype=precision_dtype(pools.wire))
     assembly = RoleAssembly(hs, pools)
     precision = pools.of(hs.role)  # this rank's pool's
     if pools.mixed and hs.rank == 0 and not cfg.quiet:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from megatron_hetermoe.schedules.timing import TaskTiming
     from megatron_hetermoe.training.nan_check import NanInjection
 
@@ -23,3 +25,6 @@ class RunHooks:
     nan_injection: "NanInjection | None" = None
     # Time every task of a HeterMoE task list (tests; an --emulate run makes the emulated cluster's).
     task_timing: "TaskTiming | None" = None
+    # The rank's device when not the one its world's backend implies (parallel/device.rank_device:
+    # CUDA under NCCL, else the CPU): CUDA tensors over gloo (scripts/gpu_check, 2 ranks on one GPU).
+    device: "torch.device | None" = None

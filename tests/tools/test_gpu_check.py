@@ -1,4 +1,6 @@
-"""scripts/gpu_check.sh --dry-run: every CPU-capable step runs at tiny sizes and nothing FAILs."""
+"""scripts/gpu_check.sh --dry-run: every CPU-capable step runs at tiny sizes and nothing FAILs;
+the check (scripts/gpu_check/) is a harness beside the package, not in it."""
+import ast
 import json
 import os
 import subprocess
@@ -36,3 +38,16 @@ def test_gpu_check_dry_run(tmp_path):
         assert len(losses[name]["cpu"]) == 4 and losses[name]["cpu"] != ep
         assert max(abs(a - b) / abs(b) for a, b in zip(losses[name]["cpu"], ep)) < 2e-3  # measured 1.7e-4
     assert (tmp_path / "profile_cpu_tiny.yaml").exists()
+
+
+def test_the_package_does_not_import_the_harness():
+    pkg = REPO / "megatron_hetermoe"
+    assert not list(pkg.rglob("gpu_check*.py"))
+    imports = []
+    for path in pkg.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                imports += [(path, a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                imports += [(path, f"{node.module or ''}.{a.name}") for a in node.names]
+    assert not [(p, n) for p, n in imports if "gpu_check" in n]
