@@ -123,7 +123,7 @@ class HeteroPretrain:
 
         experts = {layer: self.hs.local_experts(layer) for layer in range(self.plan.num_layers)}
         issuer = resolve_issuer(get_args().hetero_zebra_issuer, self.hs.device, emulated=False,
-                                backend=dist.get_backend(self.hs.dispatch_group))
+                                backend=self.hs.transport.backend)
         print(f"> HeterMoE rank {self.hs.rank} ({self.hs.role}, ZP group {self.hs.group_index}"
               + (f", experts {experts}" if self.hs.role == "expert" else "")
               + (f", zebra issuer {issuer}" if self.schedule == "zebra" else "") + ")", flush=True)

@@ -1,18 +1,18 @@
-"""The one token transport between attention and expert ranks: a `TokenRoute`.
+"""A `TokenRoute`: how one layer's tokens of one microbatch travel within a ZP group.
 
-A route is made once per (layer, microbatch) by the counts exchange (on the dispatch group;
-the single issuer, schedules/issuer.py, runs it asynchronously on the counts group): every
-member of the ZP group sends its per-expert token counts (in the layer's travel order) to every member, which
-fixes how many rows each member sends to and receives from each other member. Tokens then move
-with all_to_all_single over one group per direction (parallel/state.py):
-- `to_experts`  on the dispatch group: forward dispatch, and the gradient of combine;
-- `to_attention` on the combine group: forward combine, and the gradient of dispatch.
-`dispatch`/`combine` are the autograd pair (backward is the reverse transfer on the other
-group), used where autograd drives the transfers (DistEP: Megatron's own schedule and the
-expert mirror). Zebra issues the four transfers as separate tasks with the raw methods.
+A route is made once per (layer, microbatch) by the counts exchange (on the transport's dispatch
+communicator; the single issuer, schedules/issuer.py, runs it asynchronously on the counts one):
+every member of the ZP group sends its per-expert token counts (in the layer's travel order) to
+every member, which fixes how many rows each member sends to and receives from each other
+member. Tokens then move through the rank's Transport (parallel/transport.py), one direction each:
+- `to_experts`   "dispatch": forward dispatch, and the gradient of combine;
+- `to_attention` "combine": forward combine, and the gradient of dispatch.
+`dispatch`/`combine` are the autograd pair (backward is the reverse transfer), used where
+autograd drives the transfers (DistEP: Megatron's own schedule and the expert mirror). Zebra
+issues the four transfers as separate tasks with the raw methods.
 
-Every member calls every collective in the same order, whether it sends or receives anything:
-a rank with nothing to send passes an empty [0, H] tensor (`route.empty()`).
+Every member calls every transfer in the same order, whether it sends or receives anything: a
+rank with nothing to send passes an empty [0, H] tensor (`route.empty()`).
 
 Tokens travel as raw bytes, so every member sends the route's `dtype`, the wire dtype: the same
 on every rank (HeteroParallelState.wire_dtype, the expert pool's precision; with one precision
@@ -29,54 +29,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from megatron_hetermoe.parallel.state import HeteroParallelState
-from megatron_hetermoe.reliability import faults
+from megatron_hetermoe.parallel.transport import Transport
 
-AllToAll = Callable[[torch.Tensor, list, list, object], object]  # all_to_all or all_to_all_async
-
-
-def all_to_all_async(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> tuple[torch.Tensor, object]:
-    """Send x's rows in_splits[k] to member k; receive out_splits[k] rows from member k. Issued
-    asynchronously: (the receive buffer, the Work to wait on)."""
-    faults.checkpoint("exchange", "tokens")
-    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-    work = dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
-    return out, work
-
-
-def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
-    """all_to_all_async, waited (on NCCL the current stream waits, as a synchronous call would)."""
-    out, work = all_to_all_async(x, out_splits, in_splits, group)
-    work.wait()
-    return out
-
-
-def exchange_counts_async(counts: torch.Tensor, group) -> tuple[torch.Tensor, object]:
-    """Every member sends its int64 count vector to every member. Issued asynchronously:
-    ([members, len(counts)] receive buffer, row k = what member k sent; the Work)."""
-    faults.checkpoint("exchange", "counts")
-    n = dist.get_world_size(group)
-    send = counts.to(torch.int64).repeat(n)
-    recv = torch.empty_like(send)
-    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
-    return recv.view(n, -1), work
-
-
-def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
-    """exchange_counts_async, waited."""
-    recv, work = exchange_counts_async(counts, group)
-    work.wait()
-    return recv
-
-
-def latest(value: float, group, device: torch.device) -> float:
-    """The largest `value` over the members of `group`, agreed on that group (an all-reduce of one
-    float64): emulation times a transfer from when its last member reached it."""
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
+# A transfer's issue: (x, out_splits, in_splits, direction) -> what Transport.move returns; zebra
+# wraps the transport's to time it (emulation) or to issue it asynchronously.
+Move = Callable[[torch.Tensor, list, list, str], object]
 
 
 def _counts_of(hs: HeteroParallelState, layer: int, per_expert: torch.Tensor | None) -> torch.Tensor:
@@ -93,8 +52,7 @@ class TokenRoute:
     send_splits: tuple[int, ...]  # rows this rank sends to each member (comm order)
     recv_splits: tuple[int, ...]  # rows this rank receives from each member
     local_counts: torch.Tensor  # [source member, local expert]: tokens for this rank's experts
-    dispatch_group: object
-    combine_group: object
+    transport: Transport
     width: int
     dtype: torch.dtype  # the wire dtype: every member sends and receives this
     device: torch.device
@@ -108,7 +66,7 @@ class TokenRoute:
     def exchange(cls, hs: HeteroParallelState, layer: int, per_expert: torch.Tensor | None,
                  send_splits: list[int] | None, width: int, dtype: torch.dtype,
                  stamp: int | None = None) -> tuple["TokenRoute", int | None]:
-        """The counts exchange of `layer` (collective over the dispatch group). per_expert: this
+        """The counts exchange of `layer` (on the transport's dispatch communicator). per_expert: this
         rank's token count per expert of the layer in travel order, None on a rank that routes
         nothing (an expert rank). dtype: this rank's compute dtype (its params_dtype; the wire
         dtype is hs.wire_dtype, or this where that is None). `stamp`: an
@@ -117,7 +75,7 @@ class TokenRoute:
         counts = _counts_of(hs, layer, per_expert)
         if stamp is not None:
             counts = torch.cat([counts, torch.tensor([stamp], dtype=torch.int64, device=counts.device)])
-        allc = exchange_counts(counts, hs.dispatch_group)
+        allc = hs.transport.counts(counts)
         got = None
         if stamp is not None:
             got, allc = int(allc[:, -1].max().item()), allc[:, :-1]
@@ -125,10 +83,10 @@ class TokenRoute:
 
     @staticmethod
     def start_exchange(hs: HeteroParallelState, layer: int, per_expert: torch.Tensor | None) -> tuple[torch.Tensor, object]:
-        """The counts exchange of `layer`, issued asynchronously on the counts group (the single
-        issuer's: its split sizes travel ahead of the dispatch group's queued payloads). Returns
-        (received counts, Work); `from_counts` makes the route once they arrived."""
-        return exchange_counts_async(_counts_of(hs, layer, per_expert), hs.counts_group)
+        """The counts exchange of `layer`, issued asynchronously on the counts communicator (the
+        single issuer's: its split sizes travel ahead of the payloads queued in the dispatch
+        direction). Returns (received counts, Work); `from_counts` makes the route once they arrived."""
+        return hs.transport.counts(_counts_of(hs, layer, per_expert), async_op=True)
 
     @classmethod
     def from_counts(cls, hs: HeteroParallelState, layer: int, all_counts: torch.Tensor, send_splits: list[int] | None,
@@ -138,7 +96,7 @@ class TokenRoute:
         n = len(hs.zp.members)
         local = hs.received_counts(layer, all_counts)
         return cls(tuple(int(s) for s in (send_splits or [0] * n)), tuple(int(s) for s in local.sum(1).tolist()),
-                   local, hs.dispatch_group, hs.combine_group, width, hs.wire_dtype or dtype, hs.device, dtype)
+                   local, hs.transport, width, hs.wire_dtype or dtype, hs.device, dtype)
 
     def empty(self) -> torch.Tensor:
         return torch.empty(0, self.width, dtype=self.dtype, device=self.device)
@@ -162,16 +120,16 @@ class TokenRoute:
         return x.to(self.local_dtype)
 
     # ---- raw transfers (zebra's tasks) ------------------------------------------------------
-    def to_experts(self, x: torch.Tensor | None, a2a: AllToAll = all_to_all):
-        """Attention -> experts on the dispatch group (forward dispatch, gradient of combine).
-        Returns what `a2a` returns (all_to_all_async: the buffer and its Work)."""
-        return a2a(self._wire(x, "to_experts"), list(self.recv_splits), list(self.send_splits),
-                   self.dispatch_group)
+    def to_experts(self, x: torch.Tensor | None, move: Move | None = None):
+        """Attention -> experts, "dispatch" (forward dispatch, gradient of combine). Returns what
+        `move` returns (default the transport's synchronous move: the received tensor)."""
+        return (move or self.transport.move)(self._wire(x, "to_experts"), list(self.recv_splits),
+                                             list(self.send_splits), "dispatch")
 
-    def to_attention(self, x: torch.Tensor | None, a2a: AllToAll = all_to_all):
-        """Experts -> attention on the combine group (forward combine, gradient of dispatch)."""
-        return a2a(self._wire(x, "to_attention"), list(self.send_splits), list(self.recv_splits),
-                   self.combine_group)
+    def to_attention(self, x: torch.Tensor | None, move: Move | None = None):
+        """Experts -> attention, "combine" (forward combine, gradient of dispatch)."""
+        return (move or self.transport.move)(self._wire(x, "to_attention"), list(self.send_splits),
+                                             list(self.recv_splits), "combine")
 
     # ---- autograd transfers (DistEP) ----------------------------------------------------------
     def dispatch(self, x: torch.Tensor) -> torch.Tensor:

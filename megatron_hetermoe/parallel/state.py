@@ -20,6 +20,7 @@ Groups, per the paper's placement:
 from __future__ import annotations
 
 import datetime
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -106,6 +107,19 @@ class HeteroParallelState:
         [member, expert in layer_order] result (no columns when it holds no expert)."""
         order = self.layer_order(layer)
         return all_counts[:, [order.index(e) for e in self.local_experts(layer)]]
+
+    @functools.cached_property
+    def transport(self):
+        """How this rank's ZP group moves tokens (parallel/transport.py): with no collective in a
+        group of one rank, else all_to_all over its dispatch, combine and counts groups."""
+        from megatron_hetermoe.parallel.transport import (
+            AllToAllTransport,
+            LoopbackTransport,
+        )
+
+        if len(self.zp.members) == 1:
+            return LoopbackTransport(str(dist.get_backend(self.dispatch_group)))
+        return AllToAllTransport(self.dispatch_group, self.combine_group, self.counts_group, self.device)
 
     # ---- the groups megatron-core modules get --------------------------------------------------
     def group(self, kind: str) -> dist.ProcessGroup | None:

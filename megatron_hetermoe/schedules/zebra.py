@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from megatron_hetermoe.config import HeteroRunConfig
@@ -31,12 +30,7 @@ from megatron_hetermoe.models.dispatcher import DispatchMeta
 from megatron_hetermoe.models.experts import run_local_experts
 from megatron_hetermoe.models.stages import AttentionStages, StageContext
 from megatron_hetermoe.parallel import cpu_backend
-from megatron_hetermoe.parallel.comm import (
-    TokenRoute,
-    all_to_all,
-    all_to_all_async,
-    latest,
-)
+from megatron_hetermoe.parallel.comm import Move, TokenRoute
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.tasks import Task
 from megatron_hetermoe.schedules.issuer import (
@@ -83,8 +77,8 @@ class ZebraRank:
         self.experts_of_layer = experts_of_layer
         self.is_attention = hs.role == "attention"
         self.slots: dict[tuple[int, int], Slot] = {}
-        self.ex = make_executor(hs.plan.num_layers, run.zebra_issuer, recorder, hs.device,
-                                dist.get_backend(hs.dispatch_group), task_timing)
+        self.ex = make_executor(hs.plan.num_layers, run.zebra_issuer, recorder, hs.device, hs.transport.backend,
+                                task_timing)
 
     def slot(self, layer: int, j: int) -> Slot:
         return self.slots.setdefault((layer, j), Slot())
@@ -92,23 +86,28 @@ class ZebraRank:
     def holds(self, layer: int) -> bool:
         return bool(self.hs.local_experts(layer))
 
-    def _timed(self, task: Task, started: float | None = None):
-        """The all-to-all of one transfer. With emulated task times, the transfer is taken to
-        start when its last member could start it (issued, and its stream free): `started` (a
-        D_F's, carried by its counts exchange), or else agreed on the transfer's own group just
-        before the payload (comm.latest: route metadata, never in the payload), and to end its
-        emulated duration later, as the simulator has it; the real gloo cost, and any host delay
-        in reaching the call, hide inside the emulated time instead of adding to it."""
-        timing = self.task_timing
+    def _timed(self, task: Task, started: float | None = None) -> Move | None:
+        """How one transfer moves its rows: the transport's synchronous move (None), or, with
+        emulated task times, that move taken to start when its last member could start it
+        (issued, and its stream free): `started` (a D_F's, carried by its counts exchange), or
+        else agreed on the transfer's own communicator just before the payload (Transport.latest:
+        route metadata, never in the payload), and to end its emulated duration later, as the
+        simulator has it; the real cost, and any host delay in reaching the call, hide inside the
+        emulated time instead of adding to it."""
+        timing, transport = self.task_timing, self.hs.transport
         if timing is None:
-            return all_to_all
+            return None
 
-        def a2a(send: torch.Tensor, outs: list, ins: list, group) -> torch.Tensor:
-            begun = started if started is not None else latest(self.ex.ready(task), group, send.device)
-            out = all_to_all(send, outs, ins, group)
+        def move(send: torch.Tensor, outs: list, ins: list, direction: str) -> torch.Tensor:
+            begun = started if started is not None else transport.latest(self.ex.ready(task), direction)
+            out = transport.move(send, outs, ins, direction)
             timing.transfer(task, begun, time.perf_counter())
             return out
-        return a2a
+        return move
+
+    def _async(self, send: torch.Tensor, outs: list, ins: list, direction: str):
+        """The single issuer's move: issued, not waited ((received buffer, Work))."""
+        return self.hs.transport.move(send, outs, ins, direction, async_op=True)
 
     # ---- transfers (run on the streams; read the slot when they run) -----------------------
     def _dispatch_counts(self, st: Slot) -> tuple:
@@ -169,20 +168,20 @@ class ZebraRank:
                 ticket.consume()  # a CPU rank: re-raises a failed counts exchange
                 st.route = TokenRoute.from_counts(self.hs, l, ticket.value, send_splits, self.H, self.dtype)
                 st.routed.set()
-                st.recv_tokens, work = st.route.to_experts(self._send(task, st), all_to_all_async)
+                st.recv_tokens, work = st.route.to_experts(self._send(task, st), self._async)
                 return [work]
             return AsyncTransfer(ready=ticket.arrived, launch=d_f)
 
         def c_f():
-            st.recv_combined, work = st.route.to_attention(self._send(task, st), all_to_all_async)
+            st.recv_combined, work = st.route.to_attention(self._send(task, st), self._async)
             return [work]
 
         def c_b():
-            st.recv_grad, work = st.route.to_experts(self._send(task, st), all_to_all_async)
+            st.recv_grad, work = st.route.to_experts(self._send(task, st), self._async)
             return [work]
 
         def d_b():
-            st.grad_permuted, work = st.route.to_attention(self._send(task, st), all_to_all_async)
+            st.grad_permuted, work = st.route.to_attention(self._send(task, st), self._async)
             return [work]
 
         return AsyncTransfer(ready=routed, launch={"C_F": c_f, "C_B": c_b, "D_B": d_b}[task.kind])
