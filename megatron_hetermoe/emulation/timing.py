@@ -12,7 +12,7 @@ from megatron_hetermoe.plan.tasks import Task
 
 class EmulatedTiming:
     """`duration(task)`: the task's real seconds on the emulated GPU or link (emulated seconds x
-    the clock's current scale). `clock` (an emulation.emulator.EmulationClock) records every
+    the clock's current scale). `clock` (an emulation.clock.EmulationClock) records every
     window and gives the step's origin; without one the origin is when this timing was made."""
 
     def __init__(self, duration: Callable[[Task], float], clock=None):

@@ -50,11 +50,8 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
         TrainConfig,
     )
     from megatron_hetermoe.data import corpus
-    from megatron_hetermoe.emulation.emulator import (
-        Emulator,
-        emulation_real_model,
-        validity_line,
-    )
+    from megatron_hetermoe.emulation.emulator import Emulator, emulation_real_model
+    from megatron_hetermoe.emulation.validity import validity_line
     from megatron_hetermoe.parallel.launcher import launch
     from megatron_hetermoe.planner.cluster import Cluster
     from megatron_hetermoe.planner.search import search

@@ -368,7 +368,7 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         for r, (role, mib) in enumerate(result.peak_gpu_mib):
             print(f" rank {r} ({role}): peak GPU memory {mib:.0f} MiB (max allocated)")
     if result.emulation is not None and int(os.environ.get("RANK", "0")) == 0:
-        from megatron_hetermoe.emulation.emulator import validity_line
+        from megatron_hetermoe.emulation.validity import validity_line
 
         print(" " + validity_line("timing", result.emulation))
     if a.golden_values_out and int(os.environ.get("RANK", "0")) == 0:

@@ -189,7 +189,8 @@ def _install_ep_emulation(cfg: TrainConfig, module, nmb: int, recorder):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_hetermoe.emulation.emulator import Emulator, ep_sync_groups
+    from megatron_hetermoe.emulation.emulator import Emulator
+    from megatron_hetermoe.emulation.megatron_ep import ep_sync_groups, install_ep_hooks
 
     em = Emulator(cfg.emulate)
     em.check_real_model(cfg.model)
@@ -208,6 +209,6 @@ def _install_ep_emulation(cfg: TrainConfig, module, nmb: int, recorder):
             f"{d} and --global-batch-size {r_mb * dist.get_world_size() * cfg.micro_batch_size}")
     procs = dist.get_process_group_ranks(ps.get_expert_model_parallel_group())
     clock = em.ep_clock(pred, dist.group.WORLD)
-    undo = em.install_ep_hooks(module, ranks[dist.get_rank()], [ranks[r] for r in procs],
+    undo = install_ep_hooks(em, module, ranks[dist.get_rank()], [ranks[r] for r in procs],
                                pred.detail["tokens_per_microbatch"], recorder, clock, ep_sync_groups(procs))
     return undo, clock

@@ -12,12 +12,8 @@ import sys
 import pytest
 
 from megatron_hetermoe.config import EmulationSpec
-from megatron_hetermoe.emulation.emulator import (
-    Emulator,
-    _Bulk,
-    choose_scale,
-    step_bound,
-)
+from megatron_hetermoe.emulation.emulator import Emulator
+from megatron_hetermoe.emulation.validity import _Bulk, choose_scale, step_bound
 
 
 def _rec(windows, scale=1.0, post=None, t0=0.0, end=10.0):

@@ -1,0 +1,168 @@
+"""Plain Megatron EP timed as an emulated cluster: hooks on megatron-core's modules (attention,
+experts, output layer) and its token all-to-all, so the baseline is measured as HeterMoE is."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from megatron_hetermoe.emulation.clock import EmulationClock, sleep_until
+from megatron_hetermoe.emulation.emulator import Emulator
+from megatron_hetermoe.parallel.device import rank_device
+
+
+def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[int], tokens_per_microbatch: float,
+                     recorder=None, clock: EmulationClock | None = None, sync_group=None) -> Callable[[], None]:
+    """Time one plain Megatron EP rank as its emulated GPU; returns an undo.
+
+    The token all-to-alls are the sync points of an EP step, so time is set per segment
+    between them, as the simulator models it: (previous all-to-all or microbatch start ->
+    dispatch) = attention stage l, (dispatch -> combine) = this rank's experts of layer l, each
+    all-to-all = its transfer time, (last combine -> loss) = the head; backward mirrors it.
+    The simulator's EP step is the sum over stages of the slowest rank's stage, so the ranks
+    meet at every stage boundary: an all-to-all starts when the last rank of the EP group
+    could have started it (an all-reduce of those times over `sync_group`), and so do a
+    microbatch and its backward (else a rank would run ahead into a stage and wait inside it,
+    in a hidden collective such as the dispatcher's token counts). Every window starts when
+    its inputs were there and all real work (norms, router, permutes, the loss, the
+    probabilities' all-to-all) runs inside its emulated time instead of adding to it."""
+    import torch.distributed as dist
+    from megatron.core.transformer.moe import token_dispatcher as td
+
+    from megatron_hetermoe.planner.baselines import ep_a2a_time
+
+    m, gpu, cost = emulator.model, emulator.gpu(rank), emulator.cost
+    scale = (lambda: clock.scale) if clock is not None else (lambda: emulator.spec.scale)
+    t = tokens_per_microbatch
+    L = m.num_layers
+    per_expert = len(ep_group_ranks) * t * m.moe_router_topk / m.num_experts
+    n_local = gpt.decoder.layers[0].mlp.num_local_experts
+    stage = [[cost.stage_time(gpu, i, t, b) for i in range(L + 1)] for b in (False, True)]
+    expert = [n_local * cost.expert_time(gpu, per_expert, b) for b in (False, True)]
+    a2a = ep_a2a_time(cost, emulator.cluster, ep_group_ranks, t) if len(ep_group_ranks) > 1 else 0.0
+    hidden = gpt.config.hidden_size
+    device = rank_device()  # of the all-reduces in synced()
+    # last: when this rank's previous window closed (its next window's inputs are there)
+    st = {"last": time.perf_counter(), "seg": 0.0, "calls": 0, "pending": None, "bseg": 0.0, "bstart": None,
+          "mb": -1}
+    if clock is not None:
+        clock.on_step_begin = lambda t0: st.update(last=t0)
+
+    def close(lane: str, kind: str, layer: int, start: float, budget: float) -> float:
+        real_end = time.perf_counter()
+        sleep_until(start + budget)
+        end = time.perf_counter()
+        if clock is not None:
+            clock.window(lane, (kind, layer, st["mb"]), start, budget, real_end, end)
+        if recorder is not None:
+            recorder.record(lane, kind, layer, st["mb"], start, end)
+        st["last"] = end
+        return end
+
+    def synced(ready: float) -> float:
+        """When the last rank of the EP group could have started this window."""
+        if sync_group is None or dist.get_world_size(sync_group) == 1:
+            return ready
+        x = torch.tensor([ready], dtype=torch.float64, device=device)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=sync_group)
+        return float(x.item())
+
+    def mb_start(mod, args):
+        st.update(seg=synced(st["last"]), calls=0, pending=None, mb=st["mb"] + 1)
+
+    def bwd_call(layer: int, dispatch: bool):  # gradient of an all-to-all's output is ready
+        if dispatch:
+            close("compute", "E_B", layer, st["bseg"], expert[True] * scale())
+        else:
+            close("compute", "A_B", layer + 1, st["bseg"], stage[True][layer + 1] * scale())
+        st["bstart"] = (layer, dispatch, synced(st["last"]))
+
+    def bwd_return():  # the reverse all-to-all produced the input's gradient
+        layer, dispatch, start = st["bstart"]
+        st["bseg"] = close("combine" if dispatch else "dispatch", "D_B" if dispatch else "C_B", layer, start,
+                           a2a * scale())
+
+    orig = td.all_to_all
+
+    def timed_all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None, **kw):
+        # kw: megatron-core 0.19 also passes use_nccl_stream= (compat.py)
+        if input_.dim() != 2 or input_.shape[-1] != hidden:
+            # The probabilities ride in the dispatch's window.
+            out = orig(group, input_, output_split_sizes, input_split_sizes, **kw)
+            if st["pending"] is not None:
+                layer, start = st["pending"]
+                st.update(pending=None, seg=close("dispatch", "D_F", layer, start, a2a * scale()))
+            return out
+        k = st["calls"]
+        st["calls"] = k + 1
+        layer, dispatch = k // 2, k % 2 == 0
+        if dispatch:
+            close("compute", "A_F", layer, st["seg"], stage[False][layer] * scale())
+        else:
+            close("compute", "E_F", layer, st["seg"], expert[False] * scale())
+        start = synced(st["last"])
+        x = _Mark.apply(input_, bwd_return) if input_.requires_grad else input_
+        out = orig(group, x, output_split_sizes, input_split_sizes, **kw)
+        if dispatch:
+            st["pending"] = (layer, start)
+        else:
+            st["seg"] = close("combine", "C_F", layer, start, a2a * scale())
+        return _Mark.apply(out, lambda: bwd_call(layer, dispatch)) if out.requires_grad else out
+
+    def backward_start():  # the loss's gradient reached the head; the loss ran in this window
+        st["bseg"] = synced(st["last"])
+
+    def head_done(mod, args, out):
+        close("compute", "A_F", L, st["seg"], stage[False][L] * scale())
+        first = out[0] if isinstance(out, tuple) else out
+        first = _Mark.apply(first, backward_start)
+        return (first,) + tuple(out[1:]) if isinstance(out, tuple) else first
+
+    def embedding_done(mod, args, out):
+        return _Mark.apply(out, lambda: close("compute", "A_B", 0, st["bseg"], stage[True][0] * scale()))
+
+    handles = [gpt.embedding.register_forward_pre_hook(mb_start),
+               gpt.embedding.register_forward_hook(embedding_done),
+               gpt.output_layer.register_forward_hook(head_done)]
+    td.all_to_all = timed_all_to_all
+
+    def undo():
+        td.all_to_all = orig
+        for h in handles:
+            h.remove()
+        if clock is not None:
+            clock.on_step_begin = None
+
+    return undo
+
+
+def ep_sync_groups(ep_group_ranks: list[int]):
+    """One extra process group per Megatron EP group, for the all-to-all call times (collective:
+    every rank passes the ranks of its own EP group); returns this rank's."""
+    import torch.distributed as dist
+
+    from megatron_hetermoe.parallel.device import group_timeout
+
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(ep_group_ranks))
+    mine = None
+    for ranks in sorted({tuple(r) for r in everyone}):
+        g = dist.new_group(list(ranks), timeout=group_timeout())
+        if tuple(sorted(ep_group_ranks)) == ranks:
+            mine = g
+    return mine
+
+
+class _Mark(torch.autograd.Function):
+    """Identity whose backward calls `cb` (a stretch point inside the backward pass)."""
+
+    @staticmethod
+    def forward(ctx, x, cb):
+        ctx.cb = cb
+        return x.clone()  # a view would break in-place ops downstream (bias-dropout-add)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.cb()
+        return g, None
