@@ -7,17 +7,20 @@ whose timing turns it into a hang.
 $HETERMOE_TRACE_COLLECTIVES=DIR makes `install()` (called by both trainers at rank start) wrap
 torch.distributed's collectives in this process; each rank writes DIR/collectives.rank<R>.jsonl,
 one line per outermost collective call: the group's name (torch names every group alike on all
-its members, in creation order), its global ranks, the op, the calling thread, start and end.
+its members, in creation order), its global ranks, the op, the calling thread, start and end,
+and the innermost calling frames outside torch.
 `check(DIR)` reads the files and returns every violation:
 - order: for a group, the members' sequences of ops differ (the first differing position);
 - threads: two threads of one rank were inside collectives of one group at once (the order
-  between them is then up to the scheduler).
+  between them is then up to the scheduler);
+- stuck: a collective a rank entered and never left (a hang's trace: where each rank waits).
 Point-to-point ops (send/recv and their async forms) are recorded but not compared: their two
 ends name different ops by design. Costs nothing unless the variable is set.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import os
 import threading
@@ -34,6 +37,7 @@ COLLECTIVES = (
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
 
 _installed: Path | None = None
+_seq = itertools.count()
 _local = threading.local()  # depth: a collective that calls another (all_gather_object) is recorded once
 _lock = threading.Lock()
 
@@ -79,19 +83,46 @@ def _traced(fn, name: str, path: Path):
         if depth:
             return fn(*args, **kwargs)
         group = _group_of(args, kwargs, name)
-        t0 = time.monotonic()
+        with _lock:  # the entry is written before the call: a collective that never returns shows
+            seq = next(_seq)
+            _write(path, {"seq": seq, "group": getattr(group, "group_name", str(group)),
+                          "ranks": dist.get_process_group_ranks(group), "op": name,
+                          "thread": threading.current_thread().name, "start": time.monotonic(), "caller": _caller()})
         _local.depth = depth + 1
         try:
             return fn(*args, **kwargs)
         finally:
             _local.depth = depth
-            rec = {"group": getattr(group, "group_name", str(group)), "ranks": dist.get_process_group_ranks(group),
-                   "op": name, "thread": threading.current_thread().name, "start": t0, "end": time.monotonic()}
-            with _lock, open(path, "a") as f:
-                f.write(json.dumps(rec) + "\n")
+            with _lock:
+                _write(path, {"seq": seq, "end": time.monotonic()})
 
     call._hetermoe_traced = True
     return call
+
+
+def _write(path: Path, rec: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _read(path: Path) -> list[dict]:
+    """A rank's collectives in entry order, each with its end (None: it never returned)."""
+    recs: dict[int, dict] = {}
+    for ln in path.read_text().splitlines():
+        r = json.loads(ln)
+        if "op" in r:
+            recs[r["seq"]] = {**r, "end": None}
+        elif r["seq"] in recs:
+            recs[r["seq"]]["end"] = r["end"]
+    return [recs[k] for k in sorted(recs)]
+
+
+def _caller() -> list[str]:
+    """Where the collective was called from: the innermost frames outside torch (file:line)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename]
+    return [f"{Path(f.filename).name}:{f.lineno}" for f in frames[-3:]]
 
 
 def check(trace_dir: str | os.PathLike) -> list[str]:
@@ -99,8 +130,7 @@ def check(trace_dir: str | os.PathLike) -> list[str]:
     files = sorted(Path(trace_dir).glob("collectives.rank*.jsonl"))
     if not files:
         raise FileNotFoundError(f"no collectives.rank*.jsonl in {trace_dir}; run with ${ENV}={trace_dir}")
-    by_rank = {int(f.name[len("collectives.rank"):-len(".jsonl")]): [json.loads(ln) for ln in f.read_text().splitlines()]
-               for f in files}
+    by_rank = {int(f.name[len("collectives.rank"):-len(".jsonl")]): _read(f) for f in files}
     problems: list[str] = []
     seqs: dict[str, dict[int, list[str]]] = {}
     members: dict[str, list[int]] = {}
@@ -121,6 +151,11 @@ def check(trace_dir: str | os.PathLike) -> list[str]:
                 problems.append(f"order: group {group} (ranks {members[group]}): collective #{i} is "
                                 f"{ref[i] if i < len(ref) else 'none'} on rank {ref_rank} but "
                                 f"{got[i] if i < len(got) else 'none'} on rank {r} ({len(ref)} vs {len(got)} in all)")
+    for rank, recs in sorted(by_rank.items()):
+        for r in recs:
+            if r["end"] is None:
+                problems.append(f"stuck: rank {rank} entered {r['op']} on group {r['group']} (ranks {r['ranks']}) "
+                                f"from {' < '.join(reversed(r['caller']))} and never left it")
     return problems
 
 
@@ -133,7 +168,7 @@ def _overlapping_threads(rank: int, recs: list[dict]) -> list[str]:
         rs = sorted(rs, key=lambda r: r["start"])
         open_: list[dict] = []
         for r in rs:
-            open_ = [o for o in open_ if o["end"] > r["start"]]
+            open_ = [o for o in open_ if o["end"] is None or o["end"] > r["start"]]
             clash = next((o for o in open_ if o["thread"] != r["thread"]), None)
             if clash is not None:
                 out.append(f"threads: rank {rank}, group {group}: {clash['op']} on thread {clash['thread']} and "

@@ -39,6 +39,30 @@ def _holds_experts(optimizer) -> bool:
     return expert == {True}
 
 
+def _one_param_sync(optimizer, chunks: list) -> None:
+    """Megatron's distributed optimizer all-gathers every bucket of the model (dense and expert)
+    after each of its sub-optimizers steps, so a rank syncs its parameters once per
+    sub-optimizer. HeterMoE ranks of one data-parallel group may hold different numbers of them
+    (an Asym-EA attention rank steps a dense and an expert one, another attention rank the dense
+    one only): their all-gathers over the attention DP group would not pair up. So the step's
+    all-gathers run once, after every sub-optimizer stepped (the same parameters at the end)."""
+    step = optimizer.step_with_ready_grads
+
+    def stepped() -> bool:
+        for c in chunks:
+            c.start_param_sync = lambda *a, **k: None
+        try:
+            ok = step()
+        finally:
+            for c in chunks:
+                del c.start_param_sync  # the class's method again
+        for c in chunks:
+            c.start_param_sync()
+        return ok
+
+    optimizer.step_with_ready_grads = stepped
+
+
 @dataclasses.dataclass
 class RoleAssembly:
     hs: HeteroParallelState
@@ -90,6 +114,7 @@ class RoleAssembly:
           decided per sub-optimizer: dense on attention DP rank 0, experts in ZP group 0; the
           distributed optimizer counts each shard once already), so every rank clips by the one
           global norm and steps in lockstep;
+        - the distributed optimizer all-gathers the parameters once per step (_one_param_sync);
         - with fp16 on a pool, this rank's bf16 sub-optimizers take the world's dynamic scaler,
           and there is one loss scale for the world (training/step.py share_loss_scale).
         Returns the optimizer to step (a new ChainedOptimizer when one was dropped)."""
@@ -109,6 +134,10 @@ class RoleAssembly:
             opt.grad_stats_parallel_group = hs.world_group
             if not isinstance(opt, DistributedOptimizer) and not hs.owns_gradient(_holds_experts(opt)):
                 opt.get_main_grads_for_grad_norm = list
+        distributed = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
+                       if isinstance(o, DistributedOptimizer)]
+        if distributed and not distributed[0].ddp_config.overlap_param_gather:
+            _one_param_sync(optimizer, distributed[0].model_chunks)
         if self.pools.dynamic_scale(opt_config.loss_scale) and opt_config.bf16:
             attach_dynamic_scaler(optimizer, opt_config)
         # The grad-stats group is the world (the norm): each sub-optimizer's found_inf check runs

@@ -10,10 +10,13 @@ from megatron_hetermoe.reliability.collective_trace import check
 
 
 def _write(d, rank, recs):
+    """The tracer's format: an entry line per collective, then an end line (none: never left)."""
     with open(d / f"collectives.rank{rank}.jsonl", "w") as f:
         for i, (group, ranks, op, thread, start, end) in enumerate(recs):
-            f.write(json.dumps({"group": group, "ranks": ranks, "op": op, "thread": thread, "start": start,
-                                "end": end}) + "\n")
+            f.write(json.dumps({"seq": i, "group": group, "ranks": ranks, "op": op, "thread": thread, "start": start,
+                                "caller": ["x.py:1"]}) + "\n")
+            if end is not None:
+                f.write(json.dumps({"seq": i, "end": end}) + "\n")
 
 
 def test_consistent_traces_pass(tmp_path):
@@ -58,3 +61,10 @@ def test_point_to_point_ends_are_not_compared(tmp_path):
 def test_no_traces_is_an_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="HETERMOE_TRACE_COLLECTIVES"):
         check(tmp_path)
+
+
+def test_a_collective_never_left_is_named_with_its_caller(tmp_path):
+    _write(tmp_path, 0, [("3", [0, 1], "all_gather", "MainThread", 0, None)])
+    _write(tmp_path, 1, [("3", [0, 1], "all_gather", "MainThread", 0, 1)])
+    assert check(tmp_path) == ["stuck: rank 0 entered all_gather on group 3 (ranks [0, 1]) from x.py:1 and never "
+                               "left it"]
