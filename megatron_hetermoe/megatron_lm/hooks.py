@@ -14,9 +14,9 @@ from megatron_hetermoe.config import PoolPrecision
 from megatron_hetermoe.megatron_lm.cpu_layer import _cpu_replacements, _replaced, _wrap
 from megatron_hetermoe.megatron_lm.refusals import refusals
 from megatron_hetermoe.parallel.state import HeteroParallelState
-from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.training.assembly import RoleAssembly
-from megatron_hetermoe.training.validation import check_pools
+from megatron_hetermoe.training.validation import check_plan_for_job
 
 
 @dataclasses.dataclass
@@ -37,12 +37,11 @@ class HeteroPretrain:
             raise SystemExit("--hetero-plan: Megatron-LM flag(s) this run cannot honour:\n  " + "\n  ".join(bad))
         self.plan = HeteroPlan.load(args.hetero_plan)
         world, n_attn = args.world_size, len(self.plan.attention_ranks)
-        if self.plan.world_size != world:
-            raise PlanError(f"plan {args.hetero_plan} has {self.plan.world_size} ranks but the job has {world}; "
-                            f"launch {self.plan.world_size} processes or remake the plan for {world}")
         world_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         self.pools = PoolPrecision(world_precision, getattr(args, "hetero_expert_precision", None) or world_precision)
-        check_pools(self.pools, self.plan, f"plan {args.hetero_plan}")
+        check_plan_for_job(self.plan, world, args.num_layers, args.num_experts, args.micro_batch_size,
+                           args.global_batch_size, self.pools, f"--num-layers {args.num_layers} --num-experts "
+                           f"{args.num_experts}", "remake the plan for this model", f"plan {args.hetero_plan}")
         # Megatron's data parallelism is over the attention ranks: validate_args derives
         # data_parallel_size (and set_global_variables the microbatch calculator) from it.
         args.world_size = n_attn
@@ -50,17 +49,7 @@ class HeteroPretrain:
             validate(args, defaults or {})
         finally:
             args.world_size = world
-        nmb = args.global_batch_size // (args.micro_batch_size * n_attn)
-        if nmb != self.plan.num_microbatches:
-            raise PlanError(
-                f"--global-batch-size {args.global_batch_size} = micro batch {args.micro_batch_size} x {nmb} "
-                f"microbatches x {n_attn} attention ranks, but the plan has R={self.plan.num_microbatches}; set "
-                f"--global-batch-size {args.micro_batch_size * self.plan.num_microbatches * n_attn} or remake the "
-                f"plan with R={nmb}")
-        if self.plan.num_layers != args.num_layers or self.plan.num_experts != args.num_experts:
-            raise PlanError(f"plan {args.hetero_plan} is for {self.plan.num_layers} layers x {self.plan.num_experts} "
-                            f"experts but the flags give --num-layers {args.num_layers} --num-experts "
-                            f"{args.num_experts}; remake the plan for this model")
+        nmb = self.plan.num_microbatches
         self.schedule = args.hetero_schedule or self.plan.schedule
         self._pool_args(args)
         if args.rank == 0:

@@ -57,7 +57,8 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
     p.add_argument("--seed", type=int, default=1234, help="seed of weights and data order, in [0, 2^32)")
     p.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard optimizer state over data-parallel ranks (Megatron's); not with --hetero-plan")
+                   help="shard optimizer state over data-parallel ranks (Megatron's: with --hetero-plan over the "
+                        "attention DP group and each expert replica group)")
     g = p.add_argument_group("mixed precision (Megatron-LM flags)")
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_true",
@@ -363,7 +364,7 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         for r, (role, rss) in enumerate(result.peak_rss_mib):
             print(f" rank {r} ({role}): peak RSS {rss:.0f} MiB")
         if result.schedule == "zebra":
-            print(f" rank 0 peak activation memory (saved for backward): {result['peak_activation_mib']:.2f} MiB")
+            print(f" rank 0 peak activation memory (saved for backward): {result.peak_activation_mib:.2f} MiB")
     if result.peak_gpu_mib is not None and int(os.environ.get("RANK", "0")) == 0:  # CUDA ranks (both trainers)
         for r, (role, mib) in enumerate(result.peak_gpu_mib):
             print(f" rank {r} ({role}): peak GPU memory {mib:.0f} MiB (max allocated)")

@@ -127,18 +127,6 @@ def check_precision(cfg: "TrainConfig") -> None:
                           f"emulated cluster is priced by the cost model); drop --{cfg.precision}")
 
 
-def check_pool_precision(cfg: "TrainConfig", plan, run) -> None:
-    """Each pool's precision (config.PoolPrecision) on the plugin's trainer: check_pools, and no
-    per-pool precision with --emulate."""
-    from megatron_hetermoe.config import PoolPrecision
-
-    pools = run.pools(cfg) if run is not None else PoolPrecision(cfg.precision, cfg.precision)
-    check_pools(pools, plan)
-    if pools.mixed and cfg.emulate is not None:
-        raise ConfigError("--hetero-expert-precision with --emulate: emulated runs time fp32 work on CPU ranks; "
-                          "drop --hetero-expert-precision")
-
-
 def check_pools(pools, plan, what: str = "the plan") -> None:
     """Pools that differ are both 16-bit, and bf16 runs only on GPU types with native bf16, per
     pool (what: how errors name the plan)."""
@@ -217,34 +205,47 @@ def check_issuer(issuer: str, emulated: bool) -> None:
                           "stream's thread); drop --hetero-zebra-issuer or pass threads")
 
 
+def check_plan_for_job(plan: HeteroPlan, world: int, num_layers: int, num_experts: int, micro_batch_size: int,
+                       global_batch_size: int, pools, model: str, remake: str, what: str = "the plan") -> None:
+    """The plan against a job, the same check for both hostings (the plugin's trainer and
+    Megatron-LM's pretrain()): its ranks and GPU types, the model's layers and experts (`model`
+    names it; `remake`: how to make a plan for it), the batch (R microbatches of
+    `micro_batch_size` per attention rank; the full batch under Megatron's ramp-up), and each
+    pool's precision on its GPU types (`pools`, a config.PoolPrecision; `what` names the plan)."""
+    from megatron_hetermoe.planner.profiles import known_gpu_types
+
+    plan.validate(world_size=world, known_gpu_types=known_gpu_types())
+    check_pools(pools, plan, what)
+    if plan.num_layers != num_layers or plan.num_experts != num_experts:
+        raise PlanError(f"plan is for {plan.num_layers} layers x {plan.num_experts} experts but {model} has "
+                        f"{num_layers} x {num_experts}; {remake}")
+    n_attn = len(plan.attention_ranks)
+    want = micro_batch_size * plan.num_microbatches * n_attn
+    if global_batch_size != want:
+        raise ConfigError(f"--global-batch-size {global_batch_size}: must be --micro-batch-size {micro_batch_size} x "
+                          f"the plan's R={plan.num_microbatches} microbatches x {n_attn} attention ranks; pass "
+                          f"--global-batch-size {want}, or remake the plan with another --microbatches")
+
+
 def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str | None = None,
                  run: "HeteroRunConfig | None" = None) -> None:
     """A HeterMoE job: the plan against the job, the model and the batch; its precision against
     the plan's GPU types."""
-    from megatron_hetermoe.config import ParallelConfig
-    from megatron_hetermoe.planner.profiles import known_gpu_types
+    from megatron_hetermoe.config import ParallelConfig, PoolPrecision
 
     if cfg.parallel != ParallelConfig(dispatcher=cfg.parallel.dispatcher):
         raise ConfigError("--hetero-plan replaces TP/PP/EP: leave --tensor/--pipeline/--expert-model-parallel-size at 1")
     if schedule is not None and schedule not in SCHEDULES:
         raise ConfigError(f"--hetero-schedule {schedule!r}: use one of {list(SCHEDULES)}")
-    plan.validate(world_size=world, known_gpu_types=known_gpu_types())
-    check_pool_precision(cfg, plan, run)
+    m = cfg.model
+    pools = run.pools(cfg) if run is not None else PoolPrecision(cfg.precision, cfg.precision)
+    check_plan_for_job(plan, world, m.num_layers, m.num_experts, cfg.micro_batch_size, cfg.global_batch_size,
+                       pools, f"model {m.name!r}", f"make the plan with --model {m.name}")
+    if pools.mixed and cfg.emulate is not None:
+        raise ConfigError("--hetero-expert-precision with --emulate: emulated runs time fp32 work on CPU ranks; "
+                          "drop --hetero-expert-precision")
     if run is not None:
         check_issuer(run.zebra_issuer, cfg.emulate is not None)
-    m = cfg.model
-    if plan.num_layers != m.num_layers or plan.num_experts != m.num_experts:
-        raise PlanError(
-            f"plan is for {plan.num_layers} layers x {plan.num_experts} experts but model {m.name!r} has "
-            f"{m.num_layers} x {m.num_experts}; make the plan with --model {m.name}"
-        )
-    n_attn = len(plan.attention_ranks)
-    want = cfg.micro_batch_size * plan.num_microbatches * n_attn
-    if cfg.global_batch_size != want:
-        raise _bad("global_batch_size", cfg.global_batch_size,
-                   f"must be --micro-batch-size {cfg.micro_batch_size} x the plan's R={plan.num_microbatches} "
-                   f"microbatches x {n_attn} attention ranks",
-                   f"pass --global-batch-size {want}, or remake the plan with another --microbatches")
     from megatron_hetermoe.models.builder import transformer_config
 
     try:
