@@ -15,6 +15,7 @@ from shared_plans import asym_ea_plan
 
 from megatron_hetermoe.config import HeteroRunConfig, ParallelConfig, TrainConfig
 from megatron_hetermoe.parallel.comm import TokenRoute
+from megatron_hetermoe.parallel.transport import LoopbackTransport
 from megatron_hetermoe.parallel.launcher import launch
 from megatron_hetermoe.plan.hetero_plan import even_plan
 from megatron_hetermoe.tools.parity import diff_by_category, run_parity
@@ -223,11 +224,11 @@ def test_loss_scale_flags(tiny):
 
 
 def test_token_route_casts_to_the_wire_dtype_and_back():
-    route = TokenRoute((0,), (0,), torch.zeros(1, 1, dtype=torch.int64), None, None, 8, torch.float16,
+    route = TokenRoute((0,), (0,), torch.zeros(1, 1, dtype=torch.int64), LoopbackTransport(), 8, torch.float16,
                        torch.device("cpu"), torch.bfloat16)
     sent = []
 
-    def a2a(x, outs, ins, group):
+    def a2a(x, outs, ins, direction):
         sent.append(x)
         return x.clone()
 
@@ -241,7 +242,7 @@ def test_token_route_casts_to_the_wire_dtype_and_back():
     with pytest.raises(TypeError, match=r"TokenRoute.to_attention: sending a torch.float32 tensor on a torch.float16 "
                                         r"route whose rank computes in torch.bfloat16"):
         route.to_attention(torch.zeros(0, 8), a2a)
-    one = TokenRoute((0,), (0,), torch.zeros(1, 1, dtype=torch.int64), None, None, 8, torch.bfloat16,
+    one = TokenRoute((0,), (0,), torch.zeros(1, 1, dtype=torch.int64), LoopbackTransport(), 8, torch.bfloat16,
                      torch.device("cpu"))  # one precision: compute is the wire dtype
     with pytest.raises(TypeError, match=r"sending a torch.float32 tensor on a torch.bfloat16 route"):
         one.to_experts(torch.zeros(0, 8), a2a)
