@@ -1,12 +1,12 @@
-"""The HeterMoE trainer: attention ranks run Megatron's own schedule with HeteroMoELayer
+"""The plugin's HeterMoE trainer: attention ranks run Megatron's own schedule with HeteroMoELayer
 (DistEP) or the zebra schedule; expert ranks run the mirror of either; both step their Megatron
 optimizers in lockstep on one global gradient norm.
 
-Data flows one way: plan -> process groups (parallel/state.py) -> model per role
-(models/) -> schedule (schedules/) -> step (training/step.py, loop.py). Megatron's
-initialize_model_parallel is never called: every megatron-core piece gets an explicit
-ProcessGroupCollection, so a missed global read fails fast instead of joining a world-wide
-collective the expert ranks never enter.
+Data flows one way: plan -> process groups (parallel/state.py) -> the rank's assembly
+(training/assembly.py: model per role, optimizer, schedule, the same pieces Megatron-LM's
+pretrain() hooks use) -> step (training/loop.py). Megatron's initialize_model_parallel is never
+called: every megatron-core piece gets an explicit ProcessGroupCollection, so a missed global
+read fails fast instead of joining a world-wide collective the expert ranks never enter.
 """
 from __future__ import annotations
 
