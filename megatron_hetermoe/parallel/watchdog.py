@@ -96,17 +96,24 @@ class Watchdog:
             if r not in stopped:
                 del self._stopped_since[r]
         for r in sorted(stopped):
-            since = self._stopped_since.setdefault(r, now)
-            if now - since >= self.stopped_after_s:
-                return Stall(r, f"rank {r} is {describe_state(process_state(self.pids[r]))} and made no progress "
-                                f"for {now - since:.0f} s; its peers wait for it (resume it with SIGCONT, or "
-                                f"find who stopped it)")
+            self._stopped_since.setdefault(r, now)
+
+        def stopped_stall(r: int) -> Stall:
+            return Stall(r, f"rank {r} is {describe_state(process_state(self.pids[r]))} and made no progress "
+                            f"for {now - self._stopped_since[r]:.0f} s; its peers wait for it (resume it with "
+                            f"SIGCONT, or find who stopped it)")
+
+        for r in sorted(stopped):
+            if now - self._stopped_since[r] >= self.stopped_after_s:
+                return stopped_stall(r)
         if self.progress_timeout_s is None:
             return None
         reports = [read_report(self.dir, r) for r in range(len(self.pids))]
         last = max((t for _, t in filter(None, reports)), default=self.start)
         if now - max(last, self.start) < self.progress_timeout_s:
             return None
+        if stopped:  # the progress timeout ran out first (it counts from the last report): a stopped rank is the cause
+            return stopped_stall(min(stopped))
         states = [process_state(pid) for pid in self.pids]
 
         def behind(r: int):  # lowest iteration, then not waiting in a collective, then oldest report
