@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megatron_hetermoe.config import PoolPrecision
 from megatron_hetermoe.megatron_lm.cpu_layer import _cpu_replacements, _replaced, _wrap
 from megatron_hetermoe.megatron_lm.refusals import refusals
+from megatron_hetermoe.megatron_lm.replaced import replace_flags
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.training.assembly import RoleAssembly
@@ -32,10 +33,14 @@ class HeteroPretrain:
 
     # ---- 1. arguments ---------------------------------------------------------------------
     def validate_args(self, validate, args, defaults=None):
-        bad = refusals(args, self.argv)
+        bad = refusals(args)
         if bad:
             raise SystemExit("--hetero-plan: Megatron-LM flag(s) this run cannot honour:\n  " + "\n  ".join(bad))
         self.plan = HeteroPlan.load(args.hetero_plan)
+        notes = replace_flags(args, self.argv, self.plan)
+        if args.rank == 0:
+            for note in notes:
+                print(f"> HeterMoE: {note}", flush=True)
         world, n_attn = args.world_size, len(self.plan.attention_ranks)
         world_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         self.pools = PoolPrecision(world_precision, getattr(args, "hetero_expert_precision", None) or world_precision)
@@ -230,6 +235,18 @@ class HeteroPretrain:
         for name in track_names:
             dist.broadcast(tracker[name]["values"], src=self.plan.attention_ranks[0], group=self.hs.world_group)
 
+    # ---- 8. --log-params-norm: each parameter once over the world ---------------------------------
+    def params_norm(self, model, force_create_fp32_copy: bool = False) -> float:
+        """Megatron's calc_params_l2_norm sums each rank's dense parameters over its model-parallel
+        group and its experts over its expert group; on a HeterMoE world those hold other copies
+        (world_stats.py)."""
+        from megatron.training import get_args
+
+        from megatron_hetermoe.training.world_stats import params_l2_norm
+
+        chunks = model if isinstance(model, list) else [model]
+        return params_l2_norm(chunks, self.hs, use_main_params=get_args().bf16 and not force_create_fp32_copy)
+
     # ---- the hooks, in place for one pretrain() call ------------------------------------------
     @contextlib.contextmanager
     def installed(self):
@@ -253,6 +270,7 @@ class HeteroPretrain:
                 (moe_utils, "reduce_aux_losses_tracker_across_ranks",
                  _wrap(moe_utils.reduce_aux_losses_tracker_across_ranks, self.reduce_aux_losses)),
                 (checkpointing, "FullyParallelSaveStrategyWrapper", _save_wrapper_for_roles()),
+                (training, "calc_params_l2_norm", self.params_norm),
             ]))
             yield self
 

@@ -1,5 +1,6 @@
 """The Megatron-LM flags a --hetero-plan run of Megatron-LM's pretrain() cannot honour, each refused
-by name with the reason (every other flag is Megatron-LM's, applied by Megatron-LM itself)."""
+by name with the reason (the flags naming what HeterMoE replaces are accepted with a note: replaced.py;
+every other flag is Megatron-LM's, applied by Megatron-LM itself)."""
 from __future__ import annotations
 
 import torch
@@ -11,7 +12,6 @@ _REFUSED: dict[str, dict[str, tuple]] = {
     "HeterMoE's roles run without model parallelism inside a role": {
         "--tensor-model-parallel-size": _ONE, "--pipeline-model-parallel-size": _ONE,
         "--context-parallel-size": _ONE, "--expert-tensor-parallel-size": (None, 1)},
-    "the plan places the experts (hetermoe plan)": {"--expert-model-parallel-size": _ONE},
     "every layer must be an MoE layer (the plan's)": {"--moe-layer-freq": _ONE},
     "HeterMoE builds megatron-core's GPTModel from the command line's flags and Megatron's spec": {
         "--use-legacy-models": _OFF, "--spec": _UNSET, "--yaml-cfg": _UNSET},
@@ -21,7 +21,7 @@ _REFUSED: dict[str, dict[str, tuple]] = {
         "--use-torch-fsdp2": _OFF, "--use-megatron-fsdp": _OFF, "--calculate-per-token-loss": _OFF},
     "shared experts are not placed by HeterMoE plans": {"--moe-shared-expert-intermediate-size": _UNSET},
     "HeterMoE's dispatcher replaces Megatron's (it drops no tokens and applies the probabilities after combine)": {
-        "--moe-expert-capacity-factor": _UNSET, "--moe-permute-fusion": _OFF, "--moe-enable-deepep": _OFF,
+        "--moe-expert-capacity-factor": _UNSET, "--moe-enable-deepep": _OFF,
         "--moe-apply-probs-on-input": _OFF},
     "zebra is HeterMoE's overlap of expert communication": {"--overlap-moe-expert-parallel-comm": _OFF},
     "not tested with HeterMoE's schedules yet": {"--overlap-grad-reduce": _OFF, "--overlap-param-gather": _OFF},
@@ -29,8 +29,7 @@ _REFUSED: dict[str, dict[str, tuple]] = {
     "zebra's own recomputation is hetermoe's --recompute": {
         "--recompute-granularity": _UNSET, "--moe-layer-recompute": _OFF},
     "not computed across HeterMoE's roles (the logging rank may hold experts only)": {
-        "--log-num-zeros-in-grad": _OFF, "--log-params-norm": _OFF, "--log-max-attention-logit": _OFF,
-        "--qk-clip": _OFF},
+        "--log-max-attention-logit": _OFF, "--qk-clip": _OFF},
     "HeterMoE initializes every parameter by Megatron's init method for it, seeded by its name, so every "
     "replica and every layout starts from the same values": {
         "--data-parallel-random-init": _OFF, "--init-model-with-meta-device": _OFF},
@@ -39,17 +38,13 @@ _REFUSED: dict[str, dict[str, tuple]] = {
     "inside pretrain() dist_checkpointing reshards by itself: load with --no-load-optim --no-load-rng": {
         "--hetero-ckpt-reshard": _OFF},
 }
-# Flags refused whenever they appear on the command line: their value has no meaning here.
-_REFUSED_WHEN_GIVEN = {
-    "--moe-token-dispatcher-type": "HeterMoE replaces the token dispatcher with its attention->expert one",
-}
 
 
 def _dest(flag: str) -> str:
     return flag[2:].replace("-", "_")
 
 
-def refusals(args, argv: list[str]) -> list[str]:
+def refusals(args) -> list[str]:
     """Each Megatron-LM flag of this command line that a --hetero-plan run cannot honour, with
     the reason (empty: the run may go on)."""
     out = [f"{flag} {getattr(args, _dest(flag))!r}: {why}" for why, flags in _REFUSED.items()
@@ -62,8 +57,6 @@ def refusals(args, argv: list[str]) -> list[str]:
     if getattr(args, "moe_grouped_gemm", False) and (args.save or args.load):
         out.append("--moe-grouped-gemm with --save/--load: Megatron-format checkpoints of HeterMoE experts are built "
                    "for SequentialMLP; drop --moe-grouped-gemm")
-    given = {t.split("=", 1)[0] for t in argv if t.startswith("--")}
-    out += [f"{flag}: {why}" for flag, why in _REFUSED_WHEN_GIVEN.items() if flag in given]
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401

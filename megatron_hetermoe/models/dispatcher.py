@@ -25,7 +25,7 @@ class DispatchMeta:
     routing_map: torch.Tensor  # [tokens, experts in travel order]
     probs: torch.Tensor  # routing probabilities, same order; applied at combine
     per_expert: torch.Tensor  # tokens per expert (travel order)
-    sorted_indices: torch.Tensor  # the permutation of tokens into expert order
+    sorted_indices: torch.Tensor  # the permutation of tokens into expert order (fused: TE's row map)
     send_splits: tuple[int, ...]  # rows to each member of the ZP group (comm order)
     route: TokenRoute | None = None  # after the counts exchange
 
@@ -49,7 +49,8 @@ class HeteroTokenDispatcher(MoETokenDispatcher):
         order = torch.tensor(self.order, device=routing_map.device)
         rmap = routing_map[:, order].contiguous()
         per_expert = rmap.sum(0)
-        permuted, _, sorted_indices = permute(hidden, rmap, num_out_tokens=int(per_expert.sum()))
+        permuted, _, sorted_indices = permute(hidden, rmap, num_out_tokens=int(per_expert.sum()),
+                                              fused=self.config.moe_permute_fusion)
         splits, start = [], 0
         for s in self.member_sizes:
             splits.append(int(per_expert[start:start + s].sum()))
@@ -69,7 +70,8 @@ class HeteroTokenDispatcher(MoETokenDispatcher):
 
         shape = meta.hidden_shape
         out = unpermute(combined, meta.sorted_indices, restore_shape=torch.Size([shape[:-1].numel(), shape[-1]]),
-                        probs=meta.probs if probs is None else probs, routing_map=meta.routing_map)
+                        probs=meta.probs if probs is None else probs, routing_map=meta.routing_map,
+                        fused=self.config.moe_permute_fusion)
         return out.view(shape)
 
     # ---- megatron-core's MoETokenDispatcher interface (MoELayer.forward) ------------------------

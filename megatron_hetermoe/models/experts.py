@@ -39,8 +39,17 @@ def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor) -> torc
             raise ValueError(f"a rank without experts in this layer received {recv.shape[0]} tokens for "
                              f"{n_exp} local experts (experts module {'present' if experts is not None else 'absent'})")
         return recv * 0
-    by_src = counts.reshape(-1)
-    x, _ = sort_chunks_by_idxs(recv, by_src, _chunk_order(n_src, n_exp, True))
+    # --moe-permute-fusion: transformer-engine's fused chunk sort, which takes its sizes on the device.
+    fused = bool(getattr(experts.config, "moe_permute_fusion", False))
+
+    def on_device(t: torch.Tensor) -> torch.Tensor:
+        return t.to(recv.device) if fused else t
+
+    def order(by_expert: bool) -> torch.Tensor:
+        return on_device(_chunk_order(n_src, n_exp, by_expert))
+
+    by_src = on_device(counts.reshape(-1))
+    x, _ = sort_chunks_by_idxs(recv, by_src, order(True), fused=fused)
     tokens_per_expert = counts.sum(0)
     if any(c.__name__ == expert_names.GROUPED for c in type(experts).__mro__):
         tokens_per_expert = tokens_per_expert.cpu()  # grouped_gemm's gmm takes its batch sizes on the CPU
@@ -49,8 +58,8 @@ def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor) -> torc
     probs = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
     y, bias = experts(x, tokens_per_expert, probs)
     assert bias is None, "expert bias is not supported (Mixtral-style experts have none)"
-    by_exp = counts.t().reshape(-1)
-    out, _ = sort_chunks_by_idxs(y, by_exp, _chunk_order(n_src, n_exp, False))
+    by_exp = on_device(counts.t().reshape(-1))
+    out, _ = sort_chunks_by_idxs(y, by_exp, order(False), fused=fused)
     return out
 
 

@@ -19,6 +19,7 @@ import torch
 
 from megatron_hetermoe.config import HeteroRunConfig, PoolPrecision
 from megatron_hetermoe.parallel.state import HeteroParallelState
+from megatron_hetermoe.training.world_stats import holds_experts, world_count_zeros
 
 
 def model_config(config, **overrides):
@@ -26,17 +27,6 @@ def model_config(config, **overrides):
     marks expert weights allreduce=False (Megatron's expert parameters), so DDP reduces them over
     the expert replica group and the optimizer keeps them in their own sub-optimizer."""
     return dataclasses.replace(config, expert_model_parallel_size=2, **overrides)
-
-
-def _holds_experts(optimizer) -> bool:
-    """Whether a Megatron sub-optimizer steps expert parameters: Megatron's factory keeps dense and
-    expert parameters (allreduce=False) in separate sub-optimizers and marks each param group's
-    is_expert_parallel (its main-parameter copies in 16-bit carry no allreduce attribute)."""
-    expert = {bool(g.get("is_expert_parallel", False)) for g in optimizer.param_groups}
-    if len(expert) > 1:
-        raise RuntimeError("a Megatron sub-optimizer holds both dense and expert parameters; HeterMoE counts "
-                           "each sub-optimizer's gradients in the global norm on one owner")
-    return expert == {True}
 
 
 def _one_param_sync(optimizer, chunks: list) -> None:
@@ -115,6 +105,7 @@ class RoleAssembly:
           distributed optimizer counts each shard once already), so every rank clips by the one
           global norm and steps in lockstep;
         - the distributed optimizer all-gathers the parameters once per step (_one_param_sync);
+        - zeros in the gradients (--log-num-zeros-in-grad) are counted like the norm (world_stats.py);
         - with fp16 on a pool, this rank's bf16 sub-optimizers take the world's dynamic scaler,
           and there is one loss scale for the world (training/step.py share_loss_scale).
         Returns the optimizer to step (a new ChainedOptimizer when one was dropped)."""
@@ -132,7 +123,7 @@ class RoleAssembly:
             optimizer = ChainedOptimizer([o for o in chained if o.get_parameters()])
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
             opt.grad_stats_parallel_group = hs.world_group
-            if not isinstance(opt, DistributedOptimizer) and not hs.owns_gradient(_holds_experts(opt)):
+            if not isinstance(opt, DistributedOptimizer) and not hs.owns_gradient(holds_experts(opt)):
                 opt.get_main_grads_for_grad_norm = list
         distributed = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
                        if isinstance(o, DistributedOptimizer)]
@@ -143,6 +134,8 @@ class RoleAssembly:
         # The grad-stats group is the world (the norm): each sub-optimizer's found_inf check runs
         # over this rank alone, and share_loss_scale ORs the findings over the world once.
         share_loss_scale(optimizer, hs.world_group, hs.device, check_group=hs.self_group)
+        # --log-num-zeros-in-grad: Megatron's count per sub-optimizer group would count every copy.
+        optimizer.count_zeros = world_count_zeros(optimizer, hs)
         return optimizer
 
     def schedule(self, run: HeteroRunConfig, recorder=None, executed: list | None = None, task_timing=None):

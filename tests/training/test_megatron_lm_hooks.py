@@ -34,47 +34,65 @@ def _megatron_defaults(**given) -> argparse.Namespace:
 
 def test_every_refused_flag_is_a_megatron_lm_flag():
     known = megatron_flags() | {"--hetero-ckpt-reshard"}
-    names = [flag for flags in refusals._REFUSED.values() for flag in flags] + list(refusals._REFUSED_WHEN_GIVEN)
+    names = [flag for flags in refusals._REFUSED.values() for flag in flags]
     assert set(names) <= known, set(names) - known
     assert len(names) == len(set(names))
 
 
 def test_megatron_defaults_are_not_refused():
-    assert refusals.refusals(_megatron_defaults(), []) == []
-    assert refusals.refusals(_megatron_defaults(use_distributed_optimizer=True), []) == []  # supported
-    assert refusals.refusals(_megatron_defaults(bf16=True), []) == []
-    assert refusals.refusals(_megatron_defaults(fp16=True), []) == []
+    assert refusals.refusals(_megatron_defaults()) == []
+    assert refusals.refusals(_megatron_defaults(use_distributed_optimizer=True)) == []  # supported
+    assert refusals.refusals(_megatron_defaults(bf16=True)) == []
+    assert refusals.refusals(_megatron_defaults(fp16=True)) == []
 
 
 @pytest.mark.parametrize("given,expect", [
     ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size 2: HeterMoE's roles run without model"),
-    ({"expert_model_parallel_size": 4}, "--expert-model-parallel-size 4: the plan places the experts"),
     ({"num_experts": None}, "--num-experts: HeterMoE trains MoE models; give --num-experts"),
     ({"recompute_granularity": "full"}, "--recompute-granularity 'full': Megatron's recomputation would replay"),
     ({"ckpt_format": "torch"}, "--ckpt-format 'torch': HeterMoE checkpoints inside pretrain() are Megatron's torch_dist"),
-    ({"moe_permute_fusion": True}, "--moe-permute-fusion True: HeterMoE's dispatcher replaces"),
+    ({"moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor 1.0: HeterMoE's dispatcher replaces"),
     ({"data_parallel_random_init": True}, "--data-parallel-random-init True: HeterMoE initializes every parameter"),
 ])
 def test_each_refusal_names_flag_value_and_reason(given, expect):
-    out = refusals.refusals(_megatron_defaults(**given), [])
+    out = refusals.refusals(_megatron_defaults(**given))
     assert len(out) == 1 and out[0].startswith(expect), out
 
 
 def test_grouped_experts_are_refused_only_with_checkpoints():
-    assert refusals.refusals(_megatron_defaults(moe_grouped_gemm=True), []) == []
-    out = refusals.refusals(_megatron_defaults(moe_grouped_gemm=True, save="/ckpt"), [])
+    assert refusals.refusals(_megatron_defaults(moe_grouped_gemm=True)) == []
+    out = refusals.refusals(_megatron_defaults(moe_grouped_gemm=True, save="/ckpt"))
     assert len(out) == 1 and out[0].startswith("--moe-grouped-gemm with --save/--load")
 
 
 def test_biased_linear_layers_are_refused_with_the_fix():
-    out = refusals.refusals(_megatron_defaults(add_bias_linear=True), [])
+    out = refusals.refusals(_megatron_defaults(add_bias_linear=True))
     assert out == ["biased linear layers (Megatron-LM's default): HeterMoE's experts have no bias; pass "
                    "--disable-bias-linear"]
 
 
-def test_dispatcher_type_is_refused_whenever_given():
-    out = refusals.refusals(_megatron_defaults(), ["--num-layers", "2", "--moe-token-dispatcher-type=alltoall"])
-    assert out == ["--moe-token-dispatcher-type: HeterMoE replaces the token dispatcher with its attention->expert one"]
+def test_flags_naming_what_hetermoe_replaces_are_accepted_with_a_note():
+    """Issue 27 item 1: the dispatcher type (any value), the EP size and --moe-permute-fusion are no
+    refusals; each given one gets a line and the value the run uses (Megatron's checks see that)."""
+    from megatron_hetermoe.megatron_lm.replaced import replace_flags
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+
+    plan = even_plan(2, 8, 2, 2, groups=2)
+    for flags in ({"moe_token_dispatcher_type": "flex"}, {"expert_model_parallel_size": 8},
+                  {"moe_permute_fusion": True}):
+        assert refusals.refusals(_megatron_defaults(**flags)) == []
+    args = _megatron_defaults(moe_token_dispatcher_type="flex", expert_model_parallel_size=8, moe_permute_fusion=True)
+    notes = replace_flags(args, ["--moe-token-dispatcher-type", "flex", "--expert-model-parallel-size", "8",
+                                 "--moe-permute-fusion"], plan)
+    assert notes[0].startswith("--moe-token-dispatcher-type flex: replaced by HeterMoE's attention->expert dispatcher")
+    assert notes[1] == ("--expert-model-parallel-size 8: the plan's placement wins: 8 experts a layer over each of 2 "
+                        "ZP group(s) of 2+2 (attention + expert) ranks")
+    assert notes[2].startswith("--moe-permute-fusion: megatron-core has no fused permute on this host")  # CPU
+    assert (args.moe_token_dispatcher_type, args.expert_model_parallel_size, args.moe_permute_fusion) == \
+        ("alltoall", 1, False)
+    # Megatron's defaults, not given: nothing to say, nothing changed.
+    args = _megatron_defaults(moe_token_dispatcher_type="allgather")
+    assert replace_flags(args, ["--num-layers", "2"], plan) == [] and args.moe_token_dispatcher_type == "allgather"
 
 
 def test_transformer_engine_default_needs_transformer_engine():
@@ -84,7 +102,7 @@ def test_transformer_engine_default_needs_transformer_engine():
         pytest.skip("transformer-engine is installed here")
     except ImportError:
         pass
-    out = refusals.refusals(_megatron_defaults(transformer_impl="transformer_engine"), [])
+    out = refusals.refusals(_megatron_defaults(transformer_impl="transformer_engine"))
     assert out == ["--transformer-impl transformer_engine (Megatron-LM's default): transformer-engine is not installed; "
                    "install it or pass --transformer-impl local"]
 
@@ -93,7 +111,7 @@ def test_cpu_host_needs_gloo(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    out = refusals.refusals(_megatron_defaults(distributed_backend="nccl"), [])
+    out = refusals.refusals(_megatron_defaults(distributed_backend="nccl"))
     assert out == ["--distributed-backend 'nccl': this host has no CUDA; pass --distributed-backend gloo to run the "
                    "ranks on the CPU"]
 
