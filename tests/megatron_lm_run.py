@@ -31,7 +31,7 @@ RECIPE = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
 # keep torch.compile (Megatron's jit_fuser) out: its C++ does not build under ATEN_CPU_CAPABILITY=default.
 CPU = ["--transformer-impl", "local", "--distributed-backend", "gloo", "--no-rope-fusion", "--no-persist-layer-norm",
        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-swiglu-fusion",
-       "--no-bias-dropout-fusion"]
+       "--no-bias-dropout-fusion", "--no-bias-gelu-fusion"]
 # 16-bit losses, pretrain() vs the plugin's trainer: iteration 1 bitwise, then |diff| <= 8.9e-5 (bf16),
 # 2.7e-5 (fp16) and 9.2e-5 (bf16 attention + fp16 experts) measured over ATEN_CPU_CAPABILITY
 # default/avx2/avx512 (the rounding of 16-bit gradients summed in another order moves the next step's
@@ -97,8 +97,8 @@ def plugin_losses(tmp_path: Path, plan: Path, schedule: str, data_path: str, ext
 
 
 # Megatron-LM's own model defaults, as its MoE CI configs train them: GeLU, LayerNorm, learned absolute
-# positions, tied embeddings (biases off: HeterMoE's experts have none yet), no dropout.
-MEGATRON_DEFAULTS = ["--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]
+# positions, tied embeddings, biased linear layers, no dropout.
+MEGATRON_DEFAULTS = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 def run_losses(work: Path, tmp_path: Path, nproc: int, flags: list[str], name: str,

@@ -51,9 +51,6 @@ def refusals(args) -> list[str]:
            for flag, keep in flags.items() if getattr(args, _dest(flag), keep[0]) not in keep]
     if not getattr(args, "num_experts", None):
         out.append("--num-experts: HeterMoE trains MoE models; give --num-experts")
-    if getattr(args, "add_bias_linear", False):
-        out.append("biased linear layers (Megatron-LM's default): HeterMoE's experts have no bias; pass "
-                   "--disable-bias-linear")
     if getattr(args, "moe_grouped_gemm", False) and (args.save or args.load):
         out.append("--moe-grouped-gemm with --save/--load: Megatron-format checkpoints of HeterMoE experts are built "
                    "for SequentialMLP; drop --moe-grouped-gemm")

@@ -352,9 +352,11 @@ def _init_kind(name: str) -> str:
     """Which of Megatron's init rules a canonical parameter follows: "norm" (weights of norms),
     "bias", "embedding" (word and position embeddings: embedding_init_method), "output" (attention
     and MLP/expert output projections: output_layer_init_method) or "weight" (init_method:
-    QKV, fc1, routers, the output layer)."""
+    QKV, fc1, routers and their bias, the output layer)."""
     if re.search(r"(norm|layernorm)\.weight$", name):
         return "norm"
+    if name.endswith("router.bias"):  # Megatron's TopKRouter draws its bias by init_method, unlike linear layers
+        return "weight"
     if name.endswith("bias"):
         return "bias"
     if name.startswith("embedding."):

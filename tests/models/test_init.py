@@ -75,3 +75,16 @@ def test_apply_layernorm_1p_starts_norms_at_zero(tiny):
     c = _config(tiny, layernorm_zero_centered_gamma=True)
     assert torch.equal(_init(NORM, c, (128,)), torch.zeros(128))
     assert torch.equal(_init("decoder.final_layernorm.weight", c, (128,)), torch.zeros(128))
+
+
+def test_biases_start_as_megatrons(tiny):
+    """--add-bias-linear (Megatron's default): linear layers' and norms' biases start at 0, the
+    router's bias by init_method (megatron-core's TopKRouter draws it like its weight)."""
+    c = _config(tiny)
+    for name in ("decoder.layers.0.self_attention.linear_qkv.bias", "decoder.layers.1.self_attention.linear_proj.bias",
+                 "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.bias", FC2.replace("weight", "bias"),
+                 "decoder.layers.0.input_layernorm.bias"):
+        assert torch.equal(_init(name, c, (128,)), torch.zeros(128)), name
+    bias = _init("decoder.layers.0.mlp.router.bias", c, (4096,))
+    assert abs(bias.std().item() - 0.02) < 0.002 and torch.equal(bias, _init("decoder.layers.0.mlp.router.bias", c,
+                                                                             (4096,)))

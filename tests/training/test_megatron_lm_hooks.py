@@ -65,12 +65,6 @@ def test_grouped_experts_are_refused_only_with_checkpoints():
     assert len(out) == 1 and out[0].startswith("--moe-grouped-gemm with --save/--load")
 
 
-def test_biased_linear_layers_are_refused_with_the_fix():
-    out = refusals.refusals(_megatron_defaults(add_bias_linear=True))
-    assert out == ["biased linear layers (Megatron-LM's default): HeterMoE's experts have no bias; pass "
-                   "--disable-bias-linear"]
-
-
 def test_flags_naming_what_hetermoe_replaces_are_accepted_with_a_note():
     """Issue 27 item 1: the dispatcher type (any value), the EP size and --moe-permute-fusion are no
     refusals; each given one gets a line and the value the run uses (Megatron's checks see that)."""

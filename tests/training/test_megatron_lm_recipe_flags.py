@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from margins import within
-from megatron_lm_run import BATCH, CPU, DATA, MODEL, RECIPE, run_losses, tb_losses
+from megatron_lm_run import BATCH, CPU, DATA, MEGATRON_DEFAULTS, MODEL, RECIPE, run_losses, tb_losses
 from shared_plans import asym_ea_plan, sparse_asym_ea_plan
 
 pytestmark = pytest.mark.slow
@@ -80,3 +80,37 @@ def test_recipe_statistics_equal_megatron_ep(mlm, data, tmp_path, tmp_path_facto
         assert het["num-zeros"] == ep["num-zeros"], (het, ep)
     for tag in ("lm loss", "grad-norm", "params-norm"):
         within(f"{tag} at identical parameters, HeterMoE vs Megatron EP", abs(het[tag] - ep[tag]) / ep[tag], tol)
+
+
+def _resume_losses(mlm, tmp_path, nproc: int, flags: list[str], ckpt, name: str) -> dict[int, float]:
+    losses, _ = run_losses(mlm, tmp_path, nproc, [*flags, "--load", str(ckpt), "--ckpt-step", "1", "--no-load-optim",
+                                                  "--no-load-rng"], name)
+    assert sorted(losses) == [2, 3, 4], losses
+    return losses
+
+
+@pytest.mark.parametrize("schedule", ["zebra", "distep"])
+def test_megatron_default_model_with_biases(mlm, data, tmp_path, tmp_path_factory, schedule):
+    """Issue 27 item 9: Megatron's default model as its MoE CI configs train it, biases included
+    (--add-bias-linear, Megatron's default: attention and expert linear layers; GeLU, LayerNorm,
+    learned absolute positions, tied embeddings). A plain Megatron EP checkpoint after one
+    iteration (biases moved off their zero init) loads into Megatron EP and into an Asym-EA
+    HeterMoE run (experts on attention and expert ranks): the next 3 iterations' losses are equal.
+    HeterMoE applies the routing probability after combine, Megatron inside the expert (to the
+    activation and to fc2's bias): the same p * (W2 act + b2)."""
+    flags = [*MODEL, *DATA, *CPU, *MEGATRON_DEFAULTS,
+             "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4", "--lr", "1e-3",
+             *EVAL_OFF, "--data-path", data, "--moe-aux-loss-coeff", "0.01"]
+    if "bias" not in _EP_RUNS:
+        tmp = tmp_path_factory.mktemp("ep-bias")
+        ckpt = tmp / "ckpt"
+        run_losses(mlm, tmp, 2, [*flags, *EP, "--save", str(ckpt), "--save-interval", "1", "--train-iters", "1"],
+                   "tb")
+        _EP_RUNS["bias"] = ckpt, _resume_losses(mlm, tmp, 2, [*flags, *EP], ckpt, "resumed")
+    ckpt, ep = _EP_RUNS["bias"]
+    plan = tmp_path / "plan.json"
+    asym_ea_plan().save(plan)
+    het = _resume_losses(mlm, tmp_path, 4, [*flags, "--hetero-plan", str(plan), "--hetero-schedule", schedule], ckpt,
+                         "het")
+    within(f"Megatron's default model with biases, {schedule} vs Megatron EP",
+           max(abs(het[i] - ep[i]) for i in ep), 3e-6)
