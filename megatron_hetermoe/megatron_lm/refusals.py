@@ -19,7 +19,6 @@ _REFUSED: dict[str, dict[str, tuple]] = {
         "--mtp-num-layers": _UNSET, "--heterogeneous-layers-config-path": _UNSET,
         "--experimental-attention-variant": _UNSET, "--delay-wgrad-compute": _OFF, "--moe-use-upcycling": _OFF,
         "--use-torch-fsdp2": _OFF, "--use-megatron-fsdp": _OFF, "--calculate-per-token-loss": _OFF},
-    "shared experts are not placed by HeterMoE plans": {"--moe-shared-expert-intermediate-size": _UNSET},
     "HeterMoE's dispatcher replaces Megatron's (it drops no tokens and applies the probabilities after combine)": {
         "--moe-expert-capacity-factor": _UNSET, "--moe-enable-deepep": _OFF,
         "--moe-apply-probs-on-input": _OFF},

@@ -33,6 +33,11 @@ def replace_flags(args, argv: list[str], plan: HeteroPlan) -> list[str]:
                      f"wins: {plan.num_experts} experts a layer over each of {len(plan.groups)} ZP group(s) of "
                      f"{' or '.join(shapes)} (attention + expert) ranks")
         args.expert_model_parallel_size = 1
+    if getattr(args, "moe_shared_expert_overlap", False):
+        notes.append("--moe-shared-expert-overlap: the shared experts run on the attention ranks in the attention "
+                     "stage (under zebra, while other microbatches' tokens are with the experts), not inside "
+                     "Megatron's dispatcher")
+        args.moe_shared_expert_overlap = False
     if args.moe_permute_fusion:
         if fused_permute_available():
             notes.append("--moe-permute-fusion: HeterMoE's dispatcher and experts permute with megatron-core's "

@@ -66,20 +66,24 @@ class AttentionStages:
 
     def attention_and_route(self, layer: int, hidden: torch.Tensor, ctx: StageContext):
         """Layer `layer` up to dispatch: returns (DispatchMeta, permuted tokens, residual,
-        routing probabilities in travel order)."""
+        routing probabilities in travel order, the shared experts' output or None). The shared
+        experts run here, on the attention rank (Megatron's MoELayer computes them before the
+        dispatch too); under zebra, other microbatches' transfers overlap them."""
         tl = self.layers[layer]
         hidden, _ = tl._forward_attention(hidden, **ctx.layer_kwargs())
         pre = tl._forward_pre_mlp_layernorm(hidden)
         probs, routing_map = tl.mlp.route(pre)
         meta, permuted = tl.mlp.token_dispatcher.preprocess(pre, routing_map, probs)
-        return meta, permuted, hidden, meta.probs
+        return meta, permuted, hidden, meta.probs, tl.mlp.shared_experts_compute(pre)
 
     def combine(self, layer: int, meta, combined: torch.Tensor, residual: torch.Tensor,
-                probs: torch.Tensor) -> torch.Tensor:
-        """Layer `layer` after combine: unpermute with `probs`, then bias-dropout-add onto the
-        residual."""
+                probs: torch.Tensor, shared: torch.Tensor | None = None) -> torch.Tensor:
+        """Layer `layer` after combine: unpermute with `probs`, add the shared experts' output
+        (as MoELayer.postprocess), then bias-dropout-add onto the residual."""
         tl = self.layers[layer]
         out = tl.mlp.token_dispatcher.postprocess(meta, combined, probs)
+        if shared is not None:
+            out = out + shared
         return tl._forward_post_mlp((out, None), residual)
 
     def head(self, hidden: torch.Tensor, batch: dict, ctx: StageContext) -> torch.Tensor:

@@ -53,7 +53,8 @@ class Slot:
     permuted: torch.Tensor | None = None  # attention: stage outputs that get gradients
     residual: torch.Tensor | None = None
     probs: torch.Tensor | None = None
-    leaves: dict = field(default_factory=dict)  # the next stage's input leaves (combined, residual, probs)
+    shared: torch.Tensor | None = None  # the shared experts' output (None: the model has none)
+    leaves: dict = field(default_factory=dict)  # the next stage's input leaves (combined, residual, probs, shared)
     recv_tokens: torch.Tensor | None = None  # D_F's result on an expert holder
     expert_in: torch.Tensor | None = None
     expert_out: torch.Tensor | None = None
@@ -227,20 +228,20 @@ class AttentionZebra(ZebraRank):
                          lambda l: self.stages.layers[l].mlp.experts, task_timing)
 
     def _stage(self, s: int, j: int, batch: dict, leaves: tuple):
-        """Forward of attention stage s (0..L-1): returns (permuted, residual, probs) and keeps
+        """Forward of attention stage s (0..L-1): returns (permuted, residual, probs, shared) and keeps
         the stage's DispatchMeta in its slot; stage 0 also keeps the microbatch's StageContext
         (attention mask, rotary embedding), which every later stage of it reads."""
         if s == 0:
             hidden, self.contexts[j] = self.stages.embed(batch)
         else:
             hidden = self._combine(s - 1, j, leaves)
-        meta, permuted, residual, probs = self.stages.attention_and_route(s, hidden, self.contexts[j])
+        meta, permuted, residual, probs, shared = self.stages.attention_and_route(s, hidden, self.contexts[j])
         self.slot(s, j).meta = meta
-        return permuted, residual, probs
+        return permuted, residual, probs, shared
 
     def _combine(self, layer: int, j: int, leaves: tuple):
-        combined, residual, probs = leaves
-        return self.stages.combine(layer, self.slot(layer, j).meta, combined, residual, probs)
+        combined, residual, probs, shared = leaves
+        return self.stages.combine(layer, self.slot(layer, j).meta, combined, residual, probs, shared)
 
     def _head(self, j: int, batch: dict, leaves: tuple):
         return self.stages.head(self._combine(self.stages.num_layers - 1, j, leaves), batch, self.contexts[j])
@@ -262,8 +263,9 @@ class AttentionZebra(ZebraRank):
             prev = self.slot(s - 1, j)
             lv = (prev.route.arrived(prev.recv_combined).detach().requires_grad_(),
                   prev.residual.detach().requires_grad_(),
-                  prev.probs.detach().requires_grad_())
-            prev.leaves = {"combined": lv[0], "residual": lv[1], "probs": lv[2]}
+                  prev.probs.detach().requires_grad_(),
+                  None if prev.shared is None else prev.shared.detach().requires_grad_())
+            prev.leaves = {"combined": lv[0], "residual": lv[1], "probs": lv[2], "shared": lv[3]}
             return lv
 
         def compute(t: Task) -> None:
@@ -274,7 +276,7 @@ class AttentionZebra(ZebraRank):
                     fn = _in_device_scope(lambda *a: self._stage(s, j, batches[j], a))
                     out = checkpoint(fn, *lv, use_reentrant=False) if self.recompute else fn(*lv)
                     st = self.slot(s, j)
-                    st.permuted, st.residual, st.probs = out
+                    st.permuted, st.residual, st.probs, st.shared = out
                 else:
                     fn = _in_device_scope(lambda *a: self._head(j, batches[j], a))
                     out_tensor = checkpoint(fn, *lv, use_reentrant=False) if self.recompute else fn(*lv)
@@ -287,11 +289,12 @@ class AttentionZebra(ZebraRank):
                 else:
                     st = self.slot(s, j)
                     nxt = st.leaves
-                    grads = [st.route.arrived(st.grad_permuted), nxt["residual"].grad, nxt["probs"].grad]
-                    outs = [st.permuted, st.residual, st.probs]
+                    grads = [st.route.arrived(st.grad_permuted), nxt["residual"].grad, nxt["probs"].grad,
+                             None if nxt["shared"] is None else nxt["shared"].grad]
+                    outs = [st.permuted, st.residual, st.probs, st.shared]
                     keep = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
                     torch.autograd.backward([o for o, _ in keep], [g for _, g in keep])
-                    st.permuted = st.residual = st.probs = None
+                    st.permuted = st.residual = st.probs = st.shared = None
                     st.leaves = {}
                 if s > 0:
                     prev = self.slot(s - 1, j)

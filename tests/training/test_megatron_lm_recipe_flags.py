@@ -114,3 +114,27 @@ def test_megatron_default_model_with_biases(mlm, data, tmp_path, tmp_path_factor
                          "het")
     within(f"Megatron's default model with biases, {schedule} vs Megatron EP",
            max(abs(het[i] - ep[i]) for i in ep), 3e-6)
+
+
+@pytest.mark.parametrize("schedule", ["zebra", "distep"])
+def test_shared_experts(mlm, data, tmp_path, tmp_path_factory, schedule):
+    """Issue 27 item 3: shared experts (--moe-shared-expert-intermediate-size, with Qwen2-MoE's
+    --moe-shared-expert-gate and the recipe's --moe-shared-expert-overlap, which gets its line): a
+    dense MLP for every token on the attention ranks, added to the routed experts' output. From a
+    plain Megatron EP checkpoint after one iteration, an Asym-EA HeterMoE run continues with
+    Megatron EP's losses for 3 iterations, under zebra (the shared output crosses its stage
+    boundary as a leaf of its own) and distep (Megatron's MoELayer.forward)."""
+    flags = [*MODEL, *DATA, *CPU, *RECIPE, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
+             "--lr", "1e-3", *EVAL_OFF, "--data-path", data, "--moe-aux-loss-coeff", "0.01",
+             "--moe-shared-expert-intermediate-size", "96", "--moe-shared-expert-gate"]
+    if "shared" not in _EP_RUNS:
+        tmp = tmp_path_factory.mktemp("ep-shared")
+        ckpt = tmp / "ckpt"
+        run_losses(mlm, tmp, 2, [*flags, *EP, "--save", str(ckpt), "--save-interval", "1", "--train-iters", "1"], "tb")
+        _EP_RUNS["shared"] = ckpt, _resume_losses(mlm, tmp, 2, [*flags, *EP], ckpt, "resumed")
+    ckpt, ep = _EP_RUNS["shared"]
+    plan = tmp_path / "plan.json"
+    asym_ea_plan().save(plan)
+    het = _resume_losses(mlm, tmp_path, 4, [*flags, *EP, "--moe-shared-expert-overlap", "--hetero-plan", str(plan),
+                                            "--hetero-schedule", schedule], ckpt, "het")
+    within(f"shared experts, {schedule} vs Megatron EP", max(abs(het[i] - ep[i]) for i in ep), 3e-6)
