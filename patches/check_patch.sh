@@ -22,6 +22,11 @@ if [[ -f "${info}" ]]; then
     minor="$(sed -n 's/^MINOR = \([0-9]*\).*/\1/p' "${info}")"
     [[ -n "${major}" && -n "${minor}" ]] && version="${major}.${minor}"
 fi
+# Git looks at the checkout itself, never a repository around it: inside another work tree (a
+# tarball extracted into a project) git apply would skip the paths outside its directory and
+# report every patch as applying.
+checkout="$(cd "${checkout}" && pwd)"
+export GIT_CEILING_DIRECTORIES="$(dirname "${checkout}")"
 if git -C "${checkout}" rev-parse --git-dir > /dev/null 2>&1; then
     tag="$(git -C "${checkout}" describe --tags --exact-match 2> /dev/null || true)"
     if [[ -z "${version}" && "${tag}" =~ ^core_v([0-9]+\.[0-9]+)\. ]]; then

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron_hetermoe.config import PoolPrecision
 from megatron_hetermoe.megatron_lm.cpu_layer import _cpu_replacements, _replaced, _wrap
 from megatron_hetermoe.megatron_lm.refusals import refusals
-from megatron_hetermoe.megatron_lm.replaced import replace_flags
+from megatron_hetermoe.megatron_lm.replaced import recompute_choice, replace_flags
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.training.assembly import RoleAssembly
@@ -26,6 +26,7 @@ class HeteroPretrain:
     argv: list[str]
     plan: HeteroPlan | None = None
     schedule: str | None = None
+    recompute: bool = False  # zebra recomputes its attention stages (--recompute-granularity full)
     hs: HeteroParallelState | None = None
     pools: PoolPrecision | None = None
     assembly: RoleAssembly | None = None
@@ -37,7 +38,11 @@ class HeteroPretrain:
         if bad:
             raise SystemExit("--hetero-plan: Megatron-LM flag(s) this run cannot honour:\n  " + "\n  ".join(bad))
         self.plan = HeteroPlan.load(args.hetero_plan)
-        notes = replace_flags(args, self.argv, self.plan)
+        self.schedule = args.hetero_schedule or self.plan.schedule
+        self.recompute, recompute_notes, bad = recompute_choice(args, self.schedule)
+        if bad:
+            raise SystemExit("--hetero-plan: Megatron-LM flag(s) this run cannot honour:\n  " + "\n  ".join(bad))
+        notes = replace_flags(args, self.argv, self.plan) + recompute_notes
         if args.rank == 0:
             for note in notes:
                 print(f"> HeterMoE: {note}", flush=True)
@@ -55,7 +60,6 @@ class HeteroPretrain:
         finally:
             args.world_size = world
         nmb = self.plan.num_microbatches
-        self.schedule = args.hetero_schedule or self.plan.schedule
         self._pool_args(args)
         if args.rank == 0:
             print(f"> HeterMoE: plan {args.hetero_plan}, {n_attn} attention ranks (Megatron's data parallel size) + "
@@ -159,7 +163,7 @@ class HeteroPretrain:
 
             from megatron_hetermoe.training.hetero_args import hetero_run_config
 
-            run = dataclasses.replace(hetero_run_config(get_args()), schedule=self.schedule)
+            run = dataclasses.replace(hetero_run_config(get_args(), recompute=self.recompute), schedule=self.schedule)
             train = self.assembly.schedule(run)
             evaluate = self.assembly.schedule(dataclasses.replace(run, schedule="distep"))  # forward-only passes
             self._fwd_bwd = lambda **kw: self._step(train, evaluate, **kw)

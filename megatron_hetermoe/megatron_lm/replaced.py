@@ -47,3 +47,51 @@ def replace_flags(args, argv: list[str], plan: HeteroPlan) -> list[str]:
                          "transformer-engine >= 2.1 and CUDA): HeterMoE permutes unfused, with the same result")
             args.moe_permute_fusion = False
     return notes
+
+
+# Selective recomputation Megatron offers, and whether each replays nothing across roles.
+_SELECTIVE_LOCAL = {"core_attn", "layernorm", "mla_up_proj", "mlp", "moe_act", "shared_experts"}
+
+
+def recompute_choice(args, schedule: str) -> tuple[bool, list[str], list[str]]:
+    """Megatron's recomputation flags on a --hetero-plan run: (whether zebra recomputes its attention
+    stages, notes, refusals).
+
+    - selective: each module Megatron recomputes inside one rank (attention, norms, the experts'
+      activation, shared experts) runs as Megatron runs it, under both schedules; `moe` (the
+      whole MoE layer, its dispatch included) is refused.
+    - full: Megatron's TransformerBlock would recompute layers through their dispatch (distep:
+      refused). Zebra recomputes each attention stage (one layer's attention and routing, the
+      previous layer's combine) in its backward: Megatron's full/uniform recomputation, each
+      layer's input kept (--recompute-num-layers 1's memory; larger numbers keep fewer); block with
+      fewer layers than the model recomputes only some layers (refused)."""
+    granularity = args.recompute_granularity
+    if granularity == "selective":
+        modules = set(args.recompute_modules or ["core_attn"])
+        bad = sorted(modules - _SELECTIVE_LOCAL)
+        if bad:
+            return False, [], [f"--recompute-modules {' '.join(bad)}: recomputing a whole MoE layer would replay "
+                                f"its dispatch collectives, which expert ranks do not mirror; keep "
+                                f"{sorted(_SELECTIVE_LOCAL)}"]
+        if schedule == "zebra" and "layernorm" in modules:
+            # Megatron registers the pre-MLP norm's recomputation on the MLP's output (_forward_mlp),
+            # which zebra's stages do not call; megatron-core 0.16.1's norm recomputation also needs
+            # transformer-engine, so it cannot be tried on CPU ranks.
+            return False, [], ["--recompute-modules layernorm with the zebra schedule: not supported (zebra splits "
+                               "the layer where Megatron registers the norm's recomputation); use distep or drop it"]
+        return False, [], []
+    if granularity != "full":
+        return False, [], []
+    if schedule != "zebra":
+        return False, [], [f"--recompute-granularity full with the {schedule} schedule: Megatron's recomputation "
+                           f"would replay the dispatch collectives, which expert ranks do not mirror; use "
+                           f"--hetero-schedule zebra (it recomputes each attention stage) or --recompute-granularity "
+                           f"selective"]
+    if args.recompute_method == "block" and (args.recompute_num_layers or 0) < args.num_layers:
+        return False, [], [f"--recompute-method block --recompute-num-layers {args.recompute_num_layers}: zebra "
+                           f"recomputes every layer's attention stage; use --recompute-method uniform"]
+    note = (f"--recompute-granularity full --recompute-method {args.recompute_method}: zebra recomputes each "
+            f"attention stage in its backward (each layer's input kept")
+    if args.recompute_method == "uniform" and (args.recompute_num_layers or 1) > 1:
+        note += f"; --recompute-num-layers {args.recompute_num_layers} would keep fewer"
+    return True, [note + ")"], []

@@ -17,6 +17,7 @@ full, per stage).
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,6 +41,31 @@ from megatron_hetermoe.schedules.issuer import (
 )
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.schedules.timing import TaskTiming
+
+
+def _recomputed(fn, *args):
+    """fn(*args) under torch's checkpoint (the stage is run again in its backward), with Megatron's
+    RNG tracker states of the forward in place for the recomputation, as Megatron's own checkpoint
+    does: torch restores its generators, but attention dropout draws under the tracker's fork,
+    whose states have moved on since (the recomputed masks differed: loss off by 4e-3)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    def contexts():
+        tracker = get_cuda_rng_tracker()
+        forward_states = tracker.get_states()  # the fork replaces its entries, never changes them in place
+
+        @contextlib.contextmanager
+        def recompute():
+            after = tracker.get_states()
+            tracker.set_states(forward_states)
+            try:
+                yield
+            finally:
+                tracker.set_states(after)
+
+        return contextlib.nullcontext(), recompute()
+
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts)
 
 
 @dataclass
@@ -274,12 +300,12 @@ class AttentionZebra(ZebraRank):
                 lv = leaves_for(s, j) if s > 0 else ()
                 if s < L:
                     fn = _in_device_scope(lambda *a: self._stage(s, j, batches[j], a))
-                    out = checkpoint(fn, *lv, use_reentrant=False) if self.recompute else fn(*lv)
+                    out = _recomputed(fn, *lv) if self.recompute else fn(*lv)
                     st = self.slot(s, j)
                     st.permuted, st.residual, st.probs, st.shared = out
                 else:
                     fn = _in_device_scope(lambda *a: self._head(j, batches[j], a))
-                    out_tensor = checkpoint(fn, *lv, use_reentrant=False) if self.recompute else fn(*lv)
+                    out_tensor = _recomputed(fn, *lv) if self.recompute else fn(*lv)
                     loss, num_tokens, rep = loss_funcs[j](out_tensor)
                     losses[j] = loss / torch.clamp(num_tokens, min=1) / R
                     reported[j] = rep

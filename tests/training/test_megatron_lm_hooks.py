@@ -49,7 +49,7 @@ def test_megatron_defaults_are_not_refused():
 @pytest.mark.parametrize("given,expect", [
     ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size 2: HeterMoE's roles run without model"),
     ({"num_experts": None}, "--num-experts: HeterMoE trains MoE models; give --num-experts"),
-    ({"recompute_granularity": "full"}, "--recompute-granularity 'full': Megatron's recomputation would replay"),
+    ({"moe_layer_recompute": True}, "--moe-layer-recompute True: recomputing a whole MoE layer would replay"),
     ({"ckpt_format": "torch"}, "--ckpt-format 'torch': HeterMoE checkpoints inside pretrain() are Megatron's torch_dist"),
     ({"moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor 1.0: HeterMoE's dispatcher replaces"),
     ({"data_parallel_random_init": True}, "--data-parallel-random-init True: HeterMoE initializes every parameter"),
@@ -165,3 +165,32 @@ def test_bf16_attention_fp16_experts_set_each_rank_to_its_pool(tmp_path, rank):
                                                                       hetero_expert_precision="bf16"))
     with pytest.raises(ConfigError, match=r"pools of different precision must both be 16-bit"):
         HeteroPretrain([]).validate_args(lambda a, d: None, args(hetero_expert_precision="fp32"))
+
+
+def test_recomputation_choice():
+    """Issue 27 item 7: which of Megatron's recomputation flags a schedule honours, and how."""
+    from megatron_hetermoe.megatron_lm.replaced import recompute_choice
+
+    def choice(schedule, **kw):
+        return recompute_choice(_megatron_defaults(**{"recompute_method": None, "recompute_num_layers": None,
+                                                      "recompute_modules": None, "num_layers": 4, **kw}), schedule)
+
+    assert choice("zebra") == (False, [], [])
+    for schedule in ("zebra", "distep"):
+        assert choice(schedule, recompute_granularity="selective") == (False, [], [])  # core_attn
+        assert choice(schedule, recompute_granularity="selective",
+                      recompute_modules=["core_attn", "moe_act", "shared_experts"]) == (False, [], [])
+        _, _, bad = choice(schedule, recompute_granularity="selective", recompute_modules=["core_attn", "moe"])
+        assert bad == ["--recompute-modules moe: recomputing a whole MoE layer would replay its dispatch collectives, "
+                       "which expert ranks do not mirror; keep ['core_attn', 'layernorm', 'mla_up_proj', 'mlp', "
+                       "'moe_act', 'shared_experts']"]
+    assert choice("distep", recompute_granularity="selective", recompute_modules=["layernorm"]) == (False, [], [])
+    _, _, bad = choice("zebra", recompute_granularity="selective", recompute_modules=["layernorm"])
+    assert bad[0].startswith("--recompute-modules layernorm with the zebra schedule: not supported")
+    on, notes, bad = choice("zebra", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    assert on and not bad and notes[0].endswith("(each layer's input kept; --recompute-num-layers 2 would keep fewer)")
+    assert choice("zebra", recompute_granularity="full", recompute_method="block", recompute_num_layers=4)[0]
+    _, _, bad = choice("zebra", recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    assert bad[0].startswith("--recompute-method block --recompute-num-layers 2: zebra recomputes every layer")
+    _, _, bad = choice("distep", recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    assert bad[0].startswith("--recompute-granularity full with the distep schedule: Megatron's recomputation would")

@@ -138,3 +138,30 @@ def test_shared_experts(mlm, data, tmp_path, tmp_path_factory, schedule):
     het = _resume_losses(mlm, tmp_path, 4, [*flags, *EP, "--moe-shared-expert-overlap", "--hetero-plan", str(plan),
                                             "--hetero-schedule", schedule], ckpt, "het")
     within(f"shared experts, {schedule} vs Megatron EP", max(abs(het[i] - ep[i]) for i in ep), 3e-6)
+
+
+def test_recomputation_keeps_the_losses(mlm, data, tmp_path):
+    """Issue 27 item 7: Megatron's recomputation flags on both schedules, with dropout on (the
+    recomputed forward must draw the same masks, from torch's generator and from Megatron's RNG
+    tracker alike) and shared experts. --recompute-granularity selective (attention, shared
+    experts) runs as Megatron runs it under zebra and distep; --recompute-granularity full under
+    zebra recomputes each attention stage. Each trains with the losses of the same run without
+    recomputation."""
+    plan = tmp_path / "plan.json"
+    asym_ea_plan().save(plan)
+    flags = [*MODEL, *BATCH, *DATA, *CPU, *RECIPE, *EVAL_OFF, "--data-path", data, "--moe-aux-loss-coeff", "0.01",
+             "--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--moe-shared-expert-intermediate-size", "96",
+             "--hetero-plan", str(plan)]
+    # (layernorm: megatron-core 0.16.1 recomputes norms only with transformer-engine, plain Megatron too.)
+    selective = ["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "shared_experts"]
+    full = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    for schedule, recompute in (("zebra", [selective, full]), ("distep", [selective])):
+        sched = ["--hetero-schedule", schedule]
+        plain, _ = run_losses(mlm, tmp_path, 4, [*flags, *sched], f"{schedule}-plain")
+        assert sorted(plain) == [1, 2, 3]
+        for r in recompute:
+            losses, log = run_losses(mlm, tmp_path, 4, [*flags, *sched, *r], f"{schedule}-{r[1]}")
+            within(f"{schedule} with --recompute-granularity {r[1]} vs without", max(abs(losses[i] - plain[i])
+                                                                                    for i in plain), 3e-6)
+            if r is full:
+                assert "> HeterMoE: --recompute-granularity full --recompute-method uniform: zebra recomputes" in log
