@@ -19,8 +19,8 @@ _REFUSED: dict[str, dict[str, tuple]] = {
         "--mtp-num-layers": _UNSET, "--heterogeneous-layers-config-path": _UNSET,
         "--experimental-attention-variant": _UNSET, "--delay-wgrad-compute": _OFF, "--moe-use-upcycling": _OFF,
         "--use-torch-fsdp2": _OFF, "--use-megatron-fsdp": _OFF, "--calculate-per-token-loss": _OFF},
-    "HeterMoE's dispatcher replaces Megatron's (it drops no tokens and applies the probabilities after combine)": {
-        "--moe-expert-capacity-factor": _UNSET, "--moe-enable-deepep": _OFF,
+    "HeterMoE's dispatcher replaces Megatron's (it applies the probabilities after combine)": {
+        "--moe-enable-deepep": _OFF,
         "--moe-apply-probs-on-input": _OFF},
     "zebra is HeterMoE's overlap of expert communication": {"--overlap-moe-expert-parallel-comm": _OFF},
     "not tested with HeterMoE's schedules yet": {"--overlap-grad-reduce": _OFF, "--overlap-param-gather": _OFF},

@@ -51,7 +51,7 @@ def test_megatron_defaults_are_not_refused():
     ({"num_experts": None}, "--num-experts: HeterMoE trains MoE models; give --num-experts"),
     ({"moe_layer_recompute": True}, "--moe-layer-recompute True: recomputing a whole MoE layer would replay"),
     ({"ckpt_format": "torch"}, "--ckpt-format 'torch': HeterMoE checkpoints inside pretrain() are Megatron's torch_dist"),
-    ({"moe_expert_capacity_factor": 1.0}, "--moe-expert-capacity-factor 1.0: HeterMoE's dispatcher replaces"),
+    ({"moe_enable_deepep": True}, "--moe-enable-deepep True: HeterMoE's dispatcher replaces"),
     ({"data_parallel_random_init": True}, "--data-parallel-random-init True: HeterMoE initializes every parameter"),
 ])
 def test_each_refusal_names_flag_value_and_reason(given, expect):

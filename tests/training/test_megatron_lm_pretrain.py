@@ -100,12 +100,12 @@ def test_megatron_lm_flags_it_cannot_honour_are_refused_by_name(mlm, tmp_path):
     plan = tmp_path / "plan.json"
     even_plan(2, 4, 1, 1, num_microbatches=4).save(plan)
     r = torchrun(mlm, 1, [*MODEL, *BATCH, *CPU, "--mock-data", "--vocab-size", "256", "--tokenizer-type",
-                           "NullTokenizer", "--moe-layer-recompute", "--moe-expert-capacity-factor",
-                           "1.0", "--hetero-plan", str(plan)], timeout=300)
+                           "NullTokenizer", "--moe-layer-recompute", "--moe-apply-probs-on-input",
+                           "--moe-router-topk", "1", "--hetero-plan", str(plan)], timeout=300)
     log = r.stdout + r.stderr
     assert r.returncode != 0
     assert "--moe-layer-recompute True: recomputing a whole MoE layer would replay" in log, log[-3000:]
-    assert "--moe-expert-capacity-factor 1.0: HeterMoE's dispatcher replaces Megatron's" in log
+    assert "--moe-apply-probs-on-input True: HeterMoE's dispatcher replaces Megatron's" in log
 
 
 def _asym_plan(path: Path) -> Path:

@@ -165,3 +165,36 @@ def test_recomputation_keeps_the_losses(mlm, data, tmp_path):
                                                                                     for i in plain), 3e-6)
             if r is full:
                 assert "> HeterMoE: --recompute-granularity full --recompute-method uniform: zebra recomputes" in log
+
+
+@pytest.mark.parametrize("schedule, dropping", [
+    ("zebra", ["--moe-expert-capacity-factor", "0.5"]),
+    ("distep", ["--moe-expert-capacity-factor", "0.5", "--moe-pad-expert-input-to-capacity", "--moe-token-drop-policy",
+                "position"])], ids=["zebra-probs", "distep-pad-position"])
+def test_token_dropping(mlm, data, tmp_path, tmp_path_factory, schedule, dropping):
+    """Issue 27 item 5: token dropping with Megatron's semantics. Megatron's router drops each
+    expert's tokens beyond its capacity (per rank's tokens, by probability or position; padded to
+    capacity with zero-probability tokens), and the router runs on the attention ranks, which hold
+    the same tokens as Megatron EP's ranks: the same tokens are dropped, and the padding tokens
+    travel to the experts and come back weighted 0. From a Megatron EP checkpoint an Asym-EA run
+    continues with Megatron EP's losses at the same capacity factor (0.5: half the tokens a
+    balanced router sends, so every step drops)."""
+    flags = [*MODEL, *DATA, *CPU, *RECIPE, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
+             "--lr", "1e-3", *EVAL_OFF, "--data-path", data, "--moe-aux-loss-coeff", "0.01", *dropping]
+    key = ("dropping", *dropping)
+    if key not in _EP_RUNS:
+        tmp = tmp_path_factory.mktemp("ep-drop")
+        ckpt = tmp / "ckpt"
+        run_losses(mlm, tmp, 2, [*flags, *EP, "--save", str(ckpt), "--save-interval", "1", "--train-iters", "1"], "tb")
+        _EP_RUNS[key] = ckpt, _resume_losses(mlm, tmp, 2, [*flags, *EP], ckpt, "resumed")
+    ckpt, ep = _EP_RUNS[key]
+    plan = tmp_path / "plan.json"
+    asym_ea_plan().save(plan)
+    het = _resume_losses(mlm, tmp_path, 4, [*flags, *EP, "--hetero-plan", str(plan), "--hetero-schedule", schedule],
+                         ckpt, "het")
+    within(f"token dropping, {schedule} vs Megatron EP", max(abs(het[i] - ep[i]) for i in ep), 3e-6)
+    # The same run without dropping trains otherwise: the capacity is reached.
+    free = [f for f in flags if f not in dropping]
+    dropless = _resume_losses(mlm, tmp_path, 4, [*free, *EP, "--hetero-plan", str(plan), "--hetero-schedule",
+                                                 schedule], ckpt, "dropless")
+    assert max(abs(dropless[i] - ep[i]) for i in ep) > 1e-4, (dropless, ep)
