@@ -26,7 +26,8 @@ fi
 # tarball extracted into a project) git apply would skip the paths outside its directory and
 # report every patch as applying.
 checkout="$(cd "${checkout}" && pwd)"
-export GIT_CEILING_DIRECTORIES="$(dirname "${checkout}")"
+GIT_CEILING_DIRECTORIES="$(dirname "${checkout}")"
+export GIT_CEILING_DIRECTORIES
 if git -C "${checkout}" rev-parse --git-dir > /dev/null 2>&1; then
     tag="$(git -C "${checkout}" describe --tags --exact-match 2> /dev/null || true)"
     if [[ -z "${version}" && "${tag}" =~ ^core_v([0-9]+\.[0-9]+)\. ]]; then
