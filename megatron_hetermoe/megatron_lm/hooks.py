@@ -175,7 +175,6 @@ class HeteroPretrain:
             reported = evaluate(forward_only=True, model=model, **kw)
         else:
             reported = train(forward_only=False, model=model, **kw)
-            self.assembly.finish_gradients(model[0] if isinstance(model, list) else model)
         # The world's [token-summed lm loss, tokens]: attention ranks keep their own reports
         # (Megatron sums them over the attention DP group); expert ranks report the world's,
         # divided by their DP (replica) group's size, which Megatron sums over.
@@ -184,6 +183,13 @@ class HeteroPretrain:
             if "lm loss" in r:
                 tot += r["lm loss"].detach().float().view(-1)
         dist.all_reduce(tot, group=hs.world_group)
+        if not forward_only:
+            # --calculate-per-token-loss: the step's tokens (the loss mask's, which lm loss counts).
+            from megatron.core.utils import get_model_config
+
+            chunk = model[0] if isinstance(model, list) else model
+            per_token = get_model_config(chunk).calculate_per_token_loss
+            self.assembly.finish_gradients(chunk, tot[1] if per_token else None)
         if hs.role == "attention":
             return reported
         return [{"lm loss": tot / dist.get_world_size(hs.replica_group)}]

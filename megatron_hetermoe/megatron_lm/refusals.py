@@ -18,7 +18,7 @@ _REFUSED: dict[str, dict[str, tuple]] = {
     "not supported with HeterMoE": {
         "--mtp-num-layers": _UNSET, "--heterogeneous-layers-config-path": _UNSET,
         "--experimental-attention-variant": _UNSET, "--delay-wgrad-compute": _OFF, "--moe-use-upcycling": _OFF,
-        "--use-torch-fsdp2": _OFF, "--use-megatron-fsdp": _OFF, "--calculate-per-token-loss": _OFF},
+        "--use-torch-fsdp2": _OFF, "--use-megatron-fsdp": _OFF},
     "HeterMoE's dispatcher replaces Megatron's (it applies the probabilities after combine)": {
         "--moe-enable-deepep": _OFF,
         "--moe-apply-probs-on-input": _OFF},

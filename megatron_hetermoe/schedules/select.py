@@ -73,7 +73,8 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
         if executed is not None:
             executed.append((az.ex.executed, az.ex.executed_streams, az.ex.meter.peak))
         if cfg.finalize_model_grads_func is not None:
-            cfg.finalize_model_grads_func(model if isinstance(model, list) else [model], None,
+            cfg.finalize_model_grads_func(model if isinstance(model, list) else [model],
+                                          az.num_tokens if cfg.calculate_per_token_loss else None,
                                           pg_collection=pg_collection)
     return reported
 

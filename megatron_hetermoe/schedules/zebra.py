@@ -278,9 +278,15 @@ class AttentionZebra(ZebraRank):
         R = len(batches)
         L = self.stages.num_layers
         # As Megatron's forward_step: the loss is scaled by config.grad_scale_func (the optimizer's
-        # loss scale), and the aux loss by grad_scale_func(1) / R.
-        scale_loss = self.stages.gpt.config.grad_scale_func or (lambda t: t)
-        MoEAuxLossAutoScaler.set_loss_scale(scale_loss(torch.ones(1, device=self.hs.device)) / R)
+        # loss scale), and the aux loss by grad_scale_func(1) / R; with --calculate-per-token-loss
+        # the losses are token sums (no division: finalize_model_grads divides the gradients by the
+        # step's tokens, self.num_tokens) and the aux loss is scaled by grad_scale_func(1).
+        config = self.stages.gpt.config
+        per_token = config.calculate_per_token_loss
+        scale_loss = config.grad_scale_func or (lambda t: t)
+        one = scale_loss(torch.ones(1, device=self.hs.device))
+        MoEAuxLossAutoScaler.set_loss_scale(one if per_token else one / R)
+        self.num_tokens = torch.zeros((), dtype=torch.int, device=self.hs.device)
         self.contexts: dict[int, StageContext] = {}
         losses: dict[int, torch.Tensor] = {}
         reported: dict[int, dict] = {}
@@ -307,7 +313,11 @@ class AttentionZebra(ZebraRank):
                     fn = _in_device_scope(lambda *a: self._head(j, batches[j], a))
                     out_tensor = _recomputed(fn, *lv) if self.recompute else fn(*lv)
                     loss, num_tokens, rep = loss_funcs[j](out_tensor)
-                    losses[j] = loss / torch.clamp(num_tokens, min=1) / R
+                    if per_token:
+                        losses[j] = loss
+                        self.num_tokens += num_tokens
+                    else:
+                        losses[j] = loss / torch.clamp(num_tokens, min=1) / R
                     reported[j] = rep
             elif t.kind == "A_B":
                 if s == L:

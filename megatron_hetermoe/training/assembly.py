@@ -144,13 +144,22 @@ class RoleAssembly:
 
         return get_forward_backward_func(self.hs, run, recorder, executed, task_timing)
 
-    def finish_gradients(self, model) -> None:
+    def finish_gradients(self, model, num_tokens: torch.Tensor | None = None) -> None:
         """An expert rank's share of Megatron's data-parallel average, after its step: each expert
         saw the tokens of the M attention ranks of its ZP group, each a local-mean loss, so
-        Megatron's average needs 1/(M*G); DDP applied 1/G over the replica group."""
+        Megatron's average needs 1/(M*G); DDP applied 1/G over the replica group. With
+        --calculate-per-token-loss (`num_tokens`: the step's tokens over the world) the losses are
+        token sums, DDP summed, and Megatron divides every gradient by the step's tokens, as
+        finalize_model_grads does on the attention ranks."""
         if self.hs.role != "expert":
             return
         from megatron_hetermoe.models.builder import unwrap
 
+        if num_tokens is None:
+            scale = 1.0 / self.hs.num_attention_per_group
+        elif num_tokens > 0:
+            scale = 1.0 / num_tokens
+        else:
+            return
         for p in unwrap(model).parameters():
-            p.main_grad.mul_(1.0 / self.hs.num_attention_per_group)
+            p.main_grad.mul_(scale)

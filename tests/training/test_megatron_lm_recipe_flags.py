@@ -198,3 +198,31 @@ def test_token_dropping(mlm, data, tmp_path, tmp_path_factory, schedule, droppin
     dropless = _resume_losses(mlm, tmp_path, 4, [*free, *EP, "--hetero-plan", str(plan), "--hetero-schedule",
                                                  schedule], ckpt, "dropless")
     assert max(abs(dropless[i] - ep[i]) for i in ep) > 1e-4, (dropless, ep)
+
+
+@pytest.mark.parametrize("schedule", ["zebra", "distep"])
+def test_per_token_loss(mlm, data, tmp_path, tmp_path_factory, schedule):
+    """Issue 27 item 8: --calculate-per-token-loss (SFT recipes): the losses are token sums and
+    every gradient is divided by the step's tokens over the world (Megatron's finalize_model_grads
+    on the attention ranks, the expert ranks by the same count). Adam hides a constant factor on
+    the gradients, so the grad norm is compared too: from a Megatron EP checkpoint an Asym-EA run
+    continues with Megatron EP's losses and grad norms (the test data's loss mask counts the
+    tokens)."""
+    flags = [*MODEL, *DATA, *CPU, *RECIPE, "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "4",
+             "--lr", "1e-3", *EVAL_OFF, "--data-path", data, "--moe-aux-loss-coeff", "0.01",
+             "--calculate-per-token-loss", "--eod-mask-loss"]
+    if "per-token" not in _EP_RUNS:
+        tmp = tmp_path_factory.mktemp("ep-per-token")
+        ckpt = tmp / "ckpt"
+        run_losses(mlm, tmp, 2, [*flags, *EP, "--save", str(ckpt), "--save-interval", "1", "--train-iters", "1"], "tb")
+        losses = _resume_losses(mlm, tmp, 2, [*flags, *EP], ckpt, "resumed")
+        _EP_RUNS["per-token"] = ckpt, losses, tb_losses(tmp / "resumed", "grad-norm")
+    ckpt, ep, ep_norm = _EP_RUNS["per-token"]
+    plan = tmp_path / "plan.json"
+    asym_ea_plan().save(plan)
+    het = _resume_losses(mlm, tmp_path, 4, [*flags, *EP, "--hetero-plan", str(plan), "--hetero-schedule", schedule],
+                         ckpt, "het")
+    het_norm = tb_losses(tmp_path / "het", "grad-norm")
+    within(f"per-token loss, {schedule} vs Megatron EP", max(abs(het[i] - ep[i]) for i in ep), 3e-6)
+    within(f"per-token loss grad norm, {schedule} vs Megatron EP",
+           max(abs(het_norm[i] / ep_norm[i] - 1) for i in ep_norm), 1e-5)
