@@ -69,12 +69,13 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
             _, lf = forward_step_func(data_iterator, cap)
             loss_funcs.append(lf)
         az = AttentionZebra(gpt, hs, run, recorder, task_timing)
-        reported = az.run(cap.calls, loss_funcs, schedule_named(schedule).tasks(hs.plan, hs.rank, num_microbatches))
+        reported, num_tokens = az.run(cap.calls, loss_funcs,
+                                      schedule_named(schedule).tasks(hs.plan, hs.rank, num_microbatches))
         if executed is not None:
             executed.append((az.ex.executed, az.ex.executed_streams, az.ex.meter.peak))
         if cfg.finalize_model_grads_func is not None:
             cfg.finalize_model_grads_func(model if isinstance(model, list) else [model],
-                                          az.num_tokens if cfg.calculate_per_token_loss else None,
+                                          num_tokens,
                                           pg_collection=pg_collection)
     return reported
 

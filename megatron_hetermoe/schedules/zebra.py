@@ -272,7 +272,10 @@ class AttentionZebra(ZebraRank):
     def _head(self, j: int, batch: dict, leaves: tuple):
         return self.stages.head(self._combine(self.stages.num_layers - 1, j, leaves), batch, self.contexts[j])
 
-    def run(self, batches: list[dict], loss_funcs: list, tasks: list[Task]) -> list:
+    def run(self, batches: list[dict], loss_funcs: list, tasks: list[Task]) -> tuple[list, torch.Tensor | None]:
+        """The step: (each microbatch's reported losses, the step's tokens with
+        --calculate-per-token-loss, else None). Nothing of it stays on the rank object (a long
+        run's memory stays flat)."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         R = len(batches)
@@ -280,13 +283,13 @@ class AttentionZebra(ZebraRank):
         # As Megatron's forward_step: the loss is scaled by config.grad_scale_func (the optimizer's
         # loss scale), and the aux loss by grad_scale_func(1) / R; with --calculate-per-token-loss
         # the losses are token sums (no division: finalize_model_grads divides the gradients by the
-        # step's tokens, self.num_tokens) and the aux loss is scaled by grad_scale_func(1).
+        # step's tokens, which run returns) and the aux loss is scaled by grad_scale_func(1).
         config = self.stages.gpt.config
         per_token = config.calculate_per_token_loss
         scale_loss = config.grad_scale_func or (lambda t: t)
         one = scale_loss(torch.ones(1, device=self.hs.device))
         MoEAuxLossAutoScaler.set_loss_scale(one if per_token else one / R)
-        self.num_tokens = torch.zeros((), dtype=torch.int, device=self.hs.device)
+        num_tokens_step = torch.zeros((), dtype=torch.int, device=self.hs.device) if per_token else None
         self.contexts: dict[int, StageContext] = {}
         losses: dict[int, torch.Tensor] = {}
         reported: dict[int, dict] = {}
@@ -315,7 +318,7 @@ class AttentionZebra(ZebraRank):
                     loss, num_tokens, rep = loss_funcs[j](out_tensor)
                     if per_token:
                         losses[j] = loss
-                        self.num_tokens += num_tokens
+                        num_tokens_step.add_(num_tokens)
                     else:
                         losses[j] = loss / torch.clamp(num_tokens, min=1) / R
                     reported[j] = rep
@@ -345,7 +348,7 @@ class AttentionZebra(ZebraRank):
 
         self.execute(tasks, compute)
         self.contexts.clear()
-        return [reported[j] for j in range(R)]
+        return [reported[j] for j in range(R)], num_tokens_step
 
 
 class ExpertZebra(ZebraRank):
