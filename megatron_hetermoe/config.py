@@ -14,6 +14,7 @@ from typing import Literal
 from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.limits import MODEL_LIMITS
 from megatron_hetermoe.paths import read_yaml_mapping, resolve_config
+from megatron_hetermoe import layer_pattern as moe_layers  # layer 0: no torch, no megatron
 
 # A rank's part in a run: HeterMoE's attention or expert rank (read from the plan), or a rank of
 # plain Megatron EP (the reference). Logs, timelines, NaN reports and checkpoints name it.
@@ -28,9 +29,20 @@ class ModelConfigError(UserError, ValueError):
     """A model config that cannot be built; the message names the field, the value and the fix."""
 
 
+# ModelConfig fields that are not positive ints (each checked on its own), and those that are
+# positive ints or None.
+_NOT_COUNTS = ("name", "moe_aux_loss_coeff", "moe_layer_freq")
+_OPTIONAL_COUNTS = ("moe_shared_expert_intermediate_size",)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Mixtral-style MoE GPT: every layer is MoE, SwiGLU experts, RMSNorm, RoPE, no bias."""
+    """A Mixtral-style MoE GPT (SwiGLU MLPs, RMSNorm, RoPE, no bias), with Megatron's layer options:
+    `moe_layer_freq` (Megatron's --moe-layer-freq) makes some layers dense (an MLP of
+    ffn_hidden_size instead of experts; default 1: every layer MoE), and
+    `moe_shared_expert_intermediate_size` gives every MoE layer a shared-expert MLP of that size
+    that all tokens pass through (default None: none). `num_layers` is the model's total
+    (Megatron's --num-layers); `num_moe_layers` and `dense_layers` split it."""
 
     name: str
     num_layers: int
@@ -43,15 +55,23 @@ class ModelConfig:
     moe_aux_loss_coeff: float = 0.01
     vocab_size: int = 32000
     seq_length: int = 4096
+    # An int N (layer i is MoE when i % N == 0) or one 0/1 per layer (1 = MoE); the string forms
+    # Megatron takes ("2", "([0]+[1]*2)") are read into these. Kept as Megatron's int or list,
+    # so it can be handed to a TransformerConfig as it is.
+    moe_layer_freq: int | list[int] = 1
+    moe_shared_expert_intermediate_size: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ModelConfigError(f"model name={self.name!r} must be a non-empty string")
         for f in fields(self):
             v = getattr(self, f.name)
+            if f.name in _NOT_COUNTS or (f.name in _OPTIONAL_COUNTS and v is None):
+                continue
             # bool is an int subclass: `num_layers: true` in YAML must not mean 1.
-            if f.name not in ("name", "moe_aux_loss_coeff") and (type(v) is not int or v <= 0):
-                raise ModelConfigError(f"model {self.name!r}: {f.name}={v!r} must be a positive integer")
+            if type(v) is not int or v <= 0:
+                what = " (or absent: none)" if f.name in _OPTIONAL_COUNTS else ""
+                raise ModelConfigError(f"model {self.name!r}: {f.name}={v!r} must be a positive integer{what}")
             if f.name in MODEL_LIMITS and v > MODEL_LIMITS[f.name]:  # limits.py: no cluster holds more
                 raise ModelConfigError(f"model {self.name!r}: {f.name}={v} is above {MODEL_LIMITS[f.name]}, the "
                                        f"largest this plugin takes (megatron_hetermoe/limits.py); check the value")
@@ -59,6 +79,7 @@ class ModelConfig:
         if type(c) not in (int, float) or not math.isfinite(c) or c < 0:
             raise ModelConfigError(f"model {self.name!r}: moe_aux_loss_coeff={c!r} must be a finite number >= 0 "
                                    f"(Megatron's default is 0.01; 0 disables the load-balancing loss)")
+        self._check_moe_layer_freq()
         if self.hidden_size % self.num_attention_heads:
             raise ModelConfigError(
                 f"model {self.name!r}: hidden_size={self.hidden_size} is not divisible by "
@@ -75,6 +96,28 @@ class ModelConfig:
                 f"model {self.name!r}: moe_router_topk={self.moe_router_topk} must be in "
                 f"[1, num_experts={self.num_experts}]"
             )
+
+    def _check_moe_layer_freq(self) -> None:
+        """Read moe_layer_freq as Megatron does (an int, or its list; a string form is read into
+        one) and check it leaves at least one MoE layer in num_layers."""
+        v = self.moe_layer_freq
+        shown = repr(v) if len(repr(v)) <= 80 else repr(v)[:60] + "..."
+        n = self.num_layers
+        fix = (f"use an int N >= 1 (layer i is MoE when i % N == 0; 1: every layer) or a list of num_layers={n} "
+               f"entries, 0 = dense and 1 = MoE" + (f", e.g. '([0]+[1]*{n - 1})' for a dense first layer" if n > 1 else ""))
+        if type(v) not in (int, str, list) or (isinstance(v, list) and any(type(x) is not int for x in v)):
+            raise ModelConfigError(f"model {self.name!r}: moe_layer_freq={shown} is not an int, a list of 0/1 nor a "
+                                   f"list expression; {fix}")
+        try:
+            freq = moe_layers.parse_moe_layer_freq(v)
+            moe_layers.dense_layers(freq, self.num_layers)
+        except (moe_layers.LayerPatternError, ValueError) as e:  # ValueError: an int string too long to read
+            raise ModelConfigError(f"model {self.name!r}: moe_layer_freq={shown} is not a valid layer pattern ({e}); "
+                                   f"{fix}") from None
+        object.__setattr__(self, "moe_layer_freq", freq)  # a fresh int or list: never the caller's list
+
+    def __hash__(self) -> int:  # frozen, but moe_layer_freq may be a list (Megatron's type)
+        return hash(tuple(tuple(v) if isinstance(v, list) else v for v in (getattr(self, f.name) for f in fields(self))))
 
     @classmethod
     def load(cls, path_or_name: str | Path) -> "ModelConfig":
@@ -99,15 +142,59 @@ class ModelConfig:
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
+    # ---- layers: MoE and dense (Megatron's --moe-layer-freq) ------------------------------
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """One entry per model layer: 1 = MoE layer, 0 = dense layer."""
+        return moe_layers.moe_layer_pattern(self.moe_layer_freq, self.num_layers)
+
+    @property
+    def dense_layers(self) -> list[int]:
+        """Model indices of the layers without experts (a plan's dense_layers)."""
+        return [i for i, v in enumerate(self.moe_layer_pattern) if not v]
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        """Model indices of the MoE layers; MoE layer k (a plan's layer k) is model layer moe_layer_ids[k]."""
+        return [i for i, v in enumerate(self.moe_layer_pattern) if v]
+
+    @property
+    def num_moe_layers(self) -> int:
+        """MoE layers: a plan's num_layers (one expert placement each), the task lists' L."""
+        return sum(self.moe_layer_pattern)
+
+    # ---- parameters ---------------------------------------------------------------------
     def expert_params(self) -> int:
         """Parameters of one SwiGLU expert (fc1 is 2 x ffn for the gate and up projections)."""
         return 3 * self.hidden_size * self.moe_ffn_hidden_size
 
+    def dense_mlp_params(self) -> int:
+        """The SwiGLU MLP of one dense layer (ffn_hidden_size)."""
+        return 3 * self.hidden_size * self.ffn_hidden_size
+
+    def shared_expert_params(self) -> int:
+        """The shared-expert SwiGLU MLP of one MoE layer (0 without shared experts)."""
+        return 3 * self.hidden_size * (self.moe_shared_expert_intermediate_size or 0)
+
+    def layer_attention_params(self) -> int:
+        """Attention of any layer: QKV + output projection and the two norms."""
+        h = self.hidden_size
+        return 4 * h * h + 2 * h
+
+    def moe_layer_non_expert_params(self) -> int:
+        """What an MoE layer holds besides its routed experts: attention, norms, router, shared expert."""
+        return self.layer_attention_params() + self.hidden_size * self.num_experts + self.shared_expert_params()
+
+    def dense_layer_params(self) -> int:
+        return self.layer_attention_params() + self.dense_mlp_params()
+
     def non_expert_params(self) -> int:
-        """Embedding, output layer, attention, norms and routers: what an attention rank holds."""
-        h, L = self.hidden_size, self.num_layers
-        attn = 4 * h * h + 2 * h + h * self.num_experts  # qkv+proj, two norms, router
-        return 2 * self.vocab_size * h + L * attn + h
+        """Embedding, output layer, final norm, and every layer but its routed experts (attention,
+        norms, routers, shared experts, dense layers' MLPs): what an attention rank holds."""
+        h = self.hidden_size
+        layers = self.num_moe_layers * self.moe_layer_non_expert_params() + \
+            len(self.dense_layers) * self.dense_layer_params()
+        return 2 * self.vocab_size * h + layers + h
 
 
 @dataclass(frozen=True)

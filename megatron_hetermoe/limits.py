@@ -18,6 +18,7 @@ MODEL_LIMITS = {
     "num_attention_heads": 1 << 12,
     "ffn_hidden_size": 1 << 20,
     "moe_ffn_hidden_size": 1 << 20,
+    "moe_shared_expert_intermediate_size": 1 << 20,
     "num_experts": 1 << 14,  # 16384 per layer
     "moe_router_topk": 1 << 14,
     "vocab_size": 1 << 24,

@@ -49,9 +49,11 @@ class HeteroPretrain:
         world, n_attn = args.world_size, len(self.plan.attention_ranks)
         world_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
         self.pools = PoolPrecision(world_precision, getattr(args, "hetero_expert_precision", None) or world_precision)
+        freq = args.moe_layer_freq
         check_plan_for_job(self.plan, world, args.num_layers, args.num_experts, args.micro_batch_size,
                            args.global_batch_size, self.pools, f"--num-layers {args.num_layers} --num-experts "
-                           f"{args.num_experts}", "remake the plan for this model", f"plan {args.hetero_plan}")
+                           f"{args.num_experts}" + (f" --moe-layer-freq {freq}" if freq != 1 else ""),
+                           "remake the plan for this model", f"plan {args.hetero_plan}", moe_layer_freq=freq)
         # Megatron's data parallelism is over the attention ranks: validate_args derives
         # data_parallel_size (and set_global_variables the microbatch calculator) from it.
         args.world_size = n_attn
@@ -119,7 +121,7 @@ class HeteroPretrain:
         self.assembly = RoleAssembly(self.hs, self.pools)
         from megatron_hetermoe.schedules.issuer import resolve_issuer
 
-        experts = {layer: self.hs.local_experts(layer) for layer in range(self.plan.num_layers)}
+        experts = {self.plan.moe_layer_ids[layer]: self.hs.local_experts(layer) for layer in range(self.plan.num_layers)}
         issuer = resolve_issuer(get_args().hetero_zebra_issuer, self.hs.device, emulated=False,
                                 backend=self.hs.transport.backend)
         print(f"> HeterMoE rank {self.hs.rank} ({self.hs.role}, ZP group {self.hs.group_index}"
@@ -136,7 +138,6 @@ class HeteroPretrain:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
         from megatron.training.arguments import core_transformer_config_from_args
 
-        from megatron_hetermoe.compat import normalize_layer_spec
         from megatron_hetermoe.training.assembly import model_config
 
         # No barrier in the model's own L1 timers (Megatron's schedule, finalize_model_grads): the
@@ -146,14 +147,14 @@ class HeteroPretrain:
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_impl == "transformer_engine",
                                            normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
                                            vp_stage=vp_stage)
-        # Every layer is MoE (--moe-layer-freq 1, checked); 0.18+ spell its mlp as builders (compat).
+        # The block spec: dense and MoE layers by --moe-layer-freq (the plan's dense_layers, checked).
         gpt = dict(vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                    pre_process=pre_process, post_process=post_process,
                    fp16_lm_cross_entropy=args.fp16_lm_cross_entropy, parallel_output=True,
                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                    rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling)
-        module, _ = self.assembly.module(config, normalize_layer_spec(block.layer_specs[0]), args.seed, gpt)
+        module, _ = self.assembly.module(config, block, args.seed, gpt)
         return module
 
     # ---- 4. the schedule --------------------------------------------------------------------

@@ -12,7 +12,6 @@ _REFUSED: dict[str, dict[str, tuple]] = {
     "HeterMoE's roles run without model parallelism inside a role": {
         "--tensor-model-parallel-size": _ONE, "--pipeline-model-parallel-size": _ONE,
         "--context-parallel-size": _ONE, "--expert-tensor-parallel-size": (None, 1)},
-    "every layer must be an MoE layer (the plan's)": {"--moe-layer-freq": _ONE},
     "HeterMoE builds megatron-core's GPTModel from the command line's flags and Megatron's spec": {
         "--use-legacy-models": _OFF, "--spec": _UNSET, "--yaml-cfg": _UNSET},
     "not supported with HeterMoE": {
@@ -23,7 +22,6 @@ _REFUSED: dict[str, dict[str, tuple]] = {
         "--moe-enable-deepep": _OFF,
         "--moe-apply-probs-on-input": _OFF},
     "zebra is HeterMoE's overlap of expert communication": {"--overlap-moe-expert-parallel-comm": _OFF},
-    "not tested with HeterMoE's schedules yet": {"--overlap-grad-reduce": _OFF, "--overlap-param-gather": _OFF},
     "recomputing a whole MoE layer would replay its dispatch collectives, which expert ranks do not mirror "
     "(--recompute-modules moe is refused alike; zebra recomputes its attention stages with --recompute-granularity "
     "full)": {"--moe-layer-recompute": _OFF},

@@ -110,7 +110,8 @@ class ExpertRuntime(_megatron_module()):
     """All experts an expert rank holds, named as in a plain Megatron model
     (decoder.layers.L.mlp.experts.local_experts.i with SequentialMLP; the kernels' own names
     otherwise, see plan/expert_names.py) so DDP, the optimizer and checkpoints treat them like
-    Megatron's own."""
+    Megatron's own. decoder.layers has one holder per model layer (a dense layer's is empty), so
+    names carry the model's layer index; the schedules address MoE layers (`experts_of`)."""
 
     def __init__(self, config, experts_spec, hs: HeteroParallelState):
         super().__init__(config=config)
@@ -119,12 +120,17 @@ class ExpertRuntime(_megatron_module()):
         self.pg_collection = pgc  # as GPTModel keeps it (Megatron-LM's training_log reads it)
         self.decoder = torch.nn.Module()
         self.decoder.layers = torch.nn.ModuleList()
-        for layer in range(hs.plan.num_layers):
+        for model_layer in range(hs.plan.model_layers):
             holder = torch.nn.Module()
             holder.mlp = torch.nn.Module()
-            n = len(hs.local_experts(layer))
+            layer = hs.plan.moe_index(model_layer)
+            n = 0 if layer is None else len(hs.local_experts(layer))
             holder.mlp.experts = build_experts(config, experts_spec, n, pgc) if n else None
             self.decoder.layers.append(holder)
+
+    def experts_of(self, layer: int):
+        """The experts this rank holds in MoE layer `layer` (None: none)."""
+        return self.decoder.layers[self.hs.plan.moe_layer_ids[layer]].mlp.experts
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """The experts' part of a plain Megatron GPTModel's sharded state dict: the keys and
@@ -134,15 +140,19 @@ class ExpertRuntime(_megatron_module()):
         from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
         hs, out = self.hs, {}
-        L, E = hs.plan.num_layers, hs.plan.num_experts
-        separate = (metadata or {}).get("non_homogeneous_layers", False)
-        for layer, holder in enumerate(self.decoder.layers):
+        L, E = hs.plan.model_layers, hs.plan.num_experts
+        freq = getattr(self.config, "moe_layer_freq", 1)
+        # TransformerBlock's rule: dense layers (or a pattern) make its layers non-homogeneous.
+        separate = ((metadata or {}).get("non_homogeneous_layers", False) or isinstance(freq, list) or freq > 1
+                    or getattr(self.config, "hetereogenous_dist_checkpoint", False)
+                    or getattr(self.config, "heterogeneous_block_specs", False))
+        for model_layer, holder in enumerate(self.decoder.layers):
             if holder.mlp.experts is None:
                 continue
-            local = f"{prefix}decoder.layers.{layer}."
-            sd = experts_sharded_state_dict(holder.mlp.experts, hs.local_experts(layer), E,
+            local = f"{prefix}decoder.layers.{model_layer}."
+            sd = experts_sharded_state_dict(holder.mlp.experts, hs.local_experts(hs.plan.moe_index(model_layer)), E,
                                             dist.get_rank(hs.replica_group), f"{local}mlp.experts.",
-                                            () if separate else ((0, layer, L),), metadata)
+                                            () if separate else ((0, model_layer, L),), metadata)
             replace_prefix_for_sharding(sd, local, local if separate else f"{prefix}decoder.layers.")
             out.update(sd)
         return out
@@ -150,7 +160,7 @@ class ExpertRuntime(_megatron_module()):
     def canonical_names(self) -> dict[str, str]:
         """local name -> canonical name (global expert ids; a GroupedMLP weight's label)."""
         def ids_of(pre: str) -> list[int]:
-            return self.hs.local_experts(expert_names.layer_of_prefix(pre))
+            return self.hs.local_experts(self.hs.plan.moe_index(expert_names.layer_of_prefix(pre)))
 
         return {name: expert_names.canonical_name(name, ids_of) for name, _ in self.named_parameters()}
 
@@ -161,6 +171,6 @@ class ExpertRuntime(_megatron_module()):
         route, _ = TokenRoute.exchange(self.hs, layer, None, None, hidden_size, self.config.params_dtype)
         leaf = route.empty().requires_grad_()
         recv = route.dispatch(leaf)
-        out = run_local_experts(self.decoder.layers[layer].mlp.experts, recv, route.local_counts)
+        out = run_local_experts(self.experts_of(layer), recv, route.local_counts)
         # The combined output lands on the attention ranks: nothing comes back here.
         return route.combine(out)

@@ -50,7 +50,11 @@ class HeteroMoELayer(MoELayer):
 
     def set_layer_number(self, layer_number: int):
         super().set_layer_number(layer_number)
-        layer = layer_number - 1
+        layer = self.hs.plan.moe_index(layer_number - 1)  # the plan counts MoE layers (dense ones have an MLP)
+        if layer is None:
+            raise ValueError(f"model layer {layer_number - 1} is an MoE layer of the model but a dense layer of the "
+                             f"plan (dense_layers={self.hs.plan.dense_layers}); remake the plan for this model's "
+                             f"--moe-layer-freq")
         self.token_dispatcher = HeteroTokenDispatcher(self.config, self.hs, layer, self._pgc)
         mine = self.hs.local_experts(layer)
         self.local_expert_indices = mine
@@ -88,3 +92,37 @@ def hetero_layer_spec(base_spec, hs: HeteroParallelState, pg_collection):
     spec = copy.deepcopy(normalize_layer_spec(base_spec))
     set_moe_layer(spec, HeteroMoELayer, pg_collection=pg_collection, hetero_state=hs)
     return spec
+
+
+def is_moe_layer_spec(layer_spec) -> bool:
+    """Whether a GPT layer spec's mlp is an MoE layer (it has experts), not a dense MLP."""
+    sub = getattr(normalize_layer_spec(layer_spec).submodules.mlp, "submodules", None)
+    return hasattr(sub, "experts")
+
+
+def moe_layer_specs(spec) -> list:
+    """The layer specs of a GPT layer spec (every layer alike) or of a decoder block spec
+    (Megatron's get_gpt_decoder_block_spec: dense and MoE layers by --moe-layer-freq) that are MoE."""
+    layers = getattr(spec, "layer_specs", None)
+    return [s for s in (layers if layers is not None else [spec]) if is_moe_layer_spec(s)]
+
+
+def hetero_block_spec(spec, hs: HeteroParallelState, pg_collection):
+    """GPTModel's transformer_layer_spec with HeteroMoELayer in every MoE layer: `spec` is a
+    layer spec (every layer an MoE layer) or a decoder block spec whose MoE layers must be the
+    plan's (model layers, dense_layers)."""
+    layers = getattr(spec, "layer_specs", None)
+    if layers is None:
+        if hs.plan.dense_layers:
+            raise ValueError(f"the plan has dense layers {hs.plan.dense_layers} but the model was given one layer "
+                             f"spec for every layer; build it from the decoder block spec of its --moe-layer-freq")
+        return hetero_layer_spec(spec, hs, pg_collection)
+    pattern = [is_moe_layer_spec(s) for s in layers]
+    want = [hs.plan.moe_index(i) is not None for i in range(hs.plan.model_layers)]
+    if pattern != want:
+        raise ValueError(f"the model's MoE layers {[i for i, m in enumerate(pattern) if m]} of {len(pattern)} are not "
+                         f"the plan's {hs.plan.moe_layer_ids} of {hs.plan.model_layers}; remake the plan for this "
+                         f"model's --num-layers and --moe-layer-freq")
+    block = copy.copy(spec)
+    block.layer_specs = [hetero_layer_spec(s, hs, pg_collection) if m else s for s, m in zip(layers, pattern)]
+    return block

@@ -3,7 +3,9 @@
 An attention rank's forward of one microbatch is L+1 stages: stage 0 = embedding + layer 0's
 attention + router + permute; stage s = combine of layer s-1 (unpermute with the routing
 probabilities, the MLP's bias-dropout-add onto the residual) + layer s's attention + router +
-permute; stage L = combine of layer L-1 + final norm + output head and loss. Zebra detaches
+permute; stage L = combine of layer L-1 + final norm + output head and loss. L counts MoE layers: the
+model's dense layers (--moe-layer-freq) run whole, as TransformerBlock runs them, inside the stage
+that reaches them (before the next MoE layer's attention, or before the final norm). Zebra detaches
 between stages (schedules/zebra.py), so each piece here is a plain differentiable function.
 
 Each stage runs the code GPTModel.forward runs for it, with the same inputs: stage 0 is
@@ -47,12 +49,27 @@ class AttentionStages:
     """Stage functions of a GPTModel built with HeteroMoELayer (models/moe_layer.py)."""
 
     def __init__(self, gpt):
+        from megatron_hetermoe.models.moe_layer import HeteroMoELayer
+
         self.gpt = gpt
-        self.layers = gpt.decoder.layers
+        every = list(gpt.decoder.layers)
+        moe = [i for i, tl in enumerate(every) if isinstance(tl.mlp, HeteroMoELayer)]
+        if not moe:
+            raise ValueError("the model has no MoE layer: zebra's stages are cut at MoE layers")
+        self.layers = [every[i] for i in moe]  # MoE layer k: stages and tasks count these
+        # The dense layers each stage runs before MoE layer k's attention; the last entry: before the head.
+        bounds = [-1, *moe, len(every)]
+        self.dense = [every[a + 1:b] for a, b in zip(bounds, bounds[1:])]
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @staticmethod
+    def _run_dense(layers, hidden: torch.Tensor, ctx: StageContext) -> torch.Tensor:
+        for tl in layers:
+            hidden, _ = tl(hidden_states=hidden, **ctx.layer_kwargs())
+        return hidden
 
     def embed(self, batch: dict) -> tuple[torch.Tensor, StageContext]:
         """Stage 0's start: GPTModel._preprocess on the batch (embedding, rotary embedding)."""
@@ -69,6 +86,7 @@ class AttentionStages:
         routing probabilities in travel order, the shared experts' output or None). The shared
         experts run here, on the attention rank (Megatron's MoELayer computes them before the
         dispatch too); under zebra, other microbatches' transfers overlap them."""
+        hidden = self._run_dense(self.dense[layer], hidden, ctx)
         tl = self.layers[layer]
         hidden, _ = tl._forward_attention(hidden, **ctx.layer_kwargs())
         pre = tl._forward_pre_mlp_layernorm(hidden)
@@ -87,6 +105,7 @@ class AttentionStages:
         return tl._forward_post_mlp((out, None), residual)
 
     def head(self, hidden: torch.Tensor, batch: dict, ctx: StageContext) -> torch.Tensor:
+        hidden = self._run_dense(self.dense[-1], hidden, ctx)
         final = self.gpt.decoder.final_layernorm
         if final is not None:
             hidden = final(hidden)

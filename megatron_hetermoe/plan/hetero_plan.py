@@ -2,7 +2,10 @@
 
 A plan is the single source of a rank's role. It names, for every rank, its GPU type; the ZP
 groups, each with M attention ranks and N expert ranks; and for every MoE layer of every group
-which rank holds which experts (`placement[layer] = {rank: [expert ids]}`). Experts may sit on
+which rank holds which experts (`placement[layer] = {rank: [expert ids]}`). Layers are counted
+in MoE layers (`num_layers`, the task lists' L); a model with dense layers (Megatron's
+--moe-layer-freq) names them by model index in `dense_layers`: they run on attention ranks
+alone, and MoE layer k is model layer `moe_layer_ids[k]`. Experts may sit on
 attention ranks too (asymmetric expert assignment). Every group holds the same experts in the
 same positions, so expert e of layer l on the k-th member of group 0 is replicated by the k-th
 member of every other group (these replicas form that expert's data-parallel group).
@@ -58,6 +61,24 @@ class HeteroPlan:
     schedule: str = "distep"
     version: int = PLAN_VERSION
     meta: dict = field(default_factory=dict)  # free-form: model name, planner predictions
+    dense_layers: list[int] = field(default_factory=list)  # model indices of the layers without experts
+
+    # ---- layers: MoE layer k (placement, tasks) is model layer moe_layer_ids[k] --------------
+    @property
+    def model_layers(self) -> int:
+        """The model's layer count (Megatron's --num-layers): MoE layers and dense layers."""
+        return self.num_layers + len(self.dense_layers)
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        dense = set(self.dense_layers)
+        return [i for i in range(self.model_layers) if i not in dense]
+
+    def moe_index(self, model_layer: int) -> int | None:
+        """The MoE layer index of model layer `model_layer` (None: a dense layer)."""
+        if model_layer in self.dense_layers:
+            return None
+        return model_layer - sum(1 for d in self.dense_layers if d < model_layer)
 
     # ---- derived views -----------------------------------------------------------------
     @property
@@ -90,6 +111,14 @@ class HeteroPlan:
         """Expert ids of `layer` held by `rank` (empty for an attention rank without offload)."""
         return list(self.groups[self.group_of(rank)].placement[layer].get(rank, []))
 
+    def local_experts_at(self, rank: int, model_layer: int) -> list[int]:
+        """Expert ids `rank` holds in model layer `model_layer` (a name's layer index)."""
+        layer = self.moe_index(model_layer)
+        if layer is None:
+            raise PlanError(f"model layer {model_layer} has experts here but is a dense layer of the plan "
+                            f"(dense_layers={self.dense_layers}); remake the plan for this model")
+        return self.local_experts(rank, layer)
+
     def experts_on_attention_ranks(self) -> int:
         """How many (layer, expert) pairs per group are offloaded to attention ranks."""
         return sum(self.experts_on_attention_per_layer())
@@ -115,6 +144,14 @@ class HeteroPlan:
                 raise PlanError(f"plan {name}={v!r} must be a positive integer")
         check_plan_size(self.num_layers, self.num_experts, len(self.groups), len(self.gpu_types),
                         self.num_microbatches)
+        dense = self.dense_layers
+        if not isinstance(dense, list) or any(type(d) is not int for d in dense):
+            raise PlanError(f"plan dense_layers={dense!r} must be a list of model layer indices")
+        bad = sorted({d for d in dense if not 0 <= d < self.model_layers} | {d for d in dense if dense.count(d) > 1})
+        if bad:
+            raise PlanError(f"plan dense_layers {bad}: each must be a distinct model layer index in "
+                            f"0..{self.model_layers - 1} (num_layers={self.num_layers} MoE layers + {len(dense)} "
+                            f"dense layers)")
         if not isinstance(self.meta, dict):
             raise PlanError(f"plan meta={self.meta!r} must be a JSON object (free-form notes) or absent")
         if not self.groups:
@@ -212,13 +249,18 @@ class HeteroPlan:
         d = asdict(self)
         for g in d["groups"]:
             g["placement"] = [{str(r): sorted(es) for r, es in sorted(pl.items())} for pl in g["placement"]]
+        if not d["dense_layers"]:  # every layer an MoE layer: the file reads as before dense layers existed
+            del d["dense_layers"]
+        else:
+            d["dense_layers"] = sorted(d["dense_layers"])
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "HeteroPlan":
         if not isinstance(d, dict):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
-        known = {"num_layers", "num_experts", "gpu_types", "groups", "num_microbatches", "schedule", "version", "meta"}
+        known = {"num_layers", "num_experts", "gpu_types", "groups", "num_microbatches", "schedule", "version", "meta",
+                 "dense_layers"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -243,7 +285,7 @@ class HeteroPlan:
                     f"ZP group {gi} is malformed ({type(e).__name__}: {e}); it needs attention_ranks, "
                     f"expert_ranks and placement (a list of {{rank: [experts]}})"
                 ) from None
-        rest = {k: d[k] for k in ("num_microbatches", "schedule", "version", "meta") if k in d}
+        rest = {k: d[k] for k in ("num_microbatches", "schedule", "version", "meta", "dense_layers") if k in d}
         return cls(num_layers=d["num_layers"], num_experts=d["num_experts"], gpu_types=list(d["gpu_types"]),
                    groups=groups, **rest)
 
@@ -312,9 +354,11 @@ def even_plan(
     expert_gpu: str = "cpu",
     num_microbatches: int = 1,
     schedule: str = "distep",
+    dense_layers: list[int] | None = None,
 ) -> HeteroPlan:
     """G groups of M attention + N expert ranks laid out group by group; experts split evenly
-    over each group's expert ranks in every layer."""
+    over each group's expert ranks in every MoE layer (`num_layers` of them; `dense_layers`: the
+    model's layers without experts, by model index)."""
     M, N = attention_ranks, expert_ranks
     if M < 1 or N < 1 or groups < 1:
         raise PlanError(f"even plan needs M>=1, N>=1, groups>=1; got M={M}, N={N}, groups={groups}")
@@ -330,6 +374,7 @@ def even_plan(
         zp.append(ZPGroup(a, x, placement))
     if gpu_types is None:
         gpu_types = ([attention_gpu] * M + [expert_gpu] * N) * groups
-    plan = HeteroPlan(num_layers, num_experts, gpu_types, zp, num_microbatches, schedule)
+    plan = HeteroPlan(num_layers, num_experts, gpu_types, zp, num_microbatches, schedule,
+                      dense_layers=list(dense_layers or []))
     plan.validate()
     return plan

@@ -36,7 +36,7 @@ def megatron_to_hetero(state: dict[str, torch.Tensor], plan: HeteroPlan, rank: i
                 out[name] = t
             continue
         layer, e, rest = int(m.group(1)), int(m.group(2)), m.group(3)
-        mine = plan.local_experts(rank, layer)
+        mine = plan.local_experts_at(rank, layer)  # names carry model layer indices
         if e in mine:
             out[f"decoder.layers.{layer}.mlp.experts.local_experts.{mine.index(e)}.{rest}"] = t
     return out
@@ -51,12 +51,12 @@ def hetero_to_megatron(per_rank: list[dict[str, torch.Tensor]], plan: HeteroPlan
     out: dict[str, torch.Tensor] = {}
     for rank, state in enumerate(per_rank):
         state = expert_names.to_sequential(
-            state, lambda pre, rank=rank: len(plan.local_experts(rank, expert_names.layer_of_prefix(pre))))
+            state, lambda pre, rank=rank: len(plan.local_experts_at(rank, expert_names.layer_of_prefix(pre))))
         for name, t in state.items():
             m = _EXPERT.match(name)
             if m is not None:
                 layer, i, rest = int(m.group(1)), int(m.group(2)), m.group(3)
-                name = f"decoder.layers.{layer}.mlp.experts.local_experts.{plan.local_experts(rank, layer)[i]}.{rest}"
+                name = f"decoder.layers.{layer}.mlp.experts.local_experts.{plan.local_experts_at(rank, layer)[i]}.{rest}"
             out.setdefault(name, t)
     return out
 

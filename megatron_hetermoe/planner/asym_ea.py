@@ -40,7 +40,9 @@ class AsymProblem:
     num_experts: int
     M: int  # attention ranks per group
     N: int  # expert ranks per group
-    t_attn: tuple[float, ...]  # per expert layer l: attention stage l (+router), one microbatch, attention GPU
+    # per MoE layer l: attention stage l (attention, router, shared expert and any dense layers run
+    # before it; cost_model.stage_time), one microbatch, attention GPU
+    t_attn: tuple[float, ...]
     t_exp: float  # one expert, one microbatch, on an expert GPU
     t_exp_on_attn: float  # the same expert work on an attention GPU
     n_max: int  # experts (summed over layers) one attention rank can hold

@@ -32,6 +32,11 @@ model and transfer model as the zebra simulator:
   GPU types to minimise the makespan (an LP; for two kinds of work the optimum gives attention to
   the types with the smallest attention/expert time ratio first), every GPU busy all step, each
   piece at its cheapest per-token call size (so no strategy's call can beat it).
+Every strategy prices the same model: L counts MoE layers (the zebra stages' L), and the dense
+layers and shared experts of a model with them (--moe-layer-freq, --moe-shared-expert-intermediate-size)
+are inside cost_model.stage_time and ModelConfig.non_expert_params, so EP and PP run and hold them
+as HeterMoE's attention ranks do (EP's memory keeps every layer's input, dense ones too: Megatron's
+full recompute is per layer, zebra's per stage).
 Each returns a BaselineResult, or one with `fits=False` and the reason.
 """
 from __future__ import annotations
@@ -86,7 +91,7 @@ def _ep_group_mb_time(cost: CostModel, cluster: Cluster, ranks: list[int], gpus:
     """Forward+backward of one microbatch of t tokens per rank through an EP group (bulk
     synchronous per layer); also each rank's busy compute time."""
     m = cost.model
-    L, E, k = m.num_layers, m.num_experts, m.moe_router_topk
+    L, E, k = cost.num_layers, m.num_experts, m.moe_router_topk  # MoE layers; stages hold the dense ones
     a2a = ep_a2a_time(cost, cluster, ranks, t)
     per_expert = d * t * k / E
     busy = {r: 0.0 for r in ranks}
@@ -116,11 +121,11 @@ def simulate_ep(cost: CostModel, cluster: Cluster, global_batch: int, ranks: lis
         return BaselineResult.infeasible(name, f"global batch {global_batch} is not a multiple of {W} ranks")
     d = ep_size(W, m.num_experts)
     spr = global_batch // W
-    per_rank_experts = m.num_layers * (m.num_experts // d)
+    per_rank_experts = cost.num_layers * (m.num_experts // d)
     for r_mb in _divisors(spr):  # fewest microbatches that fit
         t = spr // r_mb * S
         per_expert_tokens = d * t * m.moe_router_topk / m.num_experts
-        need = (cost.attention_rank_bytes(t, 1) + per_rank_experts * cost.per_expert_bytes(per_expert_tokens, 1)
+        need = (cost.attention_rank_bytes(t, 1, layer_checkpoints=True) + per_rank_experts * cost.per_expert_bytes(per_expert_tokens, 1)
                 + cost.expert_working_bytes(per_expert_tokens))
         if all(need <= cost.profile(types[r]).usable_memory_bytes for r in ranks):
             break
@@ -189,13 +194,6 @@ def _a2a(cost: CostModel, cluster: Cluster, ranks: tuple[int, ...], t: float) ->
     return _A2A[key]
 
 
-def pp_layer_params(cost: CostModel) -> float:
-    """Non-expert parameters of one layer (attention, two norms, router): config.ModelConfig's split."""
-    m = cost.model
-    h = m.hidden_size
-    return 4 * h * h + 2 * h + h * m.num_experts
-
-
 @dataclass(frozen=True)
 class PPStage:
     """One pipeline stage: `gpu`'s ranks run layers [first_layer, end_layer); the first stage also
@@ -212,6 +210,20 @@ class PPStage:
     def layers(self) -> int:
         return self.end_layer - self.first_layer
 
+    def stages(self, L: int) -> list[int]:
+        """The zebra attention stages this stage runs (L: the head stage, on the last stage)."""
+        return list(range(self.first_layer, self.end_layer)) + ([L] if self.is_last else [])
+
+
+def pp_stage_params(cost: CostModel, st: PPStage) -> float:
+    """Non-expert parameters one GPU of a stage holds: its zebra stages' (cost_model.stage_params:
+    attention, norms, routers, shared experts, dense layers), the embedding on the first stage,
+    the output layer and final norm on the last."""
+    m = cost.model
+    h = m.hidden_size
+    return sum(cost.stage_params(s) for s in st.stages(cost.num_layers)) + (m.vocab_size * h if st.is_first else 0) \
+        + (m.vocab_size * h + h if st.is_last else 0)
+
 
 def pp_stage_time(cost: CostModel, cluster: Cluster, st: PPStage, t: float) -> tuple[float, float]:
     """(seconds, compute seconds) of one microbatch's forward + backward on a stage, t tokens per
@@ -219,12 +231,12 @@ def pp_stage_time(cost: CostModel, cluster: Cluster, st: PPStage, t: float) -> t
     stage), so a PP stage runs exactly the attention work the zebra lists count; per layer the
     stage's EP all-to-alls (dispatch + combine, forward and backward) are not overlapped."""
     m = cost.model
-    E, k, L = m.num_experts, m.moe_router_topk, m.num_layers
+    E, k, L = m.num_experts, m.moe_router_topk, cost.num_layers
     d = ep_size(len(st.ranks), E)
     a2a = _a2a(cost, cluster, st.ranks, t)
     per_expert = d * t * k / E
     comp = comm = 0.0
-    stages = list(range(st.first_layer, st.end_layer)) + ([L] if st.is_last else [])
+    stages = st.stages(L)
     for bwd in (False, True):
         comp += sum(cost.stage_time(st.gpu, s, t, bwd) for s in stages)
         comp += st.layers * (E // d) * cost.expert_time(st.gpu, per_expert, bwd)
@@ -235,19 +247,21 @@ def pp_stage_time(cost: CostModel, cluster: Cluster, st: PPStage, t: float) -> t
 def pp_stage_bytes(cost: CostModel, st: PPStage, t: float, in_flight: int) -> float:
     """Peak bytes on one GPU of a stage with `in_flight` microbatches alive (1F1B: stage i of P
     holds min(P - i, r)). Same terms as the zebra memory rule (cost_model): weights + optimizer
-    state, checkpointed inputs per layer per live microbatch, one working set, fp32 logits."""
+    state, checkpointed inputs per layer (MoE and dense: Megatron recomputes per layer) per live
+    microbatch, one working set (a whole dense layer's, if larger; a shared expert's), fp32 logits."""
     m, b = cost.model, cost.settings.dtype_bytes
     h, E, k = m.hidden_size, m.num_experts, m.moe_router_topk
     d = ep_size(len(st.ranks), E)
     per_expert = d * t * k / E
-    params = st.layers * pp_layer_params(cost) + (m.vocab_size * h if st.is_first else 0.0) \
-        + (m.vocab_size * h + h if st.is_last else 0.0)
-    need = params * BYTES_PER_PARAM_STATE
+    dense = sum(cost.dense_in_stage[s] for s in st.stages(cost.num_layers))
+    shared = m.moe_shared_expert_intermediate_size or 0
+    need = pp_stage_params(cost, st) * BYTES_PER_PARAM_STATE
     need += st.layers * (E // d) * cost.per_expert_bytes(per_expert, in_flight) + cost.expert_working_bytes(per_expert)
     if cost.settings.activation_checkpointing:
-        need += (st.layers + 1) * t * h * b * in_flight + t * h * b * 20
+        need += (st.layers + dense + 1) * t * h * b * in_flight + max(t * h * b * 20, t * h * 34.0 if dense else 0.0)
+        need += t * shared * b * 4  # a shared expert's SwiGLU intermediates while it runs
     else:
-        need += st.layers * t * h * 34.0 * in_flight
+        need += (st.layers + dense) * t * h * 34.0 * in_flight + st.layers * t * 3 * shared * b * in_flight
     if st.is_last:
         need += t * m.vocab_size * 4.0
     return need
@@ -268,7 +282,7 @@ def simulate_hetero_pp(cost: CostModel, cluster: Cluster, global_batch: int) -> 
     order, layer split and microbatch count under the 1F1B step model and memory."""
     name = "Hetero PP"
     m = cost.model
-    S, L = cost.settings.seq_len, m.num_layers
+    S, L = cost.settings.seq_len, cost.num_layers  # layers split over stages: MoE layers, each with its zebra stage
     counts = cluster.counts()
     kinds = sorted(counts, key=lambda g: cost.attention_time(g, S, False))
     P = len(kinds)
@@ -328,8 +342,7 @@ def simulate_hetero_pp(cost: CostModel, cluster: Cluster, global_batch: int) -> 
     post = 0.0
     for st in stages:  # data-parallel gradient sync inside each stage (stages sync at once), optimizer
         d = ep_size(len(st.ranks), m.num_experts)
-        dense = st.layers * pp_layer_params(cost) + (m.vocab_size * m.hidden_size if st.is_first else 0) \
-            + (m.vocab_size * m.hidden_size + m.hidden_size if st.is_last else 0)
+        dense = pp_stage_params(cost, st)
         expert = st.layers * (m.num_experts // d) * m.expert_params()
         t = allreduce_time(Links.for_ranks(cluster, list(st.ranks), cost.profiles), dense * cost.settings.dtype_bytes)
         if len(st.ranks) // d > 1:  # each expert's replicas: one per EP group of the stage
@@ -359,7 +372,7 @@ def _per_token_floor(f: Callable[[float], float], top: float, table_tokens: list
 def physical_limit(cost: CostModel, cluster: Cluster, global_batch: int) -> BaselineResult:
     """Compute-only lower bound on any strategy's step (module docstring)."""
     m = cost.model
-    S, L, k = cost.settings.seq_len, m.num_layers, m.moe_router_topk
+    S, L, k = cost.settings.seq_len, cost.num_layers, m.moe_router_topk
     counts = cluster.counts()
     top = float(global_batch) * S * k  # no call of any strategy sees more tokens than the whole step's
     a, e = {}, {}
@@ -368,10 +381,13 @@ def physical_limit(cost: CostModel, cluster: Cluster, global_batch: int) -> Base
         att_pts = [float(x.tokens) for x in meas.attention] if meas else []
         exp_pts = [float(x.tokens) for x in meas.expert] if meas else []
         pts = att_pts + exp_pts  # the head's rate comes from the expert table (cost_model.head_time)
-        # stages 1..L-1 cost alike (cost_model.stage_time): one floor per kind of stage
-        fl = {s: _per_token_floor(lambda t, s=s: cost.stage_time(g, s, t, False) + cost.stage_time(g, s, t, True),
-                                  top, pts) for s in {0, min(1, L), L}}
-        a[g] = S * sum(fl[0 if s == 0 else (L if s == L else 1)] for s in range(L + 1))
+        # stages of one kind cost alike (cost_model.stage_kind): one floor per kind of stage
+        first: dict[tuple, int] = {}
+        for s in range(L + 1):
+            first.setdefault(cost.stage_kind(s), s)
+        fl = {kind: _per_token_floor(lambda t, s=s: cost.stage_time(g, s, t, False) + cost.stage_time(g, s, t, True),
+                                     top, pts) for kind, s in first.items()}
+        a[g] = S * sum(fl[cost.stage_kind(s)] for s in range(L + 1))
         e[g] = L * S * k * _per_token_floor(lambda t: cost.expert_time(g, t, False) + cost.expert_time(g, t, True),
                                             top, exp_pts)
     order = sorted(counts, key=lambda g: a[g] / e[g])

@@ -6,6 +6,13 @@
   hetermoe plan --cluster CLUSTER --model CFG --seq-len S --global-batch B [-o plan.json] [--json]
                 [--asym optimal|greedy|none] [--engine auto|python|cpp] [--max-microbatches K]
       searches ZP group shape, R and expert placement; prints every strategy's predicted step.
+  hetermoe plan [--even ... | --cluster CLUSTER ...] -- <pretrain_gpt.py flags>
+      the model from the run's own Megatron-LM flags instead of --model (--num-layers,
+      --hidden-size, --num-experts, --moe-layer-freq, ...; planner/megatron_flags.py says which
+      are read and which refused); --seq-len and --global-batch default to their --seq-length
+      and --global-batch-size.
+A model with dense layers (--moe-layer-freq) gets a plan of its MoE layers (num_layers) that
+names the dense ones (dense_layers); those and shared experts run on the attention ranks.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from megatron_hetermoe.limits import (
 from megatron_hetermoe.plan.hetero_plan import PlanError, even_plan
 from megatron_hetermoe.plan.tasks import SCHEDULES
 from megatron_hetermoe.planner.cluster import Cluster
+from megatron_hetermoe.planner.megatron_flags import model_from_flags
 from megatron_hetermoe.planner.profiles import known_gpu_types
 from megatron_hetermoe.planner.search import SearchResult, search
 
@@ -32,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     from megatron_hetermoe.help_format import HelpFormatter
 
     p = argparse.ArgumentParser(prog="hetermoe plan", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--model", required=True, help="model config: a path or a name in configs/models/ (tiny, d1, ...)")
+    p.add_argument("--model", help="model config: a path or a name in configs/models/ (tiny, d1, ...); or, "
+                   "instead, the run's pretrain_gpt.py flags after a literal --")
     p.add_argument("-o", "--output", help="write the plan JSON here (default: print it)")
     even = p.add_argument_group("even plan")
     even.add_argument("--even", action="store_true", help="experts split evenly; no search")
@@ -85,10 +94,42 @@ def format_table(res: SearchResult, title: str) -> str:
     return "\n".join(lines)
 
 
+def _split_flags(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """hetermoe plan's own arguments, and the Megatron-LM flags after the first literal -- (None: no --)."""
+    if "--" not in argv:
+        return argv, None
+    i = argv.index("--")
+    return argv[:i], argv[i + 1:]
+
+
+def _model(args: argparse.Namespace, flags: list[str] | None) -> ModelConfig:
+    """The model: --model's config, or the one the Megatron-LM flags after -- build (which also
+    give --seq-len and --global-batch their defaults; a value given twice must agree)."""
+    if flags is None:
+        if not args.model:
+            raise ValueError("no model: give --model CONFIG, or the run's pretrain_gpt.py flags after --")
+        return ModelConfig.load(args.model)
+    if args.model:
+        raise ValueError(f"--model {args.model} and Megatron-LM flags after -- both give the model; keep one")
+    fm = model_from_flags(flags)
+    for note in fm.notes:
+        print(f"hetermoe plan: note: {note}", file=sys.stderr)
+    for ours, theirs, v in (("seq_len", "--seq-length", fm.seq_length), ("global_batch", "--global-batch-size",
+                                                                          fm.global_batch_size)):
+        mine = getattr(args, ours)
+        if v is not None and mine is not None and mine != v:
+            raise ValueError(f"--{ours.replace('_', '-')} {mine} and {theirs} {v} after -- disagree; the plan "
+                             f"must price the run: drop --{ours.replace('_', '-')}")
+        if mine is None:
+            setattr(args, ours, v)
+    return fm.model
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    own, flags = _split_flags(list(sys.argv[1:] if argv is None else argv))
+    args = _parser().parse_args(own)
     try:
-        model = ModelConfig.load(args.model)
+        model = _model(args, flags)
     except (FileNotFoundError, ValueError) as e:
         print(f"hetermoe plan: {e}", file=sys.stderr)
         return 2
@@ -108,10 +149,13 @@ def main(argv: list[str] | None = None) -> int:
                 if t not in known:
                     print(f"hetermoe plan: {flag} {t!r} is not a known GPU type; use one of {known}", file=sys.stderr)
                     return 2
-            plan = even_plan(model.num_layers, model.num_experts, args.attention_ranks, args.expert_ranks,
+            plan = even_plan(model.num_moe_layers, model.num_experts, args.attention_ranks, args.expert_ranks,
                              args.groups, attention_gpu=args.attention_gpu, expert_gpu=args.expert_gpu,
-                             num_microbatches=args.microbatches, schedule=args.schedule)
+                             num_microbatches=args.microbatches, schedule=args.schedule,
+                             dense_layers=model.dense_layers)
             plan.meta = {"model": model.name, "made_by": "hetermoe plan --even"}
+            if flags is not None:  # where the model came from, for whoever reads the plan
+                plan.meta["model_flags"] = flags
             if args.output:
                 plan.save(args.output)
                 print(f"wrote {args.output}: {args.groups} x ({args.attention_ranks} attention + "
@@ -157,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     if res.plan is None:
         print("hetermoe plan: no HeterMoE plan fits this cluster and batch; see the table", file=sys.stderr)
         return 1
+    if flags is not None:  # where the model came from, for whoever reads the plan
+        res.plan.meta["model_flags"] = flags
     if args.output:
         res.plan.save(args.output)
         if not args.json:

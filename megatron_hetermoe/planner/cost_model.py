@@ -12,11 +12,21 @@ recomputes the scores); with activation checkpointing (the paper's setting) back
 re-runs the forward.
 
 FLOP counts (per token, forward; h hidden, f expert ffn, E experts, V vocab, s seq_len):
-  attention projections + router: 8 h^2 + 2 h E
+  attention projections + router: 8 h^2 + 2 h E (a dense layer has no router: 8 h^2)
   causal attention core:          2 s h         (QK^T and PV, half of the square)
   one SwiGLU expert:              6 h f
   output head:                    2 h V
 Model shapes whose numbers the paper does not give (ffn, heads) come from configs/models/.
+
+Dense layers and shared experts (Megatron's --moe-layer-freq, --moe-shared-expert-intermediate-size)
+run on the attention ranks, inside attention stages (models/stages.py), so `stage_time` prices them:
+  * a dense layer (attention without router + a SwiGLU MLP of ffn_hidden_size F, 6 h F per token)
+    runs in the stage that reaches it: before MoE layer k's attention in stage k, after the last
+    MoE layer in stage L (before the head);
+  * MoE layer l's shared expert (a SwiGLU MLP of the shared size S, 6 h S per token, every token)
+    runs in stage l, next to the router, before the dispatch.
+Both are priced as the experts are (the same roofline, the same measured GEMM rate), forward and
+backward (2x, plus the re-forward under activation checkpointing).
 
 Which program is priced (`Program`): precision, attention kernel and recomputation change a
 step's cost, so a time is always for one program. `TrainSettings.program=None` prices each
@@ -52,17 +62,23 @@ CORE_BWD_FACTOR = 2.5  # flash-style attention backward FLOPs / forward FLOPs
 OPTIMIZER_BYTES_PER_PARAM = 40.0  # estimate: Adam reads/writes master, m, v, grad, weight
 
 
-def attention_linear_flops(m: ModelConfig, tokens: float) -> float:
+def attention_linear_flops(m: ModelConfig, tokens: float, router: bool = True) -> float:
+    """QKV + output projection, and the router GEMM of an MoE layer (`router=False`: a dense layer)."""
     h = m.hidden_size
-    return tokens * (8.0 * h * h + 2.0 * h * m.num_experts)
+    return tokens * (8.0 * h * h + (2.0 * h * m.num_experts if router else 0.0))
 
 
 def attention_core_flops(m: ModelConfig, tokens: float, seq_len: int) -> float:
     return tokens * 2.0 * seq_len * m.hidden_size
 
 
+def mlp_flops(hidden: int, ffn: int, tokens: float) -> float:
+    """One SwiGLU MLP: fc1 (h -> 2 ffn, gate and up) and fc2 (ffn -> h), 2 FLOPs per MAC."""
+    return tokens * 6.0 * hidden * ffn
+
+
 def expert_flops(m: ModelConfig, tokens: float) -> float:
-    return tokens * 6.0 * m.hidden_size * m.moe_ffn_hidden_size
+    return mlp_flops(m.hidden_size, m.moe_ffn_hidden_size, tokens)
 
 
 def head_flops(m: ModelConfig, tokens: float) -> float:
@@ -171,12 +187,12 @@ def _roofline(p: GpuProfile, flops: float, nbytes: float, efficiency: float, ker
 
 
 def _analytic_attention(p: GpuProfile, m: ModelConfig, tokens: float, seq_len: int, backward: bool,
-                        program: Program | None = None) -> float:
+                        program: Program | None = None, router: bool = True) -> float:
     h = m.hidden_size
     b = program.dtype_bytes if program is not None else 2
     mult = 2.0 if backward else 1.0
-    lin_bytes = (4 * h * h + h * m.num_experts) * b + tokens * h * b * 6
-    lin = _roofline(p, mult * attention_linear_flops(m, tokens), mult * lin_bytes, p.gemm_efficiency,
+    lin_bytes = (4 * h * h + (h * m.num_experts if router else 0)) * b + tokens * h * b * 6
+    lin = _roofline(p, mult * attention_linear_flops(m, tokens, router), mult * lin_bytes, p.gemm_efficiency,
                     int(ATTN_KERNELS * mult) // 2)
     if program is not None and program.attention == "unfused":
         # the full score matrix (the mask is applied after), as batched GEMMs, through memory
@@ -192,11 +208,12 @@ def _analytic_attention(p: GpuProfile, m: ModelConfig, tokens: float, seq_len: i
     return lin + core + elem
 
 
-def _analytic_expert(p: GpuProfile, m: ModelConfig, tokens: float, backward: bool, dtype_bytes: int = 2) -> float:
-    h, f = m.hidden_size, m.moe_ffn_hidden_size
+def _analytic_mlp(p: GpuProfile, h: int, f: int, tokens: float, backward: bool, dtype_bytes: int = 2) -> float:
+    """One SwiGLU MLP (an expert, a dense layer's MLP or a shared expert): weights, input, output
+    and the three f-wide intermediates through memory."""
     mult = 2.0 if backward else 1.0
     nbytes = mult * (3.0 * h * f + tokens * (2.0 * h + 3.0 * f)) * dtype_bytes
-    return _roofline(p, mult * expert_flops(m, tokens), nbytes, p.gemm_efficiency, int(EXPERT_KERNELS * mult))
+    return _roofline(p, mult * mlp_flops(h, f, tokens), nbytes, p.gemm_efficiency, int(EXPERT_KERNELS * mult))
 
 
 # ---------------------------------------------------------------- measured-table interpolation
@@ -233,23 +250,25 @@ def _measured_rates(tables: MeasuredTables) -> tuple:
     return att_rows, exp
 
 
-def _measured_attention(t: MeasuredTables, m: ModelConfig, tokens: float, seq_len: int, backward: bool) -> float:
+def _measured_attention(t: MeasuredTables, m: ModelConfig, tokens: float, seq_len: int, backward: bool,
+                        router: bool = True) -> float:
     att_rows, _ = _measured_rates(t)
     col = 2 if backward else 1
     seqs = [s for s, _ in att_rows]
     rates = [_interp_log([r[0] for r in rows], [r[col] for r in rows], tokens) for _, rows in att_rows]
     rate = _interp_log(seqs, rates, seq_len) if len(seqs) > 1 else rates[0]
-    lin = attention_linear_flops(m, tokens)
+    lin = attention_linear_flops(m, tokens, router)
     core = attention_core_flops(m, tokens, seq_len)
     f = (2 * lin + CORE_BWD_FACTOR * core) if backward else (lin + core)
     return f / rate
 
 
-def _measured_expert(t: MeasuredTables, m: ModelConfig, tokens: float, backward: bool) -> float:
+def _measured_mlp(t: MeasuredTables, h: int, f: int, tokens: float, backward: bool) -> float:
+    """A SwiGLU MLP of any width at the measured expert GEMMs' achieved FLOP rate (at `tokens`)."""
     _, exp = _measured_rates(t)
     col = 2 if backward else 1
     rate = _interp_log([e[0] for e in exp], [e[col] for e in exp], tokens)
-    return (2.0 if backward else 1.0) * expert_flops(m, tokens) / rate
+    return (2.0 if backward else 1.0) * mlp_flops(h, f, tokens) / rate
 
 
 # ---------------------------------------------------------------- the model
@@ -284,6 +303,13 @@ class CostModel:
             profiles = {n: priced_profile(p, self.program) for n, p in profiles.items()}
         self.profiles = profiles
         self._memo: dict[tuple, float] = {}  # the search asks the same few calls many times
+        # Stages 0..L (L: MoE layers): how many dense layers each runs. Dense layer d runs in the
+        # stage of the first MoE layer after it (stage L after the last one): the MoE layers before d.
+        moe = model.moe_layer_ids
+        self.num_layers = len(moe)
+        self.dense_in_stage = [0] * (self.num_layers + 1)
+        for d in model.dense_layers:
+            self.dense_in_stage[sum(1 for i in moe if i < d)] += 1
 
     def program_of(self, gpu: str) -> Program:
         """The program this model's times on `gpu` are for."""
@@ -309,40 +335,57 @@ class CostModel:
             raise KeyError(f"no profile loaded for GPU type {gpu!r}; loaded: {sorted(self.profiles)}") from None
 
     # ---- compute -------------------------------------------------------------------------
-    def attention_time(self, gpu: str, tokens: float, backward: bool = False, seq_len: int | None = None) -> float:
-        """Attention + router of one layer (norm, QKV, core, output projection, gate)."""
+    def attention_time(self, gpu: str, tokens: float, backward: bool = False, seq_len: int | None = None,
+                       router: bool = True) -> float:
+        """Attention + router of one layer (norm, QKV, core, output projection, gate);
+        `router=False`: a dense layer's attention (no gate)."""
         if tokens <= 0:
             return 0.0
         s = seq_len or self.settings.seq_len
         p = self.profile(gpu)
         if p.measured is not None:
-            t = _measured_attention(p.measured, self.model, tokens, s, backward)
+            t = _measured_attention(p.measured, self.model, tokens, s, backward, router)
             h = self.model.hidden_size
             t += (2 if backward else 1) * tokens * h * ELEMENTWISE_BYTES_PER_HIDDEN / (p.memory_bandwidth_gbs * 1e9 * MEMBW_EFFICIENCY)
         else:
-            t = _analytic_attention(p, self.model, tokens, s, backward, self.program)
+            t = _analytic_attention(p, self.model, tokens, s, backward, self.program, router)
         if backward and self.settings.activation_checkpointing:
-            t += self.attention_time(gpu, tokens, False, s)
+            t += self.attention_time(gpu, tokens, False, s, router)
+        return t
+
+    def mlp_time(self, gpu: str, ffn: int, tokens: float, backward: bool = False) -> float:
+        """One SwiGLU MLP of intermediate size `ffn` on `tokens` tokens: an expert, a dense
+        layer's MLP or a shared expert (the same GEMMs; the same measured rate)."""
+        if tokens <= 0 or ffn <= 0:
+            return 0.0
+        key = ("mlp", gpu, ffn, tokens, backward)
+        if key not in self._memo:
+            self._memo[key] = self._mlp_time(gpu, ffn, tokens, backward)
+        return self._memo[key]
+
+    def _mlp_time(self, gpu: str, ffn: int, tokens: float, backward: bool) -> float:
+        p = self.profile(gpu)
+        h = self.model.hidden_size
+        if p.measured is not None:
+            t = _measured_mlp(p.measured, h, ffn, tokens, backward)
+        else:
+            t = _analytic_mlp(p, h, ffn, tokens, backward, self.settings.dtype_bytes)
+        if backward and self.settings.activation_checkpointing:
+            t += self.mlp_time(gpu, ffn, tokens, False)
         return t
 
     def expert_time(self, gpu: str, tokens: float, backward: bool = False) -> float:
         """One expert FFN (SwiGLU) on `tokens` routed tokens."""
-        if tokens <= 0:
-            return 0.0
-        key = ("expert", gpu, tokens, backward)
-        if key not in self._memo:
-            self._memo[key] = self._expert_time(gpu, tokens, backward)
-        return self._memo[key]
+        return self.mlp_time(gpu, self.model.moe_ffn_hidden_size, tokens, backward)
 
-    def _expert_time(self, gpu: str, tokens: float, backward: bool) -> float:
-        p = self.profile(gpu)
-        if p.measured is not None:
-            t = _measured_expert(p.measured, self.model, tokens, backward)
-        else:
-            t = _analytic_expert(p, self.model, tokens, backward, self.settings.dtype_bytes)
-        if backward and self.settings.activation_checkpointing:
-            t += self.expert_time(gpu, tokens, False)
-        return t
+    def shared_expert_time(self, gpu: str, tokens: float, backward: bool = False) -> float:
+        """One MoE layer's shared expert on all `tokens` of the microbatch (0 without one)."""
+        return self.mlp_time(gpu, self.model.moe_shared_expert_intermediate_size or 0, tokens, backward)
+
+    def dense_layer_time(self, gpu: str, tokens: float, backward: bool = False) -> float:
+        """One dense layer, whole: attention (no router) and its SwiGLU MLP of ffn_hidden_size."""
+        return (self.attention_time(gpu, tokens, backward, router=False)
+                + self.mlp_time(gpu, self.model.ffn_hidden_size, tokens, backward))
 
     def head_time(self, gpu: str, tokens: float, backward: bool = False) -> float:
         """Final norm + output projection + cross-entropy loss."""
@@ -369,32 +412,48 @@ class CostModel:
         p = self.profile(gpu)
         return nbytes / (p.memory_bandwidth_gbs * 1e9 * MEMBW_EFFICIENCY)
 
+    def stage_kind(self, stage: int) -> tuple[int, int]:
+        """Stages of one kind cost alike: (0 first / 1 middle / 2 head stage, dense layers run)."""
+        L = self.num_layers
+        if not 0 <= stage <= L:
+            raise ValueError(f"stage {stage} outside 0..{L} for a model of {L} MoE layers")
+        return (0 if stage == 0 else (2 if stage == L else 1), self.dense_in_stage[stage])
+
     def stage_time(self, gpu: str, stage: int, tokens: float, backward: bool = False) -> float:
-        """Attention stage s of the zebra task list (0..L): s=0 embedding + attention_1 + router_1;
-        0<s<L combine of layer s-1 + residual + attention + router; s=L last combine + head + loss."""
-        L = self.model.num_layers
-        key = ("stage", gpu, 0 if stage == 0 else (2 if stage == L else 1), tokens, backward) if 0 <= stage <= L else None
-        if key is not None and key in self._memo:
-            return self._memo[key]
-        t = self._stage_time(gpu, stage, tokens, backward)
-        if key is not None:
-            self._memo[key] = t
-        return t
+        """Attention stage s of the zebra task list (0..L, L = MoE layers): s=0 embedding +
+        attention_1 + router_1; 0<s<L combine of layer s-1 + residual + attention + router;
+        s=L last combine + head + loss. A stage s<L also runs MoE layer s's shared expert, and
+        any stage the dense layers that come before its MoE layer (or, s=L, before the head)."""
+        key = ("stage", gpu, self.stage_kind(stage), tokens, backward)
+        if key not in self._memo:
+            self._memo[key] = self._stage_time(gpu, stage, tokens, backward)
+        return self._memo[key]
 
     def _stage_time(self, gpu: str, stage: int, tokens: float, backward: bool) -> float:
         m = self.model
-        L = m.num_layers
-        if not 0 <= stage <= L:
-            raise ValueError(f"stage {stage} outside 0..{L} for a {L}-layer model")
+        L = self.num_layers
         mult = 2.0 if backward else 1.0
         h, k, b = m.hidden_size, m.moe_router_topk, self.settings.dtype_bytes
         combine = self.elementwise_time(gpu, mult * tokens * h * b * (k + 2)) if stage > 0 else 0.0
+        dense = self.dense_in_stage[stage] * self.dense_layer_time(gpu, tokens, backward)
+        if stage == L:
+            return combine + dense + self.head_time(gpu, tokens, backward)
+        # MoE layer `stage`: its attention and router, and its shared expert on every token
+        moe = self.attention_time(gpu, tokens, backward) + self.shared_expert_time(gpu, tokens, backward)
         if stage == 0:
             embed = self.elementwise_time(gpu, mult * tokens * h * b * 2)
-            return embed + self.attention_time(gpu, tokens, backward)
-        if stage == L:
-            return combine + self.head_time(gpu, tokens, backward)
-        return combine + self.attention_time(gpu, tokens, backward)
+            return embed + dense + moe
+        return combine + dense + moe
+
+    def stage_params(self, stage: int) -> int:
+        """Non-expert parameters attention stage `stage` computes with, besides the embedding and
+        the output layer: MoE layer `stage`'s attention, norms, router and shared expert (s < L)
+        and the dense layers the stage runs. Over all stages, + embedding and head, this is
+        ModelConfig.non_expert_params()."""
+        m = self.model
+        self.stage_kind(stage)  # range check
+        moe = m.moe_layer_non_expert_params() if stage < self.num_layers else 0
+        return moe + self.dense_in_stage[stage] * m.dense_layer_params()
 
     def optimizer_time(self, gpu: str, params: float) -> float:
         return self.elementwise_time(gpu, params * OPTIMIZER_BYTES_PER_PARAM)
@@ -416,22 +475,37 @@ class CostModel:
     def non_expert_state_bytes(self) -> float:
         return self.model.non_expert_params() * self.bytes_per_param_state
 
-    def attention_rank_bytes(self, tokens_mb: float, microbatches_alive: int) -> float:
-        """An attention rank without offloaded experts: non-expert weights and optimizer state,
-        plus activations. With checkpointing: each stage's input for every live microbatch,
-        one stage's working set and the fp32 logits; without: ~34 h bytes per token per layer
-        (flash attention; Korthikanti et al. 2022; an estimate)."""
+    def attention_rank_bytes(self, tokens_mb: float, microbatches_alive: int, layer_checkpoints: bool = False) -> float:
+        """An attention rank without offloaded experts: non-expert weights and optimizer state
+        (dense layers and shared experts included), plus activations. With checkpointing: each
+        stage's input for every live microbatch, one stage's working set (a stage recomputed
+        whole holds its dense layers' activations too) and the fp32 logits; without: ~34 h
+        bytes per token per layer, dense or MoE (flash attention; Korthikanti et al. 2022; an
+        estimate). `layer_checkpoints`: Megatron's full recompute instead of zebra's per stage
+        (every layer's input kept, one layer recomputed at a time; the EP baselines). Shared
+        experts keep their SwiGLU intermediates (without checkpointing) or need them as working
+        set, as an expert does (per_expert_bytes)."""
         m, b = self.model, self.settings.dtype_bytes
-        h, L = m.hidden_size, m.num_layers
+        h, L = m.hidden_size, self.num_layers
+        n_dense = len(m.dense_layers)
+        shared = m.moe_shared_expert_intermediate_size or 0
         logits = tokens_mb * m.vocab_size * 4.0  # estimate: fp16 logits + their fp16 gradient
+        per_token = h * 34.0 * b / 2  # one whole layer's activations
+        if self.program is not None and self.program.attention == "unfused":
+            per_token += 5.0 * m.num_attention_heads * self.settings.seq_len * b / 2  # the scores (same source)
+        shared_working = tokens_mb * shared * b * 4  # as expert_working_bytes
         if self.settings.activation_checkpointing:
-            kept = (L + 1) * tokens_mb * h * b * microbatches_alive
-            working = tokens_mb * h * b * 20
+            stage_working = tokens_mb * h * b * 20
+            if layer_checkpoints:  # one layer at a time: an MoE layer's working set, or a whole dense layer's
+                kept = (L + n_dense + 1) * tokens_mb * h * b * microbatches_alive
+                working = max(stage_working, tokens_mb * per_token if n_dense else 0.0)
+            else:  # zebra recomputes a stage whole: its MoE layer's attention and its dense layers
+                kept = (L + 1) * tokens_mb * h * b * microbatches_alive
+                working = stage_working + max(self.dense_in_stage) * tokens_mb * per_token
+            working += shared_working
         else:
-            per_token = h * 34.0 * b / 2
-            if self.program is not None and self.program.attention == "unfused":
-                per_token += 5.0 * m.num_attention_heads * self.settings.seq_len * b / 2  # the scores (same source)
-            kept = L * tokens_mb * per_token * microbatches_alive
+            kept = (L + n_dense) * tokens_mb * per_token * microbatches_alive
+            kept += L * tokens_mb * 3 * shared * b * microbatches_alive  # shared experts' SwiGLU intermediates
             working = 0.0
         return self.non_expert_state_bytes() + kept + working + logits
 

@@ -116,7 +116,7 @@ def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert:
     if not 1 <= alive <= R:
         raise ValueError(f"microbatches_alive={alive} must be in 1..R={R} (zebra: R, DistEP: 1)")
     m = cost.model
-    L, E, k = m.num_layers, m.num_experts, m.moe_router_topk
+    L, E, k = m.num_moe_layers, m.num_experts, m.moe_router_topk  # stage l < L: MoE layer l (+ its dense layers)
     M, N = len(attn), len(expert)
     t_mb = global_batch * cost.settings.seq_len / (G * M * R)
     tpe = M * t_mb * k / E
@@ -142,7 +142,8 @@ def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert:
 def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int, R: int,
                k: list[int], schedule: str = "zebra", validate: bool = True, skeleton: bool = False) -> HeteroPlan:
     """G groups of M attention + N expert ranks (consecutive in `attn` / `expert`), experts placed
-    by asym_ea.placement(k) alike in every group. `skeleton`: only group 0 gets a placement (the
+    by asym_ea.placement(k) (one entry per MoE layer) alike in every group; the model's dense
+    layers are the plan's dense_layers. `skeleton`: only group 0 gets a placement (the
     simulator reads no other); such a plan is for simulation inside the search only."""
     M, N = len(attn) // G, len(expert) // G
     local = asym_ea.placement(k, model.num_experts, list(range(M)), list(range(M, M + N)))
@@ -152,7 +153,8 @@ def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert
         members = a + x
         pl = [] if skeleton and g else [{members[i]: list(es) for i, es in p.items()} for p in local]
         groups.append(ZPGroup(a, x, pl))
-    plan = HeteroPlan(model.num_layers, model.num_experts, list(gpu_types), groups, R, schedule)
+    plan = HeteroPlan(model.num_moe_layers, model.num_experts, list(gpu_types), groups, R, schedule,
+                      dense_layers=model.dense_layers)
     if validate and not skeleton:
         plan.validate()
     return plan
@@ -240,7 +242,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         grp_a, grp_x = cand.attention_ranks[:M], cand.expert_ranks[:N]
         a_gpu, x_gpu = types[grp_a[0]], types[grp_x[0]]
         full = asym_problem(cost, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=False)
-        zero = [0] * model.num_layers
+        zero = [0] * model.num_moe_layers
         # DistEP keeps one microbatch alive, so it is checked on its own memory rule
         one = asym_problem(cost, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=False,
                            microbatches_alive=1)

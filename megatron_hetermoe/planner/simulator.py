@@ -233,9 +233,12 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
         raise PlanError(f"schedule {schedule!r} is unknown; use 'zebra' or 'distep'")
     m = cost.model
     L, E, k = plan.num_layers, plan.num_experts, m.moe_router_topk
-    if (L, E) != (m.num_layers, m.num_experts):
-        raise PlanError(f"plan is for {L} layers x {E} experts but model {m.name!r} has "
-                        f"{m.num_layers} x {m.num_experts}; plan for this model")
+    # L counts MoE layers; the dense ones run inside attention stages (cost.stage_time prices them)
+    if (L, sorted(plan.dense_layers), E) != (m.num_moe_layers, m.dense_layers, m.num_experts):
+        def shape(n: int, dense: list[int], e: int) -> str:
+            return f"{n} MoE layers x {e} experts" + (f", dense layers {dense}" if dense else "")
+        raise PlanError(f"plan is for {shape(L, sorted(plan.dense_layers), E)} but model {m.name!r} has "
+                        f"{shape(m.num_moe_layers, m.dense_layers, m.num_experts)}; plan for this model")
     g = plan.groups[group]
     members = g.members
     G, M, R = len(plan.groups), len(g.attention_ranks), plan.num_microbatches
@@ -312,7 +315,8 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
         prob.dur.append(du)
         prob.ref.append(rf)
 
-    # after the lists: grad all-reduce and optimizer step, per representative
+    # after the lists: grad all-reduce and optimizer step, per representative (an attention rank's
+    # non-expert parameters include dense layers' MLPs and shared experts)
     attn_all = plan.attention_ranks
     attn_links = Links.for_ranks(cluster, attn_all, cost.profiles)
     grad_bytes = cost.settings.dtype_bytes

@@ -57,12 +57,31 @@ def install(rank: int | None = None) -> Path | None:
     path = Path(out) / f"collectives.rank{rank}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("")
+    traced = {}
     for name in (*COLLECTIVES, *POINT_TO_POINT):
         fn = getattr(dist, name, None)
         if fn is not None and not getattr(fn, "_hetermoe_traced", False):
-            setattr(dist, name, _traced(fn, name, path))
+            traced[fn] = _traced(fn, name, path)
+            setattr(dist, name, traced[fn])
+    _trace_aliases(traced)
     _installed = path
     return path
+
+
+# Megatron binds some collectives to module names at import (its DDP's bucket reduce-scatter and
+# all-gather with the distributed optimizer); those calls would escape a trace of torch.distributed.
+_ALIASES = {"megatron.core.distributed.param_and_grad_buffer": ("dist_reduce_scatter_func", "dist_all_gather_func")}
+
+
+def _trace_aliases(traced: dict) -> None:
+    import sys
+
+    for module, names in _ALIASES.items():
+        mod = sys.modules.get(module)
+        for name in names if mod is not None else ():
+            fn = getattr(mod, name, None)
+            if fn in traced:
+                setattr(mod, name, traced[fn])
 
 
 def _group_of(args: tuple, kwargs: dict, name: str):

@@ -357,7 +357,7 @@ class ExpertZebra(ZebraRank):
     def __init__(self, runtime, hs: HeteroParallelState, run: HeteroRunConfig, recorder: TimelineRecorder | None,
                  task_timing: TaskTiming | None = None):
         super().__init__(hs, runtime.config.hidden_size, runtime.config.params_dtype, run, recorder,
-                         lambda l: runtime.decoder.layers[l].mlp.experts, task_timing)
+                         runtime.experts_of, task_timing)
 
     def run(self, tasks: list[Task]) -> None:
         def compute(t: Task) -> None:

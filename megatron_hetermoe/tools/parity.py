@@ -146,9 +146,10 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     plan.validate()
     if type(steps) is not int or steps < 1 or type(micro_batch_size) is not int or micro_batch_size < 1:
         raise ValueError(f"--steps {steps} and --micro-batch-size {micro_batch_size} must be integers >= 1")
-    if (plan.num_layers, plan.num_experts) != (model.num_layers, model.num_experts):
-        raise ValueError(f"plan is for {plan.num_layers} layers x {plan.num_experts} experts but model {model.name!r} "
-                         f"has {model.num_layers} x {model.num_experts}; make the plan with --model {model.name}")
+    from megatron_hetermoe.training.validation import check_plan_model
+
+    check_plan_model(plan, model.num_layers, model.num_experts, model.moe_layer_freq,
+                     f"model {model.name!r}", f"make the plan with --model {model.name}")
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision {precision!r} is unknown; use fp32, bf16 or fp16")
     prec = {"bf16": precision == "bf16", "fp16": precision == "fp16"}

@@ -60,8 +60,8 @@ class RoleAssembly:
 
     def module(self, config, base_spec, seed: int, gpt_kwargs: dict, init_state: dict | None = None):
         """The role's module and its canonical parameter names. `config`: model_config's;
-        `base_spec`: Megatron's GPT layer spec for the flags (its MoE layer becomes
-        HeteroMoELayer); `gpt_kwargs`: GPTModel's arguments beyond config, spec and groups
+        `base_spec`: Megatron's GPT layer spec for the flags, or its decoder block spec (dense and
+        MoE layers by --moe-layer-freq; each MoE layer becomes HeteroMoELayer); `gpt_kwargs`: GPTModel's arguments beyond config, spec and groups
         (vocab size, positions, embeddings ...). Built and initialized on the CPU
         (use_cpu_initialization); `init_state`: a plain Megatron state dict (canonical names)
         to start from instead of the layout-invariant values."""
@@ -70,24 +70,25 @@ class RoleAssembly:
         from megatron_hetermoe.compat import (
             bind_missing_te_general_gemm,
             moe_experts_spec,
+            normalize_layer_spec,
         )
         from megatron_hetermoe.models.builder import (
             canonical_names,
             init_layout_invariant,
         )
         from megatron_hetermoe.models.experts import ExpertRuntime
-        from megatron_hetermoe.models.moe_layer import hetero_layer_spec
+        from megatron_hetermoe.models.moe_layer import hetero_block_spec, moe_layer_specs
         from megatron_hetermoe.plan.layout import load_params, megatron_to_hetero
 
         hs = self.hs
         bind_missing_te_general_gemm()  # megatron's router needs it without transformer-engine (compat.py)
         pgc = hs.pg_collection()
         if hs.role == "attention":
-            module = GPTModel(config=config, transformer_layer_spec=hetero_layer_spec(base_spec, hs, pgc),
+            module = GPTModel(config=config, transformer_layer_spec=hetero_block_spec(base_spec, hs, pgc),
                               pg_collection=pgc, **gpt_kwargs)
             names = canonical_names(module)
         else:
-            module = ExpertRuntime(config, moe_experts_spec(base_spec), hs)
+            module = ExpertRuntime(config, moe_experts_spec(normalize_layer_spec(moe_layer_specs(base_spec)[0])), hs)
             names = module.canonical_names()
         with torch.no_grad():
             if init_state is not None:

@@ -57,10 +57,25 @@ def _real(cfg, field: str) -> float:
     return float(v)
 
 
+def check_plugin_model(m) -> None:
+    """The plugin's own trainers build every layer as an MoE layer without shared experts
+    (models/builder.py's Mixtral-style model); a model config with dense layers or shared experts
+    trains through Megatron-LM's pretrain_gpt.py, which builds them (and can be planned for)."""
+    what = [f"dense layers {m.dense_layers} (moe_layer_freq {m.moe_layer_freq!r})" if m.dense_layers else "",
+            f"shared experts (moe_shared_expert_intermediate_size {m.moe_shared_expert_intermediate_size})"
+            if m.moe_shared_expert_intermediate_size else ""]
+    what = [w for w in what if w]
+    if what:
+        raise ConfigError(f"model {m.name!r} has {' and '.join(what)}: the plugin's own trainer builds every layer "
+                          f"as an MoE layer without shared experts; train it with Megatron-LM's pretrain_gpt.py and "
+                          f"--hetero-plan (README: \"Inside Megatron-LM's own pretrain()\"), or use a model without them")
+
+
 def check_train_config(cfg: "TrainConfig") -> None:
     """The flags every trainer reads (no layout)."""
     from megatron_hetermoe.training.nan_check import NAN_MODES
 
+    check_plugin_model(cfg.model)
     for name, low in (("micro_batch_size", 1), ("global_batch_size", 1), ("train_iters", 0),
                       ("lr_warmup_iters", 0), ("log_interval", 1)):
         _int(cfg, name, low)
@@ -205,20 +220,34 @@ def check_issuer(issuer: str, emulated: bool) -> None:
                           "stream's thread); drop --hetero-zebra-issuer or pass threads")
 
 
+def check_plan_model(plan: HeteroPlan, num_layers: int, num_experts: int, moe_layer_freq: int | str | list[int],
+                     model: str, remake: str) -> None:
+    """PlanError unless the plan is for this model: its layers, which of them are dense
+    (Megatron's --moe-layer-freq) and its experts (`model` names it; `remake`: the fix)."""
+    from megatron_hetermoe.layer_pattern import dense_layers
+
+    dense = dense_layers(moe_layer_freq, num_layers)
+    if (plan.model_layers, sorted(plan.dense_layers), plan.num_experts) != (num_layers, dense, num_experts):
+        def shape(layers: int, d: list[int], experts: int) -> str:
+            return f"{layers} layers{f' (dense: {d})' if d else ''} x {experts} experts"
+        raise PlanError(f"plan is for {shape(plan.model_layers, sorted(plan.dense_layers), plan.num_experts)} but "
+                        f"{model} has {shape(num_layers, dense, num_experts)}; {remake}")
+
+
 def check_plan_for_job(plan: HeteroPlan, world: int, num_layers: int, num_experts: int, micro_batch_size: int,
-                       global_batch_size: int, pools, model: str, remake: str, what: str = "the plan") -> None:
+                       global_batch_size: int, pools, model: str, remake: str, what: str = "the plan",
+                       moe_layer_freq: int | str | list[int] = 1) -> None:
     """The plan against a job, the same check for both hostings (the plugin's trainer and
-    Megatron-LM's pretrain()): its ranks and GPU types, the model's layers and experts (`model`
-    names it; `remake`: how to make a plan for it), the batch (R microbatches of
+    Megatron-LM's pretrain()): its ranks and GPU types, the model's layers, which of them are
+    dense (`moe_layer_freq`, Megatron's --moe-layer-freq) and its experts (`model` names it;
+    `remake`: how to make a plan for it), the batch (R microbatches of
     `micro_batch_size` per attention rank; the full batch under Megatron's ramp-up), and each
     pool's precision on its GPU types (`pools`, a config.PoolPrecision; `what` names the plan)."""
     from megatron_hetermoe.planner.profiles import known_gpu_types
 
     plan.validate(world_size=world, known_gpu_types=known_gpu_types())
     check_pools(pools, plan, what)
-    if plan.num_layers != num_layers or plan.num_experts != num_experts:
-        raise PlanError(f"plan is for {plan.num_layers} layers x {plan.num_experts} experts but {model} has "
-                        f"{num_layers} x {num_experts}; {remake}")
+    check_plan_model(plan, num_layers, num_experts, moe_layer_freq, model, remake)
     n_attn = len(plan.attention_ranks)
     want = micro_batch_size * plan.num_microbatches * n_attn
     if global_batch_size != want:
@@ -238,6 +267,7 @@ def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str
     if schedule is not None and schedule not in SCHEDULES:
         raise ConfigError(f"--hetero-schedule {schedule!r}: use one of {list(SCHEDULES)}")
     m = cfg.model
+    check_plugin_model(m)  # library callers of train_hetero skip validate_job
     pools = run.pools(cfg) if run is not None else PoolPrecision(cfg.precision, cfg.precision)
     check_plan_for_job(plan, world, m.num_layers, m.num_experts, cfg.micro_batch_size, cfg.global_batch_size,
                        pools, f"model {m.name!r}", f"make the plan with --model {m.name}")

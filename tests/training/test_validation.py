@@ -123,7 +123,7 @@ CASES = [
      "--global-batch-size 4, or remake the plan with another --microbatches"),
     ("flags", "--model with --hetero-plan", flags("--global-batch-size", "4", plan=edit(PLAN, num_layers=1) | {
         "groups": [dict(PLAN["groups"][0], placement=PLAN["groups"][0]["placement"][:1])]}), PlanError,
-     "plan is for 1 layers x 4 experts but model 'tiny' has 2 x 4; make the plan with --model tiny"),
+     "plan is for 1 layers x 4 experts but model 'tiny' has 2 layers x 4 experts; make the plan with --model tiny"),
     ("flags", "--nproc with --hetero-plan", flags("--nproc", "2", plan=PLAN), SystemExit,
      "--nproc 2 but the plan has 3 ranks; drop --nproc"),
     ("flags", "--expert-model-parallel-size with --hetero-plan",
@@ -389,7 +389,7 @@ def test_parity_command_refuses_bad_inputs_before_any_rank(tmp_path, capsys):
 
     path = tmp_path / "plan.json"
     even_plan(3, 4, 1, 1).save(path)
-    for argv, message in ((["--plan", str(path)], "plan is for 3 layers x 4 experts but model 'tiny' has 2 x 4"),
+    for argv, message in ((["--plan", str(path)], "plan is for 3 layers x 4 experts but model 'tiny' has 2 layers x 4 experts"),
                           (["--plan", str(path), "--steps", "0"], "--steps 0 and --micro-batch-size 2 must be")):
         with pytest.raises(SystemExit) as e:
             parity.main(argv)
