@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from megatron_hetermoe.layer_pattern import (
+    LayerPatternError,
+    dense_layers,
+    moe_layer_pattern,
+    parse_moe_layer_freq,
+)
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, even_plan
-from megatron_hetermoe.layer_pattern import LayerPatternError, dense_layers, moe_layer_pattern, parse_moe_layer_freq
 
 
 @pytest.mark.parametrize("freq, layers, pattern", [
