@@ -19,7 +19,7 @@ import torch
 
 from megatron_hetermoe.config import HeteroRunConfig, PoolPrecision
 from megatron_hetermoe.parallel.state import HeteroParallelState
-from megatron_hetermoe.training.world_stats import holds_experts, world_count_zeros
+from megatron_hetermoe.training.world_stats import counts_here, world_count_zeros
 
 
 def model_config(config, **overrides):
@@ -77,7 +77,10 @@ class RoleAssembly:
             init_layout_invariant,
         )
         from megatron_hetermoe.models.experts import ExpertRuntime
-        from megatron_hetermoe.models.moe_layer import hetero_block_spec, moe_layer_specs
+        from megatron_hetermoe.models.moe_layer import (
+            hetero_block_spec,
+            moe_layer_specs,
+        )
         from megatron_hetermoe.plan.layout import load_params, megatron_to_hetero
 
         hs = self.hs
@@ -124,7 +127,7 @@ class RoleAssembly:
             optimizer = ChainedOptimizer([o for o in chained if o.get_parameters()])
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
             opt.grad_stats_parallel_group = hs.world_group
-            if not isinstance(opt, DistributedOptimizer) and not hs.owns_gradient(holds_experts(opt)):
+            if not counts_here(opt, hs):
                 opt.get_main_grads_for_grad_norm = list
         distributed = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
                        if isinstance(o, DistributedOptimizer)]

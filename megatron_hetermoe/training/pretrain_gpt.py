@@ -140,7 +140,10 @@ def model_from_args(a: argparse.Namespace) -> ModelConfig:
     if missing:
         raise ValueError("model shape incomplete: give " + " ".join("--" + f.replace("_", "-") for f in missing)
                          + " (or --model NAME for a YAML in configs/models to start from)")
-    m.setdefault("ffn_hidden_size", 4 * m["hidden_size"])
+    # Megatron-LM's default: with --swiglu 2/3 of 4h rounded down to a multiple of 64 (the same
+    # parameter count as a 4h GeLU MLP), else 4h.
+    h = m["hidden_size"]
+    m.setdefault("ffn_hidden_size", int(4 * h * 2 / 3 / 64) * 64 if getattr(a, "swiglu", False) else 4 * h)
     m.setdefault("moe_ffn_hidden_size", m["ffn_hidden_size"])
     m.setdefault("moe_router_topk", 2)
     if a.max_position_embeddings is not None and a.max_position_embeddings < m["seq_length"]:

@@ -28,6 +28,16 @@ def holds_experts(optimizer) -> bool:
     return expert == {True}
 
 
+def counts_here(optimizer, hs: HeteroParallelState) -> bool:
+    """Whether this rank counts a sub-optimizer's gradients in a world statistic (the norm, the
+    zeros): a distributed optimizer counts its own shard on every rank; otherwise the owner of its
+    parameters' gradients does (RankLayout.owns_gradient: dense on attention DP rank 0, experts in
+    ZP group 0)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return isinstance(optimizer, DistributedOptimizer) or hs.owns_gradient(holds_experts(optimizer))
+
+
 def _is_expert(param) -> bool:
     return not getattr(param, "allreduce", True)  # Megatron's mark of an expert parameter
 
@@ -64,14 +74,13 @@ def world_count_zeros(optimizer, hs: HeteroParallelState):
     rank that holds one), summed over the world in one collective (every rank enters it once,
     whatever number of sub-optimizers it holds)."""
     from megatron.core.optimizer.clip_grads import count_zeros_fp32
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     subs = getattr(optimizer, "chained_optimizers", [optimizer])
 
     def count_zeros() -> float:
         params = []
         for opt in subs:
-            if isinstance(opt, DistributedOptimizer) or hs.owns_gradient(holds_experts(opt)):
+            if counts_here(opt, hs):
                 params += opt.get_parameters()
         return count_zeros_fp32(params, grad_stats_parallel_group=hs.world_group,
                                 use_decoupled_grad=subs[0].config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)

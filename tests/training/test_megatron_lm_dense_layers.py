@@ -70,4 +70,4 @@ def test_dense_layers_equal_megatron_ep(mlm, data, tmp_path, tmp_path_factory, p
     experts = [k for k in weights if ".mlp.experts." in k]
     assert dense_mlp and experts, weights  # a dense layer's MLP and the experts: both saved under Megatron's keys
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in weights)
-    within(f"dense layers {pattern}, {schedule}: saved weights vs Megatron EP's", worst, 1e-5)
+    within(f"dense layers {pattern}, {schedule}: saved weights vs Megatron EP's", worst, 2e-5)

@@ -44,6 +44,17 @@ def _run(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
+def test_ffn_default_is_megatrons():
+    """Without --ffn-hidden-size Megatron-LM takes 4h, or with --swiglu 2/3 of it rounded down to a
+    multiple of 64 (h=96: 256, not 384)."""
+    p = build_parser()
+    shape = ["--num-layers", "2", "--hidden-size", "96", "--num-attention-heads", "6", "--num-experts", "4",
+             "--seq-length", "32", "--vocab-size", "256"]
+    assert model_from_args(p.parse_args([*shape, "--swiglu"])).ffn_hidden_size == 256
+    assert model_from_args(p.parse_args(shape)).ffn_hidden_size == 384
+    assert model_from_args(p.parse_args([*shape, "--swiglu", "--ffn-hidden-size", "100"])).ffn_hidden_size == 100
+
+
 def test_unsupported_and_unknown_flags_are_named():
     r = _run(TINY_FLAGS + ["--use-flash-attn", "--moe-use-legacy-grouped-gemm", "--not-a-flag", "3"])
     assert r.returncode == 2
