@@ -163,6 +163,17 @@ class ModelConfig:
         """MoE layers: a plan's num_layers (one expert placement each), the task lists' L."""
         return sum(self.moe_layer_pattern)
 
+    @property
+    def beyond_every_layer_moe(self) -> list[str]:
+        """What of this model the plugin's own trainer (every layer MoE, no shared experts) does not
+        build: dense layers, shared experts (empty: it builds this model)."""
+        out = []
+        if self.dense_layers:
+            out.append(f"dense layers {self.dense_layers} (moe_layer_freq {self.moe_layer_freq!r})")
+        if self.moe_shared_expert_intermediate_size:
+            out.append(f"shared experts (moe_shared_expert_intermediate_size {self.moe_shared_expert_intermediate_size})")
+        return out
+
     # ---- parameters ---------------------------------------------------------------------
     def expert_params(self) -> int:
         """Parameters of one SwiGLU expert (fc1 is 2 x ffn for the gate and up projections)."""

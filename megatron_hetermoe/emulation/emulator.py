@@ -51,6 +51,10 @@ class Emulator:
         self.spec = spec
         self.cluster = Cluster.load(spec.cluster)
         self.model = ModelConfig.load(spec.model).replace(seq_length=spec.seq_len)
+        if self.model.beyond_every_layer_moe:  # emulated runs train on the plugin's own trainer
+            raise ValueError(f"emulated model {self.model.name!r} has {' and '.join(self.model.beyond_every_layer_moe)}: "
+                             f"emulated runs train on the plugin's own trainer, which builds every layer as an MoE "
+                             f"layer without shared experts; `hetermoe plan` prices such a model")
         self.profiles = load_profiles(set(self.cluster.gpu_types()))
         self.cost = CostModel(self.model, self.profiles, TrainSettings(spec.seq_len, spec.activation_checkpointing))
 

@@ -291,7 +291,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{flag} {v}: must be an integer in 1..{most}")
     # The inputs, before megatron's import and any rank: a bad name or file is one line, not a traceback.
     cluster = Cluster.load(a.cluster)
-    ModelConfig.load(a.model)
+    beyond = ModelConfig.load(a.model).beyond_every_layer_moe
+    if beyond:
+        p.error(f"--model {a.model}: has {' and '.join(beyond)}; the emulated bench trains on the plugin's own "
+                f"trainer, which builds every layer as an MoE layer without shared experts (`hetermoe plan` prices "
+                f"such a model)")
     if a.timeline_dir:
         from megatron_hetermoe.outputs import writable_dir
 

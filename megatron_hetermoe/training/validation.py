@@ -61,10 +61,7 @@ def check_plugin_model(m) -> None:
     """The plugin's own trainers build every layer as an MoE layer without shared experts
     (models/builder.py's Mixtral-style model); a model config with dense layers or shared experts
     trains through Megatron-LM's pretrain_gpt.py, which builds them (and can be planned for)."""
-    what = [f"dense layers {m.dense_layers} (moe_layer_freq {m.moe_layer_freq!r})" if m.dense_layers else "",
-            f"shared experts (moe_shared_expert_intermediate_size {m.moe_shared_expert_intermediate_size})"
-            if m.moe_shared_expert_intermediate_size else ""]
-    what = [w for w in what if w]
+    what = m.beyond_every_layer_moe
     if what:
         raise ConfigError(f"model {m.name!r} has {' and '.join(what)}: the plugin's own trainer builds every layer "
                           f"as an MoE layer without shared experts; train it with Megatron-LM's pretrain_gpt.py and "

@@ -97,3 +97,17 @@ def test_plugin_trainer_refuses_models_it_would_build_wrong(name, words):
         check_plugin_model(ModelConfig.load(name))
     assert words in str(e.value) and "pretrain_gpt.py and --hetero-plan" in str(e.value)
     check_plugin_model(ModelConfig.load("tiny"))
+
+
+def test_emulated_bench_refuses_models_it_would_build_wrong(capsys):
+    """The emulated bench and the emulator train on the plugin's own trainer: a model with dense
+    layers is refused by name before any rank starts (the emulator's EP hooks count every layer)."""
+    from megatron_hetermoe.config import EmulationSpec
+    from megatron_hetermoe.emulation.emulator import Emulator
+    from megatron_hetermoe.tools.bench import main
+
+    with pytest.raises(SystemExit):
+        main(["--cluster", "mini-2a40-2v100", "--model", "tiny-dense", "--seq-len", "32"])
+    assert "--model tiny-dense: has dense layers [0]" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="emulated model 'tiny-dense' has dense layers"):
+        Emulator(EmulationSpec(cluster="mini-2a40-2v100", model="tiny-dense", seq_len=32, global_batch=4))
