@@ -269,7 +269,7 @@ def _memory_findings(model: ModelConfig, fields: dict, measured: dict, dtype) ->
     measured["info"]["memory_example"] = {
         "tokens_per_microbatch": tokens, "microbatches": 1, "bytes_per_expert": per,
         "n_max_experts_on_attention_rank": n_max, "experts_that_fit_on_expert_rank": cap,
-        "n_min_for_one_expert_rank": max(0, model.num_layers * model.num_experts - cap),
+        "n_min_for_one_expert_rank": max(0, model.num_moe_layers * model.num_experts - cap),  # dense layers hold none
     }
     return {}
 

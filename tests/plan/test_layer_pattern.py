@@ -111,3 +111,29 @@ def test_emulated_bench_refuses_models_it_would_build_wrong(capsys):
     assert "--model tiny-dense: has dense layers [0]" in capsys.readouterr().err
     with pytest.raises(ValueError, match="emulated model 'tiny-dense' has dense layers"):
         Emulator(EmulationSpec(cluster="mini-2a40-2v100", model="tiny-dense", seq_len=32, global_batch=4))
+
+
+def test_block_spec_must_have_the_plans_dense_layers():
+    """Megatron's decoder block spec for --moe-layer-freq 2 (4 layers: MoE 0 and 2) against plans:
+    the same pattern passes and gets HeteroMoELayer in exactly its MoE layers; another pattern, or
+    one layer spec for a plan with dense layers, is refused naming both."""
+    import types
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    from megatron_hetermoe.config import ModelConfig, ParallelConfig
+    from megatron_hetermoe.models.builder import layer_spec, transformer_config
+    from megatron_hetermoe.models.moe_layer import HeteroMoELayer, hetero_block_spec, is_moe_layer_spec
+
+    tiny = ModelConfig.load("tiny")
+    config = transformer_config(tiny.replace(num_layers=4), ParallelConfig(), moe_layer_freq=2)
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", pp_rank=0)
+    assert [is_moe_layer_spec(s) for s in block.layer_specs] == [True, False, True, False]
+    hs = types.SimpleNamespace(plan=even_plan(2, 4, 1, 1, dense_layers=[1, 3]))
+    out = hetero_block_spec(block, hs, None)
+    assert [s.submodules.mlp.module is HeteroMoELayer for s in out.layer_specs] == [True, False, True, False]
+    hs.plan = even_plan(2, 4, 1, 1, dense_layers=[0, 1])
+    with pytest.raises(ValueError, match=r"MoE layers \[0, 2\] of 4 are not the plan's \[2, 3\] of 4"):
+        hetero_block_spec(block, hs, None)
+    with pytest.raises(ValueError, match="one layer spec for every layer"):
+        hetero_block_spec(layer_spec(tiny), hs, None)
