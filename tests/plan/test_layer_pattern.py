@@ -123,7 +123,11 @@ def test_block_spec_must_have_the_plans_dense_layers():
 
     from megatron_hetermoe.config import ModelConfig, ParallelConfig
     from megatron_hetermoe.models.builder import layer_spec, transformer_config
-    from megatron_hetermoe.models.moe_layer import HeteroMoELayer, hetero_block_spec, is_moe_layer_spec
+    from megatron_hetermoe.models.moe_layer import (
+        HeteroMoELayer,
+        hetero_block_spec,
+        is_moe_layer_spec,
+    )
 
     tiny = ModelConfig.load("tiny")
     config = transformer_config(tiny.replace(num_layers=4), ParallelConfig(), moe_layer_freq=2)
