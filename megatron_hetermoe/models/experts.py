@@ -150,7 +150,7 @@ class ExpertRuntime(_megatron_module()):
             if holder.mlp.experts is None:
                 continue
             local = f"{prefix}decoder.layers.{model_layer}."
-            sd = experts_sharded_state_dict(holder.mlp.experts, hs.local_experts(hs.plan.moe_index(model_layer)), E,
+            sd = experts_sharded_state_dict(holder.mlp.experts, hs.plan.local_experts_at(hs.rank, model_layer), E,
                                             dist.get_rank(hs.replica_group), f"{local}mlp.experts.",
                                             () if separate else ((0, model_layer, L),), metadata)
             replace_prefix_for_sharding(sd, local, local if separate else f"{prefix}decoder.layers.")
@@ -160,7 +160,7 @@ class ExpertRuntime(_megatron_module()):
     def canonical_names(self) -> dict[str, str]:
         """local name -> canonical name (global expert ids; a GroupedMLP weight's label)."""
         def ids_of(pre: str) -> list[int]:
-            return self.hs.local_experts(self.hs.plan.moe_index(expert_names.layer_of_prefix(pre)))
+            return self.hs.plan.local_experts_at(self.hs.rank, expert_names.layer_of_prefix(pre))
 
         return {name: expert_names.canonical_name(name, ids_of) for name, _ in self.named_parameters()}
 
