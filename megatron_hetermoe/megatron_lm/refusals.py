@@ -48,9 +48,6 @@ def refusals(args) -> list[str]:
            for flag, keep in flags.items() if getattr(args, _dest(flag), keep[0]) not in keep]
     if not getattr(args, "num_experts", None):
         out.append("--num-experts: HeterMoE trains MoE models; give --num-experts")
-    if getattr(args, "moe_grouped_gemm", False) and (args.save or args.load):
-        out.append("--moe-grouped-gemm with --save/--load: Megatron-format checkpoints of HeterMoE experts are built "
-                   "for SequentialMLP; drop --moe-grouped-gemm")
     if args.transformer_impl == "transformer_engine":
         try:
             import transformer_engine  # noqa: F401

@@ -65,33 +65,14 @@ def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor) -> torc
 
 def experts_sharded_state_dict(experts, global_ids: list[int], num_experts: int, replica_rank: int, prefix: str = "",
                                sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
-    """megatron-core SequentialMLP's checkpoint layout (dist_checkpointing) with the plan's expert
-    ids: local expert i is global expert global_ids[i] on the expert axis, whatever the holder,
-    so a HeterMoE checkpoint and a Megatron EP one name every expert alike and reshard into each
-    other. `replica_rank`: this holder's index among the replicas of these experts (ZP groups)."""
-    from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
-    from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group
+    """megatron-core's checkpoint layout of `experts` (SequentialMLP, TEGroupedMLP or GroupedMLP:
+    their own sharded state dicts, which all write the same global tensors) with the plan's
+    expert ids: local expert i is global expert global_ids[i] on the expert axis, whatever the
+    holder, so a HeterMoE checkpoint and a Megatron EP one name every expert alike and reshard into
+    each other. `replica_rank`: this holder's index among the replicas of these experts (ZP groups)."""
+    from megatron_hetermoe.models.expert_axis import plan_sharded_state_dict
 
-    if not isinstance(experts, SequentialMLP):
-        raise NotImplementedError(f"Megatron-format checkpoints of HeterMoE experts are built for SequentialMLP "
-                                  f"(--transformer-impl local without --moe-grouped-gemm), not {type(experts).__name__}")
-    metadata = ensure_metadata_has_dp_cp_group(metadata)
-    singleton = (metadata or {}).get("singleton_local_shards", False)
-    out = {}
-    for local, (gid, expert) in enumerate(zip(global_ids, experts.local_experts)):
-        local_prefix = f"{prefix}local_experts.{local}."
-        if singleton:
-            sharded_prefix, offsets = f"{prefix}experts.{gid}.", sharded_offsets
-        else:
-            sharded_prefix = f"{prefix}experts."
-            offsets = (*sharded_offsets, (len(sharded_offsets), gid, num_experts))
-        sd = expert.sharded_state_dict(local_prefix, offsets, metadata)
-        replace_prefix_for_sharding(sd, local_prefix, sharded_prefix)
-        for sh in sd.values():  # (PP, TP, DP) -> replicated across ZP groups only
-            sh.replica_id = (*sh.replica_id[:2], replica_rank)
-        out.update(sd)
-    return out
+    return plan_sharded_state_dict(experts, global_ids, num_experts, replica_rank, prefix, sharded_offsets, metadata)
 
 
 def build_experts(config, experts_spec, num_local: int, pg_collection):

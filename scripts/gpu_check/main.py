@@ -6,7 +6,7 @@ SUMMARY block with PASS / FAIL / SKIP and the key numbers of every step; gpu_che
 it has the same results for programs. Every step runs its work in subprocesses, each with its
 own timeout, so one failure or hang does not stop the others.
 
-Steps (`--steps 1,2,5` runs some; they always run in the order 1, 2, 5, 3, 4, 6):
+Steps (`--steps 1,2,5` runs some; they always run in the order 1, 2, 5, 3, 4, 6, 7):
   1 environment   python, torch, CUDA, the GPU, NCCL, megatron-core, transformer_engine.
   2 1-rank NCCL   `torchrun --nproc-per-node 1 -m megatron_hetermoe.cli train --model tiny
                   --deterministic-mode ...` for (a) Megatron EP (EP=1), (b) DistEP, (c) zebra
@@ -42,6 +42,9 @@ Steps (`--steps 1,2,5` runs some; they always run in the order 1, 2, 5, 3, 4, 6)
                   single issuer (schedules/issuer.py) against ThreadStream (all on the default
                   stream), with the transferred values checked.
   6 profile       `hetermoe profile --model d1 ...` of this GPU (a few shapes; the YAML is kept).
+  7 grouped ckpt  tests/checkpoint/test_grouped_experts.py (needs pytest): torch_dist checkpoints
+                  of plan-placed GroupedMLP and, where transformer-engine is, TEGroupedMLP experts
+                  against Megatron EP's SequentialMLP (its TEGroupedMLP cases skip on CPU).
 
 --dry-run (or no GPU): every step that can run on the CPU runs at tiny sizes (CPU references
 only), GPU-only parts are SKIP; the exit code is 0 when nothing FAILED.

@@ -11,8 +11,6 @@ reading of it.
 """
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -249,45 +247,7 @@ def test_load_params_converts_to_the_modules_names(impl):
 
 
 # ---- megatron-core's GroupedMLP, built on CPU, against SequentialMLP ---------------------------
-class _ReferenceGroupedGemm:
-    """grouped_gemm.ops.gmm's contract: out[group i rows] = a[group i rows] @ b[i] (trans_b=False)."""
-
-    @staticmethod
-    def gmm(a, b, batch_sizes, trans_b=False):
-        assert batch_sizes.device.type == "cpu"  # grouped_gemm takes its batch sizes on the CPU
-        outs, start = [], 0
-        for i, m in enumerate(batch_sizes.tolist()):
-            outs.append(a[start:start + m] @ (b[i].t() if trans_b else b[i]))
-            start += m
-        return torch.cat(outs)
-
-
-@pytest.fixture
-def one_rank_groups():
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
-    try:
-        one = dist.new_group([0])
-        ps._set_global_memory_buffer()
-        yield ProcessGroupCollection(tp=one, ep=one, expt_tp=one, tp_ep=one, expt_dp=one)
-    finally:
-        ps.destroy_global_memory_buffer()
-        if created:
-            dist.destroy_process_group()
-
-
-def test_megatron_grouped_mlp_matches_sequential_mlp(tiny, one_rank_groups, monkeypatch):
-    from megatron.core.transformer.moe import experts as mexperts
-
-    if not hasattr(mexperts, "GroupedMLP"):
-        pytest.skip("this megatron-core has no legacy GroupedMLP (0.19+)")
-    from megatron.core.transformer.moe import grouped_gemm_util as gg
-
+def test_megatron_grouped_mlp_matches_sequential_mlp(tiny, one_rank_groups, grouped_mlp_on_cpu):
     from megatron_hetermoe.compat import build_experts, moe_experts_spec
     from megatron_hetermoe.config import ParallelConfig
     from megatron_hetermoe.models.builder import (
@@ -297,9 +257,6 @@ def test_megatron_grouped_mlp_matches_sequential_mlp(tiny, one_rank_groups, monk
         transformer_config,
     )
     from megatron_hetermoe.models.experts import run_local_experts
-    monkeypatch.setattr(gg, "grouped_gemm", object())  # passes assert_grouped_gemm_is_available
-    monkeypatch.setattr(gg, "ops", _ReferenceGroupedGemm)
-    monkeypatch.setattr(mexperts, "jit_fuser", lambda fn: fn)  # no torch.compile of the glu on CPU
     n, ids = 3, [6, 1, 3]
     # GroupedMLP asserts config.bf16; fp32 parameters keep the comparison exact up to summation order.
     cfg = transformer_config(tiny, ParallelConfig(), "fp32", kernels="grouped", bf16=True)

@@ -21,12 +21,12 @@ def test_gpu_check_dry_run(tmp_path):
     assert p.returncode == 0, log[-4000:] + p.stderr[-2000:]
     summary = log[log.index(" SUMMARY "):]
     lines = [ln for ln in summary.splitlines() if ln.startswith("step ")]
-    assert len(lines) == 6, summary
+    assert len(lines) == 7, summary
     assert not [ln for ln in lines if " FAIL " in ln], summary
     assert "overall: PASS" in summary
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     status = {int(k): v["status"] for k, v in res["steps"].items()}
-    assert status == {1: "PASS", 2: "PASS", 3: "PASS", 4: "PASS", 5: "SKIP", 6: "PASS"}, summary
+    assert status == {1: "PASS", 2: "PASS", 3: "PASS", 4: "PASS", 5: "SKIP", 6: "PASS", 7: "PASS"}, summary
     assert res["dry_run"] and not res["gpu"]
     # the CPU references produced finite per-step losses, and the three 1-rank runs agree
     losses = res["steps"]["2"]["data"]["losses"]
