@@ -6,7 +6,14 @@ layer l held on the attention side of a group:
 
 * `gather_squeeze` - the paper's Algorithm 1 (PAPER.md), forward times only. Chunks of
   n1 = max(1, N/M) experts per attention rank (n2 = n1*M/N given up per expert rank), so it
-  needs M | N or N | M. Where the paper is silent we chose: the accumulated idle time is
+  needs M | N or N | M. T_squeeze is the idle time one chunk removes, n2 t_exp + n1 t_x: the
+  expert side loses n2 experts' work and the attention side gains n1, so the gap T_gather
+  measures closes by both. PAPER.md's gloss "time saved on the expert GPU minus time added on
+  the attention GPU" (n2 t_exp - n1 t_x) is the saving of a serial layer, not idle removed; taken
+  literally it is small when both GPU types run experts at similar speed and the walk moves every
+  expert of every layer (D1 on O1, one 6:6 group, R=8: 24 of 24 per layer at 4K and 8K, 1.58x
+  and 1.54x slower simulated steps than the optimal assignment, slower than no Asym-EA at all;
+  with the idle it removes: 0.99x and 0.96x). Where the paper is silent we chose: the accumulated idle time is
   clamped at 0 (an expert side that runs ahead cannot bank time: a Lindley recursion), a layer
   gives at most all its experts, and the memory limits scale the accumulation by alpha <= 1
   (largest scale with n1 * sum(chunks) <= n_max) or beta >= 1 (smallest scale with
@@ -110,7 +117,7 @@ def gather_squeeze(prob: AsymProblem) -> list[int]:
     per_chunk = n1 * M  # experts of the layer moved per chunk
     c_max = E // per_chunk
     t_exp_layer = math.ceil(E / N) * prob.t_exp
-    squeeze = n2 * prob.t_exp - n1 * prob.t_exp_on_attn
+    squeeze = n2 * prob.t_exp + n1 * prob.t_exp_on_attn  # idle one chunk removes (module docstring)
     gather = [t_exp_layer - t for t in prob.t_attn]
 
     def run(scale: float) -> list[int]:

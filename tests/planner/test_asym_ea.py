@@ -17,22 +17,34 @@ def prob(L=4, E=8, M=2, N=2, t_attn=1.75, t_exp=0.5, t_x=0.125, n_max=10**6, cap
 
 # ---- Algorithm 1, by hand ---------------------------------------------------------------
 def test_greedy_accumulates_gather_until_a_squeeze():
-    # M=N=2: n1=n2=1, a chunk moves 2 experts. T_exp(layer) = 4 * 0.5 = 2, gather = 2 - 1.75 = 0.25,
-    # squeeze = 0.5 - 0.125 = 0.375. Running total: .25 | .5 -> 1 chunk, .125 | .375 -> 1, 0 | .25
-    assert asym_ea.gather_squeeze(prob()) == [0, 2, 2, 0]
+    # M=N=2: n1=n2=1, a chunk moves 2 experts. T_exp(layer) = 4 * 0.5 = 2, gather = 2 - 1.5 = 0.5,
+    # squeeze = idle one chunk removes = 0.5 + 0.125 = 0.625. Running total: .5 | 1 -> 1 chunk,
+    # .375 | .875 -> 1, .25 | .75 -> 1, .125
+    assert asym_ea.gather_squeeze(prob(t_attn=1.5)) == [0, 2, 2, 2]
+
+
+def test_greedy_squeeze_counts_both_sides_of_the_gap():
+    # One chunk closes the attention ranks' idle by the expert work it takes off an expert rank
+    # AND the work it adds to an attention rank: gather 2 - 1.25 = 0.75 = squeeze 0.5 + 0.25, so
+    # exactly one chunk per layer balances P and Q (1.25 + 0.25 = 1.5 = 3 * 0.5). Saved minus
+    # added (0.25) would take 3 chunks per layer: P = 2, Q = 0.5, the attention side the bottleneck.
+    p = prob(t_attn=1.25, t_x=0.25)
+    k = asym_ea.gather_squeeze(p)
+    assert k == [2, 2, 2, 2]
+    assert all(ps == qs for ps, qs in asym_ea.layer_loads(p, k))
 
 
 def test_greedy_chunks_when_n_is_a_multiple_of_m():
     # M=2, N=4: n1=2 per attention rank, n2=1 per expert rank, 4 experts per chunk.
-    # T_exp(layer) = 2 * 0.5 = 1, gather = 0.25, squeeze = 0.5 - 2 * 0.125 = 0.25: a chunk every layer.
-    assert asym_ea.gather_squeeze(prob(N=4, t_attn=0.75)) == [4, 4, 4, 4]
+    # T_exp(layer) = 2 * 0.5 = 1, gather = 0.75, squeeze = 0.5 + 2 * 0.125 = 0.75: a chunk every layer.
+    assert asym_ea.gather_squeeze(prob(N=4, t_attn=0.25)) == [4, 4, 4, 4]
 
 
 def test_greedy_alpha_caps_by_attention_memory():
     # as above, but an attention rank holds at most 4 experts = 2 chunks. The largest scale that
-    # fits is alpha in [2/3, 3/4): gather g = 0.25 alpha in [1/6, 3/16); totals g | 2g -> chunk,
-    # 2g - 1/4 | 3g - 1/4 -> chunk, 3g - 1/2 | 4g - 1/2 < 1/4 -> none.  (alpha = 3/4 takes 3 chunks.)
-    assert asym_ea.gather_squeeze(prob(N=4, t_attn=0.75, n_max=4)) == [0, 4, 4, 0]
+    # fits is alpha in [2/3, 3/4): gather g = 0.75 alpha in [1/2, 9/16); totals g | 2g -> chunk,
+    # 2g - 3/4 | 3g - 3/4 -> chunk, 3g - 3/2 | 4g - 3/2 < 3/4 -> none.  (alpha = 3/4 takes 3 chunks.)
+    assert asym_ea.gather_squeeze(prob(N=4, t_attn=0.25, n_max=4)) == [0, 4, 4, 0]
 
 
 def test_greedy_beta_forces_the_experts_that_do_not_fit():

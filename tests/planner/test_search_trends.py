@@ -56,23 +56,27 @@ def test_half_v100_keeps_most_of_all_a40_throughput(o1_d1):
         assert kept > 0.85, (S, kept)  # the paper reports ~0.95; we predict ~0.89-0.92 (see report)
 
 
-def test_greedy_and_optimal_differ_on_o1(capsys):
-    """O1, D1, 4K tokens, one 6:6 group, R=8: Algorithm 1's chunks squeeze too much (T_squeeze is
-    small when V100 and A40 expert speeds are close), the optimal assignment balances."""
+@pytest.mark.parametrize("S", [4096, 8192])
+def test_greedy_balances_instead_of_moving_every_expert_on_o1(capsys, S):
+    """O1, D1, one 6:6 group, R=8, where A40 and V100 run experts at similar speed: Algorithm 1
+    with T_squeeze as the idle one chunk removes offloads some experts of a layer, not all 24
+    (saved-minus-added moved all of them: 1.58x / 1.54x slower than the optimal assignment), and
+    simulates within a few percent of the optimal assignment, which is best by its own objective J."""
     m, cl = ModelConfig.load("d1"), Cluster.load("o1")
-    cost = CostModel(m, load_profiles(set(cl.gpu_types())), TrainSettings(4096))
+    cost = CostModel(m, load_profiles(set(cl.gpu_types())), TrainSettings(S))
     types, a, x = cl.gpu_types(), list(range(6)), list(range(6, 12))
     fwd = asym_problem(cost, types, a, x, 1, 8, 48, forward_only=True)
     full = asym_problem(cost, types, a, x, 1, 8, 48, forward_only=False)
     kg, ko = asym_ea.gather_squeeze(fwd), asym_ea.optimal(full)
-    assert kg != ko
+    assert 0 < sum(kg) and max(kg) < m.num_experts, kg
     t = {name: simulate_plan(build_plan(m, types, a, x, 1, 8, k), cost, cl, 48).step_time_s
          for name, k in (("greedy", kg), ("optimal", ko), ("none", [0] * 8))}
-    assert t["optimal"] < t["none"] and t["optimal"] < t["greedy"]
-    assert asym_ea.objective(full, ko) < asym_ea.objective(full, kg)
+    assert t["greedy"] < t["none"] and t["optimal"] < t["none"]
+    assert abs(t["greedy"] / t["optimal"] - 1) < 0.2, t  # measured 0.99x (4K), 0.96x (8K)
+    assert asym_ea.objective(full, ko) <= asym_ea.objective(full, kg) + 1e-12
     with capsys.disabled():
-        print(f"\n  O1/D1 4K R=8: greedy k={kg} {t['greedy']:.3f}s, optimal k={ko} {t['optimal']:.3f}s, "
-              f"no offload {t['none']:.3f}s; optimal is {t['greedy'] / t['optimal']:.2f}x faster than greedy")
+        print(f"\n  O1/D1 {S // 1024}K R=8: greedy k={kg} {t['greedy']:.3f}s, optimal k={ko} {t['optimal']:.3f}s, "
+              f"no offload {t['none']:.3f}s; greedy/optimal {t['greedy'] / t['optimal']:.2f}x")
 
 
 def test_non_divisible_shape_gets_an_assignment():

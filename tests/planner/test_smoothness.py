@@ -9,10 +9,9 @@ detail["excluded_layouts"] at the other (it no longer fits in memory, or the bat
 divide), or, for a drop in per-token cost with the batch, the step itself did not get shorter
 (a fixed per-step cost, e.g. the gradient all-reduce, spread over more tokens).
 
-The paper's greedy Asym-EA (Algorithm 1) is held only to the limit: its chunk count is
-floor(gathered idle / T_squeeze), and T_squeeze is small when the two GPU types run experts at
-similar speed, so it jumps from no offload to every expert offloaded between neighbouring
-lengths by design (O1, D1, 12K -> 16K: 1.6x; test_search_trends shows the overshoot).
+The paper's greedy Asym-EA (Algorithm 1) is held to smoothness too since its T_squeeze is the
+idle time one chunk removes (planner/asym_ea.py); with saved-minus-added it jumped from no offload
+to every expert offloaded between neighbouring lengths (O1, D1, 12K -> 16K: 1.6x).
 
 Plus a hand-checked regression for the O1 / D1 / 20K cliff.
 """
@@ -36,7 +35,7 @@ from megatron_hetermoe.planner.search import (
 
 JUMP = 1.5
 LIMIT = "Physical limit"
-SMOOTH = (PICK, ZEBRA, ZEBRA_NO_EA, DISTEP, "EP", "EP (Ideal)", "Hetero PP")  # the issue's strategies
+SMOOTH = (PICK, ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP, "EP", "EP (Ideal)", "Hetero PP")  # the issue's strategies
 CLUSTERS = ("o1", "o2", "o3", "mini-2a40-2v100")
 MODELS = ("d1", "d2", "w1", "d3")
 SEQS = (4096, 6144, 8192, 12288, 16384, 20480, 24576, 32768)
