@@ -32,7 +32,7 @@ class ModelConfigError(UserError, ValueError):
 # ModelConfig fields that are not positive ints (each checked on its own), and those that are
 # positive ints or None.
 _NOT_COUNTS = ("name", "moe_aux_loss_coeff", "moe_layer_freq")
-_OPTIONAL_COUNTS = ("moe_shared_expert_intermediate_size",)
+_OPTIONAL_COUNTS = ("moe_shared_expert_intermediate_size", "mtp_num_layers")
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,9 @@ class ModelConfig:
     `moe_layer_freq` (Megatron's --moe-layer-freq) makes some layers dense (an MLP of
     ffn_hidden_size instead of experts; default 1: every layer MoE), and
     `moe_shared_expert_intermediate_size` gives every MoE layer a shared-expert MLP of that size
-    that all tokens pass through (default None: none). `num_layers` is the model's total
+    that all tokens pass through (default None: none), and `mtp_num_layers` (Megatron's
+    --mtp-num-layers) adds multi-token prediction layers after the decoder's (default None: none;
+    even plans place them, the search does not price them). `num_layers` is the decoder's total
     (Megatron's --num-layers); `num_moe_layers` and `dense_layers` split it."""
 
     name: str
@@ -60,6 +62,7 @@ class ModelConfig:
     # so it can be handed to a TransformerConfig as it is.
     moe_layer_freq: int | list[int] = 1
     moe_shared_expert_intermediate_size: int | None = None
+    mtp_num_layers: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -172,6 +175,8 @@ class ModelConfig:
             out.append(f"dense layers {self.dense_layers} (moe_layer_freq {self.moe_layer_freq!r})")
         if self.moe_shared_expert_intermediate_size:
             out.append(f"shared experts (moe_shared_expert_intermediate_size {self.moe_shared_expert_intermediate_size})")
+        if self.mtp_num_layers:
+            out.append(f"multi-token prediction layers (mtp_num_layers {self.mtp_num_layers})")
         return out
 
     # ---- parameters ---------------------------------------------------------------------

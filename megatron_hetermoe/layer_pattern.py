@@ -76,3 +76,12 @@ def dense_layers(moe_layer_freq: int | str | list[int], num_layers: int) -> list
         raise LayerPatternError(f"moe_layer_freq {moe_layer_freq!r} leaves no MoE layer in {num_layers} layers; "
                                 f"HeterMoE trains MoE models")
     return [i for i, v in enumerate(pattern) if not v]
+
+
+def model_dense_layers(moe_layer_freq: int | str | list[int], num_layers: int, mtp_num_layers: int | None = None) -> list[int]:
+    """dense_layers of a model with `num_layers` decoder layers and `mtp_num_layers` MTP layers
+    after them (model layers num_layers + k): Megatron builds each MTP layer from the decoder's
+    last layer spec, so an MTP layer is dense exactly when the last decoder layer is."""
+    dense = dense_layers(moe_layer_freq, num_layers)
+    mtp = mtp_num_layers or 0
+    return dense + ([num_layers + k for k in range(mtp)] if num_layers - 1 in dense else [])

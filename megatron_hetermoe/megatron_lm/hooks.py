@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_hetermoe.config import PoolPrecision
 from megatron_hetermoe.megatron_lm.cpu_layer import _cpu_replacements, _replaced, _wrap
-from megatron_hetermoe.megatron_lm.refusals import refusals
+from megatron_hetermoe.megatron_lm.refusals import refusals, schedule_refusals
 from megatron_hetermoe.megatron_lm.replaced import recompute_choice, replace_flags
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
@@ -40,6 +40,7 @@ class HeteroPretrain:
         self.plan = HeteroPlan.load(args.hetero_plan)
         self.schedule = args.hetero_schedule or self.plan.schedule
         self.recompute, recompute_notes, bad = recompute_choice(args, self.schedule)
+        bad += schedule_refusals(args, self.schedule)
         if bad:
             raise SystemExit("--hetero-plan: Megatron-LM flag(s) this run cannot honour:\n  " + "\n  ".join(bad))
         notes = replace_flags(args, self.argv, self.plan) + recompute_notes
@@ -53,7 +54,8 @@ class HeteroPretrain:
         check_plan_for_job(self.plan, world, args.num_layers, args.num_experts, args.micro_batch_size,
                            args.global_batch_size, self.pools, f"--num-layers {args.num_layers} --num-experts "
                            f"{args.num_experts}" + (f" --moe-layer-freq {freq}" if freq != 1 else ""),
-                           "remake the plan for this model", f"plan {args.hetero_plan}", moe_layer_freq=freq)
+                           "remake the plan for this model", f"plan {args.hetero_plan}", moe_layer_freq=freq,
+                           mtp_num_layers=args.mtp_num_layers)
         # Megatron's data parallelism is over the attention ranks: validate_args derives
         # data_parallel_size (and set_global_variables the microbatch calculator) from it.
         args.world_size = n_attn
@@ -135,7 +137,10 @@ class HeteroPretrain:
         (RoleAssembly.module) from Megatron's config and layer spec for these flags. Every
         parameter starts at its layout-invariant value, so any plan, and the plugin's own trainer,
         start from the same weights."""
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_decoder_block_spec,
+            get_gpt_mtp_block_spec,
+        )
         from megatron.training.arguments import core_transformer_config_from_args
 
         from megatron_hetermoe.training.assembly import model_config
@@ -144,9 +149,9 @@ class HeteroPretrain:
         # roles run different code there, so a world-wide barrier in one role's never meets the
         # other's (see _no_role_barriers).
         config = model_config(config or core_transformer_config_from_args(args), barrier_with_L1_time=False)
-        block = get_gpt_decoder_block_spec(config, use_transformer_engine=args.transformer_impl == "transformer_engine",
-                                           normalization=args.normalization, qk_l2_norm=args.qk_l2_norm,
-                                           vp_stage=vp_stage)
+        use_te = args.transformer_impl == "transformer_engine"
+        block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
+                                           qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
         # The block spec: dense and MoE layers by --moe-layer-freq (the plan's dense_layers, checked).
         gpt = dict(vocab_size=args.padded_vocab_size, max_sequence_length=args.max_position_embeddings,
                    pre_process=pre_process, post_process=post_process,
@@ -154,6 +159,11 @@ class HeteroPretrain:
                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                    position_embedding_type=args.position_embedding_type, rotary_percent=args.rotary_percent,
                    rotary_base=args.rotary_base, rope_scaling=args.use_rope_scaling)
+        if args.mtp_num_layers:
+            # As Megatron-LM's gpt_builder: the MTP layers take the decoder's last layer spec
+            # (RoleAssembly.module puts HeteroMoELayer in it).
+            gpt["mtp_block_spec"] = get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=use_te,
+                                                           vp_stage=vp_stage)
         module, _ = self.assembly.module(config, block, args.seed, gpt)
         return module
 
@@ -244,7 +254,25 @@ class HeteroPretrain:
             return
         tracker = get_moe_layer_wise_logging_tracker()
         for name in track_names:
-            dist.broadcast(tracker[name]["values"], src=self.plan.attention_ranks[0], group=self.hs.world_group)
+            values = tracker[name]["values"]
+            if values.numel() != self.plan.model_layers:
+                # Megatron sizes an untouched tracker by --num-layers, the routers by their layers
+                # with the MTP layers; only the first attention rank's values are kept.
+                values = tracker[name]["values"] = values.new_zeros(self.plan.model_layers)
+            dist.broadcast(values, src=self.plan.attention_ranks[0], group=self.hs.world_group)
+
+    def reduce_mtp_losses(self, reduce):
+        """Megatron averages the MTP losses over each rank's data-parallel group (the attention
+        ranks: the MTP block is theirs) and the last rank logs them, which may be an expert rank
+        with no MTP loss: every rank gets the first attention rank's values."""
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+        from megatron.training import get_args
+
+        reduce()
+        tracker = MTPLossLoggingHelper.tracker
+        if "values" not in tracker:  # an expert rank: no MTP layer ran here
+            tracker["values"] = torch.zeros(get_args().mtp_num_layers, device=self.hs.device)
+        dist.broadcast(tracker["values"], src=self.plan.attention_ranks[0], group=self.hs.world_group)
 
     # ---- 8. --log-params-norm: each parameter once over the world ---------------------------------
     def params_norm(self, model, force_create_fp32_copy: bool = False) -> float:
@@ -263,6 +291,7 @@ class HeteroPretrain:
     def installed(self):
         import megatron.core.transformer.moe.moe_utils as moe_utils
         import megatron.training.checkpointing as checkpointing
+        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
         import megatron.training.initialize as initialize
         import megatron.training.training as training
 
@@ -282,6 +311,8 @@ class HeteroPretrain:
                  _wrap(moe_utils.reduce_aux_losses_tracker_across_ranks, self.reduce_aux_losses)),
                 (checkpointing, "FullyParallelSaveStrategyWrapper", _save_wrapper_for_roles()),
                 (training, "calc_params_l2_norm", self.params_norm),
+                (MTPLossLoggingHelper, "reduce_loss_in_tracker",
+                 staticmethod(_wrap(MTPLossLoggingHelper.reduce_loss_in_tracker, self.reduce_mtp_losses))),
             ]))
             yield self
 

@@ -15,7 +15,7 @@ _REFUSED: dict[str, dict[str, tuple]] = {
     "HeterMoE builds megatron-core's GPTModel from the command line's flags and Megatron's spec": {
         "--use-legacy-models": _OFF, "--spec": _UNSET, "--yaml-cfg": _UNSET},
     "not supported with HeterMoE": {
-        "--mtp-num-layers": _UNSET, "--heterogeneous-layers-config-path": _UNSET,
+        "--heterogeneous-layers-config-path": _UNSET,
         "--experimental-attention-variant": _UNSET, "--delay-wgrad-compute": _OFF, "--moe-use-upcycling": _OFF,
         "--use-torch-fsdp2": _OFF, "--use-megatron-fsdp": _OFF},
     "HeterMoE's dispatcher replaces Megatron's (it applies the probabilities after combine)": {
@@ -57,4 +57,14 @@ def refusals(args) -> list[str]:
     if not torch.cuda.is_available() and args.distributed_backend != "gloo":
         out.append(f"--distributed-backend {args.distributed_backend!r}: this host has no CUDA; pass "
                    f"--distributed-backend gloo to run the ranks on the CPU")
+    return out
+
+
+def schedule_refusals(args, schedule: str) -> list[str]:
+    """The flags a run on `schedule` cannot honour (beyond recompute_choice's), with the reason."""
+    out = []
+    if getattr(args, "mtp_num_layers", None) and schedule == "zebra":
+        # zebra runs GPTModel stage by stage up to the head; the MTP block after the decoder has no stage
+        out.append(f"--mtp-num-layers {args.mtp_num_layers} with the zebra schedule: zebra has no stage for the MTP "
+                   f"block after the decoder; pass --hetero-schedule distep")
     return out

@@ -313,6 +313,7 @@ def wrapped_names(model: torch.nn.Module, names: dict[str, str]) -> dict[str, st
 
 # --- canonical names: the same parameter has the same name in every layout -----------------
 _LAYER = re.compile(r"^(?:module\.)*decoder\.layers\.(\d+)\.")
+_MTP_LAYER = re.compile(r"^(?:module\.)*mtp\.layers\.(\d+)\.transformer_layer\.")
 
 
 def canonical_names(model: torch.nn.Module) -> dict[str, str]:
@@ -328,6 +329,7 @@ def canonical_names(model: torch.nn.Module) -> dict[str, str]:
 
     layer_of: dict[int, int] = {}
     experts_of: dict[int, list[int]] = {}
+    mtp_experts: dict[int, list[int]] = {}  # MTP layer k's transformer layer (names keep k: PP=1)
     mods = dict(model.named_modules())
     for name, mod in mods.items():
         m = re.match(r"^(?:module\.)*decoder\.layers\.(\d+)$", name)
@@ -336,6 +338,10 @@ def canonical_names(model: torch.nn.Module) -> dict[str, str]:
             mlp = mod.mlp
             if hasattr(mlp, "local_expert_indices"):
                 experts_of[int(m.group(1))] = list(mlp.local_expert_indices)
+        m = _MTP_LAYER.match(name + ".")
+        if m and isinstance(mod, TransformerLayer) and name.endswith("transformer_layer"):
+            if hasattr(mod.mlp, "local_expert_indices"):
+                mtp_experts[int(m.group(1))] = list(mod.mlp.local_expert_indices)
     out = {}
     for name, _ in model.named_parameters():
         canon = re.sub(r"^(?:module\.)*", "", name)
@@ -344,6 +350,9 @@ def canonical_names(model: torch.nn.Module) -> dict[str, str]:
             local = int(m.group(1))
             canon = _LAYER.sub(f"decoder.layers.{layer_of[local]}.", name)
             canon = expert_names.canonical_name(canon, lambda pre, local=local: experts_of[local])
+        m = _MTP_LAYER.match(name)
+        if m and int(m.group(1)) in mtp_experts:
+            canon = expert_names.canonical_name(canon, lambda pre, k=int(m.group(1)): mtp_experts[k])
         out[name] = canon
     return out
 

@@ -91,37 +91,53 @@ class ExpertRuntime(_megatron_module()):
     """All experts an expert rank holds, named as in a plain Megatron model
     (decoder.layers.L.mlp.experts.local_experts.i with SequentialMLP; the kernels' own names
     otherwise, see plan/expert_names.py) so DDP, the optimizer and checkpoints treat them like
-    Megatron's own. decoder.layers has one holder per model layer (a dense layer's is empty), so
-    names carry the model's layer index; the schedules address MoE layers (`experts_of`)."""
+    Megatron's own. decoder.layers has one holder per decoder layer (a dense layer's is empty), so
+    names carry the model's layer index; MTP layer k's experts sit where GPTModel has them
+    (mtp.layers.k.transformer_layer.mlp.experts). The schedules address MoE layers (`experts_of`)."""
 
     def __init__(self, config, experts_spec, hs: HeteroParallelState):
         super().__init__(config=config)
         self.hs = hs
         pgc = hs.pg_collection()
         self.pg_collection = pgc  # as GPTModel keeps it (Megatron-LM's training_log reads it)
-        self.decoder = torch.nn.Module()
-        self.decoder.layers = torch.nn.ModuleList()
-        for model_layer in range(hs.plan.model_layers):
-            holder = torch.nn.Module()
-            holder.mlp = torch.nn.Module()
+
+        def holder(model_layer: int) -> torch.nn.Module:
+            h = torch.nn.Module()
+            h.mlp = torch.nn.Module()
             layer = hs.plan.moe_index(model_layer)
             n = 0 if layer is None else len(hs.local_experts(layer))
-            holder.mlp.experts = build_experts(config, experts_spec, n, pgc) if n else None
-            self.decoder.layers.append(holder)
+            h.mlp.experts = build_experts(config, experts_spec, n, pgc) if n else None
+            return h
+
+        self.decoder = torch.nn.Module()
+        self.decoder.layers = torch.nn.ModuleList(holder(i) for i in range(hs.plan.decoder_layers))
+        if hs.plan.mtp_layers:
+            self.mtp = torch.nn.Module()
+            self.mtp.layers = torch.nn.ModuleList()
+            for k in range(hs.plan.mtp_layers):
+                wrap = torch.nn.Module()
+                wrap.transformer_layer = holder(hs.plan.decoder_layers + k)
+                self.mtp.layers.append(wrap)
+
+    def _holder(self, model_layer: int) -> torch.nn.Module:
+        d = self.hs.plan.decoder_layers
+        return self.decoder.layers[model_layer] if model_layer < d else self.mtp.layers[model_layer - d].transformer_layer
 
     def experts_of(self, layer: int):
         """The experts this rank holds in MoE layer `layer` (None: none)."""
-        return self.decoder.layers[self.hs.plan.moe_layer_ids[layer]].mlp.experts
+        return self._holder(self.hs.plan.moe_layer_ids[layer]).mlp.experts
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """The experts' part of a plain Megatron GPTModel's sharded state dict: the keys and
-        offsets TransformerBlock gives its layers' experts (layer axis first), with the plan's
-        expert ids (experts_sharded_state_dict)."""
+        offsets TransformerBlock gives its layers' experts (layer axis first) and
+        MultiTokenPredictionBlock its MTP layers' (no layer axis), with the plan's expert ids
+        (experts_sharded_state_dict)."""
         import torch.distributed as dist
         from megatron.core.dist_checkpointing.utils import replace_prefix_for_sharding
 
         hs, out = self.hs, {}
-        L, E = hs.plan.model_layers, hs.plan.num_experts
+        L, E = hs.plan.decoder_layers, hs.plan.num_experts
+        replica = dist.get_rank(hs.replica_group)
         freq = getattr(self.config, "moe_layer_freq", 1)
         # TransformerBlock's rule: dense layers (or a pattern) make its layers non-homogeneous.
         separate = ((metadata or {}).get("non_homogeneous_layers", False) or isinstance(freq, list) or freq > 1
@@ -132,16 +148,23 @@ class ExpertRuntime(_megatron_module()):
                 continue
             local = f"{prefix}decoder.layers.{model_layer}."
             sd = experts_sharded_state_dict(holder.mlp.experts, hs.plan.local_experts_at(hs.rank, model_layer), E,
-                                            dist.get_rank(hs.replica_group), f"{local}mlp.experts.",
+                                            replica, f"{local}mlp.experts.",
                                             () if separate else ((0, model_layer, L),), metadata)
             replace_prefix_for_sharding(sd, local, local if separate else f"{prefix}decoder.layers.")
             out.update(sd)
+        for k in range(hs.plan.mtp_layers):
+            experts = self.mtp.layers[k].transformer_layer.mlp.experts
+            if experts is not None:
+                out.update(experts_sharded_state_dict(
+                    experts, hs.plan.local_experts_at(hs.rank, L + k), E, replica,
+                    f"{prefix}mtp.layers.{k}.transformer_layer.mlp.experts.", (), metadata))
         return out
 
     def canonical_names(self) -> dict[str, str]:
         """local name -> canonical name (global expert ids; a GroupedMLP weight's label)."""
         def ids_of(pre: str) -> list[int]:
-            return self.hs.plan.local_experts_at(self.hs.rank, expert_names.layer_of_prefix(pre))
+            layer = expert_names.model_layer_of_prefix(pre, self.hs.plan.decoder_layers)
+            return self.hs.plan.local_experts_at(self.hs.rank, layer)
 
         return {name: expert_names.canonical_name(name, ids_of) for name, _ in self.named_parameters()}
 

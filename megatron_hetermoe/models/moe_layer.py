@@ -118,11 +118,36 @@ def hetero_block_spec(spec, hs: HeteroParallelState, pg_collection):
                              f"spec for every layer; build it from the decoder block spec of its --moe-layer-freq")
         return hetero_layer_spec(spec, hs, pg_collection)
     pattern = [is_moe_layer_spec(s) for s in layers]
-    want = [hs.plan.moe_index(i) is not None for i in range(hs.plan.model_layers)]
+    want = [hs.plan.moe_index(i) is not None for i in range(hs.plan.decoder_layers)]
     if pattern != want:
         raise ValueError(f"the model's MoE layers {[i for i, m in enumerate(pattern) if m]} of {len(pattern)} are not "
-                         f"the plan's {hs.plan.moe_layer_ids} of {hs.plan.model_layers}; remake the plan for this "
-                         f"model's --num-layers and --moe-layer-freq")
+                         f"the plan's {[i for i, m in enumerate(want) if m]} of {hs.plan.decoder_layers}; remake the "
+                         f"plan for this model's --num-layers and --moe-layer-freq")
     block = copy.copy(spec)
     block.layer_specs = [hetero_layer_spec(s, hs, pg_collection) if m else s for s, m in zip(layers, pattern)]
+    return block
+
+
+def hetero_mtp_block_spec(spec, hs: HeteroParallelState, pg_collection):
+    """Megatron's MTP block spec (get_gpt_mtp_block_spec: one MultiTokenPredictionLayer spec per MTP
+    layer, each around a TransformerLayer spec) with HeteroMoELayer in every MoE transformer layer;
+    MTP layer k is the plan's model layer decoder_layers + k."""
+    layers = list(spec.layer_specs)
+    if len(layers) != hs.plan.mtp_layers:
+        raise ValueError(f"the model has {len(layers)} MTP layers but the plan {hs.plan.mtp_layers}; remake the plan "
+                         f"for this model's --mtp-num-layers")
+    block = copy.copy(spec)
+    block.layer_specs = []
+    for k, mtp_layer in enumerate(layers):
+        inner = mtp_layer.submodules.transformer_layer
+        moe = is_moe_layer_spec(inner)
+        if moe != (hs.plan.moe_index(hs.plan.decoder_layers + k) is not None):
+            raise ValueError(f"MTP layer {k} (model layer {hs.plan.decoder_layers + k}) is {'an MoE' if moe else 'a dense'} "
+                             f"layer of the model but not of the plan (dense_layers={hs.plan.dense_layers}); remake "
+                             f"the plan for this model")
+        mtp_layer = copy.copy(mtp_layer)
+        mtp_layer.submodules = copy.copy(mtp_layer.submodules)
+        if moe:
+            mtp_layer.submodules.transformer_layer = hetero_layer_spec(inner, hs, pg_collection)
+        block.layer_specs.append(mtp_layer)
     return block

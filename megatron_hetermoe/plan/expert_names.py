@@ -62,6 +62,7 @@ _TE = re.compile(r"^(?P<fc>linear_fc[12])\.(?P<kind>weight|bias)(?P<i>\d+)$")
 _GG = re.compile(r"^weight(?P<w>[12])$")
 _LABEL = re.compile(r"^(?P<pre>(?:.+\.)?mlp\.experts\.)weight(?P<w>[12])\[(?P<ids>\d+(?:,\d+)*)\]$")
 _LAYER_OF_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts\.$")
+_MTP_LAYER_OF_PREFIX = re.compile(r"(?:^|\.)mtp\.layers\.(\d+)\.transformer_layer\.mlp\.experts\.$")
 
 
 class ExpertNameError(ValueError):
@@ -81,6 +82,13 @@ def layer_of_prefix(pre: str) -> int:
     if m is None:
         raise ExpertNameError(f"{pre!r}: no layer number before mlp.experts.")
     return int(m.group(1))
+
+
+def model_layer_of_prefix(pre: str, decoder_layers: int) -> int:
+    """The model layer of an experts prefix: decoder layer L (`...decoder.layers.L.mlp.experts.`)
+    or MTP layer k (`...mtp.layers.k.transformer_layer.mlp.experts.`), model layer decoder_layers + k."""
+    m = _MTP_LAYER_OF_PREFIX.search(pre)
+    return decoder_layers + int(m.group(1)) if m else layer_of_prefix(pre)
 
 
 def expert_impl(rel: str) -> str:

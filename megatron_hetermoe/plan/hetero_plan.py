@@ -5,7 +5,10 @@ groups, each with M attention ranks and N expert ranks; and for every MoE layer 
 which rank holds which experts (`placement[layer] = {rank: [expert ids]}`). Layers are counted
 in MoE layers (`num_layers`, the task lists' L); a model with dense layers (Megatron's
 --moe-layer-freq) names them by model index in `dense_layers`: they run on attention ranks
-alone, and MoE layer k is model layer `moe_layer_ids[k]`. Experts may sit on
+alone, and MoE layer k is model layer `moe_layer_ids[k]`. Multi-token prediction (Megatron's
+--mtp-num-layers) adds `mtp_layers` model layers after the decoder's (`decoder_layers`): MTP
+layer k is model layer decoder_layers + k, an MoE layer with a placement like any other unless
+`dense_layers` names it (Megatron gives MTP layers the decoder's last layer's kind). Experts may sit on
 attention ranks too (asymmetric expert assignment). Every group holds the same experts in the
 same positions, so expert e of layer l on the k-th member of group 0 is replicated by the k-th
 member of every other group (these replicas form that expert's data-parallel group).
@@ -62,12 +65,18 @@ class HeteroPlan:
     version: int = PLAN_VERSION
     meta: dict = field(default_factory=dict)  # free-form: model name, planner predictions
     dense_layers: list[int] = field(default_factory=list)  # model indices of the layers without experts
+    mtp_layers: int = 0  # Megatron's --mtp-num-layers: the last model layers are MTP layers
 
     # ---- layers: MoE layer k (placement, tasks) is model layer moe_layer_ids[k] --------------
     @property
     def model_layers(self) -> int:
-        """The model's layer count (Megatron's --num-layers): MoE layers and dense layers."""
+        """The model's layer count: MoE layers and dense layers, the MTP layers included."""
         return self.num_layers + len(self.dense_layers)
+
+    @property
+    def decoder_layers(self) -> int:
+        """Megatron's --num-layers: the model layers before the MTP layers."""
+        return self.model_layers - self.mtp_layers
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -152,6 +161,9 @@ class HeteroPlan:
             raise PlanError(f"plan dense_layers {bad}: each must be a distinct model layer index in "
                             f"0..{self.model_layers - 1} (num_layers={self.num_layers} MoE layers + {len(dense)} "
                             f"dense layers)")
+        if type(self.mtp_layers) is not int or not 0 <= self.mtp_layers < self.model_layers:
+            raise PlanError(f"plan mtp_layers={self.mtp_layers!r} must be an integer from 0 (no multi-token "
+                            f"prediction) to {self.model_layers - 1} (the model has {self.model_layers} layers)")
         if not isinstance(self.meta, dict):
             raise PlanError(f"plan meta={self.meta!r} must be a JSON object (free-form notes) or absent")
         if not self.groups:
@@ -253,6 +265,8 @@ class HeteroPlan:
             del d["dense_layers"]
         else:
             d["dense_layers"] = sorted(d["dense_layers"])
+        if not d["mtp_layers"]:  # likewise without multi-token prediction
+            del d["mtp_layers"]
         return d
 
     @classmethod
@@ -260,7 +274,7 @@ class HeteroPlan:
         if not isinstance(d, dict):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         known = {"num_layers", "num_experts", "gpu_types", "groups", "num_microbatches", "schedule", "version", "meta",
-                 "dense_layers"}
+                 "dense_layers", "mtp_layers"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -285,7 +299,8 @@ class HeteroPlan:
                     f"ZP group {gi} is malformed ({type(e).__name__}: {e}); it needs attention_ranks, "
                     f"expert_ranks and placement (a list of {{rank: [experts]}})"
                 ) from None
-        rest = {k: d[k] for k in ("num_microbatches", "schedule", "version", "meta", "dense_layers") if k in d}
+        rest = {k: d[k] for k in ("num_microbatches", "schedule", "version", "meta", "dense_layers", "mtp_layers")
+                if k in d}
         return cls(num_layers=d["num_layers"], num_experts=d["num_experts"], gpu_types=list(d["gpu_types"]),
                    groups=groups, **rest)
 
@@ -355,10 +370,12 @@ def even_plan(
     num_microbatches: int = 1,
     schedule: str = "distep",
     dense_layers: list[int] | None = None,
+    mtp_layers: int = 0,
 ) -> HeteroPlan:
     """G groups of M attention + N expert ranks laid out group by group; experts split evenly
     over each group's expert ranks in every MoE layer (`num_layers` of them; `dense_layers`: the
-    model's layers without experts, by model index)."""
+    model's layers without experts, by model index; `mtp_layers`: how many of the last model
+    layers are multi-token prediction layers)."""
     M, N = attention_ranks, expert_ranks
     if M < 1 or N < 1 or groups < 1:
         raise PlanError(f"even plan needs M>=1, N>=1, groups>=1; got M={M}, N={N}, groups={groups}")
@@ -375,6 +392,6 @@ def even_plan(
     if gpu_types is None:
         gpu_types = ([attention_gpu] * M + [expert_gpu] * N) * groups
     plan = HeteroPlan(num_layers, num_experts, gpu_types, zp, num_microbatches, schedule,
-                      dense_layers=list(dense_layers or []))
+                      dense_layers=list(dense_layers or []), mtp_layers=mtp_layers)
     plan.validate()
     return plan

@@ -22,7 +22,18 @@ import torch
 from megatron_hetermoe.plan import expert_names
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
-_EXPERT = re.compile(r"^decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+# an expert of decoder layer L, or of MTP layer k (model layer plan.decoder_layers + k)
+_EXPERT = re.compile(r"^(?P<pre>decoder\.layers\.(?P<layer>\d+)\.|mtp\.layers\.(?P<mtp>\d+)\.transformer_layer\.)"
+                     r"mlp\.experts\.local_experts\.(?P<e>\d+)\.(?P<rest>.+)$")
+
+
+def _expert(name: str, plan: HeteroPlan) -> tuple[str, int, int, str] | None:
+    """(prefix up to mlp., model layer, expert index, the rest) of an expert parameter name."""
+    m = _EXPERT.match(name)
+    if m is None:
+        return None
+    layer = int(m["layer"]) if m["layer"] is not None else plan.decoder_layers + int(m["mtp"])
+    return m["pre"], layer, int(m["e"]), m["rest"]
 
 
 def megatron_to_hetero(state: dict[str, torch.Tensor], plan: HeteroPlan, rank: int) -> dict[str, torch.Tensor]:
@@ -30,15 +41,15 @@ def megatron_to_hetero(state: dict[str, torch.Tensor], plan: HeteroPlan, rank: i
     role = plan.role(rank)
     out = {}
     for name, t in state.items():
-        m = _EXPERT.match(name)
-        if m is None:
+        x = _expert(name, plan)
+        if x is None:
             if role == "attention":
                 out[name] = t
             continue
-        layer, e, rest = int(m.group(1)), int(m.group(2)), m.group(3)
+        pre, layer, e, rest = x
         mine = plan.local_experts_at(rank, layer)  # names carry model layer indices
         if e in mine:
-            out[f"decoder.layers.{layer}.mlp.experts.local_experts.{mine.index(e)}.{rest}"] = t
+            out[f"{pre}mlp.experts.local_experts.{mine.index(e)}.{rest}"] = t
     return out
 
 
@@ -50,13 +61,13 @@ def hetero_to_megatron(per_rank: list[dict[str, torch.Tensor]], plan: HeteroPlan
         raise ValueError(f"got states of {len(per_rank)} ranks for a plan of {plan.world_size}")
     out: dict[str, torch.Tensor] = {}
     for rank, state in enumerate(per_rank):
-        state = expert_names.to_sequential(
-            state, lambda pre, rank=rank: len(plan.local_experts_at(rank, expert_names.layer_of_prefix(pre))))
+        state = expert_names.to_sequential(state, lambda pre, rank=rank: len(plan.local_experts_at(
+            rank, expert_names.model_layer_of_prefix(pre, plan.decoder_layers))))
         for name, t in state.items():
-            m = _EXPERT.match(name)
-            if m is not None:
-                layer, i, rest = int(m.group(1)), int(m.group(2)), m.group(3)
-                name = f"decoder.layers.{layer}.mlp.experts.local_experts.{plan.local_experts_at(rank, layer)[i]}.{rest}"
+            x = _expert(name, plan)
+            if x is not None:
+                pre, layer, i, rest = x
+                name = f"{pre}mlp.experts.local_experts.{plan.local_experts_at(rank, layer)[i]}.{rest}"
             out.setdefault(name, t)
     return out
 

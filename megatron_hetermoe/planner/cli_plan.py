@@ -22,6 +22,7 @@ import math
 import sys
 
 from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.layer_pattern import model_dense_layers
 from megatron_hetermoe.limits import (
     MAX_GLOBAL_BATCH,
     MAX_MICROBATCHES,
@@ -149,10 +150,17 @@ def main(argv: list[str] | None = None) -> int:
                 if t not in known:
                     print(f"hetermoe plan: {flag} {t!r} is not a known GPU type; use one of {known}", file=sys.stderr)
                     return 2
-            plan = even_plan(model.num_moe_layers, model.num_experts, args.attention_ranks, args.expert_ranks,
-                             args.groups, attention_gpu=args.attention_gpu, expert_gpu=args.expert_gpu,
-                             num_microbatches=args.microbatches, schedule=args.schedule,
-                             dense_layers=model.dense_layers)
+            mtp = model.mtp_num_layers or 0
+            if mtp and args.schedule == "zebra":
+                print(f"hetermoe plan: {mtp} MTP layers (--mtp-num-layers) with --schedule zebra: zebra has no stage "
+                      f"for the MTP block after the decoder; use --schedule distep", file=sys.stderr)
+                return 2
+            # MTP layers come after the decoder's, of its last layer's kind (layer_pattern.model_dense_layers)
+            dense = model_dense_layers(model.moe_layer_freq, model.num_layers, mtp)
+            plan = even_plan(model.num_layers + mtp - len(dense), model.num_experts, args.attention_ranks,
+                             args.expert_ranks, args.groups, attention_gpu=args.attention_gpu,
+                             expert_gpu=args.expert_gpu, num_microbatches=args.microbatches, schedule=args.schedule,
+                             dense_layers=dense, mtp_layers=mtp)
             plan.meta = {"model": model.name, "made_by": "hetermoe plan --even"}
             if flags is not None:  # where the model came from, for whoever reads the plan
                 plan.meta["model_flags"] = flags
@@ -163,6 +171,11 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(plan.to_json())
             return 0
+        if model.mtp_num_layers:
+            print(f"hetermoe plan: {model.mtp_num_layers} MTP layers (--mtp-num-layers): the search's cost model does "
+                  f"not price multi-token prediction layers; make an even plan for this model (--even)",
+                  file=sys.stderr)
+            return 2
         missing = [f for f, v in (("--cluster", args.cluster), ("--seq-len", args.seq_len),
                                   ("--global-batch", args.global_batch)) if v is None]
         if missing:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +44,6 @@ DEFAULT_VOCAB = 32000  # ModelConfig's default (Mixtral's tokenizer)
 
 # flag -> why a plan for it would not price the run's model
 FLAG_REFUSALS = {
-    "--mtp-num-layers": "multi-token prediction adds layers the cost model does not price",
     "--multi-latent-attention": "multi-latent attention has other projections than the multi-head attention priced here",
     "--experimental-attention-variant": "an attention variant the cost model does not price",
     "--heterogeneous-layers-config-path": "per-layer configs give layers of other shapes than the model config's",
@@ -86,7 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--moe-ffn-hidden-size",
                  "--num-experts", "--moe-router-topk", "--seq-length", "--encoder-seq-length", "--vocab-size",
                  "--padded-vocab-size", "--global-batch-size", "--moe-shared-expert-intermediate-size",
-                 "--kv-channels", "--num-query-groups"):
+                 "--kv-channels", "--num-query-groups", "--mtp-num-layers"):
         p.add_argument(flag, type=int, default=None)
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -180,7 +180,8 @@ def model_from_flags(argv: list[str], name: str = "pretrain_gpt-flags") -> FlagM
               num_experts=a.num_experts, moe_router_topk=a.moe_router_topk if a.moe_router_topk is not None else 2,
               moe_aux_loss_coeff=coeff[0] if coeff else 0.0, vocab_size=vocab,
               moe_layer_freq=a.moe_layer_freq if a.moe_layer_freq is not None else 1,
-              moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size)
+              moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size,
+              mtp_num_layers=a.mtp_num_layers or None)
     if seq is not None:
         kw["seq_length"] = seq
     try:
@@ -192,8 +193,8 @@ def model_from_flags(argv: list[str], name: str = "pretrain_gpt-flags") -> FlagM
 
 def _flag_names(msg: str) -> str:
     """A ModelConfig message in flag names (num_layers=3 -> --num-layers=3)."""
-    for f in ("moe_shared_expert_intermediate_size", "moe_ffn_hidden_size", "ffn_hidden_size", "moe_layer_freq",
-              "moe_router_topk", "moe_aux_loss_coeff", "num_attention_heads", "num_experts", "num_layers",
-              "hidden_size", "vocab_size", "seq_length"):
-        msg = msg.replace(f"{f}=", f"--{f.replace('_', '-')}=")
-    return msg
+    fields = ("moe_shared_expert_intermediate_size", "moe_ffn_hidden_size", "ffn_hidden_size", "moe_layer_freq",
+              "moe_router_topk", "moe_aux_loss_coeff", "num_attention_heads", "num_experts", "mtp_num_layers",
+              "num_layers", "hidden_size", "vocab_size", "seq_length")
+    # whole field names only (num_layers inside mtp_num_layers is not --num-layers)
+    return re.sub(r"\b(" + "|".join(fields) + r")=", lambda m: f"--{m.group(1).replace('_', '-')}=", msg)

@@ -204,6 +204,9 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     """Best HeterMoE plan for the cluster, with every strategy's predicted step."""
     if asym not in ("optimal", "greedy", "none"):
         raise ValueError(f"asym={asym!r}; use 'optimal', 'greedy' or 'none'")
+    if model.mtp_num_layers:
+        raise ValueError(f"model {model.name!r} has mtp_num_layers={model.mtp_num_layers}: the cost model does not "
+                         f"price multi-token prediction layers; make an even plan for it")
     t0 = time.perf_counter()
     profiles = load_profiles(set(cluster.gpu_types()))
     cost = CostModel(model.replace(seq_length=seq_len), profiles, TrainSettings(seq_len, activation_checkpointing))

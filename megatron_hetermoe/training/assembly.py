@@ -61,8 +61,9 @@ class RoleAssembly:
     def module(self, config, base_spec, seed: int, gpt_kwargs: dict, init_state: dict | None = None):
         """The role's module and its canonical parameter names. `config`: model_config's;
         `base_spec`: Megatron's GPT layer spec for the flags, or its decoder block spec (dense and
-        MoE layers by --moe-layer-freq; each MoE layer becomes HeteroMoELayer); `gpt_kwargs`: GPTModel's arguments beyond config, spec and groups
-        (vocab size, positions, embeddings ...). Built and initialized on the CPU
+        MoE layers by --moe-layer-freq; each MoE layer becomes HeteroMoELayer); `gpt_kwargs`:
+        GPTModel's arguments beyond config, spec and groups (vocab size, positions, embeddings,
+        Megatron's `mtp_block_spec` whose MoE layers become HeteroMoELayer too ...). Built and initialized on the CPU
         (use_cpu_initialization); `init_state`: a plain Megatron state dict (canonical names)
         to start from instead of the layout-invariant values."""
         from megatron.core.models.gpt import GPTModel
@@ -79,6 +80,7 @@ class RoleAssembly:
         from megatron_hetermoe.models.experts import ExpertRuntime
         from megatron_hetermoe.models.moe_layer import (
             hetero_block_spec,
+            hetero_mtp_block_spec,
             moe_layer_specs,
         )
         from megatron_hetermoe.plan.layout import load_params, megatron_to_hetero
@@ -86,7 +88,13 @@ class RoleAssembly:
         hs = self.hs
         bind_missing_te_general_gemm()  # megatron's router needs it without transformer-engine (compat.py)
         pgc = hs.pg_collection()
+        mtp = gpt_kwargs.get("mtp_block_spec")
+        if (mtp is not None) != bool(hs.plan.mtp_layers):
+            raise ValueError(f"the model has {len(mtp.layer_specs) if mtp is not None else 0} MTP layers but the plan "
+                             f"{hs.plan.mtp_layers}; remake the plan for this model's --mtp-num-layers")
         if hs.role == "attention":
+            if mtp is not None:
+                gpt_kwargs = {**gpt_kwargs, "mtp_block_spec": hetero_mtp_block_spec(mtp, hs, pgc)}
             module = GPTModel(config=config, transformer_layer_spec=hetero_block_spec(base_spec, hs, pgc),
                               pg_collection=pgc, **gpt_kwargs)
             names = canonical_names(module)

@@ -218,22 +218,25 @@ def check_issuer(issuer: str, emulated: bool) -> None:
 
 
 def check_plan_model(plan: HeteroPlan, num_layers: int, num_experts: int, moe_layer_freq: int | str | list[int],
-                     model: str, remake: str) -> None:
-    """PlanError unless the plan is for this model: its layers, which of them are dense
-    (Megatron's --moe-layer-freq) and its experts (`model` names it; `remake`: the fix)."""
-    from megatron_hetermoe.layer_pattern import dense_layers
+                     model: str, remake: str, mtp_num_layers: int | None = None) -> None:
+    """PlanError unless the plan is for this model: its layers (`num_layers` decoder layers, then
+    `mtp_num_layers` MTP layers), which of them are dense (Megatron's --moe-layer-freq) and its
+    experts (`model` names it; `remake`: the fix)."""
+    from megatron_hetermoe.layer_pattern import model_dense_layers
 
-    dense = dense_layers(moe_layer_freq, num_layers)
-    if (plan.model_layers, sorted(plan.dense_layers), plan.num_experts) != (num_layers, dense, num_experts):
-        def shape(layers: int, d: list[int], experts: int) -> str:
-            return f"{layers} layers{f' (dense: {d})' if d else ''} x {experts} experts"
-        raise PlanError(f"plan is for {shape(plan.model_layers, sorted(plan.dense_layers), plan.num_experts)} but "
-                        f"{model} has {shape(num_layers, dense, num_experts)}; {remake}")
+    dense = model_dense_layers(moe_layer_freq, num_layers, mtp_num_layers)
+    mtp = mtp_num_layers or 0
+    have = (plan.decoder_layers, plan.mtp_layers, sorted(plan.dense_layers), plan.num_experts)
+    if have != (num_layers, mtp, dense, num_experts):
+        def shape(layers: int, m: int, d: list[int], experts: int) -> str:
+            return f"{layers} layers{f' + {m} MTP layers' if m else ''}{f' (dense: {d})' if d else ''} x {experts} experts"
+        raise PlanError(f"plan is for {shape(*have)} but {model} has {shape(num_layers, mtp, dense, num_experts)}; "
+                        f"{remake}")
 
 
 def check_plan_for_job(plan: HeteroPlan, world: int, num_layers: int, num_experts: int, micro_batch_size: int,
                        global_batch_size: int, pools, model: str, remake: str, what: str = "the plan",
-                       moe_layer_freq: int | str | list[int] = 1) -> None:
+                       moe_layer_freq: int | str | list[int] = 1, mtp_num_layers: int | None = None) -> None:
     """The plan against a job, the same check for both hostings (the plugin's trainer and
     Megatron-LM's pretrain()): its ranks and GPU types, the model's layers, which of them are
     dense (`moe_layer_freq`, Megatron's --moe-layer-freq) and its experts (`model` names it;
@@ -244,7 +247,7 @@ def check_plan_for_job(plan: HeteroPlan, world: int, num_layers: int, num_expert
 
     plan.validate(world_size=world, known_gpu_types=known_gpu_types())
     check_pools(pools, plan, what)
-    check_plan_model(plan, num_layers, num_experts, moe_layer_freq, model, remake)
+    check_plan_model(plan, num_layers, num_experts, moe_layer_freq, model, remake, mtp_num_layers)
     n_attn = len(plan.attention_ranks)
     want = micro_batch_size * plan.num_microbatches * n_attn
     if global_batch_size != want:

@@ -46,7 +46,7 @@ def test_megatron_defaults():
 
 
 @pytest.mark.parametrize("extra, words", [
-    (["--mtp-num-layers", "1"], "--mtp-num-layers (multi-token prediction"),
+    (["--mtp-num-layers", "-1"], "--mtp-num-layers=-1 must be a positive integer"),
     (["--multi-latent-attention"], "--multi-latent-attention (multi-latent attention"),
     (["--squared-relu"], "--squared-relu (the cost model prices SwiGLU"),
     (["--kv-channels", "32"], "--kv-channels 32: attention of width 32 x 6 heads != --hidden-size 96"),
@@ -110,7 +110,21 @@ def test_cli_conflicts_are_named(capsys):
     assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--", *SHAPE, "--model", "tiny"]) == 2
     assert "--model after --" in capsys.readouterr().err
     assert main(["--cluster", "mini-2a40-2v100", "--", *SHAPE, "--mtp-num-layers", "1"]) == 2
-    assert "refused Megatron-LM flag(s) after --: --mtp-num-layers" in capsys.readouterr().err
+    assert "1 MTP layers (--mtp-num-layers): the search's cost model does not price multi-token prediction " \
+           "layers; make an even plan" in capsys.readouterr().err
+    assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--schedule", "zebra", "--", *SHAPE,
+                 "--mtp-num-layers", "1"]) == 2
+    assert "zebra has no stage for the MTP block" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("freq, dense, moe_layers", [("1", [], 5), ("([1]*3+[0])", [3, 4], 3)])
+def test_even_plan_places_the_mtp_layers_after_the_decoder(tmp_path, freq, dense, moe_layers):
+    """--mtp-num-layers 1 after --: one more model layer, of the last decoder layer's kind."""
+    out = tmp_path / "p.json"
+    assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "2", "-o", str(out), "--", *SHAPE,
+                 "--moe-layer-freq", freq, "--mtp-num-layers", "1"]) == 0
+    plan = HeteroPlan.load(out)
+    assert (plan.decoder_layers, plan.mtp_layers, plan.dense_layers, plan.num_layers) == (4, 1, dense, moe_layers)
 
 
 def test_console_passes_the_flags_after_dashes(tmp_path):

@@ -65,6 +65,15 @@ def test_grouped_experts_are_accepted_with_checkpoints():
     assert refusals.refusals(_megatron_defaults(moe_grouped_gemm=True, save="/ckpt", load="/ckpt")) == []
 
 
+def test_mtp_is_accepted_under_distep_and_refused_under_zebra():
+    args = _megatron_defaults(mtp_num_layers=1)
+    assert refusals.refusals(args) == []
+    assert refusals.schedule_refusals(args, "distep") == []
+    out = refusals.schedule_refusals(args, "zebra")
+    assert len(out) == 1 and out[0].startswith("--mtp-num-layers 1 with the zebra schedule") and "distep" in out[0]
+    assert refusals.schedule_refusals(_megatron_defaults(), "zebra") == []
+
+
 def test_flags_naming_what_hetermoe_replaces_are_accepted_with_a_note():
     """Issue 27 item 1: the dispatcher type (any value), the EP size and --moe-permute-fusion are no
     refusals; each given one gets a line and the value the run uses (Megatron's checks see that)."""
