@@ -88,7 +88,10 @@ def test_megatron_lm_pretrain_in_16_bit(mlm, data, tmp_path, precision):
                                        for ln in lines), lines
     megatron = tb_losses(tb)
     plugin = plugin_losses(tmp_path, plan, "zebra", data, tuple(precision))
-    assert megatron[1] == plugin[0]
+    # Iteration 1 starts from the same weights: equal up to the rounding of the fp32 loss reduction
+    # (bitwise with ATEN_CPU_CAPABILITY=default; 4.8e-7, one fp32 ulp at 6, under AVX2/AVX-512 kernels
+    # on a CPU with AVX512-FP16, fp16).
+    within(f"pretrain() vs plugin, {' '.join(precision)}: iteration 1", abs(megatron[1] - plugin[0]), 5e-6)
     within(f"pretrain() vs plugin, {' '.join(precision)}", max(abs(megatron[i] - plugin[i - 1]) for i in (1, 2, 3)),
            TOL_16)
 

@@ -16,8 +16,13 @@ What changes besides the sizes (each for a reason that is not HeterMoE's):
   Megatron's defaults (zebra runs the microbatches' layers in another order than Megatron, so its
   dropout masks are other draws: Qwen3's conf at Megatron's 0.1 differs by 4.7e-3 under zebra,
   not under distep).
-The MoE CI config named by the issue (tests/functional_tests/.../gpt3_mcore_te_tp2_pp1_te_8experts2parallel_top2router)
-is not part of the shared tree, so it is not run here."""
+Megatron's MoE CI config named by the issue (tests/functional_tests/test_cases/moe/
+gpt3_mcore_te_tp2_pp1_te_8experts2parallel_top2router/model_config.yaml) is not part of the shared tree:
+CI_CONFIG below is its MODEL_ARGS as Megatron-LM's public repository has them (paths, data and the
+launcher's nccl2 backend name left out), Megatron's own model defaults (GeLU, LayerNorm, learned absolute
+positions) with --log-params-norm, --log-num-zeros-in-grad, --deterministic-mode, --async-save and
+--sequence-parallel (which Megatron turns off at TP 1); its --lr-warmup-fraction .01 of 320000 decay
+iterations is replaced by the warmup iteration above (the weights would not move in 4 iterations)."""
 from __future__ import annotations
 
 import re
@@ -35,7 +40,18 @@ pytestmark = pytest.mark.slow
 MIXTRAL = "examples/mixtral/train_mixtral_8x7b_distributed.sh"
 CONF = "examples/post_training/modelopt/conf"
 RECIPES = {"mixtral-8x7b": MIXTRAL, "qwen3-30b-a3b": f"{CONF}/Qwen/Qwen3-30B-A3B.sh",
-           "deepseek-v2-lite": f"{CONF}/deepseek-ai/DeepSeek-V2-Lite.sh"}
+           "deepseek-v2-lite": f"{CONF}/deepseek-ai/DeepSeek-V2-Lite.sh", "moe-ci-tp2-ep2-top2": "CI_CONFIG"}
+CI_CONFIG = """--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad
+--log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --micro-batch-size 4 --global-batch-size 32
+--seq-length 1024 --max-position-embeddings 1024 --train-iters 50 --timing-log-level 0 --lr-decay-iters 320000
+--split 949,50,1 --lr 0.00015 --lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 1e-2 --clip-grad 1.0
+--lr-warmup-fraction .01 --log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10
+--transformer-impl transformer_engine --tensor-model-parallel-size 2 --pipeline-model-parallel-size 1
+--expert-model-parallel-size 2 --disable-bias-linear --sequence-parallel --num-experts 8
+--moe-router-load-balancing-type aux_loss --moe-router-topk 2 --moe-aux-loss-coeff 1e-2 --deterministic-mode
+--no-gradient-accumulation-fusion --moe-grouped-gemm --attention-softmax-in-fp32 --use-mcore-models
+--ckpt-format torch_dist --dist-ckpt-strictness log_all --bf16 --attention-backend unfused --no-bias-gelu-fusion
+--log-memory-to-tensorboard --async-save --use-persistent-ckpt-worker"""
 # The sizes (flag -> value), applied where the recipe passes the flag.
 SHRINK = {"--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "4",
           "--num-query-groups": "2", "--kv-channels": "16", "--num-experts": "8", "--moe-ffn-hidden-size": "64",
@@ -51,7 +67,7 @@ TOPK_MOST = 4  # of the 8 shrunk experts
 # plain Megatron cannot run it on CPU; DeepSeek-V2-Lite runs here with standard attention.
 MLA = {"--multi-latent-attention": 0, "--kv-lora-rank": 1, "--v-head-dim": 1, "--qk-head-dim": 1,
        "--qk-pos-emb-head-dim": 1, "--rotary-scaling-factor": 1, "--mscale": 1, "--mscale-all-dim": 1}
-DROP = {**MLA, "--moe-grouped-gemm": 0, "--bf16": 0, "--tokenizer-type": 1, "--tokenizer-model": 1, "--data-path": 1,
+DROP = {**MLA, "--moe-grouped-gemm": 0, "--bf16": 0, "--lr-warmup-fraction": 1, "--tokenizer-type": 1, "--tokenizer-model": 1, "--data-path": 1,
         "--split": 1, "--save-interval": 1, "--save": 1, "--load": 1, "--log-interval": 1, "--eval-interval": 1,
         "--eval-iters": 1}
 EVAL_OFF = ["--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0"]
@@ -59,7 +75,10 @@ EVAL_OFF = ["--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0"
 
 def recipe_flags(tree: Path, path: str) -> list[str]:
     """The Megatron-LM flags a recipe passes to pretrain_gpt.py: the bash arrays of Mixtral's
-    script (model, MoE, training, model-parallel) or the MODEL_ARGS string of a modelopt conf."""
+    script (model, MoE, training, model-parallel), the MODEL_ARGS string of a modelopt conf, or
+    the MoE CI config's (CI_CONFIG)."""
+    if path == "CI_CONFIG":
+        return shlex.split(CI_CONFIG)
     text = (tree / path).read_text()
     arrays = [m.group(1) for name in ("MODEL_ARGS", "MOE_ARGS", "TRAINING_ARGS", "MODEL_PARALLEL_ARGS")
               for m in [re.search(rf"^{name}=\((.*?)^\)", text, re.DOTALL | re.MULTILINE)] if m]
