@@ -20,9 +20,12 @@ Megatron's MoE CI config named by the issue (tests/functional_tests/test_cases/m
 gpt3_mcore_te_tp2_pp1_te_8experts2parallel_top2router/model_config.yaml) is not part of the shared tree:
 CI_CONFIG below is its MODEL_ARGS as Megatron-LM's public repository has them (paths, data and the
 launcher's nccl2 backend name left out), Megatron's own model defaults (GeLU, LayerNorm, learned absolute
-positions) with --log-params-norm, --log-num-zeros-in-grad, --deterministic-mode, --async-save and
---sequence-parallel (which Megatron turns off at TP 1); its --lr-warmup-fraction .01 of 320000 decay
-iterations is replaced by the warmup iteration above (the weights would not move in 4 iterations)."""
+positions) with --log-params-norm, --log-num-zeros-in-grad, --deterministic-mode (and the config's
+ENV_VARS), --async-save and --sequence-parallel (which Megatron turns off at TP 1); its
+--lr-warmup-fraction .01 of 320000 decay iterations is replaced by the warmup iteration above (the
+weights would not move in 4 iterations), and --use-persistent-ckpt-worker and --log-memory-to-tensorboard
+are dropped (Megatron's persistent checkpoint process sets a CUDA device, and the memory log reads CUDA
+allocator statistics: plain Megatron fails with either on CPU)."""
 from __future__ import annotations
 
 import re
@@ -52,6 +55,9 @@ CI_CONFIG = """--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-p
 --no-gradient-accumulation-fusion --moe-grouped-gemm --attention-softmax-in-fp32 --use-mcore-models
 --ckpt-format torch_dist --dist-ckpt-strictness log_all --bf16 --attention-backend unfused --no-bias-gelu-fusion
 --log-memory-to-tensorboard --async-save --use-persistent-ckpt-worker"""
+# The config's ENV_VARS (--deterministic-mode asserts NCCL_ALGO is set, even on gloo)
+RECIPE_ENV = {"moe-ci-tp2-ep2-top2": {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                                      "NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}}
 # The sizes (flag -> value), applied where the recipe passes the flag.
 SHRINK = {"--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "4",
           "--num-query-groups": "2", "--kv-channels": "16", "--num-experts": "8", "--moe-ffn-hidden-size": "64",
@@ -67,7 +73,11 @@ TOPK_MOST = 4  # of the 8 shrunk experts
 # plain Megatron cannot run it on CPU; DeepSeek-V2-Lite runs here with standard attention.
 MLA = {"--multi-latent-attention": 0, "--kv-lora-rank": 1, "--v-head-dim": 1, "--qk-head-dim": 1,
        "--qk-pos-emb-head-dim": 1, "--rotary-scaling-factor": 1, "--mscale": 1, "--mscale-all-dim": 1}
-DROP = {**MLA, "--moe-grouped-gemm": 0, "--bf16": 0, "--lr-warmup-fraction": 1, "--tokenizer-type": 1, "--tokenizer-model": 1, "--data-path": 1,
+# --use-persistent-ckpt-worker: Megatron's persistent checkpoint process sets a CUDA device, and
+# --log-memory-to-tensorboard reads CUDA allocator statistics (plain Megatron fails with either on CPU);
+# --async-save stays (its per-save worker).
+DROP = {**MLA, "--moe-grouped-gemm": 0, "--bf16": 0, "--lr-warmup-fraction": 1, "--use-persistent-ckpt-worker": 0,
+        "--log-memory-to-tensorboard": 0, "--tokenizer-type": 1, "--tokenizer-model": 1, "--data-path": 1,
         "--split": 1, "--save-interval": 1, "--save": 1, "--load": 1, "--log-interval": 1, "--eval-interval": 1,
         "--eval-iters": 1}
 EVAL_OFF = ["--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0"]
@@ -131,9 +141,12 @@ def _resume(mlm, tmp_path, nproc, flags, ckpt, name) -> dict[int, float]:
 
 @pytest.mark.parametrize("schedule", ["zebra", "distep"])
 @pytest.mark.parametrize("recipe", list(RECIPES))
-def test_recipe_trains_unchanged_with_megatron_eps_losses(mlm, data, tmp_path, tmp_path_factory, recipe, schedule):
+def test_recipe_trains_unchanged_with_megatron_eps_losses(mlm, data, tmp_path, tmp_path_factory, monkeypatch, recipe,
+                                                          schedule):
     """The recipe's flags (shrunk) with --hetero-plan added train, and continue a plain Megatron EP
     checkpoint with Megatron EP's losses."""
+    for k, v in RECIPE_ENV.get(recipe, {}).items():
+        monkeypatch.setenv(k, v)
     flags = [*shrunk(recipe_flags(mlm, RECIPES[recipe])), *DATA, *CPU, *EVAL_OFF, "--data-path", data]
     if recipe not in _EP_RUNS:
         tmp = tmp_path_factory.mktemp(f"ep-{recipe}")
