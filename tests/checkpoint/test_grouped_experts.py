@@ -9,12 +9,16 @@ Holders take experts in no order and uneven counts (Asym-EA), so a shard of Grou
 megatron-core writes as one block of contiguous experts, must be cut per expert. TEGroupedMLP
 (transformer-engine, CUDA) takes the same renumbering of its own sharded_state_dict; its cases run
 where transformer-engine and a GPU are (the GPU check's step 7) and skip here, saying so.
+
+Each case runs in a launched 1-rank child (its own gloo group): dist_checkpointing's threads and a
+gloo group never live in the pytest process, whose later tests fork their ranks from it.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
+from megatron_hetermoe.parallel.launcher import launch
 from megatron_hetermoe.plan import expert_names as en
 
 E = 8
@@ -34,6 +38,26 @@ def _grouped_kernels(request, kernels: str) -> str:
         if not torch.cuda.is_available():
             pytest.skip("TEGroupedMLP needs a GPU (the GPU check runs it)")
     return kernels
+
+
+def _groups():
+    """This child's one-rank ProcessGroupCollection for megatron-core's modules."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    one = dist.new_group([0])
+    ps._set_global_memory_buffer()
+    return ProcessGroupCollection(tp=one, ep=one, expt_tp=one, tp_ep=one, expt_dp=one)
+
+
+def _in_child(case, *args) -> None:
+    """Run case(groups, *args) on a launched 1-rank child (its failures come back as LaunchError)."""
+    launch(_run_case, 1, case, args, timeout_s=300)
+
+
+def _run_case(rank: int, world: int, case, args) -> None:
+    case(_groups(), *args)
 
 
 def _build(tiny, groups, kernels: str, n: int, seed: int):
@@ -109,8 +133,11 @@ PLACEMENTS = {  # holders' expert ids, local order: uneven, unordered, one holde
 @pytest.mark.parametrize("placement", sorted(PLACEMENTS))
 @pytest.mark.parametrize("kernels", ["grouped", "te"], ids=["GroupedMLP", "TEGroupedMLP"])
 def test_megatron_ep_checkpoint_loads_into_plan_placed_grouped_experts_and_back(
-        tiny, one_rank_groups, request, tmp_path, kernels, placement, singleton):
-    kernels = _grouped_kernels(request, kernels)
+        tiny, request, tmp_path, kernels, placement, singleton):
+    _in_child(_ep_and_back, tiny, tmp_path, _grouped_kernels(request, kernels), placement, singleton)
+
+
+def _ep_and_back(one_rank_groups, tiny, tmp_path, kernels, placement, singleton):
     meta = _meta(one_rank_groups, singleton)
     holders = PLACEMENTS[placement]
     assert sorted(sum(holders, [])) == list(range(E))
@@ -144,10 +171,13 @@ def test_megatron_ep_checkpoint_loads_into_plan_placed_grouped_experts_and_back(
         assert torch.equal(t, want[k]), k
 
 
-def test_grouped_checkpoint_reshards_to_another_placement_and_kernel(tiny, one_rank_groups, grouped_mlp_on_cpu,
-                                                                       tmp_path):
+def test_grouped_checkpoint_reshards_to_another_placement_and_kernel(tiny, grouped_mlp_on_cpu, tmp_path):
     """Saved by one plan's GroupedMLP holders, loaded by another plan's (other ids, other counts)
     GroupedMLP and SequentialMLP holders: every expert lands where its id says."""
+    _in_child(_reshard, tiny, tmp_path)
+
+
+def _reshard(one_rank_groups, tiny, tmp_path):
     first, second = PLACEMENTS["asym"], ([2, 7], [5, 4, 3, 1, 0, 6])
     gs = [_build(tiny, one_rank_groups, "grouped", len(ids), seed=10 + h) for h, ids in enumerate(first)]
     sd, want = {}, {}
@@ -163,7 +193,11 @@ def test_grouped_checkpoint_reshards_to_another_placement_and_kernel(tiny, one_r
                 assert torch.equal(t, want[k]), (kernels, k)
 
 
-def test_a_shard_outside_the_modules_experts_is_named(tiny, one_rank_groups, grouped_mlp_on_cpu):
+def test_a_shard_outside_the_modules_experts_is_named(tiny, grouped_mlp_on_cpu):
+    _in_child(_named, tiny)
+
+
+def _named(one_rank_groups, tiny):
     from megatron_hetermoe.models.expert_axis import ExpertAxisError
 
     g = _build(tiny, one_rank_groups, "grouped", 3, seed=0)
@@ -203,9 +237,13 @@ def _moments(opt, mods, holders) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_adam_moments_of_grouped_experts_follow_their_expert_ids(tiny, one_rank_groups, grouped_mlp_on_cpu, tmp_path):
+def test_adam_moments_of_grouped_experts_follow_their_expert_ids(tiny, grouped_mlp_on_cpu, tmp_path):
     """The optimizer's moments reach the same experts as the weights: Megatron's optimizer sharding
     (its parameters' factories) through the renumbering, saved by one plan and loaded by another."""
+    _in_child(_adam, tiny, tmp_path)
+
+
+def _adam(one_rank_groups, tiny, tmp_path):
     from megatron.core import dist_checkpointing
 
     first, second = PLACEMENTS["asym"], ([2, 7], [5, 4, 3, 1, 0, 6])
