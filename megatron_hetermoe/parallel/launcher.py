@@ -253,6 +253,10 @@ def _child(rank: int, cfg: LaunchConfig, store_path: str, out_dir: str, fn: Call
         store = dist.FileStore(store_path, cfg.world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.world_size,
                                 timeout=collective_timeout())
+        # gloo connects its mesh pair by pair: a rank done with its own pairs could run fn and exit
+        # while a peer still connects to it ("Connection closed by peer" there). No rank goes on
+        # before every rank's mesh is up.
+        dist.barrier()
         result = fn(rank, cfg.world_size, *args)
         with open(Path(out_dir) / f"result.{rank}", "wb") as f:
             pickle.dump(result, f)
