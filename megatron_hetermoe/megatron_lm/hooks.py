@@ -266,12 +266,11 @@ class HeteroPretrain:
         ranks: the MTP block is theirs) and the last rank logs them, which may be an expert rank
         with no MTP loss: every rank gets the first attention rank's values."""
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-        from megatron.training import get_args
 
         reduce()
         tracker = MTPLossLoggingHelper.tracker
         if "values" not in tracker:  # an expert rank: no MTP layer ran here
-            tracker["values"] = torch.zeros(get_args().mtp_num_layers, device=self.hs.device)
+            tracker["values"] = torch.zeros(self.plan.mtp_layers, device=self.hs.device)
         dist.broadcast(tracker["values"], src=self.plan.attention_ranks[0], group=self.hs.world_group)
 
     # ---- 8. --log-params-norm: each parameter once over the world ---------------------------------

@@ -338,10 +338,9 @@ def canonical_names(model: torch.nn.Module) -> dict[str, str]:
             mlp = mod.mlp
             if hasattr(mlp, "local_expert_indices"):
                 experts_of[int(m.group(1))] = list(mlp.local_expert_indices)
-        m = _MTP_LAYER.match(name + ".")
-        if m and isinstance(mod, TransformerLayer) and name.endswith("transformer_layer"):
-            if hasattr(mod.mlp, "local_expert_indices"):
-                mtp_experts[int(m.group(1))] = list(mod.mlp.local_expert_indices)
+        m = _MTP_LAYER.match(name + ".")  # the TransformerLayer inside MTP layer k
+        if m and isinstance(mod, TransformerLayer) and hasattr(mod.mlp, "local_expert_indices"):
+            mtp_experts[int(m.group(1))] = list(mod.mlp.local_expert_indices)
     out = {}
     for name, _ in model.named_parameters():
         canon = re.sub(r"^(?:module\.)*", "", name)

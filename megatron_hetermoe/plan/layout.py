@@ -22,18 +22,17 @@ import torch
 from megatron_hetermoe.plan import expert_names
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
-# an expert of decoder layer L, or of MTP layer k (model layer plan.decoder_layers + k)
-_EXPERT = re.compile(r"^(?P<pre>decoder\.layers\.(?P<layer>\d+)\.|mtp\.layers\.(?P<mtp>\d+)\.transformer_layer\.)"
-                     r"mlp\.experts\.local_experts\.(?P<e>\d+)\.(?P<rest>.+)$")
+# an expert of decoder layer L or of MTP layer k (expert_names.model_layer_of_prefix numbers both)
+_EXPERT = re.compile(r"^(?P<pre>(?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.)"
+                     r"local_experts\.(?P<e>\d+)\.(?P<rest>.+)$")
 
 
 def _expert(name: str, plan: HeteroPlan) -> tuple[str, int, int, str] | None:
-    """(prefix up to mlp., model layer, expert index, the rest) of an expert parameter name."""
+    """(experts prefix, model layer, expert index, the rest) of an expert parameter name."""
     m = _EXPERT.match(name)
     if m is None:
         return None
-    layer = int(m["layer"]) if m["layer"] is not None else plan.decoder_layers + int(m["mtp"])
-    return m["pre"], layer, int(m["e"]), m["rest"]
+    return m["pre"], expert_names.model_layer_of_prefix(m["pre"], plan.decoder_layers), int(m["e"]), m["rest"]
 
 
 def megatron_to_hetero(state: dict[str, torch.Tensor], plan: HeteroPlan, rank: int) -> dict[str, torch.Tensor]:
@@ -49,7 +48,7 @@ def megatron_to_hetero(state: dict[str, torch.Tensor], plan: HeteroPlan, rank: i
         pre, layer, e, rest = x
         mine = plan.local_experts_at(rank, layer)  # names carry model layer indices
         if e in mine:
-            out[f"{pre}mlp.experts.local_experts.{mine.index(e)}.{rest}"] = t
+            out[f"{pre}local_experts.{mine.index(e)}.{rest}"] = t
     return out
 
 
@@ -67,7 +66,7 @@ def hetero_to_megatron(per_rank: list[dict[str, torch.Tensor]], plan: HeteroPlan
             x = _expert(name, plan)
             if x is not None:
                 pre, layer, i, rest = x
-                name = f"{pre}mlp.experts.local_experts.{plan.local_experts_at(rank, layer)[i]}.{rest}"
+                name = f"{pre}local_experts.{plan.local_experts_at(rank, layer)[i]}.{rest}"
             out.setdefault(name, t)
     return out
 
