@@ -197,13 +197,13 @@ def build_experts(experts_spec, num_local: int, config, pg_collection):
 
 
 # --- MoE token permutation ----------------------------------------------------------------------
-def permute(tokens, routing_map, num_out_tokens=None, fused: bool = False):
-    """megatron-core's moe_utils.permute: (permuted tokens, permuted probs, sorted indices; with
-    `fused`, transformer-engine's row map, which only the fused unpermute reads) on every version
-    (0.17+ return two more values)."""
+def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused: bool = False):
+    """megatron-core's moe_utils.permute: (permuted tokens, permuted probs (None without `probs`),
+    sorted indices; with `fused`, transformer-engine's row map, which only the fused unpermute
+    reads) on every version (0.17+ return two more values)."""
     from megatron.core.transformer.moe.moe_utils import permute as _permute
 
-    out = _permute(tokens, routing_map, num_out_tokens=num_out_tokens, fused=fused)
+    out = _permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused)
     return out[0], out[1], out[2]
 
 

@@ -24,10 +24,12 @@ class DispatchMeta:
     hidden_shape: torch.Size
     routing_map: torch.Tensor  # [tokens, experts in travel order]
     probs: torch.Tensor  # routing probabilities, same order; applied at combine
-    per_expert: torch.Tensor  # tokens per expert (travel order)
+    per_expert: torch.Tensor  # tokens per expert (travel order), on the device: the counts exchange sends it
     sorted_indices: torch.Tensor  # the permutation of tokens into expert order (fused: TE's row map)
-    send_splits: tuple[int, ...]  # rows to each member of the ZP group (comm order)
-    route: TokenRoute | None = None  # after the counts exchange
+    route: TokenRoute | None = None  # after the counts exchange (it holds the split sizes)
+    # Where the experts weigh their outputs (probs permuted like the tokens), as Megatron's experts
+    # do: only on MoELayer.forward's path in a ZP group of one; else None: `probs` apply after combine.
+    permuted_probs: torch.Tensor | None = None
 
 
 class HeteroTokenDispatcher(MoETokenDispatcher):
@@ -35,48 +37,64 @@ class HeteroTokenDispatcher(MoETokenDispatcher):
         super().__init__(config=config, pg_collection=pg_collection)
         self.hs, self.layer = hs, layer
         self.order = hs.layer_order(layer)
-        # the k-th rank of comm_order holds the next member_sizes[k] experts of self.order
-        self.member_sizes = [len(hs.zp.placement[layer].get(r, [])) for r in hs.comm_order]
+        self._order_on: dict[torch.device, torch.Tensor] = {}  # self.order as an index, per device (built once)
+        # Every expert of the layer on this one rank (a ZP group of one): the experts weight their
+        # outputs, as Megatron's do, instead of three full-width multiplies after combine. In a
+        # larger group they stay unweighted, so the gate's gradient needs no expert rank (the paper's).
+        self.probs_in_experts = len(hs.zp.members) == 1
+        # Dropless top-k routing sends exactly topk rows per token, known without reading the
+        # routing map back to the host (Megatron's rule); dropping or padding routers change it.
+        self.static_out = (getattr(config, "moe_expert_capacity_factor", None) is None
+                           and not getattr(config, "moe_router_padding_for_quantization", False))
         self.meta: DispatchMeta | None = None  # the microbatch Megatron's MoELayer.forward is in
 
+    def _order(self, device: torch.device) -> torch.Tensor:
+        t = self._order_on.get(device)
+        if t is None:
+            t = self._order_on[device] = torch.tensor(self.order, device=device)
+        return t
+
     # ---- explicit: one DispatchMeta per microbatch --------------------------------------------
-    def preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor,
-                   probs: torch.Tensor) -> tuple[DispatchMeta, torch.Tensor]:
-        """Permute tokens by expert (travel order); returns (meta, permuted tokens)."""
+    def preprocess(self, tokens: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor,
+                   weigh_in_experts: bool = False) -> tuple[DispatchMeta, torch.Tensor]:
+        """Permute tokens by expert (travel order); returns (meta, permuted tokens). Reads nothing
+        back to the host with dropless routing: the split sizes come with the counts exchange.
+        weigh_in_experts: permute the probabilities too, for the experts to apply (a ZP group of one)."""
         from megatron_hetermoe.compat import permute
 
         hidden = tokens.view(-1, tokens.shape[-1])
-        order = torch.tensor(self.order, device=routing_map.device)
+        order = self._order(routing_map.device)
         rmap = routing_map[:, order].contiguous()
+        probs = probs[:, order]
         per_expert = rmap.sum(0)
-        permuted, _, sorted_indices = permute(hidden, rmap, num_out_tokens=int(per_expert.sum()),
-                                              fused=self.config.moe_permute_fusion)
-        splits, start = [], 0
-        for s in self.member_sizes:
-            splits.append(int(per_expert[start:start + s].sum()))
-            start += s
-        meta = DispatchMeta(tokens.shape, rmap, probs[:, order], per_expert, sorted_indices, tuple(splits))
+        out_rows = rmap.shape[0] * self.config.moe_router_topk if self.static_out else int(per_expert.sum())
+        permuted, permuted_probs, sorted_indices = permute(
+            hidden, rmap, probs=probs if weigh_in_experts else None, num_out_tokens=out_rows,
+            fused=self.config.moe_permute_fusion)
+        meta = DispatchMeta(tokens.shape, rmap, probs, per_expert, sorted_indices, permuted_probs=permuted_probs)
         return meta, permuted
 
     def exchange_route(self, meta: DispatchMeta) -> DispatchMeta:
         # The wire dtype is params_dtype, as on the expert ranks (ExpertRuntime.forward_layer).
-        route, _ = TokenRoute.exchange(self.hs, self.layer, meta.per_expert, list(meta.send_splits),
-                                       meta.hidden_shape[-1], self.config.params_dtype)
+        route, _ = TokenRoute.exchange(self.hs, self.layer, meta.per_expert, meta.hidden_shape[-1],
+                                       self.config.params_dtype)
         return dataclasses.replace(meta, route=route)
 
     def postprocess(self, meta: DispatchMeta, combined: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
-        """Unpermute the combined expert outputs, weighted by `probs` (default: meta's)."""
+        """Unpermute the combined expert outputs, weighted by `probs` (default: meta's; none where
+        the experts weighted them)."""
         from megatron.core.transformer.moe.moe_utils import unpermute
 
+        if probs is None and meta.permuted_probs is None:
+            probs = meta.probs
         shape = meta.hidden_shape
         out = unpermute(combined, meta.sorted_indices, restore_shape=torch.Size([shape[:-1].numel(), shape[-1]]),
-                        probs=meta.probs if probs is None else probs, routing_map=meta.routing_map,
-                        fused=self.config.moe_permute_fusion)
+                        probs=probs, routing_map=meta.routing_map, fused=self.config.moe_permute_fusion)
         return out.view(shape)
 
     # ---- megatron-core's MoETokenDispatcher interface (MoELayer.forward) ------------------------
     def dispatch_preprocess(self, tokens, routing_map, probs):
-        self.meta, permuted = self.preprocess(tokens, routing_map, probs)
+        self.meta, permuted = self.preprocess(tokens, routing_map, probs, self.probs_in_experts)
         return permuted, self.meta.probs
 
     def token_dispatch(self, hidden_states, probs):
@@ -84,7 +102,7 @@ class HeteroTokenDispatcher(MoETokenDispatcher):
         return self.meta.route.dispatch(hidden_states), None
 
     def dispatch_postprocess(self, hidden_states, probs):
-        return hidden_states, self.meta.route.local_counts, None
+        return hidden_states, self.meta.route.local_counts, self.meta.permuted_probs
 
     def combine_preprocess(self, hidden_states):
         return hidden_states

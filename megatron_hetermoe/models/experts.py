@@ -12,6 +12,8 @@ a DistEP step. The schedules drive it (schedules/distep.py, schedules/zebra.py).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from megatron_hetermoe.parallel.comm import TokenRoute
@@ -19,16 +21,24 @@ from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan import expert_names
 
 
-def _chunk_order(n_src: int, n_exp: int, by_expert: bool) -> torch.Tensor:
-    if by_expert:  # chunks laid out [src][expert] -> [expert][src]
-        return torch.tensor([s * n_exp + e for e in range(n_exp) for s in range(n_src)])
-    return torch.tensor([e * n_src + s for s in range(n_src) for e in range(n_exp)])
+@functools.lru_cache(maxsize=256)
+def _chunk_order(n_src: int, n_exp: int, by_expert: bool, device: torch.device | None = None) -> torch.Tensor:
+    """The chunk permutation [src][expert] -> [expert][src] (by_expert) or back; built once per shape
+    and device."""
+    if by_expert:
+        order = [s * n_exp + e for e in range(n_exp) for s in range(n_src)]
+    else:
+        order = [e * n_src + s for s in range(n_src) for e in range(n_exp)]
+    return torch.tensor(order, device=device)
 
 
-def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """counts[src, i]: tokens from member src for the i-th local expert; recv is laid out
-    [src][expert]. Returns the experts' outputs in the same layout. A rank holding no expert of
-    the layer (experts None, no count columns; Asym-EA can empty an expert rank's layer)
+def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor,
+                      probs: torch.Tensor | None = None) -> torch.Tensor:
+    """counts[src, i]: tokens from member src for the i-th local expert, on the host (the route's);
+    recv is laid out [src][expert]. Returns the experts' outputs in the same layout. `probs`: the
+    routing probabilities of recv's rows, to weight inside the experts as Megatron's do (only in a
+    ZP group of one, see HeteroTokenDispatcher); None: unweighted outputs. A rank holding no expert
+    of the layer (experts None, no count columns; Asym-EA can empty an expert rank's layer)
     receives nothing and returns recv * 0: an empty output still tied to recv, so the transfer's
     backward runs as on every other member."""
     from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
@@ -39,27 +49,30 @@ def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor) -> torc
             raise ValueError(f"a rank without experts in this layer received {recv.shape[0]} tokens for "
                              f"{n_exp} local experts (experts module {'present' if experts is not None else 'absent'})")
         return recv * 0
-    # --moe-permute-fusion: transformer-engine's fused chunk sort, which takes its sizes on the device.
+    # --moe-permute-fusion: transformer-engine's fused chunk sort, which takes its sizes on the device
+    # (a copy to it, never a read back); the unfused sort and the expert MLPs read them on the host.
     fused = bool(getattr(experts.config, "moe_permute_fusion", False))
+    dev = recv.device if fused else None
 
-    def on_device(t: torch.Tensor) -> torch.Tensor:
-        return t.to(recv.device) if fused else t
+    def sizes(t: torch.Tensor) -> torch.Tensor:
+        return t.to(recv.device, non_blocking=True) if fused else t
 
-    def order(by_expert: bool) -> torch.Tensor:
-        return on_device(_chunk_order(n_src, n_exp, by_expert))
-
-    by_src = on_device(counts.reshape(-1))
-    x, _ = sort_chunks_by_idxs(recv, by_src, order(True), fused=fused)
-    tokens_per_expert = counts.sum(0)
-    if any(c.__name__ == expert_names.GROUPED for c in type(experts).__mro__):
-        tokens_per_expert = tokens_per_expert.cpu()  # grouped_gemm's gmm takes its batch sizes on the CPU
-    # Probabilities are applied after combine on the attention rank (the paper's choice, so
-    # the gate's gradient needs no expert rank): experts compute unweighted outputs.
-    probs = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
-    y, bias = experts(x, tokens_per_expert, probs)
+    # One source member: the chunks are already by expert, nothing to sort.
+    if n_src > 1:
+        x, probs = sort_chunks_by_idxs(recv, sizes(counts.reshape(-1)), _chunk_order(n_src, n_exp, True, dev),
+                                       probs=probs, fused=fused)
+    else:
+        x = recv
+    if probs is None:
+        # Probabilities are applied after combine on the attention rank (the paper's choice, so
+        # the gate's gradient needs no expert rank): experts compute unweighted outputs.
+        probs = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
+    y, bias = experts(x, counts.sum(0), probs)
     assert bias is None, "expert bias is not supported (Mixtral-style experts have none)"
-    by_exp = on_device(counts.t().reshape(-1))
-    out, _ = sort_chunks_by_idxs(y, by_exp, order(False), fused=fused)
+    if n_src == 1:
+        return y
+    out, _ = sort_chunks_by_idxs(y, sizes(counts.t().reshape(-1)), _chunk_order(n_src, n_exp, False, dev),
+                                 fused=fused)
     return out
 
 
@@ -172,7 +185,7 @@ class ExpertRuntime(_megatron_module()):
     def forward_layer(self, layer: int, hidden_size: int) -> torch.Tensor:
         """Receive this layer's tokens, run the local experts, send the outputs back; returns the
         (empty) result of the combine, whose backward is the gradient's return trip."""
-        route, _ = TokenRoute.exchange(self.hs, layer, None, None, hidden_size, self.config.params_dtype)
+        route, _ = TokenRoute.exchange(self.hs, layer, None, hidden_size, self.config.params_dtype)
         leaf = route.empty().requires_grad_()
         recv = route.dispatch(leaf)
         out = run_local_experts(self.experts_of(layer), recv, route.local_counts)

@@ -51,7 +51,7 @@ class TokenRoute:
     """How one layer's tokens of one microbatch travel within a ZP group, seen from this rank."""
     send_splits: tuple[int, ...]  # rows this rank sends to each member (comm order)
     recv_splits: tuple[int, ...]  # rows this rank receives from each member
-    local_counts: torch.Tensor  # [source member, local expert]: tokens for this rank's experts
+    local_counts: torch.Tensor  # [source member, local expert], on the host: tokens for this rank's experts
     transport: Transport
     width: int
     dtype: torch.dtype  # the wire dtype: every member sends and receives this
@@ -63,9 +63,8 @@ class TokenRoute:
         return self.compute or self.dtype
 
     @classmethod
-    def exchange(cls, hs: HeteroParallelState, layer: int, per_expert: torch.Tensor | None,
-                 send_splits: list[int] | None, width: int, dtype: torch.dtype,
-                 stamp: int | None = None) -> tuple["TokenRoute", int | None]:
+    def exchange(cls, hs: HeteroParallelState, layer: int, per_expert: torch.Tensor | None, width: int,
+                 dtype: torch.dtype, stamp: int | None = None) -> tuple["TokenRoute", int | None]:
         """The counts exchange of `layer` (on the transport's dispatch communicator). per_expert: this
         rank's token count per expert of the layer in travel order, None on a rank that routes
         nothing (an expert rank). dtype: this rank's compute dtype (its params_dtype; the wire
@@ -75,11 +74,11 @@ class TokenRoute:
         counts = _counts_of(hs, layer, per_expert)
         if stamp is not None:
             counts = torch.cat([counts, torch.tensor([stamp], dtype=torch.int64, device=counts.device)])
-        allc = hs.transport.counts(counts)
+        allc = hs.transport.counts(counts).cpu()  # the one host read of this (layer, microbatch)
         got = None
         if stamp is not None:
-            got, allc = int(allc[:, -1].max().item()), allc[:, :-1]
-        return cls.from_counts(hs, layer, allc, send_splits, width, dtype), got
+            got, allc = int(allc[:, -1].max()), allc[:, :-1]
+        return cls.from_counts(hs, layer, allc, width, dtype), got
 
     @staticmethod
     def start_exchange(hs: HeteroParallelState, layer: int, per_expert: torch.Tensor | None) -> tuple[torch.Tensor, object]:
@@ -89,14 +88,21 @@ class TokenRoute:
         return hs.transport.counts(_counts_of(hs, layer, per_expert), async_op=True)
 
     @classmethod
-    def from_counts(cls, hs: HeteroParallelState, layer: int, all_counts: torch.Tensor, send_splits: list[int] | None,
-                    width: int, dtype: torch.dtype) -> "TokenRoute":
+    def from_counts(cls, hs: HeteroParallelState, layer: int, all_counts: torch.Tensor, width: int,
+                    dtype: torch.dtype) -> "TokenRoute":
         """The route of `layer` from the counts exchange's [member, expert in travel order] result;
-        dtype: this rank's compute dtype (as `exchange`)."""
-        n = len(hs.zp.members)
-        local = hs.received_counts(layer, all_counts)
-        return cls(tuple(int(s) for s in (send_splits or [0] * n)), tuple(int(s) for s in local.sum(1).tolist()),
-                   local, hs.transport, width, hs.wire_dtype or dtype, hs.device, dtype)
+        dtype: this rank's compute dtype (as `exchange`). Everything a route needs on the host
+        (both split sizes, the local experts' counts) comes from one host copy of `all_counts`
+        (a no-op where it is already there): this rank's own row is what it sends."""
+        host = all_counts.cpu()
+        local = hs.received_counts(layer, host)
+        mine = host[hs.comm_order.index(hs.rank)].tolist()
+        send, start = [], 0
+        for size in hs.member_sizes(layer):
+            send.append(sum(mine[start:start + size]))
+            start += size
+        return cls(tuple(send), tuple(local.sum(1).tolist()), local, hs.transport, width,
+                   hs.wire_dtype or dtype, hs.device, dtype)
 
     def empty(self) -> torch.Tensor:
         return torch.empty(0, self.width, dtype=self.dtype, device=self.device)

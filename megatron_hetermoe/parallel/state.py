@@ -99,6 +99,12 @@ class HeteroParallelState:
         pl = self.zp.placement[layer]
         return [e for r in self.comm_order for e in pl.get(r, [])]
 
+    def member_sizes(self, layer: int) -> list[int]:
+        """How many experts of `layer` each member holds, in comm_order: the k-th member holds the
+        next member_sizes[k] experts of layer_order."""
+        pl = self.zp.placement[layer]
+        return [len(pl.get(r, [])) for r in self.comm_order]
+
     def local_experts(self, layer: int) -> list[int]:
         return list(self.zp.placement[layer].get(self.rank, []))
 

@@ -137,12 +137,9 @@ class ZebraRank:
         return self.hs.transport.move(send, outs, ins, direction, async_op=True)
 
     # ---- transfers (run on the streams; read the slot when they run) -----------------------
-    def _dispatch_counts(self, st: Slot) -> tuple:
-        """(per-expert counts, send splits) a D_F exchanges; (None, None) on a rank that routes
-        nothing (an expert rank)."""
-        if self.is_attention:
-            return st.meta.per_expert, list(st.meta.send_splits)
-        return None, None
+    def _dispatch_counts(self, st: Slot) -> torch.Tensor | None:
+        """The per-expert counts a D_F exchanges; None on a rank that routes nothing (an expert rank)."""
+        return st.meta.per_expert if self.is_attention else None
 
     def _send(self, task: Task, st: Slot) -> torch.Tensor | None:
         """What this rank sends in transfer `task` (None: nothing, an empty send)."""
@@ -160,9 +157,8 @@ class ZebraRank:
         st = self.slot(l, j)
 
         def d_f():
-            per_expert, send_splits = self._dispatch_counts(st)
             stamp = int(self.ex.ready(task) * 1e9) if self.task_timing is not None else None
-            st.route, got = TokenRoute.exchange(self.hs, l, per_expert, send_splits, self.H, self.dtype, stamp)
+            st.route, got = TokenRoute.exchange(self.hs, l, self._dispatch_counts(st), self.H, self.dtype, stamp)
             st.routed.set()
             started = got / 1e9 if got is not None else None  # the counts carried when each member could start
             st.recv_tokens = st.route.to_experts(self._send(task, st), self._timed(task, started))
@@ -188,12 +184,12 @@ class ZebraRank:
         routed = lambda: st.route is not None  # noqa: E731 - made by this (layer, microbatch)'s D_F, issued earlier
 
         if task.kind == "D_F":
-            per_expert, send_splits = self._dispatch_counts(st)
+            per_expert = self._dispatch_counts(st)
             ticket = counts(lambda: TokenRoute.start_exchange(self.hs, l, per_expert))
 
             def d_f():
                 ticket.consume()  # a CPU rank: re-raises a failed counts exchange
-                st.route = TokenRoute.from_counts(self.hs, l, ticket.value, send_splits, self.H, self.dtype)
+                st.route = TokenRoute.from_counts(self.hs, l, ticket.value, self.H, self.dtype)
                 st.routed.set()
                 st.recv_tokens, work = st.route.to_experts(self._send(task, st), self._async)
                 return [work]

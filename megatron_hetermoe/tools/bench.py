@@ -258,7 +258,14 @@ def _step_seconds(s: str) -> float | None:
 def main(argv: list[str] | None = None) -> int:
     from megatron_hetermoe.help_format import HelpFormatter
 
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--layer" in argv:  # one MoE layer, HeterMoE's against Megatron's (tools/layer_bench.py)
+        from megatron_hetermoe.tools import layer_bench
+
+        return layer_bench.main([a for a in argv if a != "--layer"])
     p = argparse.ArgumentParser(prog="hetermoe bench", description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--layer", action="store_true",
+                   help="time one MoE layer, HeteroMoELayer against megatron's MoELayer (`hetermoe bench --layer -h`)")
     p.add_argument("--cluster", required=True, help="the emulated cluster: configs/clusters/NAME.yaml or a path")
     p.add_argument("--model", required=True, help="the emulated model shape (e.g. d1)")
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence of the emulated model")

@@ -34,8 +34,8 @@ def routed_counts(monkeypatch, tmp_path):
     HeterMoE dispatcher computes them); returns a reader summing them over ranks and steps."""
     orig = HeteroTokenDispatcher.preprocess  # DistEP (through dispatch_preprocess) and zebra both call it
 
-    def logged(self, tokens, routing_map, probs):
-        out = orig(self, tokens, routing_map, probs)
+    def logged(self, tokens, routing_map, probs, *rest):
+        out = orig(self, tokens, routing_map, probs, *rest)
         counts = dict(zip(self.order, out[0].per_expert.tolist()))
         with open(tmp_path / f"counts.{os.getpid()}", "a") as f:
             f.write(json.dumps([self.layer, [counts[e] for e in sorted(counts)]]) + "\n")
