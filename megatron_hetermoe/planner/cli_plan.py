@@ -5,7 +5,9 @@
       G groups of M attention + N expert ranks, experts split evenly (plan.even_plan).
   hetermoe plan --cluster CLUSTER --model CFG --seq-len S --global-batch B [-o plan.json] [--json]
                 [--asym optimal|greedy|none] [--engine auto|python|cpp] [--max-microbatches K]
-      searches ZP group shape, R and expert placement; prints every strategy's predicted step.
+                [--expert-recompute auto|off|keep-inputs|resend-inputs]
+      searches ZP group shape, R, expert placement and what expert ranks keep for backward;
+      prints every strategy's predicted step.
   hetermoe plan [--even ... | --cluster CLUSTER ...] -- <pretrain_gpt.py flags>
       the model from the run's own Megatron-LM flags instead of --model (--num-layers,
       --hidden-size, --num-experts, --moe-layer-freq, ...; planner/megatron_flags.py says which
@@ -32,6 +34,7 @@ from megatron_hetermoe.limits import (
 from megatron_hetermoe.plan.hetero_plan import PlanError, even_plan
 from megatron_hetermoe.plan.tasks import SCHEDULES
 from megatron_hetermoe.planner.cluster import Cluster
+from megatron_hetermoe.planner.cost_model import EXPERT_RECOMPUTE
 from megatron_hetermoe.planner.megatron_flags import model_from_flags
 from megatron_hetermoe.planner.profiles import known_gpu_types
 from megatron_hetermoe.planner.search import SearchResult, search
@@ -63,6 +66,13 @@ def _parser() -> argparse.ArgumentParser:
                       help="expert assignment solver for the plan (default: optimal)")
     srch.add_argument("--engine", choices=["auto", "python", "cpp"], default="auto", help="simulator core (auto: the C++ core when built)")
     srch.add_argument("--max-microbatches", type=int, default=32, help="largest R the search tries")
+    srch.add_argument("--expert-recompute", choices=["auto", *EXPERT_RECOMPUTE], default="auto",
+                      help="what expert ranks keep for the expert backward: off (inputs and intermediates), "
+                      "keep-inputs (backward re-runs the expert forward), resend-inputs (nothing kept: the "
+                      "attention ranks send the tokens again with the gradient); auto: keep-inputs, and "
+                      "resend-inputs for shapes whose expert ranks cannot hold their experts otherwise. "
+                      "Priced only: the runtime's --recompute-granularity full recomputes attention stages, "
+                      "never experts (default: auto)")
     srch.add_argument("--json", action="store_true", help="print the predictions as JSON instead of a table")
     return p
 
@@ -90,7 +100,12 @@ def format_table(res: SearchResult, title: str) -> str:
         lines.append(f"plan: {len(res.plan.groups)} ZP group(s) of {len(g0.attention_ranks)} attention + "
                      f"{len(g0.expert_ranks)} expert ranks, R={res.plan.num_microbatches}, schedule {res.plan.schedule}, "
                      f"{res.plan.meta.get('assignment')}; experts on attention ranks per layer: "
-                     f"{res.plan.meta.get('experts_on_attention_per_layer')}")
+                     f"{res.plan.meta.get('experts_on_attention_per_layer')}; expert recompute: "
+                     f"{res.plan.meta.get('expert_recompute')}")
+        if res.plan.meta.get("expert_recompute") not in (None, "off"):
+            lines.append(f"note: expert recompute {res.plan.meta['expert_recompute']!r} is priced, not run: the "
+                         f"runtime's expert holders keep their intermediates ('off'), so they need more memory "
+                         f"than this plan's prediction")
     lines.append(f"searched {res.candidates} shapes in {res.elapsed_s:.2f} s")
     return "\n".join(lines)
 
@@ -197,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         cluster = Cluster.load(args.cluster)
         res = search(model, cluster, args.seq_len, args.global_batch, asym=args.asym, engine=args.engine,
-                     max_microbatches=args.max_microbatches)
+                     max_microbatches=args.max_microbatches, expert_recompute=args.expert_recompute)
     except (PlanError, FileNotFoundError, ValueError, KeyError) as e:
         print(f"hetermoe plan: {e}", file=sys.stderr)
         return 2

@@ -26,7 +26,9 @@ run on the attention ranks, inside attention stages (models/stages.py), so `stag
   * MoE layer l's shared expert (a SwiGLU MLP of the shared size S, 6 h S per token, every token)
     runs in stage l, next to the router, before the dispatch.
 Both are priced as the experts are (the same roofline, the same measured GEMM rate), forward and
-backward (2x, plus the re-forward under activation checkpointing).
+backward (2x, plus the re-forward under activation checkpointing). Routed experts follow their
+own level, TrainSettings.expert_recompute (EXPERT_RECOMPUTE: what an expert holder keeps for
+backward, and whether its backward re-runs the forward).
 
 Which program is priced (`Program`): precision, attention kernel and recomputation change a
 step's cost, so a time is always for one program. `TrainSettings.program=None` prices each
@@ -271,6 +273,34 @@ def _measured_mlp(t: MeasuredTables, h: int, f: int, tokens: float, backward: bo
     return (2.0 if backward else 1.0) * mlp_flops(h, f, tokens) / rate
 
 
+# ---------------------------------------------------------------- expert recomputation
+# What an expert holder keeps for an expert's backward, per routed token of each live microbatch
+# (zebra keeps all R alive), cheapest in time first:
+#   'off'           input and the SwiGLU intermediates (fc1's 2f outputs, the f-wide product):
+#                   (h + 3f) x dtype bytes; backward = 2x the forward GEMMs. Zebra's runtime
+#                   (schedules/zebra.py) runs experts so, even with --recompute-granularity full.
+#   'keep-inputs'   the input only (h x dtype bytes); backward re-runs the expert forward.
+#   'resend-inputs' nothing: the attention ranks keep the dispatched tokens (k x h x dtype bytes
+#                   per token per MoE layer) and send them again with the output gradient (C_B
+#                   carries twice the bytes); backward re-runs the expert forward. An expert
+#                   rank's memory then no longer grows with the batch, as under Megatron's full
+#                   recompute, where a layer's recomputation re-dispatches its tokens.
+EXPERT_RECOMPUTE = ("off", "keep-inputs", "resend-inputs")
+
+
+def default_expert_recompute(activation_checkpointing: bool) -> str:
+    """The level a plain TrainSettings prices: with activation checkpointing experts re-run their
+    forward and keep their inputs (the planner's rule before the levels existed), else 'off'."""
+    return "keep-inputs" if activation_checkpointing else "off"
+
+
+def heavier_expert_recompute(level: str) -> tuple[str, ...]:
+    """`level` and every level that keeps less on expert holders, in the order the search tries them."""
+    if level not in EXPERT_RECOMPUTE:
+        raise ValueError(f"expert recompute level {level!r}; use one of {EXPERT_RECOMPUTE}")
+    return EXPERT_RECOMPUTE[EXPERT_RECOMPUTE.index(level):]
+
+
 # ---------------------------------------------------------------- the model
 @dataclass(frozen=True)
 class TrainSettings:
@@ -282,11 +312,23 @@ class TrainSettings:
     activation_checkpointing: bool = True  # the paper's setting: backward re-runs the forward
     dtype_bytes: int = 2  # fp16/bf16 activations on the wire and in checkpoints
     program: Program | None = None
+    # What expert holders keep between an expert's forward and its backward (EXPERT_RECOMPUTE);
+    # None: 'keep-inputs' with activation checkpointing, else 'off'.
+    expert_recompute: str | None = None
 
     def __post_init__(self) -> None:
         if self.program is not None:
             object.__setattr__(self, "activation_checkpointing", self.program.activation_checkpointing)
             object.__setattr__(self, "dtype_bytes", self.program.dtype_bytes)
+        if self.expert_recompute is None:
+            object.__setattr__(self, "expert_recompute", default_expert_recompute(self.activation_checkpointing))
+        elif self.expert_recompute not in EXPERT_RECOMPUTE:
+            raise ValueError(f"expert_recompute={self.expert_recompute!r}; use one of {EXPERT_RECOMPUTE}")
+
+    @property
+    def expert_reforward(self) -> bool:
+        """Whether an expert's backward re-runs its forward (any level but 'off')."""
+        return self.expert_recompute != "off"
 
 
 class CostModel:
@@ -353,30 +395,34 @@ class CostModel:
             t += self.attention_time(gpu, tokens, False, s, router)
         return t
 
-    def mlp_time(self, gpu: str, ffn: int, tokens: float, backward: bool = False) -> float:
+    def mlp_time(self, gpu: str, ffn: int, tokens: float, backward: bool = False,
+                 reforward: bool | None = None) -> float:
         """One SwiGLU MLP of intermediate size `ffn` on `tokens` tokens: an expert, a dense
-        layer's MLP or a shared expert (the same GEMMs; the same measured rate)."""
+        layer's MLP or a shared expert (the same GEMMs; the same measured rate). `reforward`:
+        whether backward re-runs the forward (None: activation checkpointing's setting, which
+        dense layers and shared experts follow: they run inside attention stages)."""
         if tokens <= 0 or ffn <= 0:
             return 0.0
         key = ("mlp", gpu, ffn, tokens, backward)
         if key not in self._memo:
             self._memo[key] = self._mlp_time(gpu, ffn, tokens, backward)
-        return self._memo[key]
-
-    def _mlp_time(self, gpu: str, ffn: int, tokens: float, backward: bool) -> float:
-        p = self.profile(gpu)
-        h = self.model.hidden_size
-        if p.measured is not None:
-            t = _measured_mlp(p.measured, h, ffn, tokens, backward)
-        else:
-            t = _analytic_mlp(p, h, ffn, tokens, backward, self.settings.dtype_bytes)
-        if backward and self.settings.activation_checkpointing:
+        t = self._memo[key]
+        if backward and (self.settings.activation_checkpointing if reforward is None else reforward):
             t += self.mlp_time(gpu, ffn, tokens, False)
         return t
 
+    def _mlp_time(self, gpu: str, ffn: int, tokens: float, backward: bool) -> float:
+        """The MLP's own forward or backward GEMMs, without any re-forward."""
+        p = self.profile(gpu)
+        h = self.model.hidden_size
+        if p.measured is not None:
+            return _measured_mlp(p.measured, h, ffn, tokens, backward)
+        return _analytic_mlp(p, h, ffn, tokens, backward, self.settings.dtype_bytes)
+
     def expert_time(self, gpu: str, tokens: float, backward: bool = False) -> float:
-        """One expert FFN (SwiGLU) on `tokens` routed tokens."""
-        return self.mlp_time(gpu, self.model.moe_ffn_hidden_size, tokens, backward)
+        """One expert FFN (SwiGLU) on `tokens` routed tokens; its backward re-runs the forward
+        unless settings.expert_recompute is 'off'."""
+        return self.mlp_time(gpu, self.model.moe_ffn_hidden_size, tokens, backward, self.settings.expert_reforward)
 
     def shared_expert_time(self, gpu: str, tokens: float, backward: bool = False) -> float:
         """One MoE layer's shared expert on all `tokens` of the microbatch (0 without one)."""
@@ -484,7 +530,8 @@ class CostModel:
         estimate). `layer_checkpoints`: Megatron's full recompute instead of zebra's per stage
         (every layer's input kept, one layer recomputed at a time; the EP baselines). Shared
         experts keep their SwiGLU intermediates (without checkpointing) or need them as working
-        set, as an expert does (per_expert_bytes)."""
+        set, as an expert does (per_expert_bytes). With expert_recompute 'resend-inputs' also the
+        dispatched tokens it sends again in backward (resent_bytes)."""
         m, b = self.model, self.settings.dtype_bytes
         h, L = m.hidden_size, self.num_layers
         n_dense = len(m.dense_layers)
@@ -507,17 +554,30 @@ class CostModel:
             kept = (L + n_dense) * tokens_mb * per_token * microbatches_alive
             kept += L * tokens_mb * 3 * shared * b * microbatches_alive  # shared experts' SwiGLU intermediates
             working = 0.0
-        return self.non_expert_state_bytes() + kept + working + logits
+        return self.non_expert_state_bytes() + kept + working + logits + self.resent_bytes(tokens_mb, microbatches_alive)
+
+    def resent_bytes(self, tokens_mb: float, microbatches_alive: int) -> float:
+        """Dispatched tokens an attention rank keeps to send again in backward (expert_recompute
+        'resend-inputs'; 0 otherwise): top-k copies of each token, every MoE layer, every live
+        microbatch."""
+        if self.settings.expert_recompute != "resend-inputs":
+            return 0.0
+        m = self.model
+        return self.num_layers * tokens_mb * m.moe_router_topk * self.token_bytes() * microbatches_alive
+
+    def expert_kept_bytes_per_token(self) -> float:
+        """Bytes an expert holder keeps per routed token of a live microbatch for the expert's
+        backward, by settings.expert_recompute (EXPERT_RECOMPUTE says what each level keeps)."""
+        m, b = self.model, self.settings.dtype_bytes
+        return {"off": (m.hidden_size + 3 * m.moe_ffn_hidden_size) * b, "keep-inputs": m.hidden_size * b,
+                "resend-inputs": 0.0}[self.settings.expert_recompute]
 
     def per_expert_bytes(self, tokens_per_expert_mb: float, microbatches_alive: int) -> float:
-        """What each held expert adds on any rank: its weights and optimizer state and the routed
-        tokens it keeps for backward (checkpointed input; without checkpointing also its SwiGLU
-        intermediates)."""
-        m, b = self.model, self.settings.dtype_bytes
-        per_token = m.hidden_size * b
-        if not self.settings.activation_checkpointing:
-            per_token += 3 * m.moe_ffn_hidden_size * b
-        return self.expert_state_bytes() + tokens_per_expert_mb * per_token * microbatches_alive
+        """What each held expert adds on any rank: its weights and optimizer state and what it
+        keeps for backward of the routed tokens of every live microbatch
+        (expert_kept_bytes_per_token)."""
+        kept = tokens_per_expert_mb * self.expert_kept_bytes_per_token() * microbatches_alive
+        return self.expert_state_bytes() + kept
 
     def expert_working_bytes(self, tokens_per_expert_mb: float) -> float:
         """Transient working set of the expert being computed (SwiGLU intermediates, grads)."""

@@ -9,16 +9,26 @@ candidate the expert assignment comes from asym_ea (optimal by default); zebra w
 DistEP and the paper's greedy are simulated alongside so the report can compare them.
 
 Memory differs by schedule: zebra keeps all R microbatches alive (Theorem 1 runs every forward
-before any backward), so an expert rank holds the routed tokens of the whole step, whatever R
-is; DistEP runs each microbatch's forward and backward before the next, so one is alive.
+before any backward), so an expert rank holds what it keeps for backward of the routed tokens of
+the whole step, whatever R is; DistEP runs each microbatch's forward and backward before the
+next, so one is alive. What an expert holder keeps is a level (cost_model.EXPERT_RECOMPUTE):
+the search prices the default one (keep-inputs under activation checkpointing) and, for a
+candidate whose expert ranks cannot hold every expert without Asym-EA there, each level that
+keeps less up to the first where they can ('resend-inputs': nothing; the attention ranks keep
+the dispatched tokens and send them again with the gradient); detail["expert_recompute"] and
+plan.meta say which level a prediction and the plan are for. The runtime does not run these
+levels yet: its --recompute-granularity full recomputes attention stages and its experts keep
+their intermediates ('off').
 When a role split has no candidate that fits (or none that divides the batch), the strategy's
 prediction names it in detail["excluded_layouts"] ({layout name: reason}); a strategy that
-falls back to a slower layout at a larger batch says why there (e.g. O1, D1, 20K tokens: from
-global batch 84 on, V100s cannot hold 32 experts plus every microbatch's routed tokens, so
-zebra without Asym-EA must put attention on the V100s; planner/HETERO_PP.md, "Smoothness").
+falls back to a slower layout at a larger batch says why there (e.g. O1, D1, 20K tokens, expert
+ranks keeping their inputs: from global batch 84 on, V100s cannot hold 32 experts plus every
+microbatch's routed tokens, so zebra without Asym-EA must put attention on the V100s;
+planner/HETERO_PP.md, "Smoothness"; with 'resend-inputs' it keeps attention on the A40s).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,7 +44,12 @@ from megatron_hetermoe.planner.baselines import (
     simulate_hetero_pp,
 )
 from megatron_hetermoe.planner.cluster import Cluster
-from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
+from megatron_hetermoe.planner.cost_model import (
+    EXPERT_RECOMPUTE,
+    CostModel,
+    TrainSettings,
+    heavier_expert_recompute,
+)
 from megatron_hetermoe.planner.profiles import load_profiles
 from megatron_hetermoe.planner.simulator import simulate_plan
 
@@ -175,19 +190,26 @@ def candidates(cluster: Cluster, model: ModelConfig, global_batch: int, max_micr
     return out
 
 
-def _memory_reason(prob: asym_ea.AsymProblem, k: list[int], a_gpu: str, x_gpu: str, alive: int) -> tuple[float, str]:
+def _memory_reason(prob: asym_ea.AsymProblem, k: list[int], a_gpu: str, x_gpu: str, alive: int,
+                   expert_recompute: str = "keep-inputs") -> tuple[float, str]:
     """Why assignment k does not fit, in experts per rank (what asym_ea counts), with the shortfall
-    (experts over capacity; the search names a layout by its candidate closest to fitting)."""
+    (experts over capacity; the search names a layout by its candidate closest to fitting).
+    `expert_recompute`: the level the problem was priced at (what expert holders keep)."""
+    rec = f"expert recompute {expert_recompute!r}"
     if prob.n_max < 0:
         return (1e9, f"an attention rank ({a_gpu}) cannot hold the non-expert model and {alive} microbatch(es) "
-                     f"of activations")
+                     f"of activations ({rec})")
     a = sum(asym_ea.attention_max(x, prob.M) for x in k)
     q = sum(asym_ea.expert_max(x, prob.num_experts, prob.N) for x in k)
     if q > prob.cap_x:
-        return (q - prob.cap_x, f"an expert rank ({x_gpu}) must hold {q} experts but fits {prob.cap_x} next to the "
-                                f"routed tokens of {alive} live microbatch(es) kept for backward; move experts to "
-                                f"the attention side (Asym-EA)")
-    return (a - prob.n_max, f"an attention rank ({a_gpu}) must hold {a} experts but fits {prob.n_max}")
+        if expert_recompute == "resend-inputs":  # nothing kept per microbatch: only the working set is left
+            kept = "with its working set"
+        else:
+            what = "routed tokens and expert intermediates" if expert_recompute == "off" else "routed tokens"
+            kept = f"next to the {what} of {alive} live microbatch(es) kept for backward"
+        return (q - prob.cap_x, f"an expert rank ({x_gpu}) must hold {q} experts but fits {prob.cap_x} {kept} "
+                                f"({rec}); move experts to the attention side (Asym-EA)")
+    return (a - prob.n_max, f"an attention rank ({a_gpu}) must hold {a} experts but fits {prob.n_max} ({rec})")
 
 
 def _pred(name: str, res, limit_tps: float, detail: dict | None = None) -> Prediction:
@@ -200,31 +222,42 @@ def _pred(name: str, res, limit_tps: float, detail: dict | None = None) -> Predi
 
 def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, asym: str = "optimal",
            engine: str = "auto", max_microbatches: int = 32, baselines: bool = True,
-           activation_checkpointing: bool = True) -> SearchResult:
-    """Best HeterMoE plan for the cluster, with every strategy's predicted step."""
+           activation_checkpointing: bool = True, expert_recompute: str = "auto") -> SearchResult:
+    """Best HeterMoE plan for the cluster, with every strategy's predicted step.
+    `expert_recompute`: what expert holders keep for backward (cost_model.EXPERT_RECOMPUTE), or
+    'auto': the settings' default level (keep-inputs with activation checkpointing, else off)
+    and, for a candidate whose expert ranks cannot hold every expert without Asym-EA at that
+    level, each level that keeps less, up to the first where they can; each strategy keeps its
+    fastest simulated (candidate, level)."""
     if asym not in ("optimal", "greedy", "none"):
         raise ValueError(f"asym={asym!r}; use 'optimal', 'greedy' or 'none'")
+    if expert_recompute != "auto" and expert_recompute not in EXPERT_RECOMPUTE:
+        raise ValueError(f"expert_recompute={expert_recompute!r}; use 'auto' or one of {EXPERT_RECOMPUTE}")
     if model.mtp_num_layers:
         raise ValueError(f"model {model.name!r} has mtp_num_layers={model.mtp_num_layers}: the cost model does not "
                          f"price multi-token prediction layers; make an even plan for it")
     t0 = time.perf_counter()
     profiles = load_profiles(set(cluster.gpu_types()))
     cost = CostModel(model.replace(seq_length=seq_len), profiles, TrainSettings(seq_len, activation_checkpointing))
+    levels = (heavier_expert_recompute(cost.settings.expert_recompute) if expert_recompute == "auto"
+              else (expert_recompute,))
+    costs = {lv: cost if lv == cost.settings.expert_recompute else
+             CostModel(cost.model, profiles, dataclasses.replace(cost.settings, expert_recompute=lv)) for lv in levels}
     types = cluster.gpu_types()
     limit = physical_limit(cost, cluster, global_batch)
-    best: dict[str, tuple] = {}  # strategy -> (step, result, candidate, k)
+    best: dict[str, tuple] = {}  # strategy -> (step, result, candidate, k, schedule, expert recompute level)
 
     variants = (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP)
     fitted: dict[str, set[str]] = {n: set() for n in variants}  # layouts with a candidate that fits
     why: dict[str, dict[str, tuple[float, str]]] = {n: {} for n in variants}  # layout -> (shortfall, why)
 
-    def consider(name: str, cand: Candidate, k: list[int], schedule: str) -> None:
+    def consider(name: str, cand: Candidate, k: list[int], schedule: str, level: str) -> None:
         plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
                           skeleton=True)  # the chosen plan is rebuilt in full below
-        res = simulate_plan(plan, cost, cluster, global_batch, engine=engine)
+        res = simulate_plan(plan, costs[level], cluster, global_batch, engine=engine)
         fitted[name].add(layout_name(types, cand.attention_ranks, cand.expert_ranks))
         if name not in best or res.step_time_s < best[name][0]:
-            best[name] = (res.step_time_s, res, cand, k, schedule)
+            best[name] = (res.step_time_s, res, cand, k, schedule, level)
 
     def refuse(names: tuple[str, ...], cand: Candidate, reason: tuple[float, str]) -> None:
         # a layout's reason is its candidate closest to fitting (smallest shortfall; first on ties)
@@ -244,34 +277,43 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
         grp_a, grp_x = cand.attention_ranks[:M], cand.expert_ranks[:N]
         a_gpu, x_gpu = types[grp_a[0]], types[grp_x[0]]
-        full = asym_problem(cost, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=False)
         zero = [0] * model.num_moe_layers
-        # DistEP keeps one microbatch alive, so it is checked on its own memory rule
-        one = asym_problem(cost, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=False,
-                           microbatches_alive=1)
-        if asym_ea.memory_ok(one, zero):
-            consider(DISTEP, cand, zero, "distep")
-        else:
-            refuse((DISTEP,), cand, _memory_reason(one, zero, a_gpu, x_gpu, 1))
-        if full.n_max < 0:
-            refuse((ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA), cand, _memory_reason(full, zero, a_gpu, x_gpu, cand.R))
-            continue  # attention ranks cannot hold the non-expert model and activations
-        if asym_ea.memory_ok(full, zero):
-            consider(ZEBRA_NO_EA, cand, zero, "zebra")
-        else:
-            refuse((ZEBRA_NO_EA,), cand, _memory_reason(full, zero, a_gpu, x_gpu, cand.R))
-        if asym != "none":
-            try:
-                consider(ZEBRA, cand, asym_ea.optimal(full) if asym == "optimal" else asym_ea.gather_squeeze(
-                    asym_problem(cost, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=True)), "zebra")
-            except PlanError as e:
-                refuse((ZEBRA,), cand, (math.inf, str(e)))
-        if asym == "optimal" and (N % M == 0 or M % N == 0):
-            try:
-                fwd = asym_problem(cost, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=True)
-                consider(ZEBRA_GREEDY, cand, asym_ea.gather_squeeze(fwd), "zebra")
-            except PlanError as e:
-                refuse((ZEBRA_GREEDY,), cand, (math.inf, str(e)))
+        distep_fits = False
+        for level in levels:  # lightest first; a heavier level only where memory binds at this one
+            c = costs[level]
+            full = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=False)
+            # DistEP keeps one microbatch alive, so it is checked on its own memory rule
+            one = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=False,
+                               microbatches_alive=1)
+            if not distep_fits:
+                if asym_ea.memory_ok(one, zero):
+                    consider(DISTEP, cand, zero, "distep", level)
+                    distep_fits = True
+                else:
+                    refuse((DISTEP,), cand, _memory_reason(one, zero, a_gpu, x_gpu, 1, level))
+            if full.n_max < 0:
+                refuse((ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA), cand, _memory_reason(full, zero, a_gpu, x_gpu, cand.R, level))
+                break  # attention ranks cannot hold the non-expert model and activations; heavier levels add to them
+            no_ea_fits = asym_ea.memory_ok(full, zero)
+            if no_ea_fits:
+                consider(ZEBRA_NO_EA, cand, zero, "zebra", level)
+            else:
+                refuse((ZEBRA_NO_EA,), cand, _memory_reason(full, zero, a_gpu, x_gpu, cand.R, level))
+            if asym != "none":
+                try:
+                    consider(ZEBRA, cand, asym_ea.optimal(full) if asym == "optimal" else asym_ea.gather_squeeze(
+                        asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=True)),
+                        "zebra", level)
+                except PlanError as e:
+                    refuse((ZEBRA,), cand, (math.inf, f"{e} (expert recompute {level!r})"))
+            if asym == "optimal" and (N % M == 0 or M % N == 0):
+                try:
+                    fwd = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=True)
+                    consider(ZEBRA_GREEDY, cand, asym_ea.gather_squeeze(fwd), "zebra", level)
+                except PlanError as e:
+                    refuse((ZEBRA_GREEDY,), cand, (math.inf, f"{e} (expert recompute {level!r})"))
+            if no_ea_fits:
+                break  # memory does not bind: keeping less would only cost time
     zebras = [best[n] for n in (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA) if n in best]
     if zebras:  # the planner keeps the fastest simulated zebra plan, whichever assignment made it
         best[PICK] = min(zebras, key=lambda b: b[0])
@@ -287,10 +329,10 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     preds: list[Prediction] = []
     for name in (PICK, ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP):
         if name in best:
-            step, res, cand, k, plan = best[name]
+            step, res, cand, k, plan, level = best[name]
             M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
             preds.append(_pred(name, res, limit.tokens_per_s, {
-                "M": M, "N": N, "groups": cand.G, "microbatches": cand.R,
+                "M": M, "N": N, "groups": cand.G, "microbatches": cand.R, "expert_recompute": level,
                 "attention_gpu": types[cand.attention_ranks[0]], "experts_on_attention_per_layer": list(k),
                 "attention_ranks": list(cand.attention_ranks), "expert_ranks": list(cand.expert_ranks),
                 "schedule": plan, "layout": layout_name(types, cand.attention_ranks, cand.expert_ranks),
@@ -308,12 +350,15 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
 
     plan = None
     if PICK in best:
-        _, _, cand, k, schedule = best[PICK]
+        _, _, cand, k, schedule, level = best[PICK]
         plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule)
         source = next(n for n in (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA) if best.get(n) is best[PICK])
         plan.meta = {
             "model": model.name, "cluster": cluster.name, "seq_len": seq_len, "global_batch": global_batch,
             "assignment": source, "experts_on_attention_per_layer": list(best[PICK][3]),
+            # priced, not run: the runtime's --recompute-granularity full recomputes attention
+            # stages only; its experts keep their intermediates ('off')
+            "expert_recompute": level,
             "predicted": {p.name: {"step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s}
                           for p in preds if p.fits},
         }

@@ -9,7 +9,11 @@ Semantics (the same in the C++ core, csrc/simulator.cpp):
     task: the moment its send buffer exists); issuing does not block the rank;
   * a comm task is one all_to_all over all members of the ZP group, on its stream (dispatch or
     combine); it starts when every member has issued it and the stream is free, and lasts the
-    transfer time of its most loaded rank (cluster.rank1_collective_time).
+    transfer time of its most loaded rank (cluster.rank1_collective_time); with expert
+    recompute 'resend-inputs' (cost_model.EXPERT_RECOMPUTE) C_B also carries the routed tokens
+    again, twice D_F's bytes;
+  * expert tasks' backward (X_B/E_B) re-runs the expert forward unless expert recompute is 'off'
+    (cost.expert_time).
 After the last task: gradient all-reduce (attention weights over all attention ranks, each
 expert over its replicas in the other groups) and the optimizer step, not overlapped.
 
@@ -251,6 +255,7 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     # collectives: one per (kind, layer, microbatch); durations from the bipartite byte matrix
     links = Links.for_ranks(cluster, members, cost.profiles)
     tb = cost.token_bytes()
+    resend = cost.settings.expert_recompute == "resend-inputs"
     s_tok = [t_mb if role[r] == "attention" else 0.0 for r in members]
     layer_dur = []
     seen: dict[tuple, dict] = {}
@@ -260,7 +265,9 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
             w = [c / E for c in key]
             fwd = rank1_collective_time(links, s_tok, w, k * tb)  # D_F and C_B
             bwd = rank1_collective_time(links, w, s_tok, k * tb)  # C_F and D_B (transposed)
-            seen[key] = {"D_F": fwd, "C_B": fwd, "C_F": bwd, "D_B": bwd}
+            # expert holders that kept no inputs get them again with the output gradient
+            c_b = rank1_collective_time(links, s_tok, w, 2 * k * tb) if resend else fwd
+            seen[key] = {"D_F": fwd, "C_B": c_b, "C_F": bwd, "D_B": bwd}
         layer_dur.append(seen[key])
 
     # representatives

@@ -47,8 +47,16 @@ def test_console_script_dispatch():
 
 def test_table_names_a_layout_that_no_longer_fits(capsys):
     # O1, D1, 20K, 96 sequences: V100s cannot hold 32 experts next to zebra's live tokens (see
-    # test_smoothness's hand check), so zebra without Asym-EA has to leave the A40-attention layout
-    assert main(["--cluster", "o1", "--model", "d1", "--seq-len", "20480", "--global-batch", "96"]) == 0
-    notes = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("note:")]
+    # test_smoothness's hand check), so zebra without Asym-EA, with expert ranks keeping their
+    # inputs, has to leave the A40-attention layout
+    assert main(["--cluster", "o1", "--model", "d1", "--seq-len", "20480", "--global-batch", "96",
+                 "--expert-recompute", "keep-inputs"]) == 0
+    out = capsys.readouterr().out
+    notes = [ln for ln in out.splitlines() if ln.startswith("note:")]
     assert any("Zebra (no Asym-EA)" in ln and "attention on 6 A40" in ln and "must hold 32 experts" in ln
-               for ln in notes), notes
+               and "'keep-inputs'" in ln for ln in notes), notes
+    assert "expert recompute: keep-inputs" in out
+    # auto: the expert ranks keep nothing there instead (resend-inputs), and the layout fits
+    assert main(["--cluster", "o1", "--model", "d1", "--seq-len", "20480", "--global-batch", "96"]) == 0
+    out = capsys.readouterr().out
+    assert not any("Zebra (no Asym-EA) cannot use attention on 6 A40" in ln for ln in out.splitlines()), out

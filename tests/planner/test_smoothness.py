@@ -43,10 +43,11 @@ SEQS = (4096, 6144, 8192, 12288, 16384, 20480, 24576, 32768)
 _CACHE: dict[tuple, dict] = {}
 
 
-def _run(cluster: str, model: str, seq: int, batch: int) -> dict:
-    key = (cluster, model, seq, batch)
+def _run(cluster: str, model: str, seq: int, batch: int, expert_recompute: str = "auto") -> dict:
+    key = (cluster, model, seq, batch, expert_recompute)
     if key not in _CACHE:
-        _CACHE[key] = search(ModelConfig.load(model), Cluster.load(cluster), seq, batch).by_name()
+        _CACHE[key] = search(ModelConfig.load(model), Cluster.load(cluster), seq, batch,
+                             expert_recompute=expert_recompute).by_name()
     return _CACHE[key]
 
 
@@ -137,8 +138,13 @@ def test_o1_d1_20k_cliff_is_memory_and_is_named():
     # by hand: 32 x (198.2 MB + G x 3.495 MB) + 0.29 GB <= 15.46 GB  <=>  G <= 78.9
     assert _v100_expert_rank_fits(72) and not _v100_expert_rank_fits(84)
     a40 = layout_name(["A40"] * 6 + ["V100-16GB"] * 6, list(range(6)), list(range(6, 12)))
-    res = {G: _run("o1", "d1", 20480, G) for G in (72, 84, 96)}
+    res = {G: _run("o1", "d1", 20480, G, "keep-inputs") for G in (72, 84, 96)}  # the hand check's level
     for G, r in res.items():
+        # the search's default ('auto') has V100s keep no routed tokens where they bind: no cliff
+        auto = _run("o1", "d1", 20480, G)[ZEBRA_NO_EA].detail
+        assert auto["layout"] == a40 and a40 not in auto["excluded_layouts"], (G, auto)
+        if not _v100_expert_rank_fits(G):  # (where it fits, a shape with fewer, larger microbatches may still not)
+            assert auto["expert_recompute"] == "resend-inputs", G
         no_ea = r[ZEBRA_NO_EA]
         if _v100_expert_rank_fits(G):
             assert no_ea.detail["layout"] == a40 and a40 not in no_ea.detail["excluded_layouts"], G
