@@ -31,6 +31,7 @@ from megatron_hetermoe.emulation.emulator import (
     emulation_real_model,
 )
 from megatron_hetermoe.planner.cluster import Cluster
+from megatron_hetermoe.planner.cost_model import default_expert_recompute
 from megatron_hetermoe.planner.search import (
     DISTEP,
     ZEBRA,
@@ -101,7 +102,10 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
     emulated = ModelConfig.load(model)
     types = cl.gpu_types()
     W = cl.world_size
-    res = search(emulated, cl, seq_len, global_batch, activation_checkpointing=True)
+    # The emulated runs time what the runtime does: expert holders never resend their inputs, so
+    # the search prices only the level the emulator prices (its TrainSettings' default).
+    res = search(emulated, cl, seq_len, global_batch, activation_checkpointing=True,
+                 expert_recompute=default_expert_recompute(True))
     preds = res.by_name()
     plans = {}
     for name, key, schedule in ((HETERMOE, ZEBRA, "zebra"), ("Zebra", ZEBRA_NO_EA, "zebra"), ("DistEP", DISTEP, "distep")):

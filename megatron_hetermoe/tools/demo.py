@@ -54,6 +54,7 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
     from megatron_hetermoe.emulation.validity import validity_line
     from megatron_hetermoe.parallel.launcher import launch
     from megatron_hetermoe.planner.cluster import Cluster
+    from megatron_hetermoe.planner.cost_model import default_expert_recompute
     from megatron_hetermoe.planner.search import search
     from megatron_hetermoe.schedules.timeline import load_events
     from megatron_hetermoe.tools.timeline import draw_png
@@ -74,7 +75,9 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
     print(f"[2/4] planning {emulated.upper()} at {seq_len} tokens on emulated cluster {cluster}", flush=True)
     cl = Cluster.load(cluster)
     shape = ModelConfig.load(emulated)
-    res = search(shape, cl, seq_len, global_batch, max_microbatches=4)
+    # The emulated run times what the runtime does (no resent inputs): the emulator's level only.
+    res = search(shape, cl, seq_len, global_batch, max_microbatches=4,
+                 expert_recompute=default_expert_recompute(True))
     plan = res.plan
     plan.save(out / "plan.json")
     g = plan.groups[0]
