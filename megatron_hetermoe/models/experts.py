@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.utils.checkpoint
 
 from megatron_hetermoe.parallel.comm import TokenRoute
 from megatron_hetermoe.parallel.state import HeteroParallelState
@@ -32,15 +33,16 @@ def _chunk_order(n_src: int, n_exp: int, by_expert: bool, device: torch.device |
     return torch.tensor(order, device=device)
 
 
-def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor,
-                      probs: torch.Tensor | None = None) -> torch.Tensor:
+def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None = None,
+                      recompute: bool = False) -> torch.Tensor:
     """counts[src, i]: tokens from member src for the i-th local expert, on the host (the route's);
     recv is laid out [src][expert]. Returns the experts' outputs in the same layout. `probs`: the
     routing probabilities of recv's rows, to weight inside the experts as Megatron's do (only in a
     ZP group of one, see HeteroTokenDispatcher); None: unweighted outputs. A rank holding no expert
     of the layer (experts None, no count columns; Asym-EA can empty an expert rank's layer)
     receives nothing and returns recv * 0: an empty output still tied to recv, so the transfer's
-    backward runs as on every other member."""
+    backward runs as on every other member. `recompute` (the plan's expert_recompute
+    'keep-inputs'): keep only the experts' inputs for backward and re-run their forward there."""
     from megatron.core.transformer.moe.moe_utils import sort_chunks_by_idxs
 
     n_src, n_exp = counts.shape
@@ -67,7 +69,12 @@ def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor,
         # Probabilities are applied after combine on the attention rank (the paper's choice, so
         # the gate's gradient needs no expert rank): experts compute unweighted outputs.
         probs = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
-    y, bias = experts(x, counts.sum(0), probs)
+    if recompute:
+        # Non-reentrant: the recomputation runs inside this graph's backward, with no RNG to
+        # restore (experts have no dropout); the host counts are not saved as tensors to recompute.
+        y, bias = torch.utils.checkpoint.checkpoint(experts, x, counts.sum(0), probs, use_reentrant=False)
+    else:
+        y, bias = experts(x, counts.sum(0), probs)
     assert bias is None, "expert bias is not supported (Mixtral-style experts have none)"
     if n_src == 1:
         return y
@@ -188,6 +195,7 @@ class ExpertRuntime(_megatron_module()):
         route, _ = TokenRoute.exchange(self.hs, layer, None, hidden_size, self.config.params_dtype)
         leaf = route.empty().requires_grad_()
         recv = route.dispatch(leaf)
-        out = run_local_experts(self.experts_of(layer), recv, route.local_counts)
+        out = run_local_experts(self.experts_of(layer), recv, route.local_counts,
+                                recompute=self.hs.plan.expert_recompute == "keep-inputs")
         # The combined output lands on the attention ranks: nothing comes back here.
         return route.combine(out)

@@ -80,7 +80,8 @@ class HeteroMoELayer(MoELayer):
         _, counts, permuted_probs = self.token_dispatcher.dispatch_postprocess(hidden_states, probs)
         if self.experts is None:
             return hidden_states, None  # nothing lands here: an empty [0, H] passes through
-        return run_local_experts(self.experts, hidden_states, counts, permuted_probs), None
+        return run_local_experts(self.experts, hidden_states, counts, permuted_probs,
+                                 recompute=self.hs.plan.expert_recompute == "keep-inputs"), None
 
     def backward_dw(self, routed_experts: bool = True, shared_experts: bool = False):
         if self.experts is not None and routed_experts:

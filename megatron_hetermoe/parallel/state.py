@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from megatron_hetermoe.config import Role
 from megatron_hetermoe.parallel.layout import COLLECTION_DIMS, RankLayout, group_plan
-from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup
+from megatron_hetermoe.plan.hetero_plan import RUNTIME_EXPERT_RECOMPUTE, HeteroPlan, PlanError, ZPGroup
 
 
 @dataclass
@@ -166,6 +166,10 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | N
     from megatron_hetermoe.planner.profiles import known_gpu_types
 
     plan.validate(world_size=world, known_gpu_types=known_gpu_types())  # before any group exists
+    if plan.expert_recompute not in RUNTIME_EXPERT_RECOMPUTE:
+        raise PlanError(f"plan expert_recompute={plan.expert_recompute!r} is priced by the planner but not run here "
+                        f"(the attention ranks would resend every dispatched token with its gradient); remake the "
+                        f"plan with `hetermoe plan --expert-recompute keep-inputs` (or off)")
     if device is None:
         device = rank_device()
     check_rank_gpu(plan, rank, device)  # this torch runs on this GPU, of the plan's type

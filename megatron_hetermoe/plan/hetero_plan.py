@@ -36,6 +36,9 @@ PLAN_VERSION = 1
 class PlanError(UserError, ValueError):
     """A plan that cannot run; the message names the bad value and the fix."""
 
+# What an expert holder keeps for backward, lightest saving first (HeteroPlan.expert_recompute).
+EXPERT_RECOMPUTE = ("off", "keep-inputs", "resend-inputs")
+RUNTIME_EXPERT_RECOMPUTE = ("off", "keep-inputs")  # the levels the runtime runs
 
 @dataclass
 class ZPGroup:
@@ -66,6 +69,10 @@ class HeteroPlan:
     meta: dict = field(default_factory=dict)  # free-form: model name, planner predictions
     dense_layers: list[int] = field(default_factory=list)  # model indices of the layers without experts
     mtp_layers: int = 0  # Megatron's --mtp-num-layers: the last model layers are MTP layers
+    # What an expert holder keeps for backward (EXPERT_RECOMPUTE; the planner prices each level):
+    # "off" its experts' intermediates; "keep-inputs" their inputs only, re-running the experts'
+    # forward in backward. "resend-inputs" is priced, not run (RUNTIME_EXPERT_RECOMPUTE).
+    expert_recompute: str = "off"
 
     # ---- layers: MoE layer k (placement, tasks) is model layer moe_layer_ids[k] --------------
     @property
@@ -166,6 +173,9 @@ class HeteroPlan:
                             f"prediction) to {self.model_layers - 1} (the model has {self.model_layers} layers)")
         if not isinstance(self.meta, dict):
             raise PlanError(f"plan meta={self.meta!r} must be a JSON object (free-form notes) or absent")
+        if self.expert_recompute not in EXPERT_RECOMPUTE:
+            raise PlanError(f"plan expert_recompute={self.expert_recompute!r} is unknown; use one of "
+                            f"{list(EXPERT_RECOMPUTE)}")
         if not self.groups:
             raise PlanError("plan has no ZP groups; add at least one group with attention and expert ranks")
         if world_size is not None and world_size != self.world_size:
@@ -267,6 +277,8 @@ class HeteroPlan:
             d["dense_layers"] = sorted(d["dense_layers"])
         if not d["mtp_layers"]:  # likewise without multi-token prediction
             del d["mtp_layers"]
+        if d["expert_recompute"] == "off":  # and with experts keeping their intermediates
+            del d["expert_recompute"]
         return d
 
     @classmethod
@@ -274,7 +286,7 @@ class HeteroPlan:
         if not isinstance(d, dict):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         known = {"num_layers", "num_experts", "gpu_types", "groups", "num_microbatches", "schedule", "version", "meta",
-                 "dense_layers", "mtp_layers"}
+                 "dense_layers", "mtp_layers", "expert_recompute"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -299,8 +311,8 @@ class HeteroPlan:
                     f"ZP group {gi} is malformed ({type(e).__name__}: {e}); it needs attention_ranks, "
                     f"expert_ranks and placement (a list of {{rank: [experts]}})"
                 ) from None
-        rest = {k: d[k] for k in ("num_microbatches", "schedule", "version", "meta", "dense_layers", "mtp_layers")
-                if k in d}
+        rest = {k: d[k] for k in ("num_microbatches", "schedule", "version", "meta", "dense_layers", "mtp_layers",
+                                  "expert_recompute") if k in d}
         return cls(num_layers=d["num_layers"], num_experts=d["num_experts"], gpu_types=list(d["gpu_types"]),
                    groups=groups, **rest)
 

@@ -31,7 +31,7 @@ from megatron_hetermoe.limits import (
     MAX_RANKS,
     MODEL_LIMITS,
 )
-from megatron_hetermoe.plan.hetero_plan import PlanError, even_plan
+from megatron_hetermoe.plan.hetero_plan import RUNTIME_EXPERT_RECOMPUTE, PlanError, even_plan
 from megatron_hetermoe.plan.tasks import SCHEDULES
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import EXPERT_RECOMPUTE
@@ -101,11 +101,11 @@ def format_table(res: SearchResult, title: str) -> str:
                      f"{len(g0.expert_ranks)} expert ranks, R={res.plan.num_microbatches}, schedule {res.plan.schedule}, "
                      f"{res.plan.meta.get('assignment')}; experts on attention ranks per layer: "
                      f"{res.plan.meta.get('experts_on_attention_per_layer')}; expert recompute: "
-                     f"{res.plan.meta.get('expert_recompute')}")
-        if res.plan.meta.get("expert_recompute") not in (None, "off"):
-            lines.append(f"note: expert recompute {res.plan.meta['expert_recompute']!r} is priced, not run: the "
-                         f"runtime's expert holders keep their intermediates ('off'), so they need more memory "
-                         f"than this plan's prediction")
+                     f"{res.plan.expert_recompute}")
+        if res.plan.expert_recompute not in RUNTIME_EXPERT_RECOMPUTE:
+            lines.append(f"note: expert recompute {res.plan.expert_recompute!r} is priced, not run: training refuses "
+                         f"this plan; plan with --expert-recompute "
+                         f"{' or '.join(RUNTIME_EXPERT_RECOMPUTE)} for one that runs")
     lines.append(f"searched {res.candidates} shapes in {res.elapsed_s:.2f} s")
     return "\n".join(lines)
 

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.errors import UserError
+from megatron_hetermoe.plan.hetero_plan import EXPERT_RECOMPUTE  # noqa: F401 - the levels, one list
 from megatron_hetermoe.planner.gpu_profile import GpuProfile, MeasuredTables
 
 # Estimates (documented here once; the profile files carry the per-GPU numbers).
@@ -277,15 +278,13 @@ def _measured_mlp(t: MeasuredTables, h: int, f: int, tokens: float, backward: bo
 # What an expert holder keeps for an expert's backward, per routed token of each live microbatch
 # (zebra keeps all R alive), cheapest in time first:
 #   'off'           input and the SwiGLU intermediates (fc1's 2f outputs, the f-wide product):
-#                   (h + 3f) x dtype bytes; backward = 2x the forward GEMMs. Zebra's runtime
-#                   (schedules/zebra.py) runs experts so, even with --recompute-granularity full.
+#                   (h + 3f) x dtype bytes; backward = 2x the forward GEMMs.
 #   'keep-inputs'   the input only (h x dtype bytes); backward re-runs the expert forward.
 #   'resend-inputs' nothing: the attention ranks keep the dispatched tokens (k x h x dtype bytes
 #                   per token per MoE layer) and send them again with the output gradient (C_B
 #                   carries twice the bytes); backward re-runs the expert forward. An expert
 #                   rank's memory then no longer grows with the batch, as under Megatron's full
 #                   recompute, where a layer's recomputation re-dispatches its tokens.
-EXPERT_RECOMPUTE = ("off", "keep-inputs", "resend-inputs")
 
 
 def default_expert_recompute(activation_checkpointing: bool) -> str:

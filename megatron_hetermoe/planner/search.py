@@ -16,9 +16,9 @@ the search prices the default one (keep-inputs under activation checkpointing) a
 candidate whose expert ranks cannot hold every expert without Asym-EA there, each level that
 keeps less up to the first where they can ('resend-inputs': nothing; the attention ranks keep
 the dispatched tokens and send them again with the gradient); detail["expert_recompute"] and
-plan.meta say which level a prediction and the plan are for. The runtime does not run these
-levels yet: its --recompute-granularity full recomputes attention stages and its experts keep
-their intermediates ('off').
+plan.expert_recompute say which level a prediction and the plan are for. The runtime runs 'off'
+and 'keep-inputs' (models/experts.py run_local_experts) and refuses a 'resend-inputs' plan by
+name (parallel/state.py).
 When a role split has no candidate that fits (or none that divides the batch), the strategy's
 prediction names it in detail["excluded_layouts"] ({layout name: reason}); a strategy that
 falls back to a slower layout at a larger batch says why there (e.g. O1, D1, 20K tokens, expert
@@ -352,13 +352,11 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     if PICK in best:
         _, _, cand, k, schedule, level = best[PICK]
         plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule)
+        plan.expert_recompute = level  # what its expert holders keep for backward, as priced
         source = next(n for n in (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA) if best.get(n) is best[PICK])
         plan.meta = {
             "model": model.name, "cluster": cluster.name, "seq_len": seq_len, "global_batch": global_batch,
             "assignment": source, "experts_on_attention_per_layer": list(best[PICK][3]),
-            # priced, not run: the runtime's --recompute-granularity full recomputes attention
-            # stages only; its experts keep their intermediates ('off')
-            "expert_recompute": level,
             "predicted": {p.name: {"step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s}
                           for p in preds if p.fits},
         }

@@ -219,7 +219,8 @@ class ZebraRank:
     def expert_forward(self, l: int, j: int) -> None:
         st = self.slot(l, j)
         st.expert_in = st.route.arrived(st.recv_tokens).detach().requires_grad_()
-        st.expert_out = run_local_experts(self.experts_of_layer(l), st.expert_in, st.route.local_counts)
+        st.expert_out = run_local_experts(self.experts_of_layer(l), st.expert_in, st.route.local_counts,
+                                          recompute=self.hs.plan.expert_recompute == "keep-inputs")
 
     def expert_backward(self, l: int, j: int) -> None:
         st = self.slot(l, j)

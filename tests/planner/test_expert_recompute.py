@@ -144,7 +144,7 @@ def test_o1_d1_32k_batch60_no_longer_flips_to_attention_on_v100():
     assert a[ZEBRA_NO_EA].step_time_s < 0.5 * no_ea.step_time_s
     # the pick may only get faster with more levels to choose from, and says which it took
     assert a[PICK].step_time_s <= before.by_name()[PICK].step_time_s
-    assert after.plan.meta["expert_recompute"] == a[PICK].detail["expert_recompute"]
+    assert after.plan.expert_recompute == a[PICK].detail["expert_recompute"]
 
 
 def test_levels_beyond_the_default_only_where_memory_binds():
