@@ -71,8 +71,8 @@ def _parser() -> argparse.ArgumentParser:
                       "keep-inputs (backward re-runs the expert forward), resend-inputs (nothing kept: the "
                       "attention ranks send the tokens again with the gradient); auto: keep-inputs, and "
                       "resend-inputs for shapes whose expert ranks cannot hold their experts otherwise. "
-                      "Priced only: the runtime's --recompute-granularity full recomputes attention stages, "
-                      "never experts (default: auto)")
+                      "The plan carries the level; training runs off and keep-inputs and refuses "
+                      "resend-inputs, which is priced only (default: auto)")
     srch.add_argument("--json", action="store_true", help="print the predictions as JSON instead of a table")
     return p
 
