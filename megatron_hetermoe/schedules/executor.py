@@ -113,6 +113,12 @@ class Stream(Protocol):
     def abandon(self) -> None:
         """Stop without waiting (a transfer may be blocked on a dead peer)."""
 
+    def flush(self) -> None:
+        """Wait for every submitted transfer and keep the stream for the next step (`begin`)."""
+
+    def begin(self, failure: Future, on_done: OnDone | None) -> None:
+        """Start another step on a flushed stream: its failure future and callback, nothing executed."""
+
 
 class ThreadStream:
     """A worker thread running one stream's transfers in FIFO order."""
@@ -134,6 +140,9 @@ class ThreadStream:
             item = self.q.get()
             if item is None:
                 return
+            if isinstance(item, Future):  # flush(): every transfer queued before it has run
+                item.set_result(None)
+                continue
             task, fn, fut, issued = item
             if self.failed is not None:
                 # After a failed collective every later one would pair with the wrong collective
@@ -172,6 +181,17 @@ class ThreadStream:
         self.q.put(None)
         self.t.join()
 
+    def flush(self) -> None:
+        marker: Future = Future()
+        self.q.put(marker)
+        marker.result()  # the worker ran (and recorded) every transfer before it
+
+    def begin(self, failure: Future, on_done: OnDone | None) -> None:
+        if self.failed is not None:
+            raise RuntimeError(f"stream {self.name!r} failed in an earlier step ({self.failed!r}); make a new one")
+        self.failure, self.on_done = failure, on_done
+        self.ready, self.executed = {}, []  # new lists: the previous step's stay with whoever read them
+
     def abandon(self):
         # A daemon thread blocked in a collective with a dead peer: do not join it (its
         # collective times out); the error ends the rank now.
@@ -182,8 +202,9 @@ class CudaApi:
     """The torch.cuda calls a CudaStream (and the single issuer's CudaTransport) makes, in one
     place so that tests can pass fake streams and events (`stream_type(device=...)`,
     `event_type()`; a stream has wait_event(event), an event record(stream) and query()). Side streams are made once per (device, name)
-    and kept: a step's executor is made anew each step, and a fresh pool stream each time
-    could be shared with other users of torch's stream pool."""
+    and kept: a process may make several executors (a run makes one, kept over its steps;
+    tests make many), and a fresh pool stream each time could be shared with other users of
+    torch's stream pool."""
 
     def __init__(self, stream_type: Callable[..., Any] | None = None, event_type: Callable[[], Any] | None = None,
                  current_stream: Callable[[torch.device], Any] | None = None,
@@ -316,6 +337,13 @@ class CudaStream(ThreadStream):
 
     def close(self):
         super().close()  # every transfer issued (and its done event recorded)
+        self._join_compute()
+
+    def flush(self) -> None:
+        super().flush()
+        self._join_compute()
+
+    def _join_compute(self) -> None:
         compute = self.api.current_stream(self.device)
         for done in self.done.values():
             compute.wait_event(done)
@@ -342,12 +370,14 @@ class TaskExecutor:
 
     def __init__(self, num_layers: int, recorder: TimelineRecorder | None, task_timing: TaskTiming | None = None,
                  make_stream: StreamFactory | None = None, device: torch.device = torch.device("cpu"),
-                 api: CudaApi | None = None):
+                 api: CudaApi | None = None, keep_streams: bool = False):
         """`device`: the rank's device; picks the Stream (stream_factory) unless `make_stream`
         is given. `task_timing`: emulated task times (schedules/timing.py), else real ones. On a
         CUDA device with a recorder and no emulation, every task is also timed on the device
         (`CudaTiming`, through `api`: torch.cuda by default); the transfers are timed by the
-        streams stream_factory makes, not by a given `make_stream`."""
+        streams stream_factory makes, not by a given `make_stream`. `keep_streams`: a successful
+        run leaves its streams' (daemon) worker threads waiting for the next run, which reuses
+        them, instead of joining them; `close()` ends them (a failed run always drops them)."""
         self.L, self.recorder, self.device = num_layers, recorder, torch.device(device)
         self.task_timing = task_timing
         self.timing = (CudaTiming(self.device, api)
@@ -357,6 +387,14 @@ class TaskExecutor:
         self.executed_streams: dict[str, list[Task]] = {}
         self.meter = ActivationMeter()
         self.ready: Callable[[Task], float] = lambda task: time.perf_counter()  # when a transfer could start
+        self.keep_streams = keep_streams
+        self._streams: dict[str, Stream] | None = None  # kept from the previous run (keep_streams)
+
+    def close(self) -> None:
+        """End the streams a run kept (keep_streams); the next run makes new ones."""
+        streams, self._streams = self._streams, None
+        for s in (streams or {}).values():
+            s.close()
 
     def run(self, tasks: list[Task], compute: Callable[[Task], None],
             transfer: Callable[[Task], Callable[[], None]]) -> None:
@@ -368,7 +406,13 @@ class TaskExecutor:
         def done(stream: str, task: Task, end: float) -> None:
             tx_end[task] = end
 
-        streams = {name: self.make_stream(name, self.recorder, failure, done) for name in self.STREAMS}
+        streams, self._streams = self._streams, None  # held by this run until it succeeds
+        if streams is None:
+            streams = {name: self.make_stream(name, self.recorder, failure, done) for name in self.STREAMS}
+        else:
+            for s in streams.values():
+                s.begin(failure, done)
+        self.executed = []  # a new list: the previous run's stays with whoever read it
         self.ready = lambda task: streams[task.stream].ready.pop(task, time.perf_counter())
         futures: dict[Task, Future] = {}
 
@@ -413,7 +457,12 @@ class TaskExecutor:
             raise
         else:
             for s in streams.values():
-                s.close()
+                if self.keep_streams:
+                    s.flush()
+                else:
+                    s.close()
+            if self.keep_streams:
+                self._streams = streams
         finally:
             self.meter.__exit__(None, None, None)
         self.executed_streams = {k: s.executed for k, s in streams.items()}
@@ -426,13 +475,19 @@ class ActivationMeter:
     with autograd's saved-tensor hooks: a tensor counts from when it is saved until autograd
     drops it, within one step. At the step's end (__exit__) the finalizers of tensors still alive
     (a saved alias of a weight outlives the graph) are detached, so nothing of a step's meter
-    outlives it: a long run's host memory stays flat."""
+    outlives it: a long run's host memory stays flat.
 
-    def __init__(self):
+    `enabled` (set before a step): whether the step is metered at all; off, no hook is installed
+    (a finalizer per saved tensor is the cost) and `peak` stays 0. Each metered step starts
+    from 0: an executor, and its meter, serve every step of a run."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
         self.live = 0
         self.peak = 0
         self._ids: set[int] = set()
         self._finalizers: list[weakref.finalize] = []
+        self._ctx = None
 
     def _pack(self, t: torch.Tensor):
         if isinstance(t, torch.nn.Parameter) or id(t) in self._ids:
@@ -449,12 +504,16 @@ class ActivationMeter:
         self.live -= n
 
     def __enter__(self):
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
-        self._ctx.__enter__()
+        self.live = self.peak = 0
+        if self.enabled:
+            self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+            self._ctx.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._ctx.__exit__(*exc)
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.__exit__(*exc)
         for f in self._finalizers:
             f.detach()
         self._finalizers.clear()

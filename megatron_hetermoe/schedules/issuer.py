@@ -20,8 +20,11 @@ which is safe while the collectives of the three communicators can be in flight 
 Deadlock freedom is the threaded executor's: there a stream's worker issues a transfer as soon
 as the rank reached it in its list, the stream's earlier transfers were issued and its split
 sizes are known, and the compute thread waits only for its input. Here the same transfer is
-issued under the same conditions, by the pump, whose host waits are all polls that keep
-pumping: no wait can hold back a transfer a peer needs. (A CPU compute task cannot be
+issued under the same conditions, by the pump, and every host wait returns to pumping as soon
+as anything it could issue became ready: no wait can hold back a transfer a peer needs. On a
+CPU rank the wait blocks on one event that every collective's completion sets (HostTransport:
+what a wait waits for, and what makes a head transfer ready, is always a completion); on a CUDA
+rank it polls the counts' copy events with a short sleep back-off. (A CPU compute task cannot be
 interrupted; it delays this rank's issuing by its length, as the threaded executor's compute
 would delay its submissions. That is why CPU ranks keep the threaded executor by default.)
 
@@ -39,6 +42,7 @@ collectives (tests/integration/test_single_issuer.py).
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -59,6 +63,7 @@ from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.schedules.timing import TaskTiming
 
 STREAMS = ("dispatch", "combine")
+WAKE_TIMEOUT_S = 0.05  # a host wait rechecks at least this often (see `until`)
 
 
 @dataclass
@@ -79,28 +84,46 @@ class Ticket:
     keep: Any = None  # a device tensor a pending copy still reads
 
 
-def _completed(works: list) -> bool:
-    return all(w.is_completed() for w in works)
-
-
 def _wait_all(works: list) -> None:
     for w in works:
         w.wait()  # re-raises a failed collective's error
 
 
 class HostTransport:
-    """A CPU rank: gloo's async collectives run on gloo's own threads; the host polls them."""
+    """A CPU rank: gloo's async collectives run on gloo's own threads. Each collective's future
+    sets `wake` when it completes, so the issuing thread blocks on that one event until some
+    collective it may be waiting for (an input, a head transfer's counts) completed, never
+    sleeping a guessed time."""
+
+    def __init__(self):
+        self.wake = threading.Event()
 
     def mark(self) -> None:
         """A CPU rank's compute is done when its task returns: nothing to mark."""
 
+    def _arrived(self, works: list) -> Callable[[], bool]:
+        """arrived(): every one of `works` completed; each completion sets `wake`."""
+        checks = []
+        for w in works:
+            get_future = getattr(w, "get_future", None)
+            if get_future is None:  # a Work without a future (loopback's, done on creation)
+                checks.append(w.is_completed)
+                continue
+            fut = get_future()
+            fut.add_done_callback(lambda _: self.wake.set())
+            # The future's done(), not Work.is_completed(): gloo completes the future (running
+            # the callback) before it marks the Work completed, and a waiter woken in between
+            # must see the arrival. The output is final once the future is done.
+            checks.append(fut.done)
+        return lambda: all(c() for c in checks)
+
     def counts(self, fn: Callable[[], tuple]) -> Ticket:
         recv, work = fn()
-        return Ticket(arrived=lambda: work.is_completed(), consume=lambda: work.wait(), value=recv, works=[work])
+        return Ticket(arrived=self._arrived([work]), consume=lambda: work.wait(), value=recv, works=[work])
 
     def launch(self, task: Task, fn: Callable[[], list], producer: None = None) -> Ticket:
         works = fn()
-        return Ticket(arrived=lambda: _completed(works), consume=lambda: _wait_all(works), works=works)
+        return Ticket(arrived=self._arrived(works), consume=lambda: _wait_all(works), works=works)
 
     def close(self, tickets: list[Ticket]) -> None:
         for t in tickets:
@@ -172,7 +195,10 @@ class IssueExecutor:
         self.executed: list[Task] = []
         self.executed_streams: dict[str, list[Task]] = {}
         self.meter = ActivationMeter()
-        self.polls = 0  # host polls that found nothing to do (tests read it)
+        self.polls = 0  # host waits that found nothing to do (tests read it)
+
+    def close(self) -> None:
+        """Nothing outlives a run: no thread, no pending collective (run() waited them all)."""
 
     def run(self, tasks: list[Task], compute: Callable[[Task], None],
             start: Callable[[Task, Callable[[Callable[[], tuple]], Ticket]], AsyncTransfer]) -> None:
@@ -196,14 +222,26 @@ class IssueExecutor:
                     moved = True
             return moved
 
+        wake: threading.Event | None = getattr(transport, "wake", None)
+
         def until(cond: Callable[[], bool]) -> None:
             delay = 0.0
-            while not cond():
+            while True:
+                if wake is not None:
+                    wake.clear()  # before the checks: a completion after them sets it again
+                if cond():
+                    return
                 if pump():
                     delay = 0.0
                     continue
                 self.polls += 1
-                time.sleep(delay)
+                if wake is not None:
+                    # Nothing can move until one of this rank's collectives completes: all that
+                    # cond() and pump() read is a completion (the futures set `wake`) or made by
+                    # this thread. The timeout only bounds a wait whose wake-up went missing.
+                    wake.wait(WAKE_TIMEOUT_S)
+                    continue
+                time.sleep(delay)  # CUDA: the counts' copy events can only be queried
                 delay = min(max(2 * delay, 2e-5), 1e-3)
 
         def record_transfer(t: Task) -> None:
@@ -211,6 +249,7 @@ class IssueExecutor:
             if recorder is not None and timing is None and t in issued_at:
                 recorder.record(t.stream, t.kind, t.layer, t.microbatch, issued_at.pop(t), time.perf_counter())
 
+        self.executed = []  # a new list: the previous run's stays with whoever read it
         self.meter.__enter__()
         try:
             for t in tasks:
@@ -261,8 +300,10 @@ def resolve_issuer(issuer: str, device, emulated: bool, backend: str) -> str:
 
 
 def make_executor(num_layers: int, issuer: str, recorder: TimelineRecorder | None, device: torch.device,
-                  backend: str, task_timing: TaskTiming | None = None):
-    """The executor `issuer` names (resolve_issuer); `task_timing`: emulated task times."""
+                  backend: str, task_timing: TaskTiming | None = None,
+                  keep_streams: bool = False) -> IssueExecutor | TaskExecutor:
+    """The executor `issuer` names (resolve_issuer); `task_timing`: emulated task times;
+    `keep_streams`: the threaded executor keeps its stream workers between runs (TaskExecutor)."""
     if resolve_issuer(issuer, device, task_timing is not None, backend) == "single":
         return IssueExecutor(num_layers, recorder, device=device)
-    return TaskExecutor(num_layers, recorder, task_timing, device=device)
+    return TaskExecutor(num_layers, recorder, task_timing, device=device, keep_streams=keep_streams)

@@ -9,17 +9,76 @@ expert rank it returns the loop that mirrors the attention ranks' order of colle
 """
 from __future__ import annotations
 
+import collections
 from contextlib import contextmanager
 from functools import partial
+from typing import Callable
 
 from megatron_hetermoe.config import HeteroRunConfig
 from megatron_hetermoe.models.builder import unwrap
 from megatron_hetermoe.parallel.state import HeteroParallelState
+from megatron_hetermoe.plan.tasks import Task
 from megatron_hetermoe.plan.tasks import schedule as schedule_named
 from megatron_hetermoe.schedules.distep import expert_distep
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.schedules.timing import TaskTiming
-from megatron_hetermoe.schedules.zebra import AttentionZebra, ExpertZebra
+from megatron_hetermoe.schedules.zebra import AttentionZebra, ExpertZebra, ZebraRank
+
+
+class ExecutedSteps(collections.deque):
+    """Where task-list steps report what they ran: (compute order, {stream: transfers},
+    activation peak in bytes, None for an unmetered step) per step, the last `maxlen` kept.
+    `meter`: whether the next step meters its saved activations (ActivationMeter: a finalizer per
+    saved tensor, so only for a step whose peak is read). A plain list meters every step."""
+
+    def __init__(self, maxlen: int | None = None, meter: bool = True):
+        super().__init__(maxlen=maxlen)
+        self.meter = meter
+
+
+def _meters(executed: list | ExecutedSteps | None) -> bool:
+    return executed is not None and getattr(executed, "meter", True)
+
+
+class Built:
+    """What every task-list step of a run shares, made at its first step: the rank's ZebraRank
+    (its executor, and the threaded executor's stream workers) and the task list of each
+    microbatch count. Each step resets what is its own (executor.run, ZebraRank.execute)."""
+
+    def __init__(self):
+        self._rank: tuple[object, ZebraRank] | None = None  # (the model it runs, its ZebraRank)
+        self._tasks: dict[int, list[Task]] = {}
+
+    def rank(self, model: object, make: Callable[[], ZebraRank]) -> ZebraRank:
+        """`model`'s ZebraRank: the one made for it before, else make()'s (closing the other's)."""
+        if self._rank is None or self._rank[0] is not model:
+            self.close()
+            self._rank = (model, make())
+        return self._rank[1]
+
+    def tasks(self, schedule: str, hs: HeteroParallelState, num_microbatches: int) -> list[Task]:
+        """This rank's task list of `schedule` over `num_microbatches` (the plan and rank are the run's)."""
+        if num_microbatches not in self._tasks:
+            self._tasks[num_microbatches] = schedule_named(schedule).tasks(hs.plan, hs.rank, num_microbatches)
+        return self._tasks[num_microbatches]
+
+    def close(self) -> None:
+        """End the kept ZebraRank's stream workers (daemon threads: a process may also just exit)."""
+        rank, self._rank = self._rank, None
+        if rank is not None:
+            rank[1].close()
+
+
+def _step(zr: ZebraRank, executed: list | ExecutedSteps | None) -> ZebraRank:
+    """Meter the coming step of `zr` if `executed` reads its peak."""
+    zr.ex.meter.enabled = _meters(executed)
+    return zr
+
+
+def _report(zr: ZebraRank, executed: list | ExecutedSteps | None) -> None:
+    if executed is not None:
+        ex = zr.ex
+        executed.append((ex.executed, ex.executed_streams, ex.meter.peak if ex.meter.enabled else None))
 
 
 class _CaptureModel:
@@ -51,11 +110,14 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
                            collect_non_loss_data: bool = False, first_val_step=None, adjust_tensor_shapes_fn=None,
                            p2p_communicator=None, pg_collection=None, force_all_reduce: bool = False,
                            hetero_state: HeteroParallelState, run: HeteroRunConfig, schedule: str,
-                           recorder: TimelineRecorder | None = None, executed: list | None = None,
-                           task_timing: TaskTiming | None = None):
+                           recorder: TimelineRecorder | None = None,
+                           executed: list | ExecutedSteps | None = None,
+                           task_timing: TaskTiming | None = None, built: Built | None = None):
     """One step on an attention rank executing a task list: zebra (Theorem 1's order) or, for
     emulated timing, the DistEP list, over R = num_microbatches (the plan's R, or fewer while
-    Megatron's --rampup-batch-size grows the batch: the expert ranks get the same count)."""
+    Megatron's --rampup-batch-size grows the batch: the expert ranks get the same count).
+    `built`: what the run's steps share (get_forward_backward_func makes one per run); None:
+    built for this step alone."""
     hs = hetero_state
     if forward_only or collect_non_loss_data:
         raise NotImplementedError("forward-only passes are not supported by the zebra schedule yet; "
@@ -68,11 +130,15 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
         for _ in range(num_microbatches):
             _, lf = forward_step_func(data_iterator, cap)
             loss_funcs.append(lf)
-        az = AttentionZebra(gpt, hs, run, recorder, task_timing)
-        reported, num_tokens = az.run(cap.calls, loss_funcs,
-                                      schedule_named(schedule).tasks(hs.plan, hs.rank, num_microbatches))
-        if executed is not None:
-            executed.append((az.ex.executed, az.ex.executed_streams, az.ex.meter.peak))
+        alone = built is None
+        built = built or Built()
+        az = _step(built.rank(gpt, lambda: AttentionZebra(gpt, hs, run, recorder, task_timing)), executed)
+        try:
+            reported, num_tokens = az.run(cap.calls, loss_funcs, built.tasks(schedule, hs, num_microbatches))
+        finally:
+            if alone:
+                built.close()
+        _report(az, executed)
         if cfg.finalize_model_grads_func is not None:
             cfg.finalize_model_grads_func(model if isinstance(model, list) else [model],
                                           num_tokens,
@@ -83,10 +149,11 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
 def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model, num_microbatches: int,
                             seq_length: int = 0, micro_batch_size: int = 0, forward_only: bool = False,
                             hetero_state: HeteroParallelState, run: HeteroRunConfig, schedule: str,
-                            recorder: TimelineRecorder | None = None, executed: list | None = None,
-                            task_timing: TaskTiming | None = None, **unused):
+                            recorder: TimelineRecorder | None = None,
+                            executed: list | ExecutedSteps | None = None,
+                            task_timing: TaskTiming | None = None, built: Built | None = None, **unused):
     """An expert rank's step: mirror the attention ranks, then reduce expert gradients over the
-    expert replica group."""
+    expert replica group. `built`: as forward_backward_zebra's."""
     hs = hetero_state
     runtime = unwrap(model)
     if forward_only:
@@ -98,10 +165,15 @@ def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model
     ddp = model[0] if isinstance(model, list) else model
     with _forward_backward_timer(runtime.config):
         if runs_task_list(schedule, task_timing):
-            ez = ExpertZebra(runtime, hs, run, recorder, task_timing)
-            ez.run(schedule_named(schedule).tasks(hs.plan, hs.rank, num_microbatches))
-            if executed is not None:
-                executed.append((ez.ex.executed, ez.ex.executed_streams, ez.ex.meter.peak))
+            alone = built is None
+            built = built or Built()
+            ez = _step(built.rank(runtime, lambda: ExpertZebra(runtime, hs, run, recorder, task_timing)), executed)
+            try:
+                ez.run(built.tasks(schedule, hs, num_microbatches))
+            finally:
+                if alone:
+                    built.close()
+            _report(ez, executed)
         else:
             expert_distep(runtime, num_microbatches)
         ddp.finish_grad_sync()  # the expert side of Megatron's finalize_model_grads (1/M: training/hetero.py)
@@ -129,16 +201,20 @@ def runs_task_list(schedule: str, task_timing: TaskTiming | None) -> bool:
 
 
 def get_forward_backward_func(hs: HeteroParallelState, run: HeteroRunConfig | None = None,
-                              recorder: TimelineRecorder | None = None, executed: list | None = None,
+                              recorder: TimelineRecorder | None = None,
+                              executed: list | ExecutedSteps | None = None,
                               task_timing: TaskTiming | None = None):
     """The step function of this rank for `run.schedule` (None: the plan's), with megatron-core's
     forward_backward keywords: Megatron's own schedule (attention ranks, a Megatron-form
     schedule untimed), the task-list executor (attention ranks otherwise), or the expert mirror
-    (expert ranks). `recorder`/`executed` record the task lists' execution; `task_timing`
-    times every task (an emulated cluster)."""
+    (expert ranks). `recorder`/`executed` record the task lists' execution (the activation
+    peak only as `executed` asks: ExecutedSteps); `task_timing` times every task (an emulated
+    cluster). The task-list executor, its workers and task lists are made at the first step and
+    serve every step of the returned function (`Built`)."""
     run = run or HeteroRunConfig()
     name = schedule_named(run.schedule or hs.plan.schedule).name
-    kw = dict(hetero_state=hs, run=run, schedule=name, recorder=recorder, executed=executed, task_timing=task_timing)
+    kw = dict(hetero_state=hs, run=run, schedule=name, recorder=recorder, executed=executed, task_timing=task_timing,
+              built=Built())
     if hs.role == "expert":
         return partial(expert_forward_backward, **kw)
     if runs_task_list(name, task_timing):

@@ -98,14 +98,20 @@ class ZebraRank:
                  recorder: TimelineRecorder | None, experts_of_layer: Callable[[int], torch.nn.Module | None],
                  task_timing: TaskTiming | None = None):
         """`run`: recompute and zebra_issuer are read; `task_timing`: emulated task times
-        (schedules/timing.py), else tasks take as long as they run."""
+        (schedules/timing.py), else tasks take as long as they run. One object serves every step
+        of a run (schedules/select.py); its executor keeps the threaded executor's stream
+        workers between steps until `close()`."""
         self.hs, self.H, self.dtype, self.recompute = hs, hidden_size, dtype, run.recompute
         self.task_timing = task_timing
         self.experts_of_layer = experts_of_layer
         self.is_attention = hs.role == "attention"
         self.slots: dict[tuple[int, int], Slot] = {}
         self.ex = make_executor(hs.plan.num_layers, run.zebra_issuer, recorder, hs.device, hs.transport.backend,
-                                task_timing)
+                                task_timing, keep_streams=True)
+
+    def close(self) -> None:
+        """End what the executor keeps between steps (the threaded executor's stream workers)."""
+        self.ex.close()
 
     def slot(self, layer: int, j: int) -> Slot:
         return self.slots.setdefault((layer, j), Slot())
@@ -210,6 +216,7 @@ class ZebraRank:
         return AsyncTransfer(ready=routed, launch={"C_F": c_f, "C_B": c_b, "D_B": d_b}[task.kind])
 
     def execute(self, tasks: list[Task], compute: Callable[[Task], None]) -> None:
+        self.slots.clear()  # a failed step's, should its caller go on
         self.ex.run(tasks, compute, self.start if isinstance(self.ex, IssueExecutor) else self.transfer)
         # The step is over: its slots (tensors referenced from the transfers' closures, a cycle
         # through this rank) go now, by reference counting, not at the next full collection.

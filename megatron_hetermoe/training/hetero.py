@@ -10,7 +10,6 @@ read fails fast instead of joining a world-wide collective the expert ranks neve
 """
 from __future__ import annotations
 
-import collections
 import dataclasses
 import re
 import resource
@@ -47,6 +46,7 @@ from megatron_hetermoe.plan.layout import (
     megatron_to_hetero,
 )
 from megatron_hetermoe.reliability import collective_trace
+from megatron_hetermoe.schedules.select import ExecutedSteps
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.training.assembly import RoleAssembly, model_config
 from megatron_hetermoe.training.logging import StepLogger, last_step_busy
@@ -63,8 +63,9 @@ class HeteroStep:
     the world and clips by it (RoleAssembly.configure_optimizer), as Megatron clips one model."""
 
     def __init__(self, cfg: TrainConfig, hooks: RunHooks, assembly: RoleAssembly, model, module, fwd_bwd, nmb: int,
-                 optimizer):
+                 optimizer, executed: ExecutedSteps | None = None):
         self.cfg, self.hooks, self.assembly = cfg, hooks, assembly
+        self.executed = executed  # the schedule's report; its activation peak is read for the last step
         self.hs, self.model, self.module, self.fwd_bwd, self.nmb = assembly.hs, model, module, fwd_bwd, nmb
         self.optimizer = optimizer
         self.pgc = self.hs.pg_collection()
@@ -72,6 +73,8 @@ class HeteroStep:
         self.grads: list[dict] = []
 
     def before_step(self, it: int) -> None:
+        if self.executed is not None:
+            self.executed.meter = it == self.cfg.train_iters - 1
         if self.hooks.pin_params is not None:
             load_params(self.module, megatron_to_hetero(self.hooks.pin_params[it], self.hs.plan, self.hs.rank))
 
@@ -171,13 +174,14 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         # Every step's events only for a timeline to write; else the current step's (utilization).
         recorder = TimelineRecorder(hs.rank, hs.role, keep_history=run.timeline_dir is not None)
         steplog = StepLogger(cfg, hs.role, recorder, hs.world_group, dist.get_rank() == 0)
-        executed: collections.deque = collections.deque(maxlen=1)  # the last step's order and activation peak
+        # The last step's order and activation peak (only that step is metered: HeteroStep.before_step).
+        executed = ExecutedSteps(maxlen=1, meter=False)
         clock, task_timing = None, hooks.task_timing
         if emulator is not None:
             clock = emulator.hetero_clock(plan, schedule, hs.world_group, run.recompute)
             task_timing = emulator.task_timing(plan, hs.rank, schedule, clock)
         fwd_bwd = assembly.schedule(dataclasses.replace(run, schedule=schedule), recorder, executed, task_timing)
-        role = HeteroStep(cfg, hooks, assembly, model, module, fwd_bwd, nmb, optimizer)
+        role = HeteroStep(cfg, hooks, assembly, model, module, fwd_bwd, nmb, optimizer, executed)
         parts = LoopParts(cfg, model, optimizer, scheduler, guard, recorder, steplog,
                           hetero_checkpointer(cfg, hs, module, names, optimizer, scheduler, pools.expert),
                           hs.world_group, clock)
@@ -199,7 +203,8 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
             busy_s=last_step_busy(recorder, cfg.train_iters - 1, hs.world_group), emulation=emulation,
             peak_gpu_mib=gpu, params=params, grads=role.grads, schedule=schedule,
             executed=[(list(a), {k: list(v) for k, v in b.items()}) for a, b, _ in executed],
-            peak_activation_mib=max((m for _, _, m in executed), default=0) / 2**20, peak_rss_mib=peak)
+            peak_activation_mib=max((m for _, _, m in executed if m is not None), default=0) / 2**20,
+            peak_rss_mib=peak)
 
 
 _UNWRAP = re.compile(r"^(?:module\.)+")  # DDP's and Float16Module's prefixes
