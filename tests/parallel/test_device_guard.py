@@ -31,9 +31,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("models/builder.py", "canonical_init"):
         "layout-invariant initial values from a CPU generator (the same numbers on every device), "
         "copied into the parameters before the model moves to its device",
-    ("models/experts.py", "_chunk_order"):
-        "chunk order for megatron-core's sort_chunks_by_idxs, which reads it with .tolist(): a CPU "
-        "tensor saves a device round trip",
 }
 
 
