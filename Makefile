@@ -47,13 +47,15 @@ clean:
 # megatron-core $(COMPAT_MCORE) and the torch the registry resolves for it (a multi-GB CUDA build
 # that also runs on CPU; downloaded once), then the parity, zebra, checkpoint, golden, CPU-backend
 # and patch tests there. MEGATRON_LM_DIR=/path/to/Megatron-LM (core_v0.19.0) also runs the patch
-# tests against that checkout. Results: README, "Compatibility"; what differs: megatron_hetermoe/compat.py.
+# tests and Megatron-LM's own pretrain() with --hetero-plan against that checkout. Results: README,
+# "Compatibility"; what differs: megatron_hetermoe/compat.py.
 COMPAT_VENV := .venv-compat
 COMPAT_MCORE ?= 0.19.2
 COMPAT_PY ?= $(shell p=$$(pyenv prefix 3.12 2>/dev/null) && echo $$p/bin/python3.12 || command -v python3.12)
 COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(COMPAT_MCORE)
 COMPAT_TESTS := tests/integration/test_distep_parity.py tests/integration/test_zebra.py tests/integration/test_checkpoint.py \
-	tests/training/test_golden.py tests/parallel/test_cpu_backend.py tests/training/test_patches.py tests/test_compat.py
+	tests/training/test_golden.py tests/parallel/test_cpu_backend.py tests/training/test_patches.py tests/test_compat.py \
+	tests/training/test_megatron_lm_v019.py
 
 .PHONY: compat
 
@@ -65,6 +67,9 @@ $(COMPAT_STAMP): setup.py pyproject.toml
 	$(COMPAT_VENV)/bin/pip install -q --no-build-isolation 'megatron-core==$(COMPAT_MCORE)' -e '.[dev,plot]'
 	touch $@
 
+# With MEGATRON_LM_DIR (a core_v0.19.0 checkout) Megatron-LM's own pretrain() runs too
+# (test_megatron_lm_v019.py): its training side needs the megatron-lm extra.
 compat: $(COMPAT_STAMP)
+	if [ -n "$$MEGATRON_LM_DIR" ]; then $(COMPAT_VENV)/bin/pip install -q --no-build-isolation 'megatron-core==$(COMPAT_MCORE)' -e '.[megatron-lm]'; fi
 	@$(COMPAT_VENV)/bin/python -c "import sys, torch, megatron.core as m; print('compat: Python', sys.version.split()[0], '| torch', torch.__version__, '| megatron-core', m.__version__)" 2>/dev/null
 	OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -rs $(COMPAT_TESTS)

@@ -87,6 +87,28 @@ What changed, and what the plugin does about it
    (megatron_lm.PATCHES). core_v0.19.0's parser keeps every Megatron-LM flag that
    `python -m megatron_hetermoe.training.pretrain_gpt` takes (845 flags against 0.16.1's 680), and
    importing its pretrain_gpt.py needs no six/regex/pydantic (0.16.1's needs them and triton).
+9. Megatron-LM's own pretrain() with --hetero-plan (megatron_lm/, both patches; read in core_v0.16.1
+   and core_v0.19.0, run on both): the same hooks, with these differences in core_v0.19.0.
+   - The flags are parsed and validated before pretrain() (arguments.parse_and_validate_args calls
+     arguments.validate_args; core_v0.16.1's initialize_megatron calls initialize.validate_args):
+     validate_args' hook is put on the parse there (`megatron_lm_parses_in_pretrain`).
+   - pretrain(cfg_container, ..., model_provider=None) builds the model from the container's
+     GPTModelConfig; with model=None it uses model_provider (get_model), as core_v0.16.1 always does:
+     the patch passes model_provider with the plugin's builder and the hook drops the model.
+   - parallel_state's data-parallel groups "with GTP_remat" (and the expert tensor-model-pipeline
+     group "with EGTP") are the defaults ProcessGroupCollection.use_mpu_process_groups and the
+     optimizer read: set to the groups without it (GTP_remat size 1).
+   - MoE metrics: training_log reports through moe_logging.MoEMetricsTracker (its _sync_metrics)
+     instead of moe_utils.reduce_aux_losses_tracker_across_ranks (`megatron_lm_moe_metrics_tracker`);
+     MTP: MTPLossLoggingHelper.reduce_metrics_in_tracker over loss/correct/total instead of
+     reduce_loss_in_tracker over values (`megatron_lm_mtp_reduce_name`).
+   - The optimizer clips the MTP block's parameters by a norm of their own (SEPARATE_GRAD_NORM_GROUPS);
+     each sub-optimizer decides at its first step whether any rank has such parameters, with an
+     all_reduce per sub-optimizer, which hangs where roles hold different numbers of them (Asym-EA):
+     decided once over the world in get_megatron_optimizer's hook. (MTP runs on 0.19: not run.)
+   - CPU layer: no megatron.legacy.fused_kernels (nothing to skip); _warmup_jit_function takes tp_size.
+   - Not the plugin's: NullTokenizer --vocab-size N has N tokens (EOD N-1; core_v0.16.1 N+1, EOD N),
+     and a run without --eval-interval fails in get_train_valid_test_num_samples.
 """
 from __future__ import annotations
 
@@ -216,3 +238,39 @@ def bind_missing_te_general_gemm() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+# --- Megatron-LM's training side (megatron/training, a checkout's; megatron_lm/) ----------------
+# Decided by the objects at hand, since the training side is the checkout's: core_v0.16.1 and
+# core_v0.19.0 were read and run (tests/training/test_megatron_lm_v019.py); 0.17/0.18 were not.
+def megatron_lm_parses_in_pretrain() -> bool:
+    """Whether Megatron-LM's pretrain() parses and validates the flags itself (core_v0.16.1:
+    initialize_megatron(extra_args_provider=...) calls validate_args), or pretrain_gpt.py does it
+    before pretrain() (core_v0.19.0: arguments.parse_and_validate_args, then
+    pretrain(cfg_container, ...))."""
+    import inspect
+
+    import megatron.training.initialize as initialize
+
+    return "extra_args_provider" in inspect.signature(initialize.initialize_megatron).parameters
+
+
+def megatron_lm_moe_metrics_tracker():
+    """core_v0.19.0's MoEMetricsTracker class (training_log reports the routers' losses through
+    get_moe_metrics_tracker().report(), which syncs them in _sync_metrics), or None where the
+    module-level moe_utils.reduce_aux_losses_tracker_across_ranks does (core_v0.16.1)."""
+    try:
+        from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+    except ImportError:
+        return None
+    return MoEMetricsTracker
+
+
+def megatron_lm_mtp_reduce_name() -> str:
+    """The MTPLossLoggingHelper static method that reduces the MTP logging tracker across ranks:
+    `reduce_loss_in_tracker` (core_v0.16.1: tracker["values"]) or `reduce_metrics_in_tracker`
+    (core_v0.19.0: tracker["loss_values"], ["correct_values"], ["total_values"])."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    return "reduce_loss_in_tracker" if hasattr(MTPLossLoggingHelper, "reduce_loss_in_tracker") \
+        else "reduce_metrics_in_tracker"

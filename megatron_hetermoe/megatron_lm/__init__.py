@@ -9,12 +9,16 @@ itself with `parse_and_validate_args(extra_args_provider=...)` before calling `p
 
 The patched pretrain_gpt.py gets the --hetero-* flags through `extra_args_provider`
 (`add_hetero_args`), so Megatron-LM's parser and --help know them. Without --hetero-plan nothing
-changes. With it:
-- core_v0.16.1: Megatron-LM's own pretrain() runs on every rank, attention and expert alike, with
-  the plugin's group setup, model builder, schedule and global gradient norm in place
-  (`hetero_pretrain`, hooks.py).
-- core_v0.19.0: the run is still handed to this plugin's trainer (`run_hetero`) with the same
-  command line, before Megatron-LM's training-side imports (not yet ported to pretrain()).
+changes where CUDA exists (on a host without it, `megatron_on_cpu` runs Megatron's own pretrain()
+over gloo on CPU ranks). With it, on both release lines, Megatron-LM's own pretrain() runs on every
+rank, attention and expert alike, with the plugin's group setup, model builder, schedule and global
+gradient norm in place (`hetero_pretrain`, hooks.py). On core_v0.19.0 the patch also routes
+pretrain_gpt.py's parse_and_validate_args through the hooks (`parse_with_hooks`: validate_args
+runs there, before pretrain()), passes model_provider with the plugin's builder, and pretrain()
+drops the config container's model so Megatron builds it with that model_provider. What else
+differs between the releases is decided in compat.py (megatron_lm_* rules) or by the object at hand
+(hooks.py: the "with GTP_remat" groups, the MoE and MTP metric trackers; cpu_layer.py). `run_hetero`
+(the plugin's trainer on Megatron-LM's command line) is no longer used by a patch.
 
 Inside pretrain() (hooks.py):
 Every rank, attention and expert alike, runs Megatron-LM's pretrain(): initialize_megatron,
@@ -24,7 +28,9 @@ entered by every rank by construction. HeterMoE changes five things, each throug
 `HeteroPretrain.installed()` puts in place for the call and takes out after it:
 
 1. validate_args: flags this path cannot honour are refused by name (`refusals`), and Megatron's
-   data-parallel size (hence its microbatch calculator) is the plan's attention ranks.
+   data-parallel size (hence its microbatch calculator) is the plan's attention ranks
+   (core_v0.16.1: inside pretrain()'s initialize_megatron; core_v0.19.0: in pretrain_gpt.py's
+   parse_and_validate_args, before pretrain()).
 2. Model parallel state: megatron's initialize_model_parallel is replaced by the plan's groups
    (parallel/state.py), installed into megatron-core's parallel_state
    (parallel/megatron_globals.py install_parallel_state).
@@ -67,8 +73,8 @@ def hetero_requested(argv: list[str]) -> bool:
 
 
 def run_hetero(argv: list[str]) -> int:
-    """Run Megatron-LM's command line on the plugin's trainer (joins the torchrun job); the
-    core_v0.19.0 patch's hand-off."""
+    """Run Megatron-LM's command line on the plugin's trainer (joins the torchrun job); what the
+    core_v0.19.0 patch did before it ran Megatron-LM's own pretrain() (kept for callers)."""
     from megatron_hetermoe.training.pretrain_gpt import main
 
     return main(argv)

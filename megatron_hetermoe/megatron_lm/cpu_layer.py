@@ -31,7 +31,6 @@ def _cpu_replacements() -> list:
     unless told the run may go without, builds legacy CUDA kernels with nvcc, and initializes
     model parallelism and its RNG tracker only when CUDA devices exist; the CPU backend
     (parallel/cpu_backend.py) stands in for CUDA, and these let Megatron's own code do the rest."""
-    import megatron.legacy.fused_kernels as fused_kernels
     import megatron.training.initialize as initialize
     import megatron.training.training as training
 
@@ -41,15 +40,20 @@ def _cpu_replacements() -> list:
     cpu_backend.apply()
     bind_missing_te_general_gemm()  # megatron's router needs it without transformer-engine (compat.py)
     init = training.initialize_megatron
-    return [
+    out = [
         (training, "initialize_megatron", lambda *a, **k: init(*a, allow_no_cuda=True, **k)),
-        (fused_kernels, "load", lambda args: None),
         # It calls Megatron's fused kernels only to have torch.compile build them ahead (inductor's
         # C++ on CPU ranks, seconds each); an enabled fusion still builds on first use.
-        (initialize, "_warmup_jit_function", lambda: None),
+        # (core_v0.19.0 passes it tp_size.)
+        (initialize, "_warmup_jit_function", lambda *a, **k: None),
         (initialize, "_initialize_distributed", _wrap(initialize._initialize_distributed, _as_if_one_device)),
         (initialize, "_set_random_seed", _wrap(initialize._set_random_seed, _seed_cpu_rng_tracker)),
     ]
+    try:  # core_v0.16.1 builds its legacy CUDA kernels with nvcc; core_v0.19.0 has none
+        import megatron.legacy.fused_kernels as fused_kernels
+    except ImportError:
+        return out
+    return out + [(fused_kernels, "load", lambda args: None)]
 
 
 def _as_if_one_device(initialize_distributed, *a, **k) -> None:

@@ -3,6 +3,7 @@ for one call (package docstring: what each changes)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import datetime
 from typing import Callable
@@ -120,6 +121,7 @@ class HeteroPretrain:
         self.hs = initialize_hetero_parallel(self.plan, timeout=timeout, device=rank_device(),
                                              wire_dtype=precision_dtype(self.pools.wire))
         install_parallel_state(self.hs)
+        _alias_gtp_remat_groups()
         self.assembly = RoleAssembly(self.hs, self.pools)
         from megatron_hetermoe.schedules.issuer import resolve_issuer
 
@@ -226,7 +228,32 @@ class HeteroPretrain:
                 opt.data_parallel_group_idx = 0 if opt.data_parallel_group is hs.attention_dp_group \
                     else 1 + hs.member_index
         per_rank_optimizer_state(optimizer, hs.rank, dist.get_world_size())
+        self._grad_norm_groups_once(optimizer)
         return optimizer
+
+    def _grad_norm_groups_once(self, optimizer) -> None:
+        """core_v0.19.0 clips some parameters (the MTP block's) by a norm of their own, and each
+        (sub-)optimizer asks once, at its first step, whether any rank holds such parameters: an
+        all_reduce per sub-optimizer. HeterMoE ranks hold different numbers of sub-optimizers (dense
+        only, dense + Asym-EA experts, experts only), so those reductions would pair up wrongly and
+        hang; the answer is taken here instead, one reduction over the world, the same on every rank
+        (core_v0.16.1 has no such groups: nothing to do)."""
+        try:
+            from megatron.core.optimizer.optimizer import (
+                GRAD_NORM_GROUP_ATTR,
+                SEPARATE_GRAD_NORM_GROUPS,
+            )
+        except ImportError:
+            return
+        subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+        for group in SEPARATE_GRAD_NORM_GROUPS:
+            local = any(getattr(p, GRAD_NORM_GROUP_ATTR, None) == group for opt in subs for p in opt.get_parameters())
+            flag = torch.tensor([int(local)], dtype=torch.int, device=self.hs.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.hs.world_group)
+            for opt in {id(o): o for o in [optimizer, *subs]}.values():
+                if getattr(opt, "_has_grad_norm_group_cache", None) is None:
+                    opt._has_grad_norm_group_cache = {}
+                opt._has_grad_norm_group_cache[group] = bool(flag.item())
 
     # ---- 6. checkpoints: the RNG states, one shard per rank ------------------------------------
     def get_rng_state(self, get, ckpt_format, *a, **k):
@@ -254,12 +281,25 @@ class HeteroPretrain:
             return
         tracker = get_moe_layer_wise_logging_tracker()
         for name in track_names:
-            values = tracker[name]["values"]
-            if values.numel() != self.plan.model_layers:
-                # Megatron sizes an untouched tracker by --num-layers, the routers by their layers
-                # with the MTP layers; only the first attention rank's values are kept.
-                values = tracker[name]["values"] = values.new_zeros(self.plan.model_layers)
-            dist.broadcast(values, src=self.plan.attention_ranks[0], group=self.hs.world_group)
+            tracker[name]["values"] = self._first_attention_ranks(tracker[name]["values"])
+
+    def sync_moe_metrics(self, sync, tracker, metric_names, pg_collection=None):
+        """core_v0.19.0's form of reduce_aux_losses: training_log's get_moe_metrics_tracker().report()
+        syncs the per-layer values in MoEMetricsTracker._sync_metrics (every track name exists on
+        every rank: report(force_initialize=True))."""
+        sync(tracker, metric_names, pg_collection)
+        for name in metric_names:
+            entry = tracker.metrics.get(name)
+            if entry is not None:
+                entry.values = self._first_attention_ranks(entry.values)
+
+    def _first_attention_ranks(self, values: torch.Tensor) -> torch.Tensor:
+        if values.numel() != self.plan.model_layers:
+            # Megatron sizes an untouched tracker by --num-layers, the routers by their layers
+            # with the MTP layers; only the first attention rank's values are kept.
+            values = values.new_zeros(self.plan.model_layers)
+        dist.broadcast(values, src=self.plan.attention_ranks[0], group=self.hs.world_group)
+        return values
 
     def reduce_mtp_losses(self, reduce):
         """Megatron averages the MTP losses over each rank's data-parallel group (the attention
@@ -269,9 +309,13 @@ class HeteroPretrain:
 
         reduce()
         tracker = MTPLossLoggingHelper.tracker
-        if "values" not in tracker:  # an expert rank: no MTP layer ran here
-            tracker["values"] = torch.zeros(self.plan.mtp_layers, device=self.hs.device)
-        dist.broadcast(tracker["values"], src=self.plan.attention_ranks[0], group=self.hs.world_group)
+        # core_v0.16.1 tracks "values"; core_v0.19.0 "loss_values", "correct_values", "total_values".
+        keys = ("values",) if hasattr(MTPLossLoggingHelper, "reduce_loss_in_tracker") else \
+            ("loss_values", "correct_values", "total_values")
+        for key in keys:
+            if key not in tracker:  # an expert rank: no MTP layer ran here
+                tracker[key] = torch.zeros(self.plan.mtp_layers, device=self.hs.device)
+            dist.broadcast(tracker[key], src=self.plan.attention_ranks[0], group=self.hs.world_group)
 
     # ---- 8. --log-params-norm: each parameter once over the world ---------------------------------
     def params_norm(self, model, force_create_fp32_copy: bool = False) -> float:
@@ -288,32 +332,101 @@ class HeteroPretrain:
     # ---- the hooks, in place for one pretrain() call ------------------------------------------
     @contextlib.contextmanager
     def installed(self):
+        """The hooks for one pretrain() call. Where pretrain_gpt.py parses and validates the flags
+        before pretrain() (core_v0.19.0), validate_args' hook is `parsing`'s instead."""
         import megatron.core.transformer.moe.moe_utils as moe_utils
         import megatron.training.checkpointing as checkpointing
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
         import megatron.training.initialize as initialize
         import megatron.training.training as training
 
+        from megatron_hetermoe.compat import (
+            megatron_lm_moe_metrics_tracker,
+            megatron_lm_mtp_reduce_name,
+            megatron_lm_parses_in_pretrain,
+        )
+
         with contextlib.ExitStack() as stack:
             if not torch.cuda.is_available():
                 stack.enter_context(_replaced(_cpu_replacements()))
             # Read after the CPU layer is in: these wrap it.
-            stack.enter_context(_replaced([
-                (initialize, "validate_args", _wrap(initialize.validate_args, self.validate_args)),
+            hooks = [
                 (initialize, "_initialize_distributed",
                  _wrap(initialize._initialize_distributed, self.initialize_distributed)),
                 (training, "get_forward_backward_func", self.get_forward_backward_func),
                 (training, "get_megatron_optimizer",
                  _wrap(training.get_megatron_optimizer, self.get_megatron_optimizer)),
                 (checkpointing, "get_rng_state", _wrap(checkpointing.get_rng_state, self.get_rng_state)),
-                (moe_utils, "reduce_aux_losses_tracker_across_ranks",
-                 _wrap(moe_utils.reduce_aux_losses_tracker_across_ranks, self.reduce_aux_losses)),
                 (checkpointing, "FullyParallelSaveStrategyWrapper", _save_wrapper_for_roles()),
                 (training, "calc_params_l2_norm", self.params_norm),
-                (MTPLossLoggingHelper, "reduce_loss_in_tracker",
-                 staticmethod(_wrap(MTPLossLoggingHelper.reduce_loss_in_tracker, self.reduce_mtp_losses))),
-            ]))
+            ]
+            if megatron_lm_parses_in_pretrain():
+                hooks.append((initialize, "validate_args", _wrap(initialize.validate_args, self.validate_args)))
+            tracker = megatron_lm_moe_metrics_tracker()
+            if tracker is None:
+                hooks.append((moe_utils, "reduce_aux_losses_tracker_across_ranks",
+                              _wrap(moe_utils.reduce_aux_losses_tracker_across_ranks, self.reduce_aux_losses)))
+            else:
+                hooks.append((tracker, "_sync_metrics", _wrap(tracker._sync_metrics, self.sync_moe_metrics)))
+            mtp = megatron_lm_mtp_reduce_name()
+            hooks.append((MTPLossLoggingHelper, mtp,
+                          staticmethod(_wrap(getattr(MTPLossLoggingHelper, mtp), self.reduce_mtp_losses))))
+            stack.enter_context(_replaced(hooks))
+            stack.callback(_unalias_gtp_remat_groups)
             yield self
+
+    @contextlib.contextmanager
+    def parsing(self):
+        """core_v0.19.0: pretrain_gpt.py parses and validates the flags before pretrain()
+        (arguments.parse_and_validate_args): validate_args' hook, for that call."""
+        import megatron.training.arguments as arguments
+
+        with _replaced([(arguments, "validate_args", _wrap(arguments.validate_args, self.validate_args))]):
+            yield self
+
+    def pretrain(self, pretrain: Callable, *a, **k):
+        """Megatron-LM's pretrain() with the hooks in place. core_v0.19.0's takes a config
+        container first, whose model (a GPTModelConfig) Megatron would build itself: without it,
+        Megatron builds the model with model_provider (pretrain_gpt.py passes its model_provider
+        with this run's builder), as core_v0.16.1 always does."""
+        if a and getattr(a[0], "model", None) is not None and k.get("model_provider") is not None:
+            cfg = copy.copy(a[0])
+            cfg.model = None
+            a = (cfg, *a[1:])
+        with self.installed():
+            return pretrain(*a, **k)
+
+
+# core_v0.19.0's parallel_state: the data-parallel groups "with GTP_remat" (GTP weight
+# rematerialization, an axis over DP) are its defaults (ProcessGroupCollection.use_mpu_process_groups,
+# which its pretrain() calls, reads them), and the optimizer's setup reads the expert
+# tensor-model-pipeline group "with EGTP". Without GTP_remat (size 1) each is the group without it.
+_GTP_REMAT_ALIASES = {
+    "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "_DATA_PARALLEL_GROUP",
+    "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": "_DATA_PARALLEL_GROUP_WITH_CP",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+    "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "_EXPERT_DATA_PARALLEL_GROUP",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP",
+    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP": "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP",
+}
+
+
+def _alias_gtp_remat_groups() -> None:
+    """After install_parallel_state: core_v0.19.0's "with GTP_remat" data-parallel groups are the
+    plan's groups without it (a release without them, core_v0.16.1: nothing to do)."""
+    from megatron.core import parallel_state as ps
+
+    for name, base in _GTP_REMAT_ALIASES.items():
+        if hasattr(ps, name):
+            setattr(ps, name, getattr(ps, base))
+
+
+def _unalias_gtp_remat_groups() -> None:
+    from megatron.core import parallel_state as ps
+
+    for name in _GTP_REMAT_ALIASES:
+        if hasattr(ps, name):
+            setattr(ps, name, None)
 
 
 def _no_role_barriers(a: tuple, k: dict) -> tuple[tuple, dict]:
@@ -365,7 +478,16 @@ def hetero_pretrain(pretrain: Callable, argv: list[str]) -> tuple[Callable, Call
     run = HeteroPretrain(list(argv))
 
     def hetero(*a, **k):
-        with run.installed():
-            return pretrain(*a, **k)
+        return run.pretrain(pretrain, *a, **k)
 
+    def parse_with_hooks(parse: Callable) -> Callable:
+        """core_v0.19.0's pretrain_gpt.py parses before pretrain(): its parse_and_validate_args,
+        with validate_args' hook in place (HeteroPretrain.parsing)."""
+        def parse_and_validate(*a, **k):
+            with run.parsing():
+                return parse(*a, **k)
+
+        return parse_and_validate
+
+    hetero.parse_with_hooks = parse_with_hooks
     return hetero, run.builder

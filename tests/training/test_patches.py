@@ -43,15 +43,16 @@ def test_patch_touches_only_pretrain_gpt_and_calls_real_hooks(patch):
     names = {n.strip() for group in imported for n in group.split(",")}
     assert all(callable(getattr(megatron_lm, n)) for n in names)
     assert "extra_args_provider=extra_args_provider" in added
-    if "core_v0.16" in patch.name:
-        # Megatron-LM's own pretrain() runs, with the plugin's hooks and model builder.
-        assert names == {"hetero_requested", "hetero_pretrain", "add_hetero_args", "megatron_on_cpu"}
-        assert "pretrain, builder = hetero_pretrain(pretrain, sys.argv[1:])" in added
-        assert "partial(model_provider, builder)" in added
-    else:
-        assert names == {"hetero_requested", "run_hetero", "add_hetero_args"}
-        # The hand-over comes before Megatron-LM's training-side imports.
-        assert text.index("hetero_requested(sys.argv[1:])") < text.index("def extra_args_provider")
+    # Every release line: Megatron-LM's own pretrain() runs, with the plugin's hooks and model
+    # builder (a plain run with the CPU layer on a host without CUDA).
+    assert names == {"hetero_requested", "hetero_pretrain", "add_hetero_args", "megatron_on_cpu"}
+    assert "pretrain, builder = hetero_pretrain(pretrain, sys.argv[1:])" in added
+    assert "pretrain = megatron_on_cpu(pretrain)" in added
+    assert "partial(model_provider, builder)" in added
+    if "core_v0.19" in patch.name:
+        # core_v0.19.0 parses and validates the flags before pretrain(): with validate_args' hook.
+        assert "parse_and_validate_args = pretrain.parse_with_hooks(parse_and_validate_args)" in added
+        assert text.index("parse_with_hooks") < text.index("args = parse_and_validate_args(")
 
 
 def test_hetero_flags_same_on_both_sides():
@@ -166,28 +167,45 @@ def test_megatron_lm_parser_takes_hetero_flags(tmp_path):
 
 @pytest.mark.slow
 def test_patched_pretrain_gpt_trains_with_hetero_plan(tmp_path):
-    """core_v0.19.0: Megatron-LM's patched pretrain_gpt.py hands the run to the plugin's trainer
-    (under torchrun, CPU ranks, a 1+1 plan)."""
+    """Megatron-LM's patched pretrain_gpt.py runs its own pretrain() with --hetero-plan (under
+    torchrun, CPU ranks, a 1+1 plan, mock data), on the checkout's release line (the losses against
+    the plugin's trainer: test_megatron_lm_pretrain.py for core_v0.16.1, test_megatron_lm_v019.py
+    for core_v0.19.0)."""
     checkout = _checkout()
     _same_release_line(checkout)
-    if megatron_lm.checkout_version(checkout)[:2] != (0, 19):
-        pytest.skip("the hand-off to the plugin's trainer is core_v0.19.0's patch; core_v0.16.1 runs pretrain() "
-                    "(tests/training/test_megatron_lm_pretrain.py)")
-    work = _patched_copy(checkout, tmp_path / "mlm")
+    work = tmp_path / "mlm"
+    work.mkdir()
+    for entry in checkout.iterdir():
+        if entry.name not in (".git", "pretrain_gpt.py", "megatron"):
+            (work / entry.name).symlink_to(entry)
+    # A copy of megatron/: Megatron-LM compiles its dataset helpers into megatron/core/datasets/.
+    shutil.copytree(checkout / "megatron", work / "megatron", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    shutil.copy(checkout / "pretrain_gpt.py", work / "pretrain_gpt.py")
+    subprocess.run(["git", "apply", str(PATCH_DIR / megatron_lm.patch_for(checkout))], cwd=work, check=True)
     from megatron_hetermoe.plan.hetero_plan import even_plan
 
     even_plan(2, 4, 1, 1, num_microbatches=4).save(tmp_path / "plan.json")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+    # Megatron-LM compiles its dataset helpers with `python3 -m pybind11` and `python3-config`.
+    import sysconfig
+
+    path = os.pathsep.join([str(Path(sys.executable).parent), sysconfig.get_config_var("BINDIR"), os.environ["PATH"]])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-                        "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-                        "--ffn-hidden-size", "128", "--num-experts", "4", "--seq-length", "32",
-                        "--max-position-embeddings", "32", "--micro-batch-size", "2", "--global-batch-size", "8",
-                        "--train-iters", "2", "--mock-data", "--vocab-size", "256",
-                        "--hetero-plan", str(tmp_path / "plan.json")],
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                        "--master-port", str(port), "pretrain_gpt.py", "--num-layers", "2", "--hidden-size", "64",
+                        "--num-attention-heads", "4", "--ffn-hidden-size", "128", "--num-experts", "4",
+                        "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+                        "--global-batch-size", "8", "--train-iters", "2", "--lr", "1e-3", "--eval-iters", "0",
+                        "--eval-interval", "10",
+                        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "257",
+                        "--transformer-impl", "local", "--distributed-backend", "gloo", "--no-rope-fusion",
+                        "--no-persist-layer-norm", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
+                        "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-bias-gelu-fusion",
+                        "--log-interval", "1", "--hetero-plan", str(tmp_path / "plan.json")],
                        cwd=work, env=env, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
-    assert " iteration        2/       2 |" in r.stdout and "rank 1 (expert)" in r.stdout
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-3000:]
+    assert " iteration        2/       2 |" in log and "HeterMoE rank 1 (expert, ZP group 0" in log, log[-3000:]

@@ -1,0 +1,208 @@
+"""`torchrun pretrain_gpt.py ... --hetero-plan plan.json` from a Megatron-LM core_v0.19.0 checkout
+(MEGATRON_LM_DIR, run with the environment of that release: `make compat`'s .venv-compat with the
+megatron-lm extra): Megatron-LM's own pretrain() on every rank, through the same hooks as
+core_v0.16.1's (test_megatron_lm_pretrain.py), and a plain Megatron EP run through the patch's CPU
+layer. Skipped, with the reason, without such a checkout or environment.
+
+What differs from core_v0.16.1 for these runs (README, Compatibility):
+- NullTokenizer --vocab-size N has N tokens, EOD N-1 (core_v0.16.1: N+1 tokens, EOD N): the plugin's
+  data (EOD 256, vocab 257) takes --vocab-size 257 here, 256 on core_v0.16.1 and the plugin's trainer
+  (the padded vocabulary is 384 on all three).
+- Megatron-LM's own run without --eval-interval fails (train_iters // None): given here.
+"""
+from __future__ import annotations
+
+import importlib
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from megatron_lm_run import (
+    BATCH,
+    CPU,
+    ITERATION,
+    MODEL,
+    RECIPE,
+    ROOT,
+    load_dcp,
+    plugin_losses,
+    tb_losses,
+    torchrun,
+)
+
+from megatron_hetermoe import compat, megatron_lm
+
+# megatron_lm_run.DATA with core_v0.19.0's NullTokenizer size for the same token ids.
+DATA = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "257", "--split", "90,5,5"]
+
+
+@pytest.fixture(scope="session")
+def mlm19(tmp_path_factory) -> Path:
+    """The core_v0.19.0 checkout, linked entry by entry, with the patched pretrain_gpt.py and a copy
+    of megatron/ (Megatron-LM compiles its dataset helpers into megatron/core/datasets/, which
+    must not be the checkout's)."""
+    import os
+
+    src = os.environ.get("MEGATRON_LM_DIR")
+    if not src:
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM core_v0.19.0 work tree to run its pretrain() with HeterMoE")
+    checkout = Path(src)
+    if megatron_lm.checkout_version(checkout)[:2] != (0, 19):
+        pytest.skip(f"{checkout} is not core_v0.19.x (core_v0.16.1: test_megatron_lm_pretrain.py)")
+    if compat.mcore_version()[:2] != (0, 19):
+        pytest.skip("the core_v0.19.0 checkout needs megatron-core 0.19's environment (make compat: .venv-compat)")
+    for name in ("six", "regex", "pydantic", "tensorboard"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pytest.skip(f"Megatron-LM's training side needs {name!r}: pip install -e '.[megatron-lm]'")
+    work = tmp_path_factory.mktemp("mlm19")
+    for entry in checkout.iterdir():
+        if entry.name not in (".git", "pretrain_gpt.py", "megatron"):
+            (work / entry.name).symlink_to(entry)
+    shutil.copytree(checkout / "megatron", work / "megatron", ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    (work / "pretrain_gpt.py").write_text((checkout / "pretrain_gpt.py").read_text())
+    subprocess.run(["git", "apply", str(ROOT / "patches" / megatron_lm.patch_for(checkout))], cwd=work, check=True)
+    return work
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule,asym", [("zebra", False), ("distep", False), ("zebra", True)],
+                         ids=["zebra", "distep", "zebra-asym-ea"])
+def test_core_v019_pretrain_runs_hetermoe_with_the_plugin_losses(mlm19, data, tmp_path, schedule, asym):
+    """4 CPU ranks (2 ZP groups of 1 attention + 1 expert rank) in core_v0.19.0's pretrain(): its
+    loop, iteration lines and evaluation, with the plugin trainer's losses. Asym-EA: attention
+    ranks step a dense and an expert sub-optimizer, expert ranks one (HeteroPretrain's
+    _grad_norm_groups_once keeps core_v0.19.0's per-sub-optimizer reductions from pairing up wrongly)."""
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+    from shared_plans import asym_ea_plan
+
+    plan = tmp_path / "plan.json"
+    (asym_ea_plan() if asym else even_plan(2, 4, 1, 1, groups=2, num_microbatches=2, schedule=schedule)).save(plan)
+    tb = tmp_path / "tb"
+    r = torchrun(mlm19, 4, [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1",
+                             "--eval-interval", "2", "--eval-iters", "1", "--hetero-plan", str(plan),
+                             "--tensorboard-dir", str(tb)])
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    assert f"2 attention ranks (Megatron's data parallel size) + 2 expert ranks, schedule {schedule}" in log
+    assert "HeterMoE rank 1 (expert, ZP group 0" in log and "HeterMoE rank 2 (attention, ZP group 1" in log
+    assert "validation loss at iteration 2 | lm loss value:" in log
+    assert "validation loss at iteration 3 on test set | lm loss value:" in log
+    assert sorted(int(i) for i, _ in ITERATION.findall(log)) == [1, 2, 3], log[-4000:]
+    megatron = tb_losses(tb)
+    assert sorted(megatron) == [1, 2, 3]
+    # Every parameter starts at its layout-invariant value, so any plan gives the plugin's losses. The
+    # plugin trainer's own Asym-EA run fails on megatron-core 0.19 (a crashed rank, training/; not
+    # this path): the Asym-EA run is compared with the plugin trainer on the even plan.
+    even = tmp_path / "even.json"
+    even_plan(2, 4, 1, 1, groups=2, num_microbatches=2, schedule=schedule).save(even)
+    plugin = plugin_losses(tmp_path, even, schedule, data)
+    # Measured: bitwise equal (zebra, distep, and Asym-EA zebra against the even plan).
+    assert [megatron[i] for i in (1, 2, 3)] == pytest.approx(plugin, abs=3e-6), (megatron, plugin)
+    assert plugin[2] < plugin[0]  # it learns
+
+
+@pytest.mark.slow
+def test_core_v019_resume_from_a_torch_dist_checkpoint_is_bitwise(mlm19, data, tmp_path):
+    """HeterMoE zebra, 2+2, fp32: three iterations in one go, or two, a save, and a resume: the
+    checkpoints after iteration 3 are bitwise equal (as test_megatron_lm_pretrain.py's, core_v0.16.1)."""
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+
+    plan = tmp_path / "plan.json"
+    even_plan(2, 4, 1, 1, groups=2, num_microbatches=2, schedule="zebra").save(plan)
+    flags = [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1", "--eval-interval",
+             "100", "--eval-iters", "0", "--hetero-plan", str(plan), "--ckpt-format", "torch_dist"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    r = torchrun(mlm19, 4, [*flags, "--save", str(a), "--save-interval", "2",
+                             "--tensorboard-dir", str(tmp_path / "ta")])
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    r2 = torchrun(mlm19, 4, [*flags, "--load", str(a), "--ckpt-step", "2", "--save", str(b), "--save-interval", "3",
+                              "--tensorboard-dir", str(tmp_path / "tb")])
+    log2 = r2.stdout + r2.stderr
+    assert r2.returncode == 0, log2[-4000:]
+    assert f"successfully loaded checkpoint from {a}" in log2 and "at iteration 2" in log2
+    assert tb_losses(tmp_path / "tb") == {3: tb_losses(tmp_path / "ta")[3]}
+    whole, resumed = load_dcp(a / "iter_0000003"), load_dcp(b / "iter_0000003")
+    assert any("exp_avg" in k for k in whole) and any("experts.experts.linear_fc1" in k for k in whole)
+    for ck in (whole, resumed):
+        for k in [k for k in ck if k.startswith("rng_state")]:
+            (state,) = ck[k][0]  # Megatron's data loader draws from torch's RNG (see the 0.16.1 test)
+            del state["torch_rng_state"], state["cuda_rng_state"]
+        for k in [k for k in ck if k.startswith("common_state")]:
+            # core_v0.19.0 saves its common state (iteration, scheduler, ...) in the checkpoint, with
+            # the command line's args, which differ between the two runs (--load, --save, ...).
+            (common,) = ck[k]
+            del common["args"]
+    differ = [k for k in whole if not _same(whole[k], resumed.get(k))]
+    assert whole.keys() == resumed.keys() and not differ, differ
+
+
+def _same(a, b) -> bool:
+    import numpy as np
+    import torch
+
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.slow
+def test_core_v019_megatron_ep_on_cpu_and_its_checkpoint_into_hetermoe(mlm19, data, tmp_path):
+    """Plain Megatron-LM (EP 2, no --hetero-plan) through the patch's CPU layer saves; Megatron EP
+    and a HeterMoE Asym-EA zebra run load it (--no-load-optim --no-load-rng) and continue with the
+    same losses and the same routers' load-balancing loss (logged by the last rank: an expert rank
+    in the HeterMoE run; core_v0.19.0 reports it through MoEMetricsTracker)."""
+    from shared_plans import asym_ea_plan
+
+    plan = tmp_path / "plan.json"
+    asym_ea_plan().save(plan)
+    flags = [*MODEL, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", *DATA, *RECIPE, *CPU,
+             "--data-path", data, "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0",
+             "--moe-aux-loss-coeff", "0.01"]
+    ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    cross = ["--no-load-optim", "--no-load-rng"]
+    ck = tmp_path / "ep"
+    seen = []
+
+    def run(nproc, extra):
+        tb = tmp_path / f"tb{len(seen)}"
+        r = torchrun(mlm19, nproc, [*flags, *extra, "--tensorboard-dir", str(tb)])
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        balance = tb_losses(tb, "load_balancing_loss")
+        assert balance and all(v > 0.5 for v in balance.values()), balance
+        seen.append(balance)
+        return tb_losses(tb)
+
+    first = run(2, [*ep, "--train-iters", "2", "--save", str(ck), "--save-interval", "2"])
+    assert sorted(first) == [1, 2]
+    into_ep = run(2, [*ep, "--train-iters", "4", "--load", str(ck), *cross])
+    into_h = run(4, ["--hetero-plan", str(plan), "--train-iters", "4", "--load", str(ck), *cross])
+    assert sorted(into_ep) == sorted(into_h) == [3, 4]
+    assert [into_h[i] for i in (3, 4)] == pytest.approx([into_ep[i] for i in (3, 4)], abs=3e-6)
+    assert seen[2] == pytest.approx(seen[1], abs=3e-6)
+
+
+@pytest.mark.slow
+def test_core_v019_refuses_by_name(mlm19, tmp_path):
+    """The flags a --hetero-plan run cannot honour are refused by name in core_v0.19.0's
+    parse_and_validate_args (before pretrain()). (core_v0.19.0's own `pretrain_gpt.py --help` fails,
+    patched or not: its --moe-paged-stash-buffer-size-factor-cuda help has an unescaped "%".)"""
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+
+    plan = tmp_path / "plan.json"
+    even_plan(2, 4, 1, 1, num_microbatches=4).save(plan)
+    r = torchrun(mlm19, 1, [*MODEL, *BATCH, *CPU, "--mock-data", "--vocab-size", "257", "--tokenizer-type",
+                             "NullTokenizer", "--moe-layer-recompute", "--moe-apply-probs-on-input",
+                             "--moe-router-topk", "1", "--hetero-plan", str(plan)], timeout=300)
+    log = r.stdout + r.stderr
+    assert r.returncode != 0
+    assert "--moe-layer-recompute True: recomputing a whole MoE layer would replay" in log, log[-3000:]
+    assert "--moe-apply-probs-on-input True: HeterMoE's dispatcher replaces Megatron's" in log
