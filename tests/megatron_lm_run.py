@@ -121,3 +121,20 @@ def load_dcp(ckpt: Path) -> dict:
     out = ckpt.parent / (ckpt.name + ".pt")
     dcp_to_torch_save(str(ckpt), str(out))
     return torch.load(out, weights_only=False)
+
+
+def same_state(a, b) -> bool:
+    """Whether two loaded checkpoint states are bitwise equal: tensors (and their dtypes), numpy's
+    RNG arrays, and the dicts, lists and values around them."""
+    import numpy as np
+    import torch
+
+    if isinstance(a, np.ndarray):  # numpy's RNG state
+        return isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b))
+    return a == b

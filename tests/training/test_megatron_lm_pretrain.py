@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from margins import within
 from megatron_lm_run import (
+    same_state,
     BATCH,
     CPU,
     DATA,
@@ -117,20 +118,6 @@ def _asym_plan(path: Path) -> Path:
     return path
 
 
-def _same(a, b) -> bool:
-    import numpy as np
-    import torch
-
-    if isinstance(a, np.ndarray):  # numpy's RNG state
-        return isinstance(b, np.ndarray) and np.array_equal(a, b)
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", [[], ["--bf16"], ["--fp16", "--initial-loss-scale", "4096"]],
@@ -164,7 +151,7 @@ def test_resume_from_a_torch_dist_checkpoint_is_bitwise(mlm, data, tmp_path, pre
             # dropout RNG tracker, Python's and numpy's states are compared.
             (state,) = ck[k][0]
             del state["torch_rng_state"], state["cuda_rng_state"]
-    differ = [k for k in whole if not _same(whole[k], resumed.get(k))]
+    differ = [k for k in whole if not same_state(whole[k], resumed.get(k))]
     assert whole.keys() == resumed.keys() and not differ, differ
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from megatron_lm_run import (
+    same_state,
     BATCH,
     CPU,
     ITERATION,
@@ -135,23 +136,9 @@ def test_core_v019_resume_from_a_torch_dist_checkpoint_is_bitwise(mlm19, data, t
             # the command line's args, which differ between the two runs (--load, --save, ...).
             (common,) = ck[k]
             del common["args"]
-    differ = [k for k in whole if not _same(whole[k], resumed.get(k))]
+    differ = [k for k in whole if not same_state(whole[k], resumed.get(k))]
     assert whole.keys() == resumed.keys() and not differ, differ
 
-
-def _same(a, b) -> bool:
-    import numpy as np
-    import torch
-
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and np.array_equal(a, b)
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 @pytest.mark.slow
