@@ -101,7 +101,7 @@ What changed, and what the plugin does about it
    - MoE metrics: training_log reports through moe_logging.MoEMetricsTracker (its _sync_metrics)
      instead of moe_utils.reduce_aux_losses_tracker_across_ranks (`megatron_lm_moe_metrics_tracker`);
      MTP: MTPLossLoggingHelper.reduce_metrics_in_tracker over loss/correct/total instead of
-     reduce_loss_in_tracker over values (`megatron_lm_mtp_reduce_name`).
+     reduce_loss_in_tracker over values (`megatron_lm_mtp_reduce`).
    - The optimizer clips the MTP block's parameters by a norm of their own (SEPARATE_GRAD_NORM_GROUPS);
      each sub-optimizer decides at its first step whether any rank has such parameters, with an
      all_reduce per sub-optimizer, which hangs where roles hold different numbers of them (Asym-EA):
@@ -266,11 +266,12 @@ def megatron_lm_moe_metrics_tracker():
     return MoEMetricsTracker
 
 
-def megatron_lm_mtp_reduce_name() -> str:
-    """The MTPLossLoggingHelper static method that reduces the MTP logging tracker across ranks:
-    `reduce_loss_in_tracker` (core_v0.16.1: tracker["values"]) or `reduce_metrics_in_tracker`
-    (core_v0.19.0: tracker["loss_values"], ["correct_values"], ["total_values"])."""
+def megatron_lm_mtp_reduce() -> tuple[str, tuple[str, ...]]:
+    """The MTPLossLoggingHelper static method that reduces the MTP logging tracker across ranks, and
+    the tracker keys it reduces: `reduce_loss_in_tracker` over "values" (core_v0.16.1) or
+    `reduce_metrics_in_tracker` over "loss_values", "correct_values", "total_values" (core_v0.19.0)."""
     from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
-    return "reduce_loss_in_tracker" if hasattr(MTPLossLoggingHelper, "reduce_loss_in_tracker") \
-        else "reduce_metrics_in_tracker"
+    if hasattr(MTPLossLoggingHelper, "reduce_loss_in_tracker"):
+        return "reduce_loss_in_tracker", ("values",)
+    return "reduce_metrics_in_tracker", ("loss_values", "correct_values", "total_values")

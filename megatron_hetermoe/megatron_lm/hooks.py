@@ -307,11 +307,11 @@ class HeteroPretrain:
         with no MTP loss: every rank gets the first attention rank's values."""
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
+        from megatron_hetermoe.compat import megatron_lm_mtp_reduce
+
         reduce()
         tracker = MTPLossLoggingHelper.tracker
-        # core_v0.16.1 tracks "values"; core_v0.19.0 "loss_values", "correct_values", "total_values".
-        keys = ("values",) if hasattr(MTPLossLoggingHelper, "reduce_loss_in_tracker") else \
-            ("loss_values", "correct_values", "total_values")
+        _, keys = megatron_lm_mtp_reduce()  # the tracker keys Megatron reduced: the release's
         for key in keys:
             if key not in tracker:  # an expert rank: no MTP layer ran here
                 tracker[key] = torch.zeros(self.plan.mtp_layers, device=self.hs.device)
@@ -342,7 +342,7 @@ class HeteroPretrain:
 
         from megatron_hetermoe.compat import (
             megatron_lm_moe_metrics_tracker,
-            megatron_lm_mtp_reduce_name,
+            megatron_lm_mtp_reduce,
             megatron_lm_parses_in_pretrain,
         )
 
@@ -368,7 +368,7 @@ class HeteroPretrain:
                               _wrap(moe_utils.reduce_aux_losses_tracker_across_ranks, self.reduce_aux_losses)))
             else:
                 hooks.append((tracker, "_sync_metrics", _wrap(tracker._sync_metrics, self.sync_moe_metrics)))
-            mtp = megatron_lm_mtp_reduce_name()
+            mtp, _ = megatron_lm_mtp_reduce()
             hooks.append((MTPLossLoggingHelper, mtp,
                           staticmethod(_wrap(getattr(MTPLossLoggingHelper, mtp), self.reduce_mtp_losses))))
             stack.enter_context(_replaced(hooks))

@@ -69,12 +69,13 @@ def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor, probs: 
         # Probabilities are applied after combine on the attention rank (the paper's choice, so
         # the gate's gradient needs no expert rank): experts compute unweighted outputs.
         probs = torch.ones(x.shape[0], dtype=x.dtype, device=x.device)
+    tokens_per_expert = counts.sum(0)
     if recompute:
         # Non-reentrant: the recomputation runs inside this graph's backward, with no RNG to
-        # restore (experts have no dropout); the host counts are not saved as tensors to recompute.
-        y, bias = torch.utils.checkpoint.checkpoint(experts, x, counts.sum(0), probs, use_reentrant=False)
+        # restore (experts have no dropout).
+        y, bias = torch.utils.checkpoint.checkpoint(experts, x, tokens_per_expert, probs, use_reentrant=False)
     else:
-        y, bias = experts(x, counts.sum(0), probs)
+        y, bias = experts(x, tokens_per_expert, probs)
     assert bias is None, "expert bias is not supported (Mixtral-style experts have none)"
     if n_src == 1:
         return y
