@@ -260,6 +260,11 @@ def _child(rank: int, cfg: LaunchConfig, store_path: str, out_dir: str, fn: Call
         result = fn(rank, cfg.world_size, *args)
         with open(Path(out_dir) / f"result.{rank}", "wb") as f:
             pickle.dump(result, f)
+        # The same race on the way out: fn may have made groups (dist.new_group connects them
+        # pair by pair too), and a rank done with its pairs must not exit under a peer still
+        # connecting to it.
+        if dist.is_initialized():
+            dist.barrier()
     except BaseException as e:  # noqa: BLE001 - everything must reach the parent
         # First line: when it failed, so the parent can tell the first failure (the cause)
         # from the peers that failed after it (connection closed by the dead rank).
