@@ -228,32 +228,7 @@ class HeteroPretrain:
                 opt.data_parallel_group_idx = 0 if opt.data_parallel_group is hs.attention_dp_group \
                     else 1 + hs.member_index
         per_rank_optimizer_state(optimizer, hs.rank, dist.get_world_size())
-        self._grad_norm_groups_once(optimizer)
         return optimizer
-
-    def _grad_norm_groups_once(self, optimizer) -> None:
-        """core_v0.19.0 clips some parameters (the MTP block's) by a norm of their own, and each
-        (sub-)optimizer asks once, at its first step, whether any rank holds such parameters: an
-        all_reduce per sub-optimizer. HeterMoE ranks hold different numbers of sub-optimizers (dense
-        only, dense + Asym-EA experts, experts only), so those reductions would pair up wrongly and
-        hang; the answer is taken here instead, one reduction over the world, the same on every rank
-        (core_v0.16.1 has no such groups: nothing to do)."""
-        try:
-            from megatron.core.optimizer.optimizer import (
-                GRAD_NORM_GROUP_ATTR,
-                SEPARATE_GRAD_NORM_GROUPS,
-            )
-        except ImportError:
-            return
-        subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
-        for group in SEPARATE_GRAD_NORM_GROUPS:
-            local = any(getattr(p, GRAD_NORM_GROUP_ATTR, None) == group for opt in subs for p in opt.get_parameters())
-            flag = torch.tensor([int(local)], dtype=torch.int, device=self.hs.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.hs.world_group)
-            for opt in {id(o): o for o in [optimizer, *subs]}.values():
-                if getattr(opt, "_has_grad_norm_group_cache", None) is None:
-                    opt._has_grad_norm_group_cache = {}
-                opt._has_grad_norm_group_cache[group] = bool(flag.item())
 
     # ---- 6. checkpoints: the RNG states, one shard per rank ------------------------------------
     def get_rng_state(self, get, ckpt_format, *a, **k):

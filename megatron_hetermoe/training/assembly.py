@@ -7,7 +7,7 @@ DDP wrapper and the optimizer itself and calls these pieces from its hooks.
   HeteroMoELayer on attention ranks, the expert-only ExpertRuntime on expert ranks), every
   parameter at its layout-invariant initial value (or a given Megatron state dict's).
 - `RoleAssembly.configure_optimizer`: Megatron's optimizer on a HeterMoE rank (the global norm,
-  one loss scale).
+  one loss scale, megatron-core 0.19's separate grad-norm groups decided once over the world).
 - `RoleAssembly.schedule`: the step function of this rank, with megatron-core's keywords.
 - `RoleAssembly.finish_gradients`: the expert ranks' share of the data-parallel average.
 """
@@ -27,6 +27,33 @@ def model_config(config, **overrides):
     marks expert weights allreduce=False (Megatron's expert parameters), so DDP reduces them over
     the expert replica group and the optimizer keeps them in their own sub-optimizer."""
     return dataclasses.replace(config, expert_model_parallel_size=2, **overrides)
+
+
+def _grad_norm_groups_once(optimizer, hs: HeteroParallelState) -> None:
+    """megatron-core 0.19 clips some parameters (the MTP block's) by a norm of their own, and each
+    (sub-)optimizer asks once, at its first step, whether any rank holds such parameters: an
+    all_reduce per sub-optimizer. HeterMoE ranks hold different numbers of sub-optimizers (dense
+    only, dense + Asym-EA experts, experts only), so those reductions would pair up wrongly and
+    hang; the answer is taken here instead, one reduction over the world, the same on every rank
+    (megatron-core 0.16 has no such groups: nothing to do)."""
+    try:
+        from megatron.core.optimizer.optimizer import (
+            GRAD_NORM_GROUP_ATTR,
+            SEPARATE_GRAD_NORM_GROUPS,
+        )
+    except ImportError:
+        return
+    import torch.distributed as dist
+
+    subs = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    for group in SEPARATE_GRAD_NORM_GROUPS:
+        local = any(getattr(p, GRAD_NORM_GROUP_ATTR, None) == group for opt in subs for p in opt.get_parameters())
+        flag = torch.tensor([int(local)], dtype=torch.int, device=hs.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=hs.world_group)
+        for opt in {id(o): o for o in [optimizer, *subs]}.values():
+            if getattr(opt, "_has_grad_norm_group_cache", None) is None:
+                opt._has_grad_norm_group_cache = {}
+            opt._has_grad_norm_group_cache[group] = bool(flag.item())
 
 
 def _one_param_sync(optimizer, chunks: list) -> None:
@@ -148,6 +175,7 @@ class RoleAssembly:
         share_loss_scale(optimizer, hs.world_group, hs.device, check_group=hs.self_group)
         # --log-num-zeros-in-grad: Megatron's count per sub-optimizer group would count every copy.
         optimizer.count_zeros = world_count_zeros(optimizer, hs)
+        _grad_norm_groups_once(optimizer, hs)
         return optimizer
 
     def schedule(self, run: HeteroRunConfig, recorder=None, executed: list | None = None, task_timing=None):
