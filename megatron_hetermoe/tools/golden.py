@@ -1,4 +1,7 @@
-"""`hetermoe regress`: rerun a training and compare its per-step lm loss with golden values.
+"""`hetermoe regress`: rerun a training and compare its per-step lm loss with golden values; or,
+with --tensorboard DIR, compare a finished Megatron pretrain() run (Megatron-LM's or `hetermoe
+pretrain`'s --tensorboard-dir) with golden values of its lm loss, num-zeros and iteration time, as
+Megatron's functional tests keep them.
 
 The format, the exact-vs-tolerance rules and on which kernels exact values hold:
 training/golden_values.py.
@@ -9,6 +12,7 @@ import argparse
 import sys
 
 from megatron_hetermoe.training.golden_values import (
+    DEFAULT_METRIC_RTOL,
     DEFAULT_RTOL,
     compare,
     kernels,
@@ -27,12 +31,26 @@ def main(argv: list[str] | None = None) -> int:
         own, trainer_argv = argv, []
     from megatron_hetermoe.help_format import HelpFormatter
 
-    p = argparse.ArgumentParser(prog="hetermoe regress", formatter_class=HelpFormatter, usage="hetermoe regress --golden FILE [--rtol R] [--update] -- <trainer args>")
+    p = argparse.ArgumentParser(prog="hetermoe regress", formatter_class=HelpFormatter,
+                                usage="hetermoe regress --golden FILE [--rtol R] [--update] -- <trainer args>\n"
+                                      "       hetermoe regress --golden FILE --tensorboard DIR [--rtol R] "
+                                      "[--num-zeros-rtol R] [--time-rtol R] [--update]")
     p.add_argument("--golden", required=True, help="golden values JSON (Megatron's layout)")
     p.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
-                   help="relative tolerance per step (Megatron's); exact with --deterministic-mode")
-    p.add_argument("--update", action="store_true", help="write the run's losses as the new golden values")
+                   help="relative tolerance per step of lm loss (Megatron's); exact with --deterministic-mode")
+    p.add_argument("--update", action="store_true", help="write the run's values as the new golden values")
+    p.add_argument("--tensorboard", metavar="DIR", default=None,
+                   help="no training: compare the pretrain() run that wrote this --tensorboard-dir (lm loss, "
+                        "num-zeros, iteration-time, as the golden values have them)")
+    p.add_argument("--num-zeros-rtol", type=float, default=DEFAULT_METRIC_RTOL["num-zeros"],
+                   help="with --tensorboard: relative tolerance of num-zeros")
+    p.add_argument("--time-rtol", type=float, default=None,
+                   help="with --tensorboard: relative tolerance of iteration-time (not compared without it)")
     a = p.parse_args(own)
+    if a.tensorboard is not None:
+        if trainer_argv:
+            p.error("--tensorboard compares a finished run: give no trainer args after --")
+        return _regress_tensorboard(a)
 
     from megatron_hetermoe.outputs import writable_file
     from megatron_hetermoe.training import args as train_args
@@ -72,6 +90,46 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(f"OK: {len(golden)} steps match ({'exact' if cfg.deterministic else f'rtol {a.rtol}'}; "
           f"max rel diff {worst:.3e})")
+    return 0
+
+
+def _regress_tensorboard(a: argparse.Namespace) -> int:
+    """A finished pretrain() run's tensorboard scalars against golden values, metric by metric."""
+    import json
+    from pathlib import Path
+
+    from megatron_hetermoe.outputs import writable_file
+    from megatron_hetermoe.training.golden_values import (
+        compare_metrics,
+        golden_from_scalars,
+        read_golden_metrics,
+        scalars_from_tensorboard,
+    )
+
+    golden = None if a.update else read_golden_metrics(a.golden)  # a bad file before reading the run
+    if a.update:
+        writable_file("--golden", a.golden)
+    run = scalars_from_tensorboard(a.tensorboard)
+    if a.update:
+        Path(a.golden).write_text(json.dumps(golden_from_scalars(run), indent=2) + "\n")
+        print(f"wrote golden values of {', '.join(run)} to {a.golden} (from {a.tensorboard}; {kernels()})")
+        return 0
+    rtol = {"lm loss": a.rtol, "num-zeros": a.num_zeros_rtol}
+    if a.time_rtol is not None:
+        rtol["iteration-time"] = a.time_rtol
+    for metric, want in sorted(golden.items()):
+        got = run.get(metric, {})
+        for step in sorted(want):
+            seen = f"{got[step]:.8g}" if step in got else "-"
+            print(f"step {step:>4}: {metric} {seen}  golden {want[step]:.8g}"
+                  + ("" if metric in rtol else "  (not compared)"))
+    problems = compare_metrics(golden, run, rtol)
+    if problems:
+        print("REGRESSION:\n  " + "\n  ".join(problems))
+        return 1
+    compared = [m for m in sorted(golden) if m in rtol]
+    print(f"OK: {', '.join(compared)} match the golden values ("
+          + ", ".join(f"{m} rtol {rtol[m]}" for m in compared) + ")")
     return 0
 
 

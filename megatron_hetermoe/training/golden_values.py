@@ -91,3 +91,77 @@ def compare(golden: dict[int, float], losses: list[float], rtol: float, exact: b
             problems.append(f"step {step}: lm loss {got!r} vs golden {want!r} (rel diff {rel:.3e}, "
                             f"{'exact match required' if exact else f'rtol {rtol}'})")
     return problems
+
+
+# ---- pretrain() runs: several metrics, read from Megatron's own tensorboard scalars ----------------
+# The metrics Megatron's functional tests keep for a training run, by their tensorboard tag:
+# `lm loss` every iteration, `num-zeros` with --log-num-zeros-in-grad, `iteration-time` with
+# --log-timers-to-tensorboard (from the second iteration: the first holds the start-up).
+PRETRAIN_METRICS = ("lm loss", "num-zeros", "iteration-time")
+# Compared by default: the numbers a change to the model or its parallelism moves. Iteration time is
+# kept (the machine's, in seconds) and compared only when a tolerance is given for it.
+DEFAULT_METRIC_RTOL = {"lm loss": DEFAULT_RTOL, "num-zeros": DEFAULT_RTOL}
+
+
+def scalars_from_tensorboard(tb_dir: str | Path, metrics: tuple[str, ...] = PRETRAIN_METRICS) -> dict[str, dict[int, float]]:
+    """{metric: {iteration: value}} from the tensorboard events Megatron's training_log wrote (float32
+    values, unlike its 7-digit log lines); a metric the run did not log is left out."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    if not Path(tb_dir).is_dir():
+        raise GoldenValuesError(f"--tensorboard {tb_dir}: no such directory; give the run's --tensorboard-dir")
+    ea = EventAccumulator(str(tb_dir), size_guidance={"scalars": 0})
+    ea.Reload()
+    tags = set(ea.Tags().get("scalars", []))
+    if "lm loss" not in tags:
+        raise GoldenValuesError(f"--tensorboard {tb_dir}: no 'lm loss' scalars (found {sorted(tags)}); give the "
+                                f"--tensorboard-dir of a finished pretrain() run")
+    return {m: {e.step: float(e.value) for e in ea.Scalars(m)} for m in metrics if m in tags}
+
+
+def golden_from_scalars(scalars: dict[str, dict[int, float]]) -> dict:
+    """Megatron's layout for each metric (steps as logged; step_interval from the first two)."""
+    out = {}
+    for metric, values in scalars.items():
+        steps = sorted(values)
+        out[metric] = {"start_step": steps[0], "end_step": steps[-1],
+                       "step_interval": steps[1] - steps[0] if len(steps) > 1 else 1,
+                       "values": {str(s): values[s] for s in steps}}
+    return out
+
+
+def read_golden_metrics(path: str | Path) -> dict[str, dict[int, float]]:
+    """{metric: {step: value}} for every metric of a golden-values file ('lm loss' required)."""
+    golden = {"lm loss": read_golden(path)}
+    d = json.loads(Path(path).read_text())
+    for metric in d:
+        if metric != "lm loss":
+            golden[metric] = read_golden(path, metric)
+    return golden
+
+
+def compare_metrics(golden: dict[str, dict[int, float]], run: dict[str, dict[int, float]],
+                    rtol: dict[str, float]) -> list[str]:
+    """Mismatches of a run against golden values, metric by metric: each metric given a tolerance must
+    be in the run at every golden step, within it (relative; 0 is exact)."""
+    problems = []
+    for metric, want in sorted(golden.items()):
+        if metric not in rtol:
+            continue
+        got = run.get(metric)
+        if got is None:
+            problems.append(f"{metric}: not in the run (golden values have it; log it: num-zeros needs "
+                            f"--log-num-zeros-in-grad, iteration-time --log-timers-to-tensorboard)")
+            continue
+        missing = sorted(set(want) - set(got))
+        if missing:
+            problems.append(f"{metric}: the run has no step {missing[0]} (golden steps {min(want)}..{max(want)}, "
+                            f"run steps {min(got)}..{max(got)})")
+        for step in sorted(set(want) & set(got)):
+            a, b = got[step], want[step]
+            bad = a != b if rtol[metric] == 0 else not math.isfinite(a) or abs(a - b) > rtol[metric] * abs(b)
+            if bad:
+                rel = abs(a - b) / abs(b) if b else float("inf")
+                problems.append(f"step {step}: {metric} {a!r} vs golden {b!r} (rel diff {rel:.3e}, "
+                                f"{'exact match required' if rtol[metric] == 0 else f'rtol {rtol[metric]}'})")
+    return problems
