@@ -112,6 +112,29 @@ def test_megatron_lm_flags_it_cannot_honour_are_refused_by_name(mlm, tmp_path):
     assert "--moe-apply-probs-on-input True: HeterMoE's dispatcher replaces Megatron's" in log
 
 
+@pytest.mark.slow
+def test_megatron_lm_pretrain_runs_a_keep_inputs_plan_with_the_same_losses(mlm, data, tmp_path):
+    """A plan with expert_recompute 'keep-inputs' (the planner's choice under activation memory
+    pressure) trains inside pretrain() (Asym-EA zebra: attention ranks hold experts too), and with
+    the losses of the same plan without recomputation. That the runtime does recompute (and saves
+    the activations) is test_expert_recompute_runtime.py's; pretrain() reads the plan from the
+    same HeteroParallelState."""
+    import dataclasses
+
+    losses = {}
+    for mode in ("off", "keep-inputs"):
+        plan = tmp_path / f"{mode}.json"
+        dataclasses.replace(asym_ea_plan(), expert_recompute=mode).save(plan)
+        tb = tmp_path / f"tb-{mode}"
+        r = torchrun(mlm, 4, [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1",
+                               "--eval-interval", "100", "--eval-iters", "0", "--hetero-plan", str(plan),
+                               "--tensorboard-dir", str(tb)])
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        losses[mode] = tb_losses(tb)
+    assert sorted(losses["off"]) == [1, 2, 3]
+    assert losses["keep-inputs"] == losses["off"]  # measured: bitwise
+
+
 def _asym_plan(path: Path) -> Path:
     """shared_plans.asym_ea_plan, saved at `path`."""
     asym_ea_plan().save(path)
