@@ -113,6 +113,21 @@ def run_losses(work: Path, tmp_path: Path, nproc: int, flags: list[str], name: s
     return tb_losses(tb, tag), log
 
 
+EVAL = ["--eval-interval", "2", "--eval-iters", "1"]  # validation after iteration 2, test after the last
+
+
+def hetero_run(work: Path, plan: Path, data_path: str, tb: Path, extra: tuple | list = (), nproc: int = 4,
+               data: tuple | list = DATA, evaluation: tuple | list = EVAL) -> tuple[str, dict[int, float]]:
+    """torchrun pretrain_gpt.py of `work` with the tiny recipe on CPU ranks, `--hetero-plan plan`, its
+    own --tensorboard-dir `tb`; returns (the log, Megatron's per-iteration lm loss). Fails with the
+    log's tail. `data`: the tokenizer flags of that release (DATA is core_v0.16.1's)."""
+    r = torchrun(work, nproc, [*MODEL, *BATCH, *data, *RECIPE, *CPU, "--data-path", data_path, "--log-interval", "1",
+                               *evaluation, "--hetero-plan", str(plan), "--tensorboard-dir", str(tb), *extra])
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    return log, tb_losses(tb)
+
+
 def load_dcp(ckpt: Path) -> dict:
     """A torch_dist checkpoint as one dict of its global tensors and objects (torch DCP)."""
     import torch

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from margins import within
 from megatron_lm_run import (
+    hetero_run,
     same_state,
     BATCH,
     CPU,
@@ -41,11 +42,7 @@ def test_megatron_lm_pretrain_runs_hetermoe(mlm, data, tmp_path, schedule, extra
     plan = tmp_path / "plan.json"
     even_plan(2, 4, 1, 1, groups=2, num_microbatches=2, schedule=schedule).save(plan)
     tb = tmp_path / "tb"
-    r = torchrun(mlm, 4, [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1",
-                           "--eval-interval", "2", "--eval-iters", "1", "--hetero-plan", str(plan),
-                           "--tensorboard-dir", str(tb), *extra])
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-4000:]
+    log, megatron = hetero_run(mlm, plan, data, tb, extra)
     dist_opt = "--use-distributed-optimizer" in extra
     assert f"use_distributed_optimizer={dist_opt}" in log  # Megatron's DDP config, as built
     assert f"2 attention ranks (Megatron's data parallel size) + 2 expert ranks, schedule {schedule}" in log
@@ -54,7 +51,6 @@ def test_megatron_lm_pretrain_runs_hetermoe(mlm, data, tmp_path, schedule, extra
     assert "validation loss at iteration 2 | lm loss value:" in log
     assert "validation loss at iteration 3 on test set | lm loss value:" in log
     assert sorted(int(i) for i, _ in ITERATION.findall(log)) == [1, 2, 3], log[-4000:]
-    megatron = tb_losses(tb)
     assert sorted(megatron) == [1, 2, 3] and sorted(tb_losses(tb, "lm loss validation")) == [2, 3]
     plugin = plugin_losses(tmp_path, plan, schedule, data)
     # Measured: |diff| <= 4.8e-7 (iteration 1; the others bitwise), the token-weighted sums added in
@@ -75,19 +71,13 @@ def test_megatron_lm_pretrain_in_16_bit(mlm, data, tmp_path, precision):
     Per-pool precision: the expert ranks (and the attention ranks' bf16 experts) get fp16 tokens,
     and the bf16 attention ranks hold the world's fp16 loss scale."""
     plan = _asym_plan(tmp_path / "plan.json")
-    tb = tmp_path / "tb"
-    r = torchrun(mlm, 4, [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1",
-                           "--eval-interval", "2", "--eval-iters", "1", "--hetero-plan", str(plan),
-                           "--tensorboard-dir", str(tb), *precision])
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-4000:]
+    log, megatron = hetero_run(mlm, plan, data, tmp_path / "tb", precision)
     assert sorted(int(i) for i, _ in ITERATION.findall(log)) == [1, 2, 3], log[-4000:]
     if "--initial-loss-scale" in precision:
         # Megatron's dynamic scale from --initial-loss-scale, the same on every rank: no step skipped.
         lines = [ln for ln in log.splitlines() if ITERATION.search(ln)]
         assert len(lines) == 3 and all("loss scale: 4096.0 |" in ln and "skipped iterations:   0 |" in ln
                                        for ln in lines), lines
-    megatron = tb_losses(tb)
     plugin = plugin_losses(tmp_path, plan, "zebra", data, tuple(precision))
     # Iteration 1 starts from the same weights: equal up to the rounding of the fp32 loss reduction
     # (bitwise with ATEN_CPU_CAPABILITY=default; 4.8e-7, one fp32 ulp at 6, under AVX2/AVX-512 kernels
@@ -125,14 +115,12 @@ def test_megatron_lm_pretrain_runs_a_keep_inputs_plan_with_the_same_losses(mlm, 
     for mode in ("off", "keep-inputs"):
         plan = tmp_path / f"{mode}.json"
         dataclasses.replace(asym_ea_plan(), expert_recompute=mode).save(plan)
-        tb = tmp_path / f"tb-{mode}"
-        r = torchrun(mlm, 4, [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1",
-                               "--eval-interval", "100", "--eval-iters", "0", "--hetero-plan", str(plan),
-                               "--tensorboard-dir", str(tb)])
-        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-        losses[mode] = tb_losses(tb)
+        _, losses[mode] = hetero_run(mlm, plan, data, tmp_path / f"tb-{mode}", evaluation=EVAL_OFF)
     assert sorted(losses["off"]) == [1, 2, 3]
     assert losses["keep-inputs"] == losses["off"]  # measured: bitwise
+
+
+EVAL_OFF = ["--eval-interval", "100", "--eval-iters", "0"]
 
 
 def _asym_plan(path: Path) -> Path:
