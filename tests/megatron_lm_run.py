@@ -113,6 +113,10 @@ def run_losses(work: Path, tmp_path: Path, nproc: int, flags: list[str], name: s
     return tb_losses(tb, tag), log
 
 
+# The 16-bit runs of both release lines' pretrain() tests: bf16, fp16, and per-pool precision.
+PRECISIONS = {"bf16": ["--bf16"], "fp16": ["--fp16", "--initial-loss-scale", "4096"],
+              "bf16-attention-fp16-experts": ["--bf16", "--hetero-expert-precision", "fp16", "--initial-loss-scale",
+                                              "4096"]}
 EVAL = ["--eval-interval", "2", "--eval-iters", "1"]  # validation after iteration 2, test after the last
 
 

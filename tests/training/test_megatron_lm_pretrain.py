@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from margins import within
 from megatron_lm_run import (
+    PRECISIONS,
     hetero_run,
     same_state,
     BATCH,
@@ -60,9 +61,7 @@ def test_megatron_lm_pretrain_runs_hetermoe(mlm, data, tmp_path, schedule, extra
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "4096"],
-                                       ["--bf16", "--hetero-expert-precision", "fp16", "--initial-loss-scale", "4096"]],
-                         ids=["bf16", "fp16", "bf16-attention-fp16-experts"])
+@pytest.mark.parametrize("precision", list(PRECISIONS.values()), ids=list(PRECISIONS))
 def test_megatron_lm_pretrain_in_16_bit(mlm, data, tmp_path, precision):
     """--bf16 / --fp16 inside Megatron-LM's pretrain(): Float16Module and Megatron's mixed-precision
     optimizer on both roles, one loss scale for the world; the losses are the plugin trainer's
