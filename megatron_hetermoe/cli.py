@@ -20,7 +20,10 @@ from megatron_hetermoe.help_format import HelpFormatter
 # name -> (module:function taking argv and returning an exit code, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("megatron_hetermoe.training.args:main", "train the baseline Megatron MoE (or HeterMoE with --hetero-plan)"),
-    "pretrain": ("megatron_hetermoe.training.pretrain_gpt:main", "train with Megatron-LM pretrain_gpt.py flags (model shape as flags)"),
+    "pretrain": ("megatron_hetermoe.megatron_lm.pretrain:main",
+                 "Megatron's own pretrain() with Megatron-LM flags (megatron-core >= 0.19, or MEGATRON_LM_DIR)"),
+    "train-gpt": ("megatron_hetermoe.training.pretrain_gpt:main",
+                  "the plugin's own trainer with Megatron-LM pretrain_gpt.py flags (model shape as flags)"),
     "regress": ("megatron_hetermoe.tools.golden:main", "rerun a training and compare its loss with golden values"),
     "parity": ("megatron_hetermoe.tools.parity:main", "HeterMoE vs plain Megatron EP: per-step loss and gradient diffs"),
     "bench": ("megatron_hetermoe.tools.bench:main", "HeterMoE vs Megatron EP side by side on an emulated mixed cluster"),

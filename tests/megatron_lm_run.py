@@ -23,7 +23,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4
 BATCH = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3"]
 DATA = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--split", "90,5,5"]
 # The plugin's trainer always builds this recipe; these are its Megatron-LM flags (Megatron's
-# defaults differ: GeLU, LayerNorm, dropout 0.1, adam beta2 0.999, linear decay, min lr 0).
+# defaults differ: GeLU, LayerNorm, dropout 0.1, adam beta2 0.999, linear decay, min lr 0), which
+# `hetermoe train-gpt` requires (all but --min-lr, whose default there is Megatron's 0).
 RECIPE = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
           "--untie-embeddings-and-output-weights", "--hidden-dropout", "0", "--attention-dropout", "0",
           "--adam-beta2", "0.95", "--lr-decay-style", "cosine", "--min-lr", "1e-4"]
@@ -87,7 +88,7 @@ def plugin_losses(tmp_path: Path, plan: Path, schedule: str, data_path: str, ext
     """The same run on the plugin's own trainer (python -m megatron_hetermoe.training.pretrain_gpt)."""
     out = tmp_path / f"plugin-{schedule}.json"
     r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.training.pretrain_gpt", *MODEL, *BATCH,
-                        *DATA, "--data-path", data_path, "--nproc", "4", "--hetero-plan", str(plan),
+                        *DATA, *RECIPE, "--data-path", data_path, "--nproc", "4", "--hetero-plan", str(plan),
                         "--hetero-schedule", schedule, "--golden-values-out", str(out), *extra],
                        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]

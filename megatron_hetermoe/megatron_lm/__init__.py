@@ -46,7 +46,8 @@ entered by every rank by construction. HeterMoE changes five things, each throug
    scale for the world (training/step.py share_loss_scale).
 On a host without CUDA the CPU backend (parallel/cpu_backend.py) runs the same path over gloo.
 
-Modules: `hooks` (HeteroPretrain and hetero_pretrain), `refusals` (the flags refused by name),
+Modules: `pretrain` (`hetermoe pretrain`: a patched checkout's pretrain_gpt.py, or megatron-core
+>= 0.19's own pretrain() with this package's GPT providers and no checkout), `hooks` (HeteroPretrain and hetero_pretrain), `refusals` (the flags refused by name),
 `cpu_layer` (pretrain() on CPU ranks, and megatron_on_cpu for a plain Megatron run), `patches`
 (which patch fits a checkout). The --hetero-* flags are training/hetero_args.py's, the plugin
 trainer's too.

@@ -1,5 +1,5 @@
 """The --hetero-* flags, defined once for both hostings: Megatron-LM's parser (the patched
-pretrain_gpt.py's extra_args_provider) and `hetermoe train` / `hetermoe pretrain`."""
+pretrain_gpt.py's extra_args_provider) and `hetermoe train` / `hetermoe train-gpt`."""
 from __future__ import annotations
 
 import argparse

@@ -1,19 +1,29 @@
-"""Megatron-LM's pretrain_gpt.py command line, for the subset this plugin trains.
+"""Megatron-LM's pretrain_gpt.py command line, for the subset this plugin trains (`hetermoe train-gpt`).
 
     python -m megatron_hetermoe.training.pretrain_gpt --num-layers 2 --hidden-size 64 \
         --num-attention-heads 4 --ffn-hidden-size 128 --num-experts 4 --moe-router-topk 2 \
         --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 \
+        --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear \
+        --untie-embeddings-and-output-weights --hidden-dropout 0 --attention-dropout 0 \
+        --adam-beta2 0.95 --lr-decay-style cosine \
         --lr 1e-3 --train-iters 20 --data-path data/python-docs_text_document \
         --tokenizer-type HuggingFaceTokenizer --tokenizer-model data/tokenizer/tokenizer.json \
         --hetero-plan plan.json
 
 Flags keep Megatron-LM's names and meanings (model shape, MoE, parallel sizes, batch, optimizer,
 data, tokenizer, checkpoints). The model is always Mixtral-style (every layer MoE, SwiGLU,
-RMSNorm, RoPE, no bias, untied embeddings); the vocabulary is the tokenizer's, padded as
-Megatron pads it. --transformer-impl and --moe-grouped-gemm keep Megatron-LM's meaning when
-given (a request that cannot run here, e.g. transformer_engine without transformer-engine or on CPU
-ranks, is refused); without them the kernels are chosen for the ranks' device and printed
-(models.builder.choose_kernels), where Megatron-LM would default to transformer_engine.
+RMSNorm, RoPE, no bias, untied embeddings, no dropout), trained with Adam beta2 0.95 and cosine
+LR decay: the flags that make Megatron-LM build and train that (RECIPE_FLAGS) are required, and a
+command line without one is refused by name, since Megatron-LM would build or train something
+else from it (GeLU MLPs, LayerNorm, ...); `hetermoe pretrain` (Megatron's own pretrain()) builds
+whatever the flags say. Likewise refused: no --global-batch-size (Megatron-LM's default is
+micro batch x data-parallel size), --eval-interval without --eval-iters 0, --recompute-granularity
+full outside the zebra schedule, --moe-router-topk 1. --min-lr defaults to Megatron-LM's 0.
+The vocabulary is the tokenizer's, padded as Megatron pads it. --transformer-impl and
+--moe-grouped-gemm keep Megatron-LM's meaning when given (a request that cannot run here, e.g.
+transformer_engine without transformer-engine or on CPU ranks, is refused); without them the
+kernels are chosen for the ranks' device and printed (models.builder.choose_kernels), where
+Megatron-LM would default to transformer_engine.
 A flag that Megatron-LM has but this trainer does not is refused by name
 (from megatron_lm_flags.txt, Megatron-LM core_v0.16.1's own parser), as is a flag neither has.
 The run itself is `hetermoe train` (train_args.run_from_args), with this model shape.
@@ -47,12 +57,32 @@ EXTENSION_FLAGS = frozenset({
     "--check-for-nan-in-loss-and-grad",
 })
 
-# What Megatron-LM would build without these flags, and what is always built here.
-ARCHITECTURE_FLAGS = {
-    "swiglu": ("--swiglu", "GeLU MLPs"),
-    "disable_bias_linear": ("--disable-bias-linear", "biased linear layers"),
-    "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", "tied embeddings"),
+# What this trainer always builds and trains, as Megatron-LM flags: dest -> (flag, the value it
+# must have (True: a switch), what Megatron-LM builds or trains without the flag).
+RECIPE_FLAGS: dict[str, tuple[str, object, str]] = {
+    "swiglu": ("--swiglu", True, "GeLU MLPs"),
+    "normalization": ("--normalization", "RMSNorm", "LayerNorm"),
+    "position_embedding_type": ("--position-embedding-type", "rope", "learned absolute position embeddings"),
+    "disable_bias_linear": ("--disable-bias-linear", True, "biased linear layers"),
+    "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", True,
+                                            "tied input and output embeddings"),
+    "hidden_dropout": ("--hidden-dropout", 0.0, "hidden dropout 0.1"),
+    "attention_dropout": ("--attention-dropout", 0.0, "attention dropout 0.1"),
+    "adam_beta2": ("--adam-beta2", 0.95, "Adam beta2 0.999"),
+    "lr_decay_style": ("--lr-decay-style", "cosine", "linear LR decay"),
 }
+MEGATRON_PRETRAIN = ("`hetermoe pretrain` (Megatron's own pretrain(), which builds what the flags say; needs "
+                     "megatron-core >= 0.19, or a Megatron-LM checkout in MEGATRON_LM_DIR)")
+
+
+def _recipe_flag(flag: str, value: object) -> list[str]:
+    return [flag] if value is True else [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+
+
+def recipe_args() -> list[str]:
+    """RECIPE_FLAGS as a command line."""
+    return [t for flag, value, _ in RECIPE_FLAGS.values() for t in _recipe_flag(flag, value)]
+
 
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_experts", "seq_length")
 
@@ -82,18 +112,28 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "(default: --model's, else the tokenizer's)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocab to a multiple of this x TP, as Megatron does")
-    g.add_argument("--normalization", choices=["RMSNorm"], default=None,
-                   help="accepted for Megatron-LM command lines; the model always uses RMSNorm (default: RMSNorm)")
-    g.add_argument("--position-embedding-type", choices=["rope"], default=None,
-                   help="accepted for Megatron-LM command lines; the model always uses RoPE (default: rope)")
-    for dest, (flag, instead) in ARCHITECTURE_FLAGS.items():
-        g.add_argument(flag, dest=dest, action="store_true",
-                       help=f"accepted for Megatron-LM command lines: the model is always Mixtral-style "
-                            f"(no {instead})")
+    req = "required: the model is always Mixtral-style"
+    g.add_argument("--normalization", choices=["RMSNorm"], default=None, help=f"only RMSNorm ({req})")
+    g.add_argument("--position-embedding-type", choices=["rope"], default=None, help=f"only rope ({req})")
+    for dest in ("swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights"):
+        flag, _, instead = RECIPE_FLAGS[dest]
+        g.add_argument(flag, dest=dest, action="store_true", help=f"{req}; Megatron-LM builds {instead} without it")
+    for dest in ("hidden_dropout", "attention_dropout"):
+        g.add_argument(RECIPE_FLAGS[dest][0], dest=dest, type=float, choices=[0.0], default=None,
+                       help="only 0 (required: the model has no dropout; Megatron-LM's default is 0.1)")
     g = p.add_argument_group("schedule and evaluation (Megatron-LM flags)")
-    g.add_argument("--lr-decay-style", choices=["cosine"], default="cosine", help="LR decay after warm-up (cosine only)")
-    g.add_argument("--eval-iters", type=int, default=0, help="only 0: evaluation is not implemented (default: 0)")
-    g.add_argument("--eval-interval", type=int, default=None, help="accepted; no effect while --eval-iters is 0 (default: not set)")
+    g.add_argument("--adam-beta2", type=float, choices=[0.95], default=None,
+                   help="only 0.95 (required: Megatron-LM's default is 0.999)")
+    g.add_argument("--lr-decay-style", choices=["cosine"], default=None,
+                   help="LR decay after warm-up: only cosine (required: Megatron-LM's default is linear)")
+    g.add_argument("--eval-iters", type=int, default=None,
+                   help="only 0: evaluation is not implemented (default: not set; Megatron-LM's is 100)")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="only with --eval-iters 0, where it has no effect (default: not set)")
+
+
+def _set_help(p: argparse.ArgumentParser, dest: str, text: str) -> None:
+    next(a for a in p._actions if a.dest == dest).help = text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,6 +142,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.allow_abbrev = False  # Megatron's names only: "--lr-decay" must not silently mean something
     p.set_defaults(model=None)  # the shape comes from the flags (or a --model YAML to start from)
     add_model_args(p)
+    # Megatron-LM's defaults where `hetermoe train`'s differ: min LR 0; no fixed global batch.
+    p.set_defaults(min_lr=0.0, global_batch_size=None)
+    _set_help(p, "global_batch_size", "sequences per step; a multiple of --micro-batch-size x data-parallel size "
+              "(required: Megatron-LM's default, micro batch x data-parallel size, is not taken here)")
     return p
 
 
@@ -167,17 +211,47 @@ def model_from_args(a: argparse.Namespace) -> ModelConfig:
     return ModelConfig(**m)
 
 
-def check_supported(a: argparse.Namespace) -> str | None:
-    """Refuse what this trainer cannot do; return a note for what it does differently (or None)."""
-    if a.eval_iters != 0:
+def check_supported(a: argparse.Namespace) -> None:
+    """Refuse what this trainer cannot do, and every command line from which Megatron-LM would build
+    or train something other than what this trainer does."""
+    missing = [f"{' '.join(_recipe_flag(flag, value))} (without it: {instead})"
+               for dest, (flag, value, instead) in RECIPE_FLAGS.items()
+               if getattr(a, dest) is None or getattr(a, dest) is False]  # not `in (None, False)`: 0.0 == False
+    if missing:
+        raise ValueError(
+            "this trainer always builds a Mixtral-style model (SwiGLU, RMSNorm, RoPE, no bias, untied embeddings, "
+            "no dropout) and trains it with Adam beta2 0.95 and cosine LR decay; Megatron-LM does that only with "
+            f"these flags, missing here: {', '.join(missing)}. Add them, or run {MEGATRON_PRETRAIN}")
+    if a.global_batch_size is None:
+        raise ValueError("--global-batch-size not given: Megatron-LM would take --micro-batch-size x the data-parallel "
+                         "size, this trainer takes no default; give --global-batch-size N")
+    if a.eval_iters not in (None, 0):
         raise ValueError(f"--eval-iters {a.eval_iters}: evaluation is not implemented here; pass --eval-iters 0")
-    missing = [flag for dest, (flag, _) in ARCHITECTURE_FLAGS.items() if not getattr(a, dest)]
-    if missing or a.normalization is None or a.position_embedding_type is None:
-        # Not an error: the architecture is fixed. Say so, since Megatron-LM's defaults differ.
-        return ("note: the model is always Mixtral-style (SwiGLU, RMSNorm, RoPE, no bias, untied embeddings); "
-                "Megatron-LM builds that with --swiglu --normalization RMSNorm --position-embedding-type rope "
-                "--disable-bias-linear --untie-embeddings-and-output-weights")
-    return None
+    if a.eval_interval is not None and a.eval_iters is None:
+        raise ValueError(f"--eval-interval {a.eval_interval} without --eval-iters: Megatron-LM would evaluate (its "
+                         f"--eval-iters default is 100), this trainer does not; pass --eval-iters 0, or run "
+                         f"{MEGATRON_PRETRAIN}")
+    if a.moe_router_topk == 1:
+        raise ValueError("--moe-router-topk 1: this trainer routes top-1 with the softmax before top-k (Megatron-LM's "
+                         "--moe-router-pre-softmax, not taken here; Megatron-LM refuses top-1 without it); use "
+                         f"--moe-router-topk 2 or more, or run {MEGATRON_PRETRAIN}")
+    if a.recompute_granularity == "full" and _schedule(a) != "zebra":
+        raise ValueError("--recompute-granularity full: this trainer recomputes only under the zebra schedule "
+                         "(--hetero-plan, --hetero-schedule zebra or a zebra plan); here it would do nothing; drop "
+                         "it, or run zebra")
+
+
+def _schedule(a: argparse.Namespace) -> str | None:
+    """The HeterMoE schedule the run uses (None: no plan, or a plan that does not load, which
+    validate_run reports)."""
+    if not a.hetero_plan or a.hetero_schedule:
+        return a.hetero_schedule if a.hetero_plan else None
+    from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+
+    try:
+        return HeteroPlan.load(a.hetero_plan).schedule
+    except (ValueError, OSError):
+        return None
 
 
 class FlagError(UserError, ValueError):
@@ -191,7 +265,7 @@ def _parsed(p: argparse.ArgumentParser, argv: list[str] | None):
     a, rest = p.parse_known_args(argv)
     reject_unknown(p, rest)
     try:
-        note = check_supported(a)
+        check_supported(a)
         model = model_from_args(a)
     except (ValueError, FileNotFoundError) as e:
         p.error(str(e))
@@ -200,7 +274,7 @@ def _parsed(p: argparse.ArgumentParser, argv: list[str] | None):
         path.write_text(yaml.safe_dump(asdict(model), sort_keys=False))
         a.model = str(path)
         a.seq_length = model.seq_length
-        yield a, note
+        yield a
 
 
 def check_flags(argv: list[str]) -> None:
@@ -213,15 +287,13 @@ def check_flags(argv: list[str]) -> None:
         raise FlagError(message)
 
     p.error = error  # the parser's own checks and ours raise instead of exiting
-    with _parsed(p, argv) as (a, _):
+    with _parsed(p, argv) as a:
         train_args.validate_run(p, a, check_outputs=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
-    with _parsed(p, argv) as (a, note):
-        if note:
-            print(note, file=sys.stderr)
+    with _parsed(p, argv) as a:
         return train_args.run_from_args(p, a)
 
 

@@ -26,13 +26,15 @@ import pytest
 
 from megatron_hetermoe import cli
 from megatron_hetermoe.plan.hetero_plan import even_plan
+from megatron_hetermoe.training.pretrain_gpt import recipe_args
 
 ROOT = Path(__file__).resolve().parents[2]
 TRAIN = ["train", "--model", "tiny", "--nproc", "2", "--expert-model-parallel-size", "2", "--micro-batch-size", "2",
          "--global-batch-size", "4"]
-PRETRAIN = ["pretrain", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+RECIPE = recipe_args()  # --swiglu --normalization RMSNorm ...: required by train-gpt
+PRETRAIN = ["train-gpt", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--ffn-hidden-size", "128", "--num-experts", "4", "--moe-router-topk", "2", "--seq-length", "32",
-            "--max-position-embeddings", "32", "--nproc", "2", "--expert-model-parallel-size", "2",
+            "--max-position-embeddings", "32", *RECIPE, "--nproc", "2", "--expert-model-parallel-size", "2",
             "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "1"]
 
 
@@ -387,12 +389,12 @@ def slurm(argv: list[str], capsys) -> tuple[int, str, str]:
 
 def test_slurm_inputs(mixed_plan, tmp_path, capsys, monkeypatch):
     base = ["--plan", str(mixed_plan), "--gpus-per-node", "8"]
-    flags = ["--", "--model", "tiny", "--global-batch-size", "2"]
+    flags = ["--", "--model", "tiny", *RECIPE, "--global-batch-size", "2"]
     code, out, err = slurm([*base, "--partition", "a40=gpu-a40", "--constraint", "v100-32gb=v100s", *flags], capsys)
     assert code == 0 and "#SBATCH --partition=gpu-a40" in out and "#SBATCH --constraint=v100s" in out, err
     for extra, train, name in ((["--partition", "h100=x"], flags, "the plan has no GPU type 'h100'"),
                                (["--master-port", "99999"], flags, "--master-port 99999: a TCP port is 1..65535"),
-                               ([], ["--", "--model", "tiny", "--num-layers", "0"], "num_layers=0 must be a positive"),
+                               ([], [*flags, "--num-layers", "0"], "num_layers=0 must be a positive"),
                                ([], ["--", "--model", "tiny", "--frobnicate"], "unknown flag(s): --frobnicate")):
         code, out, err = slurm([*base, *extra, *train], capsys)
         assert_named(code, err, name)
@@ -523,7 +525,7 @@ def test_flags_accepted_silently_before(tmp_path, plan11, capfd):
             ([*TRAIN, "--ckpt-step", "2"], ["--ckpt-step 2 needs --load DIR"]),
             (["train", "--model", "tiny", "--hetero-plan", str(strver), "--micro-batch-size", "2",
               "--global-batch-size", "2"], ["plan version '1' (a str) is not supported", 'the integer ("version": 1)']),
-            ([*PRETRAIN[:-4], "--vocab-size", "-5"], ["--vocab-size -5: must be a positive integer"])):
+            ([*PRETRAIN, "--vocab-size", "-5"], ["--vocab-size -5: must be a positive integer"])):
         code, out, err = hetermoe(argv, capfd)
         assert_named(code, err, *names, out=out)
 

@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
+from megatron_hetermoe.training.pretrain_gpt import recipe_args
 
 ROOT = Path(__file__).resolve().parents[2]
 SLURM = ROOT / "scripts" / "slurm"
 TASK = re.compile(r"^\[task (\d+): het group (\d+), (\S+) node (\d+), GPU (\d+)\] RANK=(\d+) LOCAL_RANK=(\d+) "
                   r"WORLD_SIZE=(\d+) MASTER_ADDR=<first (\S+) node> MASTER_PORT=(\d+) (.*)$")
+RECIPE = recipe_args()  # --swiglu --normalization RMSNorm ...: the plugin entry's trainer requires them
 
 
 def _launch(args: list[str], tmp_path: Path, path_prefix: str | None = None, cwd: Path = ROOT,
@@ -61,7 +63,7 @@ def test_dry_run_places_every_rank_on_its_gpu_type(mixed_plan, tmp_path):
     (fake / "sbatch").write_text(f"#!/bin/sh\ncp \"$1\" {tmp_path / 'submitted.sbatch'}\necho \"$@\" >> "
                                  f"{tmp_path / 'submitted'}\n")
     (fake / "sbatch").chmod(0o755)
-    train = ["--model", "tiny", "--micro-batch-size", "2", "--global-batch-size", "6", "--train-iters", "3"]
+    train = ["--model", "tiny", *RECIPE, "--micro-batch-size", "2", "--global-batch-size", "6", "--train-iters", "3"]
     r = _launch(["--dry-run", "--plan", str(mixed_plan), "--gpus-per-node", "8", "--gpus-per-node", "V100-32GB=4",
                  "--partition", "V100-32GB=old", "--", *train], tmp_path, str(fake))
     assert r.returncode == 0, r.stderr
@@ -111,7 +113,7 @@ def test_one_hardware_queue_is_refused_with_zebra(mixed_plan, capsys):
     from megatron_hetermoe.tools import slurm
 
     base = ["--plan", str(mixed_plan), "--gpus-per-node", "8", "--cuda-device-max-connections", "1", "--", "--model",
-            "tiny", "--global-batch-size", "6"]
+            "tiny", *RECIPE, "--global-batch-size", "6"]
     assert slurm.main([*base, "--hetero-schedule", "zebra"]) == 2
     assert "--cuda-device-max-connections 1 with the zebra schedule" in capsys.readouterr().err
     assert slurm.main(base) == 0  # the plan's distep
@@ -122,7 +124,7 @@ def test_relative_paths_mean_the_callers_directory(mixed_plan, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     (work / "myplan.json").write_text(mixed_plan.read_text())
-    r = _launch(["--dry-run", "--plan", "myplan.json", "--gpus-per-node", "8", "--", "--model", "tiny",
+    r = _launch(["--dry-run", "--plan", "myplan.json", "--gpus-per-node", "8", "--", "--model", "tiny", *RECIPE,
                  "--global-batch-size", "6"], tmp_path, cwd=work)
     assert r.returncode == 0, r.stderr
     text = _script(r.stdout)
@@ -174,7 +176,7 @@ def test_shellcheck(mixed_plan, tmp_path):
     scripts = []
     for entry in ([], ["--entry", "megatron-lm", "--megatron-lm-dir", str(_fake_megatron_lm(tmp_path))]):
         r = _launch(["--dry-run", "--plan", str(mixed_plan), "--gpus-per-node", "4", *entry, "--", "--model", "tiny",
-                     "--global-batch-size", "6"] if not entry else
+                     *RECIPE, "--global-batch-size", "6"] if not entry else
                     ["--dry-run", "--plan", str(mixed_plan), "--gpus-per-node", "4", *entry, "--", "--num-layers", "2"],
                     tmp_path)
         assert r.returncode == 0, r.stderr
@@ -203,7 +205,7 @@ def test_tasks_train_through_rank_sh(tmp_path):
     plan_path = tmp_path / "plan.json"
     even_plan(2, 4, 1, 1, groups=2, attention_gpu="A40", expert_gpu="V100-32GB").save(plan_path)  # A40 V100 A40 V100
     r = subprocess.run([sys.executable, "-m", "megatron_hetermoe.tools.slurm", "--plan", str(plan_path), "--gpus-per-node", "1",
-                        "--", "--model", "tiny", "--micro-batch-size", "2", "--global-batch-size", "4",
+                        "--", "--model", "tiny", *RECIPE, "--micro-batch-size", "2", "--global-batch-size", "4",
                         "--train-iters", "2", "--golden-values-out", str(tmp_path / "loss.json")],
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 0, r.stderr

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 from megatron_lm_run import (
+    PRECISIONS,
+    hetero_run,
     same_state,
     BATCH,
     CPU,
@@ -45,19 +47,21 @@ def mlm19(tmp_path_factory) -> Path:
     must not be the checkout's)."""
     import os
 
+    # CI's core_v0.19.0 line (make test-v019) sets HETERMOE_REQUIRE_V019: there a missing piece fails.
+    skip = pytest.fail if os.environ.get("HETERMOE_REQUIRE_V019") else pytest.skip
     src = os.environ.get("MEGATRON_LM_DIR")
     if not src:
-        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM core_v0.19.0 work tree to run its pretrain() with HeterMoE")
+        skip("set MEGATRON_LM_DIR to a Megatron-LM core_v0.19.0 work tree to run its pretrain() with HeterMoE")
     checkout = Path(src)
     if megatron_lm.checkout_version(checkout)[:2] != (0, 19):
-        pytest.skip(f"{checkout} is not core_v0.19.x (core_v0.16.1: test_megatron_lm_pretrain.py)")
+        skip(f"{checkout} is not core_v0.19.x (core_v0.16.1: test_megatron_lm_pretrain.py)")
     if compat.mcore_version()[:2] != (0, 19):
-        pytest.skip("the core_v0.19.0 checkout needs megatron-core 0.19's environment (make compat: .venv-compat)")
+        skip("the core_v0.19.0 checkout needs megatron-core 0.19's environment (make compat: .venv-compat)")
     for name in ("six", "regex", "pydantic", "tensorboard"):
         try:
             importlib.import_module(name)
         except ImportError:
-            pytest.skip(f"Megatron-LM's training side needs {name!r}: pip install -e '.[megatron-lm]'")
+            skip(f"Megatron-LM's training side needs {name!r}: pip install -e '.[megatron-lm]'")
     work = tmp_path_factory.mktemp("mlm19")
     for entry in checkout.iterdir():
         if entry.name not in (".git", "pretrain_gpt.py", "megatron"):
@@ -69,40 +73,60 @@ def mlm19(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule,asym", [("zebra", False), ("distep", False), ("zebra", True)],
-                         ids=["zebra", "distep", "zebra-asym-ea"])
-def test_core_v019_pretrain_runs_hetermoe_with_the_plugin_losses(mlm19, data, tmp_path, schedule, asym):
+@pytest.mark.parametrize("schedule,asym,extra", [("zebra", False, []), ("distep", False, []), ("zebra", True, []),
+                                                  ("zebra", True, ["--use-distributed-optimizer"])],
+                         ids=["zebra", "distep", "zebra-asym-ea", "zebra-asym-ea-distributed-optimizer"])
+def test_core_v019_pretrain_runs_hetermoe_with_the_plugin_losses(mlm19, data, tmp_path, schedule, asym, extra):
     """4 CPU ranks (2 ZP groups of 1 attention + 1 expert rank) in core_v0.19.0's pretrain(): its
     loop, iteration lines and evaluation, with the plugin trainer's losses. Asym-EA: attention
-    ranks step a dense and an expert sub-optimizer, expert ranks one (HeteroPretrain's
-    _grad_norm_groups_once keeps core_v0.19.0's per-sub-optimizer reductions from pairing up wrongly)."""
+    ranks step a dense and an expert sub-optimizer, expert ranks one (RoleAssembly's
+    _grad_norm_groups_once keeps core_v0.19.0's per-sub-optimizer reductions from pairing up wrongly).
+    With the distributed optimizer (the plugin trainer's is not distributed: sharding the optimizer
+    changes no number)."""
     from megatron_hetermoe.plan.hetero_plan import even_plan
     from shared_plans import asym_ea_plan
 
     plan = tmp_path / "plan.json"
     (asym_ea_plan() if asym else even_plan(2, 4, 1, 1, groups=2, num_microbatches=2, schedule=schedule)).save(plan)
-    tb = tmp_path / "tb"
-    r = torchrun(mlm19, 4, [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1",
-                             "--eval-interval", "2", "--eval-iters", "1", "--hetero-plan", str(plan),
-                             "--tensorboard-dir", str(tb)])
-    log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-4000:]
+    log, megatron = hetero_run(mlm19, plan, data, tmp_path / "tb", extra, data=DATA)
+    assert f"use_distributed_optimizer={'--use-distributed-optimizer' in extra}" in log  # Megatron's DDP config
     assert f"2 attention ranks (Megatron's data parallel size) + 2 expert ranks, schedule {schedule}" in log
     assert "HeterMoE rank 1 (expert, ZP group 0" in log and "HeterMoE rank 2 (attention, ZP group 1" in log
     assert "validation loss at iteration 2 | lm loss value:" in log
     assert "validation loss at iteration 3 on test set | lm loss value:" in log
     assert sorted(int(i) for i, _ in ITERATION.findall(log)) == [1, 2, 3], log[-4000:]
-    megatron = tb_losses(tb)
     assert sorted(megatron) == [1, 2, 3]
-    # Every parameter starts at its layout-invariant value, so any plan gives the plugin's losses. The
-    # plugin trainer's own Asym-EA run fails on megatron-core 0.19 (a crashed rank, training/; not
-    # this path): the Asym-EA run is compared with the plugin trainer on the even plan.
-    even = tmp_path / "even.json"
-    even_plan(2, 4, 1, 1, groups=2, num_microbatches=2, schedule=schedule).save(even)
-    plugin = plugin_losses(tmp_path, even, schedule, data)
-    # Measured: bitwise equal (zebra, distep, and Asym-EA zebra against the even plan).
+    # The plugin trainer on the same plan (its Asym-EA run hung on megatron-core 0.19 until both
+    # hostings took the separate grad-norm groups' answer in RoleAssembly.configure_optimizer).
+    plugin = plugin_losses(tmp_path, plan, schedule, data)
+    # Measured: bitwise equal (zebra, distep, Asym-EA zebra).
     assert [megatron[i] for i in (1, 2, 3)] == pytest.approx(plugin, abs=3e-6), (megatron, plugin)
     assert plugin[2] < plugin[0]  # it learns
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", list(PRECISIONS.values()), ids=list(PRECISIONS))
+def test_core_v019_pretrain_in_16_bit(mlm19, data, tmp_path, precision):
+    """--bf16 / --fp16 inside core_v0.19.0's pretrain(), Asym-EA zebra: Float16Module and Megatron's
+    mixed-precision optimizer on both roles, one loss scale for the world, the plugin trainer's losses
+    within megatron_lm_run.TOL_16 (as core_v0.16.1's test_megatron_lm_pretrain_in_16_bit)."""
+    from margins import within
+    from megatron_lm_run import TOL_16
+    from shared_plans import asym_ea_plan
+
+    plan = tmp_path / "plan.json"
+    asym_ea_plan().save(plan)
+    log, megatron = hetero_run(mlm19, plan, data, tmp_path / "tb", precision, data=DATA)
+    lines = [ln for ln in log.splitlines() if ITERATION.search(ln)]
+    assert len(lines) == 3, log[-4000:]
+    if "--initial-loss-scale" in precision:
+        # Megatron's dynamic scale from --initial-loss-scale, the same on every rank: no step skipped.
+        assert all("loss scale: 4096.0 |" in ln and "skipped iterations:   0 |" in ln for ln in lines), lines
+    plugin = plugin_losses(tmp_path, plan, "zebra", data, tuple(precision))
+    within(f"core_v0.19.0 pretrain() vs plugin, {' '.join(precision)}: iteration 1", abs(megatron[1] - plugin[0]),
+           5e-6)
+    within(f"core_v0.19.0 pretrain() vs plugin, {' '.join(precision)}",
+           max(abs(megatron[i] - plugin[i - 1]) for i in (1, 2, 3)), TOL_16)
 
 
 @pytest.mark.slow
@@ -193,3 +217,68 @@ def test_core_v019_refuses_by_name(mlm19, tmp_path):
     assert r.returncode != 0
     assert "--moe-layer-recompute True: recomputing a whole MoE layer would replay" in log, log[-3000:]
     assert "--moe-apply-probs-on-input True: HeterMoE's dispatcher replaces Megatron's" in log
+
+
+def _hetermoe_pretrain(nproc: int, flags: list[str], tb: Path, cwd: Path) -> dict[int, float]:
+    """`hetermoe pretrain` with no checkout anywhere: megatron-core 0.19's own megatron.training."""
+    import sys
+
+    from megatron_lm_run import env
+
+    environ = {k: v for k, v in env().items() if k != "MEGATRON_LM_DIR"}
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.cli", "pretrain", "--nproc",
+                        str(nproc), *flags, "--tensorboard-dir", str(tb)],
+                       cwd=cwd, env=environ, capture_output=True, text=True, timeout=600)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    import megatron.training
+
+    where = Path(megatron.training.__file__).parent
+    assert "site-packages" in str(where) and "megatron-core 0.19" in log and f"pretrain() ({where})" in log, log[:2000]
+    return tb_losses(tb)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", [None, "zebra"], ids=["plain-megatron-ep", "hetermoe-zebra"])
+def test_hetermoe_pretrain_without_a_checkout_equals_the_checkout(mlm19, data, tmp_path, schedule):
+    """Issue 29 item 2: Megatron-LM's Qwen3-30B-A3B conf (core_v0.19.0's tree), shrunk to CPU size,
+    through `hetermoe pretrain` on megatron-core 0.19's megatron.training with the plugin's providers
+    (no checkout on the path), and through the checkout's patched pretrain_gpt.py: the same losses.
+    Plain: Megatron EP 2 (the model built by Megatron from the flags); HeterMoE: 2 x (1+1) zebra."""
+    from test_megatron_lm_recipes import EVAL_OFF, RECIPES, recipe_flags, shrunk
+
+    from megatron_hetermoe.planner.cli_plan import main as plan_main
+
+    flags = [*shrunk(recipe_flags(mlm19, RECIPES["qwen3-30b-a3b"])), *DATA, *CPU, *EVAL_OFF, "--data-path", data,
+             "--train-iters", "3"]
+    if schedule is None:
+        nproc, extra = 2, ["--expert-model-parallel-size", "2"]
+    else:
+        plan = tmp_path / "plan.json"
+        assert plan_main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--groups", "2",
+                          "--microbatches", "2", "--schedule", schedule, "-o", str(plan), "--", *flags]) == 0
+        nproc, extra = 4, ["--hetero-plan", str(plan)]
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    ours = _hetermoe_pretrain(nproc, [*flags, *extra], tmp_path / "ours", work)
+    r = torchrun(mlm19, nproc, [*flags, *extra, "--tensorboard-dir", str(tmp_path / "checkout")])
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    theirs = tb_losses(tmp_path / "checkout")
+    assert sorted(ours) == sorted(theirs) == [1, 2, 3]
+    assert ours == theirs  # measured: bitwise equal
+
+
+def test_hetermoe_pretrain_help_lists_megatrons_flags_and_the_hetero_ones(mlm19):
+    """`hetermoe pretrain --help` with no checkout: its own flags, then megatron-core 0.19's parser's
+    (whose own --help fails on a bare "%" in one help text) with the --hetero-* flags."""
+    import sys
+
+    from megatron_lm_run import env
+
+    environ = {k: v for k, v in env().items() if k != "MEGATRON_LM_DIR"}
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.cli", "pretrain", "--help"],
+                       env=environ, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert "--nproc N" in r.stdout and "with the plugin's GPT providers" in r.stdout
+    for flag in ("--hetero-plan HETERO_PLAN", "--num-experts", "--moe-router-topk", "--mock-data"):
+        assert flag in r.stdout, flag

@@ -1,4 +1,5 @@
-"""`python -m megatron_hetermoe.training.pretrain_gpt`: Megatron-LM's flag names and meanings."""
+"""`hetermoe train-gpt` (python -m megatron_hetermoe.training.pretrain_gpt): Megatron-LM's flag names and
+meanings; a command line from which Megatron-LM would build or train another model is refused."""
 from __future__ import annotations
 
 import os
@@ -12,8 +13,11 @@ from megatron_hetermoe.training import pretrain_gpt
 from megatron_hetermoe.training.pretrain_gpt import (
     EXTENSION_FLAGS,
     build_parser,
+    check_flags,
+    check_supported,
     megatron_flags,
     model_from_args,
+    recipe_args,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,6 +25,11 @@ TINY_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads
               "--moe-ffn-hidden-size", "128", "--num-experts", "4", "--moe-router-topk", "2",
               "--moe-aux-loss-coeff", "0.01", "--seq-length", "32", "--max-position-embeddings", "32",
               "--vocab-size", "256"]
+# The flags with which Megatron-LM builds and trains what this trainer always does (required here).
+RECIPE = ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
+          "--untie-embeddings-and-output-weights", "--hidden-dropout", "0", "--attention-dropout", "0",
+          "--adam-beta2", "0.95", "--lr-decay-style", "cosine"]
+RUN = [*TINY_FLAGS, *RECIPE, "--global-batch-size", "8"]
 
 
 def _flags(p) -> set[str]:
@@ -62,9 +71,9 @@ def test_unsupported_and_unknown_flags_are_named():
     assert "unknown flag(s): --not-a-flag" in r.stderr
     r = _run(TINY_FLAGS + ["--lr-warmup", "3"])  # a prefix of --lr-warmup-iters: no abbreviations
     assert r.returncode == 2 and "unknown flag(s): --lr-warmup" in r.stderr
-    r = _run(TINY_FLAGS + ["--eval-iters", "10"])
+    r = _run(RUN + ["--eval-iters", "10"])
     assert r.returncode == 2 and "--eval-iters 10: evaluation is not implemented" in r.stderr
-    r = _run(["--num-layers", "2", "--hidden-size", "64"])
+    r = _run(["--num-layers", "2", "--hidden-size", "64", *RECIPE, "--global-batch-size", "8"])
     assert r.returncode == 2 and "give --num-attention-heads --num-experts --seq-length" in r.stderr
 
 
@@ -94,10 +103,9 @@ def test_model_shape_and_vocab_padding(tmp_path):
 def test_same_losses_as_hetermoe_train(tmp_path):
     """The Megatron flags describe the same run as `hetermoe train --model tiny`."""
     common = ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "3", "--lr", "1e-3",
-              "--expert-model-parallel-size", "2", "--nproc", "2", "--seed", "42"]
-    r = _run(TINY_FLAGS + common + ["--mock-data", "--golden-values-out", str(tmp_path / "a.json")])
+              "--expert-model-parallel-size", "2", "--nproc", "2", "--seed", "42", "--min-lr", "1e-4"]
+    r = _run(TINY_FLAGS + RECIPE + common + ["--mock-data", "--golden-values-out", str(tmp_path / "a.json")])
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "note: the model is always Mixtral-style" in r.stderr  # no --swiglu etc. given
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     r2 = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.cli", "train", "--model", "tiny",
                          *common, "--golden-values-out", str(tmp_path / "b.json")],
@@ -145,7 +153,71 @@ def test_megatron_flag_list_matches_checkout():
 def test_cli_registers_pretrain():
     from megatron_hetermoe.cli import SUBCOMMANDS
 
-    assert SUBCOMMANDS["pretrain"][0] == f"{pretrain_gpt.__name__}:main"
+    assert SUBCOMMANDS["train-gpt"][0] == f"{pretrain_gpt.__name__}:main"
+
+
+def _refusal(argv: list[str]) -> str:
+    with pytest.raises(ValueError) as e:
+        check_supported(build_parser().parse_args(argv))
+    return str(e.value)
+
+
+MISSING = {"--swiglu": "GeLU MLPs", "--normalization RMSNorm": "LayerNorm",
+           "--position-embedding-type rope": "learned absolute position embeddings",
+           "--disable-bias-linear": "biased linear layers",
+           "--untie-embeddings-and-output-weights": "tied input and output embeddings",
+           "--hidden-dropout 0": "hidden dropout 0.1", "--attention-dropout 0": "attention dropout 0.1",
+           "--adam-beta2 0.95": "Adam beta2 0.999", "--lr-decay-style cosine": "linear LR decay"}
+
+
+def test_missing_recipe_flags_are_refused_by_name():
+    """Without the recipe's flags Megatron-LM builds another model (GeLU, LayerNorm, ...) or trains it
+    otherwise: each missing flag is named with what Megatron-LM would do, and the fix is given."""
+    r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.cli", "train-gpt", *TINY_FLAGS,
+                        "--global-batch-size", "8"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    for flag, instead in MISSING.items():
+        assert f"{flag} (without it: {instead})" in r.stderr, (flag, r.stderr[-2000:])
+    assert "Add them, or run `hetermoe pretrain`" in r.stderr and "MEGATRON_LM_DIR" in r.stderr
+    assert " iteration " not in r.stdout
+    # One flag missing: that one alone is named (a dropout of 0 given is not "missing").
+    for i, flag in enumerate(MISSING):
+        n = len(flag.split())
+        start = sum(len(f.split()) for f in list(MISSING)[:i])
+        err = _refusal([*TINY_FLAGS, *RECIPE[:start], *RECIPE[start + n:], "--global-batch-size", "8"])
+        assert f"missing here: {flag} (without it: {MISSING[flag]}). Add them" in err, err
+
+
+def test_full_recipe_is_accepted():
+    assert recipe_args() == RECIPE
+    check_flags([*RUN, "--nproc", "2", "--micro-batch-size", "2"])  # raises FlagError on any refusal
+    a = build_parser().parse_args(RUN)
+    check_supported(a)
+    assert (a.min_lr, a.eval_iters) == (0.0, None)  # Megatron-LM's min LR default
+
+
+def test_flags_megatron_would_honour_otherwise_are_refused(tmp_path):
+    """A flag taken but not honoured, or a default that differs from Megatron-LM's, is refused."""
+    shape = [*TINY_FLAGS, *RECIPE]
+    assert "--global-batch-size not given: Megatron-LM would take --micro-batch-size x the data-parallel size" \
+        in _refusal(shape)
+    assert "--eval-interval 5 without --eval-iters: Megatron-LM would evaluate" in \
+        _refusal([*RUN, "--eval-interval", "5"])
+    check_supported(build_parser().parse_args([*RUN, "--eval-interval", "5", "--eval-iters", "0"]))
+    assert "--moe-router-topk 1: this trainer routes top-1 with the softmax before top-k" in \
+        _refusal([*RUN, "--moe-router-topk", "1"])
+    assert "--recompute-granularity full: this trainer recomputes only under the zebra schedule" in \
+        _refusal([*RUN, "--recompute-granularity", "full"])
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+
+    plan = tmp_path / "plan.json"
+    even_plan(2, 4, 1, 1, groups=1).save(plan)  # distep
+    assert "only under the zebra schedule" in _refusal([*RUN, "--recompute-granularity", "full", "--hetero-plan",
+                                                        str(plan)])
+    check_supported(build_parser().parse_args([*RUN, "--recompute-granularity", "full", "--hetero-plan", str(plan),
+                                               "--hetero-schedule", "zebra"]))
+    r = _run([*RUN, "--hidden-dropout", "0.1"])
+    assert r.returncode == 2 and "argument --hidden-dropout: invalid choice: 0.1" in r.stderr
 
 
 def test_kernel_flags_keep_megatron_meaning_and_refuse_what_cannot_run():
@@ -157,9 +229,9 @@ def test_kernel_flags_keep_megatron_meaning_and_refuse_what_cannot_run():
     assert (a.transformer_impl, a.moe_grouped_gemm) == ("transformer_engine", True)
     a = p.parse_args([])
     assert (a.transformer_impl, a.moe_grouped_gemm) == (None, None)  # not given: chosen automatically
-    r = _run(TINY_FLAGS + ["--transformer-impl", "transformer_engine", "--nproc", "2", "--train-iters", "1"])
+    r = _run(RUN + ["--transformer-impl", "transformer_engine", "--nproc", "2", "--train-iters", "1"])
     assert r.returncode == 2 and "--transformer-impl transformer_engine:" in r.stderr, r.stderr[-2000:]
-    r = _run(TINY_FLAGS + ["--transformer-impl", "local", "--moe-grouped-gemm", "--nproc", "2", "--train-iters", "1"])
+    r = _run(RUN + ["--transformer-impl", "local", "--moe-grouped-gemm", "--nproc", "2", "--train-iters", "1"])
     assert r.returncode == 2 and "GroupedMLP runs on CUDA ranks only" in r.stderr, r.stderr[-2000:]
-    r = _run(TINY_FLAGS + ["--transformer-impl", "inference_optimized"])
+    r = _run(RUN + ["--transformer-impl", "inference_optimized"])
     assert r.returncode == 2 and "invalid choice: 'inference_optimized'" in r.stderr
