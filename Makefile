@@ -42,7 +42,7 @@ wheel: $(STAMP)
 clean:
 	rm -rf $(VENV) build dist *.egg-info megatron_hetermoe/_csim*.so
 
-# ---- compat: the plugin on megatron-core 0.19.x (issue 13). Not part of `make test` or CI. ----
+# ---- compat: the plugin on megatron-core 0.19.x (issue 13). `make compat` is not part of CI; test-v019 is. ----
 # .venv-compat: Python 3.12 from pyenv (found, never downloaded; or COMPAT_PY=/path/to/python3.12),
 # megatron-core $(COMPAT_MCORE) and the torch the registry resolves for it (a multi-GB CUDA build
 # that also runs on CPU; downloaded once), then the parity, zebra, checkpoint, golden, CPU-backend
@@ -66,6 +66,16 @@ $(COMPAT_STAMP): setup.py pyproject.toml
 	# No torch first: megatron-core's requirement brings the registry's (CUDA) torch, as users get it.
 	$(COMPAT_VENV)/bin/pip install -q --no-build-isolation 'megatron-core==$(COMPAT_MCORE)' -e '.[dev,plot]'
 	touch $@
+
+# CI's second line (.ci/run): Megatron-LM core_v0.19.0's own pretrain() on megatron-core $(COMPAT_MCORE)
+# (MEGATRON_LM_DIR: a core_v0.19.0 tree), and `hetermoe pretrain` with no checkout; a test that
+# cannot run there fails instead of skipping (HETERMOE_REQUIRE_V019).
+V019_TESTS := tests/training/test_megatron_lm_v019.py tests/training/test_hetermoe_pretrain.py
+.PHONY: test-v019
+test-v019: $(COMPAT_STAMP)
+	@test -n "$$MEGATRON_LM_DIR" || { echo "make test-v019: set MEGATRON_LM_DIR to a Megatron-LM core_v0.19.0 tree" >&2; exit 2; }
+	$(COMPAT_VENV)/bin/pip install -q --no-build-isolation 'megatron-core==$(COMPAT_MCORE)' -e '.[megatron-lm]'
+	HETERMOE_REQUIRE_V019=1 OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -rs $(V019_TESTS)
 
 # With MEGATRON_LM_DIR (a core_v0.19.0 checkout) Megatron-LM's own pretrain() runs too
 # (test_megatron_lm_v019.py): its training side needs the megatron-lm extra.
