@@ -133,6 +133,46 @@ def hetero_run(work: Path, plan: Path, data_path: str, tb: Path, extra: tuple | 
     return log, tb_losses(tb)
 
 
+def checkpoints_both_ways(work: Path, plan: Path, data_path: str, tmp_path: Path, data: tuple | list = DATA) -> None:
+    """Megatron-LM's own EP run (2 ranks, EP 2) saves; a HeterMoE run of `plan` (4 ranks) loads it,
+    as does Megatron EP; both continue with the same losses and the same routers' load-balancing
+    loss (logged by the last rank: an expert rank in the HeterMoE run). Then the other way: the
+    HeterMoE run's checkpoint loads into Megatron EP and into HeterMoE alike. dist_checkpointing
+    reshards; --no-load-optim --no-load-rng as for any change of layout. `data`: the tokenizer
+    flags of that release."""
+    flags = [*MODEL, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", *data, *RECIPE, *CPU,
+             "--data-path", data_path, "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0",
+             "--moe-aux-loss-coeff", "0.01"]
+    ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    hetero = ["--hetero-plan", str(plan)]
+    cross = ["--no-load-optim", "--no-load-rng"]
+    ck_ep, ck_h = tmp_path / "ep", tmp_path / "hetero"
+    seen: list[dict] = []
+
+    def run(nproc, extra):
+        tb = tmp_path / f"tb{len(seen)}"
+        r = torchrun(work, nproc, [*flags, *extra, "--tensorboard-dir", str(tb)])
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        balance = tb_losses(tb, "load_balancing_loss")
+        assert balance and all(v > 0.5 for v in balance.values()), balance
+        seen.append(balance)
+        return tb_losses(tb)
+
+    first = run(2, [*ep, "--train-iters", "2", "--save", str(ck_ep), "--save-interval", "2"])
+    assert sorted(first) == [1, 2]
+    into_ep = run(2, [*ep, "--train-iters", "4", "--load", str(ck_ep), *cross])
+    into_h = run(4, [*hetero, "--train-iters", "4", "--load", str(ck_ep), *cross, "--save", str(ck_h),
+                     "--save-interval", "4"])
+    assert sorted(into_ep) == sorted(into_h) == [3, 4]
+    assert [into_h[i] for i in (3, 4)] == pytest.approx([into_ep[i] for i in (3, 4)], abs=3e-6)
+    assert seen[2] == pytest.approx(seen[1], abs=3e-6)
+    back_ep = run(2, [*ep, "--train-iters", "5", "--load", str(ck_h), *cross])
+    back_h = run(4, [*hetero, "--train-iters", "5", "--load", str(ck_h), *cross])
+    assert sorted(back_ep) == sorted(back_h) == [5]
+    assert back_h[5] == pytest.approx(back_ep[5], abs=3e-6)
+    assert seen[4] == pytest.approx(seen[3], abs=3e-6)
+
+
 def load_dcp(ckpt: Path) -> dict:
     """A torch_dist checkpoint as one dict of its global tensors and objects (torch DCP)."""
     import torch

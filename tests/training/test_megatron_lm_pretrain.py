@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from margins import within
 from megatron_lm_run import (
+    checkpoints_both_ways,
     PRECISIONS,
     hetero_run,
     same_state,
@@ -167,42 +168,8 @@ def test_resume_from_a_torch_dist_checkpoint_is_bitwise(mlm, data, tmp_path, pre
 
 @pytest.mark.slow
 def test_megatron_ep_and_hetermoe_checkpoints_load_into_each_other(mlm, data, tmp_path):
-    """Megatron-LM's own EP run (2 ranks, EP 2) saves; a HeterMoE Asym-EA zebra run (4 ranks)
-    loads it, as does Megatron EP; both continue with the same losses. Then the other way: the
-    HeterMoE run's checkpoint loads into Megatron EP and into HeterMoE alike. dist_checkpointing
-    reshards; --no-load-optim --no-load-rng as for any change of layout."""
-    plan = _asym_plan(tmp_path / "plan.json")
-    flags = [*MODEL, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", *DATA, *RECIPE, *CPU,
-             "--data-path", data, "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0",
-             "--moe-aux-loss-coeff", "0.01"]
-    ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
-    hetero = ["--hetero-plan", str(plan)]
-    cross = ["--no-load-optim", "--no-load-rng"]
-    ck_ep, ck_h = tmp_path / "ep", tmp_path / "hetero"
-
-    def run(nproc, extra):
-        tb = tmp_path / f"tb{len(list(tmp_path.glob('tb*')))}"
-        r = torchrun(mlm, nproc, [*flags, *extra, "--tensorboard-dir", str(tb)])
-        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-        balance = tb_losses(tb, "load_balancing_loss")  # logged by the last rank: an expert rank here
-        assert balance and all(v > 0.5 for v in balance.values()), balance
-        seen.append(balance)
-        return tb_losses(tb)
-
-    seen: list[dict] = []
-
-    run(2, [*ep, "--train-iters", "2", "--save", str(ck_ep), "--save-interval", "2"])
-    into_ep = run(2, [*ep, "--train-iters", "4", "--load", str(ck_ep), *cross])
-    into_h = run(4, [*hetero, "--train-iters", "4", "--load", str(ck_ep), *cross, "--save", str(ck_h),
-                     "--save-interval", "4"])
-    assert sorted(into_ep) == sorted(into_h) == [3, 4]
-    assert [into_h[i] for i in (3, 4)] == pytest.approx([into_ep[i] for i in (3, 4)], abs=3e-6)
-    assert seen[2] == pytest.approx(seen[1], abs=3e-6)  # the routers' load-balancing loss, as Megatron EP's
-    back_ep = run(2, [*ep, "--train-iters", "5", "--load", str(ck_h), *cross])
-    back_h = run(4, [*hetero, "--train-iters", "5", "--load", str(ck_h), *cross])
-    assert sorted(back_ep) == sorted(back_h) == [5]
-    assert back_h[5] == pytest.approx(back_ep[5], abs=3e-6)
-    assert seen[4] == pytest.approx(seen[3], abs=3e-6)
+    """Megatron EP's checkpoint into HeterMoE Asym-EA zebra and back (megatron_lm_run.checkpoints_both_ways)."""
+    checkpoints_both_ways(mlm, _asym_plan(tmp_path / "plan.json"), data, tmp_path)
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from megatron_lm_run import (
+    checkpoints_both_ways,
     PRECISIONS,
     hetero_run,
     same_state,
@@ -166,39 +167,16 @@ def test_core_v019_resume_from_a_torch_dist_checkpoint_is_bitwise(mlm19, data, t
 
 
 @pytest.mark.slow
-def test_core_v019_megatron_ep_on_cpu_and_its_checkpoint_into_hetermoe(mlm19, data, tmp_path):
+def test_core_v019_megatron_ep_and_hetermoe_checkpoints_load_into_each_other(mlm19, data, tmp_path):
     """Plain Megatron-LM (EP 2, no --hetero-plan) through the patch's CPU layer saves; Megatron EP
-    and a HeterMoE Asym-EA zebra run load it (--no-load-optim --no-load-rng) and continue with the
-    same losses and the same routers' load-balancing loss (logged by the last rank: an expert rank
-    in the HeterMoE run; core_v0.19.0 reports it through MoEMetricsTracker)."""
+    and a HeterMoE Asym-EA zebra run load it and continue with the same losses and load-balancing
+    loss (core_v0.19.0 reports it through MoEMetricsTracker); then the HeterMoE checkpoint loads
+    into both alike (megatron_lm_run.checkpoints_both_ways, as core_v0.16.1's test)."""
     from shared_plans import asym_ea_plan
 
     plan = tmp_path / "plan.json"
     asym_ea_plan().save(plan)
-    flags = [*MODEL, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", *DATA, *RECIPE, *CPU,
-             "--data-path", data, "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0",
-             "--moe-aux-loss-coeff", "0.01"]
-    ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
-    cross = ["--no-load-optim", "--no-load-rng"]
-    ck = tmp_path / "ep"
-    seen = []
-
-    def run(nproc, extra):
-        tb = tmp_path / f"tb{len(seen)}"
-        r = torchrun(mlm19, nproc, [*flags, *extra, "--tensorboard-dir", str(tb)])
-        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
-        balance = tb_losses(tb, "load_balancing_loss")
-        assert balance and all(v > 0.5 for v in balance.values()), balance
-        seen.append(balance)
-        return tb_losses(tb)
-
-    first = run(2, [*ep, "--train-iters", "2", "--save", str(ck), "--save-interval", "2"])
-    assert sorted(first) == [1, 2]
-    into_ep = run(2, [*ep, "--train-iters", "4", "--load", str(ck), *cross])
-    into_h = run(4, ["--hetero-plan", str(plan), "--train-iters", "4", "--load", str(ck), *cross])
-    assert sorted(into_ep) == sorted(into_h) == [3, 4]
-    assert [into_h[i] for i in (3, 4)] == pytest.approx([into_ep[i] for i in (3, 4)], abs=3e-6)
-    assert seen[2] == pytest.approx(seen[1], abs=3e-6)
+    checkpoints_both_ways(mlm19, plan, data, tmp_path, data=DATA)
 
 
 @pytest.mark.slow
