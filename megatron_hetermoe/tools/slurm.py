@@ -11,7 +11,9 @@ RANK inside each task.
 
 - Entry: `--entry plugin` (default) runs this plugin's trainer (`python -m
   megatron_hetermoe.training.pretrain_gpt`); `--entry megatron-lm --megatron-lm-dir DIR` runs
-  Megatron-LM's own pretrain_gpt.py, patched (patches/), from that checkout.
+  Megatron-LM's own pretrain_gpt.py, patched (patches/), from that checkout; `--entry
+  megatron-core` runs megatron-core >= 0.19's own pretrain() with no checkout (`python -m
+  megatron_hetermoe.megatron_lm.pretrain`, `hetermoe pretrain`'s ranks).
 - GPUs: each task sees every GPU of its node (`--gpu-bind=none`, no per-task GPU limit), so NCCL
   finds NVLink between them, and LOCAL_RANK (SLURM_LOCALID) is the task's GPU on the node, the
   device Megatron-LM's `set_device(args.local_rank)` takes. rank.sh sets LOCAL_RANK=0 where a
@@ -39,7 +41,7 @@ from pathlib import Path
 
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
-ENTRIES = ("plugin", "megatron-lm")
+ENTRIES = ("plugin", "megatron-lm", "megatron-core")
 DEFAULT_MAX_CONNECTIONS = 8  # CUDA's default
 
 
@@ -119,7 +121,44 @@ def entry_command(entry: str, megatron_lm_dir: str | None) -> list[str]:
     """What each task runs after $PYTHON (the training flags follow)."""
     if entry == "megatron-lm":
         return [str(Path(megatron_lm_dir) / "pretrain_gpt.py")]
+    if entry == "megatron-core":
+        return ["-m", "megatron_hetermoe.megatron_lm.pretrain"]
     return ["-m", "megatron_hetermoe.training.pretrain_gpt"]
+
+
+def check_megatron_core(train_args: list[str]) -> None:
+    """Flags that megatron-core's own parser (>= 0.19, with the --hetero-* flags) takes: names and
+    value types, checked here with the parser the nodes will use."""
+    from megatron_hetermoe.compat import mcore_version
+
+    try:
+        from megatron.training.arguments import add_megatron_arguments
+    except ImportError:
+        add_megatron_arguments = None
+    if add_megatron_arguments is None or mcore_version()[:2] < (0, 19):
+        found = ".".join(map(str, mcore_version()))
+        raise ValueError(f"--entry megatron-core: this host's megatron-core {found} has no megatron.training to check "
+                         f"the flags with (0.19 and later ship it); render the job where the training environment is "
+                         f"installed, or use --entry megatron-lm --megatron-lm-dir DIR")
+    from megatron_hetermoe.training.hetero_args import add_hetero_args
+
+    class Refused(Exception):
+        pass
+
+    parser = add_hetero_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+
+    def refuse(message: str):
+        raise Refused(message)
+
+    parser.error = refuse
+    try:
+        _, unknown = parser.parse_known_args([*train_args, "--hetero-plan", "plan.json"])
+    except Refused as e:
+        raise ValueError(f"megatron-core's pretrain() flags: {e}") from None
+    names = [t.split("=", 1)[0] for t in unknown if t.startswith("-")]
+    if names or unknown:
+        raise ValueError(f"megatron-core's pretrain() flag(s) {' '.join(names or unknown)}: not flags of "
+                         f"megatron-core {'.'.join(map(str, mcore_version()))}'s parser (or the --hetero-* ones)")
 
 
 def check_megatron_lm(checkout: str, train_args: list[str]) -> None:
@@ -145,6 +184,9 @@ def check_train_args(train_args: list[str], plan_path: str, entry: str, megatron
     """The job's flags, checked before the job script is written (see the module doc)."""
     if entry == "megatron-lm":
         check_megatron_lm(megatron_lm_dir, train_args)
+        return
+    if entry == "megatron-core":
+        check_megatron_core(train_args)
         return
     from megatron_hetermoe.training.pretrain_gpt import check_flags
 
@@ -242,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the tasks' interpreter (default: $PYTHON, else this one); $PYTHON at run time wins")
     p.add_argument("--entry", choices=ENTRIES, default="plugin",
                    help="plugin: this plugin's trainer; megatron-lm: Megatron-LM's patched pretrain_gpt.py "
-                        "(--megatron-lm-dir)")
+                        "(--megatron-lm-dir); megatron-core: megatron-core >= 0.19's own pretrain(), no checkout")
     p.add_argument("--megatron-lm-dir", default=None, help="the Megatron-LM checkout, with --entry megatron-lm")
     p.add_argument("--cuda-device-max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help="CUDA_DEVICE_MAX_CONNECTIONS of every task (1 serialises zebra's streams: refused with zebra)")

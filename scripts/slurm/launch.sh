@@ -5,7 +5,8 @@
 #   scripts/slurm/launch.sh [--dry-run] --plan plan.json --gpus-per-node 8 \
 #       [--gpus-per-node v100=4] [--partition a40=gpu-a40] [--constraint v100=v100-32g] \
 #       [--account ACC] [--time 02:00:00] [--master-port 29500] \
-#       [--entry plugin | --entry megatron-lm --megatron-lm-dir DIR] [--cuda-device-max-connections 8] \
+#       [--entry plugin | --entry megatron-lm --megatron-lm-dir DIR | --entry megatron-core] \
+#       [--cuda-device-max-connections 8] \
 #       -- <pretrain_gpt flags: --num-layers ... --data-path ...>
 #
 # --dry-run prints the sbatch command, the batch script and every task's command, and submits nothing.

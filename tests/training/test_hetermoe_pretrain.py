@@ -106,3 +106,28 @@ def test_with_a_patched_checkout_it_runs_megatron_lms_pretrain(mlm, data, tmp_pa
     assert r.returncode == 0, log[-4000:]
     assert "1 attention ranks (Megatron's data parallel size) + 1 expert ranks" in log, log[-3000:]
     assert sorted(int(i) for i, _ in ITERATION.findall(log)) == [1, 2, 3], log[-3000:]
+
+
+def test_slurm_entry_runs_hetermoe_pretrains_ranks(tmp_path, capsys):
+    """scripts/slurm's --entry megatron-core: every task runs `python -m megatron_hetermoe.megatron_lm.pretrain`
+    (megatron-core >= 0.19's pretrain(), no checkout); the flags are checked with megatron-core's own
+    parser before the job is written, and a host without it says so."""
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+    from megatron_hetermoe.tools import slurm
+
+    plan = tmp_path / "plan.json"
+    even_plan(2, 4, 1, 1, groups=2, attention_gpu="A40", expert_gpu="V100-32GB").save(plan)
+    base = ["--plan", str(plan), "--gpus-per-node", "8", "--entry", "megatron-core", "--tasks", "--"]
+    code = slurm.main([*base, *MODEL, "--lr", "1e-3"])
+    out, err = capsys.readouterr()
+    if compat.mcore_version()[:2] < (0, 19):
+        assert code == 2 and "megatron-core 0.16" in err and "has no megatron.training to check the flags" in err, err
+        return
+    assert code == 0, err
+    tasks = out.strip().splitlines()
+    assert len(tasks) == 4 and all(f"-m megatron_hetermoe.megatron_lm.pretrain {' '.join(MODEL)} --lr 1e-3 "
+                                   f"--hetero-plan {plan}" in t for t in tasks), tasks
+    assert slurm.main([*base, *MODEL, "--frobnicate"]) == 2
+    assert "flag(s) --frobnicate: not flags of megatron-core 0.19" in capsys.readouterr().err
+    assert slurm.main([*base, "--num-layers", "two"]) == 2
+    assert "argument --num-layers: invalid int value: 'two'" in capsys.readouterr().err
