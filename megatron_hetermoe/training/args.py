@@ -227,8 +227,8 @@ def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
                         "(under torchrun the collective timeouts apply)")
     p.add_argument("--golden-values-out", default=None, help="write per-step lm loss as Megatron golden values JSON (default: none)")
     p.add_argument("--recompute-granularity", choices=["full"], default=None,
-                   help="zebra: recompute attention stages in backward (Megatron's 'full' meaning, per stage; "
-                        "default: keep activations)")
+                   help="zebra only (refused otherwise): recompute attention stages in backward (Megatron's "
+                        "'full' meaning, per stage; default: keep activations)")
     p.add_argument("--timeline-dir", default=None, help="HeterMoE: write each rank's timeline here (default: none)")
     add_hetero_args(p)
     return p
@@ -317,6 +317,9 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
             raise SystemExit(f"--nproc {a.nproc} but the plan has {plan.world_size} ranks; drop --nproc")
         if "RANK" not in os.environ:  # under torchrun, join its ranks instead of forking more
             a.nproc = plan.world_size
+    if a.recompute_granularity == "full" and (not a.hetero_plan or (a.hetero_schedule or plan.schedule) != "zebra"):
+        p.error("--recompute-granularity full: this trainer recomputes only under the zebra schedule (--hetero-plan, "
+                "--hetero-schedule zebra or a zebra plan); here it would do nothing; drop it, or run zebra")
     joining = "RANK" in os.environ and a.nproc is None
     world = int(os.environ.get("WORLD_SIZE", 0)) if joining else (a.nproc or 4)
     try:  # every input, before any process group (torchrun's or ours) exists

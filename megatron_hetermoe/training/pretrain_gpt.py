@@ -17,8 +17,9 @@ LR decay: the flags that make Megatron-LM build and train that (RECIPE_FLAGS) ar
 command line without one is refused by name, since Megatron-LM would build or train something
 else from it (GeLU MLPs, LayerNorm, ...); `hetermoe pretrain` (Megatron's own pretrain()) builds
 whatever the flags say. Likewise refused: no --global-batch-size (Megatron-LM's default is
-micro batch x data-parallel size), --eval-interval without --eval-iters 0, --recompute-granularity
-full outside the zebra schedule, --moe-router-topk 1. --min-lr defaults to Megatron-LM's 0.
+micro batch x data-parallel size), --eval-interval without --eval-iters 0, --moe-router-topk 1,
+and (in `hetermoe train`'s validation, for both) --recompute-granularity full outside the zebra
+schedule. --min-lr defaults to Megatron-LM's 0.
 The vocabulary is the tokenizer's, padded as Megatron pads it. --transformer-impl and
 --moe-grouped-gemm keep Megatron-LM's meaning when given (a request that cannot run here, e.g.
 transformer_engine without transformer-engine or on CPU ranks, is refused); without them the
@@ -235,23 +236,6 @@ def check_supported(a: argparse.Namespace) -> None:
         raise ValueError("--moe-router-topk 1: this trainer routes top-1 with the softmax before top-k (Megatron-LM's "
                          "--moe-router-pre-softmax, not taken here; Megatron-LM refuses top-1 without it); use "
                          f"--moe-router-topk 2 or more, or run {MEGATRON_PRETRAIN}")
-    if a.recompute_granularity == "full" and _schedule(a) != "zebra":
-        raise ValueError("--recompute-granularity full: this trainer recomputes only under the zebra schedule "
-                         "(--hetero-plan, --hetero-schedule zebra or a zebra plan); here it would do nothing; drop "
-                         "it, or run zebra")
-
-
-def _schedule(a: argparse.Namespace) -> str | None:
-    """The HeterMoE schedule the run uses (None: no plan, or a plan that does not load, which
-    validate_run reports)."""
-    if not a.hetero_plan or a.hetero_schedule:
-        return a.hetero_schedule if a.hetero_plan else None
-    from megatron_hetermoe.plan.hetero_plan import HeteroPlan
-
-    try:
-        return HeteroPlan.load(a.hetero_plan).schedule
-    except (ValueError, OSError):
-        return None
 
 
 class FlagError(UserError, ValueError):

@@ -206,16 +206,26 @@ def test_flags_megatron_would_honour_otherwise_are_refused(tmp_path):
     check_supported(build_parser().parse_args([*RUN, "--eval-interval", "5", "--eval-iters", "0"]))
     assert "--moe-router-topk 1: this trainer routes top-1 with the softmax before top-k" in \
         _refusal([*RUN, "--moe-router-topk", "1"])
-    assert "--recompute-granularity full: this trainer recomputes only under the zebra schedule" in \
-        _refusal([*RUN, "--recompute-granularity", "full"])
+    # Full recomputation outside zebra: refused by the run's validation (hetermoe train's too).
     from megatron_hetermoe.plan.hetero_plan import even_plan
+    from megatron_hetermoe.training import args as train_args
 
+    with pytest.raises(ValueError, match="--recompute-granularity full: this trainer recomputes only under the zebra"):
+        check_flags([*RUN, "--recompute-granularity", "full"])
     plan = tmp_path / "plan.json"
-    even_plan(2, 4, 1, 1, groups=1).save(plan)  # distep
-    assert "only under the zebra schedule" in _refusal([*RUN, "--recompute-granularity", "full", "--hetero-plan",
-                                                        str(plan)])
-    check_supported(build_parser().parse_args([*RUN, "--recompute-granularity", "full", "--hetero-plan", str(plan),
-                                               "--hetero-schedule", "zebra"]))
+    even_plan(2, 4, 1, 1, groups=1, num_microbatches=4).save(plan)  # distep; global batch 8 = 2 x 4 x 1
+    with pytest.raises(ValueError, match="only under the zebra schedule"):
+        check_flags([*RUN, "--recompute-granularity", "full", "--hetero-plan", str(plan)])
+    check_flags([*RUN, "--recompute-granularity", "full", "--hetero-plan", str(plan), "--hetero-schedule", "zebra"])
+    p = train_args.build_parser()
+
+    def error(message: str):
+        raise ValueError(message)
+
+    p.error = error
+    with pytest.raises(ValueError, match="--recompute-granularity full: this trainer recomputes only under the zebra"):
+        train_args.validate_run(p, p.parse_args(["--model", "tiny", "--recompute-granularity", "full"]),
+                                check_outputs=False)
     r = _run([*RUN, "--hidden-dropout", "0.1"])
     assert r.returncode == 2 and "argument --hidden-dropout: invalid choice: 0.1" in r.stderr
 
