@@ -65,12 +65,17 @@ __all__ = ["add_hetero_args", "hetero_pretrain", "megatron_on_cpu", "hetero_requ
            "checkout_version", "PATCHES"]
 
 
-def hetero_requested(argv: list[str]) -> bool:
-    """Whether this command line asks for HeterMoE (--hetero-plan given)."""
+def hetero_plan_path(argv: list[str]) -> str | None:
+    """The --hetero-plan this command line gives (None: a plain Megatron run)."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("--hetero-plan", default=None)
     known, _ = p.parse_known_args(argv)
-    return known.hetero_plan is not None
+    return known.hetero_plan
+
+
+def hetero_requested(argv: list[str]) -> bool:
+    """Whether this command line asks for HeterMoE (--hetero-plan given)."""
+    return hetero_plan_path(argv) is not None
 
 
 def run_hetero(argv: list[str]) -> int:

@@ -369,14 +369,19 @@ def _take_nproc(argv: list[str]) -> tuple[int | None, bool, list[str]]:
 
 
 def _plan_world(argv: list[str]) -> int | None:
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument("--hetero-plan", default=None)
-    known, _ = p.parse_known_args(argv)
-    if known.hetero_plan is None:
+    from megatron_hetermoe.megatron_lm import hetero_plan_path
+
+    path = hetero_plan_path(argv)
+    if path is None:
         return None
     from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
-    return HeteroPlan.load(known.hetero_plan).world_size
+    return HeteroPlan.load(path).world_size
+
+
+def _checkout_env(checkout: Path) -> dict[str, str]:
+    """This environment with the checkout first on PYTHONPATH (its megatron/, as pretrain_gpt.py expects)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(checkout), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
 def describe(source: tuple[str, Path | None]) -> str:
@@ -411,8 +416,8 @@ def _help() -> int:
         return 0
     print(f"\nMegatron-LM's flags ({describe(source)}):", flush=True)
     if source[0] == "checkout":
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(source[1]), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        return subprocess.run([sys.executable, str(source[1] / "pretrain_gpt.py"), "--help"], env=env).returncode
+        return subprocess.run([sys.executable, str(source[1] / "pretrain_gpt.py"), "--help"],
+                              env=_checkout_env(source[1])).returncode
     from megatron.training.arguments import parse_args
 
     from megatron_hetermoe.megatron_lm import add_hetero_args
@@ -456,9 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     if nproc is None:
         nproc = _plan_world(argv) or 1
     print(f"hetermoe pretrain: {nproc} rank(s) on this host, {describe(source)}", flush=True)
-    env = dict(os.environ)
-    if source[0] == "checkout":  # the checkout's megatron/ first, as pretrain_gpt.py expects
-        env["PYTHONPATH"] = os.pathsep.join([str(source[1]), *filter(None, [env.get("PYTHONPATH")])])
+    env = _checkout_env(source[1]) if source[0] == "checkout" else None
     return subprocess.run(launch_command(argv, nproc, source), env=env).returncode
 
 

@@ -38,6 +38,10 @@ def write_golden(path: str | Path, losses: list[float], start_step: int = 1) -> 
 
 def read_golden(path: str | Path, metric: str = "lm loss") -> dict[int, float]:
     """{step: value}; GoldenValuesError for a missing, unreadable or malformed file."""
+    return _metric_values(_load_golden(path), path, metric)
+
+
+def _load_golden(path: str | Path):
     try:
         d = json.loads(Path(path).read_text())
     except OSError as e:
@@ -46,6 +50,10 @@ def read_golden(path: str | Path, metric: str = "lm loss") -> dict[int, float]:
     except (ValueError, UnicodeDecodeError) as e:
         raise GoldenValuesError(f"--golden {path}: not valid JSON ({e}); give a golden-values JSON "
                                 f"(hetermoe train --golden-values-out, or regress --update)") from None
+    return d
+
+
+def _metric_values(d, path: str | Path, metric: str) -> dict[int, float]:
     if not isinstance(d, dict) or not isinstance(d.get(metric), dict) or not isinstance(d[metric].get("values"), dict):
         keys = sorted(d) if isinstance(d, dict) else type(d).__name__
         raise GoldenValuesError(f"--golden {path}: no {metric!r} golden values (Megatron's layout: "
@@ -132,11 +140,9 @@ def golden_from_scalars(scalars: dict[str, dict[int, float]]) -> dict:
 
 def read_golden_metrics(path: str | Path) -> dict[str, dict[int, float]]:
     """{metric: {step: value}} for every metric of a golden-values file ('lm loss' required)."""
-    golden = {"lm loss": read_golden(path)}
-    d = json.loads(Path(path).read_text())
-    for metric in d:
-        if metric != "lm loss":
-            golden[metric] = read_golden(path, metric)
+    d = _load_golden(path)  # read once, every metric checked as read_golden checks 'lm loss'
+    golden = {"lm loss": _metric_values(d, path, "lm loss")}
+    golden.update({metric: _metric_values(d, path, metric) for metric in d if metric != "lm loss"})
     return golden
 
 
