@@ -215,10 +215,15 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Megatron's parallel sizes and dispatcher. `sequence_parallel` is Megatron's
+    --sequence-parallel: turned off at TP 1 (as Megatron-LM's validate_args does), required with
+    TP > 1 (the model is always MoE: Megatron-LM refuses MoE with TP and no sequence parallelism).
+    Experts are never tensor-parallel here (Megatron's --expert-tensor-parallel-size 1)."""
     tp: int = 1
     pp: int = 1
     ep: int = 1
     dispatcher: str = "alltoall"  # Megatron's --moe-token-dispatcher-type
+    sequence_parallel: bool = False  # Megatron's --sequence-parallel
 
     def __post_init__(self) -> None:
         if self.dispatcher not in ("alltoall", "allgather"):
@@ -226,10 +231,12 @@ class ParallelConfig:
                 f"moe token dispatcher {self.dispatcher!r} is not available on CPU; use alltoall or "
                 f"allgather (flex needs DeepEP on GPUs)"
             )
-        if self.tp != 1:
+        if type(self.tp) is int and self.tp == 1 and self.sequence_parallel:
+            object.__setattr__(self, "sequence_parallel", False)  # Megatron-LM: no SP without TP
+        if type(self.tp) is int and self.tp > 1 and not self.sequence_parallel:
             raise ValueError(
-                f"tensor-model-parallel-size={self.tp} is not supported yet (MoE with TP needs "
-                f"sequence parallelism, not bridged on gloo); use 1"
+                f"--tensor-model-parallel-size {self.tp} without --sequence-parallel: When using MoE and tensor "
+                f"parallelism, sequence parallelism must be used (Megatron-LM's rule); add --sequence-parallel"
             )
 
 

@@ -61,7 +61,8 @@ def env() -> dict:
     # Megatron-LM compiles its dataset helpers with `python3 -m pybind11` and `python3-config`:
     # this interpreter's, then its base installation's.
     path = os.pathsep.join([str(Path(sys.executable).parent), sysconfig.get_config_var("BINDIR"), os.environ["PATH"]])
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path,
+    # CUDA_DEVICE_MAX_CONNECTIONS: Megatron-LM asserts it with TP > 1 before Blackwell; its recipes export it.
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PATH": path, "CUDA_DEVICE_MAX_CONNECTIONS": "1",
             "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
@@ -72,6 +73,13 @@ def torchrun(work: Path, nproc: int, flags: list[str], timeout: int = 600) -> su
     return subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node",
                            str(nproc), "--master-port", str(port), "pretrain_gpt.py", *flags],
                           cwd=work, env=env(), capture_output=True, text=True, timeout=timeout)
+
+
+def failure(log: str) -> str:
+    """What to show of a failed torchrun's log: from the first rank's traceback on (torchrun's own
+    report of the failed children fills the tail)."""
+    i = log.find("Traceback (most recent call last)")
+    return log[i:i + 4000] if i >= 0 else log[-4000:]
 
 
 def tb_losses(tb: Path, tag: str = "lm loss") -> dict[int, float]:
@@ -110,7 +118,7 @@ def run_losses(work: Path, tmp_path: Path, nproc: int, flags: list[str], name: s
     tb = tmp_path / name
     r = torchrun(work, nproc, [*flags, "--tensorboard-dir", str(tb)])
     log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-4000:]
+    assert r.returncode == 0, failure(log)
     return tb_losses(tb, tag), log
 
 
@@ -129,22 +137,26 @@ def hetero_run(work: Path, plan: Path, data_path: str, tb: Path, extra: tuple | 
     r = torchrun(work, nproc, [*MODEL, *BATCH, *data, *RECIPE, *CPU, "--data-path", data_path, "--log-interval", "1",
                                *evaluation, "--hetero-plan", str(plan), "--tensorboard-dir", str(tb), *extra])
     log = r.stdout + r.stderr
-    assert r.returncode == 0, log[-4000:]
+    assert r.returncode == 0, failure(log)
     return log, tb_losses(tb)
 
 
-def checkpoints_both_ways(work: Path, plan: Path, data_path: str, tmp_path: Path, data: tuple | list = DATA) -> None:
+def checkpoints_both_ways(work: Path, plan: Path, data_path: str, tmp_path: Path, data: tuple | list = DATA,
+                          extra: tuple | list = (), nproc: int = 4, plain_extra: tuple | list | None = None) -> None:
     """Megatron-LM's own EP run (2 ranks, EP 2) saves; a HeterMoE run of `plan` (4 ranks) loads it,
     as does Megatron EP; both continue with the same losses and the same routers' load-balancing
     loss (logged by the last rank: an expert rank in the HeterMoE run). Then the other way: the
     HeterMoE run's checkpoint loads into Megatron EP and into HeterMoE alike. dist_checkpointing
     reshards; --no-load-optim --no-load-rng as for any change of layout. `data`: the tokenizer
-    flags of that release."""
+    flags of that release; `extra`: flags of every run (e.g. tensor parallelism), `plain_extra`:
+    of the Megatron EP runs only (default: `extra`); `nproc`: the HeterMoE runs' ranks."""
     flags = [*MODEL, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", *data, *RECIPE, *CPU,
              "--data-path", data_path, "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0",
              "--moe-aux-loss-coeff", "0.01"]
     ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
-    hetero = ["--hetero-plan", str(plan)]
+    plain_extra = list(extra) if plain_extra is None else list(plain_extra)
+    ep = [*ep, *plain_extra]
+    hetero = ["--hetero-plan", str(plan), *extra]
     cross = ["--no-load-optim", "--no-load-rng"]
     ck_ep, ck_h = tmp_path / "ep", tmp_path / "hetero"
     seen: list[dict] = []
@@ -152,7 +164,7 @@ def checkpoints_both_ways(work: Path, plan: Path, data_path: str, tmp_path: Path
     def run(nproc, extra):
         tb = tmp_path / f"tb{len(seen)}"
         r = torchrun(work, nproc, [*flags, *extra, "--tensorboard-dir", str(tb)])
-        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        assert r.returncode == 0, failure(r.stdout + r.stderr)
         balance = tb_losses(tb, "load_balancing_loss")
         assert balance and all(v > 0.5 for v in balance.values()), balance
         seen.append(balance)
@@ -161,13 +173,13 @@ def checkpoints_both_ways(work: Path, plan: Path, data_path: str, tmp_path: Path
     first = run(2, [*ep, "--train-iters", "2", "--save", str(ck_ep), "--save-interval", "2"])
     assert sorted(first) == [1, 2]
     into_ep = run(2, [*ep, "--train-iters", "4", "--load", str(ck_ep), *cross])
-    into_h = run(4, [*hetero, "--train-iters", "4", "--load", str(ck_ep), *cross, "--save", str(ck_h),
+    into_h = run(nproc, [*hetero, "--train-iters", "4", "--load", str(ck_ep), *cross, "--save", str(ck_h),
                      "--save-interval", "4"])
     assert sorted(into_ep) == sorted(into_h) == [3, 4]
-    assert [into_h[i] for i in (3, 4)] == pytest.approx([into_ep[i] for i in (3, 4)], abs=3e-6)
+    assert [into_h[i] for i in (3, 4)] == pytest.approx([into_ep[i] for i in (3, 4)], abs=3e-6), (into_h, into_ep)
     assert seen[2] == pytest.approx(seen[1], abs=3e-6)
     back_ep = run(2, [*ep, "--train-iters", "5", "--load", str(ck_h), *cross])
-    back_h = run(4, [*hetero, "--train-iters", "5", "--load", str(ck_h), *cross])
+    back_h = run(nproc, [*hetero, "--train-iters", "5", "--load", str(ck_h), *cross])
     assert sorted(back_ep) == sorted(back_h) == [5]
     assert back_h[5] == pytest.approx(back_ep[5], abs=3e-6)
     assert seen[4] == pytest.approx(seen[3], abs=3e-6)

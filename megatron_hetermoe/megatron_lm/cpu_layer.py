@@ -31,6 +31,7 @@ def _cpu_replacements() -> list:
     unless told the run may go without, builds legacy CUDA kernels with nvcc, and initializes
     model parallelism and its RNG tracker only when CUDA devices exist; the CPU backend
     (parallel/cpu_backend.py) stands in for CUDA, and these let Megatron's own code do the rest."""
+    import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
     import megatron.training.training as training
 
@@ -48,6 +49,9 @@ def _cpu_replacements() -> list:
         (initialize, "_warmup_jit_function", lambda *a, **k: None),
         (initialize, "_initialize_distributed", _wrap(initialize._initialize_distributed, _as_if_one_device)),
         (initialize, "_set_random_seed", _wrap(initialize._set_random_seed, _seed_cpu_rng_tracker)),
+        # validate_args asks the CUDA device's architecture with TP or CP > 1 (to pick which
+        # CUDA_DEVICE_MAX_CONNECTIONS advice to print); a CPU rank has none: 0, no Blackwell rules.
+        (arguments, "get_device_arch_version", lambda: 0),
     ]
     try:  # core_v0.16.1 builds its legacy CUDA kernels with nvcc; core_v0.19.0 has none
         import megatron.legacy.fused_kernels as fused_kernels

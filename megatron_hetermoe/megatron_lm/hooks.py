@@ -18,7 +18,7 @@ from megatron_hetermoe.megatron_lm.replaced import recompute_choice, replace_fla
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.training.assembly import RoleAssembly
-from megatron_hetermoe.training.validation import check_plan_for_job
+from megatron_hetermoe.training.validation import check_hetero_tp, check_plan_for_job
 
 
 @dataclasses.dataclass
@@ -57,6 +57,10 @@ class HeteroPretrain:
                            f"{args.num_experts}" + (f" --moe-layer-freq {freq}" if freq != 1 else ""),
                            "remake the plan for this model", f"plan {args.hetero_plan}", moe_layer_freq=freq,
                            mtp_num_layers=args.mtp_num_layers)
+        # Megatron's default --expert-tensor-parallel-size is the TP size: experts split over TP ranks.
+        etp = args.expert_tensor_parallel_size
+        check_hetero_tp(self.plan, args.tensor_model_parallel_size, args.sequence_parallel,
+                        args.tensor_model_parallel_size if etp is None else etp)
         # Megatron's data parallelism is over the attention ranks: validate_args derives
         # data_parallel_size (and set_global_variables the microbatch calculator) from it.
         args.world_size = n_attn
@@ -67,8 +71,12 @@ class HeteroPretrain:
         nmb = self.plan.num_microbatches
         self._pool_args(args)
         if args.rank == 0:
-            print(f"> HeterMoE: plan {args.hetero_plan}, {n_attn} attention ranks (Megatron's data parallel size) + "
-                  f"{world - n_attn} expert ranks, schedule {self.schedule}, {nmb} microbatches", flush=True)
+            tp = self.plan.attention_tp
+            attn = (f"{n_attn} attention ranks (Megatron's data parallel size)" if tp == 1 else
+                    f"{n_attn} attention ranks ({n_attn // tp} members of tensor parallel size {tp}: Megatron's data "
+                    f"parallel size {n_attn // tp})")
+            print(f"> HeterMoE: plan {args.hetero_plan}, {attn} + {world - n_attn} expert ranks, schedule "
+                  f"{self.schedule}, {nmb} microbatches", flush=True)
 
     def _pool_args(self, args) -> None:
         """Per-pool precision (config.PoolPrecision): this rank's --bf16/--fp16/params_dtype become
@@ -150,7 +158,7 @@ class HeteroPretrain:
         # No barrier in the model's own L1 timers (Megatron's schedule, finalize_model_grads): the
         # roles run different code there, so a world-wide barrier in one role's never meets the
         # other's (see _no_role_barriers).
-        config = model_config(config or core_transformer_config_from_args(args), barrier_with_L1_time=False)
+        config = model_config(config or core_transformer_config_from_args(args), self.hs, barrier_with_L1_time=False)
         use_te = args.transformer_impl == "transformer_engine"
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
                                            qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)

@@ -9,9 +9,9 @@ import torch
 # defaults). A flag's argparse dest is its name without dashes.
 _OFF, _UNSET, _ONE = (False,), (None,), (1,)
 _REFUSED: dict[str, dict[str, tuple]] = {
-    "HeterMoE's roles run without model parallelism inside a role": {
-        "--tensor-model-parallel-size": _ONE, "--pipeline-model-parallel-size": _ONE,
-        "--context-parallel-size": _ONE, "--expert-tensor-parallel-size": (None, 1)},
+    "HeterMoE's roles run without pipeline or context parallelism inside a role (tensor parallelism: the "
+    "plan's attention_tp, checked against the plan)": {
+        "--pipeline-model-parallel-size": _ONE, "--context-parallel-size": _ONE},
     "HeterMoE builds megatron-core's GPTModel from the command line's flags and Megatron's spec": {
         "--use-legacy-models": _OFF, "--spec": _UNSET, "--yaml-cfg": _UNSET},
     "not supported with HeterMoE": {

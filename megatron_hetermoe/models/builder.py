@@ -206,6 +206,8 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, precision: str =
         params_dtype=dtype,
         pipeline_dtype=dtype,
         tensor_model_parallel_size=par.tp,
+        sequence_parallel=par.sequence_parallel,
+        expert_tensor_parallel_size=1,  # experts are never tensor-parallel here (tp_shards.py)
         pipeline_model_parallel_size=par.pp,
         expert_model_parallel_size=par.ep,
         bias_activation_fusion=False,
@@ -412,15 +414,21 @@ def _normal_params(method) -> tuple[float, float] | None:
 
 
 @torch.no_grad()
-def init_layout_invariant(model: torch.nn.Module, seed: int, config, names: dict[str, str] | None = None) -> None:
+def init_layout_invariant(model: torch.nn.Module, seed: int, config, names: dict[str, str] | None = None,
+                          tp_group=None) -> None:
     """Every parameter at canonical_init of its canonical name under `config`'s init methods: the
     same values under any layout and any kernels (a GroupedMLP weight is packed from its experts'
-    canonical values)."""
+    canonical values). With `tp_group` of size > 1, a TP-split parameter gets this rank's shard
+    of the canonical FULL tensor (models/tp_shards.py), so TP=1 and TP=2 start identical."""
+    from megatron_hetermoe.models import tp_shards
+
     names = names or canonical_names(model)
+    specs = tp_shards.module_specs(model, tp_group, glu=bool(getattr(config, "gated_linear_unit", False)))
     for name, p in model.named_parameters():
         c = names[name]
         if expert_names.is_label(c):
             p.copy_(expert_names.pack(c, {k: canonical_init(k, torch.Size(s), seed, config)
                                           for k, s in expert_names.canonical_shapes(c, p.shape).items()}))
         else:
-            p.copy_(canonical_init(c, p.shape, seed, config))
+            spec = specs[name]
+            p.copy_(tp_shards.shard(canonical_init(c, tp_shards.full_shape(p.shape, spec), seed, config), spec))

@@ -198,12 +198,47 @@ def device_scope():
     return contextlib.nullcontext()
 
 
+# --- 7. torch norms under sequence parallelism ----------------------------------------------
+def patch_torch_norm_sequence_parallel() -> None:
+    """Let megatron-core's WrappedTorchNorm (the local spec's LayerNorm/RMSNorm without apex or
+    TE) build under sequence parallelism, marking its parameters `sequence_parallel` as
+    megatron-core's FusedLayerNorm and TE's norms do.
+
+    Why: WrappedTorchNorm asserts "sequence parallel not supported by torch LayerNorm", so TP > 1
+    with --sequence-parallel (which Megatron requires for MoE) cannot build on CPU. A norm is
+    pointwise over the hidden dimension, so it is correct on a sequence shard; its gradient is
+    then partial per TP rank, and finalize_model_grads sums it over the TP group for parameters
+    marked `sequence_parallel` (as it does for the fused norms).
+    """
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    orig = torch_norm.WrappedTorchNorm.__new__
+    if getattr(orig, "_hetermoe_sp", False):
+        return
+
+    def __new__(cls, config, *args, **kwargs):
+        sp = bool(config.sequence_parallel)
+        if sp:
+            config = copy.copy(config)
+            config.sequence_parallel = False
+        norm = orig(cls, config, *args, **kwargs)
+        for p in norm.parameters():
+            setattr(p, "sequence_parallel", sp)
+        return norm
+
+    __new__._hetermoe_sp = True
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
 PATCHES: dict[str, Callable[[], None]] = {
     "cuda_streams": patch_cuda_streams,
     "current_device": patch_current_device,
     "rng": patch_rng,
     "split_sizes_to_cpu": patch_split_sizes_to_cpu,
     "cuda_device_literals": patch_cuda_device_literals,
+    "torch_norm_sequence_parallel": patch_torch_norm_sequence_parallel,
 }
 
 
@@ -216,6 +251,7 @@ NEEDED_IN: dict[str, tuple[tuple[int, int, int], tuple[int, int, int] | None]] =
     "rng": _ALWAYS,
     "split_sizes_to_cpu": _ALWAYS,
     "cuda_device_literals": _ALWAYS,
+    "torch_norm_sequence_parallel": _ALWAYS,
 }
 
 
@@ -266,6 +302,7 @@ def preload() -> None:
     import megatron.core.tensor_parallel.random  # noqa: F401
     import megatron.core.transformer.moe.moe_utils  # noqa: F401
     import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
+    import megatron.core.transformer.torch_norm  # noqa: F401
 
 
 def applied() -> frozenset[str]:

@@ -9,8 +9,9 @@ Two things live here, and the process groups (parallel/state.py) and megatron-co
 - `MEGATRON_DIMS`: each megatron-core process-group dimension (ProcessGroupCollection's fields,
   and the parallel_state globals that have none) -> the group kind that serves it on a rank of
   each role. Model parallelism inside a role is `InnerLayout` (tp, cp, pp on attention ranks,
-  etp on expert ranks): 1 everywhere today, so every model-parallel dimension is the rank alone;
-  tensor and pipeline parallelism inside the pools go here (a kind per dimension and role).
+  etp on expert ranks): tensor parallelism on attention members (the plan's attention_tp), the
+  rest 1, so every other model-parallel dimension is the rank alone; pipeline parallelism inside
+  the pools goes here too (a kind per dimension and role).
 """
 from __future__ import annotations
 
@@ -20,34 +21,49 @@ from megatron_hetermoe.config import Role
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
 # Group kinds: "zp" (the members of a ZP group: the dispatch, combine and counts communicators),
-# "attention_dp" (every attention rank: replicas of the dense weights), "replica" (the k-th member
-# of every ZP group: replicas of what that member holds), "self", "world".
-GROUP_KINDS = ("zp", "attention_dp", "replica", "self", "world")
+# "tp" (an attention member's tensor-parallel ranks; the rank alone elsewhere or at attention_tp 1),
+# "attention_dp" (the attention ranks at one tensor-parallel position, one per member: replicas of
+# the same shard of the dense weights), "attention_tp_dp" (every attention rank: Megatron's
+# tensor x data group; attention_dp at attention_tp 1), "replica" (the k-th member of every ZP
+# group: replicas of what that member holds), "self", "world".
+GROUP_KINDS = ("zp", "tp", "attention_dp", "attention_tp_dp", "replica", "self", "world")
 ZP_COMMUNICATORS = ("dispatch", "combine", "counts")
 
 
 @dataclass(frozen=True)
 class InnerLayout:
-    """Model parallelism inside a role's pool (issue: TP/PP inside the pools). All 1 today."""
+    """Model parallelism inside a role's pool (issue: TP/PP inside the pools): tensor parallelism
+    on attention members (the plan's attention_tp, with sequence parallelism); cp, pp and etp are
+    1 (not built yet)."""
     tp: int = 1
     cp: int = 1
     pp: int = 1
     etp: int = 1
 
     def __post_init__(self) -> None:
-        if (self.tp, self.cp, self.pp, self.etp) != (1, 1, 1, 1):
-            raise NotImplementedError(f"{self}: model parallelism inside a HeterMoE pool is not built yet")
+        if (self.cp, self.pp, self.etp) != (1, 1, 1):
+            raise NotImplementedError(f"{self}: context, pipeline and expert tensor parallelism inside a HeterMoE pool "
+                                      f"are not built yet")
+
+    @classmethod
+    def of(cls, plan: HeteroPlan) -> "InnerLayout":
+        return cls(tp=plan.attention_tp)
 
 
 # megatron-core dimension -> the group kind serving it, per role. "dp" is the role's data-parallel
 # group: the attention ranks' DP group (dense weights) or the expert replica group (experts).
-_MODEL_PARALLEL = ("tp", "pp", "mp", "embd", "pos_embd", "cp", "tp_cp", "ep", "expt_tp", "tp_ep", "tp_ep_pp",
-                   "inter_dist_opt", "inter_partial_expt_dp")
-_DATA_PARALLEL = ("tp_dp_cp", "tp_dp", "dp", "dp_cp", "intra_dp_cp", "intra_dist_opt")
+# Tensor-parallel dimensions are the member's TP group on an attention rank (an attention rank has
+# no expert or pipeline parallelism, so TP x EP and TP x EP x PP are its TP group too).
+_TENSOR_PARALLEL = ("tp", "mp", "tp_cp", "tp_ep", "tp_ep_pp")
+_MODEL_PARALLEL = ("pp", "embd", "pos_embd", "cp", "ep", "expt_tp", "inter_dist_opt", "inter_partial_expt_dp")
+_DATA_PARALLEL = ("dp", "dp_cp", "intra_dp_cp", "intra_dist_opt")
+_TENSOR_DATA_PARALLEL = ("tp_dp_cp", "tp_dp")
 _EXPERT_DATA_PARALLEL = ("expt_dp", "intra_expt_dp")
 MEGATRON_DIMS: dict[str, dict[Role, str]] = {
+    **{d: {"attention": "tp", "expert": "self"} for d in _TENSOR_PARALLEL},
     **{d: {"attention": "self", "expert": "self"} for d in _MODEL_PARALLEL},
     **{d: {"attention": "attention_dp", "expert": "replica"} for d in _DATA_PARALLEL},
+    **{d: {"attention": "attention_tp_dp", "expert": "replica"} for d in _TENSOR_DATA_PARALLEL},
     **{d: {"attention": "replica", "expert": "replica"} for d in _EXPERT_DATA_PARALLEL},
 }
 # ProcessGroupCollection's fields this plugin fills (hcp, hierarchical context parallelism: none).
@@ -61,7 +77,10 @@ class RankLayout:
     """One rank of a plan, by arithmetic alone."""
     plan: HeteroPlan
     rank: int
-    inner: InnerLayout = InnerLayout()
+
+    @property
+    def inner(self) -> InnerLayout:
+        return InnerLayout.of(self.plan)
 
     @property
     def role(self) -> Role:
@@ -77,15 +96,27 @@ class RankLayout:
         return self.plan.groups[self.group_index].members.index(self.rank)
 
     @property
+    def tp_rank(self) -> int:
+        """Position in its attention member's tensor-parallel group (0 on an expert rank)."""
+        if self.role != "attention":
+            return 0
+        return self.plan.attention_ranks.index(self.rank) % self.plan.attention_tp
+
+    @property
     def attention_dp_rank(self) -> int | None:
-        """Data-parallel rank among all attention ranks (None on an expert rank)."""
-        return self.plan.attention_ranks.index(self.rank) if self.role == "attention" else None
+        """Data-parallel rank: which attention member, over all ZP groups, this rank is part of
+        (every rank of a member reads the same data); None on an expert rank."""
+        if self.role != "attention":
+            return None
+        return self.plan.attention_ranks.index(self.rank) // self.plan.attention_tp
 
     def owns_gradient(self, is_expert: bool) -> bool:
         """Whether this rank counts a gradient it holds in the world's gradient norm, so that each
         distinct parameter is counted exactly once: a dense parameter (replicated on every
-        attention rank) by attention DP rank 0; an expert (replicated across ZP groups, on an
-        expert rank or, with Asym-EA, an attention rank) by its holder in ZP group 0."""
+        attention member) by the ranks of attention member 0 (each its own tensor-parallel shard;
+        Megatron's norm skips tensor-parallel duplicates on TP ranks > 0); an expert (replicated
+        across ZP groups, on an expert rank or, with Asym-EA, an attention rank) by its holder in
+        ZP group 0."""
         if is_expert:
             return self.group_index == 0
         return self.attention_dp_rank == 0
@@ -94,10 +125,19 @@ class RankLayout:
         """The global ranks of this rank's group of `kind`, ascending as a process group numbers
         its members (None: it has none, an expert rank's attention_dp)."""
         plan = self.plan
+        t = plan.attention_tp
+        attention = plan.attention_ranks
         if kind == "zp":
             return sorted(plan.groups[self.group_index].members)
+        if kind == "tp":
+            if self.role != "attention":
+                return [self.rank]
+            i = attention.index(self.rank) // t
+            return sorted(attention[i * t:(i + 1) * t])
         if kind == "attention_dp":
-            return sorted(plan.attention_ranks) if self.role == "attention" else None
+            return sorted(attention[self.tp_rank::t]) if self.role == "attention" else None
+        if kind == "attention_tp_dp":
+            return sorted(attention) if self.role == "attention" else None
         if kind == "replica":
             return sorted(g.members[self.member_index] for g in plan.groups)
         if kind == "self":
@@ -114,12 +154,19 @@ class RankLayout:
 def group_plan(plan: HeteroPlan) -> list[tuple[str, list[int]]]:
     """Every process group of the job as (name, ranks), in the order every rank creates them
     (torch's new_group is collective over the world): per ZP group its dispatch, combine and
-    counts communicators, the attention DP group, one replica group per member position, one
-    group per rank, and the world."""
+    counts communicators; the attention DP group (with attention_tp > 1: one TP group per
+    attention member, one DP group per TP position, and all attention ranks); one replica group
+    per member position; one group per rank; and the world."""
     out: list[tuple[str, list[int]]] = []
     for gi, g in enumerate(plan.groups):
         out += [(f"{c}[{gi}]", sorted(g.members)) for c in ZP_COMMUNICATORS]
-    out.append(("attention_dp", sorted(plan.attention_ranks)))
+    t, attention = plan.attention_tp, plan.attention_ranks
+    if t == 1:  # "tp" is "self" and "attention_tp_dp" is "attention_dp": no more groups
+        out.append(("attention_dp", sorted(attention)))
+    else:
+        out += [(f"tp[{i}]", sorted(attention[i:i + t])) for i in range(0, len(attention), t)]
+        out += [(f"attention_dp[{j}]", sorted(attention[j::t])) for j in range(t)]
+        out.append(("attention_tp_dp", sorted(attention)))
     for k in range(len(plan.groups[0].members)):
         out.append((f"replica[{k}]", sorted(g.members[k] for g in plan.groups)))
     out += [(f"self[{r}]", [r]) for r in range(plan.world_size)]

@@ -21,7 +21,8 @@ def megatron_globals(hs: HeteroParallelState, seed: int):
     ps._set_global_memory_buffer()
     ps._TENSOR_MODEL_PARALLEL_GROUP = hs.megatron_group("tp")
     mrandom.initialize_rng_tracker(force_reset=True)
-    mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0, force_reset_rng=True)
+    # Megatron seeds the tensor-parallel RNG stream by TP rank (dropout inside TP regions differs per shard).
+    mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=hs.tp_rank, ep_rank=0, etp_rank=0, force_reset_rng=True)
     try:
         yield
     finally:
@@ -70,9 +71,9 @@ def install_parallel_state(hs: HeteroParallelState) -> None:
         setattr(ps, name, hs.layout.ranks(hs.layout.megatron_kind(dim)))
     # How many data-parallel ranks the job has is a question about the data (Megatron-LM counts
     # consumed samples, hence batch-size ramp-up and sample-based schedules, and sizes its data
-    # samplers by it): the attention ranks, which consume distinct data, on every rank. An expert
+    # samplers by it): the attention members, which consume distinct data, on every rank. An expert
     # rank's data-parallel group stays its replica group (gradients are reduced over that).
-    ps._MPU_DATA_PARALLEL_WORLD_SIZE = len(hs.plan.attention_ranks)
+    ps._MPU_DATA_PARALLEL_WORLD_SIZE = hs.plan.num_attention_members
     ps._set_global_memory_buffer()
 
 

@@ -50,6 +50,10 @@ class HeteroParallelState:
     # The dtype tokens cross roles in, the same on every rank (config.PoolPrecision.wire);
     # None: each rank's params_dtype, one precision on every rank.
     wire_dtype: torch.dtype | None = None
+    # With the plan's attention_tp > 1, an attention rank's member TP group and the group of every
+    # attention rank (Megatron's tensor x data); None: they are self_group and attention_dp_group.
+    tp_group: dist.ProcessGroup | None = None
+    attention_tp_dp_group: dist.ProcessGroup | None = None
 
     # ---- the plan arithmetic, read once (RankLayout) -----------------------------------------
     @property
@@ -85,7 +89,18 @@ class HeteroParallelState:
 
     @property
     def num_attention_per_group(self) -> int:
+        """Attention ranks of the ZP group (every one of them routes and dispatches its own tokens)."""
         return len(self.zp.attention_ranks)
+
+    @property
+    def num_members_per_group(self) -> int:
+        """Attention members of the ZP group: data-parallel copies of the dense weights, each with
+        its own microbatches (attention ranks / attention_tp)."""
+        return len(self.zp.attention_ranks) // self.plan.attention_tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.layout.tp_rank
 
     @property
     def comm_order(self) -> list[int]:
@@ -131,8 +146,10 @@ class HeteroParallelState:
     def group(self, kind: str) -> dist.ProcessGroup | None:
         """This rank's process group of `kind` (parallel/layout.py GROUP_KINDS; "zp": the
         dispatch communicator)."""
-        return {"zp": self.dispatch_group, "attention_dp": self.attention_dp_group, "replica": self.replica_group,
-                "self": self.self_group, "world": self.world_group}[kind]
+        return {"zp": self.dispatch_group, "tp": self.tp_group or self.self_group,
+                "attention_dp": self.attention_dp_group,
+                "attention_tp_dp": self.attention_tp_dp_group or self.attention_dp_group,
+                "replica": self.replica_group, "self": self.self_group, "world": self.world_group}[kind]
 
     def megatron_group(self, dim: str) -> dist.ProcessGroup:
         """The group serving megatron-core dimension `dim` on this rank (layout.MEGATRON_DIMS)."""
@@ -140,9 +157,10 @@ class HeteroParallelState:
 
     def pg_collection(self):
         """ProcessGroupCollection for megatron-core modules on this rank, from layout.MEGATRON_DIMS
-        (the same table install_parallel_state sets megatron-core's globals from): every
-        model-parallel dimension is this rank alone; data parallelism is the attention DP group
-        (attention ranks) or the expert replica group (expert ranks)."""
+        (the same table install_parallel_state sets megatron-core's globals from): tensor
+        parallelism is an attention member's TP group, every other model-parallel dimension this
+        rank alone; data parallelism is the attention DP group (attention ranks) or the expert
+        replica group (expert ranks)."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
         return ProcessGroupCollection(**{d: self.megatron_group(d) for d in COLLECTION_DIMS}, hcp=None)
@@ -181,9 +199,14 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | N
         if rank in ranks:
             mine[name] = g
     gi, k = layout.group_index, layout.member_index
+    tp = plan.attention_tp
+    member = None if layout.attention_dp_rank is None else layout.attention_dp_rank * tp
     return HeteroParallelState(
         layout=layout, dispatch_group=mine[f"dispatch[{gi}]"], combine_group=mine[f"combine[{gi}]"],
-        counts_group=mine[f"counts[{gi}]"], attention_dp_group=mine.get("attention_dp"),
+        counts_group=mine[f"counts[{gi}]"],
+        attention_dp_group=mine.get("attention_dp" if tp == 1 else f"attention_dp[{layout.tp_rank}]"),
         replica_group=mine[f"replica[{k}]"], self_group=mine[f"self[{rank}]"], world_group=mine["world"],
         device=device, wire_dtype=wire_dtype,
+        tp_group=mine.get(f"tp[{member}]") if tp > 1 and member is not None else None,
+        attention_tp_dp_group=mine.get("attention_tp_dp") if tp > 1 else None,
     )

@@ -12,6 +12,12 @@ layer k is model layer decoder_layers + k, an MoE layer with a placement like an
 attention ranks too (asymmetric expert assignment). Every group holds the same experts in the
 same positions, so expert e of layer l on the k-th member of group 0 is replicated by the k-th
 member of every other group (these replicas form that expert's data-parallel group).
+
+Tensor parallelism on attention ranks (`attention_tp`, Megatron's --tensor-model-parallel-size with
+--sequence-parallel): a group's attention ranks are M members of `attention_tp` consecutive ranks
+each, as listed; each member is one Megatron TP group holding one copy of the dense weights, and
+each of its ranks routes and dispatches its own sequence slice. Expert ranks stay whole (expert
+tensor parallelism 1).
 """
 from __future__ import annotations
 
@@ -73,6 +79,8 @@ class HeteroPlan:
     # "off" its experts' intermediates; "keep-inputs" their inputs only, re-running the experts'
     # forward in backward. "resend-inputs" is priced, not run (RUNTIME_EXPERT_RECOMPUTE).
     expert_recompute: str = "off"
+    # Tensor-parallel size of each attention member (module docstring); 1: one rank per member.
+    attention_tp: int = 1
 
     # ---- layers: MoE layer k (placement, tasks) is model layer moe_layer_ids[k] --------------
     @property
@@ -109,6 +117,17 @@ class HeteroPlan:
     def expert_ranks(self) -> list[int]:
         return [r for g in self.groups for r in g.expert_ranks]
 
+    def attention_members(self, group: int) -> list[list[int]]:
+        """The attention members of ZP group `group`: its attention ranks in runs of attention_tp
+        (each one Megatron TP group, one copy of the dense weights)."""
+        a, t = self.groups[group].attention_ranks, self.attention_tp
+        return [list(a[i:i + t]) for i in range(0, len(a), t)]
+
+    @property
+    def num_attention_members(self) -> int:
+        """Data-parallel size of the dense weights: attention members over all ZP groups."""
+        return len(self.attention_ranks) // self.attention_tp
+
     def role(self, rank: int) -> Role:
         for g in self.groups:
             if rank in g.attention_ranks:
@@ -138,6 +157,10 @@ class HeteroPlan:
     def experts_on_attention_ranks(self) -> int:
         """How many (layer, expert) pairs per group are offloaded to attention ranks."""
         return sum(self.experts_on_attention_per_layer())
+
+    def experts_on_attention_ranks_any(self) -> bool:
+        """Whether any group places an expert on an attention rank (safe before validation)."""
+        return any(pl.get(r) for g in self.groups for pl in g.placement for r in g.attention_ranks)
 
     def experts_on_attention_per_layer(self) -> list[int]:
         """Per layer, how many experts of a group sit on its attention ranks (Asym-EA)."""
@@ -178,6 +201,19 @@ class HeteroPlan:
                             f"{list(EXPERT_RECOMPUTE)}")
         if not self.groups:
             raise PlanError("plan has no ZP groups; add at least one group with attention and expert ranks")
+        if type(self.attention_tp) is not int or self.attention_tp < 1:
+            raise PlanError(f"plan attention_tp={self.attention_tp!r} must be a positive integer (the attention "
+                            f"members' --tensor-model-parallel-size; 1 without tensor parallelism)")
+        if self.attention_tp > 1:
+            for gi, g in enumerate(self.groups):
+                if len(g.attention_ranks) % self.attention_tp:
+                    raise PlanError(f"ZP group {gi} has {len(g.attention_ranks)} attention ranks, not a multiple of "
+                                    f"attention_tp={self.attention_tp}; give each group M x {self.attention_tp} "
+                                    f"attention ranks")
+            if self.experts_on_attention_ranks_any():
+                raise PlanError(f"plan places experts on attention ranks (Asym-EA) with attention_tp="
+                                f"{self.attention_tp}: experts on tensor-parallel attention members are not built "
+                                f"yet; place every expert on expert ranks (or use attention_tp 1)")
         if world_size is not None and world_size != self.world_size:
             raise PlanError(
                 f"plan is for {self.world_size} ranks (len(gpu_types)) but the job has world size "
@@ -279,6 +315,8 @@ class HeteroPlan:
             del d["mtp_layers"]
         if d["expert_recompute"] == "off":  # and with experts keeping their intermediates
             del d["expert_recompute"]
+        if d["attention_tp"] == 1:  # and without tensor parallelism
+            del d["attention_tp"]
         return d
 
     @classmethod
@@ -286,7 +324,7 @@ class HeteroPlan:
         if not isinstance(d, dict):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         known = {"num_layers", "num_experts", "gpu_types", "groups", "num_microbatches", "schedule", "version", "meta",
-                 "dense_layers", "mtp_layers", "expert_recompute"}
+                 "dense_layers", "mtp_layers", "expert_recompute", "attention_tp"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -312,7 +350,7 @@ class HeteroPlan:
                     f"expert_ranks and placement (a list of {{rank: [experts]}})"
                 ) from None
         rest = {k: d[k] for k in ("num_microbatches", "schedule", "version", "meta", "dense_layers", "mtp_layers",
-                                  "expert_recompute") if k in d}
+                                  "expert_recompute", "attention_tp") if k in d}
         return cls(num_layers=d["num_layers"], num_experts=d["num_experts"], gpu_types=list(d["gpu_types"]),
                    groups=groups, **rest)
 
@@ -383,11 +421,13 @@ def even_plan(
     schedule: str = "distep",
     dense_layers: list[int] | None = None,
     mtp_layers: int = 0,
+    attention_tp: int = 1,
 ) -> HeteroPlan:
     """G groups of M attention + N expert ranks laid out group by group; experts split evenly
     over each group's expert ranks in every MoE layer (`num_layers` of them; `dense_layers`: the
     model's layers without experts, by model index; `mtp_layers`: how many of the last model
-    layers are multi-token prediction layers)."""
+    layers are multi-token prediction layers; `attention_tp`: the M attention ranks are M /
+    attention_tp tensor-parallel members)."""
     M, N = attention_ranks, expert_ranks
     if M < 1 or N < 1 or groups < 1:
         raise PlanError(f"even plan needs M>=1, N>=1, groups>=1; got M={M}, N={N}, groups={groups}")
@@ -404,6 +444,6 @@ def even_plan(
     if gpu_types is None:
         gpu_types = ([attention_gpu] * M + [expert_gpu] * N) * groups
     plan = HeteroPlan(num_layers, num_experts, gpu_types, zp, num_microbatches, schedule,
-                      dense_layers=list(dense_layers or []), mtp_layers=mtp_layers)
+                      dense_layers=list(dense_layers or []), mtp_layers=mtp_layers, attention_tp=attention_tp)
     plan.validate()
     return plan

@@ -153,13 +153,15 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     if precision not in ("fp32", "bf16", "fp16"):
         raise ValueError(f"precision {precision!r} is unknown; use fp32, bf16 or fp16")
     prec = {"bf16": precision == "bf16", "fp16": precision == "fp16"}
-    n_attn = len(plan.attention_ranks)
-    gbs = micro_batch_size * plan.num_microbatches * n_attn
+    # The reference runs on as many ranks as the plan has attention ranks, at the plan's tensor
+    # parallelism (sequence parallel, experts whole), so data parallelism is the attention members.
+    n_attn, t = len(plan.attention_ranks), plan.attention_tp
+    gbs = micro_batch_size * plan.num_microbatches * plan.num_attention_members
     ep = reference_ep(plan, model.num_experts)
-    cfg = TrainConfig(model, ParallelConfig(), micro_batch_size=micro_batch_size, global_batch_size=gbs,
-                      train_iters=steps, seed=seed, quiet=True, **prec)
-    ref = run(dataclasses.replace(cfg, parallel=ParallelConfig(ep=ep)), n_attn, timeout_s=timeout_s,
-              hooks=RunHooks(init_state=init_state, collect_grads=True))
+    cfg = TrainConfig(model, ParallelConfig(tp=t, sequence_parallel=t > 1), micro_batch_size=micro_batch_size,
+                      global_batch_size=gbs, train_iters=steps, seed=seed, quiet=True, **prec)
+    ref = run(dataclasses.replace(cfg, parallel=ParallelConfig(tp=t, ep=ep, sequence_parallel=t > 1)), n_attn,
+              timeout_s=timeout_s, hooks=RunHooks(init_state=init_state, collect_grads=True))
     hetero = HeteroRunConfig(schedule=schedule, recompute=recompute, zebra_issuer=issuer)
     pinned = RunHooks(init_state=ref.initial_params, pin_params=ref.step_params, collect_grads=True)
     het = run(cfg, plan.world_size, timeout_s=timeout_s, plan=plan, hetero=hetero, hooks=pinned)

@@ -37,7 +37,15 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
     """The subset of Megatron-LM pretrain_gpt.py flags the baseline trainer takes."""
     p.add_argument("--model", default="tiny", help="model config: a name in the config directory's models/ "
                    "(hetermoe --config-dir) or a path to a YAML file")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1, help="TP size (only 1 is supported yet)")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="TP size; above 1 needs --sequence-parallel (MoE, as Megatron-LM requires) and divides the "
+                        "attention heads, the vocab and --seq-length; experts are not tensor-parallel (expert TP 1)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism over the TP group (required with TP > 1; turned off at TP 1, "
+                        "as Megatron-LM does)")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="expert TP size; only 1 runs here (experts are whole). Megatron's default is the TP size, so "
+                        "with --tensor-model-parallel-size > 1 give 1 explicitly")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
                    help="PP size (1F1B); must divide the model's layers")
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
@@ -127,10 +135,11 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         over["moe_aux_loss_coeff"] = a.moe_aux_loss_coeff
     if over:
         model = model.replace(**over)
-    return TrainConfig(
+    cfg = TrainConfig(
         model=model,
         parallel=ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
-                                a.expert_model_parallel_size, a.moe_token_dispatcher_type),
+                                a.expert_model_parallel_size, a.moe_token_dispatcher_type,
+                                sequence_parallel=a.sequence_parallel),
         micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
         train_iters=a.train_iters, lr=a.lr, min_lr=a.min_lr, lr_warmup_iters=a.lr_warmup_iters,
         weight_decay=a.weight_decay, clip_grad=a.clip_grad, seed=a.seed,
@@ -144,6 +153,13 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         min_loss_scale=a.min_loss_scale, loss_scale_window=a.loss_scale_window, hysteresis=a.hysteresis,
         transformer_impl=a.transformer_impl, moe_grouped_gemm=a.moe_grouped_gemm,
     )
+    etp = a.tensor_model_parallel_size if a.expert_tensor_parallel_size is None else a.expert_tensor_parallel_size
+    if etp != 1:  # Megatron-LM's --expert-tensor-parallel-size defaults to the TP size
+        given = "" if a.expert_tensor_parallel_size is not None else \
+            f" (Megatron's default: the --tensor-model-parallel-size {a.tensor_model_parallel_size})"
+        raise ValueError(f"--expert-tensor-parallel-size {etp}{given}: experts split over tensor-parallel ranks are "
+                         f"not built here, experts are whole; pass --expert-tensor-parallel-size 1")
+    return cfg
 
 
 def emulation_from_args(a: argparse.Namespace):
@@ -311,7 +327,8 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
             plan = HeteroPlan.load(a.hetero_plan)
         except (ValueError, OSError) as e:
             p.error(f"--hetero-plan: {e}")
-        if cfg.parallel != ParallelConfig(dispatcher=cfg.parallel.dispatcher):
+        # TP with a plan (its attention_tp) is validation.check_hetero's to judge, in validate_job below.
+        if (cfg.parallel.pp, cfg.parallel.ep) != (1, 1):
             raise SystemExit("--hetero-plan replaces TP/PP/EP: leave the model-parallel sizes at 1")
         if a.nproc not in (None, plan.world_size):
             raise SystemExit(f"--nproc {a.nproc} but the plan has {plan.world_size} ranks; drop --nproc")

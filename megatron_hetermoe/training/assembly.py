@@ -22,10 +22,16 @@ from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.training.world_stats import counts_here, world_count_zeros
 
 
-def model_config(config, **overrides):
+def model_config(config, hs: HeteroParallelState | None = None, **overrides):
     """A role's TransformerConfig: Megatron's `config` with expert_model_parallel_size > 1, which
     marks expert weights allreduce=False (Megatron's expert parameters), so DDP reduces them over
-    the expert replica group and the optimizer keeps them in their own sub-optimizer."""
+    the expert replica group and the optimizer keeps them in their own sub-optimizer. With `hs`,
+    the role's tensor parallelism: an attention member's (the plan's attention_tp, sequence
+    parallel when > 1), none on an expert rank; experts are never tensor-parallel here."""
+    if hs is not None:
+        t = hs.plan.attention_tp if hs.role == "attention" else 1
+        overrides = {"tensor_model_parallel_size": t, "sequence_parallel": t > 1, "expert_tensor_parallel_size": 1,
+                     **overrides}
     return dataclasses.replace(config, expert_model_parallel_size=2, **overrides)
 
 
@@ -110,7 +116,7 @@ class RoleAssembly:
             hetero_mtp_block_spec,
             moe_layer_specs,
         )
-        from megatron_hetermoe.plan.layout import load_params, megatron_to_hetero
+        from megatron_hetermoe.plan.layout import load_params
 
         hs = self.hs
         bind_missing_te_general_gemm()  # megatron's router needs it without transformer-engine (compat.py)
@@ -130,10 +136,24 @@ class RoleAssembly:
             names = module.canonical_names()
         with torch.no_grad():
             if init_state is not None:
-                load_params(module, megatron_to_hetero(init_state, hs.plan, hs.rank))
+                load_params(module, self.local_state(module, init_state, config))
             else:
-                init_layout_invariant(module, seed, config, names)
+                init_layout_invariant(module, seed, config, names, tp_group=hs.megatron_group("tp"))
         return module, names
+
+    def local_state(self, module, state: dict, config=None) -> dict:
+        """This rank's part of a plain Megatron state dict (canonical names, whole tensors): its
+        experts and dense weights (plan.layout.megatron_to_hetero), cut to this rank's
+        tensor-parallel shards on a TP attention member."""
+        from megatron_hetermoe.plan.layout import megatron_to_hetero
+
+        local = megatron_to_hetero(state, self.hs.plan, self.hs.rank)
+        if self.hs.role == "attention" and self.hs.plan.attention_tp > 1:
+            from megatron_hetermoe.models import tp_shards
+
+            glu = bool(getattr(config if config is not None else module.config, "gated_linear_unit", False))
+            local = tp_shards.shard_local_state(module, local, self.hs.megatron_group("tp"), glu)
+        return local
 
     def configure_optimizer(self, optimizer, opt_config):
         """Megatron's optimizer (get_megatron_optimizer's) as a HeterMoE rank steps it:
@@ -186,8 +206,9 @@ class RoleAssembly:
 
     def finish_gradients(self, model, num_tokens: torch.Tensor | None = None) -> None:
         """An expert rank's share of Megatron's data-parallel average, after its step: each expert
-        saw the tokens of the M attention ranks of its ZP group, each a local-mean loss, so
-        Megatron's average needs 1/(M*G); DDP applied 1/G over the replica group. With
+        saw the tokens of the M attention members of its ZP group, each a local-mean loss (a
+        tensor-parallel member's ranks each send their own sequence slice of it), so Megatron's
+        average needs 1/(M*G); DDP applied 1/G over the replica group. With
         --calculate-per-token-loss (`num_tokens`: the step's tokens over the world) the losses are
         token sums, DDP summed, and Megatron divides every gradient by the step's tokens, as
         finalize_model_grads does on the attention ranks."""
@@ -196,7 +217,7 @@ class RoleAssembly:
         from megatron_hetermoe.models.builder import unwrap
 
         if num_tokens is None:
-            scale = 1.0 / self.hs.num_attention_per_group
+            scale = 1.0 / self.hs.num_members_per_group
         elif num_tokens > 0:
             scale = 1.0 / num_tokens
         else:

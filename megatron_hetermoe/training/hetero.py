@@ -40,11 +40,7 @@ from megatron_hetermoe.parallel.state import (
     initialize_hetero_parallel,
 )
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
-from megatron_hetermoe.plan.layout import (
-    hetero_to_megatron,
-    load_params,
-    megatron_to_hetero,
-)
+from megatron_hetermoe.plan.layout import hetero_to_megatron, load_params
 from megatron_hetermoe.reliability import collective_trace
 from megatron_hetermoe.schedules.select import ExecutedSteps
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
@@ -76,7 +72,7 @@ class HeteroStep:
         if self.executed is not None:
             self.executed.meter = it == self.cfg.train_iters - 1
         if self.hooks.pin_params is not None:
-            load_params(self.module, megatron_to_hetero(self.hooks.pin_params[it], self.hs.plan, self.hs.rank))
+            load_params(self.module, self.assembly.local_state(self.module, self.hooks.pin_params[it]))
 
     def forward_backward(self, it: int):
         cfg, nmb, hs = self.cfg, self.nmb, self.hs
@@ -150,7 +146,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         pgc = hs.pg_collection()
         kernels = choose_kernels(hs.device, precision, cfg.transformer_impl, cfg.moe_grouped_gemm)
         config = model_config(transformer_config(cfg.model, ParallelConfig(), precision, kernels=kernels.name,
-                                                 deterministic_mode=cfg.deterministic))
+                                                 deterministic_mode=cfg.deterministic), hs)
         module, names = assembly.module(config, layer_spec(cfg.model, kernels.name), cfg.seed, gpt_kwargs(cfg.model),
                                         hooks.init_state)
         module.to(hs.device)  # built and initialized on the CPU (use_cpu_initialization)
@@ -197,7 +193,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
                                group=hs.world_group)
         return TrainResult(
             losses=res.losses, step_times=res.step_times, start_iteration=res.start_iteration, num_microbatches=nmb,
-            dp=len(plan.attention_ranks), skipped=guard.skipped, loss_scales=res.loss_scales,
+            dp=plan.num_attention_members, skipped=guard.skipped, loss_scales=res.loss_scales,
             overflow_skipped=res.overflow_skipped, param_dtypes=sorted({str(p.dtype) for p in module.parameters()}),
             kernels=kernels.name, kernels_reason=kernels.reason,
             busy_s=last_step_busy(recorder, cfg.train_iters - 1, hs.world_group), emulation=emulation,
@@ -216,6 +212,19 @@ def export_megatron(hs: HeteroParallelState, model, attr: str = "data", scale: f
     # CPU copies: a pickled CUDA tensor would unpickle onto the sender's GPU.
     local = {_UNWRAP.sub("", n): (getattr(p, attr).detach().clone().float() * scale).cpu()
              for n, p in model.named_parameters()}
+    if hs.role == "attention" and hs.plan.attention_tp > 1:  # each TP rank sends whole tensors
+        from megatron_hetermoe.models import tp_shards
+        from megatron_hetermoe.models.builder import unwrap
+
+        tp = hs.megatron_group("tp")
+        rank, size = tp_shards.tp_coords(tp)
+        glu = bool(getattr(unwrap(model).config, "gated_linear_unit", False))
+        for n, p in model.named_parameters():
+            spec = tp_shards.shard_spec(p, n, rank, size, glu)
+            if spec.split:
+                shards = [torch.empty_like(local[_UNWRAP.sub("", n)]) for _ in range(size)]
+                dist.all_gather(shards, local[_UNWRAP.sub("", n)], group=tp)
+                local[_UNWRAP.sub("", n)] = tp_shards.merge(shards, spec)
     world = [None] * dist.get_world_size()
     dist.all_gather_object(world, local, group=hs.world_group)
     return hetero_to_megatron(world, hs.plan)

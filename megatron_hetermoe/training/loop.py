@@ -55,6 +55,7 @@ class LoopResult:
     start_iteration: int = 0
     loss_scales: list[float] = field(default_factory=list)  # after each step (1.0 without a grad scaler)
     overflow_skipped: list[int] = field(default_factory=list)  # iterations the grad scaler skipped
+    grad_norms: list = field(default_factory=list)  # each step's logged grad norm (None: skipped step)
 
 
 def train_loop(parts: LoopParts, role: RoleStep) -> LoopResult:
@@ -96,6 +97,7 @@ def train_loop(parts: LoopParts, role: RoleStep) -> LoopResult:
         if clock is not None:
             clock.step_end(it, res.step_times[-1])
         res.loss_scales.append(loss_scale_of(optimizer))
+        res.grad_norms.append(grad_norm)
         parts.steplog.log(it + 1, res.step_times[-1], lr_used, loss, grad_norm,
                           loss_scale=None if cfg.precision == "fp32" else res.loss_scales[-1],
                           skipped=int(skip or overflow))

@@ -62,15 +62,18 @@ class MegatronEPStep:
         self.last_stage = ps.is_pipeline_last_stage()
         self.fwd_bwd = get_forward_backward_func()
         self.model_names = wrapped_names(model, names)
+        # Megatron's TP group when TP > 1: canonical state in and out is cut to / merged from shards.
+        self.tp_group = ps.get_tensor_model_parallel_group() if cfg.parallel.tp > 1 else None
         self.data = make_data(cfg)
         self.step_params: list[dict] = []
         self.grads: list[dict] = []
 
     def before_step(self, it: int) -> None:
         if self.hooks.pin_params is not None:
-            load_params(self.module, module_state(self.names, self.hooks.pin_params[it]))
+            load_canonical(self.module, self.names, self.hooks.pin_params[it], self.tp_group)
         if self.hooks.collect_grads:
-            self.step_params.append(gather_canonical([self.model], [self.model_names], "data"))
+            self.step_params.append(gather_canonical([self.model], [self.model_names], "data",
+                                                     tp_group=self.tp_group))
 
     def forward_backward(self, it: int):
         cfg, nmb = self.cfg, self.nmb
@@ -95,7 +98,7 @@ class MegatronEPStep:
     def before_optimizer(self):
         if self.hooks.collect_grads:  # unscaled, as Megatron's optimizer reads them
             self.grads.append(gather_canonical([self.model], [self.model_names], "main_grad",
-                                               1.0 / loss_scale_of(self.optimizer)))
+                                               1.0 / loss_scale_of(self.optimizer), tp_group=self.tp_group))
         return None
 
 
@@ -110,8 +113,11 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
     )
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from megatron_hetermoe.training.validation import check_megatron_tp
+
     hooks = hooks or RunHooks()
     par = cfg.parallel
+    check_megatron_tp(cfg)  # library callers skip validate_job
     world = dist.get_world_size()
     if world % (par.tp * par.pp):
         raise ValueError(f"world size {world} is not divisible by TP {par.tp} x PP {par.pp}")
@@ -124,6 +130,7 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
         expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=1,
         distributed_timeout_minutes=max(1, int(group_timeout().total_seconds() // 60)),
     )
     emu_undo = None
@@ -138,10 +145,11 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
         module = build_gpt(mcfg, config, pre_process=ps.is_pipeline_first_stage(),
                            post_process=ps.is_pipeline_last_stage())
         names = canonical_names(module)
+        tp_group = ps.get_tensor_model_parallel_group() if par.tp > 1 else None
         if hooks.init_state is not None:
-            load_params(module, module_state(names, hooks.init_state))
+            load_canonical(module, names, hooks.init_state, tp_group)
         else:
-            init_layout_invariant(module, cfg.seed, config, names)
+            init_layout_invariant(module, cfg.seed, config, names, tp_group=tp_group)
         module.to(device)  # built and initialized on the CPU (use_cpu_initialization)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
@@ -169,18 +177,29 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
         res = train_loop(parts, role)
         gpu = peak_gpu_mib(MEGATRON_ROLE, device, dist.group.WORLD)  # before the exports below; None on CPU ranks
         emulation = clock.report() if clock is not None else None
-        params = gather_canonical([model], [role.model_names], "data") if hooks.collect_grads else None
+        params = gather_canonical([model], [role.model_names], "data", tp_group=tp_group) if hooks.collect_grads else None
         return TrainResult(
             losses=res.losses, step_times=res.step_times, start_iteration=res.start_iteration, num_microbatches=nmb,
             dp=dp, skipped=guard.skipped, loss_scales=res.loss_scales, overflow_skipped=res.overflow_skipped,
             param_dtypes=sorted({str(p.dtype) for p in module.parameters()}), kernels=kernels.name,
             kernels_reason=kernels.reason, busy_s=last_step_busy(recorder, cfg.train_iters - 1, dist.group.WORLD),
             emulation=emulation, peak_gpu_mib=gpu, params=params, grads=role.grads, step_params=role.step_params,
-            initial_params=role.step_params[0] if role.step_params else params)
+            initial_params=role.step_params[0] if role.step_params else params, grad_norms=res.grad_norms)
     finally:
         if emu_undo is not None:
             emu_undo()
         ps.destroy_model_parallel()
+
+
+def load_canonical(module, names: dict[str, str], state: dict, tp_group=None) -> None:
+    """Load a canonical state (plain Megatron TP=1 names and shapes) into this rank's module,
+    each TP-split parameter cut to this rank's shard (models/tp_shards.py) under TP."""
+    from megatron_hetermoe.models.tp_shards import shard_local_state
+
+    local = module_state(names, state)
+    if tp_group is not None:
+        local = shard_local_state(module, local, tp_group, glu=bool(module.config.gated_linear_unit))
+    load_params(module, local)
 
 
 def _install_ep_emulation(cfg: TrainConfig, module, nmb: int, recorder):

@@ -31,3 +31,4 @@ class TrainResult:
     # Megatron EP only (collect_grads): the canonical parameters before every step.
     step_params: list[dict] = field(default_factory=list)
     initial_params: dict | None = None
+    grad_norms: list = field(default_factory=list)  # Megatron's optimizer's grad norm per step (None: skipped)

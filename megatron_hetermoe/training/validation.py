@@ -35,6 +35,7 @@ FLAGS = {
     "bf16": "--bf16", "fp16": "--fp16", "loss_scale": "--loss-scale", "initial_loss_scale": "--initial-loss-scale",
     "min_loss_scale": "--min-loss-scale", "loss_scale_window": "--loss-scale-window", "hysteresis": "--hysteresis",
     "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size", "ep": "--expert-model-parallel-size",
+    "sequence_parallel": "--sequence-parallel",
 }
 SEED_LIMIT = 2**32  # data and init generators take seed * 1_000_003 + index: keep it in int64
 
@@ -196,6 +197,7 @@ def check_megatron_layout(cfg: "TrainConfig", world: int) -> None:
     if m.num_layers % par.pp:
         raise _bad("pp", par.pp, f"does not divide num_layers={m.num_layers} of model {m.name!r}",
                    "pick a pipeline size that divides the layer count")
+    check_megatron_tp(cfg)
     dp = world // (par.tp * par.pp)
     per = cfg.micro_batch_size * dp
     if cfg.global_batch_size % per:
@@ -208,6 +210,26 @@ def check_megatron_layout(cfg: "TrainConfig", world: int) -> None:
         transformer_config(m, par, cfg.precision)
     except (ValueError, AssertionError) as e:
         raise ConfigError(f"megatron-core refuses model {m.name!r} with TP={par.tp} PP={par.pp} EP={par.ep}: {e}") from None
+
+
+def check_megatron_tp(cfg: "TrainConfig") -> None:
+    """TP > 1 in the plugin's trainers (with --sequence-parallel: ParallelConfig requires it):
+    what megatron-core asserts on every rank (heads, vocab and sequence split over the TP group),
+    and what they do not do under TP yet (their checkpoints by canonical name, emulation; inside
+    Megatron-LM's pretrain() TP runs save and resume torch_dist)."""
+    par, m = cfg.parallel, cfg.model
+    if par.tp == 1:
+        return
+    for what, n in (("num_attention_heads", m.num_attention_heads), ("vocab_size", m.vocab_size),
+                    ("seq_length", m.seq_length)):
+        if n % par.tp:
+            raise _bad("tp", par.tp, f"does not divide {what}={n} of model {m.name!r} (Megatron splits it over the "
+                       f"TP group{' with --sequence-parallel' if what == 'seq_length' else ''})",
+                       "pick a tensor-parallel size that divides it")
+    for flag, given in (("--save", cfg.save), ("--load", cfg.load), ("--emulate", cfg.emulate)):
+        if given is not None:
+            raise _bad("tp", par.tp, f"with {flag}: not supported under tensor parallelism yet",
+                       f"drop {flag}, or use --tensor-model-parallel-size 1")
 
 
 def check_issuer(issuer: str, emulated: bool) -> None:
@@ -248,12 +270,31 @@ def check_plan_for_job(plan: HeteroPlan, world: int, num_layers: int, num_expert
     plan.validate(world_size=world, known_gpu_types=known_gpu_types())
     check_pools(pools, plan, what)
     check_plan_model(plan, num_layers, num_experts, moe_layer_freq, model, remake, mtp_num_layers)
-    n_attn = len(plan.attention_ranks)
+    n_attn = plan.num_attention_members
     want = micro_batch_size * plan.num_microbatches * n_attn
+    what_dp = (f"{n_attn} attention ranks" if plan.attention_tp == 1 else
+               f"{n_attn} attention members (attention ranks / attention_tp {plan.attention_tp})")
     if global_batch_size != want:
         raise ConfigError(f"--global-batch-size {global_batch_size}: must be --micro-batch-size {micro_batch_size} x "
-                          f"the plan's R={plan.num_microbatches} microbatches x {n_attn} attention ranks; pass "
+                          f"the plan's R={plan.num_microbatches} microbatches x {what_dp}; pass "
                           f"--global-batch-size {want}, or remake the plan with another --microbatches")
+
+
+def check_hetero_tp(plan: HeteroPlan, tp: int, sequence_parallel: bool, expert_tp: int | None = 1) -> None:
+    """Tensor parallelism of a HeterMoE job, the same rule for both hostings: the attention
+    members' TP size is the plan's attention_tp, with sequence parallelism (Megatron's rule for MoE
+    with TP: every TP rank routes its own sequence slice); experts are not tensor-parallel."""
+    if tp != plan.attention_tp:
+        raise ConfigError(f"--tensor-model-parallel-size {tp}: the plan's attention members are tensor-parallel over "
+                          f"attention_tp={plan.attention_tp} ranks; pass --tensor-model-parallel-size "
+                          f"{plan.attention_tp}, or remake the plan with attention_tp {tp}")
+    if tp > 1 and not sequence_parallel:
+        raise ConfigError(f"--tensor-model-parallel-size {tp} without --sequence-parallel: with MoE and tensor "
+                          f"parallelism Megatron needs sequence parallelism (each TP rank routes its own sequence "
+                          f"slice); add --sequence-parallel")
+    if expert_tp not in (None, 1):
+        raise ConfigError(f"--expert-tensor-parallel-size {expert_tp}: HeterMoE's expert ranks hold whole experts "
+                          f"(expert tensor parallelism is not built yet); pass --expert-tensor-parallel-size 1")
 
 
 def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str | None = None,
@@ -262,8 +303,11 @@ def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str
     the plan's GPU types."""
     from megatron_hetermoe.config import ParallelConfig, PoolPrecision
 
-    if cfg.parallel != ParallelConfig(dispatcher=cfg.parallel.dispatcher):
-        raise ConfigError("--hetero-plan replaces TP/PP/EP: leave --tensor/--pipeline/--expert-model-parallel-size at 1")
+    par = cfg.parallel
+    if (par.pp, par.ep) != (1, 1):
+        raise ConfigError("--hetero-plan replaces PP/EP: leave --pipeline/--expert-model-parallel-size at 1")
+    check_hetero_tp(plan, par.tp, par.sequence_parallel)
+    check_megatron_tp(cfg)  # the plugin's checkpoints and emulation are TP=1 in both trainers
     if schedule is not None and schedule not in SCHEDULES:
         raise ConfigError(f"--hetero-schedule {schedule!r}: use one of {list(SCHEDULES)}")
     m = cfg.model

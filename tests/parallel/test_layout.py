@@ -61,15 +61,63 @@ def test_every_collection_dimension_has_a_group_on_both_roles():
     assert all(set(kinds) == {"attention", "expert"} for kinds in MEGATRON_DIMS.values())
 
 
-def test_model_parallelism_inside_a_pool_is_not_built_yet():
-    with pytest.raises(NotImplementedError, match="not built yet"):
-        InnerLayout(tp=2)
+def test_pipeline_context_and_expert_tensor_parallelism_inside_a_pool_are_not_built_yet():
+    assert InnerLayout(tp=2).tp == 2
+    for kw in ({"pp": 2}, {"cp": 2}, {"etp": 2}):
+        with pytest.raises(NotImplementedError, match="not built yet"):
+            InnerLayout(**kw)
+
+
+def _tp_two_groups() -> HeteroPlan:
+    """attention_tp 2, 2 ZP groups of 2 TP-2 members + 1 expert rank: group 0 = attention [0, 1, 2, 3]
+    (members [0, 1] and [2, 3]) + expert [4], group 1 = attention [5, 6, 7, 8] + expert [9]."""
+    return even_plan(1, 4, 4, 1, groups=2, attention_tp=2)
+
+
+def test_tensor_parallel_members_by_hand():
+    plan = _tp_two_groups()
+    at = {r: RankLayout(plan, r) for r in range(10)}
+    assert plan.attention_members(1) == [[5, 6], [7, 8]] and plan.num_attention_members == 4
+    assert [at[r].tp_rank for r in range(10)] == [0, 1, 0, 1, 0, 0, 1, 0, 1, 0]
+    # one data-parallel rank per member: both TP ranks of a member read the same microbatches
+    assert [at[r].attention_dp_rank for r in range(10)] == [0, 0, 1, 1, None, 2, 2, 3, 3, None]
+    assert at[2].ranks("tp") == [2, 3] and at[4].ranks("tp") == [4]
+    assert at[1].ranks("attention_dp") == [1, 3, 6, 8]  # TP position 1 of every member
+    assert at[6].ranks("attention_tp_dp") == [0, 1, 2, 3, 5, 6, 7, 8]
+    assert at[3].ranks("zp") == [0, 1, 2, 3, 4] and at[9].ranks("replica") == [4, 9]
+    assert [r for r in range(10) if at[r].owns_gradient(False)] == [0, 1]  # member 0, a shard each
+    assert at[0].megatron_kind("tp") == "tp" and at[0].megatron_kind("tp_dp_cp") == "attention_tp_dp"
+    assert at[4].megatron_kind("tp") == "self" and at[4].megatron_kind("tp_dp_cp") == "replica"
+    names = [n for n, _ in group_plan(plan)]
+    assert names[6:13] == ["tp[0]", "tp[2]", "tp[4]", "tp[6]", "attention_dp[0]", "attention_dp[1]",
+                           "attention_tp_dp"]
+    created = [ranks for _, ranks in group_plan(plan)]
+    for r in range(10):
+        for kind in ("zp", "tp", "attention_dp", "attention_tp_dp", "replica", "self", "world"):
+            got = at[r].ranks(kind)
+            assert got is None or got in created or kind in ("tp", "attention_tp_dp") and got == [r], (r, kind)
+
+
+def test_tensor_parallel_plan_refusals():
+    from megatron_hetermoe.plan.hetero_plan import PlanError
+
+    with pytest.raises(PlanError, match="3 attention ranks, not a multiple of attention_tp=2"):
+        even_plan(1, 4, 3, 1, attention_tp=2)
+    d = even_plan(1, 4, 2, 2, attention_tp=2).to_dict()
+    assert d["attention_tp"] == 2 and "attention_tp" not in even_plan(1, 4, 2, 2).to_dict()
+    assert HeteroPlan.from_dict(d).attention_tp == 2
+    d["groups"][0]["placement"][0] = {"0": [0], "2": [1], "3": [2, 3]}  # expert 0 on an attention rank
+    with pytest.raises(PlanError, match="Asym-EA.*attention_tp=2.*not built yet"):
+        HeteroPlan.from_dict(d).validate()
+    with pytest.raises(PlanError, match="attention_tp=0 must be a positive integer"):
+        HeteroPlan.from_dict({**even_plan(1, 4, 2, 2).to_dict(), "attention_tp": 0}).validate()
 
 
 PLANS = {
     "1+1": lambda: even_plan(2, 4, 1, 1), "2+2": lambda: even_plan(2, 4, 2, 2), "1+3": lambda: even_plan(2, 4, 1, 3),
     "3+1": lambda: even_plan(2, 4, 3, 1), "2x(2+2)": lambda: even_plan(2, 4, 2, 2, groups=2),
     "asym-ea 2x(1+1)": asym_ea_plan, "sparse asym-ea 2+2": sparse_asym_ea_plan,
+    "tp2 2x(2x2+1)": _tp_two_groups,
 }
 
 
@@ -101,6 +149,6 @@ def test_megatron_globals_equal_the_modules_groups(name):
     plan = PLANS[name]()
     for rank, (differ, dp_world, dp_ranks) in enumerate(launch(_agree, plan.world_size, plan)):
         assert differ == [], (name, rank, differ)
-        assert dp_world == len(plan.attention_ranks)  # the job's data-parallel size on every rank
+        assert dp_world == plan.num_attention_members  # the job's data-parallel size on every rank
         want = RankLayout(plan, rank).ranks("attention_dp" if plan.role(rank) == "attention" else "replica")
         assert dp_ranks == want  # the rank's own data-parallel group (gradients are reduced over it)

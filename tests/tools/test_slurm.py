@@ -236,3 +236,19 @@ def test_tasks_train_through_rank_sh(tmp_path):
 
     losses = json.loads((tmp_path / "loss.json").read_text())["lm loss"]["values"]
     assert len(losses) == 2 and all(5.0 < v < 6.0 for v in losses.values())  # ~ln(256) at the start
+
+
+def test_tensor_parallel_plan_needs_one_hardware_queue_under_megatron_lm(tmp_path, capsys):
+    """Megatron-LM's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1 before Blackwell:
+    a job rendered otherwise would die at start-up on every node."""
+    from megatron_hetermoe.tools import slurm
+
+    plan = tmp_path / "tp.json"
+    even_plan(2, 4, 2, 2, attention_tp=2, attention_gpu="A40", expert_gpu="V100-32GB").save(plan)
+    base = ["--plan", str(plan), "--gpus-per-node", "8", "--entry", "megatron-lm", "--megatron-lm-dir",
+            str(_fake_megatron_lm(tmp_path))]
+    flags = ["--", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--hetero-schedule", "distep"]
+    assert slurm.main([*base, *flags]) == 2
+    assert "asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism" in capsys.readouterr().err
+    assert slurm.main([*base, "--cuda-device-max-connections", "1", *flags]) == 0
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in capsys.readouterr().out

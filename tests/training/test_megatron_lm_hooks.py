@@ -13,7 +13,7 @@ from megatron_hetermoe.training.pretrain_gpt import megatron_flags
 
 def _megatron_defaults(**given) -> argparse.Namespace:
     """The Megatron-LM core_v0.16.1 defaults of the attributes the refusals read."""
-    a = dict(tensor_model_parallel_size=1, pipeline_model_parallel_size=1, context_parallel_size=1,
+    a = dict(tensor_model_parallel_size=1, sequence_parallel=False, pipeline_model_parallel_size=1, context_parallel_size=1,
              expert_model_parallel_size=1, expert_tensor_parallel_size=None, num_experts=4, moe_layer_freq=1,
              mtp_num_layers=None, use_legacy_models=False, spec=None, heterogeneous_layers_config_path=None,
              experimental_attention_variant=None, moe_shared_expert_intermediate_size=None,
@@ -47,7 +47,7 @@ def test_megatron_defaults_are_not_refused():
 
 
 @pytest.mark.parametrize("given,expect", [
-    ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size 2: HeterMoE's roles run without model"),
+    ({"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size 2: HeterMoE's roles run without pipeline"),
     ({"num_experts": None}, "--num-experts: HeterMoE trains MoE models; give --num-experts"),
     ({"moe_layer_recompute": True}, "--moe-layer-recompute True: recomputing a whole MoE layer would replay"),
     ({"ckpt_format": "torch"}, "--ckpt-format 'torch': HeterMoE checkpoints inside pretrain() are Megatron's torch_dist"),

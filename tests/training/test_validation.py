@@ -113,7 +113,8 @@ CASES = [
      ConfigError, "--pipeline-model-parallel-size 3: does not divide num_layers=2 of model 'tiny'; pick a pipeline "
                   "size that divides the layer count"),
     ("flags", "--tensor-model-parallel-size", flags("--tensor-model-parallel-size", "2"), ValueError,
-     "tensor-model-parallel-size=2 is not supported yet"),
+     "--tensor-model-parallel-size 2 without --sequence-parallel: When using MoE and tensor parallelism, sequence "
+     "parallelism must be used (Megatron-LM's rule); add --sequence-parallel"),
     ("flags", "--seq-length", flags("--seq-length", "0"), ModelConfigError,
      "model 'tiny': seq_length=0 must be a positive integer"),
     ("flags", "--model", flags("--model", "nosuch"), FileNotFoundError,

@@ -1,0 +1,59 @@
+"""Tensor parallelism on the attention members inside Megatron-LM's own pretrain() (core_v0.16.1
+checkout, MEGATRON_LM_DIR): `--tensor-model-parallel-size 2 --sequence-parallel` with a plan whose
+attention members are TP groups of 2 (attention_tp), against plain Megatron at the same TP (experts
+whole: --expert-tensor-parallel-size 1). Plain Megatron initializes by its own rules, so the runs
+are compared from one checkpoint (torch_dist, resharded by dist_checkpointing)."""
+from __future__ import annotations
+
+import pytest
+from megatron_lm_run import checkpoints_both_ways, hetero_run, tb_losses
+
+TP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+NO_EVAL = ["--eval-interval", "100", "--eval-iters", "0"]
+
+
+def _plan(path, schedule: str, groups: int = 1):
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+
+    # 8 sequences of 2 per step: one TP-2 attention member per group holds R = 4 / groups microbatches.
+    even_plan(2, 4, 2, 2, groups=groups, num_microbatches=4 // groups, schedule=schedule, attention_tp=2).save(path)
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zebra"])  # distep: test_pretrain_tp2_from_tp1_checkpoint
+def test_pretrain_tp2_checkpoints_both_ways(mlm, data, tmp_path, schedule):
+    """Plain Megatron TP 2 (+SP) EP 2 on 2 ranks saves; HeterMoE 1 x (a TP-2 attention member + 2
+    expert ranks) on 4 loads it and continues with Megatron's losses and load-balancing loss; its
+    own checkpoint loads back into Megatron TP 2 alike."""
+    checkpoints_both_ways(mlm, _plan(tmp_path / "plan.json", schedule), data, tmp_path, extra=TP)
+
+
+@pytest.mark.slow
+def test_pretrain_tp2_from_tp1_checkpoint(mlm, data, tmp_path):
+    """Across tensor-parallel sizes: plain Megatron TP 1 EP 2 saves; HeterMoE with TP-2 attention
+    members loads it (dist_checkpointing cuts the shards) and continues as Megatron TP 1 does, and
+    back. Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by x TP (128 x 1 =
+    64 x 2 here): with another padded size the embedding and output layer load with their extra
+    rows at their initial values (Megatron's allow_shape_mismatch), and the softmax changes."""
+    checkpoints_both_ways(mlm, _plan(tmp_path / "plan.json", "distep"), data, tmp_path,
+                          extra=[*TP, "--make-vocab-size-divisible-by", "64"], plain_extra=[])
+
+
+@pytest.mark.slow
+def test_pretrain_tp2_trains_evaluates_resumes(mlm, data, tmp_path):
+    """2 ZP groups x (a TP-2 member + 2 expert ranks), zebra, 8 ranks: Megatron's loop trains and
+    evaluates; saved after iteration 2 and resumed (torch_dist, optimizer and RNG included), iteration
+    3's loss is bitwise the uninterrupted run's."""
+    plan = _plan(tmp_path / "plan.json", "zebra", groups=2)
+    log, full = hetero_run(mlm, plan, data, tmp_path / "full", TP, nproc=8)
+    assert "4 attention ranks (2 members of tensor parallel size 2: Megatron's data parallel size 2)" in log
+    assert "validation loss at iteration 2 | lm loss value:" in log
+    assert sorted(tb_losses(tmp_path / "full", "lm loss validation")) == [2, 3]
+    ckpt = tmp_path / "ckpt"
+    _, first = hetero_run(mlm, plan, data, tmp_path / "first", [*TP, "--save", str(ckpt), "--save-interval", "2",
+                                                               "--exit-interval", "2"], nproc=8, evaluation=NO_EVAL)
+    log, resumed = hetero_run(mlm, plan, data, tmp_path / "resumed", [*TP, "--load", str(ckpt)], nproc=8,
+                              evaluation=NO_EVAL)
+    assert sorted(first) == [1, 2] and sorted(resumed) == [3], log[-3000:]
+    assert [first[1], first[2], resumed[3]] == [full[1], full[2], full[3]]
