@@ -31,7 +31,6 @@ def _cpu_replacements() -> list:
     unless told the run may go without, builds legacy CUDA kernels with nvcc, and initializes
     model parallelism and its RNG tracker only when CUDA devices exist; the CPU backend
     (parallel/cpu_backend.py) stands in for CUDA, and these let Megatron's own code do the rest."""
-    import megatron.training.arguments as arguments
     import megatron.training.initialize as initialize
     import megatron.training.training as training
 
@@ -49,15 +48,26 @@ def _cpu_replacements() -> list:
         (initialize, "_warmup_jit_function", lambda *a, **k: None),
         (initialize, "_initialize_distributed", _wrap(initialize._initialize_distributed, _as_if_one_device)),
         (initialize, "_set_random_seed", _wrap(initialize._set_random_seed, _seed_cpu_rng_tracker)),
-        # validate_args asks the CUDA device's architecture with TP or CP > 1 (to pick which
-        # CUDA_DEVICE_MAX_CONNECTIONS advice to print); a CPU rank has none: 0, no Blackwell rules.
-        (arguments, "get_device_arch_version", lambda: 0),
+        *_no_cuda_arch(),
     ]
     try:  # core_v0.16.1 builds its legacy CUDA kernels with nvcc; core_v0.19.0 has none
         import megatron.legacy.fused_kernels as fused_kernels
     except ImportError:
         return out
     return out + [(fused_kernels, "load", lambda args: None)]
+
+
+def _cpu_arch_version() -> int:
+    """A CPU rank's CUDA architecture: none (0), so validate_args applies the pre-Blackwell rules
+    (with TP or CP > 1 it asserts CUDA_DEVICE_MAX_CONNECTIONS=1, as on an H100)."""
+    return 0
+
+
+def _no_cuda_arch() -> list:
+    """validate_args asks the device's CUDA architecture with TP or CP > 1; a CPU rank has none."""
+    import megatron.training.arguments as arguments
+
+    return [(arguments, "get_device_arch_version", _cpu_arch_version)]
 
 
 def _as_if_one_device(initialize_distributed, *a, **k) -> None:
@@ -90,6 +100,9 @@ def megatron_on_cpu(pretrain: Callable) -> Callable:
     machine (its checkpoints load into HeterMoE runs and back)."""
     if torch.cuda.is_available():
         return pretrain
+    # core_v0.19.0's pretrain_gpt.py validates its flags before pretrain(), in this CPU-only process.
+    for mod, name, new in _no_cuda_arch():
+        setattr(mod, name, new)
 
     def on_cpu(*a, **k):
         with _replaced(_cpu_replacements()):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetermoe.config import PoolPrecision
-from megatron_hetermoe.megatron_lm.cpu_layer import _cpu_replacements, _replaced, _wrap
+from megatron_hetermoe.megatron_lm.cpu_layer import _cpu_replacements, _no_cuda_arch, _replaced, _wrap
 from megatron_hetermoe.megatron_lm.refusals import refusals, schedule_refusals
 from megatron_hetermoe.megatron_lm.replaced import recompute_choice, replace_flags
 from megatron_hetermoe.parallel.state import HeteroParallelState
@@ -364,7 +364,8 @@ class HeteroPretrain:
         (arguments.parse_and_validate_args): validate_args' hook, for that call."""
         import megatron.training.arguments as arguments
 
-        with _replaced([(arguments, "validate_args", _wrap(arguments.validate_args, self.validate_args))]):
+        cpu = [] if torch.cuda.is_available() else _no_cuda_arch()
+        with _replaced([(arguments, "validate_args", _wrap(arguments.validate_args, self.validate_args)), *cpu]):
             yield self
 
     def pretrain(self, pretrain: Callable, *a, **k):

@@ -260,3 +260,13 @@ def test_hetermoe_pretrain_help_lists_megatrons_flags_and_the_hetero_ones(mlm19)
     assert "--nproc N" in r.stdout and "with the plugin's GPT providers" in r.stdout
     for flag in ("--hetero-plan HETERO_PLAN", "--num-experts", "--moe-router-topk", "--mock-data"):
         assert flag in r.stdout, flag
+
+
+@pytest.mark.slow
+def test_core_v019_tensor_parallel_members_checkpoints_both_ways(mlm19, data, tmp_path):
+    """Tensor parallelism on attention members inside core_v0.19.0's pretrain(): plain Megatron TP 2
+    (+SP) EP 2 saves; HeterMoE 1 x (a TP-2 attention member + 2 expert ranks), zebra, loads it and
+    continues with Megatron's losses, and back (test_megatron_lm_tp.py on core_v0.16.1)."""
+    from test_megatron_lm_tp import TP, _plan
+
+    checkpoints_both_ways(mlm19, _plan(tmp_path / "plan.json", "zebra"), data, tmp_path, data=DATA, extra=TP)
