@@ -57,10 +57,9 @@ class HeteroPretrain:
                            f"{args.num_experts}" + (f" --moe-layer-freq {freq}" if freq != 1 else ""),
                            "remake the plan for this model", f"plan {args.hetero_plan}", moe_layer_freq=freq,
                            mtp_num_layers=args.mtp_num_layers)
-        # Megatron's default --expert-tensor-parallel-size is the TP size: experts split over TP ranks.
-        etp = args.expert_tensor_parallel_size
+        # --expert-tensor-parallel-size was replaced by the plan's whole experts (replace_flags).
         check_hetero_tp(self.plan, args.tensor_model_parallel_size, args.sequence_parallel,
-                        args.tensor_model_parallel_size if etp is None else etp)
+                        args.expert_tensor_parallel_size)
         # Megatron's data parallelism is over the attention ranks: validate_args derives
         # data_parallel_size (and set_global_variables the microbatch calculator) from it.
         args.world_size = n_attn

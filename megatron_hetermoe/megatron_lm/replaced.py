@@ -33,6 +33,12 @@ def replace_flags(args, argv: list[str], plan: HeteroPlan) -> list[str]:
                      f"wins: {plan.num_experts} experts a layer over each of {len(plan.groups)} ZP group(s) of "
                      f"{' or '.join(shapes)} (attention + expert) ranks")
         args.expert_model_parallel_size = 1
+    etp = args.expert_tensor_parallel_size
+    if (etp if etp is not None else args.tensor_model_parallel_size) != 1:
+        given = etp if etp is not None else f"{args.tensor_model_parallel_size} (Megatron's default: the TP size)"
+        notes.append(f"--expert-tensor-parallel-size {given}: the plan's expert ranks hold whole experts (expert "
+                     f"tensor parallelism 1); the plan's placement decides where they fit")
+        args.expert_tensor_parallel_size = 1
     if getattr(args, "moe_shared_expert_overlap", False):
         notes.append("--moe-shared-expert-overlap: the shared experts run on the attention ranks in the attention "
                      "stage (under zebra, while other microbatches' tokens are with the experts), not inside "

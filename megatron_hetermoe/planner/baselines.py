@@ -28,6 +28,11 @@ model and transfer model as the zebra simulator:
     a split that fits with no r is listed in detail["excluded_layouts"];
   - idealisations: stages of unequal GPU counts (O2: 4 A40 -> 8 V100) are allowed, which real
     Megatron PP (equal DP per stage) is not; p2p transfers are not overlapped (pessimistic).
+* Megatron EP with TP and PP (`simulate_megatron_ep`, `best_megatron_ep`): TP in 1, 2, 4, 8 with
+  sequence parallelism (expert TP 1; TP priced as on HeterMoE's attention members), PP in 1, 2, 4, 8
+  in Megatron's rank order (stage i = the i-th block of W/PP ranks, even layer split), 1F1B with
+  P2P sends; TP 1 x PP 1 is `simulate_ep`. The search reports the best on all GPUs and on the
+  fastest GPU type alone.
 * Physical limit: compute only; attention and expert work of the step split fractionally over
   GPU types to minimise the makespan (an LP; for two kinds of work the optimum gives attention to
   the types with the smallest attention/expert time ratio first), every GPU busy all step, each
@@ -409,3 +414,202 @@ def physical_limit(cost: CostModel, cluster: Cluster, global_batch: int) -> Base
         lo, hi = (lo, mid) if feasible(mid) else (mid, hi)
     return BaselineResult("Physical limit", hi, B * S / hi, {g: 1.0 for g in counts},
                           {"attention_s_per_seq": a, "expert_s_per_seq": e})
+
+
+# ---------------------------------------------------------------- Megatron EP with TP and PP
+MEGATRON_TP = (1, 2, 4, 8)  # TP sizes the Megatron EP baseline tries (inside a node)
+MEGATRON_PP = (1, 2, 4, 8)  # PP sizes it tries (dividing the MoE layers)
+
+
+def _megatron_group_mb_time(cost: CostModel, cluster: Cluster, ranks: list[int], gpus: list[str], d: int, t: float,
+                            stages: list[int], layers: int, tp: int) -> tuple[float, dict[int, float]]:
+    """Forward+backward of one microbatch through one EP group of a pipeline stage: the zebra
+    attention `stages` it runs (TP-priced: cost.stage_time with tp) and `layers` MoE layers, each
+    bulk-synchronous (slowest member, then the two all-to-alls); t tokens per rank (its sequence
+    slice). Also each rank's busy compute time."""
+    m = cost.model
+    E, k = m.num_experts, m.moe_router_topk
+    a2a = _a2a(cost, cluster, tuple(ranks), t) if len(ranks) > 1 else 0.0
+    per_expert = d * t * k / E
+    kinds = sorted(set(gpus))  # ranks of one type cost alike
+    busy = {g: 0.0 for g in kinds}
+    total = 0.0
+    for bwd in (False, True):
+        for s in stages:
+            st = {g: cost.stage_time(g, s, t, bwd, tp) for g in kinds}
+            total += max(st.values())
+            for g, x in st.items():
+                busy[g] += x
+        et = {g: (E // d) * cost.expert_time(g, per_expert, bwd) for g in kinds}
+        total += layers * (max(et.values()) + 2 * a2a)
+        for g, x in et.items():
+            busy[g] += layers * x
+    return total, {r: busy[g] for r, g in zip(ranks, gpus)}
+
+
+def megatron_stage_bytes(cost: CostModel, st: PPStage, t: float, in_flight: int, tp: int, d: int,
+                         dp_dense: int, dp_expert: int, pp: int) -> float:
+    """Peak bytes on one rank of a Megatron stage (TP tp with sequence parallelism, EP d, PP pp):
+    its dense parameters (pp_stage_params split tp ways, norms and routers whole) and its E/d
+    experts of each of its layers with their state (distributed optimizer: over dp_dense /
+    dp_expert replicas) and routed tokens of `in_flight` microbatches, its layers' checkpointed
+    inputs (Megatron's per-layer full recompute; t is the rank's sequence slice) and one working
+    set (with the all-gathered sequence under TP), fp32 logits of its vocabulary shard on the
+    last stage. pp 1 is cost.attention_rank_bytes(layer_checkpoints=True)'s rule."""
+    m, b = cost.model, cost.settings.dtype_bytes
+    h, E, k = m.hidden_size, m.num_experts, m.moe_router_topk
+    per_expert = d * t * k / E
+    experts = st.layers * (E // d) * cost.per_expert_bytes(per_expert, in_flight, dp_expert) \
+        + cost.expert_working_bytes(per_expert)
+    if pp == 1:
+        return cost.attention_rank_bytes(t, in_flight, layer_checkpoints=True, tp=tp, dp=dp_dense) + experts
+    stages = st.stages(cost.num_layers)
+    rep = cost.tp_replicated_params(stages)
+    dense_params = (pp_stage_params(cost, st) - rep) / tp + rep
+    need = dense_params * cost.state_bytes_per_param(dp_dense) + experts
+    dense = sum(cost.dense_in_stage[s] for s in stages)
+    shared = m.moe_shared_expert_intermediate_size or 0
+    if cost.settings.activation_checkpointing:
+        need += (st.layers + dense + 1) * t * h * b * in_flight + max(t * h * b * 20, t * h * 34.0 if dense else 0.0)
+        need += t * shared * b * 4
+    else:
+        need += (st.layers + dense) * t * h * 34.0 * in_flight + st.layers * t * 3 * shared * b * in_flight
+    need += (tp - 1) * t * h * b if tp > 1 else 0.0
+    if st.is_last:
+        need += t * m.vocab_size * 4.0
+    return need
+
+
+def megatron_ep_config_reason(cost: CostModel, cluster: Cluster, ranks: list[int], tp: int, pp: int) -> str:
+    """Why Megatron cannot run TP tp x PP pp over `ranks` ('' if it can)."""
+    m = cost.model
+    W, S, L = len(ranks), cost.settings.seq_len, cost.num_layers
+    if W % (tp * pp):
+        return f"{W} ranks are not a multiple of TP {tp} x PP {pp}"
+    if m.num_attention_heads % tp or S % tp:
+        return f"TP {tp} does not divide the {m.num_attention_heads} heads and the sequence length {S}"
+    if L % pp:
+        return f"PP {pp} does not divide the {L} MoE layers"
+    nodes = cluster.node_of()
+    if any(len({nodes[r] for r in ranks[i:i + tp]}) > 1 for i in range(0, W, tp)):
+        return f"TP {tp} groups would span nodes"
+    return ""
+
+
+def simulate_megatron_ep(cost: CostModel, cluster: Cluster, global_batch: int, ranks: list[int] | None = None,
+                         tp: int = 1, pp: int = 1, name: str = "Megatron EP") -> BaselineResult:
+    """Megatron EP with tensor parallelism tp (sequence parallel, expert TP 1) and pipeline
+    parallelism pp over `ranks` (default: all), in Megatron's rank order (TP innermost, then
+    DP/EP, PP outermost: stage i is the i-th block of W/pp ranks, an even split of the layers).
+    Inside a stage the dense weights' data-parallel size is W/(pp tp), EP size d = the largest
+    divisor of W/pp and E (ep_size), each TP rank dispatching its own slice. Every microbatch
+    count r dividing the sequences per data-parallel member is tried (pp 1: the fewest that fit,
+    as simulate_ep); step = 1F1B's
+    sum_i T_i + (r-1) max_i T_i (T_i: forward+backward of one microbatch on stage i, its EP
+    all-to-alls, TP collectives and the P2P send to the next stage, none overlapped; pp 1:
+    r T), + gradient all-reduce and optimizer."""
+    m = cost.model
+    S, L, E = cost.settings.seq_len, cost.num_layers, m.num_experts
+    types = cluster.gpu_types()
+    ranks = list(range(cluster.world_size)) if ranks is None else list(ranks)
+    why = megatron_ep_config_reason(cost, cluster, ranks, tp, pp)
+    if why:
+        return BaselineResult.infeasible(name, why)
+    W = len(ranks)
+    Ws = W // pp
+    dp = Ws // tp
+    d = ep_size(Ws, E)
+    if global_batch % dp:
+        return BaselineResult.infeasible(name, f"global batch {global_batch} is not a multiple of the {dp} data-"
+                                               f"parallel members (TP {tp}, PP {pp})")
+    spm = global_batch // dp
+    per = L // pp
+    stages = [PPStage(types[ranks[i * Ws]], tuple(ranks[i * Ws:(i + 1) * Ws]), i * per, (i + 1) * per,
+                      i == 0, i == pp - 1) for i in range(pp)]
+    nodes, nics = cluster.node_of(), cluster.nic_gbs()
+    best, last_bad = None, ""
+    for r_mb in _divisors(spm):
+        t = spm // r_mb * S / tp  # tokens per rank per microbatch: its sequence slice
+        bad = ""
+        for i, st in enumerate(stages):
+            need = megatron_stage_bytes(cost, st, t, min(pp - i, r_mb), tp, d, dp, Ws // d, pp)
+            worst_mem = min(cost.profile(types[r]).usable_memory_bytes for r in st.ranks)
+            if need > worst_mem:
+                bad = (f"stage {i} needs {need / 2**30:.1f} GiB > {worst_mem / 2**30:.1f} GiB usable with "
+                       f"{r_mb} microbatch(es) (TP {tp}, PP {pp}, EP {d})")
+                break
+        if bad:
+            last_bad = bad
+            continue
+        T, busy = [], {}
+        for i, st in enumerate(stages):
+            seen: dict[tuple, tuple] = {}
+            worst = 0.0
+            for j in range(0, Ws, d):
+                grp = list(st.ranks[j:j + d])
+                first: dict[int, int] = {}
+                shape = tuple((types[r], first.setdefault(nodes[r], len(first)), nics[r]) for r in grp)
+                if shape not in seen:
+                    seen[shape] = _megatron_group_mb_time(cost, cluster, grp, [types[r] for r in grp], d, t,
+                                                          st.stages(L), st.layers, tp)
+                tm, b = seen[shape]
+                worst = max(worst, tm)
+                busy.update({r: b[g0] for r, g0 in zip(grp, b)})
+            if i + 1 < pp:
+                worst += _p2p_time(cost, cluster, st.ranks, stages[i + 1].ranks, global_batch // r_mb * S)
+            T.append(worst)
+        step = sum(T) + (r_mb - 1) * max(T)
+        if best is None or step < best[0]:
+            best = (step, r_mb, T, busy, t)
+        if pp == 1:
+            break  # no pipeline: the fewest microbatches that fit are the fastest (as simulate_ep)
+    if best is None:
+        return BaselineResult.infeasible(name, f"no microbatch count fits: {last_bad}")
+    step, r_mb, T, busy, t = best
+    post = 0.0
+    gb = cost.settings.dtype_bytes
+    for st in stages:
+        rep = cost.tp_replicated_params(st.stages(L))
+        dense = (pp_stage_params(cost, st) - rep) / tp + rep
+        expert = st.layers * (E // d) * m.expert_params()
+        tm = 0.0
+        for pos in range(tp):  # the TP ranks' data-parallel groups all-reduce at once
+            tm = max(tm, allreduce_time(Links.for_ranks(cluster, list(st.ranks[pos::tp]), cost.profiles), dense * gb))
+        if Ws // d > 1:
+            tm += allreduce_time(Links.for_ranks(cluster, list(st.ranks[::d]), cost.profiles), expert * gb)
+        tm += max(cost.optimizer_time(types[r], dense + expert) for r in st.ranks)
+        post = max(post, tm)
+    step += post
+    util: dict[str, list[float]] = {}
+    for r in ranks:
+        util.setdefault(types[r], []).append(r_mb * busy[r] / step)
+    return BaselineResult(name, step, global_batch * S / step, {g: sum(v) / len(v) for g, v in util.items()},
+                          {"tp": tp, "pp": pp, "ep_size": d, "microbatches": r_mb, "ranks": W,
+                           "tokens_per_microbatch": t, "bubble_s": sum(T) - max(T) if pp > 1 else 0.0,
+                           "post_step_s": post})
+
+
+def best_megatron_ep(cost: CostModel, cluster: Cluster, global_batch: int, ranks: list[int] | None = None,
+                     name: str = "Megatron EP (best TP/PP)") -> BaselineResult:
+    """The fastest simulate_megatron_ep over TP in MEGATRON_TP and PP in MEGATRON_PP (each with
+    its best microbatch count); detail["excluded_layouts"] names every configuration that could
+    not run and why."""
+    best, why = None, {}
+    for tp in MEGATRON_TP:
+        for pp in MEGATRON_PP:
+            res = simulate_megatron_ep(cost, cluster, global_batch, ranks, tp, pp, name)
+            if not res.fits:
+                why[f"TP {tp} x PP {pp}"] = res.reason
+            elif best is None or res.step_time_s < best.step_time_s:
+                best = res
+    if best is None:
+        return BaselineResult.infeasible(name, "no TP/PP configuration fits: " +
+                                         "; ".join(f"{k}: {v}" for k, v in why.items()))
+    best.detail["excluded_layouts"] = {k: v for k, v in why.items() if "does not divide" not in v
+                                       and "not a multiple" not in v and "span nodes" not in v}
+    return best
+
+
+def newest_gpu(cost: CostModel, cluster: Cluster) -> str:
+    """The cluster's fastest GPU type (largest dense fp16 peak): the "new GPUs" of a mixed cluster."""
+    return max(cluster.counts(), key=lambda g: cost.profile(g).peak_fp16_tflops)

@@ -1,12 +1,16 @@
 """`hetermoe plan`: write a plan file.
 
   hetermoe plan --even --attention-ranks M --expert-ranks N --groups G --model CFG
-                [--microbatches R] [--schedule distep|zebra] [--attention-gpu T --expert-gpu T] -o plan.json
-      G groups of M attention + N expert ranks, experts split evenly (plan.even_plan).
+                [--microbatches R] [--schedule distep|zebra] [--attention-gpu T --expert-gpu T]
+                [--attention-tp T] -o plan.json
+      G groups of M attention + N expert ranks, experts split evenly (plan.even_plan); with
+      --attention-tp T the M attention ranks are M/T tensor-parallel members.
   hetermoe plan --cluster CLUSTER --model CFG --seq-len S --global-batch B [-o plan.json] [--json]
                 [--asym optimal|greedy|none] [--engine auto|python|cpp] [--max-microbatches K]
-                [--expert-recompute auto|off|keep-inputs|resend-inputs]
-      searches ZP group shape, R, expert placement and what expert ranks keep for backward;
+                [--expert-recompute auto|off|keep-inputs|resend-inputs] [--attention-tp T]
+                [--distributed-optimizer]
+      searches ZP group shape, attention TP size, R, expert placement and what expert ranks keep
+      for backward;
       prints every strategy's predicted step.
   hetermoe plan [--even ... | --cluster CLUSTER ...] -- <pretrain_gpt.py flags>
       the model from the run's own Megatron-LM flags instead of --model (--num-layers,
@@ -37,7 +41,7 @@ from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import EXPERT_RECOMPUTE
 from megatron_hetermoe.planner.megatron_flags import model_from_flags
 from megatron_hetermoe.planner.profiles import known_gpu_types
-from megatron_hetermoe.planner.search import SearchResult, search
+from megatron_hetermoe.planner.search import ATTENTION_TP, SearchResult, search
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
                       help="the plan's schedule: DistEP (Megatron's schedule) or zebra (overlapped)")
     even.add_argument("--attention-gpu", default="cpu", help="GPU type of attention ranks (a configs/gpus/ name)")
     even.add_argument("--expert-gpu", default="cpu", help="GPU type of expert ranks (a configs/gpus/ name)")
+    p.add_argument("--attention-tp", type=int, default=None,
+                   help="tensor-parallel size of each attention member (Megatron's --tensor-model-parallel-size with "
+                   "--sequence-parallel; M must be a multiple of it; no experts on attention ranks with TP > 1). With "
+                   "--even: the plan's attention_tp (default 1); with --cluster: search only this size (default: "
+                   "1, 2, 4 and 8 where they divide the heads and fit in a node)")
     srch = p.add_argument_group("search")
     srch.add_argument("--cluster", help="cluster config: a path or a name in the config directory's clusters/ (o1, c1-200g, ...; "
                       "required for a search)")
@@ -73,6 +82,10 @@ def _parser() -> argparse.ArgumentParser:
                       "resend-inputs for shapes whose expert ranks cannot hold their experts otherwise. "
                       "The plan carries the level; training runs off and keep-inputs and refuses "
                       "resend-inputs, which is priced only (default: auto)")
+    srch.add_argument("--distributed-optimizer", action="store_true",
+                      help="price Megatron's --use-distributed-optimizer: fp32 master weights and Adam moments "
+                      "sharded over each parameter's replicas (attention members; an expert's ZP groups); "
+                      "train the plan with --use-distributed-optimizer")
     srch.add_argument("--json", action="store_true", help="print the predictions as JSON instead of a table")
     return p
 
@@ -83,21 +96,28 @@ def _finite(x):
 
 def format_table(res: SearchResult, title: str) -> str:
     types = sorted({g for p in res.predictions for g in p.utilization})
-    head = f"{'strategy':<36}{'step (s)':>10}{'tokens/s':>12}{'vs limit':>9}" + "".join(f"{'util ' + g:>16}" for g in types)
+    w = max([36] + [len(p.name) + 2 for p in res.predictions])
+    head = f"{'strategy':<{w}}{'step (s)':>10}{'tokens/s':>12}{'vs limit':>9}" + "".join(f"{'util ' + g:>16}" for g in types)
     lines = [title, head, "-" * len(head)]
     for p in res.predictions:
         if not p.fits:
-            lines.append(f"{p.name:<36}{'does not fit: ' + str(p.detail.get('reason', '')):>40}")
+            lines.append(f"{p.name:<{w}}{'does not fit: ' + str(p.detail.get('reason', '')):>40}")
             continue
-        row = f"{p.name:<36}{p.step_time_s:>10.3f}{p.tokens_per_s:>12.0f}{p.ratio_to_limit:>9.2f}"
+        row = f"{p.name:<{w}}{p.step_time_s:>10.3f}{p.tokens_per_s:>12.0f}{p.ratio_to_limit:>9.2f}"
         row += "".join(f"{p.utilization.get(g, 0.0):>16.2f}" for g in types)
         lines.append(row)
+    for p in res.predictions:  # the parallel configuration of the Megatron rows
+        if p.fits and "tp" in p.detail and "pp" in p.detail:
+            lines.append(f"note: {p.name}: TP {p.detail['tp']}, PP {p.detail['pp']}, EP {p.detail['ep_size']}, "
+                         f"{p.detail['microbatches']} microbatch(es), pipeline bubble {p.detail['bubble_s']:.3f} s")
     for p in res.predictions:  # layouts a strategy could not use: the reason behind a jump in its step
         for layout, why in (p.detail.get("excluded_layouts") or {}).items():
             lines.append(f"note: {p.name} cannot use {layout}: {why}")
     if res.plan is not None:
         g0 = res.plan.groups[0]
-        lines.append(f"plan: {len(res.plan.groups)} ZP group(s) of {len(g0.attention_ranks)} attention + "
+        tp = res.plan.attention_tp
+        members = f" ({len(g0.attention_ranks) // tp} member(s) of attention_tp {tp})" if tp > 1 else ""
+        lines.append(f"plan: {len(res.plan.groups)} ZP group(s) of {len(g0.attention_ranks)} attention{members} + "
                      f"{len(g0.expert_ranks)} expert ranks, R={res.plan.num_microbatches}, schedule {res.plan.schedule}, "
                      f"{res.plan.meta.get('assignment')}; experts on attention ranks per layer: "
                      f"{res.plan.meta.get('experts_on_attention_per_layer')}; expert recompute: "
@@ -172,17 +192,23 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
             # MTP layers come after the decoder's, of its last layer's kind (layer_pattern.model_dense_layers)
             dense = model_dense_layers(model.moe_layer_freq, model.num_layers, mtp)
+            tp = 1 if args.attention_tp is None else args.attention_tp
+            if tp < 1 or model.num_attention_heads % tp:
+                print(f"hetermoe plan: --attention-tp {tp} must be a positive divisor of the model's "
+                      f"{model.num_attention_heads} attention heads", file=sys.stderr)
+                return 2
             plan = even_plan(model.num_layers + mtp - len(dense), model.num_experts, args.attention_ranks,
                              args.expert_ranks, args.groups, attention_gpu=args.attention_gpu,
                              expert_gpu=args.expert_gpu, num_microbatches=args.microbatches, schedule=args.schedule,
-                             dense_layers=dense, mtp_layers=mtp)
+                             dense_layers=dense, mtp_layers=mtp, attention_tp=tp)
             plan.meta = {"model": model.name, "made_by": "hetermoe plan --even"}
             if flags is not None:  # where the model came from, for whoever reads the plan
                 plan.meta["model_flags"] = flags
             if args.output:
                 plan.save(args.output)
+                tp_note = f", attention_tp {tp}" if tp > 1 else ""
                 print(f"wrote {args.output}: {args.groups} x ({args.attention_ranks} attention + "
-                      f"{args.expert_ranks} expert ranks), world size {plan.world_size}")
+                      f"{args.expert_ranks} expert ranks), world size {plan.world_size}{tp_note}")
             else:
                 print(plan.to_json())
             return 0
@@ -210,9 +236,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"hetermoe plan: {flag} {v} is above {most}, more than any cluster could hold "
                       f"(megatron_hetermoe/limits.py)", file=sys.stderr)
                 return 2
+        if args.attention_tp is not None and args.attention_tp not in ATTENTION_TP:
+            print(f"hetermoe plan: --attention-tp {args.attention_tp}: the search tries {list(ATTENTION_TP)}",
+                  file=sys.stderr)
+            return 2
         cluster = Cluster.load(args.cluster)
         res = search(model, cluster, args.seq_len, args.global_batch, asym=args.asym, engine=args.engine,
-                     max_microbatches=args.max_microbatches, expert_recompute=args.expert_recompute)
+                     max_microbatches=args.max_microbatches, expert_recompute=args.expert_recompute,
+                     attention_tp=None if args.attention_tp is None else (args.attention_tp,),
+                     distributed_optimizer=args.distributed_optimizer)
     except (PlanError, FileNotFoundError, ValueError, KeyError) as e:
         print(f"hetermoe plan: {e}", file=sys.stderr)
         return 2

@@ -30,6 +30,14 @@ backward (2x, plus the re-forward under activation checkpointing). Routed expert
 own level, TrainSettings.expert_recompute (EXPERT_RECOMPUTE: what an expert holder keeps for
 backward, and whether its backward re-runs the forward).
 
+Tensor parallelism on attention members (plan.attention_tp t, Megatron's --tensor-model-parallel-size
+with --sequence-parallel): a TP rank's tokens are its sequence slice (member tokens / t); its stage
+time is the stage on the slice plus the stage's TP collectives (tp_comm_time: all-gather/reduce-
+scatter of the slice on the GPU profile's intra_node_gbs, forward and backward, again in the re-run
+forward under checkpointing); its non-expert weights and state are split t ways but for norms and
+routers (non_expert_params_per_rank). TrainSettings.distributed_optimizer prices Megatron's
+--use-distributed-optimizer (state_bytes_per_param: 6 + 12/d bytes per parameter).
+
 Which program is priced (`Program`): precision, attention kernel and recomputation change a
 step's cost, so a time is always for one program. `TrainSettings.program=None` prices each
 GPU type as its profile describes it (`program_of`): analytic profiles the paper's program (fp16
@@ -314,6 +322,9 @@ class TrainSettings:
     # What expert holders keep between an expert's forward and its backward (EXPERT_RECOMPUTE);
     # None: 'keep-inputs' with activation checkpointing, else 'off'.
     expert_recompute: str | None = None
+    # Megatron's --use-distributed-optimizer: fp32 master weights and Adam moments sharded over
+    # each parameter's data-parallel group (state_bytes_per_param).
+    distributed_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.program is not None:
@@ -464,15 +475,65 @@ class CostModel:
             raise ValueError(f"stage {stage} outside 0..{L} for a model of {L} MoE layers")
         return (0 if stage == 0 else (2 if stage == L else 1), self.dense_in_stage[stage])
 
-    def stage_time(self, gpu: str, stage: int, tokens: float, backward: bool = False) -> float:
+    def stage_time(self, gpu: str, stage: int, tokens: float, backward: bool = False, tp: int = 1) -> float:
         """Attention stage s of the zebra task list (0..L, L = MoE layers): s=0 embedding +
         attention_1 + router_1; 0<s<L combine of layer s-1 + residual + attention + router;
         s=L last combine + head + loss. A stage s<L also runs MoE layer s's shared expert, and
-        any stage the dense layers that come before its MoE layer (or, s=L, before the head)."""
-        key = ("stage", gpu, self.stage_kind(stage), tokens, backward)
+        any stage the dense layers that come before its MoE layer (or, s=L, before the head).
+        `tokens`: the rank's tokens; under tensor parallelism `tp` (with sequence parallelism) its
+        sequence slice, member tokens / tp: the rank computes 1/tp of every GEMM, of the heads and
+        of the elementwise work, priced as the stage on `tokens` tokens, plus the stage's TP
+        collectives (tp_comm_time), not overlapped."""
+        key = ("stage", gpu, self.stage_kind(stage), tokens, backward, tp)
         if key not in self._memo:
-            self._memo[key] = self._stage_time(gpu, stage, tokens, backward)
+            t = self._stage_time(gpu, stage, tokens, backward)
+            if tp > 1:
+                t += self.tp_comm_time(gpu, stage, tokens, tp, backward)
+            self._memo[key] = t
         return self._memo[key]
+
+    # ---- tensor parallelism (Megatron's --tensor-model-parallel-size t --sequence-parallel) ----
+    def tp_collectives(self, stage: int) -> int:
+        """All-gathers + reduce-scatters of one forward of attention stage `stage` under sequence
+        parallelism (Megatron's SP: an all-gather of the sequence before each TP block, a
+        reduce-scatter after it): 2 for MoE layer s's attention block, 2 for its shared expert,
+        4 per dense layer (attention block and MLP block), 1 on stage 0 (the vocab-parallel
+        embedding's output reduce-scattered), 1 on stage L (the final norm's output all-gathered
+        for the vocab-parallel output layer). The MoE input stays the rank's slice (each TP rank
+        routes and dispatches its own tokens), so the experts add none. The vocab-parallel
+        cross-entropy's all-reduces (3 floats per token) are left out."""
+        L = self.num_layers
+        self.stage_kind(stage)  # range check
+        n = 4 * self.dense_in_stage[stage]
+        if stage < L:
+            n += 2 + (2 if self.model.moe_shared_expert_intermediate_size else 0)
+        if stage == 0:
+            n += 1
+        if stage == L:
+            n += 1
+        return n
+
+    def tp_collective_time(self, gpu: str, tokens: float, tp: int) -> float:
+        """One sequence-parallel all-gather or reduce-scatter (ring, inside one node): each rank
+        holds `tokens` tokens of hidden size h and sends/receives the other tp-1 slices,
+        (tp-1) x tokens x h x dtype bytes, at the GPU profile's intra_node_gbs, + its link_latency_us."""
+        if tp <= 1 or tokens <= 0:
+            return 0.0
+        p = self.profile(gpu)
+        nbytes = (tp - 1) * tokens * self.token_bytes()
+        return p.link_latency_us * 1e-6 + nbytes / (p.intra_node_gbs * 1e9)
+
+    def tp_comm_time(self, gpu: str, stage: int, tokens: float, tp: int, backward: bool = False) -> float:
+        """TP collectives of attention stage `stage` on a rank holding `tokens` tokens (its slice):
+        forward tp_collectives(stage) of tp_collective_time; backward the same volumes (the
+        all-gather's backward is a reduce-scatter and vice versa), twice under activation
+        checkpointing (the re-run forward gathers again)."""
+        if tp <= 1:
+            return 0.0
+        n = self.tp_collectives(stage)
+        if backward:
+            n *= 2 if self.settings.activation_checkpointing else 1
+        return n * self.tp_collective_time(gpu, tokens, tp)
 
     def _stage_time(self, gpu: str, stage: int, tokens: float, backward: bool) -> float:
         m = self.model
@@ -514,13 +575,52 @@ class CostModel:
         fp32 = self.program is not None and self.program.precision == "fp32"
         return BYTES_PER_PARAM_STATE_FP32 if fp32 else BYTES_PER_PARAM_STATE
 
-    def expert_state_bytes(self) -> float:
-        return self.model.expert_params() * self.bytes_per_param_state
+    def state_bytes_per_param(self, dp: int = 1) -> float:
+        """Weights, gradient and optimizer state per parameter. Without the distributed optimizer
+        bytes_per_param_state (18 mixed precision, 16 fp32); with it (Megatron's
+        --use-distributed-optimizer) the fp32 master weights and Adam moments are sharded over
+        the parameter's `dp` data-parallel replicas: mixed precision 2 (16-bit weight) + 4 (fp32
+        main grad) + 12 / dp (master, m, v), fp32 4 + 4 + 8 / dp (Megatron's docs give 6 + 12/d)."""
+        if not self.settings.distributed_optimizer or dp <= 1:
+            return self.bytes_per_param_state
+        fp32 = self.program is not None and self.program.precision == "fp32"
+        return 8.0 + 8.0 / dp if fp32 else 6.0 + 12.0 / dp
 
-    def non_expert_state_bytes(self) -> float:
-        return self.model.non_expert_params() * self.bytes_per_param_state
+    def expert_state_bytes(self, dp: int = 1) -> float:
+        """One expert's weights and state; `dp`: its replicas (ZP groups), for the distributed optimizer."""
+        return self.model.expert_params() * self.state_bytes_per_param(dp)
 
-    def attention_rank_bytes(self, tokens_mb: float, microbatches_alive: int, layer_checkpoints: bool = False) -> float:
+    def tp_replicated_params(self, stages: list[int] | None = None) -> int:
+        """Non-expert parameters every TP rank holds whole (norms and routers; Megatron replicates
+        them over the TP group): of the attention `stages` (None: all, with the final norm)."""
+        m = self.model
+        h, L = m.hidden_size, self.num_layers
+        stages = list(range(L + 1)) if stages is None else stages
+        n = 0
+        for s in stages:
+            n += 2 * h * self.dense_in_stage[s]  # a dense layer's two norms
+            if s < L:
+                n += 2 * h + h * m.num_experts  # an MoE layer's norms and router
+            else:
+                n += h  # the final norm
+        return n
+
+    def non_expert_params_per_rank(self, tp: int = 1) -> float:
+        """Non-expert parameters one rank of a TP member holds: QKV/projection, dense MLPs, shared
+        experts, embedding and output layer split tp ways; norms and routers whole."""
+        total = self.model.non_expert_params()
+        if tp <= 1:
+            return total
+        rep = self.tp_replicated_params()
+        return (total - rep) / tp + rep
+
+    def non_expert_state_bytes(self, tp: int = 1, dp: int = 1) -> float:
+        """An attention rank's non-expert weights and state: `tp` its member's TP size, `dp` the
+        number of members (the dense weights' data-parallel size, for the distributed optimizer)."""
+        return self.non_expert_params_per_rank(tp) * self.state_bytes_per_param(dp)
+
+    def attention_rank_bytes(self, tokens_mb: float, microbatches_alive: int, layer_checkpoints: bool = False,
+                             tp: int = 1, dp: int = 1) -> float:
         """An attention rank without offloaded experts: non-expert weights and optimizer state
         (dense layers and shared experts included), plus activations. With checkpointing: each
         stage's input for every live microbatch, one stage's working set (a stage recomputed
@@ -530,7 +630,10 @@ class CostModel:
         (every layer's input kept, one layer recomputed at a time; the EP baselines). Shared
         experts keep their SwiGLU intermediates (without checkpointing) or need them as working
         set, as an expert does (per_expert_bytes). With expert_recompute 'resend-inputs' also the
-        dispatched tokens it sends again in backward (resent_bytes)."""
+        dispatched tokens it sends again in backward (resent_bytes). Tensor parallelism `tp`
+        (sequence parallel): `tokens_mb` is the rank's slice, so activations are the member's / tp;
+        weights and state are non_expert_state_bytes(tp, dp); the working set adds the all-gathered
+        sequence, (tp-1) x tokens_mb x h x dtype bytes."""
         m, b = self.model, self.settings.dtype_bytes
         h, L = m.hidden_size, self.num_layers
         n_dense = len(m.dense_layers)
@@ -553,7 +656,9 @@ class CostModel:
             kept = (L + n_dense) * tokens_mb * per_token * microbatches_alive
             kept += L * tokens_mb * 3 * shared * b * microbatches_alive  # shared experts' SwiGLU intermediates
             working = 0.0
-        return self.non_expert_state_bytes() + kept + working + logits + self.resent_bytes(tokens_mb, microbatches_alive)
+        working += (tp - 1) * tokens_mb * h * b if tp > 1 else 0.0
+        return (self.non_expert_state_bytes(tp, dp) + kept + working + logits
+                + self.resent_bytes(tokens_mb, microbatches_alive))
 
     def resent_bytes(self, tokens_mb: float, microbatches_alive: int) -> float:
         """Dispatched tokens an attention rank keeps to send again in backward (expert_recompute
@@ -571,12 +676,12 @@ class CostModel:
         return {"off": (m.hidden_size + 3 * m.moe_ffn_hidden_size) * b, "keep-inputs": m.hidden_size * b,
                 "resend-inputs": 0.0}[self.settings.expert_recompute]
 
-    def per_expert_bytes(self, tokens_per_expert_mb: float, microbatches_alive: int) -> float:
+    def per_expert_bytes(self, tokens_per_expert_mb: float, microbatches_alive: int, dp: int = 1) -> float:
         """What each held expert adds on any rank: its weights and optimizer state and what it
         keeps for backward of the routed tokens of every live microbatch
-        (expert_kept_bytes_per_token)."""
+        (expert_kept_bytes_per_token). `dp`: the expert's replicas (distributed optimizer)."""
         kept = tokens_per_expert_mb * self.expert_kept_bytes_per_token() * microbatches_alive
-        return self.expert_state_bytes() + kept
+        return self.expert_state_bytes(dp) + kept
 
     def expert_working_bytes(self, tokens_per_expert_mb: float) -> float:
         """Transient working set of the expert being computed (SwiGLU intermediates, grads)."""

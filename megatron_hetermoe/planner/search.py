@@ -2,6 +2,10 @@
 expert placement for a cluster and model, by simulating every candidate; and predict every
 baseline on the same cost model, for the report.
 
+Attention members may be tensor-parallel (plan.attention_tp in ATTENTION_TP, where it divides the
+heads and the sequence and each member sits in one node; such a candidate has no Asym-EA). A
+candidate whose lower bound (compute_lower_bound) cannot beat the best simulated step is skipped.
+
 Candidates: each GPU type in turn takes the attention role and all other types the expert role
 (a homogeneous cluster is split at a few ratios instead); G divides both counts with N <= E;
 R divides the sequences each attention rank gets (microbatches are whole sequences). For each
@@ -38,12 +42,14 @@ from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, ZPGroup
 from megatron_hetermoe.planner import asym_ea
 from megatron_hetermoe.planner.baselines import (
     BaselineResult,
+    best_megatron_ep,
+    newest_gpu,
     physical_limit,
     simulate_ep,
     simulate_ep_ideal,
     simulate_hetero_pp,
 )
-from megatron_hetermoe.planner.cluster import Cluster
+from megatron_hetermoe.planner.cluster import Cluster, Links, rank1_collective_time
 from megatron_hetermoe.planner.cost_model import (
     EXPERT_RECOMPUTE,
     CostModel,
@@ -92,6 +98,31 @@ class Candidate:
     expert_ranks: list[int]
     G: int
     R: int
+    tp: int = 1  # attention_tp: each attention member is tp consecutive ranks (one TP group)
+
+
+ATTENTION_TP = (1, 2, 4, 8)  # the attention members' TP sizes the search tries
+
+
+def tp_sizes(cluster: Cluster, model: ModelConfig, seq_len: int, attn: list[int]) -> dict[int, str]:
+    """attention_tp sizes for attention ranks `attn` (in the order the search groups them), each
+    with '' if usable, else why not: tp must divide the heads (each rank holds heads / tp) and
+    the sequence (sequence parallelism gives each rank seq_len / tp tokens of every sequence), and
+    every member (tp consecutive ranks of `attn`) must sit inside one node (TP runs on NVLink)."""
+    nodes = cluster.node_of()
+    out = {}
+    for tp in ATTENTION_TP:
+        if tp == 1:
+            out[tp] = ""
+        elif model.num_attention_heads % tp:
+            out[tp] = f"attention_tp {tp} does not divide the {model.num_attention_heads} heads"
+        elif seq_len % tp:
+            out[tp] = f"attention_tp {tp} does not divide the sequence length {seq_len}"
+        elif len(attn) % tp or any(len({nodes[r] for r in attn[i:i + tp]}) > 1 for i in range(0, len(attn), tp)):
+            out[tp] = f"attention_tp {tp}: the attention ranks do not form members of {tp} ranks inside one node"
+        else:
+            out[tp] = ""
+    return out
 
 
 def _divisors(n: int) -> list[int]:
@@ -123,10 +154,12 @@ def _role_splits(cluster: Cluster) -> list[tuple[list[int], list[int]]]:
 
 
 def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert: list[int], G: int, R: int,
-                 global_batch: int, forward_only: bool, microbatches_alive: int | None = None) -> asym_ea.AsymProblem:
+                 global_batch: int, forward_only: bool, microbatches_alive: int | None = None,
+                 tp: int = 1) -> asym_ea.AsymProblem:
     """Asym-EA inputs for one ZP group shape: per-microbatch times (forward, or forward+backward)
     and memory limits, from the cost model. Mixed types on one side: the slowest / smallest.
-    `microbatches_alive`: microbatches whose activations coexist (zebra: R, the default; DistEP: 1)."""
+    `microbatches_alive`: microbatches whose activations coexist (zebra: R, the default; DistEP: 1).
+    `tp`: the attention members' TP size (attention times and memory per rank, its sequence slice)."""
     alive = R if microbatches_alive is None else microbatches_alive
     if not 1 <= alive <= R:
         raise ValueError(f"microbatches_alive={alive} must be in 1..R={R} (zebra: R, DistEP: 1)")
@@ -141,13 +174,18 @@ def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert:
     def both(f, *args) -> float:
         return f(*args, False) + (0.0 if forward_only else f(*args, True))
 
-    t_attn = tuple(max(both(cost.stage_time, g, l, t_mb) for g in a_gpus) for l in range(L))
-    extra = max(both(cost.stage_time, g, L, t_mb) for g in a_gpus)
+    def stage(g: str, l: int) -> float:
+        return cost.stage_time(g, l, t_mb, False, tp) + (0.0 if forward_only else cost.stage_time(g, l, t_mb, True, tp))
+
+    t_attn = tuple(max(stage(g, l) for g in a_gpus) for l in range(L))
+    extra = max(stage(g, L) for g in a_gpus)
     t_exp = max(both(cost.expert_time, g, tpe) for g in x_gpus)
     t_x = max(both(cost.expert_time, g, tpe) for g in a_gpus)
-    per = cost.per_expert_bytes(tpe, alive)
+    per = cost.per_expert_bytes(tpe, alive, G)  # an expert's replicas: one per ZP group
     work = cost.expert_working_bytes(tpe)
-    free_a = min(cost.profile(g).usable_memory_bytes for g in a_gpus) - cost.attention_rank_bytes(t_mb, alive) - work
+    members = G * M // tp  # the dense weights' data-parallel size
+    free_a = (min(cost.profile(g).usable_memory_bytes for g in a_gpus)
+              - cost.attention_rank_bytes(t_mb, alive, tp=tp, dp=members) - work)
     free_x = min(cost.profile(g).usable_memory_bytes for g in x_gpus) - work
     n_max = math.floor(free_a / per) if free_a >= 0 else -1
     cap_x = max(0, math.floor(free_x / per))
@@ -155,7 +193,8 @@ def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert:
 
 
 def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int, R: int,
-               k: list[int], schedule: str = "zebra", validate: bool = True, skeleton: bool = False) -> HeteroPlan:
+               k: list[int], schedule: str = "zebra", validate: bool = True, skeleton: bool = False,
+               attention_tp: int = 1) -> HeteroPlan:
     """G groups of M attention + N expert ranks (consecutive in `attn` / `expert`), experts placed
     by asym_ea.placement(k) (one entry per MoE layer) alike in every group; the model's dense
     layers are the plan's dense_layers. `skeleton`: only group 0 gets a placement (the
@@ -169,25 +208,95 @@ def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert
         pl = [] if skeleton and g else [{members[i]: list(es) for i, es in p.items()} for p in local]
         groups.append(ZPGroup(a, x, pl))
     plan = HeteroPlan(model.num_moe_layers, model.num_experts, list(gpu_types), groups, R, schedule,
-                      dense_layers=model.dense_layers)
+                      dense_layers=model.dense_layers, attention_tp=attention_tp)
     if validate and not skeleton:
         plan.validate()
     return plan
 
 
-def candidates(cluster: Cluster, model: ModelConfig, global_batch: int, max_microbatches: int = 32) -> list[Candidate]:
+def candidates(cluster: Cluster, model: ModelConfig, global_batch: int, max_microbatches: int = 32,
+               seq_len: int | None = None, attention_tp: tuple[int, ...] | None = None) -> list[Candidate]:
+    """Every (role split, attention_tp, G, R): attention_tp from `attention_tp` (default
+    ATTENTION_TP) where tp_sizes allows it, G dividing both sides with M a multiple of tp and
+    N <= E, R dividing the sequences each attention member gets (whole sequences)."""
     out = []
+    seq_len = seq_len or model.seq_length
     for attn, expert in _role_splits(cluster):
-        if global_batch % len(attn):
-            continue  # every attention rank gets whole sequences
-        for G in _divisors(math.gcd(len(attn), len(expert))):
-            if len(expert) // G > model.num_experts:
+        for tp, why in tp_sizes(cluster, model, seq_len, attn).items():
+            if why or tp not in (attention_tp or ATTENTION_TP):
                 continue
-            spr = global_batch // len(attn)
-            for R in _divisors(spr):
-                if R <= max_microbatches:
-                    out.append(Candidate(attn, expert, G, R))
+            members = len(attn) // tp
+            if global_batch % members:
+                continue  # every attention member gets whole sequences
+            for G in _divisors(math.gcd(len(attn), len(expert))):
+                if len(expert) // G > model.num_experts or (len(attn) // G) % tp:
+                    continue
+                spr = global_batch // members
+                for R in reversed(_divisors(spr)):  # most microbatches first: zebra's best, so the bound prunes more
+                    if R <= max_microbatches:
+                        out.append(Candidate(attn, expert, G, R, tp))
     return out
+
+
+_HOLDING: dict[tuple[int, int, int], dict] = {}
+
+
+def _even_holding(E: int, M: int, N: int) -> dict:
+    """Experts per group member (0..M+N-1) of one MoE layer without Asym-EA, as build_plan places them."""
+    key = (E, M, N)
+    if key not in _HOLDING:
+        _HOLDING[key] = asym_ea.placement([0], E, list(range(M)), list(range(M, M + N)))[0]
+    return _HOLDING[key]
+
+
+def compute_lower_bound(cost: CostModel, gpu_types: list[str], cand: Candidate, global_batch: int,
+                        k: list[int], cluster: Cluster | None = None, schedule: str = "zebra") -> float:
+    """A lower bound on the simulated step of a candidate, from the simulator's own durations
+    (simulator.build_problem): a rank runs its compute tasks one at a time, so the step is at
+    least the compute of its busiest attention rank (R microbatches of every attention stage,
+    forward and backward) and, without Asym-EA (k all 0), of an expert rank holding ceil(E / N)
+    experts of every layer (at the fastest expert GPU type); with `cluster`, k all 0 and N | E (or
+    no node holding both roles: then with an even fractional share of experts per rank), also
+    the collectives of either stream (each runs one at a time), and one microbatch's dependency
+    chain (every attention stage, and per layer dispatch, experts, combine, forward and
+    backward), R of them back to back under DistEP (a microbatch's forward and backward run
+    before the next one's). The search skips a candidate whose bound is no less than the best
+    step simulated so far: it cannot win."""
+    m = cost.model
+    L, E, k_top = m.num_moe_layers, m.num_experts, m.moe_router_topk
+    M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
+    t_mb = global_batch * cost.settings.seq_len / (cand.G * M * cand.R)
+    a_gpus = {gpu_types[r] for r in cand.attention_ranks[:M]}
+    attn = max(sum(cost.stage_time(g, s, t_mb, b, cand.tp) for s in range(L + 1) for b in (False, True))
+               for g in a_gpus)  # one microbatch on one attention rank
+    lb = cand.R * attn
+    if not any(k):
+        tpe = M * t_mb * k_top / E
+        x_gpus = {gpu_types[r] for r in cand.expert_ranks[:N]}
+        per = min(cost.expert_time(g, tpe, False) + cost.expert_time(g, tpe, True) for g in x_gpus)
+        experts = L * math.ceil(E / N) * per  # one microbatch on the busiest expert rank
+        lb = max(lb, cand.R * experts)
+        nodes = cluster.node_of() if cluster is not None else []
+        apart = cluster is not None and not ({nodes[r] for r in cand.attention_ranks[:M]}
+                                             & {nodes[r] for r in cand.expert_ranks[:N]})
+        if cluster is not None and (E % N == 0 or apart):
+            members = cand.attention_ranks[:M] + cand.expert_ranks[:N]
+            links = Links.for_ranks(cluster, members, cost.profiles)
+            s_tok = [t_mb] * M + [0.0] * N
+            if E % N == 0:  # every layer alike: the layer's own collective
+                held = _even_holding(E, M, N)
+                w = [0.0] * M + [len(held.get(i, [])) / E for i in range(M, M + N)]
+            else:  # remainders rotate over layers; with no attention and expert rank sharing a node, an
+                # even fractional share (1/N each) gives every rank's bytes at most the layer's most loaded
+                w = [0.0] * M + [1.0 / N] * N
+            tb = k_top * cost.token_bytes()
+            fwd, bwd = rank1_collective_time(links, s_tok, w, tb), rank1_collective_time(links, w, s_tok, tb)
+            c_b = rank1_collective_time(links, s_tok, w, 2 * tb) if cost.settings.expert_recompute == "resend-inputs" \
+                else fwd
+            lb = max(lb, cand.R * L * (fwd + c_b), cand.R * L * (2 * bwd))
+            chain = attn + experts + L * (fwd + c_b + 2 * bwd)
+            lb = max(lb, cand.R * chain if schedule == "distep" else chain)
+    return lb * (1 - 1e-9)
 
 
 def _memory_reason(prob: asym_ea.AsymProblem, k: list[int], a_gpu: str, x_gpu: str, alive: int,
@@ -222,13 +331,17 @@ def _pred(name: str, res, limit_tps: float, detail: dict | None = None) -> Predi
 
 def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, asym: str = "optimal",
            engine: str = "auto", max_microbatches: int = 32, baselines: bool = True,
-           activation_checkpointing: bool = True, expert_recompute: str = "auto") -> SearchResult:
+           activation_checkpointing: bool = True, expert_recompute: str = "auto",
+           attention_tp: tuple[int, ...] | None = None, distributed_optimizer: bool = False) -> SearchResult:
     """Best HeterMoE plan for the cluster, with every strategy's predicted step.
     `expert_recompute`: what expert holders keep for backward (cost_model.EXPERT_RECOMPUTE), or
     'auto': the settings' default level (keep-inputs with activation checkpointing, else off)
     and, for a candidate whose expert ranks cannot hold every expert without Asym-EA at that
     level, each level that keeps less, up to the first where they can; each strategy keeps its
-    fastest simulated (candidate, level)."""
+    fastest simulated (candidate, level). `attention_tp`: the attention members' TP sizes to try
+    (default ATTENTION_TP; a candidate with TP > 1 holds no experts on attention ranks, so only
+    zebra without Asym-EA and DistEP use it). `distributed_optimizer`: price Megatron's
+    --use-distributed-optimizer (optimizer state sharded over each parameter's replicas)."""
     if asym not in ("optimal", "greedy", "none"):
         raise ValueError(f"asym={asym!r}; use 'optimal', 'greedy' or 'none'")
     if expert_recompute != "auto" and expert_recompute not in EXPERT_RECOMPUTE:
@@ -238,7 +351,8 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                          f"price multi-token prediction layers; make an even plan for it")
     t0 = time.perf_counter()
     profiles = load_profiles(set(cluster.gpu_types()))
-    cost = CostModel(model.replace(seq_length=seq_len), profiles, TrainSettings(seq_len, activation_checkpointing))
+    cost = CostModel(model.replace(seq_length=seq_len), profiles,
+                     TrainSettings(seq_len, activation_checkpointing, distributed_optimizer=distributed_optimizer))
     levels = (heavier_expert_recompute(cost.settings.expert_recompute) if expert_recompute == "auto"
               else (expert_recompute,))
     costs = {lv: cost if lv == cost.settings.expert_recompute else
@@ -252,27 +366,34 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     why: dict[str, dict[str, tuple[float, str]]] = {n: {} for n in variants}  # layout -> (shortfall, why)
 
     def consider(name: str, cand: Candidate, k: list[int], schedule: str, level: str) -> None:
-        plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
-                          skeleton=True)  # the chosen plan is rebuilt in full below
-        res = simulate_plan(plan, costs[level], cluster, global_batch, engine=engine)
         fitted[name].add(layout_name(types, cand.attention_ranks, cand.expert_ranks))
+        if name in best and compute_lower_bound(costs[level], types, cand, global_batch, k, cluster, schedule) >= best[name][0]:
+            return  # cannot beat the best simulated so far: its busiest rank's compute alone is longer
+        plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
+                          skeleton=True, attention_tp=cand.tp)  # the chosen plan is rebuilt in full below
+        res = simulate_plan(plan, costs[level], cluster, global_batch, engine=engine)
         if name not in best or res.step_time_s < best[name][0]:
             best[name] = (res.step_time_s, res, cand, k, schedule, level)
 
     def refuse(names: tuple[str, ...], cand: Candidate, reason: tuple[float, str]) -> None:
         # a layout's reason is its candidate closest to fitting (smallest shortfall; first on ties)
         key = layout_name(types, cand.attention_ranks, cand.expert_ranks)
+        tp = f", attention_tp={cand.tp}" if cand.tp > 1 else ""
         for n in names:
             if key not in why[n] or reason[0] < why[n][key][0]:
-                why[n][key] = (reason[0], f"G={cand.G}, R={cand.R}: {reason[1]}")
+                why[n][key] = (reason[0], f"G={cand.G}, R={cand.R}{tp}: {reason[1]}")
 
+    tp_try = tuple(attention_tp or ATTENTION_TP)
     for attn, expert in _role_splits(cluster):
-        if global_batch % len(attn):
+        ok = [tp for tp, w in tp_sizes(cluster, model, seq_len, attn).items() if not w and tp in tp_try]
+        if ok and all(global_batch % (len(attn) // tp) for tp in ok):
+            fewest = len(attn) // max(ok)  # attention members at the largest usable TP size
+            nor = f" nor of the {fewest} members of attention_tp {max(ok)}" if max(ok) > 1 else ""
             for n in variants:
                 why[n][layout_name(types, attn, expert)] = (0.0,
                     f"global batch {global_batch} is not a multiple of the {len(attn)} attention ranks (each "
-                    f"gets whole sequences); use a multiple of {len(attn)}")
-    cands = candidates(cluster, model, global_batch, max_microbatches)
+                    f"gets whole sequences){nor}; use a multiple of {fewest}")
+    cands = candidates(cluster, model, global_batch, max_microbatches, seq_len, tp_try)
     for cand in cands:
         M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
         grp_a, grp_x = cand.attention_ranks[:M], cand.expert_ranks[:N]
@@ -281,10 +402,10 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         distep_fits = False
         for level in levels:  # lightest first; a heavier level only where memory binds at this one
             c = costs[level]
-            full = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=False)
+            full = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=False, tp=cand.tp)
             # DistEP keeps one microbatch alive, so it is checked on its own memory rule
             one = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=False,
-                               microbatches_alive=1)
+                               microbatches_alive=1, tp=cand.tp)
             if not distep_fits:
                 if asym_ea.memory_ok(one, zero):
                     consider(DISTEP, cand, zero, "distep", level)
@@ -299,6 +420,10 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                 consider(ZEBRA_NO_EA, cand, zero, "zebra", level)
             else:
                 refuse((ZEBRA_NO_EA,), cand, _memory_reason(full, zero, a_gpu, x_gpu, cand.R, level))
+            if cand.tp > 1:  # no experts on TP attention members: no Asym-EA (the runtime refuses it)
+                if no_ea_fits:
+                    break
+                continue
             if asym != "none":
                 try:
                     consider(ZEBRA, cand, asym_ea.optimal(full) if asym == "optimal" else asym_ea.gather_squeeze(
@@ -333,6 +458,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
             M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
             preds.append(_pred(name, res, limit.tokens_per_s, {
                 "M": M, "N": N, "groups": cand.G, "microbatches": cand.R, "expert_recompute": level,
+                "attention_tp": cand.tp,
                 "attention_gpu": types[cand.attention_ranks[0]], "experts_on_attention_per_layer": list(k),
                 "attention_ranks": list(cand.attention_ranks), "expert_ranks": list(cand.expert_ranks),
                 "schedule": plan, "layout": layout_name(types, cand.attention_ranks, cand.expert_ranks),
@@ -346,16 +472,26 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         for res in (simulate_ep(cost, cluster, global_batch), simulate_ep_ideal(cost, cluster, global_batch),
                     simulate_hetero_pp(cost, cluster, global_batch)):
             preds.append(_pred(res.name, res, limit.tokens_per_s))
+        # Megatron EP at its best TP x PP on the same GPUs, and on the newest GPUs alone (same batch)
+        megatron = [best_megatron_ep(cost, cluster, global_batch)]
+        if len(cluster.counts()) > 1:
+            new = newest_gpu(cost, cluster)
+            megatron.append(best_megatron_ep(cost, cluster, global_batch, cluster.ranks_of(new),
+                                             f"Megatron EP on {new} alone (best TP/PP)"))
+        for res in megatron:
+            preds.append(_pred(res.name, res, limit.tokens_per_s))
     preds.append(_pred(limit.name, limit, limit.tokens_per_s, {}))
 
     plan = None
     if PICK in best:
         _, _, cand, k, schedule, level = best[PICK]
-        plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule)
+        plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
+                          attention_tp=cand.tp)
         plan.expert_recompute = level  # what its expert holders keep for backward, as priced
         source = next(n for n in (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA) if best.get(n) is best[PICK])
         plan.meta = {
             "model": model.name, "cluster": cluster.name, "seq_len": seq_len, "global_batch": global_batch,
+            "distributed_optimizer": distributed_optimizer,
             "assignment": source, "experts_on_attention_per_layer": list(best[PICK][3]),
             "predicted": {p.name: {"step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s}
                           for p in preds if p.fits},

@@ -198,15 +198,17 @@ def tokens_per_microbatch(plan: HeteroPlan, global_tokens: float) -> float:
 
 
 def compute_task_time(cost: CostModel, gpu: str, task: Task, tokens_per_microbatch: float,
-                      experts_held: int = 0, tokens_per_expert: float = 0.0) -> float:
+                      experts_held: int = 0, tokens_per_expert: float = 0.0, attention_tp: int = 1) -> float:
     """Seconds of one compute task of the task list on a GPU type: A_* is attention stage
-    `task.layer` on `tokens_per_microbatch` tokens; X_*/E_* run `experts_held` experts of that
-    layer, each on `tokens_per_expert` routed tokens (balanced routing: M * tokens * topk / E)."""
+    `task.layer` on `tokens_per_microbatch` tokens (the rank's; under attention_tp its sequence
+    slice, and the stage's TP collectives are in its time: cost.stage_time); X_*/E_* run
+    `experts_held` experts of that layer, each on `tokens_per_expert` routed tokens (balanced
+    routing: M * tokens * topk / E)."""
     if task.is_comm:
         raise ValueError(f"{task} is a comm task; its time comes from cluster.rank1_collective_time")
     bwd = task.kind.endswith("_B")
     if task.kind[0] == "A":
-        return cost.stage_time(gpu, task.layer, tokens_per_microbatch, bwd)
+        return cost.stage_time(gpu, task.layer, tokens_per_microbatch, bwd, attention_tp)
     return experts_held * cost.expert_time(gpu, tokens_per_expert, bwd)
 
 
@@ -286,22 +288,25 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     prob = SimProblem(ranks=reps, multiplicity=mult, roles=[role[r] for r in reps],
                       gpus=[plan.gpu_types[r] for r in reps], tasks=[], is_comm=[], dur=[], ref=[],
                       tokens_per_step=global_tokens)
-    coll_id: dict[Task, int] = {}
+    coll_id: dict[tuple, int] = {}  # keyed by the task's fields: a tuple hashes far faster than the dataclass
 
     def cid(t: Task) -> int:
-        if t not in coll_id:
-            coll_id[t] = len(prob.coll_dur)
+        key = (t.kind, t.layer, t.microbatch)
+        i = coll_id.get(key)
+        if i is None:
+            i = coll_id[key] = len(prob.coll_dur)
             prob.coll_tasks.append(t)
             prob.coll_stream.append(STREAM_ID[t.stream])
             prob.coll_dur.append(layer_dur[t.layer][t.kind])
-        return coll_id[t]
+        return i
 
     cache: dict[tuple, float] = {}
 
     def compute_dur(r: int, t: Task) -> float:
         key = (plan.gpu_types[r], t.kind, t.layer, counts[r][t.layer] if t.kind[0] in "XE" else 0)
         if key not in cache:
-            cache[key] = compute_task_time(cost, plan.gpu_types[r], t, t_mb, key[3], per_expert_tokens)
+            cache[key] = compute_task_time(cost, plan.gpu_types[r], t, t_mb, key[3], per_expert_tokens,
+                                           plan.attention_tp)
         return cache[key]
 
     for r in reps:
@@ -323,17 +328,22 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
         prob.ref.append(rf)
 
     # after the lists: grad all-reduce and optimizer step, per representative (an attention rank's
-    # non-expert parameters include dense layers' MLPs and shared experts)
+    # non-expert parameters include dense layers' MLPs and shared experts). Under attention_tp the
+    # dense gradients are all-reduced over the members (rank i of every member: its shard of them,
+    # non_expert_params_per_rank) and each rank steps its shard.
+    tp = plan.attention_tp
     attn_all = plan.attention_ranks
-    attn_links = Links.for_ranks(cluster, attn_all, cost.profiles)
     grad_bytes = cost.settings.dtype_bytes
+    dense_params = cost.non_expert_params_per_rank(tp)
     for r in reps:
         n_exp = sum(counts[r])
         params = m.expert_params() * n_exp
         t = 0.0
         if role[r] == "attention":
-            t += allreduce_time(attn_links, m.non_expert_params() * grad_bytes)
-            params += m.non_expert_params()
+            pos = g.attention_ranks.index(r) % tp  # the rank's place in its member
+            dp_group = attn_all[pos::tp]
+            t += allreduce_time(Links.for_ranks(cluster, dp_group, cost.profiles), dense_params * grad_bytes)
+            params += dense_params
         if G > 1 and n_exp:
             k_in_group = members.index(r)
             replicas = [plan.groups[gi].members[k_in_group] for gi in range(G)]

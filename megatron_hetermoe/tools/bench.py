@@ -104,8 +104,9 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
     W = cl.world_size
     # The emulated runs time what the runtime does: expert holders never resend their inputs, so
     # the search prices only the level the emulator prices (its TrainSettings' default).
+    # The emulator times attention members of one rank (no tensor parallelism).
     res = search(emulated, cl, seq_len, global_batch, activation_checkpointing=True,
-                 expert_recompute=default_expert_recompute(True))
+                 expert_recompute=default_expert_recompute(True), attention_tp=(1,))
     preds = res.by_name()
     plans = {}
     for name, key, schedule in ((HETERMOE, ZEBRA, "zebra"), ("Zebra", ZEBRA_NO_EA, "zebra"), ("DistEP", DISTEP, "distep")):

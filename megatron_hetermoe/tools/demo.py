@@ -75,9 +75,10 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
     print(f"[2/4] planning {emulated.upper()} at {seq_len} tokens on emulated cluster {cluster}", flush=True)
     cl = Cluster.load(cluster)
     shape = ModelConfig.load(emulated)
-    # The emulated run times what the runtime does (no resent inputs): the emulator's level only.
+    # The emulated run times what the runtime does (no resent inputs): the emulator's level only;
+    # the emulator times attention members of one rank (no tensor parallelism).
     res = search(shape, cl, seq_len, global_batch, max_microbatches=4,
-                 expert_recompute=default_expert_recompute(True))
+                 expert_recompute=default_expert_recompute(True), attention_tp=(1,))
     plan = res.plan
     plan.save(out / "plan.json")
     g = plan.groups[0]

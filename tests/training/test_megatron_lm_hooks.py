@@ -96,6 +96,18 @@ def test_flags_naming_what_hetermoe_replaces_are_accepted_with_a_note():
     # Megatron's defaults, not given: nothing to say, nothing changed.
     args = _megatron_defaults(moe_token_dispatcher_type="allgather")
     assert replace_flags(args, ["--num-layers", "2"], plan) == [] and args.moe_token_dispatcher_type == "allgather"
+    # Expert TP is the expert layout too: Megatron's default (the TP size) and any given value become
+    # the plan's whole experts, with a line; at TP 1 and by default nothing is said.
+    tp_plan = even_plan(2, 8, 2, 2, attention_tp=2)
+    args = _megatron_defaults(tensor_model_parallel_size=2, sequence_parallel=True)
+    notes = replace_flags(args, ["--tensor-model-parallel-size", "2"], tp_plan)
+    assert notes == ["--expert-tensor-parallel-size 2 (Megatron's default: the TP size): the plan's expert ranks hold "
+                     "whole experts (expert tensor parallelism 1); the plan's placement decides where they fit"]
+    assert args.expert_tensor_parallel_size == 1
+    args = _megatron_defaults(tensor_model_parallel_size=2, expert_tensor_parallel_size=4)
+    assert replace_flags(args, [], tp_plan)[0].startswith("--expert-tensor-parallel-size 4: the plan's expert ranks")
+    args = _megatron_defaults(expert_tensor_parallel_size=1)
+    assert replace_flags(args, [], plan) == []
 
 
 def test_transformer_engine_default_needs_transformer_engine():
