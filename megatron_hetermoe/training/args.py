@@ -39,7 +39,8 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
                    "(hetermoe --config-dir) or a path to a YAML file")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1,
                    help="TP size; above 1 needs --sequence-parallel (MoE, as Megatron-LM requires) and divides the "
-                        "attention heads, the vocab and --seq-length; experts are not tensor-parallel (expert TP 1)")
+                        "attention heads, the vocab and --seq-length; experts are not tensor-parallel (expert TP 1); "
+                        "with --hetero-plan: the plan's attention_tp (its attention members' TP size)")
     p.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism over the TP group (required with TP > 1; turned off at TP 1, "
                         "as Megatron-LM does)")

@@ -8,8 +8,10 @@ What changes besides the sizes (each for a reason that is not HeterMoE's):
   on CPU either); --bf16 is dropped: the comparison is at fp32 round-off (16-bit runs are checked
   against the plugin's trainer in test_megatron_lm_pretrain.py);
 - multi-latent attention is dropped (MLA below: megatron-core 0.16.1 builds it from transformer-engine);
-- TP/PP become 1 (the model-parallel issue) and EP 2 for the Megatron EP reference (HeterMoE's
-  replace_flags sets it to 1 with a line);
+- PP becomes 1 (pipeline parallelism inside the pools is not built) and EP 2 for the Megatron EP
+  reference (HeterMoE's replace_flags sets it to 1 with a line); TP stays the recipe's: the plan's
+  attention members are tensor-parallel alike (attention_tp), the reference runs on 2 x TP ranks, and
+  Megatron's expert TP (the TP size by default) is replaced by the plan's whole experts, with a line;
 - the tokenizer and data are NullTokenizer on a locally built corpus; --lr-warmup-iters 1 and
   --train-iters 4 (a recipe's warmup of hundreds of steps would leave the weights unmoved);
 - the CPU flags of the README; --log-interval 1; --lr 1e-4 and dropout 0 where a conf leaves them to
@@ -64,7 +66,7 @@ SHRINK = {"--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128"
           "--moe-shared-expert-intermediate-size": "96", "--seq-length": "32", "--max-position-embeddings": "32",
           "--kv-lora-rank": "32", "--v-head-dim": "16", "--qk-head-dim": "16", "--qk-pos-emb-head-dim": "8",
           "--micro-batch-size": "2", "--global-batch-size": "8", "--train-iters": "4", "--lr-warmup-iters": "1",
-          "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "1",
+          "--pipeline-model-parallel-size": "1",
           "--expert-model-parallel-size": "2", "--moe-layer-freq": "([0]+[1]*2)",
           "--make-vocab-size-divisible-by": "128"}
 TOPK_MOST = 4  # of the 8 shrunk experts
@@ -148,17 +150,19 @@ def test_recipe_trains_unchanged_with_megatron_eps_losses(mlm, data, tmp_path, t
     for k, v in RECIPE_ENV.get(recipe, {}).items():
         monkeypatch.setenv(k, v)
     flags = [*shrunk(recipe_flags(mlm, RECIPES[recipe])), *DATA, *CPU, *EVAL_OFF, "--data-path", data]
-    if recipe not in _EP_RUNS:
+    tp = int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
+    if recipe not in _EP_RUNS:  # data parallel 2 at the recipe's TP
         tmp = tmp_path_factory.mktemp(f"ep-{recipe}")
         ckpt = tmp / "ckpt"
-        run_losses(mlm, tmp, 2, [*flags, "--save", str(ckpt), "--save-interval", "1", "--train-iters", "1",
-                                 "--lr-warmup-iters", "0"], "tb")  # Megatron: warmup < decay (= train) iters
-        _EP_RUNS[recipe] = ckpt, _resume(mlm, tmp, 2, flags, ckpt, "resumed")
+        run_losses(mlm, tmp, 2 * tp, [*flags, "--save", str(ckpt), "--save-interval", "1", "--train-iters", "1",
+                                      "--lr-warmup-iters", "0"], "tb")  # Megatron: warmup < decay (= train) iters
+        _EP_RUNS[recipe] = ckpt, _resume(mlm, tmp, 2 * tp, flags, ckpt, "resumed")
     ckpt, ep = _EP_RUNS[recipe]
     plan = tmp_path / "plan.json"
-    assert plan_main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--groups", "2", "--microbatches", "2",
-                      "--schedule", schedule, "-o", str(plan), "--", *flags]) == 0
+    assert plan_main(["--even", "--attention-ranks", str(tp), "--attention-tp", str(tp), "--expert-ranks", "1",
+                      "--groups", "2", "--microbatches", "2", "--schedule", schedule, "-o", str(plan), "--",
+                      *flags]) == 0
     if "--moe-layer-freq" in flags:
         assert HeteroPlan.load(plan).dense_layers == [0]
-    het = _resume(mlm, tmp_path, 4, [*flags, "--hetero-plan", str(plan)], ckpt, "het")
+    het = _resume(mlm, tmp_path, 2 * (tp + 1), [*flags, "--hetero-plan", str(plan)], ckpt, "het")
     within(f"recipe {recipe}, {schedule} vs Megatron EP ({het} vs {ep})", max(abs(het[i] - ep[i]) for i in ep), 3e-6)
