@@ -72,8 +72,8 @@ class HeteroPretrain:
         if args.rank == 0:
             tp = self.plan.attention_tp
             attn = (f"{n_attn} attention ranks (Megatron's data parallel size)" if tp == 1 else
-                    f"{n_attn} attention ranks ({n_attn // tp} members of tensor parallel size {tp}: Megatron's data "
-                    f"parallel size {n_attn // tp})")
+                    f"{n_attn} attention ranks ({n_attn // tp} member{'s' if n_attn // tp != 1 else ''} of tensor "
+                    f"parallel size {tp}: Megatron's data parallel size {n_attn // tp})")
             print(f"> HeterMoE: plan {args.hetero_plan}, {attn} + {world - n_attn} expert ranks, schedule "
                   f"{self.schedule}, {nmb} microbatches", flush=True)
 
