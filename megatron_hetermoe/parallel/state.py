@@ -88,11 +88,6 @@ class HeteroParallelState:
         return self.plan.groups[self.group_index]
 
     @property
-    def num_attention_per_group(self) -> int:
-        """Attention ranks of the ZP group (every one of them routes and dispatches its own tokens)."""
-        return len(self.zp.attention_ranks)
-
-    @property
     def num_members_per_group(self) -> int:
         """Attention members of the ZP group: data-parallel copies of the dense weights, each with
         its own microbatches (attention ranks / attention_tp)."""
