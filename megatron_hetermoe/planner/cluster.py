@@ -16,6 +16,8 @@ recv_inter). This ignores switch congestion (non-blocking fabric assumed).
 """
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -151,6 +153,13 @@ class Cluster:
         return [r for r, t in enumerate(self.gpu_types()) if t == gpu]
 
 
+@functools.lru_cache(maxsize=8)
+def _rank_tables(cluster: Cluster) -> tuple[tuple[str, ...], tuple[int, ...], tuple[float, ...]]:
+    """(GPU type, node, NIC GB/s) of every rank, made once per cluster: the search asks for links
+    thousands of times, each over a few ranks of a cluster of thousands."""
+    return tuple(cluster.gpu_types()), tuple(cluster.node_of()), tuple(cluster.nic_gbs())
+
+
 @dataclass(frozen=True)
 class Links:
     """Per-rank link speeds for a set of ranks (GB/s), used by the transfer model."""
@@ -162,7 +171,7 @@ class Links:
 
     @classmethod
     def for_ranks(cls, cluster: Cluster, ranks: list[int], profiles: dict[str, GpuProfile]) -> "Links":
-        types, nodes, nics = cluster.gpu_types(), cluster.node_of(), cluster.nic_gbs()
+        types, nodes, nics = _rank_tables(cluster)
         intra = tuple(profiles[types[r]].intra_node_gbs for r in ranks)
         lat = cluster.network_latency_us * 1e-6 + max(profiles[types[r]].link_latency_us for r in ranks) * 1e-6
         return cls(tuple(nodes[r] for r in ranks), intra, tuple(nics[r] for r in ranks), lat)
