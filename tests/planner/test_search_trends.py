@@ -100,10 +100,12 @@ def test_planned_file_validates_against_known_types(tmp_path):
 def test_1024_gpus_64_layers_256_experts_plans_in_under_5s():
     m, cl = ModelConfig.load("moe-64l-256e"), Cluster.load("mixed-1024")
     assert cl.world_size == 1024 and m.num_layers == 64 and m.num_experts == 256
-    # CPU time of this process, not wall time: other processes on a shared 2-core machine must
-    # not fail a test of the planner's own cost (measured ~1-2 s on one core).
-    t0 = time.process_time()
+    # CPU time of this thread (the search runs on it), not wall time nor the process's: other
+    # processes on a shared 2-core machine, and threads earlier tests left in this process, must
+    # not fail a test of the planner's own cost. Measured 1.5-1.8 s, alone and inside the suite's
+    # process (search pauses the cyclic GC: with it, megatron's heap made it 3.9 s there).
+    t0 = time.thread_time()
     r = search(m, cl, 4096, 1024)
-    dt = time.process_time() - t0
+    dt = time.thread_time() - t0
     assert r.plan is not None and r.plan.world_size == 1024
     assert dt < 5.0, f"planning 1024 GPUs took {dt:.2f} s of CPU"
