@@ -107,6 +107,19 @@ def module_specs(module: torch.nn.Module, tp_group, glu: bool = True) -> dict[st
     return {n: shard_spec(p, n, rank, size, glu) for n, p in module.named_parameters()}
 
 
+def gathered(t: torch.Tensor, spec: ShardSpec, tp_group) -> torch.Tensor:
+    """The canonical full tensor of this rank's shard `t` (of a parameter or its gradient), from
+    every TP rank's shard over `tp_group` (collective: every TP rank calls it for the same
+    parameters in the same order); `t` itself when the parameter is not split."""
+    if not spec.split:
+        return t
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(spec.tp_size)]
+    dist.all_gather(parts, t.contiguous(), group=tp_group)
+    return merge(parts, spec)
+
+
 def shard_local_state(module: torch.nn.Module, local_state: Mapping[str, torch.Tensor], tp_group,
                       glu: bool = True) -> dict[str, torch.Tensor]:
     """A module's local state whose TP-split parameters hold canonical full tensors (what

@@ -209,22 +209,17 @@ _UNWRAP = re.compile(r"^(?:module\.)+")  # DDP's and Float16Module's prefixes
 def export_megatron(hs: HeteroParallelState, model, attr: str = "data", scale: float = 1.0) -> dict[str, torch.Tensor]:
     """Every rank's parameters (or main_grad) merged into a plain Megatron state dict, on all
     ranks (plan.layout.hetero_to_megatron over an all_gather)."""
-    # CPU copies: a pickled CUDA tensor would unpickle onto the sender's GPU.
-    local = {_UNWRAP.sub("", n): (getattr(p, attr).detach().clone().float() * scale).cpu()
-             for n, p in model.named_parameters()}
-    if hs.role == "attention" and hs.plan.attention_tp > 1:  # each TP rank sends whole tensors
-        from megatron_hetermoe.models import tp_shards
-        from megatron_hetermoe.models.builder import unwrap
+    from megatron_hetermoe.models import tp_shards
+    from megatron_hetermoe.models.builder import unwrap
 
-        tp = hs.megatron_group("tp")
-        rank, size = tp_shards.tp_coords(tp)
-        glu = bool(getattr(unwrap(model).config, "gated_linear_unit", False))
-        for n, p in model.named_parameters():
-            spec = tp_shards.shard_spec(p, n, rank, size, glu)
-            if spec.split:
-                shards = [torch.empty_like(local[_UNWRAP.sub("", n)]) for _ in range(size)]
-                dist.all_gather(shards, local[_UNWRAP.sub("", n)], group=tp)
-                local[_UNWRAP.sub("", n)] = tp_shards.merge(shards, spec)
+    # Each TP rank of a member sends whole tensors (its shards gathered over the member's TP group).
+    tp = hs.megatron_group("tp")
+    glu = bool(getattr(getattr(unwrap(model), "config", None), "gated_linear_unit", False))
+    specs = tp_shards.module_specs(model, tp, glu)
+    # CPU copies: a pickled CUDA tensor would unpickle onto the sender's GPU.
+    local = {_UNWRAP.sub("", n): tp_shards.gathered(getattr(p, attr).detach().clone().float() * scale, specs[n],
+                                                    tp).cpu()
+             for n, p in model.named_parameters()}
     world = [None] * dist.get_world_size()
     dist.all_gather_object(world, local, group=hs.world_group)
     return hetero_to_megatron(world, hs.plan)

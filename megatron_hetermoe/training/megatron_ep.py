@@ -53,7 +53,7 @@ class MegatronEPStep:
     microbatches; Megatron's optimizer clips and reports the norm."""
 
     def __init__(self, cfg: TrainConfig, hooks: RunHooks, model, module, names: dict[str, str], nmb: int,
-                 data_parallel_rank: int, device: torch.device, optimizer):
+                 data_parallel_rank: int, device: torch.device, optimizer, tp_group=None):
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -63,7 +63,7 @@ class MegatronEPStep:
         self.fwd_bwd = get_forward_backward_func()
         self.model_names = wrapped_names(model, names)
         # Megatron's TP group when TP > 1: canonical state in and out is cut to / merged from shards.
-        self.tp_group = ps.get_tensor_model_parallel_group() if cfg.parallel.tp > 1 else None
+        self.tp_group = tp_group
         self.data = make_data(cfg)
         self.step_params: list[dict] = []
         self.grads: list[dict] = []
@@ -170,7 +170,8 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
         clock = None
         if cfg.emulate is not None:
             emu_undo, clock = _install_ep_emulation(cfg, module, nmb, recorder)
-        role = MegatronEPStep(cfg, hooks, model, module, names, nmb, ps.get_data_parallel_rank(), device, optimizer)
+        role = MegatronEPStep(cfg, hooks, model, module, names, nmb, ps.get_data_parallel_rank(), device, optimizer,
+                              tp_group)
         parts = LoopParts(cfg, model, optimizer, scheduler, guard, recorder, steplog,
                           megatron_checkpointer(cfg, module, names, optimizer, scheduler), dist.group.WORLD, clock)
         reset_peak_memory(device)  # the GPU peak counts from here (model and optimizer already allocated)

@@ -166,18 +166,15 @@ def gather_canonical(model_chunks, names_per_chunk, attr: str, scale: float = 1.
                      tp_group=None) -> dict[str, torch.Tensor]:
     """{canonical name: CPU tensor} of params (attr='data') or grads (attr='main_grad') from every
     rank, merged on all ranks (times `scale`: 1/loss scale for grads). Replicas hold equal
-    values, so the first copy is kept. With `tp_group` (Megatron's TP group, size > 1), each rank
-    records its TP rank and how each parameter is split (models/tp_shards.py), and TP-split
-    parameters are merged from their shards into the canonical full tensors (the first copy of
-    each TP rank's shard)."""
+    values, so the first copy is kept. With `tp_group` (Megatron's TP group, size > 1), each
+    TP-split parameter is first gathered over it into the canonical full tensor
+    (models/tp_shards.py)."""
     from megatron_hetermoe.models import tp_shards
+    from megatron_hetermoe.models.builder import unwrap
 
     local = {}
     for chunk, names in zip(model_chunks, names_per_chunk):
-        inner = chunk
-        while hasattr(inner, "module"):
-            inner = inner.module
-        glu = bool(getattr(getattr(inner, "config", None), "gated_linear_unit", True))
+        glu = bool(getattr(getattr(unwrap(chunk), "config", None), "gated_linear_unit", True))
         specs = tp_shards.module_specs(chunk, tp_group, glu)
         for n, p in chunk.named_parameters():
             t = getattr(p, attr, None)
@@ -186,23 +183,14 @@ def gather_canonical(model_chunks, names_per_chunk, attr: str, scale: float = 1.
             t = t.detach().clone().float() if t is not None else torch.zeros_like(p, dtype=torch.float)
             if scale != 1.0:
                 t.mul_(scale)
-            # pickled as CPU tensors: a CUDA tensor would unpickle onto the sender's GPU
-            local[names[n]] = (t.cpu(), specs[n]) if specs[n].split else t.cpu()
+            t = tp_shards.gathered(t, specs[n], tp_group)
+            local[names[n]] = t.cpu()  # pickled: a CUDA tensor would unpickle onto the sender's GPU
     world = [None] * dist.get_world_size()
     dist.all_gather_object(world, local)
     merged: dict[str, torch.Tensor] = {}
-    shards: dict[str, tuple[tp_shards.ShardSpec, dict[int, torch.Tensor]]] = {}
     for d in world:
         for k, v in d.items():
-            if isinstance(v, tuple):
-                t, spec = v
-                shards.setdefault(k, (spec, {}))[1].setdefault(spec.tp_rank, t)
-            else:
-                merged.setdefault(k, v)
-    for k, (spec, parts) in shards.items():
-        if len(parts) != spec.tp_size:
-            raise RuntimeError(f"{k}: shards of TP ranks {sorted(parts)} gathered, {spec.tp_size} expected")
-        merged[k] = tp_shards.merge(parts, spec)
+            merged.setdefault(k, v)
     return expand(merged)  # GroupedMLP's packed tensors -> one canonical name per expert
 
 
