@@ -90,3 +90,16 @@ def test_plugin_checkpoints_and_emulation_are_refused_under_tp(tiny, tmp_path):
 
     with pytest.raises(ConfigError, match="with --save: not supported under tensor parallelism yet"):
         check_hetero(dataclasses.replace(base, save=str(tmp_path)), plan, 4)
+
+
+@pytest.mark.parametrize("schedule", ["distep", "zebra"])
+def test_tp2_with_an_expert_rank_holding_no_expert_in_a_layer(tiny, schedule):
+    """A TP-2 member and 3 expert ranks; rank 4 holds no expert in layer 0 (it still joins every
+    transfer with empty splits), all of layer 1's but two."""
+    from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup
+
+    assert tiny.num_layers == 2 and tiny.num_experts == 4
+    placement = [{2: [0, 1], 3: [2, 3]}, {2: [0], 3: [1], 4: [2, 3]}]
+    plan = HeteroPlan(2, 4, ["cpu"] * 5, [ZPGroup([0, 1], [2, 3, 4], placement)], num_microbatches=2,
+                      schedule=schedule, attention_tp=2)
+    _check(run_parity(plan, tiny, steps=3, free_run=False), False)
