@@ -119,7 +119,10 @@ def hetero_block_spec(spec, hs: HeteroParallelState, pg_collection):
                              f"spec for every layer; build it from the decoder block spec of its --moe-layer-freq")
         return hetero_layer_spec(spec, hs, pg_collection)
     pattern = [is_moe_layer_spec(s) for s in layers]
-    want = [hs.plan.moe_index(i) is not None for i in range(hs.plan.decoder_layers)]
+    model_layers = range(hs.plan.decoder_layers)
+    if hs.plan.pipeline_stages > 1 and len(layers) != hs.plan.decoder_layers:
+        model_layers = hs.plan.stage_model_layers(hs.stage)  # Megatron's block spec of one pipeline stage
+    want = [hs.plan.moe_index(i) is not None for i in model_layers]
     if pattern != want:
         raise ValueError(f"the model's MoE layers {[i for i, m in enumerate(pattern) if m]} of {len(pattern)} are not "
                          f"the plan's {[i for i, m in enumerate(want) if m]} of {hs.plan.decoder_layers}; remake the "

@@ -10,8 +10,10 @@ Two things live here, and the process groups (parallel/state.py) and megatron-co
   and the parallel_state globals that have none) -> the group kind that serves it on a rank of
   each role. Model parallelism inside a role is `InnerLayout` (tp, cp, pp on attention ranks,
   etp on expert ranks): tensor parallelism on attention members (the plan's attention_tp), the
-  rest 1, so every other model-parallel dimension is the rank alone; pipeline parallelism inside
-  the pools goes here too (a kind per dimension and role).
+  rest 1, so every other model-parallel dimension is the rank alone; pipeline parallelism (the
+  plan's pipeline_stages) on attention ranks: "pp" links member k of every stage of a ZP group
+  (at one tensor-parallel position), "embd" its first and last stage, "tp_pp" the member's TP
+  ranks of every stage (Megatron's model-parallel group).
 """
 from __future__ import annotations
 
@@ -25,42 +27,52 @@ from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 # "attention_dp" (the attention ranks at one tensor-parallel position, one per member: replicas of
 # the same shard of the dense weights), "attention_tp_dp" (every attention rank: Megatron's
 # tensor x data group; attention_dp at attention_tp 1), "replica" (the k-th member of every ZP
-# group: replicas of what that member holds), "self", "world".
-GROUP_KINDS = ("zp", "tp", "attention_dp", "attention_tp_dp", "replica", "self", "world")
+# group: replicas of what that member holds), "pp" (the attention ranks of one pipeline: member k of
+# each stage of a ZP group, at one TP position; the rank alone elsewhere or at one stage), "embd" (a
+# pipeline's first and last stage: the tied embedding; the rank alone on other stages), "tp_pp" (an
+# attention member's TP ranks over its pipeline's stages: Megatron's model-parallel group), "self",
+# "world". With pipeline stages, "zp", "attention_dp" and "attention_tp_dp" are one stage's.
+GROUP_KINDS = ("zp", "tp", "attention_dp", "attention_tp_dp", "replica", "pp", "embd", "tp_pp", "self", "world")
 ZP_COMMUNICATORS = ("dispatch", "combine", "counts")
 
 
 @dataclass(frozen=True)
 class InnerLayout:
     """Model parallelism inside a role's pool (issue: TP/PP inside the pools): tensor parallelism
-    on attention members (the plan's attention_tp, with sequence parallelism); cp, pp and etp are
-    1 (not built yet)."""
+    on attention members (the plan's attention_tp, with sequence parallelism) and pipeline stages
+    (the plan's pipeline_stages, each with its own attention and expert ranks); cp and etp are 1
+    (not built yet)."""
     tp: int = 1
     cp: int = 1
     pp: int = 1
     etp: int = 1
 
     def __post_init__(self) -> None:
-        if (self.cp, self.pp, self.etp) != (1, 1, 1):
-            raise NotImplementedError(f"{self}: context, pipeline and expert tensor parallelism inside a HeterMoE pool "
+        if (self.cp, self.etp) != (1, 1):
+            raise NotImplementedError(f"{self}: context and expert tensor parallelism inside a HeterMoE pool "
                                       f"are not built yet")
 
     @classmethod
     def of(cls, plan: HeteroPlan) -> "InnerLayout":
-        return cls(tp=plan.attention_tp)
+        return cls(tp=plan.attention_tp, pp=plan.pipeline_stages)
 
 
 # megatron-core dimension -> the group kind serving it, per role. "dp" is the role's data-parallel
 # group: the attention ranks' DP group (dense weights) or the expert replica group (experts).
 # Tensor-parallel dimensions are the member's TP group on an attention rank (an attention rank has
-# no expert or pipeline parallelism, so TP x EP and TP x EP x PP are its TP group too).
-_TENSOR_PARALLEL = ("tp", "mp", "tp_cp", "tp_ep", "tp_ep_pp")
-_MODEL_PARALLEL = ("pp", "embd", "pos_embd", "cp", "ep", "expt_tp", "inter_dist_opt", "inter_partial_expt_dp")
+# no expert parallelism, so TP x EP is its TP group too; TP x PP and TP x EP x PP are its "tp_pp").
+# Megatron's position-embedding group (the first stage alone) is the rank alone.
+_TENSOR_PARALLEL = ("tp", "tp_cp", "tp_ep")
+_TENSOR_PIPELINE = ("mp", "tp_ep_pp")
+_MODEL_PARALLEL = ("pos_embd", "cp", "ep", "expt_tp", "inter_dist_opt", "inter_partial_expt_dp")
 _DATA_PARALLEL = ("dp", "dp_cp", "intra_dp_cp", "intra_dist_opt")
 _TENSOR_DATA_PARALLEL = ("tp_dp_cp", "tp_dp")
 _EXPERT_DATA_PARALLEL = ("expt_dp", "intra_expt_dp")
 MEGATRON_DIMS: dict[str, dict[Role, str]] = {
     **{d: {"attention": "tp", "expert": "self"} for d in _TENSOR_PARALLEL},
+    **{d: {"attention": "tp_pp", "expert": "self"} for d in _TENSOR_PIPELINE},
+    "pp": {"attention": "pp", "expert": "self"},
+    "embd": {"attention": "embd", "expert": "self"},
     **{d: {"attention": "self", "expert": "self"} for d in _MODEL_PARALLEL},
     **{d: {"attention": "attention_dp", "expert": "replica"} for d in _DATA_PARALLEL},
     **{d: {"attention": "attention_tp_dp", "expert": "replica"} for d in _TENSOR_DATA_PARALLEL},
@@ -96,6 +108,18 @@ class RankLayout:
         return self.plan.groups[self.group_index].members.index(self.rank)
 
     @property
+    def stage(self) -> int:
+        """The pipeline stage this rank computes (0 without pipeline stages)."""
+        return self.plan.stage_of(self.rank)
+
+    @property
+    def stage_position(self) -> int:
+        """An attention rank's position among its stage's attention ranks (TP positions included)."""
+        g = self.plan.groups[self.group_index]
+        per = len(g.attention_ranks) // self.plan.pipeline_stages
+        return g.attention_ranks.index(self.rank) % per
+
+    @property
     def tp_rank(self) -> int:
         """Position in its attention member's tensor-parallel group (0 on an expert rank)."""
         if self.role != "attention":
@@ -108,7 +132,9 @@ class RankLayout:
         (every rank of a member reads the same data); None on an expert rank."""
         if self.role != "attention":
             return None
-        return self.plan.attention_ranks.index(self.rank) // self.plan.attention_tp
+        plan = self.plan
+        members = len(plan.groups[self.group_index].attention_ranks) // (plan.attention_tp * plan.pipeline_stages)
+        return self.group_index * members + self.stage_position // plan.attention_tp
 
     def owns_gradient(self, is_expert: bool) -> bool:
         """Whether this rank counts a gradient it holds in the world's gradient norm, so that each
@@ -127,8 +153,10 @@ class RankLayout:
         plan = self.plan
         t = plan.attention_tp
         attention = plan.attention_ranks
+        if kind in ("attention_dp", "attention_tp_dp"):  # one stage's attention ranks over the groups
+            attention = [r for gi in range(len(plan.groups)) for r in plan.stage_ranks(gi, self.stage)[0]]
         if kind == "zp":
-            return sorted(plan.groups[self.group_index].members)
+            return sorted(plan.stage_members(self.group_index, self.stage))
         if kind == "tp":
             if self.role != "attention":
                 return [self.rank]
@@ -140,6 +168,19 @@ class RankLayout:
             return sorted(attention) if self.role == "attention" else None
         if kind == "replica":
             return sorted(g.members[self.member_index] for g in plan.groups)
+        if kind in ("pp", "embd", "tp_pp"):
+            if self.role != "attention":
+                return [self.rank]
+            P = plan.pipeline_stages
+            stages = [plan.stage_ranks(self.group_index, s)[0] for s in range(P)]
+            pos = self.stage_position
+            pipeline = [st[pos] for st in stages]
+            if kind == "pp":
+                return pipeline
+            if kind == "embd":
+                return sorted({pipeline[0], pipeline[-1]}) if self.stage in (0, P - 1) else [self.rank]
+            first = pos - pos % t
+            return sorted(r for st in stages for r in st[first:first + t])
         if kind == "self":
             return [self.rank]
         if kind == "world":
@@ -151,22 +192,43 @@ class RankLayout:
         return MEGATRON_DIMS[dim][self.role]
 
 
+def _staged(name: str, stage: int, stages: int) -> str:
+    """A per-stage group's name: the name itself without pipeline stages (as before them)."""
+    return name if stages == 1 else f"{name}@{stage}"
+
+
 def group_plan(plan: HeteroPlan) -> list[tuple[str, list[int]]]:
     """Every process group of the job as (name, ranks), in the order every rank creates them
-    (torch's new_group is collective over the world): per ZP group its dispatch, combine and
-    counts communicators; the attention DP group (with attention_tp > 1: one TP group per
-    attention member, one DP group per TP position, and all attention ranks); one replica group
-    per member position; one group per rank; and the world."""
+    (torch's new_group is collective over the world): per ZP group (per stage of it, with
+    pipeline stages) its dispatch, combine and counts communicators; the attention DP group (with
+    attention_tp > 1: one TP group per attention member, one DP group per TP position, and all
+    attention ranks; with pipeline stages, those of each stage); with pipeline stages, each
+    pipeline's pp and embedding groups (and, with attention_tp > 1, its members' tp_pp groups);
+    one replica group per member position; one group per rank; and the world."""
     out: list[tuple[str, list[int]]] = []
-    for gi, g in enumerate(plan.groups):
-        out += [(f"{c}[{gi}]", sorted(g.members)) for c in ZP_COMMUNICATORS]
+    P = plan.pipeline_stages
+    for gi in range(len(plan.groups)):  # one dispatch unit per stage (unit gi * P + stage)
+        out += [(f"{c}[{gi * P + s}]", sorted(plan.stage_members(gi, s))) for s in range(P) for c in ZP_COMMUNICATORS]
     t, attention = plan.attention_tp, plan.attention_ranks
-    if t == 1:  # "tp" is "self" and "attention_tp_dp" is "attention_dp": no more groups
-        out.append(("attention_dp", sorted(attention)))
-    else:
+    if t > 1:
         out += [(f"tp[{i}]", sorted(attention[i:i + t])) for i in range(0, len(attention), t)]
-        out += [(f"attention_dp[{j}]", sorted(attention[j::t])) for j in range(t)]
-        out.append(("attention_tp_dp", sorted(attention)))
+    for s in range(P):
+        stage = [r for gi in range(len(plan.groups)) for r in plan.stage_ranks(gi, s)[0]]
+        if t == 1:  # "tp" is "self" and "attention_tp_dp" is "attention_dp": no more groups
+            out.append((_staged("attention_dp", s, P), sorted(stage)))
+        else:
+            out += [(_staged(f"attention_dp[{j}]", s, P), sorted(stage[j::t])) for j in range(t)]
+            out.append((_staged("attention_tp_dp", s, P), sorted(stage)))
+    if P > 1:
+        for gi in range(len(plan.groups)):
+            stages = [plan.stage_ranks(gi, s)[0] for s in range(P)]
+            for pos in range(len(stages[0])):
+                pipeline = [st[pos] for st in stages]
+                out.append((f"pp[{gi}.{pos}]", pipeline))
+                out.append((f"embd[{gi}.{pos}]", sorted({pipeline[0], pipeline[-1]})))
+            if t > 1:
+                for first in range(0, len(stages[0]), t):
+                    out.append((f"tp_pp[{gi}.{first}]", sorted(r for st in stages for r in st[first:first + t])))
     for k in range(len(plan.groups[0].members)):
         out.append((f"replica[{k}]", sorted(g.members[k] for g in plan.groups)))
     out += [(f"self[{r}]", [r]) for r in range(plan.world_size)]

@@ -54,6 +54,12 @@ class HeteroParallelState:
     # attention rank (Megatron's tensor x data); None: they are self_group and attention_dp_group.
     tp_group: dist.ProcessGroup | None = None
     attention_tp_dp_group: dist.ProcessGroup | None = None
+    # With the plan's pipeline_stages > 1, an attention rank's pipeline (member k of every stage),
+    # its first and last stage (the tied embedding; None on a middle stage) and, with attention_tp
+    # > 1, its member's TP ranks over the stages; None: the rank alone (and the TP group).
+    pp_group: dist.ProcessGroup | None = None
+    embd_group: dist.ProcessGroup | None = None
+    tp_pp_group: dist.ProcessGroup | None = None
 
     # ---- the plan arithmetic, read once (RankLayout) -----------------------------------------
     @property
@@ -88,10 +94,21 @@ class HeteroParallelState:
         return self.plan.groups[self.group_index]
 
     @property
+    def stage(self) -> int:
+        """The pipeline stage this rank computes (0 without pipeline stages)."""
+        return self.layout.stage
+
+    @functools.cached_property
+    def stage_members(self) -> list[int]:
+        """The ranks of this rank's stage of its ZP group (the whole group at one stage): the
+        members its dispatch, combine and counts communicators connect."""
+        return self.plan.stage_members(self.group_index, self.stage)
+
+    @property
     def num_members_per_group(self) -> int:
-        """Attention members of the ZP group: data-parallel copies of the dense weights, each with
-        its own microbatches (attention ranks / attention_tp)."""
-        return len(self.zp.attention_ranks) // self.plan.attention_tp
+        """Attention members of the ZP group's stage: data-parallel copies of the stage's dense
+        weights, each with its own microbatches (its attention ranks / attention_tp)."""
+        return len(self.plan.stage_ranks(self.group_index, self.stage)[0]) // self.plan.attention_tp
 
     @property
     def tp_rank(self) -> int:
@@ -101,7 +118,7 @@ class HeteroParallelState:
     def comm_order(self) -> list[int]:
         """The ZP group's ranks in the order all-to-all split sizes refer to them: torch numbers
         a group's members by ascending global rank, whatever order the plan lists them in."""
-        return sorted(self.zp.members)
+        return sorted(self.stage_members)
 
     def layer_order(self, layer: int) -> list[int]:
         """Expert ids of `layer` in the order they travel: holder by holder in comm_order, ids
@@ -133,7 +150,7 @@ class HeteroParallelState:
             LoopbackTransport,
         )
 
-        if len(self.zp.members) == 1:
+        if len(self.stage_members) == 1:
             return LoopbackTransport(str(dist.get_backend(self.dispatch_group)))
         return AllToAllTransport(self.dispatch_group, self.combine_group, self.counts_group, self.device)
 
@@ -141,10 +158,13 @@ class HeteroParallelState:
     def group(self, kind: str) -> dist.ProcessGroup | None:
         """This rank's process group of `kind` (parallel/layout.py GROUP_KINDS; "zp": the
         dispatch communicator)."""
-        return {"zp": self.dispatch_group, "tp": self.tp_group or self.self_group,
+        tp = self.tp_group or self.self_group
+        return {"zp": self.dispatch_group, "tp": tp,
                 "attention_dp": self.attention_dp_group,
                 "attention_tp_dp": self.attention_tp_dp_group or self.attention_dp_group,
-                "replica": self.replica_group, "self": self.self_group, "world": self.world_group}[kind]
+                "replica": self.replica_group, "pp": self.pp_group or self.self_group,
+                "embd": self.embd_group or self.self_group, "tp_pp": self.tp_pp_group or self.pp_group or tp,
+                "self": self.self_group, "world": self.world_group}[kind]
 
     def megatron_group(self, dim: str) -> dist.ProcessGroup:
         """The group serving megatron-core dimension `dim` on this rank (layout.MEGATRON_DIMS)."""
@@ -193,15 +213,27 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | N
         g = dist.new_group(ranks, timeout=timeout)  # every rank creates every group, in this order
         if rank in ranks:
             mine[name] = g
-    gi, k = layout.group_index, layout.member_index
+    k, P = layout.member_index, plan.pipeline_stages
+    unit = layout.group_index * P + layout.stage  # the dispatch unit: this stage of the ZP group
     tp = plan.attention_tp
-    member = None if layout.attention_dp_rank is None else layout.attention_dp_rank * tp
+    attention = layout.role == "attention"
+    gi = layout.group_index
+    if attention:
+        pos = layout.stage_position  # this rank's pipeline within the ZP group (pp[gi.pos])
+        first = plan.attention_ranks.index(rank) - layout.tp_rank  # its TP group: tp[first]
+
+    def staged(name: str) -> str:
+        return name if P == 1 else f"{name}@{layout.stage}"
+
     return HeteroParallelState(
-        layout=layout, dispatch_group=mine[f"dispatch[{gi}]"], combine_group=mine[f"combine[{gi}]"],
-        counts_group=mine[f"counts[{gi}]"],
-        attention_dp_group=mine.get("attention_dp" if tp == 1 else f"attention_dp[{layout.tp_rank}]"),
+        layout=layout, dispatch_group=mine[f"dispatch[{unit}]"], combine_group=mine[f"combine[{unit}]"],
+        counts_group=mine[f"counts[{unit}]"],
+        attention_dp_group=mine.get(staged("attention_dp" if tp == 1 else f"attention_dp[{layout.tp_rank}]")),
         replica_group=mine[f"replica[{k}]"], self_group=mine[f"self[{rank}]"], world_group=mine["world"],
         device=device, wire_dtype=wire_dtype,
-        tp_group=mine.get(f"tp[{member}]") if tp > 1 and member is not None else None,
-        attention_tp_dp_group=mine.get("attention_tp_dp") if tp > 1 else None,
+        tp_group=mine[f"tp[{first}]"] if tp > 1 and attention else None,
+        attention_tp_dp_group=mine.get(staged("attention_tp_dp")) if tp > 1 else None,
+        pp_group=mine[f"pp[{gi}.{pos}]"] if P > 1 and attention else None,
+        embd_group=mine.get(f"embd[{gi}.{pos}]") if P > 1 and attention else None,  # None on a middle stage
+        tp_pp_group=mine[f"tp_pp[{gi}.{pos - layout.tp_rank}]"] if P > 1 and tp > 1 and attention else None,
     )

@@ -18,6 +18,14 @@ Tensor parallelism on attention ranks (`attention_tp`, Megatron's --tensor-model
 each, as listed; each member is one Megatron TP group holding one copy of the dense weights, and
 each of its ranks routes and dispatches its own sequence slice. Expert ranks stay whole (expert
 tensor parallelism 1).
+
+Pipeline parallelism inside the pools (`pipeline_stages` P, Megatron's
+--pipeline-model-parallel-size): the decoder layers split evenly into P stages (Megatron's default
+split); a group's attention ranks are P runs of equal length, stage by stage, and so are its
+expert ranks. Stage s of a group is its own dispatch unit: its attention members compute stage
+s's layers (activations cross stages between attention ranks with Megatron's P2P, member k of
+stage s to member k of stage s+1) and its expert ranks hold those layers' experts, so every
+expert of a layer of stage s sits on a rank of stage s.
 """
 from __future__ import annotations
 
@@ -81,6 +89,8 @@ class HeteroPlan:
     expert_recompute: str = "off"
     # Tensor-parallel size of each attention member (module docstring); 1: one rank per member.
     attention_tp: int = 1
+    # Pipeline stages of each ZP group (module docstring); 1: no pipeline parallelism.
+    pipeline_stages: int = 1
 
     # ---- layers: MoE layer k (placement, tasks) is model layer moe_layer_ids[k] --------------
     @property
@@ -119,14 +129,52 @@ class HeteroPlan:
 
     def attention_members(self, group: int) -> list[list[int]]:
         """The attention members of ZP group `group`: its attention ranks in runs of attention_tp
-        (each one Megatron TP group, one copy of the dense weights)."""
+        (each one Megatron TP group, one copy of its stage's dense weights), stage by stage."""
         a, t = self.groups[group].attention_ranks, self.attention_tp
         return [list(a[i:i + t]) for i in range(0, len(a), t)]
 
     @property
     def num_attention_members(self) -> int:
-        """Data-parallel size of the dense weights: attention members over all ZP groups."""
-        return len(self.attention_ranks) // self.attention_tp
+        """Data-parallel size of the dense weights: attention members of one pipeline stage over
+        all ZP groups (each reads its own microbatches; the stages of a pipeline read the same)."""
+        return len(self.attention_ranks) // (self.attention_tp * self.pipeline_stages)
+
+    # ---- pipeline stages (pipeline_stages; one stage: the whole group) -----------------------
+    def stage_ranks(self, group: int, stage: int) -> tuple[list[int], list[int]]:
+        """(attention ranks, expert ranks) of stage `stage` of ZP group `group`."""
+        g, P = self.groups[group], self.pipeline_stages
+        a, x = len(g.attention_ranks) // P, len(g.expert_ranks) // P
+        return (list(g.attention_ranks[stage * a:(stage + 1) * a]), list(g.expert_ranks[stage * x:(stage + 1) * x]))
+
+    def stage_members(self, group: int, stage: int) -> list[int]:
+        """The ranks of one stage of a ZP group, attention ranks first: its dispatch unit."""
+        a, x = self.stage_ranks(group, stage)
+        return a + x
+
+    def stage_of(self, rank: int) -> int:
+        """The pipeline stage `rank` computes (0 without pipeline parallelism)."""
+        g = self.groups[self.group_of(rank)]
+        ranks = g.attention_ranks if rank in g.attention_ranks else g.expert_ranks
+        return ranks.index(rank) // (len(ranks) // self.pipeline_stages)
+
+    def stage_model_layers(self, stage: int) -> list[int]:
+        """The model layers of pipeline stage `stage`: Megatron's even split of the decoder layers
+        (the MTP layers, which stay with one stage, are refused with pipeline stages)."""
+        n = self.decoder_layers // self.pipeline_stages
+        return list(range(stage * n, (stage + 1) * n))
+
+    def stage_moe_layers(self, stage: int) -> list[int]:
+        """The MoE layer indices (placement, tasks) of pipeline stage `stage`, ascending."""
+        if self.pipeline_stages == 1:
+            return list(range(self.num_layers))
+        ids = [self.moe_index(i) for i in self.stage_model_layers(stage)]
+        return [k for k in ids if k is not None]
+
+    def stage_of_layer(self, layer: int) -> int:
+        """The pipeline stage of MoE layer `layer`."""
+        if self.pipeline_stages == 1:
+            return 0
+        return self.moe_layer_ids[layer] // (self.decoder_layers // self.pipeline_stages)
 
     def role(self, rank: int) -> Role:
         for g in self.groups:
@@ -214,6 +262,7 @@ class HeteroPlan:
                 raise PlanError(f"plan places experts on attention ranks (Asym-EA) with attention_tp="
                                 f"{self.attention_tp}: experts on tensor-parallel attention members are not built "
                                 f"yet; place every expert on expert ranks (or use attention_tp 1)")
+        self._validate_stages()
         if world_size is not None and world_size != self.world_size:
             raise PlanError(
                 f"plan is for {self.world_size} ranks (len(gpu_types)) but the job has world size "
@@ -302,6 +351,52 @@ class HeteroPlan:
                                 f"place experts alike so replicas line up"
                             )
 
+    def _validate_stages(self) -> None:
+        """PlanError unless the pipeline stages divide the layers and every group's ranks, and
+        each layer's experts sit on its own stage's ranks."""
+        P = self.pipeline_stages
+        if type(P) is not int or P < 1:
+            raise PlanError(f"plan pipeline_stages={P!r} must be a positive integer (Megatron's "
+                            f"--pipeline-model-parallel-size; 1 without pipeline parallelism)")
+        if P == 1:
+            return
+        if self.mtp_layers:
+            raise PlanError(f"plan has {self.mtp_layers} MTP layers and pipeline_stages={P}: multi-token prediction "
+                            f"with HeterMoE pipeline stages is not built yet; drop --mtp-num-layers or use one stage")
+        if self.decoder_layers % P:
+            raise PlanError(f"plan pipeline_stages={P} does not divide the {self.decoder_layers} decoder layers "
+                            f"(Megatron's even split); use a divisor of {self.decoder_layers}")
+        if any(not self.stage_moe_layers(s) for s in range(P)):
+            empty = [s for s in range(P) if not self.stage_moe_layers(s)]
+            raise PlanError(f"pipeline stage(s) {empty} of {P} hold no MoE layer (dense_layers={self.dense_layers}); "
+                            f"their expert ranks would idle: use fewer stages")
+        per = P * self.attention_tp
+        for gi, g in enumerate(self.groups):
+            if len(g.attention_ranks) % per:
+                raise PlanError(f"ZP group {gi} has {len(g.attention_ranks)} attention ranks, not a multiple of "
+                                f"pipeline_stages x attention_tp = {P} x {self.attention_tp}; give each stage the same "
+                                f"attention members")
+            if len(g.expert_ranks) % P or not g.expert_ranks:
+                raise PlanError(f"ZP group {gi} has {len(g.expert_ranks)} expert ranks, not a positive multiple of "
+                                f"pipeline_stages={P}; give each stage the same number of expert ranks")
+            stages = [self.stage_ranks(gi, s)[0] for s in range(P)]
+            for pos in range(len(stages[0])):
+                pipeline = [st[pos] for st in stages]
+                if pipeline != sorted(pipeline):
+                    raise PlanError(f"ZP group {gi}: the pipeline of attention ranks {pipeline} (stage 0 to {P - 1}) does "
+                                    f"not ascend; a pipeline's ranks must ascend with its stages (Megatron numbers "
+                                    f"pipeline stages by rank): list each stage's ranks after the previous stage's")
+            for l, pl in enumerate(g.placement):
+                if l >= self.num_layers:
+                    break
+                s = self.stage_of_layer(l)
+                members = set(self.stage_members(gi, s))
+                off = sorted(r for r, es in pl.items() if es and r not in members)
+                if off:
+                    raise PlanError(f"layer {l} of ZP group {gi} is in pipeline stage {s} but places experts on "
+                                    f"rank(s) {off}, outside that stage's ranks {sorted(members)}; place a stage's "
+                                    f"experts on its own ranks")
+
     # ---- (de)serialization -------------------------------------------------------------
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -317,6 +412,8 @@ class HeteroPlan:
             del d["expert_recompute"]
         if d["attention_tp"] == 1:  # and without tensor parallelism
             del d["attention_tp"]
+        if d["pipeline_stages"] == 1:  # and without pipeline parallelism
+            del d["pipeline_stages"]
         return d
 
     @classmethod
@@ -324,7 +421,7 @@ class HeteroPlan:
         if not isinstance(d, dict):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         known = {"num_layers", "num_experts", "gpu_types", "groups", "num_microbatches", "schedule", "version", "meta",
-                 "dense_layers", "mtp_layers", "expert_recompute", "attention_tp"}
+                 "dense_layers", "mtp_layers", "expert_recompute", "attention_tp", "pipeline_stages"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -350,7 +447,7 @@ class HeteroPlan:
                     f"expert_ranks and placement (a list of {{rank: [experts]}})"
                 ) from None
         rest = {k: d[k] for k in ("num_microbatches", "schedule", "version", "meta", "dense_layers", "mtp_layers",
-                                  "expert_recompute", "attention_tp") if k in d}
+                                  "expert_recompute", "attention_tp", "pipeline_stages") if k in d}
         return cls(num_layers=d["num_layers"], num_experts=d["num_experts"], gpu_types=list(d["gpu_types"]),
                    groups=groups, **rest)
 
@@ -422,28 +519,46 @@ def even_plan(
     dense_layers: list[int] | None = None,
     mtp_layers: int = 0,
     attention_tp: int = 1,
+    pipeline_stages: int = 1,
 ) -> HeteroPlan:
     """G groups of M attention + N expert ranks laid out group by group; experts split evenly
     over each group's expert ranks in every MoE layer (`num_layers` of them; `dense_layers`: the
     model's layers without experts, by model index; `mtp_layers`: how many of the last model
     layers are multi-token prediction layers; `attention_tp`: the M attention ranks are M /
-    attention_tp tensor-parallel members)."""
-    M, N = attention_ranks, expert_ranks
-    if M < 1 or N < 1 or groups < 1:
-        raise PlanError(f"even plan needs M>=1, N>=1, groups>=1; got M={M}, N={N}, groups={groups}")
-    check_plan_size(num_layers, num_experts, groups, groups * (M + N), num_microbatches)  # before allocating
+    attention_tp tensor-parallel members). With `pipeline_stages` P > 1, M and N are per stage:
+    a group is P stages of M attention + N expert ranks, laid out stage by stage, and a layer's
+    experts split over its stage's N expert ranks."""
+    M, N, P = attention_ranks, expert_ranks, pipeline_stages
+    if M < 1 or N < 1 or groups < 1 or P < 1:
+        raise PlanError(f"even plan needs M>=1, N>=1, groups>=1, pipeline_stages>=1; got M={M}, N={N}, "
+                        f"groups={groups}, pipeline_stages={P}")
+    check_plan_size(num_layers, num_experts, groups, groups * P * (M + N), num_microbatches)  # before allocating
     if N > num_experts:
         raise PlanError(f"{N} expert ranks for {num_experts} experts leaves ranks idle; use at most {num_experts}")
+    dense_layers = list(dense_layers or [])
+    model_layers = num_layers + len(dense_layers)
+    if P > 1 and (model_layers - mtp_layers) % P:
+        raise PlanError(f"pipeline_stages={P} does not divide the {model_layers - mtp_layers} decoder layers "
+                        f"(Megatron's even split); use a divisor of {model_layers - mtp_layers}")
+    per_stage = (model_layers - mtp_layers) // P
+    moe_ids = [i for i in range(model_layers) if i not in set(dense_layers)]
     zp = []
     for g in range(groups):
-        base = g * (M + N)
-        a = list(range(base, base + M))
-        x = list(range(base + M, base + M + N))
-        placement = [split_evenly(list(range(num_experts)), x) for _ in range(num_layers)]
+        a, x, placement = [], [], []
+        stage_experts = []
+        for st in range(P):
+            base = (g * P + st) * (M + N)
+            a += list(range(base, base + M))
+            stage_experts.append(list(range(base + M, base + M + N)))
+            x += stage_experts[-1]
+        for layer in range(num_layers):
+            st = min(moe_ids[layer] // per_stage, P - 1) if P > 1 else 0
+            placement.append(split_evenly(list(range(num_experts)), stage_experts[st]))
         zp.append(ZPGroup(a, x, placement))
     if gpu_types is None:
-        gpu_types = ([attention_gpu] * M + [expert_gpu] * N) * groups
+        gpu_types = ([attention_gpu] * M + [expert_gpu] * N) * (groups * P)
     plan = HeteroPlan(num_layers, num_experts, gpu_types, zp, num_microbatches, schedule,
-                      dense_layers=list(dense_layers or []), mtp_layers=mtp_layers, attention_tp=attention_tp)
+                      dense_layers=dense_layers, mtp_layers=mtp_layers, attention_tp=attention_tp,
+                      pipeline_stages=P)
     plan.validate()
     return plan

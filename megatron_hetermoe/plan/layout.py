@@ -35,20 +35,56 @@ def _expert(name: str, plan: HeteroPlan) -> tuple[str, int, int, str] | None:
     return m["pre"], expert_names.model_layer_of_prefix(m["pre"], plan.decoder_layers), int(m["e"]), m["rest"]
 
 
+_DECODER_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _to_stage(name: str, plan: HeteroPlan, stage: int) -> str | None:
+    """A canonical name on an attention rank of pipeline stage `stage`: its local name there
+    (GPTModel numbers a stage's layers from 0; the embedding lives on the first stage, the final
+    norm and output layer on the last), or None when another stage holds it."""
+    P = plan.pipeline_stages
+    if P == 1:
+        return name
+    if name.startswith("embedding."):
+        return name if stage == 0 else None
+    if name.startswith(("decoder.final_layernorm.", "output_layer.")):
+        return name if stage == P - 1 else None
+    m = _DECODER_LAYER.match(name)
+    if m is None:
+        return name
+    layers = plan.stage_model_layers(stage)
+    layer = int(m.group(1))
+    if layer not in layers:
+        return None
+    return f"decoder.layers.{layer - layers[0]}.{name[m.end():]}"
+
+
+def _from_stage(name: str, plan: HeteroPlan, stage: int) -> str:
+    """The canonical name of a local name on an attention rank of pipeline stage `stage`."""
+    m = _DECODER_LAYER.match(name)
+    if plan.pipeline_stages == 1 or m is None:
+        return name
+    return f"decoder.layers.{int(m.group(1)) + plan.stage_model_layers(stage)[0]}.{name[m.end():]}"
+
+
 def megatron_to_hetero(state: dict[str, torch.Tensor], plan: HeteroPlan, rank: int) -> dict[str, torch.Tensor]:
-    """The slice of a plain Megatron state dict that `rank` holds, under its local names."""
+    """The slice of a plain Megatron state dict that `rank` holds, under its local names (an
+    attention rank of a pipeline stage: its stage's layers, numbered from 0 as GPTModel numbers
+    them; an expert rank names its experts by model layer)."""
     role = plan.role(rank)
+    stage = plan.stage_of(rank) if role == "attention" else 0
     out = {}
     for name, t in state.items():
         x = _expert(name, plan)
         if x is None:
-            if role == "attention":
-                out[name] = t
+            if role == "attention" and (local := _to_stage(name, plan, stage)) is not None:
+                out[local] = t
             continue
         pre, layer, e, rest = x
         mine = plan.local_experts_at(rank, layer)  # names carry model layer indices
         if e in mine:
-            out[f"{pre}local_experts.{mine.index(e)}.{rest}"] = t
+            local = f"{pre}local_experts.{mine.index(e)}.{rest}"
+            out[local if role == "expert" else _to_stage(local, plan, stage)] = t
     return out
 
 
@@ -60,6 +96,8 @@ def hetero_to_megatron(per_rank: list[dict[str, torch.Tensor]], plan: HeteroPlan
         raise ValueError(f"got states of {len(per_rank)} ranks for a plan of {plan.world_size}")
     out: dict[str, torch.Tensor] = {}
     for rank, state in enumerate(per_rank):
+        if plan.pipeline_stages > 1 and plan.role(rank) == "attention":  # a stage's local layer numbers
+            state = {_from_stage(n, plan, plan.stage_of(rank)): t for n, t in state.items()}
         state = expert_names.to_sequential(state, lambda pre, rank=rank: len(plan.local_experts_at(
             rank, expert_names.model_layer_of_prefix(pre, plan.decoder_layers))))
         for name, t in state.items():

@@ -218,9 +218,36 @@ def get_forward_backward_func(hs: HeteroParallelState, run: HeteroRunConfig | No
     if hs.role == "expert":
         return partial(expert_forward_backward, **kw)
     if runs_task_list(name, task_timing):
+        if hs.plan.pipeline_stages > 1:
+            raise NotImplementedError(f"the {name} task list inside {hs.plan.pipeline_stages} pipeline stages is not "
+                                      f"built yet; use --hetero-schedule distep (Megatron's 1F1B) without --emulate")
         return partial(forward_backward_zebra, **kw)
     from megatron.core.pipeline_parallel import (
         get_forward_backward_func as megatron_get,
     )
 
-    return megatron_get(pp_size=1, vp_size=None)
+    if hs.plan.pipeline_stages == 1:
+        return megatron_get(pp_size=1, vp_size=None)
+    return _Pipelined(hs, megatron_get(pp_size=hs.plan.pipeline_stages, vp_size=None))
+
+
+class _Pipelined:
+    """Megatron's 1F1B on an attention rank of a pipeline stage, over the rank's pipeline group
+    (member k of every stage of its ZP group) with an explicit P2PCommunicator: the plugin's
+    trainer installs no parallel_state globals, and Megatron-LM's installs the same group."""
+
+    def __init__(self, hs: HeteroParallelState, fn: Callable):
+        self.hs, self.fn = hs, fn
+        self._comm: tuple[object, object] | None = None  # (config, its P2PCommunicator)
+
+    def __call__(self, *, model, pg_collection=None, p2p_communicator=None, **kw):
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+        from megatron.core.utils import get_model_config
+
+        if p2p_communicator is None:
+            config = get_model_config(model[0] if isinstance(model, list) else model)
+            if self._comm is None or self._comm[0] is not config:
+                self._comm = (config, P2PCommunicator(pp_group=self.hs.megatron_group("pp"), config=config))
+            p2p_communicator = self._comm[1]
+        return self.fn(model=model, p2p_communicator=p2p_communicator,
+                       pg_collection=pg_collection or self.hs.pg_collection(), **kw)

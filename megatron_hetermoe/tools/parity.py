@@ -125,8 +125,8 @@ class ParityReport:
 
 def reference_ep(plan: HeteroPlan, num_experts: int) -> int:
     """Megatron EP size for the reference: the largest that divides both its world (the
-    attention ranks) and the expert count."""
-    return math.gcd(len(plan.attention_ranks), num_experts)
+    attention ranks) over its pipeline stages and the expert count."""
+    return math.gcd(len(plan.attention_ranks) // plan.pipeline_stages, num_experts)
 
 
 def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch_size: int = 2,
@@ -154,13 +154,14 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
         raise ValueError(f"precision {precision!r} is unknown; use fp32, bf16 or fp16")
     prec = {"bf16": precision == "bf16", "fp16": precision == "fp16"}
     # The reference runs on as many ranks as the plan has attention ranks, at the plan's tensor
-    # parallelism (sequence parallel, experts whole), so data parallelism is the attention members.
-    n_attn, t = len(plan.attention_ranks), plan.attention_tp
+    # parallelism (sequence parallel, experts whole) and pipeline stages, so data parallelism is
+    # the attention members.
+    n_attn, t, pp = len(plan.attention_ranks), plan.attention_tp, plan.pipeline_stages
     gbs = micro_batch_size * plan.num_microbatches * plan.num_attention_members
     ep = reference_ep(plan, model.num_experts)
-    cfg = TrainConfig(model, ParallelConfig(tp=t, sequence_parallel=t > 1), micro_batch_size=micro_batch_size,
+    cfg = TrainConfig(model, ParallelConfig(tp=t, pp=pp, sequence_parallel=t > 1), micro_batch_size=micro_batch_size,
                       global_batch_size=gbs, train_iters=steps, seed=seed, quiet=True, **prec)
-    ref = run(dataclasses.replace(cfg, parallel=ParallelConfig(tp=t, ep=ep, sequence_parallel=t > 1)), n_attn,
+    ref = run(dataclasses.replace(cfg, parallel=ParallelConfig(tp=t, pp=pp, ep=ep, sequence_parallel=t > 1)), n_attn,
               timeout_s=timeout_s, hooks=RunHooks(init_state=init_state, collect_grads=True))
     hetero = HeteroRunConfig(schedule=schedule, recompute=recompute, zebra_issuer=issuer)
     pinned = RunHooks(init_state=ref.initial_params, pin_params=ref.step_params, collect_grads=True)

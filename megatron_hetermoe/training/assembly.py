@@ -27,11 +27,13 @@ def model_config(config, hs: HeteroParallelState | None = None, **overrides):
     marks expert weights allreduce=False (Megatron's expert parameters), so DDP reduces them over
     the expert replica group and the optimizer keeps them in their own sub-optimizer. With `hs`,
     the role's tensor parallelism: an attention member's (the plan's attention_tp, sequence
-    parallel when > 1), none on an expert rank; experts are never tensor-parallel here."""
+    parallel when > 1) and pipeline stages (the plan's pipeline_stages), none on an expert rank
+    (it holds its stage's experts whole); experts are never tensor-parallel here."""
     if hs is not None:
-        t = hs.plan.attention_tp if hs.role == "attention" else 1
+        attention = hs.role == "attention"
+        t = hs.plan.attention_tp if attention else 1
         overrides = {"tensor_model_parallel_size": t, "sequence_parallel": t > 1, "expert_tensor_parallel_size": 1,
-                     **overrides}
+                     "pipeline_model_parallel_size": hs.plan.pipeline_stages if attention else 1, **overrides}
     return dataclasses.replace(config, expert_model_parallel_size=2, **overrides)
 
 
@@ -128,6 +130,9 @@ class RoleAssembly:
         if hs.role == "attention":
             if mtp is not None:
                 gpt_kwargs = {**gpt_kwargs, "mtp_block_spec": hetero_mtp_block_spec(mtp, hs, pgc)}
+            # This rank's pipeline stage: the embedding on the first, the head and loss on the last.
+            P = hs.plan.pipeline_stages
+            gpt_kwargs = {"pre_process": hs.stage == 0, "post_process": hs.stage == P - 1, **gpt_kwargs}
             module = GPTModel(config=config, transformer_layer_spec=hetero_block_spec(base_spec, hs, pgc),
                               pg_collection=pgc, **gpt_kwargs)
             names = canonical_names(module)

@@ -272,8 +272,9 @@ def check_plan_for_job(plan: HeteroPlan, world: int, num_layers: int, num_expert
     check_plan_model(plan, num_layers, num_experts, moe_layer_freq, model, remake, mtp_num_layers)
     n_attn = plan.num_attention_members
     want = micro_batch_size * plan.num_microbatches * n_attn
-    what_dp = (f"{n_attn} attention ranks" if plan.attention_tp == 1 else
-               f"{n_attn} attention members (attention ranks / attention_tp {plan.attention_tp})")
+    what_dp = (f"{n_attn} attention ranks" if plan.attention_tp == plan.pipeline_stages == 1 else
+               f"{n_attn} attention members (attention ranks / (attention_tp {plan.attention_tp} x pipeline_stages "
+               f"{plan.pipeline_stages}))")
     if global_batch_size != want:
         raise ConfigError(f"--global-batch-size {global_batch_size}: must be --micro-batch-size {micro_batch_size} x "
                           f"the plan's R={plan.num_microbatches} microbatches x {what_dp}; pass "
@@ -297,6 +298,31 @@ def check_hetero_tp(plan: HeteroPlan, tp: int, sequence_parallel: bool, expert_t
                           f"(expert tensor parallelism is not built yet); pass --expert-tensor-parallel-size 1")
 
 
+def check_hetero_pp(plan: HeteroPlan, pp: int, schedule: str | None, emulated: bool = False,
+                    virtual_stages: int | None = None) -> None:
+    """Pipeline parallelism of a HeterMoE job, the same rule for both hostings: Megatron's
+    --pipeline-model-parallel-size is the plan's pipeline_stages; inside the stages the expert
+    ranks mirror Megatron's 1F1B with DistEP (zebra's task lists per stage, emulation and virtual
+    stages are not built yet)."""
+    P = plan.pipeline_stages
+    if pp != P:
+        raise ConfigError(f"--pipeline-model-parallel-size {pp}: the plan has pipeline_stages={P}; pass "
+                          f"--pipeline-model-parallel-size {P}, or remake the plan with {pp} stages")
+    if P == 1:
+        return
+    if (schedule or plan.schedule) != "distep":
+        raise ConfigError(f"--hetero-schedule {schedule or plan.schedule} with {P} pipeline stages: inside pipeline "
+                          f"stages only DistEP (Megatron's 1F1B, the expert ranks mirroring it) is built; pass "
+                          f"--hetero-schedule distep")
+    if emulated:
+        raise ConfigError(f"--emulate with {P} pipeline stages: the emulator times task lists, which pipeline stages "
+                          f"do not have yet; drop --emulate or use one stage")
+    if virtual_stages not in (None, 1):
+        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank "
+                          f"({virtual_stages} virtual stages): the interleaved schedule is not mirrored on HeterMoE's "
+                          f"expert ranks yet; drop the flag")
+
+
 def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str | None = None,
                  run: "HeteroRunConfig | None" = None) -> None:
     """A HeterMoE job: the plan against the job, the model and the batch; its precision against
@@ -304,9 +330,11 @@ def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str
     from megatron_hetermoe.config import ParallelConfig, PoolPrecision
 
     par = cfg.parallel
-    if (par.pp, par.ep) != (1, 1):
-        raise ConfigError("--hetero-plan replaces PP/EP: leave --pipeline/--expert-model-parallel-size at 1")
+    if par.ep != 1:
+        raise ConfigError(f"--expert-model-parallel-size {par.ep} with --hetero-plan: the plan places the experts; "
+                          f"leave --expert-model-parallel-size at 1")
     check_hetero_tp(plan, par.tp, par.sequence_parallel)
+    check_hetero_pp(plan, par.pp, schedule, cfg.emulate is not None)
     check_megatron_tp(cfg)  # the plugin's checkpoints and emulation are TP=1 in both trainers
     if schedule is not None and schedule not in SCHEDULES:
         raise ConfigError(f"--hetero-schedule {schedule!r}: use one of {list(SCHEDULES)}")
