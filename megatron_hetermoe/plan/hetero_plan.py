@@ -529,7 +529,7 @@ def even_plan(
     a group is P stages of M attention + N expert ranks, laid out stage by stage, and a layer's
     experts split over its stage's N expert ranks."""
     M, N, P = attention_ranks, expert_ranks, pipeline_stages
-    if M < 1 or N < 1 or groups < 1 or P < 1:
+    if any(type(v) is not int for v in (M, N, groups, P)) or M < 1 or N < 1 or groups < 1 or P < 1:
         raise PlanError(f"even plan needs M>=1, N>=1, groups>=1, pipeline_stages>=1; got M={M}, N={N}, "
                         f"groups={groups}, pipeline_stages={P}")
     check_plan_size(num_layers, num_experts, groups, groups * P * (M + N), num_microbatches)  # before allocating

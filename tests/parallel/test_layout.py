@@ -61,9 +61,10 @@ def test_every_collection_dimension_has_a_group_on_both_roles():
     assert all(set(kinds) == {"attention", "expert"} for kinds in MEGATRON_DIMS.values())
 
 
-def test_pipeline_context_and_expert_tensor_parallelism_inside_a_pool_are_not_built_yet():
+def test_context_and_expert_tensor_parallelism_inside_a_pool_are_not_built_yet():
     assert InnerLayout(tp=2).tp == 2
-    for kw in ({"pp": 2}, {"cp": 2}, {"etp": 2}):
+    assert InnerLayout(tp=2, pp=2).pp == 2
+    for kw in ({"cp": 2}, {"etp": 2}):
         with pytest.raises(NotImplementedError, match="not built yet"):
             InnerLayout(**kw)
 
