@@ -530,8 +530,8 @@ def even_plan(
     experts split over its stage's N expert ranks."""
     M, N, P = attention_ranks, expert_ranks, pipeline_stages
     if any(type(v) is not int for v in (M, N, groups, P)) or M < 1 or N < 1 or groups < 1 or P < 1:
-        raise PlanError(f"even plan needs M>=1, N>=1, groups>=1, pipeline_stages>=1; got M={M}, N={N}, "
-                        f"groups={groups}, pipeline_stages={P}")
+        raise PlanError(f"even plan needs integers M>=1, N>=1, groups>=1, pipeline_stages>=1; got M={M!r}, N={N!r}, "
+                        f"groups={groups!r}, pipeline_stages={P!r}")
     check_plan_size(num_layers, num_experts, groups, groups * P * (M + N), num_microbatches)  # before allocating
     if N > num_experts:
         raise PlanError(f"{N} expert ranks for {num_experts} experts leaves ranks idle; use at most {num_experts}")

@@ -1,0 +1,85 @@
+"""Pipeline stages inside the pools (the plan's pipeline_stages, Megatron's
+--pipeline-model-parallel-size): each stage of a ZP group has its own attention members and expert
+ranks; the attention ranks run Megatron's 1F1B over the stages and each stage's expert ranks mirror
+it for that stage's layers. At identical parameters HeterMoE trains exactly like plain Megatron at
+the same PP (and TP): losses and gradients within the parity suite's bounds."""
+import dataclasses
+
+import pytest
+from margins import within
+
+from megatron_hetermoe.config import ParallelConfig, TrainConfig
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup, even_plan
+from megatron_hetermoe.tools.parity import (
+    FREE_RUN_LOSS_TOL,
+    FREE_RUN_PARAM_TOL,
+    GRAD_TOL,
+    LOSS_TOL,
+    run_parity,
+)
+from megatron_hetermoe.training.validation import ConfigError, check_hetero
+
+# (M attention ranks per stage, N expert ranks per stage, G groups, R microbatches, attention_tp)
+CASES = {"2+1": (2, 1, 1, 2, 1), "1+2,R3": (1, 2, 1, 3, 1), "2x(1+1)": (1, 1, 2, 2, 1), "tp2+2": (2, 2, 1, 2, 2)}
+
+
+def _check(r, free: bool) -> None:
+    # Measured (tiny, PP 2, 3 steps): loss <= 8.6e-8, grads <= 2.9e-7, free-run weights <= 5.5e-5
+    # and losses <= 8.8e-8: >= 11x inside every bound.
+    within("loss", r.max_rel_loss_diff, LOSS_TOL)
+    within("grad", r.max_rel_grad_diff, GRAD_TOL)
+    assert set(r.grad_diff_by_category) == {"experts", "router", "attention", "embedding/output"}
+    if free:
+        within("free-run params", r.max_rel_param_diff_free_run, FREE_RUN_PARAM_TOL)
+        within("free-run loss", r.max_rel_loss_diff_free_run, FREE_RUN_LOSS_TOL)
+
+
+def _plan(tiny, case: str) -> HeteroPlan:
+    M, N, G, R, T = CASES[case]
+    return even_plan(tiny.num_layers, tiny.num_experts, M, N, groups=G, num_microbatches=R, pipeline_stages=2,
+                     attention_tp=T)
+
+
+@pytest.mark.parametrize("case", ["2+1", "tp2+2"])
+def test_distep_pp2_matches_megatron_pp2(tiny, case):
+    """Megatron PP 2 (EP 2 over its 2 data-parallel ranks) against 2 stages of 2 attention ranks + 1
+    expert rank; and TP 2 x PP 2 (sequence parallel) against 2 stages of one TP-2 member + 2 expert ranks."""
+    _check(run_parity(_plan(tiny, case), tiny, steps=3, free_run=True), True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["1+2,R3", "2x(1+1)"])
+def test_distep_pp2_more_shapes(tiny, case):
+    """More microbatches than stages (1F1B's steady phase on stage 0) with 2 expert ranks per stage;
+    2 ZP groups (expert replicas across groups, per stage)."""
+    _check(run_parity(_plan(tiny, case), tiny, steps=3, free_run=True), True)
+
+
+@pytest.mark.slow
+def test_pp2_two_layers_a_stage_with_an_empty_expert_rank_and_asym_ea(tiny):
+    """4 layers, 2 a stage; per stage 1 attention rank + 2 expert ranks. Stage 0: layer 0 all on
+    rank 1 (rank 2 holds none: empty splits), layer 1 split 1 | 3. Stage 1 (ranks 3, 4, 5):
+    layer 2 offloads expert 0 to its attention rank (Asym-EA inside a stage), layer 3 even."""
+    model = dataclasses.replace(tiny, num_layers=4)
+    placement = [{1: [0, 1, 2, 3]}, {1: [0], 2: [1, 2, 3]}, {3: [0], 4: [1, 2], 5: [3]}, {4: [0, 1], 5: [2, 3]}]
+    plan = HeteroPlan(4, 4, ["cpu"] * 6, [ZPGroup([0, 3], [1, 2, 4, 5], placement)], num_microbatches=3,
+                      pipeline_stages=2)
+    _check(run_parity(plan, model, steps=3, free_run=False), False)
+
+
+def test_pipeline_refusals(tiny):
+    """The run's PP against the plan's; inside stages only DistEP, without emulation."""
+    plan = _plan(tiny, "2+1")
+    ok = TrainConfig(tiny, ParallelConfig(pp=2), micro_batch_size=2, global_batch_size=8, train_iters=1)
+    check_hetero(ok, plan, 6)
+    with pytest.raises(ConfigError, match="--pipeline-model-parallel-size 1: the plan has pipeline_stages=2; pass "
+                                          "--pipeline-model-parallel-size 2"):
+        check_hetero(dataclasses.replace(ok, parallel=ParallelConfig()), plan, 6)
+    with pytest.raises(ConfigError, match="must be --micro-batch-size 2 x the plan's R=2 microbatches x 2 attention "
+                                          "members"):
+        check_hetero(dataclasses.replace(ok, global_batch_size=16), plan, 6)
+    with pytest.raises(ConfigError, match="--hetero-schedule zebra with 2 pipeline stages: inside pipeline stages "
+                                          "only DistEP"):
+        check_hetero(ok, plan, 6, "zebra")
+    with pytest.raises(ConfigError, match="--expert-model-parallel-size 2 with --hetero-plan"):
+        check_hetero(dataclasses.replace(ok, parallel=ParallelConfig(pp=2, ep=2)), plan, 6)
