@@ -18,7 +18,11 @@ from megatron_hetermoe.megatron_lm.replaced import recompute_choice, replace_fla
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.training.assembly import RoleAssembly
-from megatron_hetermoe.training.validation import check_hetero_tp, check_plan_for_job
+from megatron_hetermoe.training.validation import (
+    check_hetero_pp,
+    check_hetero_tp,
+    check_plan_for_job,
+)
 
 
 @dataclasses.dataclass
@@ -60,6 +64,7 @@ class HeteroPretrain:
         # --expert-tensor-parallel-size was replaced by the plan's whole experts (replace_flags).
         check_hetero_tp(self.plan, args.tensor_model_parallel_size, args.sequence_parallel,
                         args.expert_tensor_parallel_size)
+        check_hetero_pp(self.plan, args.pipeline_model_parallel_size, self.schedule)
         # Megatron's data parallelism is over the attention ranks: validate_args derives
         # data_parallel_size (and set_global_variables the microbatch calculator) from it.
         args.world_size = n_attn
@@ -70,10 +75,13 @@ class HeteroPretrain:
         nmb = self.plan.num_microbatches
         self._pool_args(args)
         if args.rank == 0:
-            tp = self.plan.attention_tp
-            attn = (f"{n_attn} attention ranks (Megatron's data parallel size)" if tp == 1 else
-                    f"{n_attn} attention ranks ({n_attn // tp} member{'s' if n_attn // tp != 1 else ''} of tensor "
-                    f"parallel size {tp}: Megatron's data parallel size {n_attn // tp})")
+            tp, pp = self.plan.attention_tp, self.plan.pipeline_stages
+            dp = self.plan.num_attention_members
+            attn = (f"{n_attn} attention ranks (Megatron's data parallel size)" if tp == pp == 1 else
+                    f"{n_attn} attention ranks ({dp} member{'s' if dp != 1 else ''}"
+                    + (f" of tensor parallel size {tp}" if tp > 1 else "")
+                    + (f" in each of {pp} pipeline stages" if pp > 1 else "")
+                    + f": Megatron's data parallel size {dp})")
             print(f"> HeterMoE: plan {args.hetero_plan}, {attn} + {world - n_attn} expert ranks, schedule "
                   f"{self.schedule}, {nmb} microbatches", flush=True)
 

@@ -1,0 +1,55 @@
+"""Pipeline stages inside the pools in Megatron-LM's own pretrain() (core_v0.16.1 checkout,
+MEGATRON_LM_DIR): `--pipeline-model-parallel-size 2` with a plan of 2 pipeline stages (each with its
+own attention and expert ranks; Megatron's 1F1B on the attention ranks, the expert ranks mirroring
+it), alone and with `--tensor-model-parallel-size 2 --sequence-parallel`. Plain Megatron initializes
+by its own rules, so runs at other layouts are compared from one checkpoint (torch_dist, resharded by
+dist_checkpointing)."""
+from __future__ import annotations
+
+import pytest
+from megatron_lm_run import checkpoints_both_ways, hetero_run, tb_losses
+
+PP = ["--pipeline-model-parallel-size", "2"]
+TP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
+NO_EVAL = ["--eval-interval", "100", "--eval-iters", "0"]
+
+
+def _plan(path, attention_tp: int = 1, groups: int = 1):
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+
+    # 8 sequences of 2 per step; per stage one attention member (TP attention_tp) + 1 expert rank.
+    even_plan(2, 4, attention_tp, 1, groups=groups, num_microbatches=4 // groups, pipeline_stages=2,
+              attention_tp=attention_tp).save(path)
+    return path
+
+
+@pytest.mark.slow
+def test_pretrain_pp2_from_pp1_checkpoint(mlm, data, tmp_path):
+    """Across pipeline layouts: plain Megatron PP 1 EP 2 saves; HeterMoE with 2 pipeline stages loads
+    it (dist_checkpointing gives each stage its layers) and continues as Megatron does, and back."""
+    checkpoints_both_ways(mlm, _plan(tmp_path / "plan.json"), data, tmp_path, extra=PP, plain_extra=[])
+
+
+@pytest.mark.slow
+def test_pretrain_tp2_pp2_trains_evaluates_resumes(mlm, data, tmp_path):
+    """TP 2 x PP 2: per stage a TP-2 attention member + 1 expert rank (6 ranks): Megatron's loop trains
+    and evaluates; saved after iteration 2 and resumed (torch_dist, optimizer and RNG included),
+    iteration 3's loss is bitwise the uninterrupted run's."""
+    plan = _plan(tmp_path / "plan.json", attention_tp=2)
+    flags = [*TP, *PP]
+    log, full = hetero_run(mlm, plan, data, tmp_path / "full", flags, nproc=6)
+    assert ("4 attention ranks (1 member of tensor parallel size 2 in each of 2 pipeline stages: Megatron's data "
+            "parallel size 1)") in log
+    # Megatron's get_model on each stage's attention ranks: every (TP rank, PP stage) holds its part.
+    for tp in (0, 1):
+        for pp in (0, 1):
+            assert f"number of parameters on (tensor, pipeline) model parallel rank ({tp}, {pp})" in log
+    assert "validation loss at iteration 2 | lm loss value:" in log
+    assert sorted(tb_losses(tmp_path / "full", "lm loss validation")) == [2, 3]
+    ckpt = tmp_path / "ckpt"
+    _, first = hetero_run(mlm, plan, data, tmp_path / "first", [*flags, "--save", str(ckpt), "--save-interval", "2",
+                                                               "--exit-interval", "2"], nproc=6, evaluation=NO_EVAL)
+    log, resumed = hetero_run(mlm, plan, data, tmp_path / "resumed", [*flags, "--load", str(ckpt)], nproc=6,
+                              evaluation=NO_EVAL)
+    assert sorted(first) == [1, 2] and sorted(resumed) == [3], log[-3000:]
+    assert [first[1], first[2], resumed[3]] == [full[1], full[2], full[3]]
