@@ -2,9 +2,11 @@
 
   hetermoe plan --even --attention-ranks M --expert-ranks N --groups G --model CFG
                 [--microbatches R] [--schedule distep|zebra] [--attention-gpu T --expert-gpu T]
-                [--attention-tp T] -o plan.json
+                [--attention-tp T] [--pipeline-stages P] -o plan.json
       G groups of M attention + N expert ranks, experts split evenly (plan.even_plan); with
-      --attention-tp T the M attention ranks are M/T tensor-parallel members.
+      --attention-tp T the M attention ranks are M/T tensor-parallel members; with
+      --pipeline-stages P each group is P stages of M attention + N expert ranks (Megatron's
+      --pipeline-model-parallel-size P, the layers split evenly, a stage's experts on its ranks).
   hetermoe plan --cluster CLUSTER --model CFG --seq-len S --global-batch B [-o plan.json] [--json]
                 [--asym optimal|greedy|none] [--engine auto|python|cpp] [--max-microbatches K]
                 [--expert-recompute auto|off|keep-inputs|resend-inputs] [--attention-tp T]
@@ -61,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="the plan's schedule: DistEP (Megatron's schedule) or zebra (overlapped)")
     even.add_argument("--attention-gpu", default="cpu", help="GPU type of attention ranks (a configs/gpus/ name)")
     even.add_argument("--expert-gpu", default="cpu", help="GPU type of expert ranks (a configs/gpus/ name)")
+    even.add_argument("--pipeline-stages", type=int, default=1,
+                      help="P: pipeline stages of each ZP group (Megatron's --pipeline-model-parallel-size; the "
+                      "decoder layers split evenly; --attention-ranks and --expert-ranks are then per stage)")
     p.add_argument("--attention-tp", type=int, default=None,
                    help="tensor-parallel size of each attention member (Megatron's --tensor-model-parallel-size with "
                    "--sequence-parallel; M must be a multiple of it; no experts on attention ranks with TP > 1). With "
@@ -200,14 +205,16 @@ def main(argv: list[str] | None = None) -> int:
             plan = even_plan(model.num_layers + mtp - len(dense), model.num_experts, args.attention_ranks,
                              args.expert_ranks, args.groups, attention_gpu=args.attention_gpu,
                              expert_gpu=args.expert_gpu, num_microbatches=args.microbatches, schedule=args.schedule,
-                             dense_layers=dense, mtp_layers=mtp, attention_tp=tp)
+                             dense_layers=dense, mtp_layers=mtp, attention_tp=tp,
+                             pipeline_stages=args.pipeline_stages)
             plan.meta = {"model": model.name, "made_by": "hetermoe plan --even"}
             if flags is not None:  # where the model came from, for whoever reads the plan
                 plan.meta["model_flags"] = flags
             if args.output:
                 plan.save(args.output)
                 tp_note = f", attention_tp {tp}" if tp > 1 else ""
-                print(f"wrote {args.output}: {args.groups} x ({args.attention_ranks} attention + "
+                stages = f"{args.pipeline_stages} stages of " if args.pipeline_stages > 1 else ""
+                print(f"wrote {args.output}: {args.groups} x {stages}({args.attention_ranks} attention + "
                       f"{args.expert_ranks} expert ranks), world size {plan.world_size}{tp_note}")
             else:
                 print(plan.to_json())

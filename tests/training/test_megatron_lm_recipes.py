@@ -166,3 +166,28 @@ def test_recipe_trains_unchanged_with_megatron_eps_losses(mlm, data, tmp_path, t
         assert HeteroPlan.load(plan).dense_layers == [0]
     het = _resume(mlm, tmp_path, 2 * (tp + 1), [*flags, "--hetero-plan", str(plan)], ckpt, "het")
     within(f"recipe {recipe}, {schedule} vs Megatron EP ({het} vs {ep})", max(abs(het[i] - ep[i]) for i in ep), 3e-6)
+
+
+def test_mixtral_recipe_with_its_pipeline_stages(mlm, data, tmp_path):
+    """Mixtral's script at its own --pipeline-model-parallel-size (4; one shrunk layer a stage): plain
+    Megatron at PP 4 (EP 1: one data-parallel rank) saves after iteration 1, and HeterMoE with a plan of
+    4 pipeline stages (each 1 attention + 1 expert rank; distep: Megatron's 1F1B, the expert ranks
+    mirroring it) continues that checkpoint with plain Megatron's losses."""
+    recipe = recipe_flags(mlm, MIXTRAL)
+    pp = recipe[recipe.index("--pipeline-model-parallel-size") + 1]
+    assert pp == "4"
+    flags = [*shrunk(recipe), *DATA, *CPU, *EVAL_OFF, "--data-path", data]
+    for flag, value in (("--pipeline-model-parallel-size", pp), ("--num-layers", pp)):
+        flags[flags.index(flag) + 1] = value
+    ref = [*flags, "--expert-model-parallel-size", "1"]  # the last wins: EP 1 over PP 4's one DP rank
+    ckpt = tmp_path / "ckpt"
+    run_losses(mlm, tmp_path, 4, [*ref, "--save", str(ckpt), "--save-interval", "1", "--train-iters", "1",
+                                  "--lr-warmup-iters", "0"], "tb")
+    plain = _resume(mlm, tmp_path, 4, ref, ckpt, "resumed")
+    plan = tmp_path / "plan.json"
+    assert plan_main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--pipeline-stages", pp,
+                      "--microbatches", "4", "-o", str(plan), "--", *flags]) == 0
+    assert HeteroPlan.load(plan).pipeline_stages == 4
+    het = _resume(mlm, tmp_path, 8, [*flags, "--hetero-plan", str(plan)], ckpt, "het")
+    within(f"Mixtral at PP {pp}, distep vs Megatron ({het} vs {plain})", max(abs(het[i] - plain[i]) for i in plain),
+           3e-6)
