@@ -53,7 +53,7 @@ COMPAT_VENV := .venv-compat
 COMPAT_MCORE ?= 0.19.2
 COMPAT_PY ?= $(shell p=$$(pyenv prefix 3.12 2>/dev/null) && echo $$p/bin/python3.12 || command -v python3.12)
 COMPAT_STAMP := $(COMPAT_VENV)/.installed-$(COMPAT_MCORE)
-COMPAT_TESTS := tests/integration/test_distep_parity.py tests/integration/test_zebra.py tests/integration/test_checkpoint.py \
+COMPAT_TESTS := tests/integration/test_distep_parity.py tests/integration/test_pp_parity.py tests/integration/test_zebra.py tests/integration/test_checkpoint.py \
 	tests/training/test_golden.py tests/parallel/test_cpu_backend.py tests/training/test_patches.py tests/test_compat.py \
 	tests/training/test_megatron_lm_v019.py tests/training/test_hetermoe_pretrain.py
 
