@@ -48,7 +48,8 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
                    help="expert TP size; only 1 runs here (experts are whole). Megatron's default is the TP size, so "
                         "with --tensor-model-parallel-size > 1 give 1 explicitly")
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="PP size (1F1B); must divide the model's layers")
+                   help="PP size (1F1B); must divide the model's layers; with --hetero-plan: the plan's "
+                        "pipeline_stages (each stage its own attention and expert ranks; distep)")
     p.add_argument("--expert-model-parallel-size", type=int, default=1,
                    help="EP size; must divide the model's experts and the world size / PP")
     p.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["alltoall", "allgather"],
@@ -328,9 +329,8 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
             plan = HeteroPlan.load(a.hetero_plan)
         except (ValueError, OSError) as e:
             p.error(f"--hetero-plan: {e}")
-        # TP with a plan (its attention_tp) is validation.check_hetero's to judge, in validate_job below.
-        if (cfg.parallel.pp, cfg.parallel.ep) != (1, 1):
-            raise SystemExit("--hetero-plan replaces TP/PP/EP: leave the model-parallel sizes at 1")
+        # TP and PP with a plan (its attention_tp and pipeline_stages) and EP (replaced by the plan) are
+        # validation.check_hetero's to judge, in validate_job below.
         if a.nproc not in (None, plan.world_size):
             raise SystemExit(f"--nproc {a.nproc} but the plan has {plan.world_size} ranks; drop --nproc")
         if "RANK" not in os.environ:  # under torchrun, join its ranks instead of forking more

@@ -128,8 +128,13 @@ CASES = [
     ("flags", "--nproc with --hetero-plan", flags("--nproc", "2", plan=PLAN), SystemExit,
      "--nproc 2 but the plan has 3 ranks; drop --nproc"),
     ("flags", "--expert-model-parallel-size with --hetero-plan",
-     flags("--expert-model-parallel-size", "2", plan=PLAN), SystemExit,
-     "--hetero-plan replaces TP/PP/EP: leave the model-parallel sizes at 1"),
+     flags("--expert-model-parallel-size", "2", plan=PLAN), ConfigError,
+     "--expert-model-parallel-size 2 with --hetero-plan: the plan places the experts; leave "
+     "--expert-model-parallel-size at 1"),
+    ("flags", "--pipeline-model-parallel-size with --hetero-plan",
+     flags("--pipeline-model-parallel-size", "2", plan=PLAN), ConfigError,
+     "--pipeline-model-parallel-size 2: the plan has pipeline_stages=1; pass --pipeline-model-parallel-size 1, or "
+     "remake the plan with 2 stages"),
     ("flags", "--hetero-plan", flags("--hetero-plan", "/no/such/plan.json"), FileNotFoundError,
      "--hetero-plan: [Errno 2] No such file or directory"),
     ("flags", "--bf16 with --fp16", flags("--bf16", "--fp16"), SystemExit,
