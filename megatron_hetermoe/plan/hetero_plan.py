@@ -16,8 +16,9 @@ member of every other group (these replicas form that expert's data-parallel gro
 Tensor parallelism on attention ranks (`attention_tp`, Megatron's --tensor-model-parallel-size with
 --sequence-parallel): a group's attention ranks are M members of `attention_tp` consecutive ranks
 each, as listed; each member is one Megatron TP group holding one copy of the dense weights, and
-each of its ranks routes and dispatches its own sequence slice. Expert ranks stay whole (expert
-tensor parallelism 1).
+each of its ranks routes and dispatches its own sequence slice. Experts stay whole (expert tensor
+parallelism 1), on expert ranks or, with Asym-EA, on single ranks of a member: the member's other TP
+ranks dispatch to that rank as to an expert rank.
 
 Pipeline parallelism inside the pools (`pipeline_stages` P, Megatron's
 --pipeline-model-parallel-size): the decoder layers split evenly into P stages (Megatron's default
@@ -258,10 +259,6 @@ class HeteroPlan:
                     raise PlanError(f"ZP group {gi} has {len(g.attention_ranks)} attention ranks, not a multiple of "
                                     f"attention_tp={self.attention_tp}; give each group M x {self.attention_tp} "
                                     f"attention ranks")
-            if self.experts_on_attention_ranks_any():
-                raise PlanError(f"plan places experts on attention ranks (Asym-EA) with attention_tp="
-                                f"{self.attention_tp}: experts on tensor-parallel attention members are not built "
-                                f"yet; place every expert on expert ranks (or use attention_tp 1)")
         self._validate_stages()
         if world_size is not None and world_size != self.world_size:
             raise PlanError(
