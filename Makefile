@@ -27,7 +27,7 @@ demo: $(STAMP)
 # they need its training-side packages (the megatron-lm extra: triton alone is ~1 GB, so only then).
 test: $(STAMP)
 	if [ -n "$$MEGATRON_LM_DIR" ]; then $(PIP_INSTALL) --no-build-isolation -e '.[megatron-lm]'; fi
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30 tests
 
 test-fast: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" tests
