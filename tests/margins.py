@@ -17,3 +17,22 @@ def within(what: str, value: float, tol: float) -> None:
                                 "value": value, "tol": tol,
                                 "kernels": torch.backends.cpu.get_cpu_capability()}) + "\n")
     assert value <= tol, f"{what}: measured {value:.3e} exceeds the bound {tol:.1e}"
+
+
+def parity_within(r, free: bool) -> None:
+    """A ParityReport (tools/parity.py) within the parity suite's bounds: loss and gradients at
+    identical parameters, every gradient category present, and with `free` the free-running
+    trajectory's weights and losses."""
+    from megatron_hetermoe.tools.parity import (
+        FREE_RUN_LOSS_TOL,
+        FREE_RUN_PARAM_TOL,
+        GRAD_TOL,
+        LOSS_TOL,
+    )
+
+    within("loss", r.max_rel_loss_diff, LOSS_TOL)
+    within("grad", r.max_rel_grad_diff, GRAD_TOL)
+    assert set(r.grad_diff_by_category) == {"experts", "router", "attention", "embedding/output"}
+    if free:
+        within("free-run params", r.max_rel_param_diff_free_run, FREE_RUN_PARAM_TOL)
+        within("free-run loss", r.max_rel_loss_diff_free_run, FREE_RUN_LOSS_TOL)

@@ -141,6 +141,21 @@ def hetero_run(work: Path, plan: Path, data_path: str, tb: Path, extra: tuple | 
     return log, tb_losses(tb)
 
 
+def resumes_bitwise(work: Path, plan: Path, data_path: str, tmp_path: Path, flags: list[str], nproc: int,
+                    full: dict[int, float]) -> None:
+    """A HeterMoE run of `plan` saved after iteration 2 (torch_dist, optimizer and RNG included) and
+    resumed gives iteration 3 bitwise as the uninterrupted run `full` (its per-iteration losses)."""
+    no_eval = ["--eval-interval", "100", "--eval-iters", "0"]
+    ckpt = tmp_path / "ckpt"
+    _, first = hetero_run(work, plan, data_path, tmp_path / "first", [*flags, "--save", str(ckpt), "--save-interval",
+                                                                      "2", "--exit-interval", "2"], nproc=nproc,
+                          evaluation=no_eval)
+    log, resumed = hetero_run(work, plan, data_path, tmp_path / "resumed", [*flags, "--load", str(ckpt)], nproc=nproc,
+                              evaluation=no_eval)
+    assert sorted(first) == [1, 2] and sorted(resumed) == [3], log[-3000:]
+    assert [first[1], first[2], resumed[3]] == [full[1], full[2], full[3]]
+
+
 def checkpoints_both_ways(work: Path, plan: Path, data_path: str, tmp_path: Path, data: tuple | list = DATA,
                           extra: tuple | list = (), nproc: int = 4, plain_extra: tuple | list | None = None) -> None:
     """Megatron-LM's own EP run (2 ranks, EP 2) saves; a HeterMoE run of `plan` (4 ranks) loads it,

@@ -7,11 +7,10 @@ dist_checkpointing)."""
 from __future__ import annotations
 
 import pytest
-from megatron_lm_run import checkpoints_both_ways, hetero_run, tb_losses
+from megatron_lm_run import checkpoints_both_ways, hetero_run, resumes_bitwise, tb_losses
 
 PP = ["--pipeline-model-parallel-size", "2"]
 TP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
-NO_EVAL = ["--eval-interval", "100", "--eval-iters", "0"]
 
 
 def _plan(path, attention_tp: int = 1, groups: int = 1):
@@ -46,10 +45,4 @@ def test_pretrain_tp2_pp2_trains_evaluates_resumes(mlm, data, tmp_path):
             assert f"number of parameters on (tensor, pipeline) model parallel rank ({tp}, {pp})" in log
     assert "validation loss at iteration 2 | lm loss value:" in log
     assert sorted(tb_losses(tmp_path / "full", "lm loss validation")) == [2, 3]
-    ckpt = tmp_path / "ckpt"
-    _, first = hetero_run(mlm, plan, data, tmp_path / "first", [*flags, "--save", str(ckpt), "--save-interval", "2",
-                                                               "--exit-interval", "2"], nproc=6, evaluation=NO_EVAL)
-    log, resumed = hetero_run(mlm, plan, data, tmp_path / "resumed", [*flags, "--load", str(ckpt)], nproc=6,
-                              evaluation=NO_EVAL)
-    assert sorted(first) == [1, 2] and sorted(resumed) == [3], log[-3000:]
-    assert [first[1], first[2], resumed[3]] == [full[1], full[2], full[3]]
+    resumes_bitwise(mlm, plan, data, tmp_path, flags, 6, full)

@@ -7,10 +7,9 @@ at the same TP (zebra) run on core_v0.19.0's line (test_megatron_lm_v019.py)."""
 from __future__ import annotations
 
 import pytest
-from megatron_lm_run import checkpoints_both_ways, hetero_run, tb_losses
+from megatron_lm_run import checkpoints_both_ways, hetero_run, resumes_bitwise, tb_losses
 
 TP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
-NO_EVAL = ["--eval-interval", "100", "--eval-iters", "0"]
 
 
 def _plan(path, schedule: str, groups: int = 1):
@@ -42,10 +41,4 @@ def test_pretrain_tp2_trains_evaluates_resumes(mlm, data, tmp_path):
     assert "4 attention ranks (2 members of tensor parallel size 2: Megatron's data parallel size 2)" in log
     assert "validation loss at iteration 2 | lm loss value:" in log
     assert sorted(tb_losses(tmp_path / "full", "lm loss validation")) == [2, 3]
-    ckpt = tmp_path / "ckpt"
-    _, first = hetero_run(mlm, plan, data, tmp_path / "first", [*TP, "--save", str(ckpt), "--save-interval", "2",
-                                                               "--exit-interval", "2"], nproc=8, evaluation=NO_EVAL)
-    log, resumed = hetero_run(mlm, plan, data, tmp_path / "resumed", [*TP, "--load", str(ckpt)], nproc=8,
-                              evaluation=NO_EVAL)
-    assert sorted(first) == [1, 2] and sorted(resumed) == [3], log[-3000:]
-    assert [first[1], first[2], resumed[3]] == [full[1], full[2], full[3]]
+    resumes_bitwise(mlm, plan, data, tmp_path, TP, 8, full)
