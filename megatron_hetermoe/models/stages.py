@@ -71,10 +71,12 @@ class AttentionStages:
             hidden, _ = tl(hidden_states=hidden, **ctx.layer_kwargs())
         return hidden
 
-    def embed(self, batch: dict) -> tuple[torch.Tensor, StageContext]:
-        """Stage 0's start: GPTModel._preprocess on the batch (embedding, rotary embedding)."""
+    def embed(self, batch: dict, hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, StageContext]:
+        """Stage 0's start: GPTModel._preprocess on the batch (embedding, rotary embedding). On a
+        pipeline stage after the first, `hidden` is the previous stage's output, which _preprocess
+        passes through as GPTModel.forward's decoder input (the rotary embedding is still made)."""
         out = self.gpt._preprocess(input_ids=batch["tokens"], position_ids=batch["position_ids"],
-                                   packed_seq_params=batch.get("packed_seq_params"))
+                                   decoder_input=hidden, packed_seq_params=batch.get("packed_seq_params"))
         if len(out) > 6:  # flashinfer's fused rope: inference only
             raise NotImplementedError("zebra runs training passes; GPTModel._preprocess returned inference-only "
                                       "rotary tensors (flashinfer fused rope)")
@@ -105,6 +107,9 @@ class AttentionStages:
         return tl._forward_post_mlp((out, None), residual)
 
     def head(self, hidden: torch.Tensor, batch: dict, ctx: StageContext) -> torch.Tensor:
+        """The last piece: the dense layers after the last MoE layer, then on the last pipeline
+        stage the final norm and output layer (GPTModel._postprocess's logits or loss); on an
+        earlier stage the hidden states that go to the next stage (_postprocess returns them)."""
         hidden = self._run_dense(self.dense[-1], hidden, ctx)
         final = self.gpt.decoder.final_layernorm
         if final is not None:

@@ -104,9 +104,14 @@ def _expert_next_recv(l: int, j: int, L: int) -> Task:
     return Task("D_F", l + 1, j) if l + 1 < L else Task("C_B", L - 1, j)
 
 
-def zebra_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: Iterable[int] = ()) -> list[Task]:
+def zebra_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: Iterable[int] = (),
+                         last_pipeline_stage: bool = True) -> list[Task]:
     """Theorem 1's order for one rank. `offloaded_layers`: expert layers in which this attention
-    rank holds experts (Asym-EA)."""
+    rank holds experts (Asym-EA). With pipeline stages, an attention rank of a stage before the
+    last (`last_pipeline_stage` False) runs every microbatch's last piece (which sends its output
+    to the next stage) before the first backward of that piece (which waits for the next stage's
+    gradient): the next stage's forward needs all R outputs before any of its backwards, so
+    Theorem 1's interleaved head (A_F(L, j) A_B(L, j) per microbatch) would wait on itself."""
     L = num_layers
     off = _check(L, R, role, offloaded_layers)
     T = Task
@@ -130,8 +135,11 @@ def zebra_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: I
         if s in off:
             for j in range(R):
                 out += [T("X_F", s, j), T("C_F", s, j)]
+    if not last_pipeline_stage:
+        out += [T("A_F", L, j) for j in range(R)]
     for j in range(R):
-        out += [T("A_F", L, j), T("A_B", L, j), T("C_B", L - 1, j)]
+        out += [T("A_F", L, j)] if last_pipeline_stage else []
+        out += [T("A_B", L, j), T("C_B", L - 1, j)]
         if L - 1 not in off:
             out.append(T("D_B", L - 1, j))
     for s in reversed(range(L)):
@@ -176,20 +184,30 @@ def distep_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: 
 
 
 def offloaded_layers_of(plan, rank: int) -> set[int]:
-    """Expert layers in which attention rank `rank` holds experts."""
-    return {l for l in range(plan.num_layers) if plan.local_experts(rank, l)}
+    """Expert layers in which attention rank `rank` holds experts, numbered within its pipeline
+    stage (the task lists' layers: every MoE layer without pipeline stages)."""
+    layers = plan.stage_moe_layers(plan.stage_of(rank))
+    return {k for k, l in enumerate(layers) if plan.local_experts(rank, l)}
 
 
 def zebra_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[Task]:
     """Zebra task list of `rank` in a HeteroPlan (megatron_hetermoe.plan.hetero_plan), over the
-    plan's R microbatches or `num_microbatches` (a step of Megatron's batch-size ramp-up)."""
+    plan's R microbatches or `num_microbatches` (a step of Megatron's batch-size ramp-up). With
+    pipeline stages, over the rank's stage's MoE layers (layer k: the stage's k-th,
+    plan.stage_moe_layers)."""
     role = plan.role(rank)
     off = offloaded_layers_of(plan, rank) if role == "attention" else set()
-    return zebra_tasks_for_role(plan.num_layers, num_microbatches or plan.num_microbatches, role, off)
+    stage = plan.stage_of(rank)
+    return zebra_tasks_for_role(len(plan.stage_moe_layers(stage)), num_microbatches or plan.num_microbatches, role,
+                                off, last_pipeline_stage=stage == plan.pipeline_stages - 1)
 
 
 def distep_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[Task]:
-    """DistEP task list of `rank` in a HeteroPlan (R as zebra_tasks)."""
+    """DistEP task list of `rank` in a HeteroPlan (R as zebra_tasks). With pipeline stages DistEP
+    runs Megatron's 1F1B (schedules/distep.py), which has no task list here."""
+    if plan.pipeline_stages > 1:
+        raise NotImplementedError(f"the DistEP task list with {plan.pipeline_stages} pipeline stages is not built "
+                                  f"(DistEP runs Megatron's 1F1B there, untimed); drop --emulate")
     role = plan.role(rank)
     off = offloaded_layers_of(plan, rank) if role == "attention" else set()
     return distep_tasks_for_role(plan.num_layers, num_microbatches or plan.num_microbatches, role, off)

@@ -134,7 +134,8 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
         built = built or Built()
         az = _step(built.rank(gpt, lambda: AttentionZebra(gpt, hs, run, recorder, task_timing)), executed)
         try:
-            reported, num_tokens = az.run(cap.calls, loss_funcs, built.tasks(schedule, hs, num_microbatches))
+            reported, num_tokens = az.run(cap.calls, loss_funcs, built.tasks(schedule, hs, num_microbatches),
+                                          (decoder_seq_length or seq_length, micro_batch_size))
         finally:
             if alone:
                 built.close()
@@ -218,9 +219,9 @@ def get_forward_backward_func(hs: HeteroParallelState, run: HeteroRunConfig | No
     if hs.role == "expert":
         return partial(expert_forward_backward, **kw)
     if runs_task_list(name, task_timing):
-        if hs.plan.pipeline_stages > 1:
-            raise NotImplementedError(f"the {name} task list inside {hs.plan.pipeline_stages} pipeline stages is not "
-                                      f"built yet; use --hetero-schedule distep (Megatron's 1F1B) without --emulate")
+        if hs.plan.pipeline_stages > 1 and task_timing is not None:
+            raise NotImplementedError(f"emulated task lists inside {hs.plan.pipeline_stages} pipeline stages are not "
+                                      f"built yet; drop --emulate")
         return partial(forward_backward_zebra, **kw)
     from megatron.core.pipeline_parallel import (
         get_forward_backward_func as megatron_get,

@@ -105,8 +105,11 @@ class ZebraRank:
         self.task_timing = task_timing
         self.experts_of_layer = experts_of_layer
         self.is_attention = hs.role == "attention"
+        # The task lists' layer k is this rank's pipeline stage's k-th MoE layer (every MoE layer
+        # without pipeline stages): the plan's layer index for placement and routes.
+        self.layer_ids = hs.plan.stage_moe_layers(hs.stage)
         self.slots: dict[tuple[int, int], Slot] = {}
-        self.ex = make_executor(hs.plan.num_layers, run.zebra_issuer, recorder, hs.device, hs.transport.backend,
+        self.ex = make_executor(len(self.layer_ids), run.zebra_issuer, recorder, hs.device, hs.transport.backend,
                                 task_timing, keep_streams=True)
 
     def close(self) -> None:
@@ -117,7 +120,7 @@ class ZebraRank:
         return self.slots.setdefault((layer, j), Slot())
 
     def holds(self, layer: int) -> bool:
-        return bool(self.hs.local_experts(layer))
+        return bool(self.hs.local_experts(self.layer_ids[layer]))
 
     def _timed(self, task: Task, started: float | None = None) -> Move | None:
         """How one transfer moves its rows: the transport's synchronous move (None), or, with
@@ -164,7 +167,8 @@ class ZebraRank:
 
         def d_f():
             stamp = int(self.ex.ready(task) * 1e9) if self.task_timing is not None else None
-            st.route, got = TokenRoute.exchange(self.hs, l, self._dispatch_counts(st), self.H, self.dtype, stamp)
+            st.route, got = TokenRoute.exchange(self.hs, self.layer_ids[l], self._dispatch_counts(st), self.H,
+                                                self.dtype, stamp)
             st.routed.set()
             started = got / 1e9 if got is not None else None  # the counts carried when each member could start
             st.recv_tokens = st.route.to_experts(self._send(task, st), self._timed(task, started))
@@ -191,11 +195,11 @@ class ZebraRank:
 
         if task.kind == "D_F":
             per_expert = self._dispatch_counts(st)
-            ticket = counts(lambda: TokenRoute.start_exchange(self.hs, l, per_expert))
+            ticket = counts(lambda: TokenRoute.start_exchange(self.hs, self.layer_ids[l], per_expert))
 
             def d_f():
                 ticket.consume()  # a CPU rank: re-raises a failed counts exchange
-                st.route = TokenRoute.from_counts(self.hs, l, ticket.value, self.H, self.dtype)
+                st.route = TokenRoute.from_counts(self.hs, self.layer_ids[l], ticket.value, self.H, self.dtype)
                 st.routed.set()
                 st.recv_tokens, work = st.route.to_experts(self._send(task, st), self._async)
                 return [work]
@@ -260,9 +264,11 @@ class AttentionZebra(ZebraRank):
     def _stage(self, s: int, j: int, batch: dict, leaves: tuple):
         """Forward of attention stage s (0..L-1): returns (permuted, residual, probs, shared) and keeps
         the stage's DispatchMeta in its slot; stage 0 also keeps the microbatch's StageContext
-        (attention mask, rotary embedding), which every later stage of it reads."""
+        (attention mask, rotary embedding), which every later stage of it reads. On a pipeline
+        stage after the first, stage 0 starts from the previous stage's output (`leaves`: its
+        received leaf)."""
         if s == 0:
-            hidden, self.contexts[j] = self.stages.embed(batch)
+            hidden, self.contexts[j] = self.stages.embed(batch, leaves[0] if leaves else None)
         else:
             hidden = self._combine(s - 1, j, leaves)
         meta, permuted, residual, probs, shared = self.stages.attention_and_route(s, hidden, self.contexts[j])
@@ -276,10 +282,13 @@ class AttentionZebra(ZebraRank):
     def _head(self, j: int, batch: dict, leaves: tuple):
         return self.stages.head(self._combine(self.stages.num_layers - 1, j, leaves), batch, self.contexts[j])
 
-    def run(self, batches: list[dict], loss_funcs: list, tasks: list[Task]) -> tuple[list, torch.Tensor | None]:
-        """The step: (each microbatch's reported losses, the step's tokens with
-        --calculate-per-token-loss, else None). Nothing of it stays on the rank object (a long
-        run's memory stays flat)."""
+    def run(self, batches: list[dict], loss_funcs: list, tasks: list[Task],
+            seq_shape: tuple[int, int] | None = None) -> tuple[list, torch.Tensor | None]:
+        """The step: (each microbatch's reported losses (none on a pipeline stage before the
+        last), the step's tokens with --calculate-per-token-loss, else None). `seq_shape`:
+        (sequence length, micro-batch size), what a pipeline stage after the first receives.
+        Nothing of it stays on the rank object (a long run's memory stays flat)."""
+        self.seq_shape = seq_shape
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         R = len(batches)
@@ -298,7 +307,11 @@ class AttentionZebra(ZebraRank):
         losses: dict[int, torch.Tensor] = {}
         reported: dict[int, dict] = {}
 
+        pipe = _PipelineNeighbours(self.hs, self.stages.gpt.config, self.seq_shape)
+
         def leaves_for(s: int, j: int) -> tuple:
+            if s == 0:  # the previous pipeline stage's output of microbatch j (none on the first stage)
+                return () if pipe.prev is None else (pipe.receive(j),)
             prev = self.slot(s - 1, j)
             lv = (prev.route.arrived(prev.recv_combined).detach().requires_grad_(),
                   prev.residual.detach().requires_grad_(),
@@ -310,7 +323,7 @@ class AttentionZebra(ZebraRank):
         def compute(t: Task) -> None:
             s, j = t.layer, t.microbatch
             if t.kind == "A_F":
-                lv = leaves_for(s, j) if s > 0 else ()
+                lv = leaves_for(s, j)
                 if s < L:
                     fn = _in_device_scope(lambda *a: self._stage(s, j, batches[j], a))
                     out = _recomputed(fn, *lv) if self.recompute else fn(*lv)
@@ -319,6 +332,10 @@ class AttentionZebra(ZebraRank):
                 else:
                     fn = _in_device_scope(lambda *a: self._head(j, batches[j], a))
                     out_tensor = _recomputed(fn, *lv) if self.recompute else fn(*lv)
+                    if pipe.next is not None:  # this stage's output of microbatch j, to the next stage
+                        losses[j] = out_tensor
+                        pipe.send(out_tensor.detach(), j)
+                        return
                     loss, num_tokens, rep = loss_funcs[j](out_tensor)
                     if per_token:
                         losses[j] = loss
@@ -327,7 +344,10 @@ class AttentionZebra(ZebraRank):
                         losses[j] = loss / torch.clamp(num_tokens, min=1) / R
                     reported[j] = rep
             elif t.kind == "A_B":
-                if s == L:
+                if s == L and pipe.next is not None:  # the next stage's gradient of this stage's output
+                    out = losses.pop(j)
+                    torch.autograd.backward(out, pipe.receive_grad(j, out))
+                elif s == L:
                     torch.autograd.backward(scale_loss(losses.pop(j)))
                 else:
                     st = self.slot(s, j)
@@ -343,6 +363,8 @@ class AttentionZebra(ZebraRank):
                     prev = self.slot(s - 1, j)
                     g = prev.leaves["combined"].grad
                     prev.grad_combined = g if g is not None else torch.zeros_like(prev.leaves["combined"])
+                elif pipe.prev is not None:  # the gradient of the received input, back to the previous stage
+                    pipe.send_grad(j)
             elif t.kind == "X_F":
                 self.expert_forward(s, j)
             elif t.kind == "X_B":
@@ -350,9 +372,72 @@ class AttentionZebra(ZebraRank):
             else:
                 raise ValueError(f"attention rank cannot run task {t}")
 
-        self.execute(tasks, compute)
+        try:
+            self.execute(tasks, compute)
+            pipe.finish()
+        finally:
+            pipe.close()
         self.contexts.clear()
-        return [reported[j] for j in range(R)], num_tokens_step
+        if per_token and self.hs.plan.pipeline_stages > 1:  # the last stage counts the step's tokens
+            pipe.share_from_last(num_tokens_step)
+        return [reported[j] for j in range(R)] if pipe.next is None else [], num_tokens_step
+
+
+class _PipelineNeighbours:
+    """An attention rank's point-to-point traffic with the previous and next pipeline stage (the
+    same member and TP position; Megatron's P2P tensors: [sequence (its slice with sequence
+    parallelism), micro-batch, hidden] in config.pipeline_dtype). Sends are asynchronous and
+    finished at the end of the step; receives wait. Without pipeline stages there is none."""
+
+    def __init__(self, hs: HeteroParallelState, config, seq_shape: tuple[int, int] | None):
+        import torch.distributed as dist
+
+        self.dist, self.hs = dist, hs
+        ranks = hs.layout.ranks("pp")
+        k = ranks.index(hs.rank)
+        self.prev = ranks[k - 1] if k > 0 else None
+        self.next = ranks[k + 1] if k + 1 < len(ranks) else None
+        self.group = hs.megatron_group("pp")
+        self.dtype = config.pipeline_dtype or config.params_dtype
+        if seq_shape is not None:
+            seq, mbs = seq_shape
+            tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+            self.shape = (seq // tp, mbs, config.hidden_size)
+        self.inputs: dict[int, torch.Tensor] = {}
+        self.sends: list = []
+
+    def receive(self, j: int) -> torch.Tensor:
+        buf = torch.empty(self.shape, dtype=self.dtype, device=self.hs.device)
+        self.dist.recv(buf, src=self.prev, group=self.group)
+        self.inputs[j] = buf.requires_grad_()
+        return self.inputs[j]
+
+    def send(self, out: torch.Tensor, j: int) -> None:
+        self.sends.append(self.dist.isend(out.contiguous(), dst=self.next, group=self.group))
+
+    def receive_grad(self, j: int, out: torch.Tensor) -> torch.Tensor:
+        grad = torch.empty_like(out)
+        self.dist.recv(grad, src=self.next, group=self.group)
+        return grad
+
+    def send_grad(self, j: int) -> None:
+        x = self.inputs.pop(j)
+        g = x.grad if x.grad is not None else torch.zeros_like(x)
+        self.sends.append(self.dist.isend(g.contiguous(), dst=self.prev, group=self.group))
+
+    def finish(self) -> None:
+        for w in self.sends:
+            w.wait()
+        self.sends.clear()
+
+    def close(self) -> None:
+        self.inputs.clear()
+        self.sends.clear()
+
+    def share_from_last(self, value: torch.Tensor) -> None:
+        """`value` (the step's tokens) as the last stage has it, on every stage of the pipeline."""
+        ranks = self.hs.layout.ranks("pp")
+        self.dist.broadcast(value, src=ranks[-1], group=self.group)
 
 
 class ExpertZebra(ZebraRank):
@@ -361,7 +446,7 @@ class ExpertZebra(ZebraRank):
     def __init__(self, runtime, hs: HeteroParallelState, run: HeteroRunConfig, recorder: TimelineRecorder | None,
                  task_timing: TaskTiming | None = None):
         super().__init__(hs, runtime.config.hidden_size, runtime.config.params_dtype, run, recorder,
-                         runtime.experts_of, task_timing)
+                         lambda l: runtime.experts_of(self.layer_ids[l]), task_timing)
 
     def run(self, tasks: list[Task]) -> None:
         def compute(t: Task) -> None:

@@ -301,19 +301,15 @@ def check_hetero_tp(plan: HeteroPlan, tp: int, sequence_parallel: bool, expert_t
 def check_hetero_pp(plan: HeteroPlan, pp: int, schedule: str | None, emulated: bool = False,
                     virtual_stages: int | None = None) -> None:
     """Pipeline parallelism of a HeterMoE job, the same rule for both hostings: Megatron's
-    --pipeline-model-parallel-size is the plan's pipeline_stages; inside the stages the expert
-    ranks mirror Megatron's 1F1B with DistEP (zebra's task lists per stage, emulation and virtual
-    stages are not built yet)."""
+    --pipeline-model-parallel-size is the plan's pipeline_stages; inside the stages DistEP (the
+    expert ranks mirror Megatron's 1F1B) or zebra (each stage's task lists, every microbatch's
+    forward before the backwards); emulation and virtual stages are not built yet."""
     P = plan.pipeline_stages
     if pp != P:
         raise ConfigError(f"--pipeline-model-parallel-size {pp}: the plan has pipeline_stages={P}; pass "
                           f"--pipeline-model-parallel-size {P}, or remake the plan with {pp} stages")
     if P == 1:
         return
-    if (schedule or plan.schedule) != "distep":
-        raise ConfigError(f"--hetero-schedule {schedule or plan.schedule} with {P} pipeline stages: inside pipeline "
-                          f"stages only DistEP (Megatron's 1F1B, the expert ranks mirroring it) is built; pass "
-                          f"--hetero-schedule distep")
     if emulated:
         raise ConfigError(f"--emulate with {P} pipeline stages: the emulator times task lists, which pipeline stages "
                           f"do not have yet; drop --emulate or use one stage")

@@ -1,8 +1,10 @@
 """Pipeline stages inside the pools (the plan's pipeline_stages, Megatron's
 --pipeline-model-parallel-size): each stage of a ZP group has its own attention members and expert
-ranks; the attention ranks run Megatron's 1F1B over the stages and each stage's expert ranks mirror
-it for that stage's layers. At identical parameters HeterMoE trains exactly like plain Megatron at
-the same PP (and TP): losses and gradients within the parity suite's bounds."""
+ranks. Under DistEP the attention ranks run Megatron's 1F1B over the stages and each stage's expert
+ranks mirror it for that stage's layers; under zebra each stage runs its own task lists (every
+microbatch's forward before the backwards), activations crossing stages point to point. At identical
+parameters HeterMoE trains exactly like plain Megatron at the same PP (and TP): losses and gradients
+within the parity suite's bounds."""
 import dataclasses
 
 import pytest
@@ -24,10 +26,10 @@ def _check(r, free: bool) -> None:
     parity_within(r, free)
 
 
-def _plan(tiny, case: str) -> HeteroPlan:
+def _plan(tiny, case: str, schedule: str = "distep") -> HeteroPlan:
     M, N, G, R, T = CASES[case]
     return even_plan(tiny.num_layers, tiny.num_experts, M, N, groups=G, num_microbatches=R, pipeline_stages=2,
-                     attention_tp=T)
+                     attention_tp=T, schedule=schedule)
 
 
 @pytest.mark.parametrize("case", ["2+1", "tp2+2"])
@@ -45,20 +47,35 @@ def test_distep_pp2_more_shapes(tiny, case):
     _check(run_parity(_plan(tiny, case), tiny, steps=3, free_run=True), True)
 
 
+@pytest.mark.parametrize("case, issuer", [("2+1", "threads"), ("tp2+2", "single")])
+def test_zebra_pp2_matches_megatron_pp2(tiny, case, issuer):
+    """Zebra inside each stage: 2 stages of 2 attention ranks + 1 expert rank (threaded issuer); TP 2 x
+    PP 2 with the single issuer."""
+    _check(run_parity(_plan(tiny, case, "zebra"), tiny, steps=3, free_run=True, issuer=issuer), True)
+
+
 @pytest.mark.slow
-def test_pp2_two_layers_a_stage_with_an_empty_expert_rank_and_asym_ea(tiny):
+@pytest.mark.parametrize("case", ["1+2,R3", "2x(1+1)"])
+def test_zebra_pp2_more_shapes_with_recompute(tiny, case):
+    """R 3 with 2 expert ranks a stage, and 2 groups; attention pieces recomputed in backward."""
+    _check(run_parity(_plan(tiny, case, "zebra"), tiny, steps=3, free_run=False, recompute=True), False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["distep", "zebra"])
+def test_pp2_two_layers_a_stage_with_an_empty_expert_rank_and_asym_ea(tiny, schedule):
     """4 layers, 2 a stage; per stage 1 attention rank + 2 expert ranks. Stage 0: layer 0 all on
     rank 1 (rank 2 holds none: empty splits), layer 1 split 1 | 3. Stage 1 (ranks 3, 4, 5):
     layer 2 offloads expert 0 to its attention rank (Asym-EA inside a stage), layer 3 even."""
     model = dataclasses.replace(tiny, num_layers=4)
     placement = [{1: [0, 1, 2, 3]}, {1: [0], 2: [1, 2, 3]}, {3: [0], 4: [1, 2], 5: [3]}, {4: [0, 1], 5: [2, 3]}]
     plan = HeteroPlan(4, 4, ["cpu"] * 6, [ZPGroup([0, 3], [1, 2, 4, 5], placement)], num_microbatches=3,
-                      pipeline_stages=2)
+                      pipeline_stages=2, schedule=schedule)
     _check(run_parity(plan, model, steps=3, free_run=False), False)
 
 
 def test_pipeline_refusals(tiny):
-    """The run's PP against the plan's; inside stages only DistEP, without emulation."""
+    """The run's PP against the plan's; no emulation with pipeline stages."""
     plan = _plan(tiny, "2+1")
     ok = TrainConfig(tiny, ParallelConfig(pp=2), micro_batch_size=2, global_batch_size=8, train_iters=1)
     check_hetero(ok, plan, 6)
@@ -68,9 +85,11 @@ def test_pipeline_refusals(tiny):
     with pytest.raises(ConfigError, match="must be --micro-batch-size 2 x the plan's R=2 microbatches x 2 attention "
                                           "members"):
         check_hetero(dataclasses.replace(ok, global_batch_size=16), plan, 6)
-    with pytest.raises(ConfigError, match="--hetero-schedule zebra with 2 pipeline stages: inside pipeline stages "
-                                          "only DistEP"):
-        check_hetero(ok, plan, 6, "zebra")
+    check_hetero(ok, plan, 6, "zebra")
+    from megatron_hetermoe.config import EmulationSpec
+
+    with pytest.raises(ConfigError, match="--emulate with 2 pipeline stages"):
+        check_hetero(dataclasses.replace(ok, emulate=EmulationSpec("o1", "d1", 4096, 8)), plan, 6)
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 2 with --hetero-plan"):
         check_hetero(dataclasses.replace(ok, parallel=ParallelConfig(pp=2, ep=2)), plan, 6)
 

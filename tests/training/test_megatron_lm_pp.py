@@ -1,7 +1,8 @@
 """Pipeline stages inside the pools in Megatron-LM's own pretrain() (core_v0.16.1 checkout,
 MEGATRON_LM_DIR): `--pipeline-model-parallel-size 2` with a plan of 2 pipeline stages (each with its
-own attention and expert ranks; Megatron's 1F1B on the attention ranks, the expert ranks mirroring
-it), alone and with `--tensor-model-parallel-size 2 --sequence-parallel`. Plain Megatron initializes
+own attention and expert ranks; under distep Megatron's 1F1B on the attention ranks, the expert
+ranks mirroring it; under zebra each stage's task lists), alone and with
+`--tensor-model-parallel-size 2 --sequence-parallel`. Plain Megatron initializes
 by its own rules, so runs at other layouts are compared from one checkpoint (torch_dist, resharded by
 dist_checkpointing)."""
 from __future__ import annotations
@@ -13,12 +14,12 @@ PP = ["--pipeline-model-parallel-size", "2"]
 TP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
 
 
-def _plan(path, attention_tp: int = 1, groups: int = 1):
+def _plan(path, attention_tp: int = 1, groups: int = 1, schedule: str = "distep"):
     from megatron_hetermoe.plan.hetero_plan import even_plan
 
     # 8 sequences of 2 per step; per stage one attention member (TP attention_tp) + 1 expert rank.
     even_plan(2, 4, attention_tp, 1, groups=groups, num_microbatches=4 // groups, pipeline_stages=2,
-              attention_tp=attention_tp).save(path)
+              attention_tp=attention_tp, schedule=schedule).save(path)
     return path
 
 
@@ -31,10 +32,11 @@ def test_pretrain_pp2_from_pp1_checkpoint(mlm, data, tmp_path):
 
 @pytest.mark.slow
 def test_pretrain_tp2_pp2_trains_evaluates_resumes(mlm, data, tmp_path):
-    """TP 2 x PP 2: per stage a TP-2 attention member + 1 expert rank (6 ranks): Megatron's loop trains
-    and evaluates; saved after iteration 2 and resumed (torch_dist, optimizer and RNG included),
-    iteration 3's loss is bitwise the uninterrupted run's."""
-    plan = _plan(tmp_path / "plan.json", attention_tp=2)
+    """TP 2 x PP 2 under zebra: per stage a TP-2 attention member + 1 expert rank (6 ranks): Megatron's
+    loop trains and evaluates (forward-only passes: Megatron's pipelined schedule, mirrored);
+    saved after iteration 2 and resumed (torch_dist, optimizer and RNG included), iteration 3's loss
+    is bitwise the uninterrupted run's."""
+    plan = _plan(tmp_path / "plan.json", attention_tp=2, schedule="zebra")
     flags = [*TP, *PP]
     log, full = hetero_run(mlm, plan, data, tmp_path / "full", flags, nproc=6)
     assert ("4 attention ranks (1 member of tensor parallel size 2 in each of 2 pipeline stages: Megatron's data "

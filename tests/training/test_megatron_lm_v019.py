@@ -275,8 +275,9 @@ def test_core_v019_tensor_parallel_members_checkpoints_both_ways(mlm19, data, tm
 @pytest.mark.slow
 def test_core_v019_pipeline_stages_checkpoints_both_ways(mlm19, data, tmp_path):
     """Pipeline stages inside core_v0.19.0's pretrain(): plain Megatron PP 1 EP 2 saves; HeterMoE with
-    2 stages of 1 attention + 1 expert rank (--pipeline-model-parallel-size 2, distep) loads it and
-    continues with Megatron's losses, and back (test_megatron_lm_pp.py on core_v0.16.1)."""
+    2 stages of 1 attention + 1 expert rank (--pipeline-model-parallel-size 2, zebra) loads it and
+    continues with Megatron's losses, and back (test_megatron_lm_pp.py on core_v0.16.1, distep)."""
     from test_megatron_lm_pp import PP, _plan
 
-    checkpoints_both_ways(mlm19, _plan(tmp_path / "plan.json"), data, tmp_path, data=DATA, extra=PP, plain_extra=[])
+    checkpoints_both_ways(mlm19, _plan(tmp_path / "plan.json", schedule="zebra"), data, tmp_path, data=DATA,
+                          extra=PP, plain_extra=[])
