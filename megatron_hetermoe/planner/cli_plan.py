@@ -10,8 +10,9 @@
   hetermoe plan --cluster CLUSTER --model CFG --seq-len S --global-batch B [-o plan.json] [--json]
                 [--asym optimal|greedy|none] [--engine auto|python|cpp] [--max-microbatches K]
                 [--expert-recompute auto|off|keep-inputs|resend-inputs] [--attention-tp T]
-                [--distributed-optimizer]
-      searches ZP group shape, attention TP size, R, expert placement and what expert ranks keep
+                [--pipeline-stages P] [--distributed-optimizer]
+      searches ZP group shape, attention TP size, pipeline stages (P > 1: DistEP inside the
+      stages, Megatron's 1F1B across them), R, expert placement and what expert ranks keep
       for backward;
       prints every strategy's predicted step.
   hetermoe plan [--even ... | --cluster CLUSTER ...] -- <pretrain_gpt.py flags>
@@ -42,6 +43,7 @@ from megatron_hetermoe.plan.tasks import SCHEDULES
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import EXPERT_RECOMPUTE
 from megatron_hetermoe.planner.megatron_flags import model_from_flags
+from megatron_hetermoe.planner.pipeline import PIPELINE_STAGES
 from megatron_hetermoe.planner.profiles import known_gpu_types
 from megatron_hetermoe.planner.search import ATTENTION_TP, SearchResult, search
 
@@ -63,14 +65,17 @@ def _parser() -> argparse.ArgumentParser:
                       help="the plan's schedule: DistEP (Megatron's schedule) or zebra (overlapped)")
     even.add_argument("--attention-gpu", default="cpu", help="GPU type of attention ranks (a configs/gpus/ name)")
     even.add_argument("--expert-gpu", default="cpu", help="GPU type of expert ranks (a configs/gpus/ name)")
-    even.add_argument("--pipeline-stages", type=int, default=1,
-                      help="P: pipeline stages of each ZP group (Megatron's --pipeline-model-parallel-size; the "
-                      "decoder layers split evenly; --attention-ranks and --expert-ranks are then per stage)")
     p.add_argument("--attention-tp", type=int, default=None,
                    help="tensor-parallel size of each attention member (Megatron's --tensor-model-parallel-size with "
                    "--sequence-parallel; M must be a multiple of it; no experts on attention ranks with TP > 1). With "
                    "--even: the plan's attention_tp (default 1); with --cluster: search only this size (default: "
                    "1, 2, 4 and 8 where they divide the heads and fit in a node)")
+    p.add_argument("--pipeline-stages", type=int, default=None,
+                   help="P: pipeline stages of each ZP group (Megatron's --pipeline-model-parallel-size; the decoder "
+                   "layers split evenly; each stage its own attention and expert ranks, DistEP inside the stages). "
+                   "With --even: the plan's P (default 1; --attention-ranks and --expert-ranks are then per stage); "
+                   "with --cluster: search only this P (default: 1, 2, 4 and 8 where they divide the layers and "
+                   "the ZP group)")
     srch = p.add_argument_group("search")
     srch.add_argument("--cluster", help="cluster config: a path or a name in the config directory's clusters/ (o1, c1-200g, ...; "
                       "required for a search)")
@@ -120,13 +125,23 @@ def format_table(res: SearchResult, title: str) -> str:
             lines.append(f"note: {p.name} cannot use {layout}: {why}")
     if res.plan is not None:
         g0 = res.plan.groups[0]
-        tp = res.plan.attention_tp
-        members = f" ({len(g0.attention_ranks) // tp} member(s) of attention_tp {tp})" if tp > 1 else ""
-        lines.append(f"plan: {len(res.plan.groups)} ZP group(s) of {len(g0.attention_ranks)} attention{members} + "
-                     f"{len(g0.expert_ranks)} expert ranks, R={res.plan.num_microbatches}, schedule {res.plan.schedule}, "
+        tp, P = res.plan.attention_tp, res.plan.pipeline_stages
+        M, N = len(g0.attention_ranks) // P, len(g0.expert_ranks) // P
+        members = f" ({M // tp} member(s) of attention_tp {tp})" if tp > 1 else ""
+        shape = f"{M} attention{members} + {N} expert ranks"
+        if P > 1:
+            shape = f"{P} pipeline stages of {shape} each"
+        lines.append(f"plan: {len(res.plan.groups)} ZP group(s) of {shape}, pipeline stages P={P}, "
+                     f"R={res.plan.num_microbatches}, schedule {res.plan.schedule}, "
                      f"{res.plan.meta.get('assignment')}; experts on attention ranks per layer: "
                      f"{res.plan.meta.get('experts_on_attention_per_layer')}; expert recompute: "
                      f"{res.plan.expert_recompute}")
+        pick = next((p for p in res.predictions if p.fits and p.detail.get("pipeline_stages", 1) > 1
+                     and "stage_times_s" in p.detail), None)
+        if P > 1 and pick is not None:
+            times = ", ".join(f"{t:.3f}" for t in pick.detail["stage_times_s"])
+            lines.append(f"note: {pick.name}: {P} pipeline stages under 1F1B, one microbatch per stage {times} s "
+                         f"(forward + backward + P2P), pipeline bubble {pick.detail['bubble_s']:.3f} s")
         if res.plan.expert_recompute not in RUNTIME_EXPERT_RECOMPUTE:
             lines.append(f"note: expert recompute {res.plan.expert_recompute!r} is priced, not run: training refuses "
                          f"this plan; plan with --expert-recompute "
@@ -198,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             # MTP layers come after the decoder's, of its last layer's kind (layer_pattern.model_dense_layers)
             dense = model_dense_layers(model.moe_layer_freq, model.num_layers, mtp)
             tp = 1 if args.attention_tp is None else args.attention_tp
+            pp = 1 if args.pipeline_stages is None else args.pipeline_stages
             if tp < 1 or model.num_attention_heads % tp:
                 print(f"hetermoe plan: --attention-tp {tp} must be a positive divisor of the model's "
                       f"{model.num_attention_heads} attention heads", file=sys.stderr)
@@ -206,14 +222,14 @@ def main(argv: list[str] | None = None) -> int:
                              args.expert_ranks, args.groups, attention_gpu=args.attention_gpu,
                              expert_gpu=args.expert_gpu, num_microbatches=args.microbatches, schedule=args.schedule,
                              dense_layers=dense, mtp_layers=mtp, attention_tp=tp,
-                             pipeline_stages=args.pipeline_stages)
+                             pipeline_stages=pp)
             plan.meta = {"model": model.name, "made_by": "hetermoe plan --even"}
             if flags is not None:  # where the model came from, for whoever reads the plan
                 plan.meta["model_flags"] = flags
             if args.output:
                 plan.save(args.output)
                 tp_note = f", attention_tp {tp}" if tp > 1 else ""
-                stages = f"{args.pipeline_stages} stages of " if args.pipeline_stages > 1 else ""
+                stages = f"{pp} stages of " if pp > 1 else ""
                 print(f"wrote {args.output}: {args.groups} x {stages}({args.attention_ranks} attention + "
                       f"{args.expert_ranks} expert ranks), world size {plan.world_size}{tp_note}")
             else:
@@ -247,11 +263,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"hetermoe plan: --attention-tp {args.attention_tp}: the search tries {list(ATTENTION_TP)}",
                   file=sys.stderr)
             return 2
+        if args.pipeline_stages is not None and args.pipeline_stages not in PIPELINE_STAGES:
+            print(f"hetermoe plan: --pipeline-stages {args.pipeline_stages}: the search tries {list(PIPELINE_STAGES)}",
+                  file=sys.stderr)
+            return 2
         cluster = Cluster.load(args.cluster)
         res = search(model, cluster, args.seq_len, args.global_batch, asym=args.asym, engine=args.engine,
                      max_microbatches=args.max_microbatches, expert_recompute=args.expert_recompute,
                      attention_tp=None if args.attention_tp is None else (args.attention_tp,),
-                     distributed_optimizer=args.distributed_optimizer)
+                     distributed_optimizer=args.distributed_optimizer,
+                     pipeline_stages=None if args.pipeline_stages is None else (args.pipeline_stages,))
     except (PlanError, FileNotFoundError, ValueError, KeyError) as e:
         print(f"hetermoe plan: {e}", file=sys.stderr)
         return 2

@@ -475,7 +475,8 @@ class CostModel:
             raise ValueError(f"stage {stage} outside 0..{L} for a model of {L} MoE layers")
         return (0 if stage == 0 else (2 if stage == L else 1), self.dense_in_stage[stage])
 
-    def stage_time(self, gpu: str, stage: int, tokens: float, backward: bool = False, tp: int = 1) -> float:
+    def stage_time(self, gpu: str, stage: int, tokens: float, backward: bool = False, tp: int = 1,
+                   dense: int | None = None) -> float:
         """Attention stage s of the zebra task list (0..L, L = MoE layers): s=0 embedding +
         attention_1 + router_1; 0<s<L combine of layer s-1 + residual + attention + router;
         s=L last combine + head + loss. A stage s<L also runs MoE layer s's shared expert, and
@@ -483,17 +484,22 @@ class CostModel:
         `tokens`: the rank's tokens; under tensor parallelism `tp` (with sequence parallelism) its
         sequence slice, member tokens / tp: the rank computes 1/tp of every GEMM, of the heads and
         of the elementwise work, priced as the stage on `tokens` tokens, plus the stage's TP
-        collectives (tp_comm_time), not overlapped."""
-        key = ("stage", gpu, self.stage_kind(stage), tokens, backward, tp)
+        collectives (tp_comm_time), not overlapped. `dense`: how many dense layers the stage runs
+        (default dense_in_stage[stage]; a pipeline stage boundary may move a dense layer to the
+        neighbouring stage: planner/pipeline.py)."""
+        kind = self.stage_kind(stage)
+        if dense is not None:
+            kind = (kind[0], dense)
+        key = ("stage", gpu, kind, tokens, backward, tp)
         if key not in self._memo:
-            t = self._stage_time(gpu, stage, tokens, backward)
+            t = self._stage_time(gpu, stage, tokens, backward, dense)
             if tp > 1:
-                t += self.tp_comm_time(gpu, stage, tokens, tp, backward)
+                t += self.tp_comm_time(gpu, stage, tokens, tp, backward, dense)
             self._memo[key] = t
         return self._memo[key]
 
     # ---- tensor parallelism (Megatron's --tensor-model-parallel-size t --sequence-parallel) ----
-    def tp_collectives(self, stage: int) -> int:
+    def tp_collectives(self, stage: int, dense: int | None = None) -> int:
         """All-gathers + reduce-scatters of one forward of attention stage `stage` under sequence
         parallelism (Megatron's SP: an all-gather of the sequence before each TP block, a
         reduce-scatter after it): 2 for MoE layer s's attention block, 2 for its shared expert,
@@ -501,10 +507,10 @@ class CostModel:
         embedding's output reduce-scattered), 1 on stage L (the final norm's output all-gathered
         for the vocab-parallel output layer). The MoE input stays the rank's slice (each TP rank
         routes and dispatches its own tokens), so the experts add none. The vocab-parallel
-        cross-entropy's all-reduces (3 floats per token) are left out."""
+        cross-entropy's all-reduces (3 floats per token) are left out. `dense`: as stage_time."""
         L = self.num_layers
         self.stage_kind(stage)  # range check
-        n = 4 * self.dense_in_stage[stage]
+        n = 4 * (self.dense_in_stage[stage] if dense is None else dense)
         if stage < L:
             n += 2 + (2 if self.model.moe_shared_expert_intermediate_size else 0)
         if stage == 0:
@@ -523,25 +529,27 @@ class CostModel:
         nbytes = (tp - 1) * tokens * self.token_bytes()
         return p.link_latency_us * 1e-6 + nbytes / (p.intra_node_gbs * 1e9)
 
-    def tp_comm_time(self, gpu: str, stage: int, tokens: float, tp: int, backward: bool = False) -> float:
+    def tp_comm_time(self, gpu: str, stage: int, tokens: float, tp: int, backward: bool = False,
+                     dense: int | None = None) -> float:
         """TP collectives of attention stage `stage` on a rank holding `tokens` tokens (its slice):
         forward tp_collectives(stage) of tp_collective_time; backward the same volumes (the
         all-gather's backward is a reduce-scatter and vice versa), twice under activation
         checkpointing (the re-run forward gathers again)."""
         if tp <= 1:
             return 0.0
-        n = self.tp_collectives(stage)
+        n = self.tp_collectives(stage, dense)
         if backward:
             n *= 2 if self.settings.activation_checkpointing else 1
         return n * self.tp_collective_time(gpu, tokens, tp)
 
-    def _stage_time(self, gpu: str, stage: int, tokens: float, backward: bool) -> float:
+    def _stage_time(self, gpu: str, stage: int, tokens: float, backward: bool, n_dense: int | None = None) -> float:
         m = self.model
         L = self.num_layers
         mult = 2.0 if backward else 1.0
         h, k, b = m.hidden_size, m.moe_router_topk, self.settings.dtype_bytes
         combine = self.elementwise_time(gpu, mult * tokens * h * b * (k + 2)) if stage > 0 else 0.0
-        dense = self.dense_in_stage[stage] * self.dense_layer_time(gpu, tokens, backward)
+        n_dense = self.dense_in_stage[stage] if n_dense is None else n_dense
+        dense = n_dense * self.dense_layer_time(gpu, tokens, backward)
         if stage == L:
             return combine + dense + self.head_time(gpu, tokens, backward)
         # MoE layer `stage`: its attention and router, and its shared expert on every token
@@ -659,6 +667,64 @@ class CostModel:
         working += (tp - 1) * tokens_mb * h * b if tp > 1 else 0.0
         return (self.non_expert_state_bytes(tp, dp) + kept + working + logits
                 + self.resent_bytes(tokens_mb, microbatches_alive))
+
+    # ---- pipeline stages (plan.pipeline_stages; planner/pipeline.py) -------------------------
+    # A pipeline stage's attention work is a list of pieces (zebra stage s, dense layers it runs):
+    # its MoE layers' stages (and, on the last pipeline stage, the head stage L), each with the
+    # dense layers of the pipeline stage that come before that MoE layer (or the head), or after
+    # the stage's last MoE layer. With one stage the pieces are (s, dense_in_stage[s]) for s = 0..L.
+
+    def pipeline_stage_params(self, pieces: list[tuple[int, int]], first: bool, last: bool) -> int:
+        """Non-expert parameters of a pipeline stage (one copy): its pieces' (stage_params with the
+        piece's dense layers), the embedding on the first stage, output layer and final norm on
+        the last. Over all stages this is ModelConfig.non_expert_params()."""
+        m = self.model
+        h, L = m.hidden_size, self.num_layers
+        n = sum((m.moe_layer_non_expert_params() if s < L else 0) + d * m.dense_layer_params() for s, d in pieces)
+        return n + (m.vocab_size * h if first else 0) + (m.vocab_size * h + h if last else 0)
+
+    def pipeline_stage_params_per_rank(self, pieces: list[tuple[int, int]], first: bool, last: bool,
+                                       tp: int = 1) -> float:
+        """pipeline_stage_params on one rank of a TP member: split tp ways but norms and routers
+        (tp_replicated_params' rule for the stage's pieces)."""
+        total = self.pipeline_stage_params(pieces, first, last)
+        if tp <= 1:
+            return total
+        m = self.model
+        h, L = m.hidden_size, self.num_layers
+        rep = sum(2 * h * d + (2 * h + h * m.num_experts if s < L else h) for s, d in pieces)
+        return (total - rep) / tp + rep
+
+    def pipeline_attention_rank_bytes(self, tokens_mb: float, microbatches_alive: int,
+                                      pieces: list[tuple[int, int]], first: bool, last: bool,
+                                      tp: int = 1, dp: int = 1) -> float:
+        """attention_rank_bytes for an attention rank of one pipeline stage: the same terms over
+        the stage's pieces only (weights and state of its pieces, the embedding on the first
+        stage and output layer on the last; one checkpointed input per piece per live
+        microbatch; a piece's working set; fp32 logits only on the last stage; resent tokens of
+        its MoE layers). With every piece, first and last, this is attention_rank_bytes."""
+        m, b = self.model, self.settings.dtype_bytes
+        h, L = m.hidden_size, self.num_layers
+        n_moe = sum(1 for s, _ in pieces if s < L)
+        n_dense = sum(d for _, d in pieces)
+        shared = m.moe_shared_expert_intermediate_size or 0
+        logits = tokens_mb * m.vocab_size * 4.0 if last else 0.0
+        per_token = h * 34.0 * b / 2
+        if self.program is not None and self.program.attention == "unfused":
+            per_token += 5.0 * m.num_attention_heads * self.settings.seq_len * b / 2
+        shared_working = tokens_mb * shared * b * 4
+        if self.settings.activation_checkpointing:
+            kept = len(pieces) * tokens_mb * h * b * microbatches_alive
+            working = tokens_mb * h * b * 20 + max(d for _, d in pieces) * tokens_mb * per_token + shared_working
+        else:
+            kept = (n_moe + n_dense) * tokens_mb * per_token * microbatches_alive
+            kept += n_moe * tokens_mb * 3 * shared * b * microbatches_alive
+            working = 0.0
+        working += (tp - 1) * tokens_mb * h * b if tp > 1 else 0.0
+        state = self.pipeline_stage_params_per_rank(pieces, first, last, tp) * self.state_bytes_per_param(dp)
+        resent = (n_moe * tokens_mb * m.moe_router_topk * self.token_bytes() * microbatches_alive
+                  if self.settings.expert_recompute == "resend-inputs" else 0.0)
+        return state + kept + working + logits + resent
 
     def resent_bytes(self, tokens_mb: float, microbatches_alive: int) -> float:
         """Dispatched tokens an attention rank keeps to send again in backward (expert_recompute

@@ -23,6 +23,15 @@ the dispatched tokens and send them again with the gradient); detail["expert_rec
 plan.expert_recompute say which level a prediction and the plan are for. The runtime runs 'off'
 and 'keep-inputs' (models/experts.py run_local_experts) and refuses a 'resend-inputs' plan by
 name (parallel/state.py).
+Pipeline stages (plan.pipeline_stages P in PIPELINE_STAGES, where P divides the decoder layers,
+every stage gets an MoE layer and P divides both sides of a ZP group): each group is P stages of
+M attention + N expert ranks (as even_plan lays them out), run under DistEP inside the stages and
+Megatron's 1F1B across them (zebra also runs in stages, but its stage P2P is not priced yet); no Asym-EA. Such a candidate is
+priced by planner/pipeline.py (its 1F1B step model and per-stage memory rule, 1F1B keeping
+min(P - i, R) microbatches alive on stage i) and skipped when pipeline.lower_bound cannot beat
+the best DistEP step so far. The DistEP row stays the paper's one-stage DistEP; the planner's pick
+is the fastest of every zebra variant and DistEP at every P searched (detail["pipeline_stages"],
+detail["best_by_pipeline_stages"]).
 When a role split has no candidate that fits (or none that divides the batch), the strategy's
 prediction names it in detail["excluded_layouts"] ({layout name: reason}); a strategy that
 falls back to a slower layout at a larger batch says why there (e.g. O1, D1, 20K tokens, expert
@@ -40,8 +49,8 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from megatron_hetermoe.config import ModelConfig
-from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, ZPGroup
-from megatron_hetermoe.planner import asym_ea
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, ZPGroup, split_evenly
+from megatron_hetermoe.planner import asym_ea, pipeline
 from megatron_hetermoe.planner.baselines import (
     BaselineResult,
     best_megatron_ep,
@@ -58,6 +67,7 @@ from megatron_hetermoe.planner.cost_model import (
     TrainSettings,
     heavier_expert_recompute,
 )
+from megatron_hetermoe.planner.pipeline import PIPELINE_STAGES, pipeline_sizes
 from megatron_hetermoe.planner.profiles import load_profiles
 from megatron_hetermoe.planner.simulator import simulate_plan
 
@@ -66,6 +76,7 @@ ZEBRA = "Zebra + Asym-EA (optimal)"
 ZEBRA_GREEDY = "Zebra + Asym-EA (paper's greedy)"
 ZEBRA_NO_EA = "Zebra (no Asym-EA)"
 DISTEP = "DistEP"
+DISTEP_PP = "DistEP with pipeline stages"  # P > 1: no row of its own; a candidate for the pick
 
 
 @dataclass
@@ -101,6 +112,12 @@ class Candidate:
     G: int
     R: int
     tp: int = 1  # attention_tp: each attention member is tp consecutive ranks (one TP group)
+    P: int = 1  # pipeline stages: each group is P stages of len(attention_ranks) / (G P) attention ranks
+
+    @property
+    def stage_shape(self) -> tuple[int, int]:
+        """(M, N): attention and expert ranks of one pipeline stage of one ZP group."""
+        return len(self.attention_ranks) // (self.G * self.P), len(self.expert_ranks) // (self.G * self.P)
 
 
 ATTENTION_TP = (1, 2, 4, 8)  # the attention members' TP sizes the search tries
@@ -131,14 +148,16 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layout_name(gpu_types: list[str], attn: list[int], expert: list[int]) -> str:
-    """Name of a role split, as detail["layout"] and the keys of detail["excluded_layouts"] give it."""
+def layout_name(gpu_types: list[str], attn: list[int], expert: list[int], pipeline_stages: int = 1) -> str:
+    """Name of a role split, as detail["layout"] and the keys of detail["excluded_layouts"] give it
+    (with pipeline stages P > 1: ', P pipeline stages' after it)."""
     def side(ranks: list[int]) -> str:
         counts: dict[str, int] = {}
         for r in ranks:
             counts[gpu_types[r]] = counts.get(gpu_types[r], 0) + 1
         return " + ".join(f"{n} {g}" for g, n in counts.items())
-    return f"attention on {side(attn)}, experts on {side(expert)}"
+    stages = f", {pipeline_stages} pipeline stages" if pipeline_stages > 1 else ""
+    return f"attention on {side(attn)}, experts on {side(expert)}{stages}"
 
 
 def _role_splits(cluster: Cluster) -> list[tuple[list[int], list[int]]]:
@@ -196,11 +215,17 @@ def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert:
 
 def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int, R: int,
                k: list[int], schedule: str = "zebra", validate: bool = True, skeleton: bool = False,
-               attention_tp: int = 1) -> HeteroPlan:
+               attention_tp: int = 1, pipeline_stages: int = 1) -> HeteroPlan:
     """G groups of M attention + N expert ranks (consecutive in `attn` / `expert`), experts placed
     by asym_ea.placement(k) (one entry per MoE layer) alike in every group; the model's dense
     layers are the plan's dense_layers. `skeleton`: only group 0 gets a placement (the
-    simulator reads no other); such a plan is for simulation inside the search only."""
+    simulator reads no other); such a plan is for simulation inside the search only.
+    `pipeline_stages` P > 1: each group's ranks are P stages of M / P attention and N / P expert
+    ranks, stage by stage (even_plan's layout), each layer's experts split evenly over its
+    stage's expert ranks; no Asym-EA (k all 0) and schedule 'distep' (the only one priced with P > 1)."""
+    if pipeline_stages > 1:
+        return _build_pipelined_plan(model, gpu_types, attn, expert, G, R, k, schedule, validate, skeleton,
+                                     attention_tp, pipeline_stages)
     M, N = len(attn) // G, len(expert) // G
     local = asym_ea.placement(k, model.num_experts, list(range(M)), list(range(M, M + N)))
     groups = []
@@ -216,27 +241,62 @@ def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert
     return plan
 
 
+def _build_pipelined_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int,
+                          R: int, k: list[int], schedule: str, validate: bool, skeleton: bool, attention_tp: int,
+                          P: int) -> HeteroPlan:
+    if any(k):
+        raise PlanError(f"experts on attention ranks (Asym-EA, {list(k)}) with pipeline_stages={P}: the planner builds "
+                        f"pipeline stages without Asym-EA; use k all 0")
+    if schedule != "distep":
+        raise PlanError(f"schedule {schedule!r} with pipeline_stages={P}: the planner prices only DistEP inside pipeline "
+                        f"stages (zebra runs there, its stages' point-to-point transfers are not priced yet)")
+    if len(attn) % (G * P) or len(expert) % (G * P):
+        raise PlanError(f"{len(attn)} attention and {len(expert)} expert ranks do not split into {G} ZP groups of {P} "
+                        f"pipeline stages")
+    M, N = len(attn) // G, len(expert) // G
+    groups = [ZPGroup(attn[g * M:(g + 1) * M], expert[g * N:(g + 1) * N], []) for g in range(G)]
+    plan = HeteroPlan(model.num_moe_layers, model.num_experts, list(gpu_types), groups, R, schedule,
+                      dense_layers=model.dense_layers, attention_tp=attention_tp, pipeline_stages=P)
+    stage = [plan.stage_of_layer(l) for l in range(model.num_moe_layers)]
+    E = list(range(model.num_experts))
+    for g in range(1 if skeleton else G):
+        per_stage = [split_evenly(E, plan.stage_ranks(g, s)[1]) for s in range(P)]
+        groups[g].placement = [dict(per_stage[stage[l]]) for l in range(model.num_moe_layers)]
+    if validate and not skeleton:
+        plan.validate()
+    return plan
+
+
 def candidates(cluster: Cluster, model: ModelConfig, global_batch: int, max_microbatches: int = 32,
-               seq_len: int | None = None, attention_tp: tuple[int, ...] | None = None) -> list[Candidate]:
-    """Every (role split, attention_tp, G, R): attention_tp from `attention_tp` (default
-    ATTENTION_TP) where tp_sizes allows it, G dividing both sides with M a multiple of tp and
-    N <= E, R dividing the sequences each attention member gets (whole sequences)."""
+               seq_len: int | None = None, attention_tp: tuple[int, ...] | None = None,
+               pipeline_stages: tuple[int, ...] | None = None) -> list[Candidate]:
+    """Every (role split, attention_tp, G, R) and pipeline size P: attention_tp from `attention_tp`
+    (default ATTENTION_TP) where tp_sizes allows it, P from `pipeline_stages` (default
+    PIPELINE_STAGES) where pipeline_sizes allows it, G dividing both sides into groups of P stages
+    with a stage's M a multiple of tp and its N <= E, R dividing the sequences each attention
+    member gets (whole sequences). Candidates with P = 1 come first (the bound of a pipelined
+    candidate is checked against the best DistEP step so far)."""
     out = []
     seq_len = seq_len or model.seq_length
-    for attn, expert in _role_splits(cluster):
-        for tp, why in tp_sizes(cluster, model, seq_len, attn).items():
-            if why or tp not in (attention_tp or ATTENTION_TP):
-                continue
-            members = len(attn) // tp
-            if global_batch % members:
-                continue  # every attention member gets whole sequences
-            for G in _divisors(math.gcd(len(attn), len(expert))):
-                if len(expert) // G > model.num_experts or (len(attn) // G) % tp:
+    sizes = [P for P, why in pipeline_sizes(model, tuple(pipeline_stages or PIPELINE_STAGES)).items() if not why]
+    for P in sorted(sizes):
+        for attn, expert in _role_splits(cluster):
+            for tp, why in tp_sizes(cluster, model, seq_len, attn).items():
+                if why or tp not in (attention_tp or ATTENTION_TP):
                     continue
-                spr = global_batch // members
-                for R in reversed(_divisors(spr)):  # most microbatches first: zebra's best, so the bound prunes more
-                    if R <= max_microbatches:
-                        out.append(Candidate(attn, expert, G, R, tp))
+                for G in _divisors(math.gcd(len(attn), len(expert))):
+                    if len(attn) % (G * P) or len(expert) % (G * P):
+                        continue  # each group's two sides split into P stages
+                    M, N = len(attn) // (G * P), len(expert) // (G * P)
+                    if N > model.num_experts or M % tp:
+                        continue
+                    members = G * M // tp  # attention members of one stage over all groups: the data-parallel size
+                    if global_batch % members:
+                        continue  # every attention member gets whole sequences
+                    spr = global_batch // members
+                    for R in reversed(_divisors(spr)):  # most microbatches first: zebra's best, so the bound prunes more
+                        if R <= max_microbatches:
+                            out.append(Candidate(attn, expert, G, R, tp, P))
     return out
 
 
@@ -354,7 +414,8 @@ def _cyclic_gc_paused(fn):
 def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, asym: str = "optimal",
            engine: str = "auto", max_microbatches: int = 32, baselines: bool = True,
            activation_checkpointing: bool = True, expert_recompute: str = "auto",
-           attention_tp: tuple[int, ...] | None = None, distributed_optimizer: bool = False) -> SearchResult:
+           attention_tp: tuple[int, ...] | None = None, distributed_optimizer: bool = False,
+           pipeline_stages: tuple[int, ...] | None = None) -> SearchResult:
     """Best HeterMoE plan for the cluster, with every strategy's predicted step.
     `expert_recompute`: what expert holders keep for backward (cost_model.EXPERT_RECOMPUTE), or
     'auto': the settings' default level (keep-inputs with activation checkpointing, else off)
@@ -363,7 +424,10 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     fastest simulated (candidate, level). `attention_tp`: the attention members' TP sizes to try
     (default ATTENTION_TP; a candidate with TP > 1 holds no experts on attention ranks, so only
     zebra without Asym-EA and DistEP use it). `distributed_optimizer`: price Megatron's
-    --use-distributed-optimizer (optimizer state sharded over each parameter's replicas)."""
+    --use-distributed-optimizer (optimizer state sharded over each parameter's replicas).
+    `pipeline_stages`: the pipeline sizes to try (default PIPELINE_STAGES; module docstring): zebra
+    and the DistEP row are one stage (searched when 1 is in it), P > 1 runs DistEP in the stages
+    and competes for the pick."""
     if asym not in ("optimal", "greedy", "none"):
         raise ValueError(f"asym={asym!r}; use 'optimal', 'greedy' or 'none'")
     if expert_recompute != "auto" and expert_recompute not in EXPERT_RECOMPUTE:
@@ -371,6 +435,10 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     if model.mtp_num_layers:
         raise ValueError(f"model {model.name!r} has mtp_num_layers={model.mtp_num_layers}: the cost model does not "
                          f"price multi-token prediction layers; make an even plan for it")
+    p_try = tuple(pipeline_stages or PIPELINE_STAGES)
+    bad_p = [P for P in p_try if P not in PIPELINE_STAGES]
+    if bad_p:
+        raise ValueError(f"pipeline_stages={bad_p}: the search tries {list(PIPELINE_STAGES)}")
     t0 = time.perf_counter()
     profiles = load_profiles(set(cluster.gpu_types()))
     cost = CostModel(model.replace(seq_length=seq_len), profiles,
@@ -382,13 +450,38 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     types = cluster.gpu_types()
     limit = physical_limit(cost, cluster, global_batch)
     best: dict[str, tuple] = {}  # strategy -> (step, result, candidate, k, schedule, expert recompute level)
+    names: dict[tuple, str] = {}  # layout names, made once per role split (the rank lists _role_splits made)
 
-    variants = (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP)
+    def layout_of(cand: Candidate) -> str:
+        key = (id(cand.attention_ranks), id(cand.expert_ranks), cand.P)
+        if key not in names:
+            names[key] = layout_name(types, cand.attention_ranks, cand.expert_ranks, cand.P)
+        return names[key]
+
+    variants = (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP, DISTEP_PP)
     fitted: dict[str, set[str]] = {n: set() for n in variants}  # layouts with a candidate that fits
     why: dict[str, dict[str, tuple[float, str]]] = {n: {} for n in variants}  # layout -> (shortfall, why)
 
+    def consider_pipelined(cand: Candidate, lay: pipeline.PipelineLayout, level: str) -> None:
+        """A candidate with P > 1 stages that fits: priced unless its bound cannot beat the best
+        step of any strategy the pick takes (all candidates with one stage come before)."""
+        fitted[DISTEP_PP].add(layout_of(cand))
+        c = costs[level]
+        M, N = cand.stage_shape
+        t = global_batch * c.settings.seq_len / (cand.G * M * cand.R)
+        a_gpus = {types[r] for r in cand.attention_ranks[:M]}
+        x_gpus = {types[r] for r in cand.expert_ranks[:N]}
+        lb = pipeline.lower_bound(c, a_gpus, x_gpus, t, M * t * model.moe_router_topk / model.num_experts,
+                                  model.num_moe_layers * math.ceil(model.num_experts / N), cand.P, cand.R, cand.tp)
+        steps = [best[n][0] for n in (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP, DISTEP_PP) if n in best]
+        if steps and lb >= min(steps):
+            return  # cannot beat the pick so far
+        res = pipeline.price(lay, c, cluster, global_batch)
+        if DISTEP_PP not in best or res.step_time_s < best[DISTEP_PP][0]:
+            best[DISTEP_PP] = (res.step_time_s, res, cand, [0] * model.num_moe_layers, "distep", level)
+
     def consider(name: str, cand: Candidate, k: list[int], schedule: str, level: str) -> None:
-        fitted[name].add(layout_name(types, cand.attention_ranks, cand.expert_ranks))
+        fitted[name].add(layout_of(cand))
         if name in best and compute_lower_bound(costs[level], types, cand, global_batch, k, cluster, schedule) >= best[name][0]:
             return  # cannot beat the best simulated so far: its busiest rank's compute alone is longer
         plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
@@ -399,7 +492,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
 
     def refuse(names: tuple[str, ...], cand: Candidate, reason: tuple[float, str]) -> None:
         # a layout's reason is its candidate closest to fitting (smallest shortfall; first on ties)
-        key = layout_name(types, cand.attention_ranks, cand.expert_ranks)
+        key = layout_of(cand)
         tp = f", attention_tp={cand.tp}" if cand.tp > 1 else ""
         for n in names:
             if key not in why[n] or reason[0] < why[n][key][0]:
@@ -415,8 +508,18 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                 why[n][layout_name(types, attn, expert)] = (0.0,
                     f"global batch {global_batch} is not a multiple of the {len(attn)} attention ranks (each "
                     f"gets whole sequences){nor}; use a multiple of {fewest}")
-    cands = candidates(cluster, model, global_batch, max_microbatches, seq_len, tp_try)
+    cands = candidates(cluster, model, global_batch, max_microbatches, seq_len, tp_try, p_try)
     for cand in cands:
+        if cand.P > 1:  # DistEP in P stages, no Asym-EA: the lightest level at which every rank fits
+            lay = pipeline.even_layout(cost.model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.P,
+                                       cand.R, cand.tp)
+            for level in levels:
+                short = pipeline.memory_shortfall(lay, costs[level], global_batch)
+                if short is None:
+                    consider_pipelined(cand, lay, level)
+                    break
+                refuse((DISTEP_PP,), cand, short)
+            continue
         M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
         grp_a, grp_x = cand.attention_ranks[:M], cand.expert_ranks[:N]
         a_gpu, x_gpu = types[grp_a[0]], types[grp_x[0]]
@@ -461,33 +564,46 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                     refuse((ZEBRA_GREEDY,), cand, (math.inf, f"{e} (expert recompute {level!r})"))
             if no_ea_fits:
                 break  # memory does not bind: keeping less would only cost time
-    zebras = [best[n] for n in (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA) if n in best]
-    if zebras:  # the planner keeps the fastest simulated zebra plan, whichever assignment made it
-        best[PICK] = min(zebras, key=lambda b: b[0])
+    picks = (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP, DISTEP_PP)
+    options = [best[n] for n in picks if n in best]
+    if options:  # the planner keeps the fastest plan: any zebra assignment, or DistEP at any pipeline size
+        best[PICK] = min(options, key=lambda b: b[0])
 
     def excluded(name: str) -> dict[str, str]:
         """Layouts this strategy could not use at this batch (a named reason for any jump)."""
-        if name == PICK:  # excluded only where no zebra variant fits; Asym-EA's reason is the telling one
-            zs = (ZEBRA_NO_EA, ZEBRA_GREEDY, ZEBRA)
+        if name == PICK:  # excluded only where no zebra variant nor DistEP fits (Asym-EA's reason, last, is the
+            # telling one), and a pipelined layout where DistEP does not fit in P stages
+            zs = (DISTEP, ZEBRA_NO_EA, ZEBRA_GREEDY, ZEBRA, DISTEP_PP)
             reasons = {k: v[1] for n in zs for k, v in why[n].items()}
             return {k: v for k, v in sorted(reasons.items()) if not any(k in fitted[n] for n in zs)}
         return {k: v[1] for k, v in sorted(why[name].items()) if k not in fitted[name]}
 
+    one_stage = 1 in p_try
     preds: list[Prediction] = []
     for name in (PICK, ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP):
         if name in best:
             step, res, cand, k, plan, level = best[name]
-            M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
+            M, N = cand.stage_shape
+            extra = dict(res.detail) if isinstance(res, pipeline.PipelineResult) else {}
             preds.append(_pred(name, res, limit.tokens_per_s, {
+                **extra,
                 "M": M, "N": N, "groups": cand.G, "microbatches": cand.R, "expert_recompute": level,
-                "attention_tp": cand.tp,
+                "attention_tp": cand.tp, "pipeline_stages": cand.P,
                 "attention_gpu": types[cand.attention_ranks[0]], "experts_on_attention_per_layer": list(k),
                 "attention_ranks": list(cand.attention_ranks), "expert_ranks": list(cand.expert_ranks),
-                "schedule": plan, "layout": layout_name(types, cand.attention_ranks, cand.expert_ranks),
+                "schedule": plan, "layout": layout_of(cand),
                 "post_step_s": res.step_time_s - res.makespan_s, "excluded_layouts": excluded(name)}))
         else:
             skipped = (name == ZEBRA and asym == "none") or (name == ZEBRA_GREEDY and asym != "optimal")
             reason = f"not searched with asym={asym!r}" if skipped else "no candidate fits in memory"
+            if name != PICK and not one_stage:
+                reason = f"not searched with pipeline_stages={list(p_try)}: this strategy runs one stage"
+            elif name == PICK and not any(not w for w in pipeline_sizes(model, p_try).values()):
+                reason = "no pipeline size can split this model: " + "; ".join(
+                    f"{P}: {w}" for P, w in pipeline_sizes(model, p_try).items())
+            elif not cands:
+                reason = (f"no ZP group shape with pipeline_stages in {list(p_try)} and attention_tp in {list(tp_try)} "
+                          f"gives every attention member whole sequences of the global batch {global_batch}")
             preds.append(Prediction(name, float("inf"), 0.0, {}, 0.0, False,
                                     {"reason": reason, "excluded_layouts": excluded(name)}))
     if baselines:
@@ -508,9 +624,11 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     if PICK in best:
         _, _, cand, k, schedule, level = best[PICK]
         plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
-                          attention_tp=cand.tp)
+                          attention_tp=cand.tp, pipeline_stages=cand.P)
         plan.expert_recompute = level  # what its expert holders keep for backward, as priced
-        source = next(n for n in (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA) if best.get(n) is best[PICK])
+        source = next(n for n in picks if best.get(n) is best[PICK])
+        if source == DISTEP_PP:
+            source = f"DistEP in {cand.P} pipeline stages (1F1B), no Asym-EA"
         plan.meta = {
             "model": model.name, "cluster": cluster.name, "seq_len": seq_len, "global_batch": global_batch,
             "distributed_optimizer": distributed_optimizer,

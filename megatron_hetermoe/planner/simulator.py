@@ -24,6 +24,7 @@ each, which changes no time (a collective waits for the latest issuer, and twins
 from __future__ import annotations
 
 import functools
+import importlib
 import sys
 from dataclasses import dataclass, field
 from itertools import chain
@@ -37,6 +38,7 @@ from megatron_hetermoe.planner.cluster import (
     rank1_collective_time,
 )
 from megatron_hetermoe.planner.cost_model import CostModel
+from megatron_hetermoe.planner.pipeline import PipelineResult, simulate_pipelined
 
 STREAM_ID = {"dispatch": 0, "combine": 1}
 
@@ -167,7 +169,7 @@ def run_cpp(p: SimProblem) -> SimTrace:
 @functools.lru_cache(maxsize=None)
 def have_cpp() -> bool:
     try:
-        from megatron_hetermoe import _csim  # noqa: F401
+        importlib.import_module("megatron_hetermoe._csim")
         return True
     except ImportError:
         return False
@@ -225,7 +227,13 @@ def rank_task_times(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_
 def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,
                   schedule: str | None = None, group: int = 0, dedup: bool = True) -> SimProblem:
     """The task lists and durations of ZP group `group` for a global batch of `global_batch`
-    sequences of cost.settings.seq_len tokens."""
+    sequences of cost.settings.seq_len tokens. A plan with pipeline stages has no task lists
+    here (zebra and task-list emulation are not built with them): PlanError; simulate_plan
+    prices it with planner/pipeline.py's 1F1B model."""
+    if plan.pipeline_stages != 1:
+        raise PlanError(f"plan has pipeline_stages={plan.pipeline_stages}: task lists (and their emulation) are not "
+                        f"built with pipeline stages; simulate_plan prices such a plan with the 1F1B step model "
+                        f"(planner/pipeline.py), or plan one stage")
     if cluster.world_size != plan.world_size:
         raise PlanError(f"plan has {plan.world_size} ranks but cluster {cluster.name!r} has "
                         f"{cluster.world_size}; plan for this cluster or pick the matching cluster")
@@ -247,7 +255,7 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
                         f"{shape(m.num_moe_layers, m.dense_layers, m.num_experts)}; plan for this model")
     g = plan.groups[group]
     members = g.members
-    G, M, R = len(plan.groups), len(g.attention_ranks), plan.num_microbatches
+    G, M = len(plan.groups), len(g.attention_ranks)
     global_tokens = float(global_batch) * cost.settings.seq_len
     t_mb = tokens_per_microbatch(plan, global_tokens)
     per_expert_tokens = M * t_mb * k / E  # balanced routing: every expert gets the same share
@@ -368,8 +376,16 @@ def result_of(p: SimProblem, tr: SimTrace, keep: bool = False) -> SimResult:
 
 def simulate_plan(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,
                   schedule: str | None = None, engine: str = "auto", dedup: bool = True,
-                  keep_trace: bool = False) -> SimResult:
-    """Predicted step of `plan` (its own schedule unless `schedule` is given)."""
+                  keep_trace: bool = False) -> SimResult | PipelineResult:
+    """Predicted step of `plan` (its own schedule unless `schedule` is given). A plan with
+    pipeline stages (pipeline_stages > 1) is priced by planner/pipeline.py's model (DistEP inside
+    the stages, Megatron's 1F1B across them; a PipelineResult); any other schedule, or a trace,
+    is refused for it (PlanError)."""
+    if plan.pipeline_stages != 1:
+        if keep_trace:
+            raise PlanError(f"plan has pipeline_stages={plan.pipeline_stages}: there are no task lists to trace (the "
+                            f"1F1B model prices whole stages); drop keep_trace")
+        return simulate_pipelined(plan, cost, cluster, global_batch, schedule)
     p = build_problem(plan, cost, cluster, global_batch, schedule, dedup=dedup)
     return result_of(p, run(p, engine), keep_trace)
 
@@ -382,3 +398,5 @@ from megatron_hetermoe.planner.baselines import (  # noqa: E402,F401
     simulate_ep_ideal,
     simulate_hetero_pp,
 )
+
+BASELINES = (physical_limit, simulate_ep, simulate_ep_ideal, simulate_hetero_pp)  # the re-exported step models

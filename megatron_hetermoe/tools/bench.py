@@ -106,7 +106,7 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
     # the search prices only the level the emulator prices (its TrainSettings' default).
     # The emulator times attention members of one rank (no tensor parallelism).
     res = search(emulated, cl, seq_len, global_batch, activation_checkpointing=True,
-                 expert_recompute=default_expert_recompute(True), attention_tp=(1,))
+                 expert_recompute=default_expert_recompute(True), attention_tp=(1,), pipeline_stages=(1,))
     preds = res.by_name()
     plans = {}
     for name, key, schedule in ((HETERMOE, ZEBRA, "zebra"), ("Zebra", ZEBRA_NO_EA, "zebra"), ("DistEP", DISTEP, "distep")):

@@ -78,7 +78,7 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
     # The emulated run times what the runtime does (no resent inputs): the emulator's level only;
     # the emulator times attention members of one rank (no tensor parallelism).
     res = search(shape, cl, seq_len, global_batch, max_microbatches=4,
-                 expert_recompute=default_expert_recompute(True), attention_tp=(1,))
+                 expert_recompute=default_expert_recompute(True), attention_tp=(1,), pipeline_stages=(1,))
     plan = res.plan
     plan.save(out / "plan.json")
     g = plan.groups[0]

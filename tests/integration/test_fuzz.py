@@ -120,7 +120,8 @@ def _plan_is_usable(plan: HeteroPlan) -> None:
     assert again.to_dict() == plan.to_dict()
     for r in range(plan.world_size):
         assert plan.role(r) in ("attention", "expert")
-        assert tasks_for_rank(plan, r)  # the schedule of every rank builds
+        if plan.pipeline_stages == 1 or plan.schedule != "distep":  # DistEP in stages: Megatron's 1F1B, no list
+            assert tasks_for_rank(plan, r)  # the schedule of every rank builds
 
 
 @FAST

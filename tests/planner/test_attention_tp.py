@@ -10,7 +10,15 @@ from megatron_hetermoe.planner.baselines import simulate_ep, simulate_megatron_e
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
 from megatron_hetermoe.planner.profiles import load_profiles
-from megatron_hetermoe.planner.search import PICK, candidates, search
+from megatron_hetermoe.planner.search import (
+    DISTEP,
+    PICK,
+    ZEBRA,
+    ZEBRA_GREEDY,
+    ZEBRA_NO_EA,
+    candidates,
+    search,
+)
 from megatron_hetermoe.planner.simulator import build_problem, simulate_plan
 
 # A hand-sized model: h=1024, 8 heads, 4 MoE layers of 8 experts, vocab 1000.
@@ -112,7 +120,8 @@ def test_megatron_ep_tp1_pp1_is_simulate_ep():
 def test_mixtral_plan_on_h100_v100_fits_with_attention_tp():
     cl = Cluster.load("h100x16-v100x16")
     m = ModelConfig.load("mixtral-8x7b")
-    res = search(m, cl, 4096, 128, distributed_optimizer=True)
+    # one pipeline stage: this test is about TP (pipeline stages: test_pipeline_stages_planner.py)
+    res = search(m, cl, 4096, 128, distributed_optimizer=True, pipeline_stages=(1,))
     plan = res.plan
     assert plan is not None and plan.attention_tp > 1
     plan.validate(world_size=32)
@@ -132,10 +141,13 @@ def test_mixtral_plan_on_h100_v100_fits_with_attention_tp():
     held = max(len(plan.groups[0].placement[l].get(r, [])) for l in range(plan.num_layers)
                for r in plan.groups[0].expert_ranks) * plan.num_layers
     assert held * c.per_expert_bytes(tpe, alive, G) + c.expert_working_bytes(tpe) <= c.profile(x_gpu).usable_memory_bytes
-    # without TP the same layout does not fit (the dense model on one V100-32GB with 18 B/param... and
-    # its activations): TP is what makes this batch plannable
-    res1 = search(m, cl, 4096, 128, distributed_optimizer=True, attention_tp=(1,), baselines=False)
-    assert res1.plan is None
+    # without TP no zebra plan fits (the dense model on one V100-32GB with 18 B/param... and its
+    # activations): TP is what makes this batch plannable for zebra (one-stage DistEP, one microbatch
+    # alive, fits without it, slower)
+    res1 = search(m, cl, 4096, 128, distributed_optimizer=True, attention_tp=(1,), baselines=False,
+                  pipeline_stages=(1,)).by_name()
+    assert not any(res1[n].fits for n in (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA))
+    assert res1[DISTEP].fits and res1[DISTEP].step_time_s > pick.step_time_s
 
 
 @settings(max_examples=15, deadline=None)

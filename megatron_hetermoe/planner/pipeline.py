@@ -1,0 +1,411 @@
+"""HeterMoE with pipeline stages (plan.pipeline_stages P > 1): the step model and memory rule the
+planner prices such a plan with.
+
+What runs (plan/hetero_plan.py, schedules/distep.py): each ZP group is P stages, each stage its
+own M attention + N expert ranks; Megatron's even split of the decoder layers over the stages; a
+layer's experts live on its stage's ranks. Only DistEP runs inside the stages: attention ranks run
+Megatron's non-interleaved 1F1B over the stages (activations cross stages by P2P between
+attention ranks: rank k of stage i to rank k of stage i+1), and each stage's expert ranks mirror
+1F1B for that stage's layers. Zebra, task-list emulation and virtual stages are not built with
+P > 1, so there are no task lists to simulate here.
+
+Step model (the 1F1B model of planner/HETERO_PP.md, with a DistEP stage):
+  * T_i, one microbatch's forward + backward on stage i: DistEP does not overlap attention and
+    experts, so it is the chain of the cost model's pieces, as the event simulator times them
+    (simulator.build_problem): per attention piece (a zebra attention stage, cost.stage_time, with
+    the dense layers the pipeline stage runs) and per MoE layer of the stage: dispatch D_F, the
+    slowest stage member's experts (E_F; experts an attention rank holds, X_F, run at the same
+    time), combine C_F; backward: the backward pieces, C_B, E_B/X_B, D_B. Collectives are the
+    simulator's bipartite all-to-alls over the stage's members (rank1_collective_time); on
+    stage i < P-1 also the P2P of the microbatch's activations to stage i+1 and of their
+    gradient back (each attention rank its tokens; the slowest pair; not overlapped).
+    With P = 1, R x T_0 is the event simulator's DistEP makespan (tests/planner check it).
+    Why the pieces and not the simulator on a one-stage sub-plan: a sub-model's stage 0 would
+    price the embedding and its last stage the output layer on every pipeline stage; the pieces
+    put each where Megatron's split puts it.
+  * step = sum_i T_i + (R - 1) max_i T_i (fill and drain once, then the slowest stage per
+    microbatch; one_f_one_b_step), + post-step: per rank, all-reduce of its dense gradients over
+    the attention ranks of its stage at its TP position in every ZP group, of its experts' over
+    their replicas in the other groups, then its optimizer step; stages run theirs at once, the
+    slowest rank counts.
+Memory per rank of stage i (pipeline_memory): 1F1B keeps min(P - i, R) microbatches alive there
+(Megatron's warm-up forwards + 1). Attention rank: CostModel.pipeline_attention_rank_bytes (the
+stage's weights and state, embedding on stage 0, output layer and fp32 logits on the last stage,
+one checkpointed input per attention piece per live microbatch, one working set). Expert rank:
+its experts' weights and state and what each keeps for backward of the routed tokens of the live
+microbatches at the expert-recompute level (CostModel.per_expert_bytes), one working set.
+
+Attention pieces of a pipeline stage (stage_pieces): its MoE layers' zebra stages (and the head
+stage L on the last), each with the stage's dense layers that come before it; dense layers after
+the stage's last MoE layer (whose next MoE layer is on the next stage) run with that last piece.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, split_evenly
+from megatron_hetermoe.planner.cluster import (
+    Cluster,
+    Links,
+    allreduce_time,
+    rank1_collective_time,
+    transfer_time,
+)
+from megatron_hetermoe.planner.cost_model import CostModel
+
+PIPELINE_STAGES = (1, 2, 4, 8)  # the pipeline sizes the search tries
+
+
+def one_f_one_b_step(stage_times: list[float], microbatches: int) -> float:
+    """Seconds of Megatron's non-interleaved 1F1B over stages taking stage_times[i] per microbatch
+    (forward + backward): sum_i T_i + (R - 1) max_i T_i, without the post-step."""
+    if microbatches < 1 or not stage_times:
+        raise ValueError(f"1F1B needs R >= 1 microbatches and at least one stage; got R={microbatches}, "
+                         f"{len(stage_times)} stage(s)")
+    return sum(stage_times) + (microbatches - 1) * max(stage_times)
+
+
+def live_microbatches(P: int, stage: int, R: int) -> int:
+    """Microbatches whose activations stage `stage` of P holds at once under 1F1B: min(P - stage, R)."""
+    return min(P - stage, R)
+
+
+def stage_pieces(moe_ids: list[int], model_layers: int, P: int) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """(MoE layers, attention pieces) of each of P pipeline stages, for a model whose MoE layer k
+    is model layer moe_ids[k] among `model_layers` decoder layers, split evenly (Megatron's
+    default). A piece is (zebra attention stage s, dense layers it runs); module docstring."""
+    L = len(moe_ids)
+    if P < 1 or model_layers % P:
+        raise PlanError(f"pipeline_stages={P} does not divide the {model_layers} decoder layers (Megatron's even "
+                        f"split); use a divisor of {model_layers}")
+    per = model_layers // P
+    moe_set = set(moe_ids)
+    layers: list[list[int]] = [[] for _ in range(P)]
+    for k, i in enumerate(moe_ids):
+        layers[i // per].append(k)
+    empty = [i for i in range(P) if not layers[i]]
+    if empty:
+        raise PlanError(f"pipeline stage(s) {empty} of {P} hold no MoE layer; their expert ranks would idle: use fewer "
+                        f"stages")
+    pieces: list[list[tuple[int, int]]] = []
+    for i in range(P):
+        own = layers[i] + ([L] if i == P - 1 else [])
+        dense = {s: 0 for s in own}
+        for d in range(i * per, (i + 1) * per):
+            if d in moe_set:
+                continue
+            s = sum(1 for x in moe_ids if x < d)  # the zebra stage that runs it with one stage
+            dense[s if s in dense else own[-1]] += 1
+        pieces.append([(s, dense[s]) for s in own])
+    return layers, pieces
+
+
+def model_pieces(model: ModelConfig, P: int) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+    """stage_pieces of a model config (its decoder layers; MTP layers are refused with P > 1)."""
+    if P > 1 and model.mtp_num_layers:
+        raise PlanError(f"model {model.name!r} has {model.mtp_num_layers} MTP layers: pipeline stages with multi-token "
+                        f"prediction are not built; use one stage")
+    return stage_pieces(model.moe_layer_ids, model.num_layers, P)
+
+
+@dataclass
+class PipelineLayout:
+    """Who runs what, per ZP group and stage; all groups alike (as a plan's)."""
+
+    P: int
+    G: int
+    R: int
+    tp: int
+    gpu_types: list[str]  # per rank of the cluster
+    attention: list[list[list[int]]]  # [group][stage]: the stage's attention ranks
+    experts: list[list[list[int]]]  # [group][stage]: the stage's expert ranks
+    layers: list[list[int]]  # [stage]: its MoE layers
+    pieces: list[list[tuple[int, int]]]  # [stage]: its attention pieces
+    held: list[list[tuple[int, ...]]]  # [stage][j]: experts of its j-th MoE layer on each stage member (group 0)
+    totals: list[tuple[int, ...]] | None = None  # [stage]: experts of all its layers on each member (group 0)
+    member_gpus: list[tuple[str, ...]] | None = None  # [stage]: GPU type of each member (group 0)
+
+    def __post_init__(self) -> None:
+        if self.totals is None:
+            self.totals = [tuple(sum(col) for col in zip(*h)) for h in self.held]
+        if self.member_gpus is None:
+            self.member_gpus = [tuple(map(self.gpu_types.__getitem__, self.members(0, i))) for i in range(self.P)]
+
+    def members(self, group: int, stage: int) -> list[int]:
+        return self.attention[group][stage] + self.experts[group][stage]
+
+
+def layout_of_plan(plan: HeteroPlan) -> PipelineLayout:
+    """The layout of a (validated) plan, any pipeline_stages."""
+    plan.validate()
+    P, G = plan.pipeline_stages, len(plan.groups)
+    moe_ids = plan.moe_layer_ids
+    layers, pieces = stage_pieces(moe_ids, plan.decoder_layers, P)
+    for i in range(P):  # the plan's own split must be ours
+        if layers[i] != plan.stage_moe_layers(i):
+            raise PlanError(f"pipeline stage {i}: the plan's MoE layers {plan.stage_moe_layers(i)} are not Megatron's "
+                            f"even split {layers[i]}")
+    att = [[plan.stage_ranks(g, i)[0] for i in range(P)] for g in range(G)]
+    exp = [[plan.stage_ranks(g, i)[1] for i in range(P)] for g in range(G)]
+    g0 = plan.groups[0]
+    held = [[tuple(len(g0.placement[l].get(r, [])) for r in att[0][i] + exp[0][i]) for l in layers[i]]
+            for i in range(P)]
+    return PipelineLayout(P, G, plan.num_microbatches, plan.attention_tp, list(plan.gpu_types), att, exp, layers,
+                          pieces, held)
+
+
+def even_layout(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int, P: int,
+                R: int, tp: int = 1) -> PipelineLayout:
+    """The layout build_plan(..., pipeline_stages=P) makes without Asym-EA, without building the
+    plan: group g's attention ranks attn[g*P*M:(g+1)*P*M], stage by stage M each (likewise the
+    experts), each layer's experts split evenly over its stage's N expert ranks."""
+    if len(attn) % (G * P) or len(expert) % (G * P):
+        raise PlanError(f"{len(attn)} attention and {len(expert)} expert ranks do not split into {G} groups of {P} "
+                        f"stages")
+    M, N = len(attn) // (G * P), len(expert) // (G * P)
+    layers, pieces = model_pieces(model, P)
+    att = [[attn[(g * P + i) * M:(g * P + i + 1) * M] for i in range(P)] for g in range(G)]
+    exp = [[expert[(g * P + i) * N:(g * P + i + 1) * N] for i in range(P)] for g in range(G)]
+    E = model.num_experts
+    per = (0,) * M + tuple(len(v) for v in split_evenly(list(range(E)), list(range(N))).values())
+    held = [[per] * len(layers[i]) for i in range(P)]
+    totals = [tuple(c * len(layers[i]) for c in per) for i in range(P)]  # every layer of a stage alike
+    gpus = [tuple(map(gpu_types.__getitem__, att[0][i] + exp[0][i])) for i in range(P)]
+    return PipelineLayout(P, G, R, tp, gpu_types, att, exp, layers, pieces, held, totals, gpus)
+
+
+def _tokens(lay: PipelineLayout, cost: CostModel, global_batch: int) -> tuple[float, float]:
+    """(tokens per attention rank per microbatch, routed tokens per expert per microbatch)."""
+    M = len(lay.attention[0][0])
+    t = float(global_batch) * cost.settings.seq_len / (lay.G * M * lay.R)
+    return t, M * t * cost.model.moe_router_topk / cost.model.num_experts
+
+
+@dataclass
+class PipelineResult:
+    """simulate_plan's result for a plan with pipeline stages: simulator.SimResult's fields (no task
+    lists: problem and trace are None), and detail: per-stage times, bubble, post-step."""
+
+    step_time_s: float
+    tokens_per_s: float
+    makespan_s: float  # the pipeline alone, before grad sync and optimizer
+    utilization: dict[str, float]  # GPU type -> mean fraction of the step its ranks compute
+    problem: None = None
+    trace: None = None
+    detail: dict = field(default_factory=dict)
+
+
+def _p2p(lay: PipelineLayout, cost: CostModel, cluster: Cluster, i: int, t: float) -> float:
+    """Activations of one microbatch from stage i to i+1 and their gradient back: every attention
+    rank sends its t tokens to its counterpart at once; the slowest pair counts."""
+    nbytes = t * cost.token_bytes()
+    nodes, nics = cluster.node_of(), cluster.nic_gbs()
+    seen: dict[tuple, float] = {}
+    worst = 0.0
+    for g in range(lay.G):
+        for src, dst in zip(lay.attention[g][i], lay.attention[g][i + 1]):
+            # pairs alike in GPU types, node sharing and NICs take the same time
+            key = (lay.gpu_types[src], lay.gpu_types[dst], nodes[src] == nodes[dst], nics[src], nics[dst])
+            if key not in seen:
+                seen[key] = (transfer_time(cluster, cost.profiles, src, dst, nbytes)
+                             + transfer_time(cluster, cost.profiles, dst, src, nbytes))
+            worst = max(worst, seen[key])
+    return worst
+
+
+def stage_times(lay: PipelineLayout, cost: CostModel, cluster: Cluster, global_batch: int) -> list[dict]:
+    """Per stage: forward and backward of one microbatch (the DistEP chain), the P2P to the next
+    stage, T (their sum), and each stage member's (group 0) compute seconds per microbatch."""
+    m = cost.model
+    E, k = m.num_experts, m.moe_router_topk
+    t, tpe = _tokens(lay, cost, global_batch)
+    tb = k * cost.token_bytes()
+    resend = cost.settings.expert_recompute == "resend-inputs"
+    out = []
+    for i in range(lay.P):
+        att, exp = lay.attention[0][i], lay.experts[0][i]
+        members = att + exp
+        types = [lay.gpu_types[r] for r in members]
+        a_types = sorted(set(types[:len(att)]))
+        attn = {b: {g: sum(cost.stage_time(g, s, t, b, lay.tp, dense=d) for s, d in lay.pieces[i]) for g in a_types}
+                for b in (False, True)}
+        busy = [attn[False][types[j]] + attn[True][types[j]] if j < len(att) else 0.0 for j in range(len(members))]
+        links = Links.for_ranks(cluster, members, cost.profiles)
+        s_tok = [t] * len(att) + [0.0] * len(exp)
+        seen: dict[tuple, tuple] = {}  # layers placed alike cost alike
+        fwd = max(attn[False].values())
+        bwd = max(attn[True].values())
+        for held in lay.held[i]:
+            if held not in seen:
+                w = [c / E for c in held]
+                d_f = rank1_collective_time(links, s_tok, w, tb)  # D_F (and C_B)
+                c_f = rank1_collective_time(links, w, s_tok, tb)  # C_F (and D_B)
+                c_b = rank1_collective_time(links, s_tok, w, 2 * tb) if resend else d_f
+                x = [[c * cost.expert_time(g, tpe, b) if c else 0.0 for c, g in zip(held, types)] for b in (False, True)]
+                seen[held] = (d_f + max(x[0]) + c_f, c_b + max(x[1]) + c_f, [a + b for a, b in zip(*x)], [0])
+            f, b, x_busy, uses = seen[held]
+            fwd += f
+            bwd += b
+            uses[0] += 1
+        for _, _, x_busy, uses in seen.values():
+            busy = [u + uses[0] * x for u, x in zip(busy, x_busy)]
+        p2p = _p2p(lay, cost, cluster, i, t) if i + 1 < lay.P else 0.0
+        out.append({"forward_s": fwd, "backward_s": bwd, "p2p_s": p2p, "T_s": fwd + bwd + p2p, "busy_s": busy})
+    return out
+
+
+def post_step(lay: PipelineLayout, cost: CostModel, cluster: Cluster) -> float:
+    """Gradient all-reduce and optimizer step after the pipeline drains (module docstring)."""
+    m = cost.model
+    gb = cost.settings.dtype_bytes
+    post = 0.0
+    memo: dict[tuple, float] = {}
+
+    def allreduce(ranks: list[int], nbytes: float) -> float:
+        key = (tuple(ranks), nbytes)
+        if key not in memo:
+            memo[key] = allreduce_time(Links.for_ranks(cluster, ranks, cost.profiles), nbytes)
+        return memo[key]
+
+    for i in range(lay.P):
+        dense = cost.pipeline_stage_params_per_rank(lay.pieces[i], i == 0, i == lay.P - 1, lay.tp)
+        every = [r for g in range(lay.G) for r in lay.attention[g][i]]
+        n_att = len(lay.attention[0][i])
+        held = [sum(h[j] for h in lay.held[i]) for j in range(len(lay.members(0, i)))]
+        done: set[tuple] = set()
+        for j, r in enumerate(lay.members(0, i)):
+            gpu = lay.gpu_types[r]
+            n_exp = held[j]
+            pos = j % lay.tp if j < n_att else -1
+            key = (gpu, n_exp, pos, j < n_att)
+            if j >= n_att and key in done and lay.G == 1:
+                continue  # twins: same type, same experts, no replicas to sync
+            done.add(key)
+            params = n_exp * m.expert_params()
+            tm = 0.0
+            if j < n_att:
+                tm += allreduce(every[pos::lay.tp], dense * gb)
+                params += dense
+            if lay.G > 1 and n_exp:
+                replicas = [lay.members(g, i)[j] for g in range(lay.G)]
+                tm += allreduce(replicas, m.expert_params() * n_exp * gb)
+            post = max(post, tm + cost.optimizer_time(gpu, params))
+    return post
+
+
+def pipeline_memory(lay: PipelineLayout, cost: CostModel, global_batch: int) -> list[dict]:
+    """Per stage: live microbatches, and the peak bytes of its attention and expert ranks (the
+    largest of each role in group 0) with the usable memory of their GPU type (module docstring)."""
+    t, tpe = _tokens(lay, cost, global_batch)
+    members_dp = lay.G * len(lay.attention[0][0]) // lay.tp
+    out = []
+    for i in range(lay.P):
+        alive = live_microbatches(lay.P, i, lay.R)
+        n_att, n_exp = len(lay.attention[0][i]), len(lay.experts[0][i])
+        held = lay.totals[i]  # experts of all the stage's layers, per member
+        per = cost.per_expert_bytes(tpe, alive, lay.G)
+        work = cost.expert_working_bytes(tpe)
+        base = cost.pipeline_attention_rank_bytes(t, alive, lay.pieces[i], i == 0, i == lay.P - 1, lay.tp, members_dp)
+        worst: dict[str, tuple[float, dict]] = {}  # role -> (shortfall, its row)
+        roles = ("attention",) * n_att + ("expert",) * n_exp
+        kinds = dict(zip(zip(roles, lay.member_gpus[i], held), range(n_att + n_exp)))  # twins once: a member of each
+        members = lay.members(0, i)
+        for (role, gpu, n), j in kinds.items():
+            r = members[j]
+            need = (base if role == "attention" else 0.0) + (n * per + work if n else 0.0)
+            usable = cost.profile(gpu).usable_memory_bytes
+            if role not in worst or need - usable > worst[role][0]:
+                worst[role] = (need - usable, {"rank": r, "gpu": gpu, "bytes": need, "usable": usable,
+                                               "experts": n})
+        out.append({"stage": i, "alive": alive, **{role: x for role, (_, x) in worst.items()}})
+    return out
+
+
+def memory_shortfall(lay: PipelineLayout, cost: CostModel, global_batch: int) -> tuple[float, str] | None:
+    """None if every rank fits, else (GiB over, why) for the rank furthest over."""
+    worst = None
+    for row in pipeline_memory(lay, cost, global_batch):
+        for role in ("attention", "expert"):
+            x = row.get(role)
+            if x is None or x["bytes"] <= x["usable"]:
+                continue
+            over = (x["bytes"] - x["usable"]) / 2**30
+            if worst is None or over > worst[0]:
+                what = (f"{x['experts']} experts and the routed tokens of {row['alive']} live microbatch(es)"
+                        if role == "expert" else f"its layers and {row['alive']} live microbatch(es) of activations")
+                worst = (over, f"pipeline stage {row['stage']} of {lay.P}: an {role} rank ({x['gpu']}) needs "
+                               f"{x['bytes'] / 2**30:.1f} GiB > {x['usable'] / 2**30:.1f} GiB usable for {what} "
+                               f"(expert recompute {cost.settings.expert_recompute!r})")
+    return worst
+
+
+def price(lay: PipelineLayout, cost: CostModel, cluster: Cluster, global_batch: int) -> PipelineResult:
+    """The predicted step of a layout under DistEP inside the stages and 1F1B across them."""
+    st = stage_times(lay, cost, cluster, global_batch)
+    T = [s["T_s"] for s in st]
+    makespan = one_f_one_b_step(T, lay.R)
+    post = post_step(lay, cost, cluster)
+    step = makespan + post
+    busy: dict[str, list[float]] = {}
+    for i, s in enumerate(st):
+        for r, b in zip(lay.members(0, i), s["busy_s"]):
+            busy.setdefault(lay.gpu_types[r], []).append(lay.R * b / step)
+    util = {g: sum(v) / len(v) for g, v in busy.items()}
+    tokens = float(global_batch) * cost.settings.seq_len
+    detail = {"pipeline_stages": lay.P, "stage_times_s": T, "bubble_s": sum(T) - max(T), "post_step_s": post,
+              "stage_forward_s": [s["forward_s"] for s in st], "stage_backward_s": [s["backward_s"] for s in st],
+              "p2p_s": [s["p2p_s"] for s in st], "stage_moe_layers": [list(x) for x in lay.layers]}
+    return PipelineResult(step, tokens / step, makespan, util, None, None, detail)
+
+
+def lower_bound(cost: CostModel, a_gpus: set[str], x_gpus: set[str], t: float, tpe: float, per_rank_experts: int,
+                P: int, R: int, tp: int = 1) -> float:
+    """A lower bound on price(...).step_time_s without building the layout: the stages' T sum to at
+    least one microbatch's attention compute through every piece (the fastest attention type) and
+    the busiest expert rank's experts of every layer (`per_rank_experts`, the fastest expert type),
+    and step >= sum T + (R - 1) sum T / P."""
+    L = cost.num_layers
+    attn = min(sum(cost.stage_time(g, s, t, b, tp) for s in range(L + 1) for b in (False, True)) for g in a_gpus)
+    exp = min(cost.expert_time(g, tpe, False) + cost.expert_time(g, tpe, True) for g in x_gpus)
+    chain = attn + per_rank_experts * exp
+    return chain * (1 + (R - 1) / P) * (1 - 1e-9)
+
+
+def simulate_pipelined(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,
+                       schedule: str | None = None) -> PipelineResult:
+    """Predicted step of a plan with pipeline stages (any P; P = 1 prices the DistEP chain R
+    times, which the event simulator's DistEP makespan equals). Refuses what it does not price
+    with pipeline stages: any schedule but DistEP (zebra runs in stages; this model does not price it)."""
+    schedule = schedule or plan.schedule
+    if schedule != "distep":
+        raise PlanError(f"schedule {schedule!r} with pipeline_stages={plan.pipeline_stages}: the planner prices only "
+                        f"DistEP inside pipeline stages (zebra runs there; its stages' point-to-point transfers are not "
+                        f"priced yet); price schedule 'distep' or one stage")
+    if cluster.world_size != plan.world_size:
+        raise PlanError(f"plan has {plan.world_size} ranks but cluster {cluster.name!r} has {cluster.world_size}; plan "
+                        f"for this cluster or pick the matching cluster")
+    ctypes = cluster.gpu_types()
+    bad = [r for r, g in enumerate(plan.gpu_types) if ctypes[r] != g]
+    if bad:
+        raise PlanError(f"rank {bad[0]} is {plan.gpu_types[bad[0]]!r} in the plan but {ctypes[bad[0]]!r} in cluster "
+                        f"{cluster.name!r}")
+    m = cost.model
+    if (plan.num_layers, sorted(plan.dense_layers), plan.num_experts) != (m.num_moe_layers, m.dense_layers,
+                                                                          m.num_experts):
+        raise PlanError(f"plan is for {plan.num_layers} MoE layers x {plan.num_experts} experts (dense layers "
+                        f"{sorted(plan.dense_layers)}) but model {m.name!r} has {m.num_moe_layers} x {m.num_experts} "
+                        f"(dense layers {m.dense_layers}); plan for this model")
+    return price(layout_of_plan(plan), cost, cluster, global_batch)
+
+
+def pipeline_sizes(model: ModelConfig, sizes: tuple[int, ...] = PIPELINE_STAGES) -> dict[int, str]:
+    """Each pipeline size with '' if the model can be split into that many stages, else why not."""
+    out = {}
+    for P in sizes:
+        try:
+            model_pieces(model, P)
+            out[P] = ""
+        except PlanError as e:
+            out[P] = str(e)
+    return out
