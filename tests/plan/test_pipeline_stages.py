@@ -238,3 +238,30 @@ def test_every_even_plan_places_each_expert_once_on_its_stage(data):
         for s in range(P):
             assert all(stages_of[r] == s for r in p.stage_members(gi, s))
     assert sorted(l for s in range(P) for l in p.stage_moe_layers(s)) == list(range(L))
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_zebra_task_lists_per_stage_issue_one_stream_order(offload):
+    """Each stage of a ZP group is its own dispatch unit: its members' zebra lists (over the stage's
+    layers) issue the same collectives in the same order on each stream; a stage before the last runs
+    every microbatch's last piece before the first backward of it (the next stage's forward needs all
+    R outputs first), the last stage keeps Theorem 1's interleaved head."""
+    from megatron_hetermoe.plan.tasks import Task, check_stream_order, zebra_tasks
+
+    plan = even_plan(4, 4, 2, 2, num_microbatches=3, pipeline_stages=2, schedule="zebra")
+    if offload:  # Asym-EA inside stage 1 (attention 4, 5; experts 6, 7): rank 4 holds expert 0 of MoE layer 2
+        g = plan.groups[0]
+        g.placement[2] = {4: [0], 6: [1, 2], 7: [3]}
+        plan.validate()
+    for stage in range(2):
+        members = plan.stage_members(0, stage)
+        lists = {r: zebra_tasks(plan, r) for r in members}
+        check_stream_order(lists)
+        a = lists[members[0]]
+        assert {t.layer for t in a if t.kind in ("D_F", "C_F")} == {0, 1}  # the stage's 2 MoE layers, 0-based
+        head_f = [a.index(Task("A_F", 2, j)) for j in range(3)]
+        head_b = [a.index(Task("A_B", 2, j)) for j in range(3)]
+        if stage == 0:
+            assert max(head_f) < min(head_b)
+        else:
+            assert all(f < b for f, b in zip(head_f, head_b)) and head_b[0] < head_f[1]
