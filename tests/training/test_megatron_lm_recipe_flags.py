@@ -189,9 +189,16 @@ def test_token_dropping(mlm, data, tmp_path, tmp_path_factory, schedule, droppin
         _EP_RUNS[key] = ckpt, _resume_losses(mlm, tmp, 2, [*flags, *EP], ckpt, "resumed")
     ckpt, ep = _EP_RUNS[key]
     plan = tmp_path / "plan.json"
-    asym_ea_plan().save(plan)
-    het = _resume_losses(mlm, tmp_path, 4, [*flags, *EP, "--hetero-plan", str(plan), "--hetero-schedule", schedule],
-                         ckpt, "het")
+    extra = []
+    if schedule == "zebra-pp2":  # 2 pipeline stages of 1 + 1: the last stage's token count, on every stage
+        from megatron_hetermoe.plan.hetero_plan import even_plan
+
+        schedule, extra = "zebra", ["--pipeline-model-parallel-size", "2"]
+        even_plan(2, 4, 1, 1, num_microbatches=4, pipeline_stages=2).save(plan)
+    else:
+        asym_ea_plan().save(plan)
+    het = _resume_losses(mlm, tmp_path, 4, [*flags, *EP, *extra, "--hetero-plan", str(plan), "--hetero-schedule",
+                                            schedule], ckpt, "het")
     within(f"token dropping, {schedule} vs Megatron EP", max(abs(het[i] - ep[i]) for i in ep), 3e-6)
     # The same run without dropping trains otherwise: the capacity is reached.
     free = [f for f in flags if f not in dropping]
@@ -200,7 +207,7 @@ def test_token_dropping(mlm, data, tmp_path, tmp_path_factory, schedule, droppin
     assert max(abs(dropless[i] - ep[i]) for i in ep) > 1e-4, (dropless, ep)
 
 
-@pytest.mark.parametrize("schedule", ["zebra", "distep"])
+@pytest.mark.parametrize("schedule", ["zebra", "distep", "zebra-pp2"])
 def test_per_token_loss(mlm, data, tmp_path, tmp_path_factory, schedule):
     """Issue 27 item 8: --calculate-per-token-loss (SFT recipes): the losses are token sums and
     every gradient is divided by the step's tokens over the world (Megatron's finalize_model_grads
@@ -219,9 +226,16 @@ def test_per_token_loss(mlm, data, tmp_path, tmp_path_factory, schedule):
         _EP_RUNS["per-token"] = ckpt, losses, tb_losses(tmp / "resumed", "grad-norm")
     ckpt, ep, ep_norm = _EP_RUNS["per-token"]
     plan = tmp_path / "plan.json"
-    asym_ea_plan().save(plan)
-    het = _resume_losses(mlm, tmp_path, 4, [*flags, *EP, "--hetero-plan", str(plan), "--hetero-schedule", schedule],
-                         ckpt, "het")
+    extra = []
+    if schedule == "zebra-pp2":  # 2 pipeline stages of 1 + 1: the last stage's token count, on every stage
+        from megatron_hetermoe.plan.hetero_plan import even_plan
+
+        schedule, extra = "zebra", ["--pipeline-model-parallel-size", "2"]
+        even_plan(2, 4, 1, 1, num_microbatches=4, pipeline_stages=2).save(plan)
+    else:
+        asym_ea_plan().save(plan)
+    het = _resume_losses(mlm, tmp_path, 4, [*flags, *EP, *extra, "--hetero-plan", str(plan), "--hetero-schedule",
+                                            schedule], ckpt, "het")
     het_norm = tb_losses(tmp_path / "het", "grad-norm")
     within(f"per-token loss, {schedule} vs Megatron EP", max(abs(het[i] - ep[i]) for i in ep), 3e-6)
     within(f"per-token loss grad norm, {schedule} vs Megatron EP",
