@@ -228,12 +228,13 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
                   schedule: str | None = None, group: int = 0, dedup: bool = True) -> SimProblem:
     """The task lists and durations of ZP group `group` for a global batch of `global_batch`
     sequences of cost.settings.seq_len tokens. A plan with pipeline stages has no task lists
-    here (zebra and task-list emulation are not built with them): PlanError; simulate_plan
-    prices it with planner/pipeline.py's 1F1B model."""
+    here (the stages' point-to-point transfers are not simulated yet, so neither zebra in stages
+    nor their emulation is priced): PlanError; simulate_plan prices its DistEP with
+    planner/pipeline.py's 1F1B model."""
     if plan.pipeline_stages != 1:
-        raise PlanError(f"plan has pipeline_stages={plan.pipeline_stages}: task lists (and their emulation) are not "
-                        f"built with pipeline stages; simulate_plan prices such a plan with the 1F1B step model "
-                        f"(planner/pipeline.py), or plan one stage")
+        raise PlanError(f"plan has pipeline_stages={plan.pipeline_stages}: the simulator has no task lists (nor "
+                        f"their emulation) with pipeline stages yet; simulate_plan prices such a plan's DistEP with the "
+                        f"1F1B step model (planner/pipeline.py), or plan one stage")
     if cluster.world_size != plan.world_size:
         raise PlanError(f"plan has {plan.world_size} ranks but cluster {cluster.name!r} has "
                         f"{cluster.world_size}; plan for this cluster or pick the matching cluster")
