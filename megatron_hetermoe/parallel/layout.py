@@ -154,7 +154,7 @@ class RankLayout:
         t = plan.attention_tp
         attention = plan.attention_ranks
         if kind in ("attention_dp", "attention_tp_dp"):  # one stage's attention ranks over the groups
-            attention = [r for gi in range(len(plan.groups)) for r in plan.stage_ranks(gi, self.stage)[0]]
+            attention = plan.stage_attention_ranks(self.stage)
         if kind == "zp":
             return sorted(plan.stage_members(self.group_index, self.stage))
         if kind == "tp":
@@ -171,16 +171,16 @@ class RankLayout:
         if kind in ("pp", "embd", "tp_pp"):
             if self.role != "attention":
                 return [self.rank]
-            P = plan.pipeline_stages
-            stages = [plan.stage_ranks(self.group_index, s)[0] for s in range(P)]
+            pipelines = plan.attention_pipelines(self.group_index)
             pos = self.stage_position
-            pipeline = [st[pos] for st in stages]
+            pipeline = pipelines[pos]
             if kind == "pp":
                 return pipeline
             if kind == "embd":
-                return sorted({pipeline[0], pipeline[-1]}) if self.stage in (0, P - 1) else [self.rank]
+                ends = (0, plan.pipeline_stages - 1)
+                return sorted({pipeline[0], pipeline[-1]}) if self.stage in ends else [self.rank]
             first = pos - pos % t
-            return sorted(r for st in stages for r in st[first:first + t])
+            return sorted(r for p in pipelines[first:first + t] for r in p)
         if kind == "self":
             return [self.rank]
         if kind == "world":
@@ -192,7 +192,7 @@ class RankLayout:
         return MEGATRON_DIMS[dim][self.role]
 
 
-def _staged(name: str, stage: int, stages: int) -> str:
+def staged_name(name: str, stage: int, stages: int) -> str:
     """A per-stage group's name: the name itself without pipeline stages (as before them)."""
     return name if stages == 1 else f"{name}@{stage}"
 
@@ -213,22 +213,21 @@ def group_plan(plan: HeteroPlan) -> list[tuple[str, list[int]]]:
     if t > 1:
         out += [(f"tp[{i}]", sorted(attention[i:i + t])) for i in range(0, len(attention), t)]
     for s in range(P):
-        stage = [r for gi in range(len(plan.groups)) for r in plan.stage_ranks(gi, s)[0]]
+        stage = plan.stage_attention_ranks(s)
         if t == 1:  # "tp" is "self" and "attention_tp_dp" is "attention_dp": no more groups
-            out.append((_staged("attention_dp", s, P), sorted(stage)))
+            out.append((staged_name("attention_dp", s, P), sorted(stage)))
         else:
-            out += [(_staged(f"attention_dp[{j}]", s, P), sorted(stage[j::t])) for j in range(t)]
-            out.append((_staged("attention_tp_dp", s, P), sorted(stage)))
+            out += [(staged_name(f"attention_dp[{j}]", s, P), sorted(stage[j::t])) for j in range(t)]
+            out.append((staged_name("attention_tp_dp", s, P), sorted(stage)))
     if P > 1:
         for gi in range(len(plan.groups)):
-            stages = [plan.stage_ranks(gi, s)[0] for s in range(P)]
-            for pos in range(len(stages[0])):
-                pipeline = [st[pos] for st in stages]
+            pipelines = plan.attention_pipelines(gi)
+            for pos, pipeline in enumerate(pipelines):
                 out.append((f"pp[{gi}.{pos}]", pipeline))
                 out.append((f"embd[{gi}.{pos}]", sorted({pipeline[0], pipeline[-1]})))
             if t > 1:
-                for first in range(0, len(stages[0]), t):
-                    out.append((f"tp_pp[{gi}.{first}]", sorted(r for st in stages for r in st[first:first + t])))
+                for first in range(0, len(pipelines), t):
+                    out.append((f"tp_pp[{gi}.{first}]", sorted(r for p in pipelines[first:first + t] for r in p)))
     for k in range(len(plan.groups[0].members)):
         out.append((f"replica[{k}]", sorted(g.members[k] for g in plan.groups)))
     out += [(f"self[{r}]", [r]) for r in range(plan.world_size)]

@@ -27,7 +27,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetermoe.config import Role
-from megatron_hetermoe.parallel.layout import COLLECTION_DIMS, RankLayout, group_plan
+from megatron_hetermoe.parallel.layout import (
+    COLLECTION_DIMS,
+    RankLayout,
+    group_plan,
+    staged_name,
+)
 from megatron_hetermoe.plan.hetero_plan import RUNTIME_EXPERT_RECOMPUTE, HeteroPlan, PlanError, ZPGroup
 
 
@@ -222,17 +227,15 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | N
         pos = layout.stage_position  # this rank's pipeline within the ZP group (pp[gi.pos])
         first = plan.attention_ranks.index(rank) - layout.tp_rank  # its TP group: tp[first]
 
-    def staged(name: str) -> str:
-        return name if P == 1 else f"{name}@{layout.stage}"
-
     return HeteroParallelState(
         layout=layout, dispatch_group=mine[f"dispatch[{unit}]"], combine_group=mine[f"combine[{unit}]"],
         counts_group=mine[f"counts[{unit}]"],
-        attention_dp_group=mine.get(staged("attention_dp" if tp == 1 else f"attention_dp[{layout.tp_rank}]")),
+        attention_dp_group=mine.get(staged_name("attention_dp" if tp == 1 else f"attention_dp[{layout.tp_rank}]",
+                                                layout.stage, P)),
         replica_group=mine[f"replica[{k}]"], self_group=mine[f"self[{rank}]"], world_group=mine["world"],
         device=device, wire_dtype=wire_dtype,
         tp_group=mine[f"tp[{first}]"] if tp > 1 and attention else None,
-        attention_tp_dp_group=mine.get(staged("attention_tp_dp")) if tp > 1 else None,
+        attention_tp_dp_group=mine.get(staged_name("attention_tp_dp", layout.stage, P)) if tp > 1 else None,
         pp_group=mine[f"pp[{gi}.{pos}]"] if P > 1 and attention else None,
         embd_group=mine.get(f"embd[{gi}.{pos}]") if P > 1 and attention else None,  # None on a middle stage
         tp_pp_group=mine[f"tp_pp[{gi}.{pos - layout.tp_rank}]"] if P > 1 and tp > 1 and attention else None,

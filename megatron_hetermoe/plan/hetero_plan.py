@@ -152,6 +152,16 @@ class HeteroPlan:
         a, x = self.stage_ranks(group, stage)
         return a + x
 
+    def stage_attention_ranks(self, stage: int) -> list[int]:
+        """The attention ranks of pipeline stage `stage` over every ZP group."""
+        return [r for gi in range(len(self.groups)) for r in self.stage_ranks(gi, stage)[0]]
+
+    def attention_pipelines(self, group: int) -> list[list[int]]:
+        """ZP group `group`'s pipelines: for each position among a stage's attention ranks (TP
+        positions included), the rank at that position in every stage, stage 0 first."""
+        stages = [self.stage_ranks(group, s)[0] for s in range(self.pipeline_stages)]
+        return [[st[pos] for st in stages] for pos in range(len(stages[0]))]
+
     def stage_of(self, rank: int) -> int:
         """The pipeline stage `rank` computes (0 without pipeline parallelism)."""
         g = self.groups[self.group_of(rank)]
@@ -170,6 +180,15 @@ class HeteroPlan:
             return list(range(self.num_layers))
         ids = [self.moe_index(i) for i in self.stage_model_layers(stage)]
         return [k for k in ids if k is not None]
+
+    def place_evenly(self, groups: Iterable[int]) -> None:
+        """Set the placement of ZP groups `groups`: each MoE layer's experts split evenly
+        (split_evenly) over the expert ranks of its pipeline stage (all of them at one stage)."""
+        E = list(range(self.num_experts))
+        stage = [self.stage_of_layer(l) for l in range(self.num_layers)]
+        for gi in groups:
+            per_stage = [split_evenly(E, self.stage_ranks(gi, s)[1]) for s in range(self.pipeline_stages)]
+            self.groups[gi].placement = [dict(per_stage[stage[l]]) for l in range(self.num_layers)]
 
     def stage_of_layer(self, layer: int) -> int:
         """The pipeline stage of MoE layer `layer`."""
@@ -363,8 +382,8 @@ class HeteroPlan:
         if self.decoder_layers % P:
             raise PlanError(f"plan pipeline_stages={P} does not divide the {self.decoder_layers} decoder layers "
                             f"(Megatron's even split); use a divisor of {self.decoder_layers}")
-        if any(not self.stage_moe_layers(s) for s in range(P)):
-            empty = [s for s in range(P) if not self.stage_moe_layers(s)]
+        empty = [s for s in range(P) if not self.stage_moe_layers(s)]
+        if empty:
             raise PlanError(f"pipeline stage(s) {empty} of {P} hold no MoE layer (dense_layers={self.dense_layers}); "
                             f"their expert ranks would idle: use fewer stages")
         per = P * self.attention_tp
@@ -376,9 +395,7 @@ class HeteroPlan:
             if len(g.expert_ranks) % P or not g.expert_ranks:
                 raise PlanError(f"ZP group {gi} has {len(g.expert_ranks)} expert ranks, not a positive multiple of "
                                 f"pipeline_stages={P}; give each stage the same number of expert ranks")
-            stages = [self.stage_ranks(gi, s)[0] for s in range(P)]
-            for pos in range(len(stages[0])):
-                pipeline = [st[pos] for st in stages]
+            for pipeline in self.attention_pipelines(gi):
                 if pipeline != sorted(pipeline):
                     raise PlanError(f"ZP group {gi}: the pipeline of attention ranks {pipeline} (stage 0 to {P - 1}) does "
                                     f"not ascend; a pipeline's ranks must ascend with its stages (Megatron numbers "
@@ -532,30 +549,17 @@ def even_plan(
     check_plan_size(num_layers, num_experts, groups, groups * P * (M + N), num_microbatches)  # before allocating
     if N > num_experts:
         raise PlanError(f"{N} expert ranks for {num_experts} experts leaves ranks idle; use at most {num_experts}")
-    dense_layers = list(dense_layers or [])
-    model_layers = num_layers + len(dense_layers)
-    if P > 1 and (model_layers - mtp_layers) % P:
-        raise PlanError(f"pipeline_stages={P} does not divide the {model_layers - mtp_layers} decoder layers "
-                        f"(Megatron's even split); use a divisor of {model_layers - mtp_layers}")
-    per_stage = (model_layers - mtp_layers) // P
-    moe_ids = [i for i in range(model_layers) if i not in set(dense_layers)]
     zp = []
-    for g in range(groups):
-        a, x, placement = [], [], []
-        stage_experts = []
-        for st in range(P):
-            base = (g * P + st) * (M + N)
-            a += list(range(base, base + M))
-            stage_experts.append(list(range(base + M, base + M + N)))
-            x += stage_experts[-1]
-        for layer in range(num_layers):
-            st = min(moe_ids[layer] // per_stage, P - 1) if P > 1 else 0
-            placement.append(split_evenly(list(range(num_experts)), stage_experts[st]))
-        zp.append(ZPGroup(a, x, placement))
+    for g in range(groups):  # group by group, stage by stage: M attention ranks, then N expert ranks
+        bases = [(g * P + st) * (M + N) for st in range(P)]
+        zp.append(ZPGroup([r for b in bases for r in range(b, b + M)],
+                          [r for b in bases for r in range(b + M, b + M + N)], []))
     if gpu_types is None:
         gpu_types = ([attention_gpu] * M + [expert_gpu] * N) * (groups * P)
     plan = HeteroPlan(num_layers, num_experts, gpu_types, zp, num_microbatches, schedule,
-                      dense_layers=dense_layers, mtp_layers=mtp_layers, attention_tp=attention_tp,
+                      dense_layers=list(dense_layers or []), mtp_layers=mtp_layers, attention_tp=attention_tp,
                       pipeline_stages=P)
+    plan._validate_stages()  # the layer split, before placing by it
+    plan.place_evenly(range(groups))
     plan.validate()
     return plan

@@ -138,7 +138,8 @@ def zebra_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: I
     if not last_pipeline_stage:
         out += [T("A_F", L, j) for j in range(R)]
     for j in range(R):
-        out += [T("A_F", L, j)] if last_pipeline_stage else []
+        if last_pipeline_stage:
+            out.append(T("A_F", L, j))
         out += [T("A_B", L, j), T("C_B", L - 1, j)]
         if L - 1 not in off:
             out.append(T("D_B", L - 1, j))

@@ -372,6 +372,24 @@ def lower_bound(cost: CostModel, a_gpus: set[str], x_gpus: set[str], t: float, t
     return chain * (1 + (R - 1) / P) * (1 - 1e-9)
 
 
+def check_plan_matches(plan: HeteroPlan, cluster: Cluster, model: ModelConfig) -> None:
+    """PlanError unless `plan` is for this cluster (its ranks and their GPU types) and this model
+    (its MoE layers, dense layers and experts): what the simulator and this model price it on."""
+    if cluster.world_size != plan.world_size:
+        raise PlanError(f"plan has {plan.world_size} ranks but cluster {cluster.name!r} has "
+                        f"{cluster.world_size}; plan for this cluster or pick the matching cluster")
+    ctypes = cluster.gpu_types()
+    for r, t in enumerate(plan.gpu_types):
+        if ctypes[r] != t:
+            raise PlanError(f"rank {r} is {t!r} in the plan but {ctypes[r]!r} in cluster {cluster.name!r}")
+    have = (plan.num_layers, sorted(plan.dense_layers), plan.num_experts)
+    if have != (model.num_moe_layers, model.dense_layers, model.num_experts):
+        def shape(n: int, dense: list[int], e: int) -> str:
+            return f"{n} MoE layers x {e} experts" + (f", dense layers {dense}" if dense else "")
+        raise PlanError(f"plan is for {shape(*have)} but model {model.name!r} has "
+                        f"{shape(model.num_moe_layers, model.dense_layers, model.num_experts)}; plan for this model")
+
+
 def simulate_pipelined(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,
                        schedule: str | None = None) -> PipelineResult:
     """Predicted step of a plan with pipeline stages (any P; P = 1 prices the DistEP chain R
@@ -382,20 +400,7 @@ def simulate_pipelined(plan: HeteroPlan, cost: CostModel, cluster: Cluster, glob
         raise PlanError(f"schedule {schedule!r} with pipeline_stages={plan.pipeline_stages}: the planner prices only "
                         f"DistEP inside pipeline stages (zebra runs there; its stages' point-to-point transfers are not "
                         f"priced yet); price schedule 'distep' or one stage")
-    if cluster.world_size != plan.world_size:
-        raise PlanError(f"plan has {plan.world_size} ranks but cluster {cluster.name!r} has {cluster.world_size}; plan "
-                        f"for this cluster or pick the matching cluster")
-    ctypes = cluster.gpu_types()
-    bad = [r for r, g in enumerate(plan.gpu_types) if ctypes[r] != g]
-    if bad:
-        raise PlanError(f"rank {bad[0]} is {plan.gpu_types[bad[0]]!r} in the plan but {ctypes[bad[0]]!r} in cluster "
-                        f"{cluster.name!r}")
-    m = cost.model
-    if (plan.num_layers, sorted(plan.dense_layers), plan.num_experts) != (m.num_moe_layers, m.dense_layers,
-                                                                          m.num_experts):
-        raise PlanError(f"plan is for {plan.num_layers} MoE layers x {plan.num_experts} experts (dense layers "
-                        f"{sorted(plan.dense_layers)}) but model {m.name!r} has {m.num_moe_layers} x {m.num_experts} "
-                        f"(dense layers {m.dense_layers}); plan for this model")
+    check_plan_matches(plan, cluster, cost.model)
     return price(layout_of_plan(plan), cost, cluster, global_batch)
 
 

@@ -49,7 +49,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from megatron_hetermoe.config import ModelConfig
-from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, ZPGroup, split_evenly
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, ZPGroup
 from megatron_hetermoe.planner import asym_ea, pipeline
 from megatron_hetermoe.planner.baselines import (
     BaselineResult,
@@ -257,11 +257,7 @@ def _build_pipelined_plan(model: ModelConfig, gpu_types: list[str], attn: list[i
     groups = [ZPGroup(attn[g * M:(g + 1) * M], expert[g * N:(g + 1) * N], []) for g in range(G)]
     plan = HeteroPlan(model.num_moe_layers, model.num_experts, list(gpu_types), groups, R, schedule,
                       dense_layers=model.dense_layers, attention_tp=attention_tp, pipeline_stages=P)
-    stage = [plan.stage_of_layer(l) for l in range(model.num_moe_layers)]
-    E = list(range(model.num_experts))
-    for g in range(1 if skeleton else G):
-        per_stage = [split_evenly(E, plan.stage_ranks(g, s)[1]) for s in range(P)]
-        groups[g].placement = [dict(per_stage[stage[l]]) for l in range(model.num_moe_layers)]
+    plan.place_evenly(range(1 if skeleton else G))
     if validate and not skeleton:
         plan.validate()
     return plan

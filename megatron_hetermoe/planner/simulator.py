@@ -38,7 +38,11 @@ from megatron_hetermoe.planner.cluster import (
     rank1_collective_time,
 )
 from megatron_hetermoe.planner.cost_model import CostModel
-from megatron_hetermoe.planner.pipeline import PipelineResult, simulate_pipelined
+from megatron_hetermoe.planner.pipeline import (
+    PipelineResult,
+    check_plan_matches,
+    simulate_pipelined,
+)
 
 STREAM_ID = {"dispatch": 0, "combine": 1}
 
@@ -235,25 +239,13 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
         raise PlanError(f"plan has pipeline_stages={plan.pipeline_stages}: the simulator has no task lists (nor "
                         f"their emulation) with pipeline stages yet; simulate_plan prices such a plan's DistEP with the "
                         f"1F1B step model (planner/pipeline.py), or plan one stage")
-    if cluster.world_size != plan.world_size:
-        raise PlanError(f"plan has {plan.world_size} ranks but cluster {cluster.name!r} has "
-                        f"{cluster.world_size}; plan for this cluster or pick the matching cluster")
-    ctypes = cluster.gpu_types()
-    for r, t in enumerate(plan.gpu_types):
-        if ctypes[r] != t:
-            raise PlanError(f"rank {r} is {t!r} in the plan but {ctypes[r]!r} in cluster {cluster.name!r}")
+    m = cost.model
+    check_plan_matches(plan, cluster, m)  # L counts MoE layers; the dense ones run inside attention stages
     schedule = schedule or plan.schedule
     lister = {"zebra": zebra_tasks, "distep": distep_tasks}.get(schedule)
     if lister is None:
         raise PlanError(f"schedule {schedule!r} is unknown; use 'zebra' or 'distep'")
-    m = cost.model
     L, E, k = plan.num_layers, plan.num_experts, m.moe_router_topk
-    # L counts MoE layers; the dense ones run inside attention stages (cost.stage_time prices them)
-    if (L, sorted(plan.dense_layers), E) != (m.num_moe_layers, m.dense_layers, m.num_experts):
-        def shape(n: int, dense: list[int], e: int) -> str:
-            return f"{n} MoE layers x {e} experts" + (f", dense layers {dense}" if dense else "")
-        raise PlanError(f"plan is for {shape(L, sorted(plan.dense_layers), E)} but model {m.name!r} has "
-                        f"{shape(m.num_moe_layers, m.dense_layers, m.num_experts)}; plan for this model")
     g = plan.groups[group]
     members = g.members
     G, M = len(plan.groups), len(g.attention_ranks)

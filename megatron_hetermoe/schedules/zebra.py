@@ -288,7 +288,6 @@ class AttentionZebra(ZebraRank):
         last), the step's tokens with --calculate-per-token-loss, else None). `seq_shape`:
         (sequence length, micro-batch size), what a pipeline stage after the first receives.
         Nothing of it stays on the rank object (a long run's memory stays flat)."""
-        self.seq_shape = seq_shape
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
         R = len(batches)
@@ -306,8 +305,8 @@ class AttentionZebra(ZebraRank):
         self.contexts: dict[int, StageContext] = {}
         losses: dict[int, torch.Tensor] = {}
         reported: dict[int, dict] = {}
-
-        pipe = _PipelineNeighbours(self.hs, self.stages.gpt.config, self.seq_shape)
+        outputs: dict[int, torch.Tensor] = {}  # a stage before the last: its output of each microbatch
+        pipe = _PipelineNeighbours(self.hs, self.stages.gpt.config, seq_shape)
 
         def leaves_for(s: int, j: int) -> tuple:
             if s == 0:  # the previous pipeline stage's output of microbatch j (none on the first stage)
@@ -333,8 +332,8 @@ class AttentionZebra(ZebraRank):
                     fn = _in_device_scope(lambda *a: self._head(j, batches[j], a))
                     out_tensor = _recomputed(fn, *lv) if self.recompute else fn(*lv)
                     if pipe.next is not None:  # this stage's output of microbatch j, to the next stage
-                        losses[j] = out_tensor
-                        pipe.send(out_tensor.detach(), j)
+                        outputs[j] = out_tensor
+                        pipe.send(out_tensor.detach())
                         return
                     loss, num_tokens, rep = loss_funcs[j](out_tensor)
                     if per_token:
@@ -345,8 +344,8 @@ class AttentionZebra(ZebraRank):
                     reported[j] = rep
             elif t.kind == "A_B":
                 if s == L and pipe.next is not None:  # the next stage's gradient of this stage's output
-                    out = losses.pop(j)
-                    torch.autograd.backward(out, pipe.receive_grad(j, out))
+                    out = outputs.pop(j)
+                    torch.autograd.backward(out, pipe.receive_grad(out))
                 elif s == L:
                     torch.autograd.backward(scale_loss(losses.pop(j)))
                 else:
@@ -397,6 +396,7 @@ class _PipelineNeighbours:
         k = ranks.index(hs.rank)
         self.prev = ranks[k - 1] if k > 0 else None
         self.next = ranks[k + 1] if k + 1 < len(ranks) else None
+        self.last = ranks[-1]
         self.group = hs.megatron_group("pp")
         self.dtype = config.pipeline_dtype or config.params_dtype
         if seq_shape is not None:
@@ -412,10 +412,10 @@ class _PipelineNeighbours:
         self.inputs[j] = buf.requires_grad_()
         return self.inputs[j]
 
-    def send(self, out: torch.Tensor, j: int) -> None:
+    def send(self, out: torch.Tensor) -> None:
         self.sends.append(self.dist.isend(out.contiguous(), dst=self.next, group=self.group))
 
-    def receive_grad(self, j: int, out: torch.Tensor) -> torch.Tensor:
+    def receive_grad(self, out: torch.Tensor) -> torch.Tensor:
         grad = torch.empty_like(out)
         self.dist.recv(grad, src=self.next, group=self.group)
         return grad
@@ -436,8 +436,7 @@ class _PipelineNeighbours:
 
     def share_from_last(self, value: torch.Tensor) -> None:
         """`value` (the step's tokens) as the last stage has it, on every stage of the pipeline."""
-        ranks = self.hs.layout.ranks("pp")
-        self.dist.broadcast(value, src=ranks[-1], group=self.group)
+        self.dist.broadcast(value, src=self.last, group=self.group)
 
 
 class ExpertZebra(ZebraRank):
