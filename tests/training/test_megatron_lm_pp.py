@@ -48,3 +48,26 @@ def test_pretrain_tp2_pp2_trains_evaluates_resumes(mlm, data, tmp_path):
     assert "validation loss at iteration 2 | lm loss value:" in log
     assert sorted(tb_losses(tmp_path / "full", "lm loss validation")) == [2, 3]
     resumes_bitwise(mlm, plan, data, tmp_path, flags, 6, full)
+
+
+@pytest.mark.slow
+def test_pretrain_pp2_with_megatrons_own_defaults(mlm, data, tmp_path):
+    """Megatron's own model defaults at 2 stages (learned absolute positions on the first stage, GeLU,
+    LayerNorm, biased linear layers, embeddings tied between the first and the last stage: their
+    gradients summed over the embedding group): from one plain Megatron EP checkpoint HeterMoE (zebra,
+    2 stages of 1 + 1) continues with plain Megatron's losses."""
+    from megatron_lm_run import CPU, DATA, MEGATRON_DEFAULTS, MODEL, run_losses
+
+    flags = [*MODEL, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", *DATA, *MEGATRON_DEFAULTS,
+             *CPU, "--data-path", data, "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0",
+             "--moe-aux-loss-coeff", "0.01"]
+    ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    ckpt = tmp_path / "ckpt"
+    run_losses(mlm, tmp_path, 2, [*flags, *ep, "--train-iters", "1", "--save", str(ckpt), "--save-interval", "1"],
+               "tb0")
+    cross = ["--train-iters", "3", "--load", str(ckpt), "--no-load-optim", "--no-load-rng"]
+    plain, _ = run_losses(mlm, tmp_path, 2, [*flags, *ep, *cross], "tb1")
+    het, _ = run_losses(mlm, tmp_path, 4, [*flags, *PP, *cross, "--hetero-plan",
+                                           str(_plan(tmp_path / "plan.json", schedule="zebra"))], "tb2")
+    assert sorted(plain) == sorted(het) == [2, 3]
+    assert [het[i] for i in (2, 3)] == pytest.approx([plain[i] for i in (2, 3)], abs=3e-6), (het, plain)
