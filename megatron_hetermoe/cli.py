@@ -48,7 +48,12 @@ def versions() -> str:
             return "not installed"
 
     try:
-        csim = "built" if find_spec("megatron_hetermoe._csim") else "not built (pure-Python simulator)"
+        if not find_spec("megatron_hetermoe._csim"):
+            csim = "not built (pure-Python simulator)"
+        else:
+            from megatron_hetermoe.planner.simulator import have_cpp
+
+            csim = "built" if have_cpp() else "stale (built from an older csrc/simulator.cpp; pure-Python simulator)"
     except ImportError:
         csim = "not built (pure-Python simulator)"
     py = ".".join(map(str, sys.version_info[:3]))

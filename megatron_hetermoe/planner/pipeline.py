@@ -1,13 +1,14 @@
-"""HeterMoE with pipeline stages (plan.pipeline_stages P > 1): the step model and memory rule the
-planner prices such a plan with.
+"""HeterMoE with pipeline stages (plan.pipeline_stages P > 1): the step model of DistEP inside the
+stages and the memory rule the planner prices such a plan with.
 
 What runs (plan/hetero_plan.py, schedules/distep.py): each ZP group is P stages, each stage its
 own M attention + N expert ranks; Megatron's even split of the decoder layers over the stages; a
-layer's experts live on its stage's ranks. Only DistEP runs inside the stages: attention ranks run
-Megatron's non-interleaved 1F1B over the stages (activations cross stages by P2P between
-attention ranks: rank k of stage i to rank k of stage i+1), and each stage's expert ranks mirror
-1F1B for that stage's layers. Zebra, task-list emulation and virtual stages are not built with
-P > 1, so there are no task lists to simulate here.
+layer's experts live on its stage's ranks. Under DistEP attention ranks run Megatron's
+non-interleaved 1F1B over the stages (activations cross stages by P2P between attention ranks:
+rank k of stage i to rank k of stage i+1), and each stage's expert ranks mirror 1F1B for that
+stage's layers; that has no task lists, so it is priced here. Zebra inside the stages runs task
+lists, which the event simulator prices (simulator.build_problem, with this module's pieces,
+p2p_time and post_step). Task-list emulation and virtual stages are not built with P > 1.
 
 Step model (the 1F1B model of planner/HETERO_PP.md, with a DistEP stage):
   * T_i, one microbatch's forward + backward on stage i: DistEP does not overlap attention and
@@ -196,22 +197,31 @@ class PipelineResult:
     detail: dict = field(default_factory=dict)
 
 
-def _p2p(lay: PipelineLayout, cost: CostModel, cluster: Cluster, i: int, t: float) -> float:
-    """Activations of one microbatch from stage i to i+1 and their gradient back: every attention
-    rank sends its t tokens to its counterpart at once; the slowest pair counts."""
+def p2p_time(lay: PipelineLayout, cost: CostModel, cluster: Cluster, i: int, t: float,
+             backward: bool = False) -> float:
+    """One microbatch's activations from stage i to i+1 (backward: their gradient from i+1 back
+    to i): every attention rank sends its t tokens to its counterpart at once; the slowest pair
+    of any group counts."""
     nbytes = t * cost.token_bytes()
     nodes, nics = cluster.node_of(), cluster.nic_gbs()
     seen: dict[tuple, float] = {}
     worst = 0.0
     for g in range(lay.G):
         for src, dst in zip(lay.attention[g][i], lay.attention[g][i + 1]):
+            if backward:
+                src, dst = dst, src
             # pairs alike in GPU types, node sharing and NICs take the same time
             key = (lay.gpu_types[src], lay.gpu_types[dst], nodes[src] == nodes[dst], nics[src], nics[dst])
             if key not in seen:
-                seen[key] = (transfer_time(cluster, cost.profiles, src, dst, nbytes)
-                             + transfer_time(cluster, cost.profiles, dst, src, nbytes))
+                seen[key] = transfer_time(cluster, cost.profiles, src, dst, nbytes)
             worst = max(worst, seen[key])
     return worst
+
+
+def _p2p(lay: PipelineLayout, cost: CostModel, cluster: Cluster, i: int, t: float) -> float:
+    """Activations of one microbatch from stage i to i+1 and their gradient back, one after the
+    other (1F1B does not overlap them with the stage's work)."""
+    return p2p_time(lay, cost, cluster, i, t) + p2p_time(lay, cost, cluster, i, t, backward=True)
 
 
 def stage_times(lay: PipelineLayout, cost: CostModel, cluster: Cluster, global_batch: int) -> list[dict]:
@@ -393,13 +403,12 @@ def check_plan_matches(plan: HeteroPlan, cluster: Cluster, model: ModelConfig) -
 def simulate_pipelined(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,
                        schedule: str | None = None) -> PipelineResult:
     """Predicted step of a plan with pipeline stages (any P; P = 1 prices the DistEP chain R
-    times, which the event simulator's DistEP makespan equals). Refuses what it does not price
-    with pipeline stages: any schedule but DistEP (zebra runs in stages; this model does not price it)."""
+    times, which the event simulator's DistEP makespan equals). DistEP only: zebra inside
+    stages has task lists, which simulator.simulate_plan runs."""
     schedule = schedule or plan.schedule
     if schedule != "distep":
-        raise PlanError(f"schedule {schedule!r} with pipeline_stages={plan.pipeline_stages}: the planner prices only "
-                        f"DistEP inside pipeline stages (zebra runs there; its stages' point-to-point transfers are not "
-                        f"priced yet); price schedule 'distep' or one stage")
+        raise PlanError(f"schedule {schedule!r} with pipeline_stages={plan.pipeline_stages}: the 1F1B model prices "
+                        f"DistEP inside pipeline stages; price zebra with simulator.simulate_plan")
     check_plan_matches(plan, cluster, cost.model)
     return price(layout_of_plan(plan), cost, cluster, global_batch)
 

@@ -41,10 +41,34 @@ from megatron_hetermoe.planner.cost_model import CostModel
 from megatron_hetermoe.planner.pipeline import (
     PipelineResult,
     check_plan_matches,
+    layout_of_plan,
+    p2p_time,
+    post_step,
     simulate_pipelined,
 )
 
-STREAM_ID = {"dispatch": 0, "combine": 1}
+STREAM_ID = {"dispatch": 0, "combine": 1, "P_F": 2, "P_B": 3}  # per pipeline stage: stage * 4 + this
+CSIM_ABI = 2  # the _csim.run arguments this module passes (csrc/simulator.cpp's ABI)
+
+
+@dataclass(frozen=True)
+class PipeTask:
+    """A transfer between pipeline stages, priced only here (the runtime does it inside the attention
+    task that produces or consumes it): P_F, stage `layer`'s output of microbatch j to the next
+    stage (every attention rank to its counterpart); P_B, the gradient of stage `layer`'s input
+    back to the previous stage. Sender and receiver both issue it (a send waits for its receive)."""
+
+    kind: str
+    layer: int  # the sending pipeline stage
+    microbatch: int
+    is_comm = True
+
+    def __repr__(self) -> str:
+        return f"{self.kind}({self.layer},{self.microbatch})"
+
+    @property
+    def stream(self) -> str:
+        return "pipeline"
 
 
 @dataclass
@@ -62,6 +86,7 @@ class SimProblem:
     coll_tasks: list[Task] = field(default_factory=list)
     coll_stream: list[int] = field(default_factory=list)
     coll_dur: list[float] = field(default_factory=list)
+    coll_members: list[int] = field(default_factory=list)  # ranks (representatives) that issue it; empty: all
     post_step: list[float] = field(default_factory=list)  # per representative: grad sync + optimizer
     tokens_per_step: float = 0.0
     _flat: tuple | None = field(default=None, repr=False)  # cache of flat_arrays()
@@ -99,7 +124,8 @@ def run_python(p: SimProblem) -> SimTrace:
     issue_max = [0.0] * nc
     cstart = [0.0] * nc
     cend = [-1.0] * nc
-    stream_free = [0.0, 0.0]
+    members = p.coll_members or [n] * nc
+    stream_free = [0.0] * (max(p.coll_stream, default=-1) + 1)
     pc = [0] * n
     host = [0.0] * n
     start = [[0.0] * len(t) for t in p.tasks]
@@ -116,7 +142,7 @@ def run_python(p: SimProblem) -> SimTrace:
                     issued[c] += 1
                     if h > issue_max[c]:
                         issue_max[c] = h
-                    if issued[c] == n:  # last member issued: all earlier ones on its stream are resolved
+                    if issued[c] == members[c]:  # last member issued: all earlier ones on its stream are resolved
                         s = p.coll_stream[c]
                         t0 = max(issue_max[c], stream_free[s])
                         cstart[c], cend[c] = t0, t0 + p.coll_dur[c]
@@ -155,7 +181,8 @@ def flat_arrays(p: SimProblem) -> tuple:
         offsets[1:] = np.cumsum([len(t) for t in p.tasks])
         cat = lambda rows, dt: np.array(list(chain.from_iterable(rows)), dtype=dt)
         p._flat = (offsets, cat(p.is_comm, np.int64), cat(p.dur, np.float64), cat(p.ref, np.int64),
-                   np.asarray(p.coll_stream, dtype=np.int64), np.asarray(p.coll_dur, dtype=np.float64))
+                   np.asarray(p.coll_stream, dtype=np.int64), np.asarray(p.coll_dur, dtype=np.float64),
+                   np.asarray(p.coll_members or [len(p.tasks)] * len(p.coll_dur), dtype=np.int64))
     return p._flat
 
 
@@ -173,16 +200,17 @@ def run_cpp(p: SimProblem) -> SimTrace:
 @functools.lru_cache(maxsize=None)
 def have_cpp() -> bool:
     try:
-        importlib.import_module("megatron_hetermoe._csim")
-        return True
+        mod = importlib.import_module("megatron_hetermoe._csim")
     except ImportError:
         return False
+    return getattr(mod, "ABI", 1) == CSIM_ABI  # a build from before run() took coll_members is stale
 
 
 @functools.lru_cache(maxsize=None)
 def _python_fallback_notice() -> None:
-    print("hetermoe: the C++ simulator (megatron_hetermoe._csim) is not built; the planner uses the "
-          "pure-Python simulator (same results, slower). Reinstall with a C++ compiler to build it.",
+    print("hetermoe: the C++ simulator (megatron_hetermoe._csim) is not built (or built from an older "
+          "csrc/simulator.cpp); the planner uses the pure-Python simulator (same results, slower). Reinstall "
+          "with a C++ compiler to build it.",
           file=sys.stderr, flush=True)
 
 
@@ -199,8 +227,10 @@ def run(p: SimProblem, engine: str = "auto") -> SimTrace:
 
 # ---------------------------------------------------------------- building a group's problem
 def tokens_per_microbatch(plan: HeteroPlan, global_tokens: float) -> float:
-    """Tokens one attention rank processes per microbatch."""
-    return global_tokens / (len(plan.groups) * len(plan.groups[0].attention_ranks) * plan.num_microbatches)
+    """Tokens one attention rank processes per microbatch (its stage's share: every stage sees
+    every token)."""
+    per_stage = len(plan.groups[0].attention_ranks) // plan.pipeline_stages
+    return global_tokens / (len(plan.groups) * per_stage * plan.num_microbatches)
 
 
 def compute_task_time(cost: CostModel, gpu: str, task: Task, tokens_per_microbatch: float,
@@ -225,60 +255,75 @@ def rank_task_times(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_
     compute task to its time; compare measured step times with simulate_plan's."""
     p = build_problem(plan, cost, cluster, global_batch, schedule, group=plan.group_of(rank), dedup=False)
     i = p.ranks.index(rank)
-    return [(t, p.coll_dur[ref] if c else d) for t, c, d, ref in zip(p.tasks[i], p.is_comm[i], p.dur[i], p.ref[i])]
+    return [(t, p.coll_dur[ref] if c else d) for t, c, d, ref in zip(p.tasks[i], p.is_comm[i], p.dur[i], p.ref[i])
+            if not isinstance(t, PipeTask)]  # the runtime's list: its stage transfers are inside A_F / A_B
 
 
 def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,
                   schedule: str | None = None, group: int = 0, dedup: bool = True) -> SimProblem:
     """The task lists and durations of ZP group `group` for a global batch of `global_batch`
-    sequences of cost.settings.seq_len tokens. A plan with pipeline stages has no task lists
-    here (the stages' point-to-point transfers are not simulated yet, so neither zebra in stages
-    nor their emulation is priced): PlanError; simulate_plan prices its DistEP with
-    planner/pipeline.py's 1F1B model."""
-    if plan.pipeline_stages != 1:
-        raise PlanError(f"plan has pipeline_stages={plan.pipeline_stages}: the simulator has no task lists (nor "
-                        f"their emulation) with pipeline stages yet; simulate_plan prices such a plan's DistEP with the "
-                        f"1F1B step model (planner/pipeline.py), or plan one stage")
-    m = cost.model
-    check_plan_matches(plan, cluster, m)  # L counts MoE layers; the dense ones run inside attention stages
+    sequences of cost.settings.seq_len tokens.
+
+    With pipeline stages (zebra only: DistEP there is Megatron's 1F1B, priced by
+    planner/pipeline.py) each stage's ranks run their stage's lists (plan.tasks.zebra_tasks) and
+    its collectives are over the stage's members, on the stage's own dispatch and combine
+    streams. Stages meet through PipeTasks: a stage before the last sends microbatch j's output
+    at the end of its last attention piece A_F(L_i, j), and the next stage's A_F(0, j) waits for
+    it; the gradient comes back from that stage's A_B(0, j) to A_B(L_i, j). A receiver issues the
+    transfer when it reaches the task that waits for it (a send waits for its receive). The
+    attention pieces are planner/pipeline.py's (stage_pieces): the last piece of a stage before
+    the last does no compute (dense layers after the stage's last MoE layer are priced with that
+    layer's piece); the post-step is pipeline.post_step's."""
+    P = plan.pipeline_stages
     schedule = schedule or plan.schedule
     lister = {"zebra": zebra_tasks, "distep": distep_tasks}.get(schedule)
     if lister is None:
         raise PlanError(f"schedule {schedule!r} is unknown; use 'zebra' or 'distep'")
-    L, E, k = plan.num_layers, plan.num_experts, m.moe_router_topk
+    if P > 1 and schedule != "zebra":
+        raise PlanError(f"schedule {schedule!r} with pipeline_stages={P} has no task lists (DistEP runs Megatron's "
+                        f"1F1B there); simulate_plan prices it with the 1F1B step model (planner/pipeline.py)")
+    m = cost.model
+    check_plan_matches(plan, cluster, m)  # L counts MoE layers; the dense ones run inside attention stages
+    E, k = plan.num_experts, m.moe_router_topk
     g = plan.groups[group]
-    members = g.members
-    G, M = len(plan.groups), len(g.attention_ranks)
+    G = len(plan.groups)
+    lay = layout_of_plan(plan) if P > 1 else None
     global_tokens = float(global_batch) * cost.settings.seq_len
     t_mb = tokens_per_microbatch(plan, global_tokens)
-    per_expert_tokens = M * t_mb * k / E  # balanced routing: every expert gets the same share
-    counts = {r: [len(g.placement[l].get(r, [])) for l in range(L)] for r in members}
-    role = {r: plan.role(r) for r in members}
-
-    # collectives: one per (kind, layer, microbatch); durations from the bipartite byte matrix
-    links = Links.for_ranks(cluster, members, cost.profiles)
     tb = cost.token_bytes()
     resend = cost.settings.expert_recompute == "resend-inputs"
-    s_tok = [t_mb if role[r] == "attention" else 0.0 for r in members]
-    layer_dur = []
-    seen: dict[tuple, dict] = {}
-    for l in range(L):
-        key = tuple(counts[r][l] for r in members)
-        if key not in seen:
-            w = [c / E for c in key]
-            fwd = rank1_collective_time(links, s_tok, w, k * tb)  # D_F and C_B
-            bwd = rank1_collective_time(links, w, s_tok, k * tb)  # C_F and D_B (transposed)
-            # expert holders that kept no inputs get them again with the output gradient
-            c_b = rank1_collective_time(links, s_tok, w, 2 * k * tb) if resend else fwd
-            seen[key] = {"D_F": fwd, "C_B": c_b, "C_F": bwd, "D_B": bwd}
-        layer_dur.append(seen[key])
+    stage = {r: plan.stage_of(r) for r in g.members}
+    role = {r: plan.role(r) for r in g.members}
+    layers = [plan.stage_moe_layers(i) for i in range(P)]  # a stage's task-list layer k is MoE layer layers[i][k]
+    counts = {r: [len(g.placement[l].get(r, [])) for l in layers[stage[r]]] for r in g.members}
+
+    # collectives: one per (stage, kind, layer, microbatch); durations from the bipartite byte matrix
+    layer_dur: list[list[dict]] = []  # [stage][k]
+    for i in range(P):
+        members = plan.stage_members(group, i)
+        links = Links.for_ranks(cluster, members, cost.profiles)
+        s_tok = [t_mb if role[r] == "attention" else 0.0 for r in members]
+        per_layer, seen = [], {}
+        for kk in range(len(layers[i])):
+            key = tuple(counts[r][kk] for r in members)
+            if key not in seen:
+                w = [c / E for c in key]
+                fwd = rank1_collective_time(links, s_tok, w, k * tb)  # D_F and C_B
+                bwd = rank1_collective_time(links, w, s_tok, k * tb)  # C_F and D_B (transposed)
+                # expert holders that kept no inputs get them again with the output gradient
+                c_b = rank1_collective_time(links, s_tok, w, 2 * k * tb) if resend else fwd
+                seen[key] = {"D_F": fwd, "C_B": c_b, "C_F": bwd, "D_B": bwd}
+            per_layer.append(seen[key])
+        layer_dur.append(per_layer)
+    # between stage b and b + 1: (b, False) the activations forward, (b, True) their gradient back
+    p2p = {(b, bwd): p2p_time(lay, cost, cluster, b, t_mb, bwd) for b in range(P - 1) for bwd in (False, True)}
 
     # representatives
     keys: dict[tuple, int] = {}
     reps: list[int] = []
     mult: list[int] = []
-    for r in members:
-        key = (role[r], plan.gpu_types[r], tuple(counts[r])) if dedup else (r,)
+    for r in g.members:
+        key = (stage[r], role[r], plan.gpu_types[r], tuple(counts[r])) if dedup else (r,)
         if key in keys:
             mult[keys[key]] += 1
         else:
@@ -291,47 +336,84 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
                       tokens_per_step=global_tokens)
     coll_id: dict[tuple, int] = {}  # keyed by the task's fields: a tuple hashes far faster than the dataclass
 
-    def cid(t: Task) -> int:
-        key = (t.kind, t.layer, t.microbatch)
-        i = coll_id.get(key)
-        if i is None:
-            i = coll_id[key] = len(prob.coll_dur)
+    def cid(i: int, t: Task | PipeTask) -> int:
+        # a stage's collective, or a transfer (its sender and receiver are on two stages)
+        key = (-1 if isinstance(t, PipeTask) else i, t.kind, t.layer, t.microbatch)
+        c = coll_id.get(key)
+        if c is None:
+            c = coll_id[key] = len(prob.coll_dur)
             prob.coll_tasks.append(t)
-            prob.coll_stream.append(STREAM_ID[t.stream])
-            prob.coll_dur.append(layer_dur[t.layer][t.kind])
-        return i
+            prob.coll_members.append(0)
+            if isinstance(t, PipeTask):  # keyed and streamed by the sending stage
+                prob.coll_stream.append(4 * t.layer + STREAM_ID[t.kind])
+                back = t.kind == "P_B"
+                prob.coll_dur.append(p2p[(t.layer - back, back)])
+            else:
+                prob.coll_stream.append(4 * i + STREAM_ID[t.stream])
+                prob.coll_dur.append(layer_dur[i][t.layer][t.kind])
+        return c
 
+    M_stage = len(plan.stage_ranks(group, 0)[0])
+    per_expert_tokens = M_stage * t_mb * k / E  # balanced routing: every expert gets the same share
     cache: dict[tuple, float] = {}
 
     def compute_dur(r: int, t: Task) -> float:
-        key = (plan.gpu_types[r], t.kind, t.layer, counts[r][t.layer] if t.kind[0] in "XE" else 0)
+        i = stage[r]
+        key = (plan.gpu_types[r], i, t.kind, t.layer, counts[r][t.layer] if t.kind[0] in "XE" else 0)
         if key not in cache:
-            cache[key] = compute_task_time(cost, plan.gpu_types[r], t, t_mb, key[3], per_expert_tokens,
-                                           plan.attention_tp)
+            if lay is None or t.kind[0] != "A":
+                cache[key] = compute_task_time(cost, plan.gpu_types[r], t, t_mb, key[4], per_expert_tokens,
+                                               plan.attention_tp)
+            elif t.layer < len(lay.pieces[i]):  # the stage's piece t.layer (its last only on the last stage)
+                s, d = lay.pieces[i][t.layer]
+                cache[key] = cost.stage_time(plan.gpu_types[r], s, t_mb, t.kind == "A_B", plan.attention_tp, dense=d)
+            else:  # a stage's last piece before the last stage: only the send of its output
+                cache[key] = 0.0
         return cache[key]
 
     for r in reps:
-        tl = lister(plan, r)
+        i, n_local = stage[r], len(layers[stage[r]])
+        tl: list = []
+        for t in lister(plan, r):
+            if lay is not None and role[r] == "attention":
+                if i > 0 and t.kind == "A_F" and t.layer == 0:
+                    tl.append(PipeTask("P_F", i - 1, t.microbatch))  # receive the previous stage's output
+                if i < P - 1 and t.kind == "A_B" and t.layer == n_local:
+                    tl.append(PipeTask("P_B", i + 1, t.microbatch))  # receive the next stage's gradient
+            tl.append(t)
+            if lay is not None and role[r] == "attention":
+                if i < P - 1 and t.kind == "A_F" and t.layer == n_local:
+                    tl.append(PipeTask("P_F", i, t.microbatch))
+                if i > 0 and t.kind == "A_B" and t.layer == 0:
+                    tl.append(PipeTask("P_B", i, t.microbatch))
         ic, du, rf = [], [], []
-        for t in tl:
+        for n_t, t in enumerate(tl):
             if t.is_comm:
+                c = cid(i, t)
+                prob.coll_members[c] += 1
                 ic.append(1)
                 du.append(0.0)
-                rf.append(cid(t))
+                rf.append(c)
             else:
                 ic.append(0)
                 du.append(compute_dur(r, t))
-                dep = inputs(t, L)
-                rf.append(cid(dep) if dep is not None else -1)
+                dep = inputs(t, n_local)
+                if dep is None and n_t > 0 and isinstance(tl[n_t - 1], PipeTask):
+                    dep = tl[n_t - 1]  # a stage's first piece, or its last piece's backward
+                rf.append(cid(i, dep) if dep is not None else -1)
         prob.tasks.append(tl)
         prob.is_comm.append(ic)
         prob.dur.append(du)
         prob.ref.append(rf)
 
+    if lay is not None:
+        prob.post_step = [post_step(lay, cost, cluster)] * len(reps)  # stages step at once; the slowest counts
+        return prob
     # after the lists: grad all-reduce and optimizer step, per representative (an attention rank's
     # non-expert parameters include dense layers' MLPs and shared experts). Under attention_tp the
     # dense gradients are all-reduced over the members (rank i of every member: its shard of them,
     # non_expert_params_per_rank) and each rank steps its shard.
+    members = g.members
     tp = plan.attention_tp
     attn_all = plan.attention_ranks
     grad_bytes = cost.settings.dtype_bytes
@@ -370,14 +452,14 @@ def result_of(p: SimProblem, tr: SimTrace, keep: bool = False) -> SimResult:
 def simulate_plan(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,
                   schedule: str | None = None, engine: str = "auto", dedup: bool = True,
                   keep_trace: bool = False) -> SimResult | PipelineResult:
-    """Predicted step of `plan` (its own schedule unless `schedule` is given). A plan with
-    pipeline stages (pipeline_stages > 1) is priced by planner/pipeline.py's model (DistEP inside
-    the stages, Megatron's 1F1B across them; a PipelineResult); any other schedule, or a trace,
-    is refused for it (PlanError)."""
-    if plan.pipeline_stages != 1:
+    """Predicted step of `plan` (its own schedule unless `schedule` is given). With pipeline
+    stages (pipeline_stages > 1) zebra runs its stages' task lists here (build_problem); DistEP
+    is priced by planner/pipeline.py's model (Megatron's 1F1B across the stages; a
+    PipelineResult, which has no trace: keep_trace is refused)."""
+    if plan.pipeline_stages != 1 and (schedule or plan.schedule) == "distep":
         if keep_trace:
-            raise PlanError(f"plan has pipeline_stages={plan.pipeline_stages}: there are no task lists to trace (the "
-                            f"1F1B model prices whole stages); drop keep_trace")
+            raise PlanError(f"plan has pipeline_stages={plan.pipeline_stages} under DistEP: there are no task lists to "
+                            f"trace (the 1F1B model prices whole stages); drop keep_trace")
         return simulate_pipelined(plan, cost, cluster, global_batch, schedule)
     p = build_problem(plan, cost, cluster, global_batch, schedule, dedup=dedup)
     return result_of(p, run(p, engine), keep_trace)

@@ -1,0 +1,164 @@
+"""The event simulator runs zebra inside pipeline stages (issue 28 item 2): each stage's task lists
+over its own MoE layers and collectives over its own members, stages meeting through the
+activations (P_F) and gradients (P_B) their attention ranks exchange.
+
+Hand check: with one microbatch there is nothing to overlap, so zebra is the DistEP chain, which
+the 1F1B model prices independently (planner/pipeline.py) and which is the one-stage chain plus
+the two transfers. Then the trace against the lists' dependencies at 2 and 4 stages (Asym-EA in
+a stage included), the C++ core against the Python reference, and the refusals that remain.
+"""
+import random
+
+import pytest
+
+from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.plan.hetero_plan import PlanError, even_plan
+from megatron_hetermoe.plan.tasks import Task, inputs, zebra_tasks
+from megatron_hetermoe.planner import pipeline
+from megatron_hetermoe.planner.cluster import Cluster
+from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
+from megatron_hetermoe.planner.profiles import load_profiles
+from megatron_hetermoe.planner.simulator import (
+    PipeTask,
+    build_problem,
+    have_cpp,
+    rank_task_times,
+    run_cpp,
+    run_python,
+    simulate_plan,
+)
+
+S = 1024
+SMALL = ModelConfig(name="pp-small", num_layers=8, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=2048,
+                    moe_ffn_hidden_size=512, num_experts=8, moe_router_topk=2, vocab_size=1000, seq_length=S)
+GPUS = ("A40", "V100-16GB")
+
+
+def cost(model: ModelConfig = SMALL) -> CostModel:
+    return CostModel(model, load_profiles(set(GPUS)), TrainSettings(S))
+
+
+def zplan(P: int, R: int, M: int = 1, N: int = 1, model: ModelConfig = SMALL):
+    plan = even_plan(model.num_layers, model.num_experts, M, N, attention_gpu=GPUS[0], expert_gpu=GPUS[1],
+                     num_microbatches=R, pipeline_stages=P, schedule="zebra")
+    return plan, Cluster.from_gpu_types(f"own-nodes-{P}-{M}-{N}", plan.gpu_types, gpus_per_node=1)
+
+
+def test_one_microbatch_in_stages_is_the_distep_chain():
+    """R = 1: zebra at 2 stages = the 1F1B model's DistEP at 2 stages = the one-stage chain + the
+    activations' and the gradient's transfer (each S tokens x h x 2 bytes at the 12.5 GB/s NIC)."""
+    c = cost()
+    plan, cl = zplan(2, 1)
+    z = simulate_plan(plan, c, cl, 1, engine="python")
+    d = simulate_plan(plan, c, cl, 1, schedule="distep")
+    assert z.makespan_s == pytest.approx(d.makespan_s, rel=1e-12)
+    assert z.step_time_s == pytest.approx(d.step_time_s, rel=1e-12)  # the same post-step
+    one, cl1 = zplan(1, 1)
+    chain = simulate_plan(one, c, cl1, 1, engine="python").makespan_s
+    prof = load_profiles(set(GPUS))
+    lat = cl.network_latency_us * 1e-6 + max(prof[g].link_latency_us for g in GPUS) * 1e-6
+    assert z.makespan_s == pytest.approx(chain + 2 * (lat + S * 1024 * 2 / 12.5e9), rel=1e-12)
+
+
+def _offloaded(plan):
+    """Asym-EA inside the last stage: its first attention rank holds expert 0 of the stage's first MoE layer."""
+    P = plan.pipeline_stages
+    att, exp = plan.stage_ranks(0, P - 1)
+    layer = plan.stage_moe_layers(P - 1)[0]
+    g = plan.groups[0]
+    rest = [e for r in exp for e in g.placement[layer].get(r, []) if e != 0]
+    g.placement[layer] = {att[0]: [0], **{r: rest[i::len(exp)] for i, r in enumerate(exp)}}
+    plan.validate()
+    return plan
+
+
+@pytest.mark.parametrize("P,R,M,N,offload", [(2, 3, 1, 1, False), (2, 2, 2, 2, True), (4, 3, 1, 2, True)])
+def test_trace_follows_the_stage_lists(P, R, M, N, offload):
+    """Every rank runs its stage's zebra list in order (plus the transfers, issued where it produces
+    or first needs them); compute waits for its inputs; a stage's collectives are over its members,
+    one at a time per stream; a stage's first piece waits for the previous stage's output of that
+    microbatch, its last piece's backward for the next stage's gradient."""
+    plan, cl = zplan(P, R, M, N)
+    if offload:
+        _offloaded(plan)
+    c = cost()
+    res = simulate_plan(plan, c, cl, R * M, dedup=False, keep_trace=True, engine="python")
+    coll: dict = {}
+    issued: dict = {}
+    for r in range(plan.world_size):
+        stage = plan.stage_of(r)
+        L = len(plan.stage_moe_layers(stage))
+        trace = res.trace_of(r)
+        assert [t for t, _, _ in trace if not isinstance(t, PipeTask)] == zebra_tasks(plan, r)
+        ends = {t: e for t, _, e in trace}
+        prev_end = 0.0
+        for n, (t, s, e) in enumerate(trace):
+            if t.is_comm:
+                key = ("pipe", t) if isinstance(t, PipeTask) else (stage, t)
+                assert coll.setdefault(key, (s, e)) == (s, e)  # one transfer, the same times on every member
+                issued.setdefault(key, []).append(prev_end)
+                continue
+            assert s >= prev_end - 1e-15
+            dep = inputs(t, L)
+            if dep is not None:
+                assert s >= ends[dep] - 1e-15
+            if plan.role(r) == "attention" and t == Task("A_F", 0, t.microbatch) and stage > 0:
+                assert s >= ends[PipeTask("P_F", stage - 1, t.microbatch)] - 1e-15
+            if plan.role(r) == "attention" and t == Task("A_B", L, t.microbatch) and stage < P - 1:
+                assert s >= ends[PipeTask("P_B", stage + 1, t.microbatch)] - 1e-15
+            prev_end = e
+    for key, times in issued.items():
+        assert coll[key][0] >= max(times) - 1e-15  # starts when its last member issued it
+        if key[0] == "pipe":
+            assert len(times) == 2 * M  # the stage's M attention ranks and their M counterparts
+        else:
+            assert len(times) == M + N  # the stage's members, no one else
+    streams: dict = {}
+    for key, span in coll.items():
+        t = key[1]
+        sid = (key[0], t.stream) if key[0] != "pipe" else ("pipe", t.kind, t.layer)
+        streams.setdefault(sid, []).append(span)
+    for spans in streams.values():
+        spans.sort()
+        assert all(a[1] <= b[0] + 1e-15 for a, b in zip(spans, spans[1:]))
+    assert res.makespan_s == pytest.approx(max(e for r in range(plan.world_size) for _, _, e in res.trace_of(r)))
+
+
+def test_dedup_changes_no_time_in_stages():
+    plan, cl = zplan(2, 4, 2, 2)
+    c = cost()
+    a = simulate_plan(plan, c, cl, 8, dedup=True, engine="python")
+    b = simulate_plan(plan, c, cl, 8, dedup=False, engine="python")
+    assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-12)
+    assert a.utilization == pytest.approx(b.utilization, rel=1e-12)
+
+
+@pytest.mark.skipif(not have_cpp(), reason="C++ core not built (python setup.py build_ext --inplace)")
+@pytest.mark.parametrize("seed", range(6))
+def test_cpp_matches_python_in_stages(seed):
+    rnd = random.Random(seed)
+    P = rnd.choice([2, 4])
+    plan, cl = zplan(P, rnd.randint(1, 4), rnd.randint(1, 2), rnd.randint(1, 3))
+    if rnd.random() < 0.5:
+        _offloaded(plan)
+    p = build_problem(plan, cost(), cl, plan.num_microbatches * 2, dedup=rnd.random() < 0.5)
+    a, b = run_python(p), run_cpp(p)
+    assert a.start == b.start and a.end == b.end and a.coll_start == b.coll_start and a.coll_end == b.coll_end
+
+
+def test_rank_task_times_are_the_runtime_list():
+    """The runtime does a stage's transfers inside its attention tasks: no PipeTask in the list."""
+    plan, cl = zplan(2, 2)
+    for r in range(plan.world_size):
+        assert [t for t, _ in rank_task_times(plan, cost(), cl, 2, r)] == zebra_tasks(plan, r)
+
+
+def test_distep_in_stages_has_no_task_lists():
+    plan, cl = zplan(2, 2)
+    c = cost()
+    with pytest.raises(PlanError, match="has no task lists"):
+        build_problem(plan, c, cl, 2, schedule="distep")
+    with pytest.raises(PlanError, match="no task lists to trace"):
+        simulate_plan(plan, c, cl, 2, schedule="distep", keep_trace=True)
+    with pytest.raises(PlanError, match="price zebra with simulator.simulate_plan"):
+        pipeline.simulate_pipelined(plan, c, cl, 2)
