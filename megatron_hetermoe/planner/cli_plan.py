@@ -12,7 +12,7 @@
                 [--expert-recompute auto|off|keep-inputs|resend-inputs] [--attention-tp T]
                 [--pipeline-stages P] [--distributed-optimizer]
       searches ZP group shape, attention TP size, pipeline stages (P > 1: DistEP inside the
-      stages, Megatron's 1F1B across them), R, expert placement and what expert ranks keep
+      stages with Megatron's 1F1B across them, or zebra inside them), R, expert placement and what expert ranks keep
       for backward;
       prints every strategy's predicted step.
   hetermoe plan [--even ... | --cluster CLUSTER ...] -- <pretrain_gpt.py flags>
@@ -72,7 +72,8 @@ def _parser() -> argparse.ArgumentParser:
                    "1, 2, 4 and 8 where they divide the heads and fit in a node)")
     p.add_argument("--pipeline-stages", type=int, default=None,
                    help="P: pipeline stages of each ZP group (Megatron's --pipeline-model-parallel-size; the decoder "
-                   "layers split evenly; each stage its own attention and expert ranks, DistEP inside the stages). "
+                   "layers split evenly; each stage its own attention and expert ranks; with --cluster DistEP or zebra inside "
+                   "the stages, as the search picks). "
                    "With --even: the plan's P (default 1; --attention-ranks and --expert-ranks are then per stage); "
                    "with --cluster: search only this P (default: 1, 2, 4 and 8 where they divide the layers and "
                    "the ZP group)")

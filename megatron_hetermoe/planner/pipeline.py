@@ -137,9 +137,11 @@ class PipelineLayout:
         return self.attention[group][stage] + self.experts[group][stage]
 
 
-def layout_of_plan(plan: HeteroPlan) -> PipelineLayout:
-    """The layout of a (validated) plan, any pipeline_stages."""
-    plan.validate()
+def layout_of_plan(plan: HeteroPlan, validate: bool = True) -> PipelineLayout:
+    """The layout of a plan, any pipeline_stages (validated first unless `validate` is False: the
+    search's skeleton plans place group 0 only, which is all the layout reads)."""
+    if validate:
+        plan.validate()
     P, G = plan.pipeline_stages, len(plan.groups)
     moe_ids = plan.moe_layer_ids
     layers, pieces = stage_pieces(moe_ids, plan.decoder_layers, P)
@@ -304,14 +306,16 @@ def post_step(lay: PipelineLayout, cost: CostModel, cluster: Cluster) -> float:
     return post
 
 
-def pipeline_memory(lay: PipelineLayout, cost: CostModel, global_batch: int) -> list[dict]:
+def pipeline_memory(lay: PipelineLayout, cost: CostModel, global_batch: int, zebra: bool = False) -> list[dict]:
     """Per stage: live microbatches, and the peak bytes of its attention and expert ranks (the
-    largest of each role in group 0) with the usable memory of their GPU type (module docstring)."""
+    largest of each role in group 0) with the usable memory of their GPU type (module docstring).
+    `zebra`: zebra inside the stages, where every stage keeps all R microbatches alive (each runs
+    all its forwards before a backward, plan.tasks.zebra_tasks)."""
     t, tpe = _tokens(lay, cost, global_batch)
     members_dp = lay.G * len(lay.attention[0][0]) // lay.tp
     out = []
     for i in range(lay.P):
-        alive = live_microbatches(lay.P, i, lay.R)
+        alive = lay.R if zebra else live_microbatches(lay.P, i, lay.R)
         n_att, n_exp = len(lay.attention[0][i]), len(lay.experts[0][i])
         held = lay.totals[i]  # experts of all the stage's layers, per member
         per = cost.per_expert_bytes(tpe, alive, lay.G)
@@ -332,10 +336,12 @@ def pipeline_memory(lay: PipelineLayout, cost: CostModel, global_batch: int) -> 
     return out
 
 
-def memory_shortfall(lay: PipelineLayout, cost: CostModel, global_batch: int) -> tuple[float, str] | None:
-    """None if every rank fits, else (GiB over, why) for the rank furthest over."""
+def memory_shortfall(lay: PipelineLayout, cost: CostModel, global_batch: int,
+                     zebra: bool = False) -> tuple[float, str] | None:
+    """None if every rank fits (DistEP's 1F1B, or `zebra` inside the stages), else (GiB over, why)
+    for the rank furthest over."""
     worst = None
-    for row in pipeline_memory(lay, cost, global_batch):
+    for row in pipeline_memory(lay, cost, global_batch, zebra):
         for role in ("attention", "expert"):
             x = row.get(role)
             if x is None or x["bytes"] <= x["usable"]:
@@ -380,6 +386,33 @@ def lower_bound(cost: CostModel, a_gpus: set[str], x_gpus: set[str], t: float, t
     exp = min(cost.expert_time(g, tpe, False) + cost.expert_time(g, tpe, True) for g in x_gpus)
     chain = attn + per_rank_experts * exp
     return chain * (1 + (R - 1) / P) * (1 - 1e-9)
+
+
+def zebra_lower_bound(cost: CostModel, a_gpus: set[str], x_gpus: set[str], t: float, tpe: float,
+                      experts_per_layer: int, lay: PipelineLayout) -> float:
+    """A lower bound on the event simulator's step of zebra inside the stages (no task lists built),
+    from the order of plan.tasks.zebra_tasks. A stage after the first starts when the one before
+    has run every forward piece but its last for all R microbatches (its first output leaves with
+    its last piece), and its experts every layer but the last; a stage before the last starts its
+    backward when the next has run every backward piece but its first for all R (its experts every
+    layer but the first). So the stages' forward phases, then their backward phases, follow one
+    another, each at least its attention rank's or its busiest expert rank's compute in it
+    (`experts_per_layer` experts of `tpe` tokens each; the fastest type of each role); the last
+    stage's two phases are priced as one (its head runs between them)."""
+    R, P = lay.R, lay.P
+
+    def attention(i: int, backward: bool) -> float:
+        return min(sum(cost.stage_time(g, s, t, backward, lay.tp, dense=d) for n, (s, d) in enumerate(lay.pieces[i])
+                       if not backward or i == 0 or n > 0) for g in a_gpus)
+
+    def experts(i: int, backward: bool) -> float:
+        per = min(cost.expert_time(g, tpe, backward) for g in x_gpus)
+        return (len(lay.layers[i]) - 1) * experts_per_layer * per
+
+    tot = sum(max(attention(i, b), experts(i, b)) for i in range(P - 1) for b in (False, True))
+    last = P - 1
+    tot += max(attention(last, False) + attention(last, True), experts(last, False) + experts(last, True))
+    return R * tot * (1 - 1e-9)
 
 
 def check_plan_matches(plan: HeteroPlan, cluster: Cluster, model: ModelConfig) -> None:

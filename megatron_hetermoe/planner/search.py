@@ -25,13 +25,13 @@ and 'keep-inputs' (models/experts.py run_local_experts) and refuses a 'resend-in
 name (parallel/state.py).
 Pipeline stages (plan.pipeline_stages P in PIPELINE_STAGES, where P divides the decoder layers,
 every stage gets an MoE layer and P divides both sides of a ZP group): each group is P stages of
-M attention + N expert ranks (as even_plan lays them out), run under DistEP inside the stages and
-Megatron's 1F1B across them (zebra also runs in stages, but its stage P2P is not priced yet); no Asym-EA. Such a candidate is
-priced by planner/pipeline.py (its 1F1B step model and per-stage memory rule, 1F1B keeping
-min(P - i, R) microbatches alive on stage i) and skipped when pipeline.lower_bound cannot beat
-the best DistEP step so far. The DistEP row stays the paper's one-stage DistEP; the planner's pick
-is the fastest of every zebra variant and DistEP at every P searched (detail["pipeline_stages"],
-detail["best_by_pipeline_stages"]).
+M attention + N expert ranks (as even_plan lays them out), no Asym-EA, run two ways: DistEP inside
+the stages and Megatron's 1F1B across them, priced by planner/pipeline.py (its 1F1B step model and
+per-stage memory rule, 1F1B keeping min(P - i, R) microbatches alive on stage i); and zebra inside
+the stages, its task lists run by the event simulator (every stage keeps all R microbatches
+alive). Each is skipped when its bound (pipeline.lower_bound, pipeline.zebra_lower_bound) cannot
+beat the best step so far. The DistEP and zebra rows stay one stage; the planner's pick is the
+fastest of every zebra variant and DistEP at every P searched (detail["pipeline_stages"]).
 When a role split has no candidate that fits (or none that divides the batch), the strategy's
 prediction names it in detail["excluded_layouts"] ({layout name: reason}); a strategy that
 falls back to a slower layout at a larger batch says why there (e.g. O1, D1, 20K tokens, expert
@@ -77,6 +77,7 @@ ZEBRA_GREEDY = "Zebra + Asym-EA (paper's greedy)"
 ZEBRA_NO_EA = "Zebra (no Asym-EA)"
 DISTEP = "DistEP"
 DISTEP_PP = "DistEP with pipeline stages"  # P > 1: no row of its own; a candidate for the pick
+ZEBRA_PP = "Zebra with pipeline stages"  # P > 1, no Asym-EA: likewise
 
 
 @dataclass
@@ -247,9 +248,8 @@ def _build_pipelined_plan(model: ModelConfig, gpu_types: list[str], attn: list[i
     if any(k):
         raise PlanError(f"experts on attention ranks (Asym-EA, {list(k)}) with pipeline_stages={P}: the planner builds "
                         f"pipeline stages without Asym-EA; use k all 0")
-    if schedule != "distep":
-        raise PlanError(f"schedule {schedule!r} with pipeline_stages={P}: the planner prices only DistEP inside pipeline "
-                        f"stages (zebra runs there, its stages' point-to-point transfers are not priced yet)")
+    if schedule not in ("distep", "zebra"):
+        raise PlanError(f"schedule {schedule!r} is unknown; use 'zebra' or 'distep'")
     if len(attn) % (G * P) or len(expert) % (G * P):
         raise PlanError(f"{len(attn)} attention and {len(expert)} expert ranks do not split into {G} ZP groups of {P} "
                         f"pipeline stages")
@@ -421,9 +421,9 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     (default ATTENTION_TP; a candidate with TP > 1 holds no experts on attention ranks, so only
     zebra without Asym-EA and DistEP use it). `distributed_optimizer`: price Megatron's
     --use-distributed-optimizer (optimizer state sharded over each parameter's replicas).
-    `pipeline_stages`: the pipeline sizes to try (default PIPELINE_STAGES; module docstring): zebra
-    and the DistEP row are one stage (searched when 1 is in it), P > 1 runs DistEP in the stages
-    and competes for the pick."""
+    `pipeline_stages`: the pipeline sizes to try (default PIPELINE_STAGES; module docstring): the
+    zebra and DistEP rows are one stage (searched when 1 is in it), P > 1 runs DistEP or zebra in
+    the stages and competes for the pick."""
     if asym not in ("optimal", "greedy", "none"):
         raise ValueError(f"asym={asym!r}; use 'optimal', 'greedy' or 'none'")
     if expert_recompute != "auto" and expert_recompute not in EXPERT_RECOMPUTE:
@@ -454,7 +454,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
             names[key] = layout_name(types, cand.attention_ranks, cand.expert_ranks, cand.P)
         return names[key]
 
-    variants = (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP, DISTEP_PP)
+    variants = (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP, DISTEP_PP, ZEBRA_PP)
     fitted: dict[str, set[str]] = {n: set() for n in variants}  # layouts with a candidate that fits
     why: dict[str, dict[str, tuple[float, str]]] = {n: {} for n in variants}  # layout -> (shortfall, why)
 
@@ -469,12 +469,33 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         x_gpus = {types[r] for r in cand.expert_ranks[:N]}
         lb = pipeline.lower_bound(c, a_gpus, x_gpus, t, M * t * model.moe_router_topk / model.num_experts,
                                   model.num_moe_layers * math.ceil(model.num_experts / N), cand.P, cand.R, cand.tp)
-        steps = [best[n][0] for n in (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP, DISTEP_PP) if n in best]
+        steps = [best[n][0] for n in variants if n in best]
         if steps and lb >= min(steps):
             return  # cannot beat the pick so far
         res = pipeline.price(lay, c, cluster, global_batch)
         if DISTEP_PP not in best or res.step_time_s < best[DISTEP_PP][0]:
             best[DISTEP_PP] = (res.step_time_s, res, cand, [0] * model.num_moe_layers, "distep", level)
+
+    def consider_zebra_pipelined(cand: Candidate, lay: pipeline.PipelineLayout, level: str) -> None:
+        """Zebra inside P > 1 stages, no Asym-EA, that fits: its task lists simulated unless its
+        bound cannot beat the best step of any strategy the pick takes."""
+        fitted[ZEBRA_PP].add(layout_of(cand))
+        c = costs[level]
+        M, N = cand.stage_shape
+        t = global_batch * c.settings.seq_len / (cand.G * M * cand.R)
+        lb = pipeline.zebra_lower_bound(c, {types[r] for r in cand.attention_ranks[:M]},
+                                        {types[r] for r in cand.expert_ranks[:N]}, t,
+                                        M * t * model.moe_router_topk / model.num_experts,
+                                        math.ceil(model.num_experts / N), lay)
+        steps = [best[n][0] for n in variants if n in best]
+        if steps and lb >= min(steps):
+            return
+        k = [0] * model.num_moe_layers
+        plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, "zebra",
+                          skeleton=True, attention_tp=cand.tp, pipeline_stages=cand.P)
+        res = simulate_plan(plan, c, cluster, global_batch, engine=engine)
+        if ZEBRA_PP not in best or res.step_time_s < best[ZEBRA_PP][0]:
+            best[ZEBRA_PP] = (res.step_time_s, res, cand, k, "zebra", level)
 
     def consider(name: str, cand: Candidate, k: list[int], schedule: str, level: str) -> None:
         fitted[name].add(layout_of(cand))
@@ -506,15 +527,17 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                     f"gets whole sequences){nor}; use a multiple of {fewest}")
     cands = candidates(cluster, model, global_batch, max_microbatches, seq_len, tp_try, p_try)
     for cand in cands:
-        if cand.P > 1:  # DistEP in P stages, no Asym-EA: the lightest level at which every rank fits
+        if cand.P > 1:  # DistEP and zebra in P stages, no Asym-EA: each at the lightest level at which every rank fits
             lay = pipeline.even_layout(cost.model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.P,
                                        cand.R, cand.tp)
-            for level in levels:
-                short = pipeline.memory_shortfall(lay, costs[level], global_batch)
-                if short is None:
-                    consider_pipelined(cand, lay, level)
-                    break
-                refuse((DISTEP_PP,), cand, short)
+            for name, zebra, consider_it in ((DISTEP_PP, False, lambda lv: consider_pipelined(cand, lay, lv)),
+                                             (ZEBRA_PP, True, lambda lv: consider_zebra_pipelined(cand, lay, lv))):
+                for level in levels:
+                    short = pipeline.memory_shortfall(lay, costs[level], global_batch, zebra)
+                    if short is None:
+                        consider_it(level)
+                        break
+                    refuse((name,), cand, short)
             continue
         M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
         grp_a, grp_x = cand.attention_ranks[:M], cand.expert_ranks[:N]
@@ -560,7 +583,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                     refuse((ZEBRA_GREEDY,), cand, (math.inf, f"{e} (expert recompute {level!r})"))
             if no_ea_fits:
                 break  # memory does not bind: keeping less would only cost time
-    picks = (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP, DISTEP_PP)
+    picks = variants
     options = [best[n] for n in picks if n in best]
     if options:  # the planner keeps the fastest plan: any zebra assignment, or DistEP at any pipeline size
         best[PICK] = min(options, key=lambda b: b[0])
@@ -569,7 +592,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         """Layouts this strategy could not use at this batch (a named reason for any jump)."""
         if name == PICK:  # excluded only where no zebra variant nor DistEP fits (Asym-EA's reason, last, is the
             # telling one), and a pipelined layout where DistEP does not fit in P stages
-            zs = (DISTEP, ZEBRA_NO_EA, ZEBRA_GREEDY, ZEBRA, DISTEP_PP)
+            zs = (DISTEP, ZEBRA_NO_EA, ZEBRA_GREEDY, ZEBRA, DISTEP_PP, ZEBRA_PP)
             reasons = {k: v[1] for n in zs for k, v in why[n].items()}
             return {k: v for k, v in sorted(reasons.items()) if not any(k in fitted[n] for n in zs)}
         return {k: v[1] for k, v in sorted(why[name].items()) if k not in fitted[name]}
@@ -625,6 +648,8 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         source = next(n for n in picks if best.get(n) is best[PICK])
         if source == DISTEP_PP:
             source = f"DistEP in {cand.P} pipeline stages (1F1B), no Asym-EA"
+        elif source == ZEBRA_PP:
+            source = f"zebra in {cand.P} pipeline stages, no Asym-EA"
         plan.meta = {
             "model": model.name, "cluster": cluster.name, "seq_len": seq_len, "global_batch": global_batch,
             "distributed_optimizer": distributed_optimizer,

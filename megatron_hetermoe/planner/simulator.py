@@ -287,7 +287,7 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     E, k = plan.num_experts, m.moe_router_topk
     g = plan.groups[group]
     G = len(plan.groups)
-    lay = layout_of_plan(plan) if P > 1 else None
+    lay = layout_of_plan(plan, validate=False) if P > 1 else None
     global_tokens = float(global_batch) * cost.settings.seq_len
     t_mb = tokens_per_microbatch(plan, global_tokens)
     tb = cost.token_bytes()
