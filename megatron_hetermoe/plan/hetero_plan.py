@@ -92,6 +92,9 @@ class HeteroPlan:
     attention_tp: int = 1
     # Pipeline stages of each ZP group (module docstring); 1: no pipeline parallelism.
     pipeline_stages: int = 1
+    # Zebra inside pipeline stages: Theorem 1 over this many groups of R / zebra_waves microbatches,
+    # so a stage passes a group's outputs on while it computes the next (plan.tasks.zebra_tasks).
+    zebra_waves: int = 1
 
     # ---- layers: MoE layer k (placement, tasks) is model layer moe_layer_ids[k] --------------
     @property
@@ -374,6 +377,14 @@ class HeteroPlan:
         if type(P) is not int or P < 1:
             raise PlanError(f"plan pipeline_stages={P!r} must be a positive integer (Megatron's "
                             f"--pipeline-model-parallel-size; 1 without pipeline parallelism)")
+        W = self.zebra_waves
+        if type(W) is not int or W < 1 or self.num_microbatches % W:
+            raise PlanError(f"plan zebra_waves={W!r} must be a positive divisor of num_microbatches="
+                            f"{self.num_microbatches}; 1 runs Theorem 1 over all of them")
+        if W > 1 and (P == 1 or self.schedule != "zebra"):
+            raise PlanError(f"plan zebra_waves={W} needs schedule 'zebra' and pipeline stages (it has schedule "
+                            f"{self.schedule!r}, pipeline_stages={P}): waves let a stage pass outputs on early, which "
+                            f"one stage, or DistEP, has no use for; set zebra_waves to 1")
         if P == 1:
             return
         if self.mtp_layers:
@@ -428,6 +439,8 @@ class HeteroPlan:
             del d["attention_tp"]
         if d["pipeline_stages"] == 1:  # and without pipeline parallelism
             del d["pipeline_stages"]
+        if d["zebra_waves"] == 1:  # and with Theorem 1 over all microbatches
+            del d["zebra_waves"]
         return d
 
     @classmethod
@@ -435,7 +448,7 @@ class HeteroPlan:
         if not isinstance(d, dict):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         known = {"num_layers", "num_experts", "gpu_types", "groups", "num_microbatches", "schedule", "version", "meta",
-                 "dense_layers", "mtp_layers", "expert_recompute", "attention_tp", "pipeline_stages"}
+                 "dense_layers", "mtp_layers", "expert_recompute", "attention_tp", "pipeline_stages", "zebra_waves"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -461,7 +474,7 @@ class HeteroPlan:
                     f"expert_ranks and placement (a list of {{rank: [experts]}})"
                 ) from None
         rest = {k: d[k] for k in ("num_microbatches", "schedule", "version", "meta", "dense_layers", "mtp_layers",
-                                  "expert_recompute", "attention_tp", "pipeline_stages") if k in d}
+                                  "expert_recompute", "attention_tp", "pipeline_stages", "zebra_waves") if k in d}
         return cls(num_layers=d["num_layers"], num_experts=d["num_experts"], gpu_types=list(d["gpu_types"]),
                    groups=groups, **rest)
 
@@ -534,6 +547,7 @@ def even_plan(
     mtp_layers: int = 0,
     attention_tp: int = 1,
     pipeline_stages: int = 1,
+    zebra_waves: int = 1,
 ) -> HeteroPlan:
     """G groups of M attention + N expert ranks laid out group by group; experts split evenly
     over each group's expert ranks in every MoE layer (`num_layers` of them; `dense_layers`: the
@@ -541,7 +555,7 @@ def even_plan(
     layers are multi-token prediction layers; `attention_tp`: the M attention ranks are M /
     attention_tp tensor-parallel members). With `pipeline_stages` P > 1, M and N are per stage:
     a group is P stages of M attention + N expert ranks, laid out stage by stage, and a layer's
-    experts split over its stage's N expert ranks."""
+    experts split over its stage's N expert ranks; `zebra_waves`: plan.zebra_waves."""
     M, N, P = attention_ranks, expert_ranks, pipeline_stages
     if any(type(v) is not int for v in (M, N, groups, P)) or M < 1 or N < 1 or groups < 1 or P < 1:
         raise PlanError(f"even plan needs integers M>=1, N>=1, groups>=1, pipeline_stages>=1; got M={M!r}, N={N!r}, "
@@ -558,7 +572,7 @@ def even_plan(
         gpu_types = ([attention_gpu] * M + [expert_gpu] * N) * (groups * P)
     plan = HeteroPlan(num_layers, num_experts, gpu_types, zp, num_microbatches, schedule,
                       dense_layers=list(dense_layers or []), mtp_layers=mtp_layers, attention_tp=attention_tp,
-                      pipeline_stages=P)
+                      pipeline_stages=P, zebra_waves=zebra_waves)
     plan._validate_stages()  # the layer split, before placing by it
     plan.place_evenly(range(groups))
     plan.validate()

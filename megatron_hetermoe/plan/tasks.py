@@ -105,54 +105,82 @@ def _expert_next_recv(l: int, j: int, L: int) -> Task:
 
 
 def zebra_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: Iterable[int] = (),
-                         last_pipeline_stage: bool = True) -> list[Task]:
+                         last_pipeline_stage: bool = True, waves: int = 1) -> list[Task]:
     """Theorem 1's order for one rank. `offloaded_layers`: expert layers in which this attention
     rank holds experts (Asym-EA). With pipeline stages, an attention rank of a stage before the
     last (`last_pipeline_stage` False) runs every microbatch's last piece (which sends its output
     to the next stage) before the first backward of that piece (which waits for the next stage's
     gradient): the next stage's forward needs all R outputs before any of its backwards, so
-    Theorem 1's interleaved head (A_F(L, j) A_B(L, j) per microbatch) would wait on itself."""
+    Theorem 1's interleaved head (A_F(L, j) A_B(L, j) per microbatch) would wait on itself.
+
+    `waves` W (dividing R): Theorem 1 over W groups of R / W consecutive microbatches, every
+    group's forward before the first group's backward (GPipe's order over the groups). A stage's
+    first output then leaves after one group's forward, so the next pipeline stage starts while
+    this one runs the next group; W = 1 is Theorem 1 over all R.
+
+    An expert rank issues the collectives in its stage's attention ranks' order (what
+    check_stream_order requires) and computes in the order its inputs arrive; it keeps R / W
+    receives posted ahead (the next input of a microbatch is posted when its current output is
+    sent: _expert_list)."""
     L = num_layers
     off = _check(L, R, role, offloaded_layers)
+    if type(waves) is not int or waves < 1 or R % waves:
+        raise ValueError(f"zebra waves={waves!r} must be a positive divisor of the R={R} microbatches")
     T = Task
-    out: list[Task] = []
     if role == "expert":
-        out += [T("D_F", 0, j) for j in range(R)]
-        for l in range(L):
-            for j in range(R):
-                out += [T("E_F", l, j), T("C_F", l, j), _expert_next_recv(l, j, L)]
-        for l in reversed(range(L)):
-            for j in range(R):
-                out += [T("E_B", l, j), T("D_B", l, j)]
-                if l > 0:
-                    out.append(T("C_B", l - 1, j))
-        return out
-    for s in range(L):
-        for j in range(R):
-            out += [T("A_F", s, j), T("D_F", s, j)]
-            if s not in off:
-                out.append(T("C_F", s, j))  # receive only: post at once
-        if s in off:
-            for j in range(R):
-                out += [T("X_F", s, j), T("C_F", s, j)]
-    if not last_pipeline_stage:
-        out += [T("A_F", L, j) for j in range(R)]
-    for j in range(R):
-        if last_pipeline_stage:
-            out.append(T("A_F", L, j))
-        out += [T("A_B", L, j), T("C_B", L - 1, j)]
-        if L - 1 not in off:
-            out.append(T("D_B", L - 1, j))
-    for s in reversed(range(L)):
-        if s in off:  # mirror of the forward: offloaded experts' backward before the stage's
-            for j in range(R):
-                out += [T("X_B", s, j), T("D_B", s, j)]
-        for j in range(R):
-            out.append(T("A_B", s, j))
-            if s > 0:
-                out.append(T("C_B", s - 1, j))
-                if s - 1 not in off:
-                    out.append(T("D_B", s - 1, j))
+        attention = zebra_tasks_for_role(L, R, "attention", (), last_pipeline_stage, waves)
+        return _expert_list([t for t in attention if t.stream == "dispatch"], R // waves)
+    m = R // waves
+    groups = [range(w * m, (w + 1) * m) for w in range(waves)]
+    out: list[Task] = []
+    for mbs in groups:  # the forwards
+        for s in range(L):
+            for j in mbs:
+                out += [T("A_F", s, j), T("D_F", s, j)]
+                if s not in off:
+                    out.append(T("C_F", s, j))  # receive only: post at once
+            if s in off:
+                for j in mbs:
+                    out += [T("X_F", s, j), T("C_F", s, j)]
+        if not last_pipeline_stage:
+            out += [T("A_F", L, j) for j in mbs]
+    for mbs in groups:  # the backwards
+        for j in mbs:
+            if last_pipeline_stage:
+                out.append(T("A_F", L, j))
+            out += [T("A_B", L, j), T("C_B", L - 1, j)]
+            if L - 1 not in off:
+                out.append(T("D_B", L - 1, j))
+        for s in reversed(range(L)):
+            if s in off:  # mirror of the forward: offloaded experts' backward before the stage's
+                for j in mbs:
+                    out += [T("X_B", s, j), T("D_B", s, j)]
+            for j in mbs:
+                out.append(T("A_B", s, j))
+                if s > 0:
+                    out.append(T("C_B", s - 1, j))
+                    if s - 1 not in off:
+                        out.append(T("D_B", s - 1, j))
+    return out
+
+
+def _expert_list(dispatch: list[Task], window: int) -> list[Task]:
+    """An expert rank's list from its stage's dispatch-stream order (D_F and C_B as the attention
+    ranks issue them): the first `window` receives posted at once; then for each, in that order,
+    its expert compute, the send of its result on the combine stream (C_F, D_B) and the post of
+    the next receive not posted yet: a microbatch's next input cannot exist before its current
+    output is sent, and posting then keeps the transfer off the expert's critical path."""
+    T = Task
+    out = list(dispatch[:window])
+    nxt = window
+    for x in dispatch:
+        if x.kind == "D_F":
+            out += [T("E_F", x.layer, x.microbatch), T("C_F", x.layer, x.microbatch)]
+        else:
+            out += [T("E_B", x.layer, x.microbatch), T("D_B", x.layer, x.microbatch)]
+        if nxt < len(dispatch):
+            out.append(dispatch[nxt])
+            nxt += 1
     return out
 
 
@@ -195,12 +223,16 @@ def zebra_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[Ta
     """Zebra task list of `rank` in a HeteroPlan (megatron_hetermoe.plan.hetero_plan), over the
     plan's R microbatches or `num_microbatches` (a step of Megatron's batch-size ramp-up). With
     pipeline stages, over the rank's stage's MoE layers (layer k: the stage's k-th,
-    plan.stage_moe_layers)."""
+    plan.stage_moe_layers), in the plan's zebra_waves groups of microbatches."""
     role = plan.role(rank)
     off = offloaded_layers_of(plan, rank) if role == "attention" else set()
     stage = plan.stage_of(rank)
-    return zebra_tasks_for_role(len(plan.stage_moe_layers(stage)), num_microbatches or plan.num_microbatches, role,
-                                off, last_pipeline_stage=stage == plan.pipeline_stages - 1)
+    R = num_microbatches or plan.num_microbatches
+    if R % plan.zebra_waves:
+        raise ValueError(f"{R} microbatches this step do not split into the plan's zebra_waves={plan.zebra_waves} "
+                         f"groups; use a global batch (and ramp-up) whose microbatch count it divides")
+    return zebra_tasks_for_role(len(plan.stage_moe_layers(stage)), R, role, off,
+                                last_pipeline_stage=stage == plan.pipeline_stages - 1, waves=plan.zebra_waves)
 
 
 def distep_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[Task]:

@@ -1,7 +1,7 @@
 """`hetermoe plan`: write a plan file.
 
   hetermoe plan --even --attention-ranks M --expert-ranks N --groups G --model CFG
-                [--microbatches R] [--schedule distep|zebra] [--attention-gpu T --expert-gpu T]
+                [--microbatches R] [--schedule distep|zebra] [--zebra-waves W] [--attention-gpu T --expert-gpu T]
                 [--attention-tp T] [--pipeline-stages P] -o plan.json
       G groups of M attention + N expert ranks, experts split evenly (plan.even_plan); with
       --attention-tp T the M attention ranks are M/T tensor-parallel members; with
@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
     even.add_argument("--microbatches", type=int, default=1, help="R: microbatches per step")
     even.add_argument("--schedule", choices=list(SCHEDULES), default="distep",
                       help="the plan's schedule: DistEP (Megatron's schedule) or zebra (overlapped)")
+    even.add_argument("--zebra-waves", type=int, default=1,
+                      help="W: with --schedule zebra and --pipeline-stages P > 1, Theorem 1 over W groups of R / W "
+                      "microbatches, so a stage passes one group's outputs on while it runs the next (default 1)")
     even.add_argument("--attention-gpu", default="cpu", help="GPU type of attention ranks (a configs/gpus/ name)")
     even.add_argument("--expert-gpu", default="cpu", help="GPU type of expert ranks (a configs/gpus/ name)")
     p.add_argument("--attention-tp", type=int, default=None,
@@ -223,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                              args.expert_ranks, args.groups, attention_gpu=args.attention_gpu,
                              expert_gpu=args.expert_gpu, num_microbatches=args.microbatches, schedule=args.schedule,
                              dense_layers=dense, mtp_layers=mtp, attention_tp=tp,
-                             pipeline_stages=pp)
+                             pipeline_stages=pp, zebra_waves=args.zebra_waves)
             plan.meta = {"model": model.name, "made_by": "hetermoe plan --even"}
             if flags is not None:  # where the model came from, for whoever reads the plan
                 plan.meta["model_flags"] = flags

@@ -226,14 +226,34 @@ def _p2p(lay: PipelineLayout, cost: CostModel, cluster: Cluster, i: int, t: floa
     return p2p_time(lay, cost, cluster, i, t) + p2p_time(lay, cost, cluster, i, t, backward=True)
 
 
+def stage_collectives(lay: PipelineLayout, cost: CostModel, cluster: Cluster, t: float) -> list[list[dict]]:
+    """[stage][its k-th MoE layer]: seconds of the layer's D_F, C_F, C_B and D_B for one microbatch
+    of t tokens per attention rank, the event simulator's bipartite all-to-alls over the stage's
+    members (group 0; layers placed alike cost alike)."""
+    E, tb = cost.model.num_experts, cost.model.moe_router_topk * cost.token_bytes()
+    resend = cost.settings.expert_recompute == "resend-inputs"
+    out = []
+    for i in range(lay.P):
+        att, members = lay.attention[0][i], lay.members(0, i)
+        links = Links.for_ranks(cluster, members, cost.profiles)
+        s_tok = [t] * len(att) + [0.0] * (len(members) - len(att))
+        seen: dict[tuple, dict] = {}
+        for held in lay.held[i]:
+            if held not in seen:
+                w = [c / E for c in held]
+                d_f = rank1_collective_time(links, s_tok, w, tb)  # D_F (and C_B)
+                c_f = rank1_collective_time(links, w, s_tok, tb)  # C_F (and D_B)
+                c_b = rank1_collective_time(links, s_tok, w, 2 * tb) if resend else d_f
+                seen[held] = {"D_F": d_f, "C_F": c_f, "C_B": c_b, "D_B": c_f}
+        out.append([seen[h] for h in lay.held[i]])
+    return out
+
+
 def stage_times(lay: PipelineLayout, cost: CostModel, cluster: Cluster, global_batch: int) -> list[dict]:
     """Per stage: forward and backward of one microbatch (the DistEP chain), the P2P to the next
     stage, T (their sum), and each stage member's (group 0) compute seconds per microbatch."""
-    m = cost.model
-    E, k = m.num_experts, m.moe_router_topk
     t, tpe = _tokens(lay, cost, global_batch)
-    tb = k * cost.token_bytes()
-    resend = cost.settings.expert_recompute == "resend-inputs"
+    colls = stage_collectives(lay, cost, cluster, t)
     out = []
     for i in range(lay.P):
         att, exp = lay.attention[0][i], lay.experts[0][i]
@@ -243,19 +263,14 @@ def stage_times(lay: PipelineLayout, cost: CostModel, cluster: Cluster, global_b
         attn = {b: {g: sum(cost.stage_time(g, s, t, b, lay.tp, dense=d) for s, d in lay.pieces[i]) for g in a_types}
                 for b in (False, True)}
         busy = [attn[False][types[j]] + attn[True][types[j]] if j < len(att) else 0.0 for j in range(len(members))]
-        links = Links.for_ranks(cluster, members, cost.profiles)
-        s_tok = [t] * len(att) + [0.0] * len(exp)
         seen: dict[tuple, tuple] = {}  # layers placed alike cost alike
         fwd = max(attn[False].values())
         bwd = max(attn[True].values())
-        for held in lay.held[i]:
+        for held, c in zip(lay.held[i], colls[i]):
             if held not in seen:
-                w = [c / E for c in held]
-                d_f = rank1_collective_time(links, s_tok, w, tb)  # D_F (and C_B)
-                c_f = rank1_collective_time(links, w, s_tok, tb)  # C_F (and D_B)
-                c_b = rank1_collective_time(links, s_tok, w, 2 * tb) if resend else d_f
-                x = [[c * cost.expert_time(g, tpe, b) if c else 0.0 for c, g in zip(held, types)] for b in (False, True)]
-                seen[held] = (d_f + max(x[0]) + c_f, c_b + max(x[1]) + c_f, [a + b for a, b in zip(*x)], [0])
+                x = [[n * cost.expert_time(g, tpe, b) if n else 0.0 for n, g in zip(held, types)] for b in (False, True)]
+                seen[held] = (c["D_F"] + max(x[0]) + c["C_F"], c["C_B"] + max(x[1]) + c["D_B"],
+                              [a + b for a, b in zip(*x)], [0])
             f, b, x_busy, uses = seen[held]
             fwd += f
             bwd += b
@@ -388,18 +403,23 @@ def lower_bound(cost: CostModel, a_gpus: set[str], x_gpus: set[str], t: float, t
     return chain * (1 + (R - 1) / P) * (1 - 1e-9)
 
 
-def zebra_lower_bound(cost: CostModel, a_gpus: set[str], x_gpus: set[str], t: float, tpe: float,
-                      experts_per_layer: int, lay: PipelineLayout) -> float:
-    """A lower bound on the event simulator's step of zebra inside the stages (no task lists built),
-    from the order of plan.tasks.zebra_tasks. A stage after the first starts when the one before
-    has run every forward piece but its last for all R microbatches (its first output leaves with
-    its last piece), and its experts every layer but the last; a stage before the last starts its
-    backward when the next has run every backward piece but its first for all R (its experts every
-    layer but the first). So the stages' forward phases, then their backward phases, follow one
-    another, each at least its attention rank's or its busiest expert rank's compute in it
-    (`experts_per_layer` experts of `tpe` tokens each; the fastest type of each role); the last
-    stage's two phases are priced as one (its head runs between them)."""
+def zebra_lower_bound(cost: CostModel, cluster: Cluster, a_gpus: set[str], x_gpus: set[str], t: float, tpe: float,
+                      experts_per_layer: int, lay: PipelineLayout, waves: int = 1,
+                      colls: list[list[dict]] | None = None) -> float:
+    """A lower bound on the event simulator's step of zebra inside the stages in `waves` groups of
+    microbatches (no task lists built), from the order of plan.tasks.zebra_tasks. A stage after the
+    first starts when the one before has run the first group's forward pieces but its last piece
+    (the group's first output leaves with it), and its experts that group's layers but the last.
+    The last stage runs all its pieces (its first pieces' backward aside) for all R microbatches.
+    The last group's gradient then goes back: each stage before the last runs that group's
+    backward pieces but its first (stage 0: all), its experts that group's layers but the first.
+    These follow one another, each at least its attention rank's or its busiest expert rank's
+    compute (`experts_per_layer` experts of `tpe` tokens each; the fastest type of each role), or
+    what its dispatch or its combine stream carries meanwhile, one collective at a time (the same
+    layers; `colls`: stage_collectives, computed here if not given)."""
     R, P = lay.R, lay.P
+    m = R // waves
+    colls = colls if colls is not None else stage_collectives(lay, cost, cluster, t)
 
     def attention(i: int, backward: bool) -> float:
         return min(sum(cost.stage_time(g, s, t, backward, lay.tp, dense=d) for n, (s, d) in enumerate(lay.pieces[i])
@@ -409,10 +429,19 @@ def zebra_lower_bound(cost: CostModel, a_gpus: set[str], x_gpus: set[str], t: fl
         per = min(cost.expert_time(g, tpe, backward) for g in x_gpus)
         return (len(lay.layers[i]) - 1) * experts_per_layer * per
 
-    tot = sum(max(attention(i, b), experts(i, b)) for i in range(P - 1) for b in (False, True))
+    def streams(i: int, backward: bool) -> float:  # a stage's phase: its layers but the last (backward: the first)
+        layers = colls[i][1:] if backward else colls[i][:-1]
+        if backward:
+            return max(sum(c["C_B"] for c in layers), sum(c["D_B"] for c in layers))
+        return max(sum(c["D_F"] for c in layers), sum(c["C_F"] for c in layers))
+
+    tot = m * sum(max(attention(i, b), experts(i, b), streams(i, b)) for i in range(P - 1) for b in (False, True))
     last = P - 1
-    tot += max(attention(last, False) + attention(last, True), experts(last, False) + experts(last, True))
-    return R * tot * (1 - 1e-9)
+    dispatch = sum(c["D_F"] + c["C_B"] for c in colls[last])  # every collective of the last stage, per stream
+    combine = sum(c["C_F"] + c["D_B"] for c in colls[last])
+    tot += R * max(attention(last, False) + attention(last, True), experts(last, False) + experts(last, True),
+                   dispatch, combine)
+    return tot * (1 - 1e-9)
 
 
 def check_plan_matches(plan: HeteroPlan, cluster: Cluster, model: ModelConfig) -> None:

@@ -216,17 +216,17 @@ def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert:
 
 def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int, R: int,
                k: list[int], schedule: str = "zebra", validate: bool = True, skeleton: bool = False,
-               attention_tp: int = 1, pipeline_stages: int = 1) -> HeteroPlan:
+               attention_tp: int = 1, pipeline_stages: int = 1, zebra_waves: int = 1) -> HeteroPlan:
     """G groups of M attention + N expert ranks (consecutive in `attn` / `expert`), experts placed
     by asym_ea.placement(k) (one entry per MoE layer) alike in every group; the model's dense
     layers are the plan's dense_layers. `skeleton`: only group 0 gets a placement (the
     simulator reads no other); such a plan is for simulation inside the search only.
     `pipeline_stages` P > 1: each group's ranks are P stages of M / P attention and N / P expert
     ranks, stage by stage (even_plan's layout), each layer's experts split evenly over its
-    stage's expert ranks; no Asym-EA (k all 0) and schedule 'distep' (the only one priced with P > 1)."""
+    stage's expert ranks; no Asym-EA (k all 0); zebra in `zebra_waves` groups of microbatches."""
     if pipeline_stages > 1:
         return _build_pipelined_plan(model, gpu_types, attn, expert, G, R, k, schedule, validate, skeleton,
-                                     attention_tp, pipeline_stages)
+                                     attention_tp, pipeline_stages, zebra_waves)
     M, N = len(attn) // G, len(expert) // G
     local = asym_ea.placement(k, model.num_experts, list(range(M)), list(range(M, M + N)))
     groups = []
@@ -244,7 +244,7 @@ def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert
 
 def _build_pipelined_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int,
                           R: int, k: list[int], schedule: str, validate: bool, skeleton: bool, attention_tp: int,
-                          P: int) -> HeteroPlan:
+                          P: int, W: int = 1) -> HeteroPlan:
     if any(k):
         raise PlanError(f"experts on attention ranks (Asym-EA, {list(k)}) with pipeline_stages={P}: the planner builds "
                         f"pipeline stages without Asym-EA; use k all 0")
@@ -256,7 +256,7 @@ def _build_pipelined_plan(model: ModelConfig, gpu_types: list[str], attn: list[i
     M, N = len(attn) // G, len(expert) // G
     groups = [ZPGroup(attn[g * M:(g + 1) * M], expert[g * N:(g + 1) * N], []) for g in range(G)]
     plan = HeteroPlan(model.num_moe_layers, model.num_experts, list(gpu_types), groups, R, schedule,
-                      dense_layers=model.dense_layers, attention_tp=attention_tp, pipeline_stages=P)
+                      dense_layers=model.dense_layers, attention_tp=attention_tp, pipeline_stages=P, zebra_waves=W)
     plan.place_evenly(range(1 if skeleton else G))
     if validate and not skeleton:
         plan.validate()
@@ -456,6 +456,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
 
     variants = (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP, DISTEP_PP, ZEBRA_PP)
     fitted: dict[str, set[str]] = {n: set() for n in variants}  # layouts with a candidate that fits
+    waves: dict[str, int] = {}  # strategy -> the zebra_waves of its best (zebra in stages)
     why: dict[str, dict[str, tuple[float, str]]] = {n: {} for n in variants}  # layout -> (shortfall, why)
 
     def consider_pipelined(cand: Candidate, lay: pipeline.PipelineLayout, level: str) -> None:
@@ -483,19 +484,22 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         c = costs[level]
         M, N = cand.stage_shape
         t = global_batch * c.settings.seq_len / (cand.G * M * cand.R)
-        lb = pipeline.zebra_lower_bound(c, {types[r] for r in cand.attention_ranks[:M]},
-                                        {types[r] for r in cand.expert_ranks[:N]}, t,
-                                        M * t * model.moe_router_topk / model.num_experts,
-                                        math.ceil(model.num_experts / N), lay)
-        steps = [best[n][0] for n in variants if n in best]
-        if steps and lb >= min(steps):
-            return
+        a_gpus, x_gpus = {types[r] for r in cand.attention_ranks[:M]}, {types[r] for r in cand.expert_ranks[:N]}
+        tpe = M * t * model.moe_router_topk / model.num_experts
         k = [0] * model.num_moe_layers
-        plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, "zebra",
-                          skeleton=True, attention_tp=cand.tp, pipeline_stages=cand.P)
-        res = simulate_plan(plan, c, cluster, global_batch, engine=engine)
-        if ZEBRA_PP not in best or res.step_time_s < best[ZEBRA_PP][0]:
-            best[ZEBRA_PP] = (res.step_time_s, res, cand, k, "zebra", level)
+        colls = pipeline.stage_collectives(lay, c, cluster, t)
+        for W in _divisors(cand.R):  # groups of microbatches (plan.zebra_waves)
+            lb = pipeline.zebra_lower_bound(c, cluster, a_gpus, x_gpus, t, tpe, math.ceil(model.num_experts / N), lay,
+                                            W, colls)
+            steps = [best[n][0] for n in variants if n in best]
+            if steps and lb >= min(steps):
+                continue
+            plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, "zebra",
+                              skeleton=True, attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=W)
+            res = simulate_plan(plan, c, cluster, global_batch, engine=engine)
+            if ZEBRA_PP not in best or res.step_time_s < best[ZEBRA_PP][0]:
+                best[ZEBRA_PP] = (res.step_time_s, res, cand, k, "zebra", level)
+                waves[ZEBRA_PP] = W
 
     def consider(name: str, cand: Candidate, k: list[int], schedule: str, level: str) -> None:
         fitted[name].add(layout_of(cand))
@@ -587,6 +591,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     options = [best[n] for n in picks if n in best]
     if options:  # the planner keeps the fastest plan: any zebra assignment, or DistEP at any pipeline size
         best[PICK] = min(options, key=lambda b: b[0])
+        waves[PICK] = next((waves.get(n, 1) for n in picks if best.get(n) is best[PICK]), 1)
 
     def excluded(name: str) -> dict[str, str]:
         """Layouts this strategy could not use at this batch (a named reason for any jump)."""
@@ -607,7 +612,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
             preds.append(_pred(name, res, limit.tokens_per_s, {
                 **extra,
                 "M": M, "N": N, "groups": cand.G, "microbatches": cand.R, "expert_recompute": level,
-                "attention_tp": cand.tp, "pipeline_stages": cand.P,
+                "attention_tp": cand.tp, "pipeline_stages": cand.P, "zebra_waves": waves.get(name, 1),
                 "attention_gpu": types[cand.attention_ranks[0]], "experts_on_attention_per_layer": list(k),
                 "attention_ranks": list(cand.attention_ranks), "expert_ranks": list(cand.expert_ranks),
                 "schedule": plan, "layout": layout_of(cand),
@@ -643,13 +648,13 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     if PICK in best:
         _, _, cand, k, schedule, level = best[PICK]
         plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
-                          attention_tp=cand.tp, pipeline_stages=cand.P)
+                          attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=waves[PICK])
         plan.expert_recompute = level  # what its expert holders keep for backward, as priced
         source = next(n for n in picks if best.get(n) is best[PICK])
         if source == DISTEP_PP:
             source = f"DistEP in {cand.P} pipeline stages (1F1B), no Asym-EA"
         elif source == ZEBRA_PP:
-            source = f"zebra in {cand.P} pipeline stages, no Asym-EA"
+            source = f"zebra in {cand.P} pipeline stages ({waves[PICK]} wave(s) of microbatches), no Asym-EA"
         plan.meta = {
             "model": model.name, "cluster": cluster.name, "seq_len": seq_len, "global_batch": global_batch,
             "distributed_optimizer": distributed_optimizer,

@@ -308,6 +308,10 @@ def check_hetero_pp(plan: HeteroPlan, pp: int, schedule: str | None, emulated: b
     if pp != P:
         raise ConfigError(f"--pipeline-model-parallel-size {pp}: the plan has pipeline_stages={P}; pass "
                           f"--pipeline-model-parallel-size {P}, or remake the plan with {pp} stages")
+    if plan.zebra_waves > 1 and (schedule or plan.schedule) != "zebra":
+        raise ConfigError(f"--hetero-schedule {schedule}: the plan runs zebra in zebra_waves={plan.zebra_waves} groups "
+                          f"of microbatches, which DistEP has no use for; run zebra, or remake the plan with "
+                          f"zebra_waves 1")
     if P == 1:
         return
     if emulated:

@@ -16,7 +16,8 @@ from megatron_hetermoe.tools.parity import FREE_RUN_LOSS_TOL, run_parity
 from megatron_hetermoe.training.validation import ConfigError, check_hetero
 
 # (M attention ranks per stage, N expert ranks per stage, G groups, R microbatches, attention_tp)
-CASES = {"2+1": (2, 1, 1, 2, 1), "1+2,R3": (1, 2, 1, 3, 1), "2x(1+1)": (1, 1, 2, 2, 1), "tp2+2": (2, 2, 1, 2, 2)}
+CASES = {"2+1": (2, 1, 1, 2, 1), "1+2,R3": (1, 2, 1, 3, 1), "2x(1+1)": (1, 1, 2, 2, 1), "tp2+2": (2, 2, 1, 2, 2),
+         "2+1,R4": (2, 1, 1, 4, 1)}
 
 
 def _check(r, free: bool) -> None:
@@ -26,10 +27,10 @@ def _check(r, free: bool) -> None:
     parity_within(r, free)
 
 
-def _plan(tiny, case: str, schedule: str = "distep") -> HeteroPlan:
+def _plan(tiny, case: str, schedule: str = "distep", waves: int = 1) -> HeteroPlan:
     M, N, G, R, T = CASES[case]
     return even_plan(tiny.num_layers, tiny.num_experts, M, N, groups=G, num_microbatches=R, pipeline_stages=2,
-                     attention_tp=T, schedule=schedule)
+                     attention_tp=T, schedule=schedule, zebra_waves=waves)
 
 
 @pytest.mark.parametrize("case", ["2+1", "tp2+2"])
@@ -54,6 +55,13 @@ def test_zebra_pp2_matches_megatron_pp2(tiny, case, issuer):
     _check(run_parity(_plan(tiny, case, "zebra"), tiny, steps=3, free_run=True, issuer=issuer), True)
 
 
+@pytest.mark.parametrize("waves, issuer", [(2, "threads"), (4, "single")])
+def test_zebra_pp2_in_waves_matches_megatron_pp2(tiny, waves, issuer):
+    """Zebra over groups of microbatches (plan zebra_waves): R 4 in 2 groups of 2, and in 4 of 1; a
+    stage's outputs of one group go on while it runs the next."""
+    _check(run_parity(_plan(tiny, "2+1,R4", "zebra", waves), tiny, steps=3, free_run=True, issuer=issuer), True)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["1+2,R3", "2x(1+1)"])
 def test_zebra_pp2_more_shapes_with_recompute(tiny, case):
@@ -62,15 +70,16 @@ def test_zebra_pp2_more_shapes_with_recompute(tiny, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["distep", "zebra"])
-def test_pp2_two_layers_a_stage_with_an_empty_expert_rank_and_asym_ea(tiny, schedule):
+@pytest.mark.parametrize("schedule, waves", [("distep", 1), ("zebra", 1), ("zebra", 3)])
+def test_pp2_two_layers_a_stage_with_an_empty_expert_rank_and_asym_ea(tiny, schedule, waves):
     """4 layers, 2 a stage; per stage 1 attention rank + 2 expert ranks. Stage 0: layer 0 all on
     rank 1 (rank 2 holds none: empty splits), layer 1 split 1 | 3. Stage 1 (ranks 3, 4, 5):
-    layer 2 offloads expert 0 to its attention rank (Asym-EA inside a stage), layer 3 even."""
+    layer 2 offloads expert 0 to its attention rank (Asym-EA inside a stage), layer 3 even. Zebra
+    also in 3 waves of one microbatch."""
     model = dataclasses.replace(tiny, num_layers=4)
     placement = [{1: [0, 1, 2, 3]}, {1: [0], 2: [1, 2, 3]}, {3: [0], 4: [1, 2], 5: [3]}, {4: [0, 1], 5: [2, 3]}]
     plan = HeteroPlan(4, 4, ["cpu"] * 6, [ZPGroup([0, 3], [1, 2, 4, 5], placement)], num_microbatches=3,
-                      pipeline_stages=2, schedule=schedule)
+                      pipeline_stages=2, schedule=schedule, zebra_waves=waves)
     _check(run_parity(plan, model, steps=3, free_run=False), False)
 
 
@@ -86,6 +95,10 @@ def test_pipeline_refusals(tiny):
                                           "members"):
         check_hetero(dataclasses.replace(ok, global_batch_size=16), plan, 6)
     check_hetero(ok, plan, 6, "zebra")
+    waved = _plan(tiny, "2+1", "zebra", 2)
+    check_hetero(ok, waved, 6)
+    with pytest.raises(ConfigError, match="--hetero-schedule distep: the plan runs zebra in zebra_waves=2 groups"):
+        check_hetero(ok, waved, 6, "distep")
     from megatron_hetermoe.config import EmulationSpec
 
     with pytest.raises(ConfigError, match="--emulate with 2 pipeline stages"):

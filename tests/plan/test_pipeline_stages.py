@@ -265,3 +265,48 @@ def test_zebra_task_lists_per_stage_issue_one_stream_order(offload):
             assert max(head_f) < min(head_b)
         else:
             assert all(f < b for f, b in zip(head_f, head_b)) and head_b[0] < head_f[1]
+
+
+# ---------------------------------------------------------------- zebra in waves
+def test_zebra_waves_field_round_trips_and_is_validated():
+    plan = even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, schedule="zebra", zebra_waves=2)
+    d = plan.to_dict()
+    assert d["zebra_waves"] == 2 and HeteroPlan.from_dict(d).zebra_waves == 2
+    assert "zebra_waves" not in even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2).to_dict()
+    for bad, match in ((3, "zebra_waves=3 must be a positive divisor of num_microbatches=4"),
+                       (0, "zebra_waves=0 must be a positive divisor"), (2.0, "zebra_waves=2.0")):
+        with pytest.raises(PlanError, match=match):
+            even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, schedule="zebra", zebra_waves=bad)
+    with pytest.raises(PlanError, match="zebra_waves=2 needs schedule 'zebra' and pipeline stages"):
+        even_plan(4, 4, 1, 1, num_microbatches=4, schedule="zebra", zebra_waves=2)
+    with pytest.raises(PlanError, match="it has schedule 'distep'"):
+        even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, zebra_waves=2)
+
+
+@pytest.mark.parametrize("waves", [1, 2, 4])
+def test_zebra_waves_keep_one_stream_order_and_theorem_1_inside_each_wave(waves):
+    """Every member of a stage issues one order (Asym-EA in stage 1); each wave's microbatches run
+    Theorem 1's forward before the next wave's, every wave's forward before the first backward; the
+    stage's outputs and input gradients go in ascending microbatch order on both sides of a stage
+    boundary (the point-to-point messages match by order)."""
+    from megatron_hetermoe.plan.tasks import Task, check_stream_order, zebra_tasks
+
+    plan = even_plan(4, 4, 2, 2, num_microbatches=4, pipeline_stages=2, schedule="zebra", zebra_waves=waves)
+    g = plan.groups[0]
+    g.placement[2] = {4: [0], 6: [1, 2], 7: [3]}
+    plan.validate()
+    m = 4 // waves
+    for stage in range(2):
+        lists = {r: zebra_tasks(plan, r) for r in plan.stage_members(0, stage)}
+        check_stream_order(lists)
+        a = lists[plan.stage_members(0, stage)[0]]
+        for w in range(waves - 1):  # wave w's forwards all come before wave w + 1's first
+            last_f = max(a.index(Task("A_F", s, j)) for s in range(2) for j in range(w * m, (w + 1) * m))
+            assert last_f < a.index(Task("A_F", 0, (w + 1) * m))
+        first_b = min(a.index(t) for t in a if t.kind == "A_B")
+        assert all(a.index(t) < first_b for t in a if t.kind == "A_F" and (stage == 0 or t.layer < 2))
+    send = [t.microbatch for t in zebra_tasks(plan, 0) if t.kind == "A_F" and t.layer == 2]
+    recv = [t.microbatch for t in zebra_tasks(plan, 4) if t.kind == "A_F" and t.layer == 0]
+    grad_send = [t.microbatch for t in zebra_tasks(plan, 4) if t.kind == "A_B" and t.layer == 0]
+    grad_recv = [t.microbatch for t in zebra_tasks(plan, 0) if t.kind == "A_B" and t.layer == 2]
+    assert send == recv == grad_send == grad_recv == [0, 1, 2, 3]

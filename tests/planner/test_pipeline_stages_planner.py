@@ -8,6 +8,7 @@ event simulator (one stage: the DistEP makespan; two stages: the one-stage chain
 and a search that needs P > 1 (Mixtral-8x7B on 16 H100 + 16 V100-32GB at 64 sequences of 4K:
 no one-stage plan fits) returning a plan that validates and prices as the search said.
 """
+import dataclasses
 import json
 
 import pytest
@@ -245,15 +246,15 @@ def test_no_distep_task_lists_with_pipeline_stages():
 def test_search_needs_pipeline_stages_for_mixtral_on_h100_v100():
     """Mixtral-8x7B, 4K tokens, 64 sequences on 16 H100 + 16 V100-32GB: no one-stage plan fits
     (the V100s cannot hold the 256 experts' share, the dense model and activations do not fit next
-    to them either way); with pipeline stages the search finds a DistEP plan that validates and
-    prices as it said."""
+    to them either way); with pipeline stages the search finds a plan (zebra in waves of
+    microbatches, which beats DistEP's 1F1B there) that validates and prices as it said."""
     m = ModelConfig.load("mixtral-8x7b")
     cl = Cluster.load("h100x16-v100x16")
     assert search(m, cl, 4096, 64, baselines=False, pipeline_stages=(1,)).plan is None
     res = search(m, cl, 4096, 64, baselines=False)
     plan, pick = res.plan, res.by_name()[PICK]
     assert plan is not None and plan.pipeline_stages > 1 and pick.detail["pipeline_stages"] == plan.pipeline_stages
-    assert plan.schedule == "distep" and not plan.experts_on_attention_ranks_any()
+    assert plan.schedule == "zebra" and plan.zebra_waves > 1 and not plan.experts_on_attention_ranks_any()
     plan.validate(world_size=cl.world_size, known_gpu_types=known_gpu_types())
     for gi in range(len(plan.groups)):  # each stage its own ranks, one GPU type per role
         ranks = [r for s in range(plan.pipeline_stages) for r in plan.stage_members(gi, s)]
@@ -264,8 +265,10 @@ def test_search_needs_pipeline_stages_for_mixtral_on_h100_v100():
     c = CostModel(m, load_profiles(set(cl.gpu_types())), TrainSettings(4096, expert_recompute=plan.expert_recompute))
     again = simulate_plan(plan, c, cl, 64)
     assert again.step_time_s == pytest.approx(pick.step_time_s, rel=1e-12)
-    assert memory_shortfall(layout_of_plan(plan), c, 64) is None
-    assert pick.detail["bubble_s"] > 0 and len(pick.detail["stage_times_s"]) == plan.pipeline_stages
+    assert memory_shortfall(layout_of_plan(plan), c, 64, zebra=True) is None
+    assert pick.detail["zebra_waves"] == plan.zebra_waves
+    distep = dataclasses.replace(plan, schedule="distep", zebra_waves=1)  # DistEP's 1F1B on the same ranks
+    assert simulate_plan(distep, c, cl, 64).step_time_s > pick.step_time_s
     # every pipeline size alone: a plan of that size, or none; never a one-stage plan
     for P in (2, 4, 8):
         r = search(m, cl, 4096, 64, baselines=False, pipeline_stages=(P,))
@@ -286,7 +289,7 @@ def test_cli_pipeline_stages(tmp_path, capsys):
     assert d["strategies"][PICK]["detail"]["pipeline_stages"] == 4
     from megatron_hetermoe.plan.hetero_plan import HeteroPlan
     plan = HeteroPlan.load(out)
-    assert plan.pipeline_stages == 4 and plan.schedule == "distep"
+    assert plan.pipeline_stages == 4 and plan.schedule in ("distep", "zebra")
     plan.validate(world_size=32)
     assert main([*args, "--pipeline-stages", "4"]) == 0
     assert "pipeline stages P=4" in capsys.readouterr().out
