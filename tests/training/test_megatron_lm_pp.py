@@ -14,12 +14,12 @@ PP = ["--pipeline-model-parallel-size", "2"]
 TP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
 
 
-def _plan(path, attention_tp: int = 1, groups: int = 1, schedule: str = "distep"):
+def _plan(path, attention_tp: int = 1, groups: int = 1, schedule: str = "distep", waves: int = 1):
     from megatron_hetermoe.plan.hetero_plan import even_plan
 
     # 8 sequences of 2 per step; per stage one attention member (TP attention_tp) + 1 expert rank.
     even_plan(2, 4, attention_tp, 1, groups=groups, num_microbatches=4 // groups, pipeline_stages=2,
-              attention_tp=attention_tp, schedule=schedule).save(path)
+              attention_tp=attention_tp, schedule=schedule, zebra_waves=waves).save(path)
     return path
 
 
@@ -54,8 +54,8 @@ def test_pretrain_tp2_pp2_trains_evaluates_resumes(mlm, data, tmp_path):
 def test_pretrain_pp2_with_megatrons_own_defaults(mlm, data, tmp_path):
     """Megatron's own model defaults at 2 stages (learned absolute positions on the first stage, GeLU,
     LayerNorm, biased linear layers, embeddings tied between the first and the last stage: their
-    gradients summed over the embedding group): from one plain Megatron EP checkpoint HeterMoE (zebra,
-    2 stages of 1 + 1) continues with plain Megatron's losses."""
+    gradients summed over the embedding group): from one plain Megatron EP checkpoint HeterMoE (zebra
+    in 2 waves of 2 microbatches, 2 stages of 1 + 1) continues with plain Megatron's losses."""
     from megatron_lm_run import CPU, DATA, MEGATRON_DEFAULTS, MODEL, run_losses
 
     flags = [*MODEL, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", *DATA, *MEGATRON_DEFAULTS,
@@ -68,6 +68,6 @@ def test_pretrain_pp2_with_megatrons_own_defaults(mlm, data, tmp_path):
     cross = ["--train-iters", "3", "--load", str(ckpt), "--no-load-optim", "--no-load-rng"]
     plain, _ = run_losses(mlm, tmp_path, 2, [*flags, *ep, *cross], "tb1")
     het, _ = run_losses(mlm, tmp_path, 4, [*flags, *PP, *cross, "--hetero-plan",
-                                           str(_plan(tmp_path / "plan.json", schedule="zebra"))], "tb2")
+                                           str(_plan(tmp_path / "plan.json", schedule="zebra", waves=2))], "tb2")
     assert sorted(plain) == sorted(het) == [2, 3]
     assert [het[i] for i in (2, 3)] == pytest.approx([plain[i] for i in (2, 3)], abs=3e-6), (het, plain)
