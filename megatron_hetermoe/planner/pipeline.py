@@ -178,7 +178,7 @@ def even_layout(model: ModelConfig, gpu_types: list[str], attn: list[int], exper
     return PipelineLayout(P, G, R, tp, gpu_types, att, exp, layers, pieces, held, totals, gpus)
 
 
-def _tokens(lay: PipelineLayout, cost: CostModel, global_batch: int) -> tuple[float, float]:
+def tokens(lay: PipelineLayout, cost: CostModel, global_batch: int) -> tuple[float, float]:
     """(tokens per attention rank per microbatch, routed tokens per expert per microbatch)."""
     M = len(lay.attention[0][0])
     t = float(global_batch) * cost.settings.seq_len / (lay.G * M * lay.R)
@@ -252,7 +252,7 @@ def stage_collectives(lay: PipelineLayout, cost: CostModel, cluster: Cluster, t:
 def stage_times(lay: PipelineLayout, cost: CostModel, cluster: Cluster, global_batch: int) -> list[dict]:
     """Per stage: forward and backward of one microbatch (the DistEP chain), the P2P to the next
     stage, T (their sum), and each stage member's (group 0) compute seconds per microbatch."""
-    t, tpe = _tokens(lay, cost, global_batch)
+    t, tpe = tokens(lay, cost, global_batch)
     colls = stage_collectives(lay, cost, cluster, t)
     out = []
     for i in range(lay.P):
@@ -326,7 +326,7 @@ def pipeline_memory(lay: PipelineLayout, cost: CostModel, global_batch: int, zeb
     largest of each role in group 0) with the usable memory of their GPU type (module docstring).
     `zebra`: zebra inside the stages, where every stage keeps all R microbatches alive (each runs
     all its forwards before a backward, plan.tasks.zebra_tasks)."""
-    t, tpe = _tokens(lay, cost, global_batch)
+    t, tpe = tokens(lay, cost, global_batch)
     members_dp = lay.G * len(lay.attention[0][0]) // lay.tp
     out = []
     for i in range(lay.P):
@@ -403,9 +403,46 @@ def lower_bound(cost: CostModel, a_gpus: set[str], x_gpus: set[str], t: float, t
     return chain * (1 + (R - 1) / P) * (1 - 1e-9)
 
 
+def zebra_bound_terms(cost: CostModel, cluster: Cluster, a_gpus: set[str], x_gpus: set[str], t: float, tpe: float,
+                      lay: PipelineLayout, colls: list[list[dict]] | None = None,
+                      attention_only: bool = False) -> tuple[float, float]:
+    """(per-microbatch seconds of the stages before the last, per-microbatch seconds of the last
+    stage) in zebra_lower_bound, which is R / W x the first + R x the second (times 1 - 1e-9)."""
+    P = lay.P
+    if attention_only:
+        colls = [[{"D_F": 0.0, "C_F": 0.0, "C_B": 0.0, "D_B": 0.0} for _ in h] for h in lay.held]
+    elif colls is None:
+        colls = stage_collectives(lay, cost, cluster, t)
+
+    def attention(i: int, backward: bool) -> float:
+        return min(sum(cost.stage_time(g, s, t, backward, lay.tp, dense=d) for n, (s, d) in enumerate(lay.pieces[i])
+                       if not backward or i == 0 or n > 0) for g in a_gpus)
+
+    def experts(i: int, backward: bool) -> float:
+        if attention_only:
+            return 0.0
+        per = min(cost.expert_time(g, tpe, backward) for g in x_gpus)
+        n_att = len(lay.attention[0][i])
+        busiest = [max(h[n_att:]) for h in lay.held[i]]  # per layer: the busiest expert rank's experts
+        return sum(busiest[1:] if backward else busiest[:-1]) * per
+
+    def streams(i: int, backward: bool) -> float:  # a stage's phase: its layers but the last (backward: the first)
+        layers = colls[i][1:] if backward else colls[i][:-1]
+        if backward:
+            return max(sum(c["C_B"] for c in layers), sum(c["D_B"] for c in layers))
+        return max(sum(c["D_F"] for c in layers), sum(c["C_F"] for c in layers))
+
+    before = sum(max(attention(i, b), experts(i, b), streams(i, b)) for i in range(P - 1) for b in (False, True))
+    last = P - 1
+    dispatch = sum(c["D_F"] + c["C_B"] for c in colls[last])  # every collective of the last stage, per stream
+    combine = sum(c["C_F"] + c["D_B"] for c in colls[last])
+    return before, max(attention(last, False) + attention(last, True), experts(last, False) + experts(last, True),
+                       dispatch, combine)
+
+
 def zebra_lower_bound(cost: CostModel, cluster: Cluster, a_gpus: set[str], x_gpus: set[str], t: float, tpe: float,
-                      experts_per_layer: int, lay: PipelineLayout, waves: int = 1,
-                      colls: list[list[dict]] | None = None) -> float:
+                      lay: PipelineLayout, waves: int = 1, colls: list[list[dict]] | None = None,
+                      attention_only: bool = False, terms: tuple[float, float] | None = None) -> float:
     """A lower bound on the event simulator's step of zebra inside the stages in `waves` groups of
     microbatches (no task lists built), from the order of plan.tasks.zebra_tasks. A stage after the
     first starts when the one before has run the first group's forward pieces but its last piece
@@ -414,34 +451,14 @@ def zebra_lower_bound(cost: CostModel, cluster: Cluster, a_gpus: set[str], x_gpu
     The last group's gradient then goes back: each stage before the last runs that group's
     backward pieces but its first (stage 0: all), its experts that group's layers but the first.
     These follow one another, each at least its attention rank's or its busiest expert rank's
-    compute (`experts_per_layer` experts of `tpe` tokens each; the fastest type of each role), or
-    what its dispatch or its combine stream carries meanwhile, one collective at a time (the same
-    layers; `colls`: stage_collectives, computed here if not given)."""
-    R, P = lay.R, lay.P
-    m = R // waves
-    colls = colls if colls is not None else stage_collectives(lay, cost, cluster, t)
-
-    def attention(i: int, backward: bool) -> float:
-        return min(sum(cost.stage_time(g, s, t, backward, lay.tp, dense=d) for n, (s, d) in enumerate(lay.pieces[i])
-                       if not backward or i == 0 or n > 0) for g in a_gpus)
-
-    def experts(i: int, backward: bool) -> float:
-        per = min(cost.expert_time(g, tpe, backward) for g in x_gpus)
-        return (len(lay.layers[i]) - 1) * experts_per_layer * per
-
-    def streams(i: int, backward: bool) -> float:  # a stage's phase: its layers but the last (backward: the first)
-        layers = colls[i][1:] if backward else colls[i][:-1]
-        if backward:
-            return max(sum(c["C_B"] for c in layers), sum(c["D_B"] for c in layers))
-        return max(sum(c["D_F"] for c in layers), sum(c["C_F"] for c in layers))
-
-    tot = m * sum(max(attention(i, b), experts(i, b), streams(i, b)) for i in range(P - 1) for b in (False, True))
-    last = P - 1
-    dispatch = sum(c["D_F"] + c["C_B"] for c in colls[last])  # every collective of the last stage, per stream
-    combine = sum(c["C_F"] + c["D_B"] for c in colls[last])
-    tot += R * max(attention(last, False) + attention(last, True), experts(last, False) + experts(last, True),
-                   dispatch, combine)
-    return tot * (1 - 1e-9)
+    compute (the layout's experts on expert ranks, `tpe` tokens each; the fastest type of each
+    role; experts an attention rank holds left out), or what its dispatch or its combine stream
+    carries meanwhile, one collective at a time (the same layers; `colls`: stage_collectives,
+    computed here if not given). `attention_only`: the attention pieces alone, a bound for any
+    placement of the experts (Asym-EA only adds work to attention ranks). `terms`:
+    zebra_bound_terms, when computed once for several `waves`."""
+    before, last = terms or zebra_bound_terms(cost, cluster, a_gpus, x_gpus, t, tpe, lay, colls, attention_only)
+    return (lay.R // waves * before + lay.R * last) * (1 - 1e-9)
 
 
 def check_plan_matches(plan: HeteroPlan, cluster: Cluster, model: ModelConfig) -> None:

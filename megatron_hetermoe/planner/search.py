@@ -25,12 +25,13 @@ and 'keep-inputs' (models/experts.py run_local_experts) and refuses a 'resend-in
 name (parallel/state.py).
 Pipeline stages (plan.pipeline_stages P in PIPELINE_STAGES, where P divides the decoder layers,
 every stage gets an MoE layer and P divides both sides of a ZP group): each group is P stages of
-M attention + N expert ranks (as even_plan lays them out), no Asym-EA, run two ways: DistEP inside
-the stages and Megatron's 1F1B across them, priced by planner/pipeline.py (its 1F1B step model and
+M attention + N expert ranks (as even_plan lays them out), run two ways: DistEP inside the stages
+and Megatron's 1F1B across them, no Asym-EA, priced by planner/pipeline.py (its 1F1B step model and
 per-stage memory rule, 1F1B keeping min(P - i, R) microbatches alive on stage i); and zebra inside
-the stages, its task lists run by the event simulator (every stage keeps all R microbatches
-alive). Each is skipped when its bound (pipeline.lower_bound, pipeline.zebra_lower_bound) cannot
-beat the best step so far. The DistEP and zebra rows stay one stage; the planner's pick is the
+the stages in W groups of microbatches (every W dividing R; plan.zebra_waves), without and (no
+TP) with Asym-EA inside each stage (stage_asym_problem, asym_ea.optimal per stage), its task lists
+run by the event simulator (every stage keeps all R microbatches alive). Each is skipped when its
+bound (pipeline.lower_bound, pipeline.zebra_lower_bound) cannot beat the best step so far. The DistEP and zebra rows stay one stage; the planner's pick is the
 fastest of every zebra variant and DistEP at every P searched (detail["pipeline_stages"]).
 When a role split has no candidate that fits (or none that divides the batch), the strategy's
 prediction names it in detail["excluded_layouts"] ({layout name: reason}); a strategy that
@@ -245,9 +246,9 @@ def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert
 def _build_pipelined_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int,
                           R: int, k: list[int], schedule: str, validate: bool, skeleton: bool, attention_tp: int,
                           P: int, W: int = 1) -> HeteroPlan:
-    if any(k):
-        raise PlanError(f"experts on attention ranks (Asym-EA, {list(k)}) with pipeline_stages={P}: the planner builds "
-                        f"pipeline stages without Asym-EA; use k all 0")
+    if any(k) and attention_tp > 1:
+        raise PlanError(f"experts on attention ranks (Asym-EA, {list(k)}) with attention_tp={attention_tp}: the planner "
+                        f"builds TP attention members without Asym-EA; use k all 0")
     if schedule not in ("distep", "zebra"):
         raise PlanError(f"schedule {schedule!r} is unknown; use 'zebra' or 'distep'")
     if len(attn) % (G * P) or len(expert) % (G * P):
@@ -258,9 +259,48 @@ def _build_pipelined_plan(model: ModelConfig, gpu_types: list[str], attn: list[i
     plan = HeteroPlan(model.num_moe_layers, model.num_experts, list(gpu_types), groups, R, schedule,
                       dense_layers=model.dense_layers, attention_tp=attention_tp, pipeline_stages=P, zebra_waves=W)
     plan.place_evenly(range(1 if skeleton else G))
+    if any(k):  # Asym-EA inside each stage: k[l] experts of layer l on the stage's attention ranks
+        for g in range(1 if skeleton else G):
+            for i in range(P):
+                a, x = plan.stage_ranks(g, i)
+                members = a + x
+                layers = plan.stage_moe_layers(i)
+                local = asym_ea.placement([k[l] for l in layers], model.num_experts, list(range(len(a))),
+                                          list(range(len(a), len(members))))
+                for l, pl in zip(layers, local):
+                    plan.groups[g].placement[l] = {members[r]: list(es) for r, es in pl.items()}
     if validate and not skeleton:
         plan.validate()
     return plan
+
+
+def stage_asym_problem(cost: CostModel, lay: pipeline.PipelineLayout, stage: int,
+                       global_batch: int) -> asym_ea.AsymProblem:
+    """Asym-EA inputs for pipeline stage `stage` of a layout under zebra (all R microbatches alive):
+    as asym_problem over the stage's MoE layers, their attention pieces (the last stage's head as
+    the extra piece) and an attention rank's memory for the stage's pieces only."""
+    i, c = stage, cost
+    att, exp = lay.attention[0][i], lay.experts[0][i]
+    M, N = len(att), len(exp)
+    t, tpe = pipeline.tokens(lay, c, global_batch)
+    a_gpus = sorted({lay.gpu_types[r] for r in att})
+    x_gpus = sorted({lay.gpu_types[r] for r in exp})
+    L_i = len(lay.layers[i])
+
+    def piece(g: str, s: int, d: int) -> float:
+        return c.stage_time(g, s, t, False, lay.tp, dense=d) + c.stage_time(g, s, t, True, lay.tp, dense=d)
+
+    t_attn = tuple(max(piece(g, s, d) for g in a_gpus) for s, d in lay.pieces[i][:L_i])
+    extra = max(sum(piece(g, s, d) for s, d in lay.pieces[i][L_i:]) for g in a_gpus)
+    both = lambda g: c.expert_time(g, tpe, False) + c.expert_time(g, tpe, True)
+    per = c.per_expert_bytes(tpe, lay.R, lay.G)
+    work = c.expert_working_bytes(tpe)
+    base = c.pipeline_attention_rank_bytes(t, lay.R, lay.pieces[i], i == 0, i == lay.P - 1, lay.tp,
+                                           lay.G * M // lay.tp)
+    free_a = min(c.profile(g).usable_memory_bytes for g in a_gpus) - base - work
+    free_x = min(c.profile(g).usable_memory_bytes for g in x_gpus) - work
+    return asym_ea.AsymProblem(L_i, c.model.num_experts, M, N, t_attn, max(map(both, x_gpus)), max(map(both, a_gpus)),
+                               math.floor(free_a / per) if free_a >= 0 else -1, max(0, math.floor(free_x / per)), extra)
 
 
 def candidates(cluster: Cluster, model: ModelConfig, global_batch: int, max_microbatches: int = 32,
@@ -477,8 +517,10 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         if DISTEP_PP not in best or res.step_time_s < best[DISTEP_PP][0]:
             best[DISTEP_PP] = (res.step_time_s, res, cand, [0] * model.num_moe_layers, "distep", level)
 
-    def consider_zebra_pipelined(cand: Candidate, lay: pipeline.PipelineLayout, level: str) -> None:
-        """Zebra inside P > 1 stages, no Asym-EA, that fits: its task lists simulated unless its
+    def consider_zebra_pipelined(cand: Candidate, lay: pipeline.PipelineLayout, level: str,
+                                 k: list[int] | None = None) -> None:
+        """Zebra inside P > 1 stages (Asym-EA inside each stage where `k` places experts on the
+        attention ranks; `lay` is then the plan's) that fits: its task lists simulated unless its
         bound cannot beat the best step of any strategy the pick takes."""
         fitted[ZEBRA_PP].add(layout_of(cand))
         c = costs[level]
@@ -486,13 +528,17 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         t = global_batch * c.settings.seq_len / (cand.G * M * cand.R)
         a_gpus, x_gpus = {types[r] for r in cand.attention_ranks[:M]}, {types[r] for r in cand.expert_ranks[:N]}
         tpe = M * t * model.moe_router_topk / model.num_experts
-        k = [0] * model.num_moe_layers
-        colls = pipeline.stage_collectives(lay, c, cluster, t)
+        k = k or [0] * model.num_moe_layers
+        none = [[{"D_F": 0.0, "C_F": 0.0, "C_B": 0.0, "D_B": 0.0} for _ in h] for h in lay.held]
+        cheap = pipeline.zebra_bound_terms(c, cluster, a_gpus, x_gpus, t, tpe, lay, none)  # without the streams
+        full = None  # with them: only for a candidate the cheaper bound keeps
         for W in _divisors(cand.R):  # groups of microbatches (plan.zebra_waves)
-            lb = pipeline.zebra_lower_bound(c, cluster, a_gpus, x_gpus, t, tpe, math.ceil(model.num_experts / N), lay,
-                                            W, colls)
             steps = [best[n][0] for n in variants if n in best]
-            if steps and lb >= min(steps):
+            bound = lambda terms: pipeline.zebra_lower_bound(c, cluster, a_gpus, x_gpus, t, tpe, lay, W, terms=terms)
+            if steps and bound(cheap) >= min(steps):
+                continue
+            full = full or pipeline.zebra_bound_terms(c, cluster, a_gpus, x_gpus, t, tpe, lay)
+            if steps and bound(full) >= min(steps):
                 continue
             plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, "zebra",
                               skeleton=True, attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=W)
@@ -500,6 +546,18 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
             if ZEBRA_PP not in best or res.step_time_s < best[ZEBRA_PP][0]:
                 best[ZEBRA_PP] = (res.step_time_s, res, cand, k, "zebra", level)
                 waves[ZEBRA_PP] = W
+
+    def _cannot_beat(cand: Candidate, lay: pipeline.PipelineLayout) -> bool:
+        """No zebra plan in these stages, whatever its experts' placement and waves, beats the best
+        step so far: the bound of its attention pieces alone, in groups of one microbatch."""
+        steps = [best[n][0] for n in variants if n in best]
+        if not steps:
+            return False
+        M = cand.stage_shape[0]
+        t = global_batch * cost.settings.seq_len / (cand.G * M * cand.R)
+        a_gpus = {types[r] for r in cand.attention_ranks[:M]}
+        return pipeline.zebra_lower_bound(cost, cluster, a_gpus, set(), t, 0.0, lay, cand.R,
+                                          attention_only=True) >= min(steps)
 
     def consider(name: str, cand: Candidate, k: list[int], schedule: str, level: str) -> None:
         fitted[name].add(layout_of(cand))
@@ -542,6 +600,24 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                         consider_it(level)
                         break
                     refuse((name,), cand, short)
+            if cand.tp == 1 and asym != "none" and not _cannot_beat(cand, lay):
+                for level in levels:  # zebra with Asym-EA inside each stage (optimal per stage)
+                    try:
+                        k = [x for i in range(cand.P)
+                             for x in asym_ea.optimal(stage_asym_problem(costs[level], lay, i, global_batch))]
+                    except PlanError as e:
+                        refuse((ZEBRA_PP,), cand, (math.inf, f"Asym-EA inside the stages: {e} (expert recompute {level!r})"))
+                        continue
+                    if not any(k):
+                        break  # the even layout above, already priced
+                    plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, "zebra",
+                                      skeleton=True, pipeline_stages=cand.P)
+                    lay_ea = pipeline.layout_of_plan(plan, validate=False)
+                    short = pipeline.memory_shortfall(lay_ea, costs[level], global_batch, True)
+                    if short is None:
+                        consider_zebra_pipelined(cand, lay_ea, level, k)
+                        break
+                    refuse((ZEBRA_PP,), cand, short)
             continue
         M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
         grp_a, grp_x = cand.attention_ranks[:M], cand.expert_ranks[:N]
@@ -654,7 +730,8 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         if source == DISTEP_PP:
             source = f"DistEP in {cand.P} pipeline stages (1F1B), no Asym-EA"
         elif source == ZEBRA_PP:
-            source = f"zebra in {cand.P} pipeline stages ({waves[PICK]} wave(s) of microbatches), no Asym-EA"
+            ea = "Asym-EA (optimal) inside each stage" if any(best[PICK][3]) else "no Asym-EA"
+            source = f"zebra in {cand.P} pipeline stages ({waves[PICK]} wave(s) of microbatches), {ea}"
         plan.meta = {
             "model": model.name, "cluster": cluster.name, "seq_len": seq_len, "global_batch": global_batch,
             "distributed_optimizer": distributed_optimizer,

@@ -238,8 +238,9 @@ def test_no_distep_task_lists_with_pipeline_stages():
     with pytest.raises(PlanError, match="pipeline_stages=2"):
         rank_task_times(plan, c, cl, 2, rank=0)
     assert simulate_plan(plan, c, cl, 2).step_time_s > 0
-    with pytest.raises(PlanError, match="Asym-EA"):
-        build_plan(SMALL, cl.gpu_types(), [0, 2], [1, 3], 1, 2, [1] * 8, "distep", pipeline_stages=2)
+    with pytest.raises(PlanError, match="Asym-EA.*attention_tp=2"):
+        build_plan(SMALL, ["A40"] * 4 + ["V100-16GB"] * 2, [0, 1, 2, 3], [4, 5], 1, 2, [1] * 8, "zebra",
+                   attention_tp=2, pipeline_stages=2)
 
 
 # ---------------------------------------------------------------- the search
@@ -247,14 +248,16 @@ def test_search_needs_pipeline_stages_for_mixtral_on_h100_v100():
     """Mixtral-8x7B, 4K tokens, 64 sequences on 16 H100 + 16 V100-32GB: no one-stage plan fits
     (the V100s cannot hold the 256 experts' share, the dense model and activations do not fit next
     to them either way); with pipeline stages the search finds a plan (zebra in waves of
-    microbatches, which beats DistEP's 1F1B there) that validates and prices as it said."""
+    microbatches with Asym-EA inside each stage: H100 attention ranks holding some experts, which
+    beats DistEP's 1F1B and zebra without Asym-EA there) that validates and prices as it said."""
     m = ModelConfig.load("mixtral-8x7b")
     cl = Cluster.load("h100x16-v100x16")
     assert search(m, cl, 4096, 64, baselines=False, pipeline_stages=(1,)).plan is None
     res = search(m, cl, 4096, 64, baselines=False)
     plan, pick = res.plan, res.by_name()[PICK]
     assert plan is not None and plan.pipeline_stages > 1 and pick.detail["pipeline_stages"] == plan.pipeline_stages
-    assert plan.schedule == "zebra" and plan.zebra_waves > 1 and not plan.experts_on_attention_ranks_any()
+    assert plan.schedule == "zebra" and plan.zebra_waves > 1 and plan.experts_on_attention_ranks_any()
+    assert "Asym-EA (optimal) inside each stage" in plan.meta["assignment"]
     plan.validate(world_size=cl.world_size, known_gpu_types=known_gpu_types())
     for gi in range(len(plan.groups)):  # each stage its own ranks, one GPU type per role
         ranks = [r for s in range(plan.pipeline_stages) for r in plan.stage_members(gi, s)]
@@ -267,8 +270,12 @@ def test_search_needs_pipeline_stages_for_mixtral_on_h100_v100():
     assert again.step_time_s == pytest.approx(pick.step_time_s, rel=1e-12)
     assert memory_shortfall(layout_of_plan(plan), c, 64, zebra=True) is None
     assert pick.detail["zebra_waves"] == plan.zebra_waves
-    distep = dataclasses.replace(plan, schedule="distep", zebra_waves=1)  # DistEP's 1F1B on the same ranks
-    assert simulate_plan(distep, c, cl, 64).step_time_s > pick.step_time_s
+    even = build_plan(m, plan.gpu_types, plan.attention_ranks, [r for g in plan.groups for r in g.expert_ranks],
+                      len(plan.groups), plan.num_microbatches, [0] * 32, "zebra", pipeline_stages=plan.pipeline_stages,
+                      zebra_waves=plan.zebra_waves)  # the same stages without Asym-EA
+    distep = dataclasses.replace(even, schedule="distep", zebra_waves=1)  # and DistEP's 1F1B on them
+    for other in (even, distep):
+        assert simulate_plan(other, c, cl, 64).step_time_s > pick.step_time_s
     # every pipeline size alone: a plan of that size, or none; never a one-stage plan
     for P in (2, 4, 8):
         r = search(m, cl, 4096, 64, baselines=False, pipeline_stages=(P,))

@@ -213,7 +213,7 @@ def test_zebra_lower_bound_never_exceeds_the_simulated_step():
         divisors = [w for w in range(1, cand.R + 1) if cand.R % w == 0]
         for W in {1, cand.R, divisors[n % len(divisors)]}:
             lb = pipeline.zebra_lower_bound(c, cl, {types[cand.attention_ranks[0]]}, {types[cand.expert_ranks[0]]}, t,
-                                            M * t * 2 / 8, -(-8 // N), lay, W)
+                                            M * t * 2 / 8, lay, W)
             plan = build_plan(m, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, [0] * 32, "zebra",
                               skeleton=True, attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=W)
             assert 0 < lb <= simulate_plan(plan, c, cl, 64).step_time_s
@@ -244,7 +244,8 @@ def test_search_picks_zebra_in_stages_where_it_is_fastest():
 
 @pytest.mark.parametrize("seed", range(16))
 def test_zebra_lower_bound_holds_on_small_plans(seed):
-    """Dense layers moved across a stage boundary, several groups, attention TP, R = 1..4, waves."""
+    """Dense layers moved across a stage boundary, several groups, attention TP, R = 1..4, waves,
+    Asym-EA inside the stages (experts on attention ranks: the expert term counts expert ranks only)."""
     from megatron_hetermoe.planner.search import build_plan
 
     rnd = random.Random(seed)
@@ -263,10 +264,28 @@ def test_zebra_lower_bound_holds_on_small_plans(seed):
     cl = Cluster.from_gpu_types(f"lb-{seed}", types, gpus_per_node=4)
     attn, exp = list(range(G * P * M)), list(range(G * P * M, len(types)))
     c = CostModel(m, load_profiles(set(GPUS)), TrainSettings(S))
-    plan = build_plan(m, types, attn, exp, G, R, [0] * m.num_moe_layers, "zebra", attention_tp=tp, pipeline_stages=P,
-                      zebra_waves=W)
+    k = [rnd.choice([0, 0, 1, 3, 8]) for _ in range(m.num_moe_layers)] if tp == 1 else [0] * m.num_moe_layers
+    plan = build_plan(m, types, attn, exp, G, R, k, "zebra", attention_tp=tp, pipeline_stages=P, zebra_waves=W)
     lay = pipeline.layout_of_plan(plan)
     B = G * (M // tp) * R
     t = B * S / (G * M * R)
-    lb = pipeline.zebra_lower_bound(c, cl, {"A40"}, {"V100-16GB"}, t, M * t * 2 / 8, -(-8 // N), lay, W)
+    lb = pipeline.zebra_lower_bound(c, cl, {"A40"}, {"V100-16GB"}, t, M * t * 2 / 8, lay, W)
     assert 0 < lb <= simulate_plan(plan, c, cl, B).step_time_s
+
+
+def test_stage_asym_problem_at_one_stage_is_the_search_asym_problem():
+    """One stage: the per-stage Asym-EA inputs (pieces, head, memory over the stage's pieces) are
+    the one-stage search's, term by term."""
+    from megatron_hetermoe.planner.search import asym_problem, stage_asym_problem
+
+    m = SMALL.replace(moe_layer_freq=[1, 1, 0, 1, 1, 1, 1, 1])
+    types = ["A40"] * 4 + ["V100-16GB"] * 4
+    c = CostModel(m, load_profiles(set(GPUS)), TrainSettings(S))
+    for G, R in ((1, 4), (2, 2)):
+        lay = pipeline.even_layout(m, types, [0, 1, 2, 3], [4, 5, 6, 7], G, 1, R)
+        a = stage_asym_problem(c, lay, 0, 16)
+        b = asym_problem(c, types, [0, 1, 2, 3][:4 // G], [4, 5, 6, 7][:4 // G], G, R, 16, forward_only=False)
+        assert (a.num_layers, a.num_experts, a.M, a.N, a.n_max, a.cap_x) == (b.num_layers, b.num_experts, b.M, b.N,
+                                                                             b.n_max, b.cap_x)
+        assert a.t_attn == pytest.approx(b.t_attn, rel=1e-12) and a.t_attn_extra == pytest.approx(b.t_attn_extra)
+        assert (a.t_exp, a.t_exp_on_attn) == pytest.approx((b.t_exp, b.t_exp_on_attn), rel=1e-12)
