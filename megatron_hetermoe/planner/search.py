@@ -352,8 +352,9 @@ def compute_lower_bound(cost: CostModel, gpu_types: list[str], cand: Candidate, 
     """A lower bound on the simulated step of a candidate, from the simulator's own durations
     (simulator.build_problem): a rank runs its compute tasks one at a time, so the step is at
     least the compute of its busiest attention rank (R microbatches of every attention stage,
-    forward and backward) and, without Asym-EA (k all 0), of an expert rank holding ceil(E / N)
-    experts of every layer (at the fastest expert GPU type); with `cluster`, k all 0 and N | E (or
+    forward and backward; with Asym-EA also the ceil(k_l / M) experts it holds of each layer l) and
+    of an expert rank holding ceil(E / N) (with Asym-EA ceil((E - k_l) / N)) experts of every layer
+    (at the fastest GPU type of the role); with `cluster`, k all 0 and N | E (or
     no node holding both roles: then with an even fractional share of experts per rank), also
     the collectives of either stream (each runs one at a time), and one microbatch's dependency
     chain (every attention stage, and per layer dispatch, experts, combine, forward and
@@ -368,6 +369,12 @@ def compute_lower_bound(cost: CostModel, gpu_types: list[str], cand: Candidate, 
     attn = max(sum(cost.stage_time(g, s, t_mb, b, cand.tp) for s in range(L + 1) for b in (False, True))
                for g in a_gpus)  # one microbatch on one attention rank
     lb = cand.R * attn
+    if any(k) and len(k) == L:  # Asym-EA: an attention rank also runs its experts, an expert rank its share
+        tpe = M * t_mb * k_top / E
+        x_gpus = {gpu_types[r] for r in cand.expert_ranks[:N]}
+        both = lambda g: cost.expert_time(g, tpe, False) + cost.expert_time(g, tpe, True)
+        lb = max(cand.R * (attn + sum(asym_ea.attention_max(x, M) for x in k) * min(map(both, a_gpus))),
+                 cand.R * sum(asym_ea.expert_max(x, E, N) for x in k) * min(map(both, x_gpus)))
     if not any(k):
         tpe = M * t_mb * k_top / E
         x_gpus = {gpu_types[r] for r in cand.expert_ranks[:N]}
@@ -644,7 +651,8 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                 consider(ZEBRA_NO_EA, cand, zero, "zebra", level)
             else:
                 refuse((ZEBRA_NO_EA,), cand, _memory_reason(full, zero, a_gpu, x_gpu, cand.R, level))
-            if cand.tp > 1:  # no experts on TP attention members: no Asym-EA (the runtime refuses it)
+            if cand.tp > 1:  # the search tries no Asym-EA on TP members (the runtime runs it; the 1,024-GPU
+                # search spent 3 s more simulating such candidates, none of which won)
                 if no_ea_fits:
                     break
                 continue
