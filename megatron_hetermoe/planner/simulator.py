@@ -374,12 +374,17 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     for r in reps:
         i, n_local = stage[r], len(layers[stage[r]])
         tl: list = []
+        received: dict[int, PipeTask] = {}  # list index of a compute task -> the transfer it waits for
         for t in lister(plan, r):
             if lay is not None and role[r] == "attention":
+                recv = None
                 if i > 0 and t.kind == "A_F" and t.layer == 0:
-                    tl.append(PipeTask("P_F", i - 1, t.microbatch))  # receive the previous stage's output
-                if i < P - 1 and t.kind == "A_B" and t.layer == n_local:
-                    tl.append(PipeTask("P_B", i + 1, t.microbatch))  # receive the next stage's gradient
+                    recv = PipeTask("P_F", i - 1, t.microbatch)  # the previous stage's output
+                elif i < P - 1 and t.kind == "A_B" and t.layer == n_local:
+                    recv = PipeTask("P_B", i + 1, t.microbatch)  # the next stage's gradient
+                if recv is not None:
+                    tl.append(recv)
+                    received[len(tl)] = recv
             tl.append(t)
             if lay is not None and role[r] == "attention":
                 if i < P - 1 and t.kind == "A_F" and t.layer == n_local:
@@ -397,9 +402,7 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
             else:
                 ic.append(0)
                 du.append(compute_dur(r, t))
-                dep = inputs(t, n_local)
-                if dep is None and n_t > 0 and isinstance(tl[n_t - 1], PipeTask):
-                    dep = tl[n_t - 1]  # a stage's first piece, or its last piece's backward
+                dep = inputs(t, n_local) or received.get(n_t)  # a stage's first piece, its last piece's backward
                 rf.append(cid(i, dep) if dep is not None else -1)
         prob.tasks.append(tl)
         prob.is_comm.append(ic)

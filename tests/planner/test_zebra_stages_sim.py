@@ -104,9 +104,15 @@ def test_trace_follows_the_stage_lists(P, R, M, N, offload, W):
             if dep is not None:
                 assert s >= ends[dep] - 1e-15
             if plan.role(r) == "attention" and t == Task("A_F", 0, t.microbatch) and stage > 0:
-                assert s >= ends[PipeTask("P_F", stage - 1, t.microbatch)] - 1e-15
+                dep = PipeTask("P_F", stage - 1, t.microbatch)
+                assert s >= ends[dep] - 1e-15
             if plan.role(r) == "attention" and t == Task("A_B", L, t.microbatch) and stage < P - 1:
-                assert s >= ends[PipeTask("P_B", stage + 1, t.microbatch)] - 1e-15
+                dep = PipeTask("P_B", stage + 1, t.microbatch)
+                assert s >= ends[dep] - 1e-15
+            # it waits for that transfer or collective and nothing else (a send is not waited for: the
+            # runtime's isend; stage 0's next wave starts without the last one's transfer)
+            ref = res.problem.ref[res.problem.ranks.index(r)][n]
+            assert (res.problem.coll_tasks[ref] if ref >= 0 else None) == dep
             prev_end = e
     for key, times in issued.items():
         assert coll[key][0] >= max(times) - 1e-15  # starts when its last member issued it
