@@ -226,27 +226,31 @@ def _p2p(lay: PipelineLayout, cost: CostModel, cluster: Cluster, i: int, t: floa
     return p2p_time(lay, cost, cluster, i, t) + p2p_time(lay, cost, cluster, i, t, backward=True)
 
 
-def stage_collectives(lay: PipelineLayout, cost: CostModel, cluster: Cluster, t: float) -> list[list[dict]]:
-    """[stage][its k-th MoE layer]: seconds of the layer's D_F, C_F, C_B and D_B for one microbatch
-    of t tokens per attention rank, the event simulator's bipartite all-to-alls over the stage's
-    members (group 0; layers placed alike cost alike)."""
+def layer_collectives(cost: CostModel, cluster: Cluster, members: list[int], n_attention: int,
+                      held: list[tuple[int, ...]], t: float) -> list[dict]:
+    """Seconds of each layer's D_F, C_F, C_B and D_B for one microbatch of t tokens per attention
+    rank: bipartite all-to-alls over `members` (its first `n_attention` the attention ranks),
+    layer k's experts held[k][j] on member j (layers placed alike cost alike). With expert
+    recompute 'resend-inputs' C_B carries the routed tokens again (twice D_F's bytes)."""
     E, tb = cost.model.num_experts, cost.model.moe_router_topk * cost.token_bytes()
     resend = cost.settings.expert_recompute == "resend-inputs"
-    out = []
-    for i in range(lay.P):
-        att, members = lay.attention[0][i], lay.members(0, i)
-        links = Links.for_ranks(cluster, members, cost.profiles)
-        s_tok = [t] * len(att) + [0.0] * (len(members) - len(att))
-        seen: dict[tuple, dict] = {}
-        for held in lay.held[i]:
-            if held not in seen:
-                w = [c / E for c in held]
-                d_f = rank1_collective_time(links, s_tok, w, tb)  # D_F (and C_B)
-                c_f = rank1_collective_time(links, w, s_tok, tb)  # C_F (and D_B)
-                c_b = rank1_collective_time(links, s_tok, w, 2 * tb) if resend else d_f
-                seen[held] = {"D_F": d_f, "C_F": c_f, "C_B": c_b, "D_B": c_f}
-        out.append([seen[h] for h in lay.held[i]])
-    return out
+    links = Links.for_ranks(cluster, members, cost.profiles)
+    s_tok = [t] * n_attention + [0.0] * (len(members) - n_attention)
+    seen: dict[tuple, dict] = {}
+    for h in held:
+        if h not in seen:
+            w = [c / E for c in h]
+            d_f = rank1_collective_time(links, s_tok, w, tb)  # D_F (and C_B)
+            c_f = rank1_collective_time(links, w, s_tok, tb)  # C_F (and D_B: transposed)
+            c_b = rank1_collective_time(links, s_tok, w, 2 * tb) if resend else d_f
+            seen[h] = {"D_F": d_f, "C_F": c_f, "C_B": c_b, "D_B": c_f}
+    return [seen[h] for h in held]
+
+
+def stage_collectives(lay: PipelineLayout, cost: CostModel, cluster: Cluster, t: float) -> list[list[dict]]:
+    """[stage][its k-th MoE layer]: layer_collectives over each stage's members (group 0)."""
+    return [layer_collectives(cost, cluster, lay.members(0, i), len(lay.attention[0][i]), lay.held[i], t)
+            for i in range(lay.P)]
 
 
 def stage_times(lay: PipelineLayout, cost: CostModel, cluster: Cluster, global_batch: int) -> list[dict]:

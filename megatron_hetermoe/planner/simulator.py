@@ -35,12 +35,12 @@ from megatron_hetermoe.planner.cluster import (
     Cluster,
     Links,
     allreduce_time,
-    rank1_collective_time,
 )
 from megatron_hetermoe.planner.cost_model import CostModel
 from megatron_hetermoe.planner.pipeline import (
     PipelineResult,
     check_plan_matches,
+    layer_collectives,
     layout_of_plan,
     p2p_time,
     post_step,
@@ -290,8 +290,6 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     lay = layout_of_plan(plan, validate=False) if P > 1 else None
     global_tokens = float(global_batch) * cost.settings.seq_len
     t_mb = tokens_per_microbatch(plan, global_tokens)
-    tb = cost.token_bytes()
-    resend = cost.settings.expert_recompute == "resend-inputs"
     stage = {r: plan.stage_of(r) for r in g.members}
     role = {r: plan.role(r) for r in g.members}
     layers = [plan.stage_moe_layers(i) for i in range(P)]  # a stage's task-list layer k is MoE layer layers[i][k]
@@ -300,21 +298,9 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     # collectives: one per (stage, kind, layer, microbatch); durations from the bipartite byte matrix
     layer_dur: list[list[dict]] = []  # [stage][k]
     for i in range(P):
-        members = plan.stage_members(group, i)
-        links = Links.for_ranks(cluster, members, cost.profiles)
-        s_tok = [t_mb if role[r] == "attention" else 0.0 for r in members]
-        per_layer, seen = [], {}
-        for kk in range(len(layers[i])):
-            key = tuple(counts[r][kk] for r in members)
-            if key not in seen:
-                w = [c / E for c in key]
-                fwd = rank1_collective_time(links, s_tok, w, k * tb)  # D_F and C_B
-                bwd = rank1_collective_time(links, w, s_tok, k * tb)  # C_F and D_B (transposed)
-                # expert holders that kept no inputs get them again with the output gradient
-                c_b = rank1_collective_time(links, s_tok, w, 2 * k * tb) if resend else fwd
-                seen[key] = {"D_F": fwd, "C_B": c_b, "C_F": bwd, "D_B": bwd}
-            per_layer.append(seen[key])
-        layer_dur.append(per_layer)
+        att, exp = plan.stage_ranks(group, i)
+        held = [tuple(counts[r][kk] for r in att + exp) for kk in range(len(layers[i]))]
+        layer_dur.append(layer_collectives(cost, cluster, att + exp, len(att), held, t_mb))
     # between stage b and b + 1: (b, False) the activations forward, (b, True) their gradient back
     p2p = {(b, bwd): p2p_time(lay, cost, cluster, b, t_mb, bwd) for b in range(P - 1) for bwd in (False, True)}
 
