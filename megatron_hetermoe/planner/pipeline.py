@@ -409,11 +409,12 @@ def lower_bound(cost: CostModel, a_gpus: set[str], x_gpus: set[str], t: float, t
 
 def zebra_bound_terms(cost: CostModel, cluster: Cluster, a_gpus: set[str], x_gpus: set[str], t: float, tpe: float,
                       lay: PipelineLayout, colls: list[list[dict]] | None = None,
-                      attention_only: bool = False) -> tuple[float, float]:
+                      attention_only: bool = False, streams: bool = True) -> tuple[float, float]:
     """(per-microbatch seconds of the stages before the last, per-microbatch seconds of the last
-    stage) in zebra_lower_bound, which is R / W x the first + R x the second (times 1 - 1e-9)."""
+    stage) in zebra_lower_bound, which is R / W x the first + R x the second (times 1 - 1e-9).
+    `streams` False: without the streams' load (a cheaper, weaker bound; so is attention_only)."""
     P = lay.P
-    if attention_only:
+    if attention_only or not streams:
         colls = [[{"D_F": 0.0, "C_F": 0.0, "C_B": 0.0, "D_B": 0.0} for _ in h] for h in lay.held]
     elif colls is None:
         colls = stage_collectives(lay, cost, cluster, t)

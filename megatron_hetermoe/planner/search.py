@@ -194,25 +194,33 @@ def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert:
     a_gpus = sorted({gpu_types[r] for r in attn})
     x_gpus = sorted({gpu_types[r] for r in expert})
 
-    def both(f, *args) -> float:
-        return f(*args, False) + (0.0 if forward_only else f(*args, True))
-
     def stage(g: str, l: int) -> float:
         return cost.stage_time(g, l, t_mb, False, tp) + (0.0 if forward_only else cost.stage_time(g, l, t_mb, True, tp))
 
     t_attn = tuple(max(stage(g, l) for g in a_gpus) for l in range(L))
     extra = max(stage(g, L) for g in a_gpus)
-    t_exp = max(both(cost.expert_time, g, tpe) for g in x_gpus)
-    t_x = max(both(cost.expert_time, g, tpe) for g in a_gpus)
+    members = G * M // tp  # the dense weights' data-parallel size
+    return _asym_with_experts(cost, a_gpus, x_gpus, M, N, G, tpe, alive, t_attn, extra, forward_only,
+                              cost.attention_rank_bytes(t_mb, alive, tp=tp, dp=members))
+
+
+def _asym_with_experts(cost: CostModel, a_gpus: list[str], x_gpus: list[str], M: int, N: int, G: int, tpe: float,
+                       alive: int, t_attn: tuple[float, ...], extra: float, forward_only: bool,
+                       attention_bytes: float) -> asym_ea.AsymProblem:
+    """An AsymProblem from its attention times and an attention rank's bytes without experts: the
+    expert times on each role's GPUs (the slowest type) and how many experts each role's ranks
+    hold next to `alive` microbatches' routed tokens (the smallest type)."""
+    def both(g: str) -> float:
+        return cost.expert_time(g, tpe, False) + (0.0 if forward_only else cost.expert_time(g, tpe, True))
+
     per = cost.per_expert_bytes(tpe, alive, G)  # an expert's replicas: one per ZP group
     work = cost.expert_working_bytes(tpe)
-    members = G * M // tp  # the dense weights' data-parallel size
-    free_a = (min(cost.profile(g).usable_memory_bytes for g in a_gpus)
-              - cost.attention_rank_bytes(t_mb, alive, tp=tp, dp=members) - work)
+    free_a = min(cost.profile(g).usable_memory_bytes for g in a_gpus) - attention_bytes - work
     free_x = min(cost.profile(g).usable_memory_bytes for g in x_gpus) - work
     n_max = math.floor(free_a / per) if free_a >= 0 else -1
     cap_x = max(0, math.floor(free_x / per))
-    return asym_ea.AsymProblem(L, E, M, N, t_attn, t_exp, t_x, n_max, cap_x, extra)
+    return asym_ea.AsymProblem(len(t_attn), cost.model.num_experts, M, N, t_attn, max(map(both, x_gpus)),
+                               max(map(both, a_gpus)), n_max, cap_x, extra)
 
 
 def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int, R: int,
@@ -292,15 +300,9 @@ def stage_asym_problem(cost: CostModel, lay: pipeline.PipelineLayout, stage: int
 
     t_attn = tuple(max(piece(g, s, d) for g in a_gpus) for s, d in lay.pieces[i][:L_i])
     extra = max(sum(piece(g, s, d) for s, d in lay.pieces[i][L_i:]) for g in a_gpus)
-    both = lambda g: c.expert_time(g, tpe, False) + c.expert_time(g, tpe, True)
-    per = c.per_expert_bytes(tpe, lay.R, lay.G)
-    work = c.expert_working_bytes(tpe)
     base = c.pipeline_attention_rank_bytes(t, lay.R, lay.pieces[i], i == 0, i == lay.P - 1, lay.tp,
                                            lay.G * M // lay.tp)
-    free_a = min(c.profile(g).usable_memory_bytes for g in a_gpus) - base - work
-    free_x = min(c.profile(g).usable_memory_bytes for g in x_gpus) - work
-    return asym_ea.AsymProblem(L_i, c.model.num_experts, M, N, t_attn, max(map(both, x_gpus)), max(map(both, a_gpus)),
-                               math.floor(free_a / per) if free_a >= 0 else -1, max(0, math.floor(free_x / per)), extra)
+    return _asym_with_experts(c, a_gpus, x_gpus, M, N, lay.G, tpe, lay.R, t_attn, extra, False, base)
 
 
 def candidates(cluster: Cluster, model: ModelConfig, global_batch: int, max_microbatches: int = 32,
@@ -536,8 +538,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         a_gpus, x_gpus = {types[r] for r in cand.attention_ranks[:M]}, {types[r] for r in cand.expert_ranks[:N]}
         tpe = M * t * model.moe_router_topk / model.num_experts
         k = k or [0] * model.num_moe_layers
-        none = [[{"D_F": 0.0, "C_F": 0.0, "C_B": 0.0, "D_B": 0.0} for _ in h] for h in lay.held]
-        cheap = pipeline.zebra_bound_terms(c, cluster, a_gpus, x_gpus, t, tpe, lay, none)  # without the streams
+        cheap = pipeline.zebra_bound_terms(c, cluster, a_gpus, x_gpus, t, tpe, lay, streams=False)
         full = None  # with them: only for a candidate the cheaper bound keeps
         for W in _divisors(cand.R):  # groups of microbatches (plan.zebra_waves)
             steps = [best[n][0] for n in variants if n in best]
