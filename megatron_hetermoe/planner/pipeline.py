@@ -431,13 +431,13 @@ def zebra_bound_terms(cost: CostModel, cluster: Cluster, a_gpus: set[str], x_gpu
         busiest = [max(h[n_att:]) for h in lay.held[i]]  # per layer: the busiest expert rank's experts
         return sum(busiest[1:] if backward else busiest[:-1]) * per
 
-    def streams(i: int, backward: bool) -> float:  # a stage's phase: its layers but the last (backward: the first)
+    def stream_load(i: int, backward: bool) -> float:  # a stage's phase: its layers but the last (backward: the first)
         layers = colls[i][1:] if backward else colls[i][:-1]
         if backward:
             return max(sum(c["C_B"] for c in layers), sum(c["D_B"] for c in layers))
         return max(sum(c["D_F"] for c in layers), sum(c["C_F"] for c in layers))
 
-    before = sum(max(attention(i, b), experts(i, b), streams(i, b)) for i in range(P - 1) for b in (False, True))
+    before = sum(max(attention(i, b), experts(i, b), stream_load(i, b)) for i in range(P - 1) for b in (False, True))
     last = P - 1
     dispatch = sum(c["D_F"] + c["C_B"] for c in colls[last])  # every collective of the last stage, per stream
     combine = sum(c["C_F"] + c["D_B"] for c in colls[last])
