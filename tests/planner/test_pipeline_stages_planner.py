@@ -12,6 +12,7 @@ import dataclasses
 import json
 
 import pytest
+from pp_small import GPUS, SMALL, S, cost
 
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.plan.hetero_plan import PlanError, even_plan
@@ -33,15 +34,6 @@ from megatron_hetermoe.planner.profiles import known_gpu_types, load_profiles
 from megatron_hetermoe.planner.search import PICK, build_plan, candidates, search
 from megatron_hetermoe.planner.simulator import build_problem, rank_task_times, simulate_plan
 
-S = 1024
-# A hand-sized model: h=1024, 8 heads, 8 MoE layers of 8 experts, vocab 1000.
-SMALL = ModelConfig(name="pp-small", num_layers=8, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=2048,
-                    moe_ffn_hidden_size=512, num_experts=8, moe_router_topk=2, vocab_size=1000, seq_length=S)
-GPUS = ("A40", "V100-16GB")
-
-
-def cost(model: ModelConfig = SMALL, **kw) -> CostModel:
-    return CostModel(model, load_profiles(set(GPUS)), TrainSettings(S, **kw))
 
 
 # ---------------------------------------------------------------- the 1F1B formula

@@ -10,6 +10,7 @@ a stage included), the C++ core against the Python reference, and the refusals t
 import random
 
 import pytest
+from pp_small import GPUS, SMALL, S, cost
 
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.plan.hetero_plan import PlanError, even_plan
@@ -28,14 +29,6 @@ from megatron_hetermoe.planner.simulator import (
     simulate_plan,
 )
 
-S = 1024
-SMALL = ModelConfig(name="pp-small", num_layers=8, hidden_size=1024, num_attention_heads=8, ffn_hidden_size=2048,
-                    moe_ffn_hidden_size=512, num_experts=8, moe_router_topk=2, vocab_size=1000, seq_length=S)
-GPUS = ("A40", "V100-16GB")
-
-
-def cost(model: ModelConfig = SMALL) -> CostModel:
-    return CostModel(model, load_profiles(set(GPUS)), TrainSettings(S))
 
 
 def zplan(P: int, R: int, M: int = 1, N: int = 1, model: ModelConfig = SMALL, waves: int = 1):
