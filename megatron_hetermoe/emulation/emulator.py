@@ -85,10 +85,12 @@ class Emulator:
 
     # ---- HeterMoE --------------------------------------------------------------------------
     def task_times(self, plan, rank: int, schedule: str) -> dict:
-        """Emulated seconds of each task of `rank` (not scaled)."""
+        """Emulated seconds of each task of `rank` (not scaled), with pipeline stages also of each
+        transfer between stages it sends or receives (plan.tasks.PipeTask)."""
         from megatron_hetermoe.planner.simulator import rank_task_times
 
-        return dict(rank_task_times(plan, self.cost, self.cluster, self.spec.global_batch, rank, schedule))
+        return dict(rank_task_times(plan, self.cost, self.cluster, self.spec.global_batch, rank, schedule,
+                                    stage_transfers=True))
 
     def hetero_clock(self, plan, schedule: str, group, recompute: bool = False) -> EmulationClock:
         """The clock of a HeterMoE rank (the same on every rank)."""

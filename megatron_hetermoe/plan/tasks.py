@@ -69,6 +69,48 @@ class Task:
         return self.kind in COMM_KINDS
 
 
+@dataclass(frozen=True)
+class PipeTask:
+    """A transfer between pipeline stages, which no task list holds (the runtime does it at the
+    attention task that produces or consumes it; the simulator inserts it there): P_F, stage
+    `layer`'s output of microbatch j to the next stage (every attention rank to its
+    counterpart); P_B, the gradient of stage `layer`'s input back to the previous stage. Sender
+    and receiver both issue it (a send waits for its receive)."""
+
+    kind: str
+    layer: int  # the sending pipeline stage
+    microbatch: int
+    is_comm = True
+
+    def __repr__(self) -> str:
+        return f"{self.kind}({self.layer},{self.microbatch})"
+
+    @property
+    def stream(self) -> str:
+        return "pipeline"
+
+
+def stage_transfers(task: Task, stage: int, stages: int, num_layers: int) -> tuple[PipeTask | None, PipeTask | None]:
+    """(the transfer an attention rank of pipeline stage `stage` receives before `task`, the one it
+    sends after it); num_layers: the stage's MoE layers (its last attention piece is
+    num_layers). A stage after the first receives its input before its first piece's forward and
+    sends that input's gradient after its backward; a stage before the last sends its output
+    after its last piece's forward and receives the output's gradient before its backward."""
+    k, l, j = task.kind, task.layer, task.microbatch
+    recv = send = None
+    if k == "A_F":
+        if stage > 0 and l == 0:
+            recv = PipeTask("P_F", stage - 1, j)
+        if stage < stages - 1 and l == num_layers:
+            send = PipeTask("P_F", stage, j)
+    elif k == "A_B":
+        if stage < stages - 1 and l == num_layers:
+            recv = PipeTask("P_B", stage + 1, j)
+        if stage > 0 and l == 0:
+            send = PipeTask("P_B", stage, j)
+    return recv, send
+
+
 def inputs(task: Task, num_layers: int) -> Task | None:
     """The comm task whose result a compute task waits for (None: only local inputs)."""
     k, l, j = task.kind, task.layer, task.microbatch

@@ -8,7 +8,7 @@ non-interleaved 1F1B over the stages (activations cross stages by P2P between at
 rank k of stage i to rank k of stage i+1), and each stage's expert ranks mirror 1F1B for that
 stage's layers; that has no task lists, so it is priced here. Zebra inside the stages runs task
 lists, which the event simulator prices (simulator.build_problem, with this module's pieces,
-p2p_time and post_step). Task-list emulation and virtual stages are not built with P > 1.
+p2p_time and post_step), and emulated runs time (emulation/). Virtual stages are not built.
 
 Step model (the 1F1B model of planner/HETERO_PP.md, with a DistEP stage):
   * T_i, one microbatch's forward + backward on stage i: DistEP does not overlap attention and

@@ -30,7 +30,14 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
-from megatron_hetermoe.plan.tasks import Task, distep_tasks, inputs, zebra_tasks
+from megatron_hetermoe.plan.tasks import (
+    PipeTask,
+    Task,
+    distep_tasks,
+    inputs,
+    stage_transfers,
+    zebra_tasks,
+)
 from megatron_hetermoe.planner.cluster import (
     Cluster,
     Links,
@@ -49,26 +56,6 @@ from megatron_hetermoe.planner.pipeline import (
 
 STREAM_ID = {"dispatch": 0, "combine": 1, "P_F": 2, "P_B": 3}  # per pipeline stage: stage * 4 + this
 CSIM_ABI = 2  # the _csim.run arguments this module passes (csrc/simulator.cpp's ABI)
-
-
-@dataclass(frozen=True)
-class PipeTask:
-    """A transfer between pipeline stages, priced only here (the runtime does it inside the attention
-    task that produces or consumes it): P_F, stage `layer`'s output of microbatch j to the next
-    stage (every attention rank to its counterpart); P_B, the gradient of stage `layer`'s input
-    back to the previous stage. Sender and receiver both issue it (a send waits for its receive)."""
-
-    kind: str
-    layer: int  # the sending pipeline stage
-    microbatch: int
-    is_comm = True
-
-    def __repr__(self) -> str:
-        return f"{self.kind}({self.layer},{self.microbatch})"
-
-    @property
-    def stream(self) -> str:
-        return "pipeline"
 
 
 @dataclass
@@ -249,14 +236,16 @@ def compute_task_time(cost: CostModel, gpu: str, task: Task, tokens_per_microbat
 
 
 def rank_task_times(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int, rank: int,
-                    schedule: str | None = None) -> list[tuple[Task, float]]:
+                    schedule: str | None = None, stage_transfers: bool = False) -> list[tuple[Task | PipeTask, float]]:
     """The task list of `rank` with each task's predicted seconds (compute: on the rank's GPU
     type; comm: the collective's transfer time). For emulating a mixed cluster: stretch each
-    compute task to its time; compare measured step times with simulate_plan's."""
+    compute task to its time; compare measured step times with simulate_plan's. The runtime's
+    list has no stage transfers (PipeTask: it does them at the attention tasks that produce or
+    consume them); `stage_transfers` keeps them, in their place."""
     p = build_problem(plan, cost, cluster, global_batch, schedule, group=plan.group_of(rank), dedup=False)
     i = p.ranks.index(rank)
     return [(t, p.coll_dur[ref] if c else d) for t, c, d, ref in zip(p.tasks[i], p.is_comm[i], p.dur[i], p.ref[i])
-            if not isinstance(t, PipeTask)]  # the runtime's list: its stage transfers are inside A_F / A_B
+            if stage_transfers or not isinstance(t, PipeTask)]
 
 
 def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,
@@ -362,21 +351,15 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
         tl: list = []
         received: dict[int, PipeTask] = {}  # list index of a compute task -> the transfer it waits for
         for t in lister(plan, r):
+            recv = send = None
             if lay is not None and role[r] == "attention":
-                recv = None
-                if i > 0 and t.kind == "A_F" and t.layer == 0:
-                    recv = PipeTask("P_F", i - 1, t.microbatch)  # the previous stage's output
-                elif i < P - 1 and t.kind == "A_B" and t.layer == n_local:
-                    recv = PipeTask("P_B", i + 1, t.microbatch)  # the next stage's gradient
-                if recv is not None:
-                    tl.append(recv)
-                    received[len(tl)] = recv
+                recv, send = stage_transfers(t, i, P, n_local)
+            if recv is not None:
+                tl.append(recv)
+                received[len(tl)] = recv
             tl.append(t)
-            if lay is not None and role[r] == "attention":
-                if i < P - 1 and t.kind == "A_F" and t.layer == n_local:
-                    tl.append(PipeTask("P_F", i, t.microbatch))
-                if i > 0 and t.kind == "A_B" and t.layer == 0:
-                    tl.append(PipeTask("P_B", i, t.microbatch))
+            if send is not None:
+                tl.append(send)
         ic, du, rf = [], [], []
         for n_t, t in enumerate(tl):
             if t.is_comm:

@@ -278,6 +278,19 @@ class CudaTiming:
             recorder.record(lane, t.kind, t.layer, t.microbatch, start, end, clock="cuda")
 
 
+class StageIO(Protocol):
+    """An attention rank's traffic with the neighbouring pipeline stages (plan.tasks.PipeTask),
+    done by the executor around the compute task that consumes or produces it (zebra.py
+    _PipelineNeighbours), so that a compute task's time starts after its stage input arrived."""
+
+    def receive(self, task: Task, ready: float) -> float | None:
+        """Before `task` (`ready`: when the rank reached it): receive the stage input it needs, if
+        any; returns when it arrived (emulated: the end of its transfer's window), else None."""
+
+    def send(self, task: Task, end: float) -> None:
+        """After `task` (ended at `end`): send what it produced for a neighbouring stage, if any."""
+
+
 def run_compute(task: Task, compute: Callable[[Task], None], timing: CudaTiming | None) -> None:
     """Run (CPU) or enqueue (CUDA) one compute task; with `timing`, between two timing events on
     the compute stream, the first after its input's done-event wait."""
@@ -397,8 +410,9 @@ class TaskExecutor:
             s.close()
 
     def run(self, tasks: list[Task], compute: Callable[[Task], None],
-            transfer: Callable[[Task], Callable[[], None]]) -> None:
-        """`transfer(task)` returns the function a stream runs for a transfer task."""
+            transfer: Callable[[Task], Callable[[], None]], stage_io: StageIO | None = None) -> None:
+        """`transfer(task)` returns the function a stream runs for a transfer task; `stage_io`: the
+        rank's pipeline-stage traffic, around the compute tasks (none without pipeline stages)."""
         failure: Future = Future()
         task_timing, timing = self.task_timing, self.timing
         tx_end: dict[Task, float] = {}  # when each transfer ended
@@ -439,6 +453,9 @@ class TaskExecutor:
                 # its input arrived), as in the simulator: the host's delay in getting to it and
                 # the real work both run inside its emulated time.
                 ready = max(last_end, tx_end.get(need, last_end))
+                arrived = stage_io.receive(t, last_end) if stage_io is not None else None
+                if arrived is not None:
+                    ready = max(ready, arrived)
                 t0 = time.perf_counter()
                 run_compute(t, compute, timing)
                 if task_timing is not None:
@@ -446,6 +463,8 @@ class TaskExecutor:
                     last_end = task_timing.compute(t, t0, time.perf_counter())
                 else:
                     last_end = time.perf_counter()
+                if stage_io is not None:
+                    stage_io.send(t, last_end)
                 self.executed.append(t)
                 if self.recorder is not None:
                     self.recorder.record("compute", t.kind, t.layer, t.microbatch, t0, last_end)

@@ -56,6 +56,7 @@ from megatron_hetermoe.schedules.executor import (
     ActivationMeter,
     CudaApi,
     CudaTiming,
+    StageIO,
     TaskExecutor,
     run_compute,
 )
@@ -201,10 +202,12 @@ class IssueExecutor:
         """Nothing outlives a run: no thread, no pending collective (run() waited them all)."""
 
     def run(self, tasks: list[Task], compute: Callable[[Task], None],
-            start: Callable[[Task, Callable[[Callable[[], tuple]], Ticket]], AsyncTransfer]) -> None:
+            start: Callable[[Task, Callable[[Callable[[], tuple]], Ticket]], AsyncTransfer],
+            stage_io: StageIO | None = None) -> None:
         """`start(task, counts)`: the AsyncTransfer of a transfer task, called at its place in the
         list; a D_F calls `counts(fn)` there, fn issuing its async counts exchange and returning
-        (received counts, work)."""
+        (received counts, work). `stage_io`: the rank's pipeline-stage traffic, around the compute
+        tasks (a receive blocks this thread, as the compute task would)."""
         fifo: dict[str, deque] = {s: deque() for s in STREAMS}
         issued: dict[Task, Ticket] = {}
         issued_at: dict[Task, float] = {}
@@ -263,11 +266,15 @@ class IssueExecutor:
                     until(lambda: need in issued and issued[need].arrived())
                     issued[need].consume()
                     record_transfer(need)
+                if stage_io is not None:
+                    stage_io.receive(t, time.perf_counter())
                 t0 = time.perf_counter()
                 run_compute(t, compute, timing)
                 self.executed.append(t)
                 if recorder is not None:
                     recorder.record("compute", t.kind, t.layer, t.microbatch, t0, time.perf_counter())
+                if stage_io is not None:
+                    stage_io.send(t, time.perf_counter())
                 pump()
             until(lambda: not any(fifo.values()))
             until(lambda: all(k.arrived() for k in issued.values()))

@@ -33,12 +33,13 @@ from megatron_hetermoe.models.stages import AttentionStages, StageContext
 from megatron_hetermoe.parallel import cpu_backend
 from megatron_hetermoe.parallel.comm import Move, TokenRoute
 from megatron_hetermoe.parallel.state import HeteroParallelState
-from megatron_hetermoe.plan.tasks import Task
+from megatron_hetermoe.plan.tasks import Task, stage_transfers
 from megatron_hetermoe.schedules.issuer import (
     AsyncTransfer,
     IssueExecutor,
     make_executor,
 )
+from megatron_hetermoe.schedules.executor import StageIO
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.schedules.timing import TaskTiming
 
@@ -219,9 +220,9 @@ class ZebraRank:
 
         return AsyncTransfer(ready=routed, launch={"C_F": c_f, "C_B": c_b, "D_B": d_b}[task.kind])
 
-    def execute(self, tasks: list[Task], compute: Callable[[Task], None]) -> None:
+    def execute(self, tasks: list[Task], compute: Callable[[Task], None], stage_io: StageIO | None = None) -> None:
         self.slots.clear()  # a failed step's, should its caller go on
-        self.ex.run(tasks, compute, self.start if isinstance(self.ex, IssueExecutor) else self.transfer)
+        self.ex.run(tasks, compute, self.start if isinstance(self.ex, IssueExecutor) else self.transfer, stage_io)
         # The step is over: its slots (tensors referenced from the transfers' closures, a cycle
         # through this rank) go now, by reference counting, not at the next full collection.
         self.slots.clear()
@@ -305,12 +306,11 @@ class AttentionZebra(ZebraRank):
         self.contexts: dict[int, StageContext] = {}
         losses: dict[int, torch.Tensor] = {}
         reported: dict[int, dict] = {}
-        outputs: dict[int, torch.Tensor] = {}  # a stage before the last: its output of each microbatch
-        pipe = _PipelineNeighbours(self.hs, self.stages.gpt.config, seq_shape)
+        pipe = _PipelineNeighbours(self.hs, self.stages.gpt.config, seq_shape, L, self.task_timing)
 
         def leaves_for(s: int, j: int) -> tuple:
             if s == 0:  # the previous pipeline stage's output of microbatch j (none on the first stage)
-                return () if pipe.prev is None else (pipe.receive(j),)
+                return () if pipe.prev is None else (pipe.inputs[j],)
             prev = self.slot(s - 1, j)
             lv = (prev.route.arrived(prev.recv_combined).detach().requires_grad_(),
                   prev.residual.detach().requires_grad_(),
@@ -331,9 +331,8 @@ class AttentionZebra(ZebraRank):
                 else:
                     fn = _in_device_scope(lambda *a: self._head(j, batches[j], a))
                     out_tensor = _recomputed(fn, *lv) if self.recompute else fn(*lv)
-                    if pipe.next is not None:  # this stage's output of microbatch j, to the next stage
-                        outputs[j] = out_tensor
-                        pipe.send(out_tensor.detach())
+                    if pipe.next is not None:  # this stage's output of microbatch j: pipe.send sends it
+                        pipe.outputs[j] = out_tensor
                         return
                     loss, num_tokens, rep = loss_funcs[j](out_tensor)
                     if per_token:
@@ -344,8 +343,7 @@ class AttentionZebra(ZebraRank):
                     reported[j] = rep
             elif t.kind == "A_B":
                 if s == L and pipe.next is not None:  # the next stage's gradient of this stage's output
-                    out = outputs.pop(j)
-                    torch.autograd.backward(out, pipe.receive_grad(out))
+                    torch.autograd.backward(pipe.outputs.pop(j), pipe.grads.pop(j))
                 elif s == L:
                     torch.autograd.backward(scale_loss(losses.pop(j)))
                 else:
@@ -362,8 +360,7 @@ class AttentionZebra(ZebraRank):
                     prev = self.slot(s - 1, j)
                     g = prev.leaves["combined"].grad
                     prev.grad_combined = g if g is not None else torch.zeros_like(prev.leaves["combined"])
-                elif pipe.prev is not None:  # the gradient of the received input, back to the previous stage
-                    pipe.send_grad(j)
+                # on a stage after the first, pipe.send sends the received input's gradient back
             elif t.kind == "X_F":
                 self.expert_forward(s, j)
             elif t.kind == "X_B":
@@ -372,7 +369,7 @@ class AttentionZebra(ZebraRank):
                 raise ValueError(f"attention rank cannot run task {t}")
 
         try:
-            self.execute(tasks, compute)
+            self.execute(tasks, compute, pipe if pipe.active else None)
             pipe.finish()
         finally:
             pipe.close()
@@ -385,15 +382,25 @@ class AttentionZebra(ZebraRank):
 class _PipelineNeighbours:
     """An attention rank's point-to-point traffic with the previous and next pipeline stage (the
     same member and TP position; Megatron's P2P tensors: [sequence (its slice with sequence
-    parallelism), micro-batch, hidden] in config.pipeline_dtype). Sends are asynchronous and
-    finished at the end of the step; receives wait. Without pipeline stages there is none."""
+    parallelism), micro-batch, hidden] in config.pipeline_dtype), done by the executor around the
+    compute tasks (executor.StageIO; plan.tasks.stage_transfers says which): a receive before the
+    task that consumes it, a send after the task that produced it. Sends are asynchronous and
+    finished at the end of the step; receives wait. Without pipeline stages there is none.
 
-    def __init__(self, hs: HeteroParallelState, config, seq_shape: tuple[int, int] | None):
+    With emulated task times each transfer is a window, as the simulator's PipeTask: the sender
+    sends, ahead of the tensor, when its producing task ended; the receiver starts the window at
+    the latest of that, when it reached the consuming task and when its previous transfer of that
+    direction ended, and the consuming task starts when the window closed."""
+
+    def __init__(self, hs: HeteroParallelState, config, seq_shape: tuple[int, int] | None, num_layers: int,
+                 timing: TaskTiming | None = None):
         import torch.distributed as dist
 
-        self.dist, self.hs = dist, hs
+        self.dist, self.hs, self.L, self.timing = dist, hs, num_layers, timing
         ranks = hs.layout.ranks("pp")
         k = ranks.index(hs.rank)
+        self.stage, self.stages = k, len(ranks)
+        self.active = len(ranks) > 1
         self.prev = ranks[k - 1] if k > 0 else None
         self.next = ranks[k + 1] if k + 1 < len(ranks) else None
         self.last = ranks[-1]
@@ -403,35 +410,66 @@ class _PipelineNeighbours:
             seq, mbs = seq_shape
             tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
             self.shape = (seq // tp, mbs, config.hidden_size)
-        self.inputs: dict[int, torch.Tensor] = {}
+        self.inputs: dict[int, torch.Tensor] = {}  # microbatch -> the previous stage's output (a leaf)
+        self.outputs: dict[int, torch.Tensor] = {}  # microbatch -> this stage's output, until its backward
+        self.grads: dict[int, torch.Tensor] = {}  # microbatch -> the next stage's gradient of that output
         self.sends: list = []
+        self.lane_end: dict[str, float] = {}  # emulated: when the last transfer of each direction ended
 
-    def receive(self, j: int) -> torch.Tensor:
-        buf = torch.empty(self.shape, dtype=self.dtype, device=self.hs.device)
-        self.dist.recv(buf, src=self.prev, group=self.group)
-        self.inputs[j] = buf.requires_grad_()
-        return self.inputs[j]
+    def _recv(self, buf: torch.Tensor, src: int, pipe_task, ready: float) -> float | None:
+        if self.timing is None:
+            self.dist.recv(buf, src=src, group=self.group)
+            return None
+        sent = torch.empty(1, dtype=torch.float64, device=self.hs.device)
+        self.dist.recv(sent, src=src, group=self.group)
+        self.dist.recv(buf, src=src, group=self.group)
+        start = max(float(sent), ready, self.lane_end.get(pipe_task.kind, self.timing.origin()))
+        end = self.timing.transfer(pipe_task, start, time.perf_counter())
+        self.lane_end[pipe_task.kind] = end
+        return end
 
-    def send(self, out: torch.Tensor) -> None:
-        self.sends.append(self.dist.isend(out.contiguous(), dst=self.next, group=self.group))
+    def _send(self, x: torch.Tensor, dst: int, end: float) -> None:
+        if self.timing is not None:
+            stamp = torch.tensor([end], dtype=torch.float64, device=self.hs.device)
+            self.sends.append((stamp, self.dist.isend(stamp, dst=dst, group=self.group)))
+        x = x.contiguous()
+        self.sends.append((x, self.dist.isend(x, dst=dst, group=self.group)))
 
-    def receive_grad(self, out: torch.Tensor) -> torch.Tensor:
-        grad = torch.empty_like(out)
-        self.dist.recv(grad, src=self.next, group=self.group)
-        return grad
+    def receive(self, task: Task, ready: float) -> float | None:
+        recv, _ = stage_transfers(task, self.stage, self.stages, self.L)
+        if recv is None:
+            return None
+        j = task.microbatch
+        if recv.kind == "P_F":
+            buf = torch.empty(self.shape, dtype=self.dtype, device=self.hs.device)
+            end = self._recv(buf, self.prev, recv, ready)
+            self.inputs[j] = buf.requires_grad_()
+        else:
+            out = self.outputs[j]
+            self.grads[j] = torch.empty_like(out)
+            end = self._recv(self.grads[j], self.next, recv, ready)
+        return end
 
-    def send_grad(self, j: int) -> None:
-        x = self.inputs.pop(j)
-        g = x.grad if x.grad is not None else torch.zeros_like(x)
-        self.sends.append(self.dist.isend(g.contiguous(), dst=self.prev, group=self.group))
+    def send(self, task: Task, end: float) -> None:
+        _, send = stage_transfers(task, self.stage, self.stages, self.L)
+        if send is None:
+            return
+        j = task.microbatch
+        if send.kind == "P_F":
+            self._send(self.outputs[j].detach(), self.next, end)
+        else:
+            x = self.inputs.pop(j)
+            self._send(x.grad if x.grad is not None else torch.zeros_like(x), self.prev, end)
 
     def finish(self) -> None:
-        for w in self.sends:
+        for _, w in self.sends:
             w.wait()
         self.sends.clear()
 
     def close(self) -> None:
         self.inputs.clear()
+        self.outputs.clear()
+        self.grads.clear()
         self.sends.clear()
 
     def share_from_last(self, value: torch.Tensor) -> None:

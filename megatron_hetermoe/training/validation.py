@@ -303,7 +303,8 @@ def check_hetero_pp(plan: HeteroPlan, pp: int, schedule: str | None, emulated: b
     """Pipeline parallelism of a HeterMoE job, the same rule for both hostings: Megatron's
     --pipeline-model-parallel-size is the plan's pipeline_stages; inside the stages DistEP (the
     expert ranks mirror Megatron's 1F1B) or zebra (each stage's task lists, every microbatch's
-    forward before the backwards); emulation and virtual stages are not built yet."""
+    forward before the backwards); emulation times zebra's stages only (DistEP's 1F1B is
+    Megatron's own schedule, which has no task lists to time); virtual stages are not built yet."""
     P = plan.pipeline_stages
     if pp != P:
         raise ConfigError(f"--pipeline-model-parallel-size {pp}: the plan has pipeline_stages={P}; pass "
@@ -314,9 +315,10 @@ def check_hetero_pp(plan: HeteroPlan, pp: int, schedule: str | None, emulated: b
                           f"zebra_waves 1")
     if P == 1:
         return
-    if emulated:
-        raise ConfigError(f"--emulate with {P} pipeline stages: the emulator times task lists, which pipeline stages "
-                          f"do not have yet; drop --emulate or use one stage")
+    if emulated and (schedule or plan.schedule) != "zebra":
+        raise ConfigError(f"--emulate with {P} pipeline stages under {schedule or plan.schedule}: the emulator times "
+                          f"task lists, and DistEP runs Megatron's 1F1B across the stages; emulate zebra "
+                          f"(--hetero-schedule zebra) or one stage")
     if virtual_stages not in (None, 1):
         raise ConfigError(f"--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank "
                           f"({virtual_stages} virtual stages): the interleaved schedule is not mirrored on HeterMoE's "

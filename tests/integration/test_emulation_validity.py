@@ -174,3 +174,47 @@ def test_bench_under_cpu_load_is_within_10_percent_or_invalid(tmp_path):
     assert ("Megatron EP" in rep["speedup_not_reported"]) is (not both)
     text = format_report(rep)
     assert "%" in text and "INVALID" not in text if both else "not reported" in text
+
+
+STAGED_CLUSTER = """name: stages-a40-v100
+node_groups:
+  - {gpu: A40, nodes: 1, gpus_per_node: 1, nic_gbps_per_gpu: 10}
+  - {gpu: V100-16GB, nodes: 1, gpus_per_node: 1, nic_gbps_per_gpu: 10}
+  - {gpu: A40, nodes: 1, gpus_per_node: 1, nic_gbps_per_gpu: 10}
+  - {gpu: V100-16GB, nodes: 1, gpus_per_node: 1, nic_gbps_per_gpu: 10}
+network_latency_us: 10
+"""
+
+
+@pytest.mark.slow
+def test_emulated_pipeline_stages_reproduce_the_simulator_or_say_invalid(tmp_path):
+    """Zebra in 2 waves inside 2 pipeline stages (A40 attention + V100 experts each), emulated: the
+    stage transfers are windows too (the sender's end travels ahead of the tensor), so the step is
+    the simulator's, stage bubble and transfers included. Measured here: within 0.5-1.0 % of it
+    (valid, overrun 0.8-1.3 %) at R 2..4 and 1..4 waves; bounds 5 % and, loaded or not, an
+    overrun under 15 %."""
+    from megatron_hetermoe.config import ModelConfig, ParallelConfig, TrainConfig
+    from megatron_hetermoe.emulation.emulator import emulation_real_model
+    from megatron_hetermoe.parallel.launcher import launch
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+
+    (tmp_path / "cluster.yaml").write_text(STAGED_CLUSTER)
+    (tmp_path / "model.yaml").write_text(MODEL.replace("num_layers: 2", "num_layers: 4"))
+    R = 4
+    plan = even_plan(4, 8, 1, 1, gpu_types=["A40", "V100-16GB"] * 2, num_microbatches=R, schedule="zebra",
+                     pipeline_stages=2, zebra_waves=2)
+    spec = EmulationSpec(str(tmp_path / "cluster.yaml"), str(tmp_path / "model.yaml"), 4096, 2 * R, auto_scale=True,
+                         max_step_seconds=8.0)
+    real = emulation_real_model(ModelConfig.load(str(tmp_path / "model.yaml")))
+    cfg = TrainConfig(real, ParallelConfig(pp=2), micro_batch_size=1, global_batch_size=R, train_iters=5, quiet=True,
+                      emulate=spec)
+    rep = launch(_hetero_rank, plan.world_size, cfg, plan, timeout_s=400)[0].emulation
+    assert rep["steady_steps"] == [2, 3, 4] and len(rep["utilization"]) == 4
+    # Untimed stage transfers (the receive inside the consuming compute window) overran by 37 %: the
+    # window took the wait for the previous stage as real work.
+    assert rep["overrun"] < 0.15, (rep["overrun"], rep["worst_windows"])
+    if rep["valid"]:
+        err = rep["measured_step_s"] / rep["predicted_step_s"] - 1
+        assert abs(err) <= 0.05, (err, rep["overrun"], rep["worst_windows"])
+    else:
+        assert "rerun with a longer emulated step" in rep["invalid_reason"], rep["invalid_reason"]

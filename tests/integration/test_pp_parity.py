@@ -83,8 +83,29 @@ def test_pp2_two_layers_a_stage_with_an_empty_expert_rank_and_asym_ea(tiny, sche
     _check(run_parity(plan, model, steps=3, free_run=False), False)
 
 
+def _zebra_rank(rank, world, cfg, plan, timing=None):
+    from megatron_hetermoe.config import HeteroRunConfig
+    from megatron_hetermoe.training.hetero import RunHooks, train_hetero
+
+    return train_hetero(cfg, plan, HeteroRunConfig(schedule="zebra"), RunHooks(task_timing=timing))
+
+
+def test_emulated_stage_transfers_change_no_numbers(tiny):
+    """With emulated task times the stage transfers are timed windows (the sender's end travels
+    ahead of each tensor): 2 stages of 2 + 1 ranks, in 2 waves, give bit-identical losses."""
+    from megatron_hetermoe.emulation.timing import EmulatedTiming
+    from megatron_hetermoe.parallel.launcher import launch
+
+    plan = _plan(tiny, "2+1,R4", "zebra", 2)
+    cfg = TrainConfig(tiny, ParallelConfig(pp=2), micro_batch_size=1, global_batch_size=8, train_iters=2, quiet=True)
+    plain = launch(_zebra_rank, plan.world_size, cfg, plan)[0]
+    timed = EmulatedTiming(lambda t: 0.001 if t.is_comm else 0.002)
+    emulated = launch(_zebra_rank, plan.world_size, cfg, plan, timed)[0]
+    assert emulated.losses == plain.losses and len(plain.losses) == 2
+
+
 def test_pipeline_refusals(tiny):
-    """The run's PP against the plan's; no emulation with pipeline stages."""
+    """The run's PP against the plan's; emulation of pipeline stages under zebra only."""
     plan = _plan(tiny, "2+1")
     ok = TrainConfig(tiny, ParallelConfig(pp=2), micro_batch_size=2, global_batch_size=8, train_iters=1)
     check_hetero(ok, plan, 6)
@@ -101,8 +122,11 @@ def test_pipeline_refusals(tiny):
         check_hetero(ok, waved, 6, "distep")
     from megatron_hetermoe.config import EmulationSpec
 
-    with pytest.raises(ConfigError, match="--emulate with 2 pipeline stages"):
-        check_hetero(dataclasses.replace(ok, emulate=EmulationSpec("o1", "d1", 4096, 8)), plan, 6)
+    emulated = dataclasses.replace(ok, emulate=EmulationSpec("o1", "d1", 4096, 8))
+    with pytest.raises(ConfigError, match="--emulate with 2 pipeline stages under distep: the emulator times task "
+                                          "lists, and DistEP runs Megatron's 1F1B across the stages"):
+        check_hetero(emulated, plan, 6)
+    check_hetero(emulated, plan, 6, "zebra")  # zebra's stages are emulated
     with pytest.raises(ConfigError, match="--expert-model-parallel-size 2 with --hetero-plan"):
         check_hetero(dataclasses.replace(ok, parallel=ParallelConfig(pp=2, ep=2)), plan, 6)
 

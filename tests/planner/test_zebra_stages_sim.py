@@ -14,13 +14,12 @@ from pp_small import GPUS, SMALL, S, cost
 
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.plan.hetero_plan import PlanError, even_plan
-from megatron_hetermoe.plan.tasks import Task, inputs, zebra_tasks
+from megatron_hetermoe.plan.tasks import PipeTask, Task, inputs, zebra_tasks
 from megatron_hetermoe.planner import pipeline
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
 from megatron_hetermoe.planner.profiles import load_profiles
 from megatron_hetermoe.planner.simulator import (
-    PipeTask,
     build_problem,
     have_cpp,
     rank_task_times,
