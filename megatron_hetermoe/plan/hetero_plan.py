@@ -43,7 +43,7 @@ from megatron_hetermoe.limits import (
     MAX_RANKS,
     MODEL_LIMITS,
 )
-from megatron_hetermoe.plan.tasks import SCHEDULES
+from megatron_hetermoe.plan.tasks import SCHEDULES, ZEBRA_WAVE_ORDERS
 
 PLAN_VERSION = 1
 
@@ -95,6 +95,10 @@ class HeteroPlan:
     # Zebra inside pipeline stages: Theorem 1 over this many groups of R / zebra_waves microbatches,
     # so a stage passes a group's outputs on while it computes the next (plan.tasks.zebra_tasks).
     zebra_waves: int = 1
+    # The order of those groups on each stage: "gpipe", every group's forward before the first
+    # backward (every stage keeps all R microbatches alive); "1f1b", Megatron's 1F1B over the
+    # groups (stage i of P keeps at most min(W, P - i) groups alive). ZEBRA_WAVE_ORDERS.
+    zebra_wave_order: str = "gpipe"
 
     # ---- layers: MoE layer k (placement, tasks) is model layer moe_layer_ids[k] --------------
     @property
@@ -385,6 +389,11 @@ class HeteroPlan:
             raise PlanError(f"plan zebra_waves={W} needs schedule 'zebra' and pipeline stages (it has schedule "
                             f"{self.schedule!r}, pipeline_stages={P}): waves let a stage pass outputs on early, which "
                             f"one stage, or DistEP, has no use for; set zebra_waves to 1")
+        if self.zebra_wave_order not in ZEBRA_WAVE_ORDERS:
+            raise PlanError(f"plan zebra_wave_order={self.zebra_wave_order!r} is not one of {ZEBRA_WAVE_ORDERS}")
+        if self.zebra_wave_order != "gpipe" and W == 1:
+            raise PlanError(f"plan zebra_wave_order={self.zebra_wave_order!r} orders zebra_waves > 1 groups of "
+                            f"microbatches, and this plan has one; set zebra_waves, or zebra_wave_order 'gpipe'")
         if P == 1:
             return
         if self.mtp_layers:
@@ -441,6 +450,8 @@ class HeteroPlan:
             del d["pipeline_stages"]
         if d["zebra_waves"] == 1:  # and with Theorem 1 over all microbatches
             del d["zebra_waves"]
+        if d["zebra_wave_order"] == "gpipe":  # and with every group's forward first
+            del d["zebra_wave_order"]
         return d
 
     @classmethod
@@ -448,7 +459,7 @@ class HeteroPlan:
         if not isinstance(d, dict):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         known = {"num_layers", "num_experts", "gpu_types", "groups", "num_microbatches", "schedule", "version", "meta",
-                 "dense_layers", "mtp_layers", "expert_recompute", "attention_tp", "pipeline_stages", "zebra_waves"}
+                 "dense_layers", "mtp_layers", "expert_recompute", "attention_tp", "pipeline_stages", "zebra_waves", "zebra_wave_order"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -474,7 +485,8 @@ class HeteroPlan:
                     f"expert_ranks and placement (a list of {{rank: [experts]}})"
                 ) from None
         rest = {k: d[k] for k in ("num_microbatches", "schedule", "version", "meta", "dense_layers", "mtp_layers",
-                                  "expert_recompute", "attention_tp", "pipeline_stages", "zebra_waves") if k in d}
+                                  "expert_recompute", "attention_tp", "pipeline_stages", "zebra_waves",
+                                  "zebra_wave_order") if k in d}
         return cls(num_layers=d["num_layers"], num_experts=d["num_experts"], gpu_types=list(d["gpu_types"]),
                    groups=groups, **rest)
 
@@ -548,6 +560,7 @@ def even_plan(
     attention_tp: int = 1,
     pipeline_stages: int = 1,
     zebra_waves: int = 1,
+    zebra_wave_order: str = "gpipe",
 ) -> HeteroPlan:
     """G groups of M attention + N expert ranks laid out group by group; experts split evenly
     over each group's expert ranks in every MoE layer (`num_layers` of them; `dense_layers`: the
@@ -555,7 +568,7 @@ def even_plan(
     layers are multi-token prediction layers; `attention_tp`: the M attention ranks are M /
     attention_tp tensor-parallel members). With `pipeline_stages` P > 1, M and N are per stage:
     a group is P stages of M attention + N expert ranks, laid out stage by stage, and a layer's
-    experts split over its stage's N expert ranks; `zebra_waves`: plan.zebra_waves."""
+    experts split over its stage's N expert ranks; `zebra_waves`, `zebra_wave_order`: the plan's."""
     M, N, P = attention_ranks, expert_ranks, pipeline_stages
     if any(type(v) is not int for v in (M, N, groups, P)) or M < 1 or N < 1 or groups < 1 or P < 1:
         raise PlanError(f"even plan needs integers M>=1, N>=1, groups>=1, pipeline_stages>=1; got M={M!r}, N={N!r}, "
@@ -572,7 +585,7 @@ def even_plan(
         gpu_types = ([attention_gpu] * M + [expert_gpu] * N) * (groups * P)
     plan = HeteroPlan(num_layers, num_experts, gpu_types, zp, num_microbatches, schedule,
                       dense_layers=list(dense_layers or []), mtp_layers=mtp_layers, attention_tp=attention_tp,
-                      pipeline_stages=P, zebra_waves=zebra_waves)
+                      pipeline_stages=P, zebra_waves=zebra_waves, zebra_wave_order=zebra_wave_order)
     plan._validate_stages()  # the layer split, before placing by it
     plan.place_evenly(range(groups))
     plan.validate()

@@ -146,8 +146,21 @@ def _expert_next_recv(l: int, j: int, L: int) -> Task:
     return Task("D_F", l + 1, j) if l + 1 < L else Task("C_B", L - 1, j)
 
 
+ZEBRA_WAVE_ORDERS = ("gpipe", "1f1b")  # plan.zebra_wave_order
+
+
+def wave_warmup(order: str, waves: int, stages: int, stage: int) -> int:
+    """Groups of microbatches whose forward pipeline stage `stage` of `stages` runs before its
+    first backward: all W in GPipe's order; in 1F1B's, min(W, P - stage) (Megatron's P - i - 1
+    warm-up forwards and the first steady-state one), so the stages that wait longest for their
+    first gradient hold the most groups."""
+    if order not in ZEBRA_WAVE_ORDERS:
+        raise ValueError(f"zebra wave order {order!r} is not one of {ZEBRA_WAVE_ORDERS}")
+    return waves if order == "gpipe" else min(waves, stages - stage)
+
+
 def zebra_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: Iterable[int] = (),
-                         last_pipeline_stage: bool = True, waves: int = 1) -> list[Task]:
+                         last_pipeline_stage: bool = True, waves: int = 1, warmup: int | None = None) -> list[Task]:
     """Theorem 1's order for one rank. `offloaded_layers`: expert layers in which this attention
     rank holds experts (Asym-EA). With pipeline stages, an attention rank of a stage before the
     last (`last_pipeline_stage` False) runs every microbatch's last piece (which sends its output
@@ -155,10 +168,12 @@ def zebra_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: I
     gradient): the next stage's forward needs all R outputs before any of its backwards, so
     Theorem 1's interleaved head (A_F(L, j) A_B(L, j) per microbatch) would wait on itself.
 
-    `waves` W (dividing R): Theorem 1 over W groups of R / W consecutive microbatches, every
-    group's forward before the first group's backward (GPipe's order over the groups). A stage's
+    `waves` W (dividing R): Theorem 1 over W groups of R / W consecutive microbatches. A stage's
     first output then leaves after one group's forward, so the next pipeline stage starts while
-    this one runs the next group; W = 1 is Theorem 1 over all R.
+    this one runs the next group; W = 1 is Theorem 1 over all R. `warmup` (wave_warmup): the
+    groups whose forward runs before the first backward (default all W, GPipe's order); then
+    each group's backward is followed by the forward of the next group not yet run (1F1B's
+    order over the groups), so at most `warmup` groups are alive at once.
 
     An expert rank issues the collectives in its stage's attention ranks' order (what
     check_stream_order requires) and computes in the order its inputs arrive; it keeps R / W
@@ -168,25 +183,32 @@ def zebra_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: I
     off = _check(L, R, role, offloaded_layers)
     if type(waves) is not int or waves < 1 or R % waves:
         raise ValueError(f"zebra waves={waves!r} must be a positive divisor of the R={R} microbatches")
+    warmup = waves if warmup is None else warmup
+    if type(warmup) is not int or not 1 <= warmup <= waves:
+        raise ValueError(f"zebra warm-up groups={warmup!r} must be between 1 and the {waves} waves")
     T = Task
     if role == "expert":
-        attention = zebra_tasks_for_role(L, R, "attention", (), last_pipeline_stage, waves)
+        attention = zebra_tasks_for_role(L, R, "attention", (), last_pipeline_stage, waves, warmup)
         return _expert_list([t for t in attention if t.stream == "dispatch"], R // waves)
     m = R // waves
     groups = [range(w * m, (w + 1) * m) for w in range(waves)]
     out: list[Task] = []
-    for mbs in groups:  # the forwards
+
+    def forward(mbs: range) -> None:
         for s in range(L):
             for j in mbs:
-                out += [T("A_F", s, j), T("D_F", s, j)]
+                out.extend([T("A_F", s, j), T("D_F", s, j)])
                 if s not in off:
                     out.append(T("C_F", s, j))  # receive only: post at once
             if s in off:
                 for j in mbs:
-                    out += [T("X_F", s, j), T("C_F", s, j)]
+                    out.extend([T("X_F", s, j), T("C_F", s, j)])
         if not last_pipeline_stage:
-            out += [T("A_F", L, j) for j in mbs]
-    for mbs in groups:  # the backwards
+            out.extend(T("A_F", L, j) for j in mbs)
+
+    for mbs in groups[:warmup]:
+        forward(mbs)
+    for w, mbs in enumerate(groups):  # each group's backward, then the next group's forward
         for j in mbs:
             if last_pipeline_stage:
                 out.append(T("A_F", L, j))
@@ -203,6 +225,8 @@ def zebra_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: I
                     out.append(T("C_B", s - 1, j))
                     if s - 1 not in off:
                         out.append(T("D_B", s - 1, j))
+        if w + warmup < waves:
+            forward(groups[w + warmup])
     return out
 
 
@@ -265,7 +289,8 @@ def zebra_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[Ta
     """Zebra task list of `rank` in a HeteroPlan (megatron_hetermoe.plan.hetero_plan), over the
     plan's R microbatches or `num_microbatches` (a step of Megatron's batch-size ramp-up). With
     pipeline stages, over the rank's stage's MoE layers (layer k: the stage's k-th,
-    plan.stage_moe_layers), in the plan's zebra_waves groups of microbatches."""
+    plan.stage_moe_layers), in the plan's zebra_waves groups of microbatches, in its
+    zebra_wave_order."""
     role = plan.role(rank)
     off = offloaded_layers_of(plan, rank) if role == "attention" else set()
     stage = plan.stage_of(rank)
@@ -273,8 +298,9 @@ def zebra_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[Ta
     if R % plan.zebra_waves:
         raise ValueError(f"{R} microbatches this step do not split into the plan's zebra_waves={plan.zebra_waves} "
                          f"groups; use a global batch (and ramp-up) whose microbatch count it divides")
-    return zebra_tasks_for_role(len(plan.stage_moe_layers(stage)), R, role, off,
-                                last_pipeline_stage=stage == plan.pipeline_stages - 1, waves=plan.zebra_waves)
+    P, W = plan.pipeline_stages, plan.zebra_waves
+    return zebra_tasks_for_role(len(plan.stage_moe_layers(stage)), R, role, off, last_pipeline_stage=stage == P - 1,
+                                waves=W, warmup=wave_warmup(plan.zebra_wave_order, W, P, stage))
 
 
 def distep_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[Task]:

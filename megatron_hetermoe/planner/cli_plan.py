@@ -1,7 +1,7 @@
 """`hetermoe plan`: write a plan file.
 
   hetermoe plan --even --attention-ranks M --expert-ranks N --groups G --model CFG
-                [--microbatches R] [--schedule distep|zebra] [--zebra-waves W] [--attention-gpu T --expert-gpu T]
+                [--microbatches R] [--schedule distep|zebra] [--zebra-waves W [--zebra-wave-order gpipe|1f1b]] [--attention-gpu T --expert-gpu T]
                 [--attention-tp T] [--pipeline-stages P] -o plan.json
       G groups of M attention + N expert ranks, experts split evenly (plan.even_plan); with
       --attention-tp T the M attention ranks are M/T tensor-parallel members; with
@@ -39,7 +39,7 @@ from megatron_hetermoe.limits import (
     MODEL_LIMITS,
 )
 from megatron_hetermoe.plan.hetero_plan import RUNTIME_EXPERT_RECOMPUTE, PlanError, even_plan
-from megatron_hetermoe.plan.tasks import SCHEDULES
+from megatron_hetermoe.plan.tasks import SCHEDULES, ZEBRA_WAVE_ORDERS
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import EXPERT_RECOMPUTE
 from megatron_hetermoe.planner.megatron_flags import model_from_flags
@@ -66,6 +66,10 @@ def _parser() -> argparse.ArgumentParser:
     even.add_argument("--zebra-waves", type=int, default=1,
                       help="W: with --schedule zebra and --pipeline-stages P > 1, Theorem 1 over W groups of R / W "
                       "microbatches, so a stage passes one group's outputs on while it runs the next (default 1)")
+    even.add_argument("--zebra-wave-order", choices=list(ZEBRA_WAVE_ORDERS), default="gpipe",
+                      help="with --zebra-waves W > 1: gpipe, every group's forward before the first backward (every "
+                      "stage keeps all R microbatches alive), or 1f1b, Megatron's 1F1B over the groups (stage i of P "
+                      "keeps R / W x min(W, P - i)) (default gpipe)")
     even.add_argument("--attention-gpu", default="cpu", help="GPU type of attention ranks (a configs/gpus/ name)")
     even.add_argument("--expert-gpu", default="cpu", help="GPU type of expert ranks (a configs/gpus/ name)")
     p.add_argument("--attention-tp", type=int, default=None,
@@ -226,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                              args.expert_ranks, args.groups, attention_gpu=args.attention_gpu,
                              expert_gpu=args.expert_gpu, num_microbatches=args.microbatches, schedule=args.schedule,
                              dense_layers=dense, mtp_layers=mtp, attention_tp=tp,
-                             pipeline_stages=pp, zebra_waves=args.zebra_waves)
+                             pipeline_stages=pp, zebra_waves=args.zebra_waves,
+                             zebra_wave_order=args.zebra_wave_order)
             plan.meta = {"model": model.name, "made_by": "hetermoe plan --even"}
             if flags is not None:  # where the model came from, for whoever reads the plan
                 plan.meta["model_flags"] = flags

@@ -30,7 +30,8 @@ Step model (the 1F1B model of planner/HETERO_PP.md, with a DistEP stage):
     their replicas in the other groups, then its optimizer step; stages run theirs at once, the
     slowest rank counts.
 Memory per rank of stage i (pipeline_memory): 1F1B keeps min(P - i, R) microbatches alive there
-(Megatron's warm-up forwards + 1). Attention rank: CostModel.pipeline_attention_rank_bytes (the
+(Megatron's warm-up forwards + 1); zebra in W waves R / W x min(W, P - i) in 1F1B's order over
+the waves, all R in GPipe's. Attention rank: CostModel.pipeline_attention_rank_bytes (the
 stage's weights and state, embedding on stage 0, output layer and fp32 logits on the last stage,
 one checkpointed input per attention piece per live microbatch, one working set). Expert rank:
 its experts' weights and state and what each keeps for backward of the routed tokens of the live
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, split_evenly
+from megatron_hetermoe.plan.tasks import wave_warmup
 from megatron_hetermoe.planner.cluster import (
     Cluster,
     Links,
@@ -325,16 +327,18 @@ def post_step(lay: PipelineLayout, cost: CostModel, cluster: Cluster) -> float:
     return post
 
 
-def pipeline_memory(lay: PipelineLayout, cost: CostModel, global_batch: int, zebra: bool = False) -> list[dict]:
+def pipeline_memory(lay: PipelineLayout, cost: CostModel, global_batch: int, zebra: bool = False, waves: int = 1,
+                    order: str = "gpipe") -> list[dict]:
     """Per stage: live microbatches, and the peak bytes of its attention and expert ranks (the
     largest of each role in group 0) with the usable memory of their GPU type (module docstring).
-    `zebra`: zebra inside the stages, where every stage keeps all R microbatches alive (each runs
-    all its forwards before a backward, plan.tasks.zebra_tasks)."""
+    `zebra`: zebra inside the stages in `waves` groups of microbatches in `order`
+    (plan.tasks.zebra_tasks): a stage keeps its warm-up groups alive (tasks.wave_warmup), all R
+    microbatches in GPipe's order."""
     t, tpe = tokens(lay, cost, global_batch)
     members_dp = lay.G * len(lay.attention[0][0]) // lay.tp
     out = []
     for i in range(lay.P):
-        alive = lay.R if zebra else live_microbatches(lay.P, i, lay.R)
+        alive = lay.R // waves * wave_warmup(order, waves, lay.P, i) if zebra else live_microbatches(lay.P, i, lay.R)
         n_att, n_exp = len(lay.attention[0][i]), len(lay.experts[0][i])
         held = lay.totals[i]  # experts of all the stage's layers, per member
         per = cost.per_expert_bytes(tpe, alive, lay.G)
@@ -355,12 +359,12 @@ def pipeline_memory(lay: PipelineLayout, cost: CostModel, global_batch: int, zeb
     return out
 
 
-def memory_shortfall(lay: PipelineLayout, cost: CostModel, global_batch: int,
-                     zebra: bool = False) -> tuple[float, str] | None:
-    """None if every rank fits (DistEP's 1F1B, or `zebra` inside the stages), else (GiB over, why)
-    for the rank furthest over."""
+def memory_shortfall(lay: PipelineLayout, cost: CostModel, global_batch: int, zebra: bool = False, waves: int = 1,
+                     order: str = "gpipe") -> tuple[float, str] | None:
+    """None if every rank fits (DistEP's 1F1B, or `zebra` inside the stages in `waves` groups in
+    `order`: pipeline_memory), else (GiB over, why) for the rank furthest over."""
     worst = None
-    for row in pipeline_memory(lay, cost, global_batch, zebra):
+    for row in pipeline_memory(lay, cost, global_batch, zebra, waves, order):
         for role in ("attention", "expert"):
             x = row.get(role)
             if x is None or x["bytes"] <= x["usable"]:

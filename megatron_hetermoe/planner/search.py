@@ -28,9 +28,12 @@ every stage gets an MoE layer and P divides both sides of a ZP group): each grou
 M attention + N expert ranks (as even_plan lays them out), run two ways: DistEP inside the stages
 and Megatron's 1F1B across them, no Asym-EA, priced by planner/pipeline.py (its 1F1B step model and
 per-stage memory rule, 1F1B keeping min(P - i, R) microbatches alive on stage i); and zebra inside
-the stages in W groups of microbatches (every W dividing R; plan.zebra_waves), without and (no
+the stages in W groups of microbatches (every W dividing R; plan.zebra_waves), in GPipe's and in
+1F1B's order over the groups where GPipe's does not fit (plan.zebra_wave_order; stage i keeps all R,
+or R / W x min(W, P - i) microbatches alive), each W at the lightest expert-recompute level at which
+it fits, without and (no
 TP) with Asym-EA inside each stage (stage_asym_problem, asym_ea.optimal per stage), its task lists
-run by the event simulator (every stage keeps all R microbatches alive). Each is skipped when its
+run by the event simulator. Each is skipped when its
 bound (pipeline.lower_bound, pipeline.zebra_lower_bound) cannot beat the best step so far. The DistEP and zebra rows stay one stage; the planner's pick is the
 fastest of every zebra variant and DistEP at every P searched (detail["pipeline_stages"]).
 When a role split has no candidate that fits (or none that divides the batch), the strategy's
@@ -51,6 +54,7 @@ from dataclasses import asdict, dataclass, field
 
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, ZPGroup
+from megatron_hetermoe.plan.tasks import ZEBRA_WAVE_ORDERS, wave_warmup
 from megatron_hetermoe.planner import asym_ea, pipeline
 from megatron_hetermoe.planner.baselines import (
     BaselineResult,
@@ -146,6 +150,13 @@ def tp_sizes(cluster: Cluster, model: ModelConfig, seq_len: int, attn: list[int]
     return out
 
 
+def zebra_configs(R: int) -> list[tuple[int, str]]:
+    """(zebra_waves, zebra_wave_order) that may be tried for zebra inside pipeline stages at R
+    microbatches: every W dividing R in GPipe's order, and for W > 1 in 1F1B's (with one group
+    the orders agree)."""
+    return [(W, order) for W in _divisors(R) for order in ZEBRA_WAVE_ORDERS if W > 1 or order == "gpipe"]
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -225,17 +236,19 @@ def _asym_with_experts(cost: CostModel, a_gpus: list[str], x_gpus: list[str], M:
 
 def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int, R: int,
                k: list[int], schedule: str = "zebra", validate: bool = True, skeleton: bool = False,
-               attention_tp: int = 1, pipeline_stages: int = 1, zebra_waves: int = 1) -> HeteroPlan:
+               attention_tp: int = 1, pipeline_stages: int = 1, zebra_waves: int = 1,
+               zebra_wave_order: str = "gpipe") -> HeteroPlan:
     """G groups of M attention + N expert ranks (consecutive in `attn` / `expert`), experts placed
     by asym_ea.placement(k) (one entry per MoE layer) alike in every group; the model's dense
     layers are the plan's dense_layers. `skeleton`: only group 0 gets a placement (the
     simulator reads no other); such a plan is for simulation inside the search only.
     `pipeline_stages` P > 1: each group's ranks are P stages of M / P attention and N / P expert
     ranks, stage by stage (even_plan's layout), each layer's experts split evenly over its
-    stage's expert ranks; no Asym-EA (k all 0); zebra in `zebra_waves` groups of microbatches."""
+    stage's expert ranks; no Asym-EA (k all 0); zebra in `zebra_waves` groups of microbatches in
+    `zebra_wave_order`."""
     if pipeline_stages > 1:
         return _build_pipelined_plan(model, gpu_types, attn, expert, G, R, k, schedule, validate, skeleton,
-                                     attention_tp, pipeline_stages, zebra_waves)
+                                     attention_tp, pipeline_stages, zebra_waves, zebra_wave_order)
     M, N = len(attn) // G, len(expert) // G
     local = asym_ea.placement(k, model.num_experts, list(range(M)), list(range(M, M + N)))
     groups = []
@@ -253,7 +266,7 @@ def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert
 
 def _build_pipelined_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int,
                           R: int, k: list[int], schedule: str, validate: bool, skeleton: bool, attention_tp: int,
-                          P: int, W: int = 1) -> HeteroPlan:
+                          P: int, W: int = 1, order: str = "gpipe") -> HeteroPlan:
     if any(k) and attention_tp > 1:
         raise PlanError(f"experts on attention ranks (Asym-EA, {list(k)}) with attention_tp={attention_tp}: the planner "
                         f"builds TP attention members without Asym-EA; use k all 0")
@@ -265,7 +278,8 @@ def _build_pipelined_plan(model: ModelConfig, gpu_types: list[str], attn: list[i
     M, N = len(attn) // G, len(expert) // G
     groups = [ZPGroup(attn[g * M:(g + 1) * M], expert[g * N:(g + 1) * N], []) for g in range(G)]
     plan = HeteroPlan(model.num_moe_layers, model.num_experts, list(gpu_types), groups, R, schedule,
-                      dense_layers=model.dense_layers, attention_tp=attention_tp, pipeline_stages=P, zebra_waves=W)
+                      dense_layers=model.dense_layers, attention_tp=attention_tp, pipeline_stages=P, zebra_waves=W,
+                      zebra_wave_order=order)
     plan.place_evenly(range(1 if skeleton else G))
     if any(k):  # Asym-EA inside each stage: k[l] experts of layer l on the stage's attention ranks
         for g in range(1 if skeleton else G):
@@ -505,7 +519,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
 
     variants = (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP, DISTEP_PP, ZEBRA_PP)
     fitted: dict[str, set[str]] = {n: set() for n in variants}  # layouts with a candidate that fits
-    waves: dict[str, int] = {}  # strategy -> the zebra_waves of its best (zebra in stages)
+    waves: dict[str, tuple[int, str]] = {}  # strategy -> (zebra_waves, zebra_wave_order) of its best (zebra in stages)
     why: dict[str, dict[str, tuple[float, str]]] = {n: {} for n in variants}  # layout -> (shortfall, why)
 
     def consider_pipelined(cand: Candidate, lay: pipeline.PipelineLayout, level: str) -> None:
@@ -527,10 +541,12 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
             best[DISTEP_PP] = (res.step_time_s, res, cand, [0] * model.num_moe_layers, "distep", level)
 
     def consider_zebra_pipelined(cand: Candidate, lay: pipeline.PipelineLayout, level: str,
-                                 k: list[int] | None = None) -> None:
+                                 configs: list[tuple[int, str]], k: list[int] | None = None) -> None:
         """Zebra inside P > 1 stages (Asym-EA inside each stage where `k` places experts on the
-        attention ranks; `lay` is then the plan's) that fits: its task lists simulated unless its
-        bound cannot beat the best step of any strategy the pick takes."""
+        attention ranks; `lay` is then the plan's) in each of `configs` (zebra_waves, order), which
+        fit: its task lists simulated unless its bound cannot beat the best step of any strategy
+        the pick takes (the bound holds in either order: a stage's first group's forward comes
+        first and its last group's backward last in both)."""
         fitted[ZEBRA_PP].add(layout_of(cand))
         c = costs[level]
         M, N = cand.stage_shape
@@ -540,7 +556,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         k = k or [0] * model.num_moe_layers
         cheap = pipeline.zebra_bound_terms(c, cluster, a_gpus, x_gpus, t, tpe, lay, streams=False)
         full = None  # with them: only for a candidate the cheaper bound keeps
-        for W in _divisors(cand.R):  # groups of microbatches (plan.zebra_waves)
+        for W, order in configs:  # groups of microbatches (plan.zebra_waves) and their order
             steps = [best[n][0] for n in variants if n in best]
             bound = lambda terms: pipeline.zebra_lower_bound(c, cluster, a_gpus, x_gpus, t, tpe, lay, W, terms=terms)
             if steps and bound(cheap) >= min(steps):
@@ -549,11 +565,25 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
             if steps and bound(full) >= min(steps):
                 continue
             plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, "zebra",
-                              skeleton=True, attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=W)
+                              skeleton=True, attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=W,
+                              zebra_wave_order=order)
             res = simulate_plan(plan, c, cluster, global_batch, engine=engine)
             if ZEBRA_PP not in best or res.step_time_s < best[ZEBRA_PP][0]:
                 best[ZEBRA_PP] = (res.step_time_s, res, cand, k, "zebra", level)
-                waves[ZEBRA_PP] = W
+                waves[ZEBRA_PP] = (W, order)
+
+    def zebra_fits(cand: Candidate, lay: pipeline.PipelineLayout, level: str,
+                   configs: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """The (zebra_waves, order) of `configs` to price at `level`: those whose stages fit in
+        memory there, a W in 1F1B's order only where GPipe's does not fit (the orders' steps differ
+        by a few percent; 1F1B's is there for memory). Where none fits, the lightest one's shortfall
+        is the layout's reason."""
+        fits = [wo for wo in configs if pipeline.memory_shortfall(lay, costs[level], global_batch, True, *wo) is None]
+        fits = [(W, o) for W, o in fits if o == "gpipe" or (W, "gpipe") not in fits]
+        if not fits:
+            lightest = min(configs, key=lambda wo: cand.R // wo[0] * wave_warmup(wo[1], wo[0], cand.P, 0))
+            refuse((ZEBRA_PP,), cand, pipeline.memory_shortfall(lay, costs[level], global_batch, True, *lightest))
+        return fits
 
     def _cannot_beat(cand: Candidate, lay: pipeline.PipelineLayout) -> bool:
         """No zebra plan in these stages, whatever its experts' placement and waves, beats the best
@@ -600,14 +630,21 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         if cand.P > 1:  # DistEP and zebra in P stages, no Asym-EA: each at the lightest level at which every rank fits
             lay = pipeline.even_layout(cost.model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.P,
                                        cand.R, cand.tp)
-            for name, zebra, consider_it in ((DISTEP_PP, False, lambda lv: consider_pipelined(cand, lay, lv)),
-                                             (ZEBRA_PP, True, lambda lv: consider_zebra_pipelined(cand, lay, lv))):
-                for level in levels:
-                    short = pipeline.memory_shortfall(lay, costs[level], global_batch, zebra)
-                    if short is None:
-                        consider_it(level)
-                        break
-                    refuse((name,), cand, short)
+            for level in levels:
+                short = pipeline.memory_shortfall(lay, costs[level], global_batch)
+                if short is None:
+                    consider_pipelined(cand, lay, level)
+                    break
+                refuse((DISTEP_PP,), cand, short)
+            left = zebra_configs(cand.R)  # each (waves, order) at the lightest level at which it fits
+            for level in levels:
+                fits = zebra_fits(cand, lay, level, left)
+                if fits:
+                    consider_zebra_pipelined(cand, lay, level, fits)
+                    priced = {W for W, _ in fits}
+                    left = [wo for wo in left if wo[0] not in priced]
+                if not left:
+                    break
             if cand.tp == 1 and asym != "none" and not _cannot_beat(cand, lay):
                 for level in levels:  # zebra with Asym-EA inside each stage (optimal per stage)
                     try:
@@ -621,11 +658,10 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                     plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, "zebra",
                                       skeleton=True, pipeline_stages=cand.P)
                     lay_ea = pipeline.layout_of_plan(plan, validate=False)
-                    short = pipeline.memory_shortfall(lay_ea, costs[level], global_batch, True)
-                    if short is None:
-                        consider_zebra_pipelined(cand, lay_ea, level, k)
+                    fits = zebra_fits(cand, lay_ea, level, zebra_configs(cand.R))
+                    if fits:
+                        consider_zebra_pipelined(cand, lay_ea, level, fits, k)
                         break
-                    refuse((ZEBRA_PP,), cand, short)
             continue
         M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
         grp_a, grp_x = cand.attention_ranks[:M], cand.expert_ranks[:N]
@@ -676,7 +712,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     options = [best[n] for n in picks if n in best]
     if options:  # the planner keeps the fastest plan: any zebra assignment, or DistEP at any pipeline size
         best[PICK] = min(options, key=lambda b: b[0])
-        waves[PICK] = next((waves.get(n, 1) for n in picks if best.get(n) is best[PICK]), 1)
+        waves[PICK] = next((waves.get(n, (1, "gpipe")) for n in picks if best.get(n) is best[PICK]), (1, "gpipe"))
 
     def excluded(name: str) -> dict[str, str]:
         """Layouts this strategy could not use at this batch (a named reason for any jump)."""
@@ -697,7 +733,8 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
             preds.append(_pred(name, res, limit.tokens_per_s, {
                 **extra,
                 "M": M, "N": N, "groups": cand.G, "microbatches": cand.R, "expert_recompute": level,
-                "attention_tp": cand.tp, "pipeline_stages": cand.P, "zebra_waves": waves.get(name, 1),
+                "attention_tp": cand.tp, "pipeline_stages": cand.P, "zebra_waves": waves.get(name, (1, "gpipe"))[0],
+                "zebra_wave_order": waves.get(name, (1, "gpipe"))[1],
                 "attention_gpu": types[cand.attention_ranks[0]], "experts_on_attention_per_layer": list(k),
                 "attention_ranks": list(cand.attention_ranks), "expert_ranks": list(cand.expert_ranks),
                 "schedule": plan, "layout": layout_of(cand),
@@ -733,14 +770,17 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     if PICK in best:
         _, _, cand, k, schedule, level = best[PICK]
         plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
-                          attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=waves[PICK])
+                          attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=waves[PICK][0],
+                          zebra_wave_order=waves[PICK][1])
         plan.expert_recompute = level  # what its expert holders keep for backward, as priced
         source = next(n for n in picks if best.get(n) is best[PICK])
         if source == DISTEP_PP:
             source = f"DistEP in {cand.P} pipeline stages (1F1B), no Asym-EA"
         elif source == ZEBRA_PP:
             ea = "Asym-EA (optimal) inside each stage" if any(best[PICK][3]) else "no Asym-EA"
-            source = f"zebra in {cand.P} pipeline stages ({waves[PICK]} wave(s) of microbatches), {ea}"
+            W, order = waves[PICK]
+            source = (f"zebra in {cand.P} pipeline stages ({W} wave(s) of microbatches"
+                      f"{', in 1F1B order' if order == '1f1b' else ''}), {ea}")
         plan.meta = {
             "model": model.name, "cluster": cluster.name, "seq_len": seq_len, "global_batch": global_batch,
             "distributed_optimizer": distributed_optimizer,

@@ -27,10 +27,10 @@ def _check(r, free: bool) -> None:
     parity_within(r, free)
 
 
-def _plan(tiny, case: str, schedule: str = "distep", waves: int = 1) -> HeteroPlan:
+def _plan(tiny, case: str, schedule: str = "distep", waves: int = 1, order: str = "gpipe") -> HeteroPlan:
     M, N, G, R, T = CASES[case]
     return even_plan(tiny.num_layers, tiny.num_experts, M, N, groups=G, num_microbatches=R, pipeline_stages=2,
-                     attention_tp=T, schedule=schedule, zebra_waves=waves)
+                     attention_tp=T, schedule=schedule, zebra_waves=waves, zebra_wave_order=order)
 
 
 @pytest.mark.parametrize("case", ["2+1", "tp2+2"])
@@ -55,11 +55,15 @@ def test_zebra_pp2_matches_megatron_pp2(tiny, case, issuer):
     _check(run_parity(_plan(tiny, case, "zebra"), tiny, steps=3, free_run=True, issuer=issuer), True)
 
 
-@pytest.mark.parametrize("waves, issuer", [(2, "threads"), (4, "single")])
-def test_zebra_pp2_in_waves_matches_megatron_pp2(tiny, waves, issuer):
+@pytest.mark.parametrize("waves, issuer, order", [(2, "threads", "gpipe"), (4, "single", "gpipe"),
+                                                  (4, "threads", "1f1b"),
+                                                  pytest.param(2, "single", "1f1b", marks=pytest.mark.slow)])
+def test_zebra_pp2_in_waves_matches_megatron_pp2(tiny, waves, issuer, order):
     """Zebra over groups of microbatches (plan zebra_waves): R 4 in 2 groups of 2, and in 4 of 1; a
-    stage's outputs of one group go on while it runs the next."""
-    _check(run_parity(_plan(tiny, "2+1,R4", "zebra", waves), tiny, steps=3, free_run=True, issuer=issuer), True)
+    stage's outputs of one group go on while it runs the next. In 1F1B's order over the groups
+    (plan zebra_wave_order) stage 0 runs 2 groups' forwards before its first backward, stage 1 one."""
+    _check(run_parity(_plan(tiny, "2+1,R4", "zebra", waves, order), tiny, steps=3, free_run=True, issuer=issuer),
+           True)
 
 
 @pytest.mark.slow
@@ -70,16 +74,17 @@ def test_zebra_pp2_more_shapes_with_recompute(tiny, case):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule, waves", [("distep", 1), ("zebra", 1), ("zebra", 3)])
-def test_pp2_two_layers_a_stage_with_an_empty_expert_rank_and_asym_ea(tiny, schedule, waves):
+@pytest.mark.parametrize("schedule, waves, order", [("distep", 1, "gpipe"), ("zebra", 1, "gpipe"),
+                                                    ("zebra", 3, "gpipe"), ("zebra", 3, "1f1b")])
+def test_pp2_two_layers_a_stage_with_an_empty_expert_rank_and_asym_ea(tiny, schedule, waves, order):
     """4 layers, 2 a stage; per stage 1 attention rank + 2 expert ranks. Stage 0: layer 0 all on
     rank 1 (rank 2 holds none: empty splits), layer 1 split 1 | 3. Stage 1 (ranks 3, 4, 5):
     layer 2 offloads expert 0 to its attention rank (Asym-EA inside a stage), layer 3 even. Zebra
-    also in 3 waves of one microbatch."""
+    also in 3 waves of one microbatch, in GPipe's and 1F1B's order over them."""
     model = dataclasses.replace(tiny, num_layers=4)
     placement = [{1: [0, 1, 2, 3]}, {1: [0], 2: [1, 2, 3]}, {3: [0], 4: [1, 2], 5: [3]}, {4: [0, 1], 5: [2, 3]}]
     plan = HeteroPlan(4, 4, ["cpu"] * 6, [ZPGroup([0, 3], [1, 2, 4, 5], placement)], num_microbatches=3,
-                      pipeline_stages=2, schedule=schedule, zebra_waves=waves)
+                      pipeline_stages=2, schedule=schedule, zebra_waves=waves, zebra_wave_order=order)
     _check(run_parity(plan, model, steps=3, free_run=False), False)
 
 

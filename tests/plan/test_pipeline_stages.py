@@ -283,6 +283,72 @@ def test_zebra_waves_field_round_trips_and_is_validated():
         even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, zebra_waves=2)
 
 
+def test_zebra_wave_order_field_round_trips_and_is_validated():
+    plan = even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, schedule="zebra", zebra_waves=2,
+                     zebra_wave_order="1f1b")
+    d = plan.to_dict()
+    assert d["zebra_wave_order"] == "1f1b" and HeteroPlan.from_dict(d).zebra_wave_order == "1f1b"
+    assert "zebra_wave_order" not in even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, schedule="zebra",
+                                               zebra_waves=2).to_dict()
+    with pytest.raises(PlanError, match=r"zebra_wave_order='interleaved' is not one of \('gpipe', '1f1b'\)"):
+        even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, schedule="zebra", zebra_waves=2,
+                  zebra_wave_order="interleaved")
+    with pytest.raises(PlanError, match="zebra_wave_order='1f1b' orders zebra_waves > 1 groups of microbatches, and "
+                                        "this plan has one"):
+        even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, schedule="zebra", zebra_wave_order="1f1b")
+
+
+@pytest.mark.parametrize("P,W", [(2, 4), (3, 6), (4, 2)])
+def test_zebra_waves_in_1f1b_order(P, W):
+    """Megatron's 1F1B over the groups: stage i runs min(W, P - i) groups' forwards, then each
+    group's backward followed by the next group's forward; every member of a stage issues one
+    order (Asym-EA on stage 0's attention rank), and the point-to-point messages keep ascending
+    microbatch order on both sides of every stage boundary."""
+    from megatron_hetermoe.plan.tasks import Task, check_stream_order, wave_warmup, zebra_tasks
+
+    R = 2 * W
+    plan = even_plan(2 * P, 4, 1, 2, num_microbatches=R, pipeline_stages=P, schedule="zebra", zebra_waves=W,
+                     zebra_wave_order="1f1b")
+    g = plan.groups[0]
+    g.placement[0] = {0: [0], 1: [1, 2], 2: [3]}  # stage 0: attention rank 0 holds expert 0 of MoE layer 0
+    plan.validate()
+    for stage in range(P):
+        members = plan.stage_members(0, stage)
+        lists = {r: zebra_tasks(plan, r) for r in members}
+        check_stream_order(lists)
+        a = lists[members[0]]
+        warm = wave_warmup("1f1b", W, P, stage)
+        assert warm == min(W, P - stage)
+        # the order of group forwards (F) and backwards (B), read from the list's first pieces
+        blocks = []
+        for t in a:
+            if t.kind in ("A_F", "A_B") and t.layer == 0 and t.microbatch % 2 == 0:
+                blocks.append(("F" if t.kind == "A_F" else "B", t.microbatch // 2))
+        want = [("F", w) for w in range(warm)]
+        for w in range(W):
+            want.append(("B", w))
+            if w + warm < W:
+                want.append(("F", w + warm))
+        assert blocks == want, (stage, blocks)
+        # at most `warm` groups alive: forwards begun minus backwards finished
+        alive, peak = set(), 0
+        for t in a:
+            if t == Task("A_F", 0, t.microbatch):
+                alive.add(t.microbatch)
+            elif t == Task("A_B", 0, t.microbatch):
+                alive.discard(t.microbatch)
+            peak = max(peak, len(alive))
+        assert peak == 2 * warm
+    for b in range(P - 1):
+        src, dst = plan.stage_members(0, b)[0], plan.stage_members(0, b + 1)[0]
+        L = 2
+        send = [t.microbatch for t in zebra_tasks(plan, src) if t.kind == "A_F" and t.layer == L]
+        recv = [t.microbatch for t in zebra_tasks(plan, dst) if t.kind == "A_F" and t.layer == 0]
+        grad_send = [t.microbatch for t in zebra_tasks(plan, dst) if t.kind == "A_B" and t.layer == 0]
+        grad_recv = [t.microbatch for t in zebra_tasks(plan, src) if t.kind == "A_B" and t.layer == L]
+        assert send == recv == grad_send == grad_recv == list(range(R))
+
+
 @pytest.mark.parametrize("waves", [1, 2, 4])
 def test_zebra_waves_keep_one_stream_order_and_theorem_1_inside_each_wave(waves):
     """Every member of a stage issues one order (Asym-EA in stage 1); each wave's microbatches run

@@ -30,9 +30,10 @@ from megatron_hetermoe.planner.simulator import (
 
 
 
-def zplan(P: int, R: int, M: int = 1, N: int = 1, model: ModelConfig = SMALL, waves: int = 1):
+def zplan(P: int, R: int, M: int = 1, N: int = 1, model: ModelConfig = SMALL, waves: int = 1, order: str = "gpipe"):
     plan = even_plan(model.num_layers, model.num_experts, M, N, attention_gpu=GPUS[0], expert_gpu=GPUS[1],
-                     num_microbatches=R, pipeline_stages=P, schedule="zebra", zebra_waves=waves)
+                     num_microbatches=R, pipeline_stages=P, schedule="zebra", zebra_waves=waves,
+                     zebra_wave_order=order)
     return plan, Cluster.from_gpu_types(f"own-nodes-{P}-{M}-{N}", plan.gpu_types, gpus_per_node=1)
 
 
@@ -64,14 +65,16 @@ def _offloaded(plan):
     return plan
 
 
-@pytest.mark.parametrize("P,R,M,N,offload,W", [(2, 3, 1, 1, False, 1), (2, 2, 2, 2, True, 1), (4, 3, 1, 2, True, 1),
-                                               (2, 4, 1, 1, False, 2), (4, 4, 2, 1, True, 4)])
-def test_trace_follows_the_stage_lists(P, R, M, N, offload, W):
+@pytest.mark.parametrize("P,R,M,N,offload,W,order", [(2, 3, 1, 1, False, 1, "gpipe"), (2, 2, 2, 2, True, 1, "gpipe"),
+                                                     (4, 3, 1, 2, True, 1, "gpipe"), (2, 4, 1, 1, False, 2, "gpipe"),
+                                                     (4, 4, 2, 1, True, 4, "gpipe"), (4, 8, 1, 1, True, 4, "1f1b"),
+                                                     (2, 6, 2, 1, False, 3, "1f1b")])
+def test_trace_follows_the_stage_lists(P, R, M, N, offload, W, order):
     """Every rank runs its stage's zebra list in order (plus the transfers, issued where it produces
     or first needs them); compute waits for its inputs; a stage's collectives are over its members,
     one at a time per stream; a stage's first piece waits for the previous stage's output of that
     microbatch, its last piece's backward for the next stage's gradient."""
-    plan, cl = zplan(P, R, M, N, waves=W)
+    plan, cl = zplan(P, R, M, N, waves=W, order=order)
     if offload:
         _offloaded(plan)
     c = cost()
@@ -155,7 +158,8 @@ def test_dedup_changes_no_time_in_stages():
 def test_cpp_matches_python_in_stages(seed):
     rnd = random.Random(seed)
     P, R = rnd.choice([2, 4]), rnd.randint(1, 4)
-    plan, cl = zplan(P, R, rnd.randint(1, 2), rnd.randint(1, 3), waves=rnd.choice([w for w in (1, 2, 4) if R % w == 0]))
+    W = rnd.choice([w for w in (1, 2, 4) if R % w == 0])
+    plan, cl = zplan(P, R, rnd.randint(1, 2), rnd.randint(1, 3), waves=W, order=rnd.choice(["gpipe", "1f1b"][:W]))
     if rnd.random() < 0.5:
         _offloaded(plan)
     p = build_problem(plan, cost(), cl, plan.num_microbatches * 2, dedup=rnd.random() < 0.5)
@@ -164,10 +168,21 @@ def test_cpp_matches_python_in_stages(seed):
 
 
 def test_rank_task_times_are_the_runtime_list():
-    """The runtime does a stage's transfers inside its attention tasks: no PipeTask in the list."""
+    """The runtime's lists have no PipeTask (the executor does a stage's transfers around the
+    attention tasks that consume and produce them); with stage_transfers, emulation's times keep
+    them where plan.tasks.stage_transfers puts them."""
+    from megatron_hetermoe.plan.tasks import stage_transfers
+
     plan, cl = zplan(2, 2)
     for r in range(plan.world_size):
         assert [t for t, _ in rank_task_times(plan, cost(), cl, 2, r)] == zebra_tasks(plan, r)
+        want = []
+        L = len(plan.stage_moe_layers(plan.stage_of(r)))
+        for t in zebra_tasks(plan, r):
+            recv, send = stage_transfers(t, plan.stage_of(r), 2, L) if plan.role(r) == "attention" else (None, None)
+            want += [x for x in (recv, t, send) if x is not None]
+        got = rank_task_times(plan, cost(), cl, 2, r, stage_transfers=True)
+        assert [t for t, _ in got] == want and all(d > 0 for t, d in got if isinstance(t, PipeTask))
 
 
 def test_distep_in_stages_has_no_task_lists():
@@ -196,6 +211,25 @@ def test_zebra_in_stages_memory_keeps_every_microbatch():
             assert a[role]["bytes"] >= b[role]["bytes"]
 
 
+def test_zebra_in_1f1b_order_over_waves_keeps_the_warm_up_groups_alive():
+    """4 stages, R 8: in 4 waves of 2 in 1F1B's order stage i holds min(4, 4 - i) groups of 2 (8, 6,
+    4, 2 microbatches), in 8 waves of 1 min(8, 4 - i) (4, 3, 2, 1: DistEP's 1F1B), in GPipe's order
+    all 8; less alive, fewer bytes on every rank."""
+    c = cost()
+    rows = {}
+    for W, order in ((4, "gpipe"), (4, "1f1b"), (8, "1f1b")):
+        plan, _ = zplan(4, 8, 1, 2, waves=W, order=order)
+        lay = pipeline.layout_of_plan(plan)
+        rows[W, order] = pipeline.pipeline_memory(lay, c, 8, zebra=True, waves=W, order=order)
+    assert [r["alive"] for r in rows[4, "gpipe"]] == [8] * 4
+    assert [r["alive"] for r in rows[4, "1f1b"]] == [8, 6, 4, 2]
+    assert [r["alive"] for r in rows[8, "1f1b"]] == [4, 3, 2, 1]
+    for i in range(1, 4):
+        for role in ("attention", "expert"):
+            assert rows[4, "1f1b"][i][role]["bytes"] < rows[4, "gpipe"][i][role]["bytes"]
+            assert rows[8, "1f1b"][i][role]["bytes"] < rows[4, "1f1b"][i][role]["bytes"]
+
+
 def test_zebra_lower_bound_never_exceeds_the_simulated_step():
     from megatron_hetermoe.planner.search import build_plan, candidates
 
@@ -212,10 +246,12 @@ def test_zebra_lower_bound_never_exceeds_the_simulated_step():
         for W in {1, cand.R, divisors[n % len(divisors)]}:
             lb = pipeline.zebra_lower_bound(c, cl, {types[cand.attention_ranks[0]]}, {types[cand.expert_ranks[0]]}, t,
                                             M * t * 2 / 8, lay, W)
-            plan = build_plan(m, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, [0] * 32, "zebra",
-                              skeleton=True, attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=W)
-            assert 0 < lb <= simulate_plan(plan, c, cl, 64).step_time_s
-            checked += 1
+            for order in ("gpipe", "1f1b") if W > 1 else ("gpipe",):  # the bound holds in either order
+                plan = build_plan(m, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, [0] * 32, "zebra",
+                                  skeleton=True, attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=W,
+                                  zebra_wave_order=order)
+                assert 0 < lb <= simulate_plan(plan, c, cl, 64).step_time_s
+                checked += 1
     assert checked >= 5
 
 
@@ -242,8 +278,9 @@ def test_search_picks_zebra_in_stages_where_it_is_fastest():
 
 @pytest.mark.parametrize("seed", range(16))
 def test_zebra_lower_bound_holds_on_small_plans(seed):
-    """Dense layers moved across a stage boundary, several groups, attention TP, R = 1..4, waves,
-    Asym-EA inside the stages (experts on attention ranks: the expert term counts expert ranks only)."""
+    """Dense layers moved across a stage boundary, several groups, attention TP, R = 1..4, waves in
+    either order, Asym-EA inside the stages (experts on attention ranks: the expert term counts
+    expert ranks only)."""
     from megatron_hetermoe.planner.search import build_plan
 
     rnd = random.Random(seed)
@@ -253,6 +290,7 @@ def test_zebra_lower_bound_holds_on_small_plans(seed):
     m = SMALL.replace(moe_layer_freq=freq)
     P, G, tp, R = rnd.choice([2, 4]), rnd.choice([1, 2]), rnd.choice([1, 2]), rnd.randint(1, 4)
     W = rnd.choice([w for w in range(1, R + 1) if R % w == 0])
+    order = rnd.choice(["gpipe", "1f1b"]) if W > 1 else "gpipe"
     if any(not any(freq[i * 8 // P:(i + 1) * 8 // P]) for i in range(P)):
         P = 2 if all(any(freq[i * 4:(i + 1) * 4]) for i in range(2)) else 1
     if P == 1:
@@ -263,7 +301,8 @@ def test_zebra_lower_bound_holds_on_small_plans(seed):
     attn, exp = list(range(G * P * M)), list(range(G * P * M, len(types)))
     c = CostModel(m, load_profiles(set(GPUS)), TrainSettings(S))
     k = [rnd.choice([0, 0, 1, 3, 8]) for _ in range(m.num_moe_layers)] if tp == 1 else [0] * m.num_moe_layers
-    plan = build_plan(m, types, attn, exp, G, R, k, "zebra", attention_tp=tp, pipeline_stages=P, zebra_waves=W)
+    plan = build_plan(m, types, attn, exp, G, R, k, "zebra", attention_tp=tp, pipeline_stages=P, zebra_waves=W,
+                      zebra_wave_order=order)
     lay = pipeline.layout_of_plan(plan)
     B = G * (M // tp) * R
     t = B * S / (G * M * R)
