@@ -90,7 +90,7 @@ class Emulator:
         from megatron_hetermoe.planner.simulator import rank_task_times
 
         return dict(rank_task_times(plan, self.cost, self.cluster, self.spec.global_batch, rank, schedule,
-                                    stage_transfers=True))
+                                    with_transfers=True))
 
     def hetero_clock(self, plan, schedule: str, group, recompute: bool = False) -> EmulationClock:
         """The clock of a HeterMoE rank (the same on every rank)."""

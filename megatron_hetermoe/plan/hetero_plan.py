@@ -459,7 +459,8 @@ class HeteroPlan:
         if not isinstance(d, dict):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         known = {"num_layers", "num_experts", "gpu_types", "groups", "num_microbatches", "schedule", "version", "meta",
-                 "dense_layers", "mtp_layers", "expert_recompute", "attention_tp", "pipeline_stages", "zebra_waves", "zebra_wave_order"}
+                 "dense_layers", "mtp_layers", "expert_recompute", "attention_tp", "pipeline_stages", "zebra_waves",
+                 "zebra_wave_order"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")

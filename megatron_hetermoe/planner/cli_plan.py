@@ -1,8 +1,8 @@
 """`hetermoe plan`: write a plan file.
 
   hetermoe plan --even --attention-ranks M --expert-ranks N --groups G --model CFG
-                [--microbatches R] [--schedule distep|zebra] [--zebra-waves W [--zebra-wave-order gpipe|1f1b]] [--attention-gpu T --expert-gpu T]
-                [--attention-tp T] [--pipeline-stages P] -o plan.json
+                [--microbatches R] [--schedule distep|zebra] [--zebra-waves W [--zebra-wave-order gpipe|1f1b]]
+                [--attention-gpu T --expert-gpu T] [--attention-tp T] [--pipeline-stages P] -o plan.json
       G groups of M attention + N expert ranks, experts split evenly (plan.even_plan); with
       --attention-tp T the M attention ranks are M/T tensor-parallel members; with
       --pipeline-stages P each group is P stages of M attention + N expert ranks (Megatron's

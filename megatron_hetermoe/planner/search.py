@@ -31,10 +31,10 @@ per-stage memory rule, 1F1B keeping min(P - i, R) microbatches alive on stage i)
 the stages in W groups of microbatches (every W dividing R; plan.zebra_waves), in GPipe's and in
 1F1B's order over the groups where GPipe's does not fit (plan.zebra_wave_order; stage i keeps all R,
 or R / W x min(W, P - i) microbatches alive), each W at the lightest expert-recompute level at which
-it fits, without and (no
-TP) with Asym-EA inside each stage (stage_asym_problem, asym_ea.optimal per stage), its task lists
-run by the event simulator. Each is skipped when its
-bound (pipeline.lower_bound, pipeline.zebra_lower_bound) cannot beat the best step so far. The DistEP and zebra rows stay one stage; the planner's pick is the
+it fits, without and (no TP) with Asym-EA inside each stage (stage_asym_problem, asym_ea.optimal
+per stage), its task lists run by the event simulator. Each is skipped when its bound
+(pipeline.lower_bound, pipeline.zebra_lower_bound) cannot beat the best step so far. The DistEP and
+zebra rows stay one stage; the planner's pick is the
 fastest of every zebra variant and DistEP at every P searched (detail["pipeline_stages"]).
 When a role split has no candidate that fits (or none that divides the batch), the strategy's
 prediction names it in detail["excluded_layouts"] ({layout name: reason}); a strategy that
@@ -148,6 +148,9 @@ def tp_sizes(cluster: Cluster, model: ModelConfig, seq_len: int, attn: list[int]
         else:
             out[tp] = ""
     return out
+
+
+ONE_WAVE = (1, "gpipe")  # (zebra_waves, zebra_wave_order) of a plan without waves
 
 
 def zebra_configs(R: int) -> list[tuple[int, str]]:
@@ -712,7 +715,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     options = [best[n] for n in picks if n in best]
     if options:  # the planner keeps the fastest plan: any zebra assignment, or DistEP at any pipeline size
         best[PICK] = min(options, key=lambda b: b[0])
-        waves[PICK] = next((waves.get(n, (1, "gpipe")) for n in picks if best.get(n) is best[PICK]), (1, "gpipe"))
+        waves[PICK] = next((waves.get(n, ONE_WAVE) for n in picks if best.get(n) is best[PICK]), ONE_WAVE)
 
     def excluded(name: str) -> dict[str, str]:
         """Layouts this strategy could not use at this batch (a named reason for any jump)."""
@@ -733,8 +736,8 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
             preds.append(_pred(name, res, limit.tokens_per_s, {
                 **extra,
                 "M": M, "N": N, "groups": cand.G, "microbatches": cand.R, "expert_recompute": level,
-                "attention_tp": cand.tp, "pipeline_stages": cand.P, "zebra_waves": waves.get(name, (1, "gpipe"))[0],
-                "zebra_wave_order": waves.get(name, (1, "gpipe"))[1],
+                "attention_tp": cand.tp, "pipeline_stages": cand.P, "zebra_waves": waves.get(name, ONE_WAVE)[0],
+                "zebra_wave_order": waves.get(name, ONE_WAVE)[1],
                 "attention_gpu": types[cand.attention_ranks[0]], "experts_on_attention_per_layer": list(k),
                 "attention_ranks": list(cand.attention_ranks), "expert_ranks": list(cand.expert_ranks),
                 "schedule": plan, "layout": layout_of(cand),

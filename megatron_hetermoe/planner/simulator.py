@@ -236,16 +236,16 @@ def compute_task_time(cost: CostModel, gpu: str, task: Task, tokens_per_microbat
 
 
 def rank_task_times(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int, rank: int,
-                    schedule: str | None = None, stage_transfers: bool = False) -> list[tuple[Task | PipeTask, float]]:
+                    schedule: str | None = None, with_transfers: bool = False) -> list[tuple[Task | PipeTask, float]]:
     """The task list of `rank` with each task's predicted seconds (compute: on the rank's GPU
     type; comm: the collective's transfer time). For emulating a mixed cluster: stretch each
     compute task to its time; compare measured step times with simulate_plan's. The runtime's
     list has no stage transfers (PipeTask: it does them at the attention tasks that produce or
-    consume them); `stage_transfers` keeps them, in their place."""
+    consume them); `with_transfers` keeps them where plan.tasks.stage_transfers puts them."""
     p = build_problem(plan, cost, cluster, global_batch, schedule, group=plan.group_of(rank), dedup=False)
     i = p.ranks.index(rank)
     return [(t, p.coll_dur[ref] if c else d) for t, c, d, ref in zip(p.tasks[i], p.is_comm[i], p.dur[i], p.ref[i])
-            if stage_transfers or not isinstance(t, PipeTask)]
+            if with_transfers or not isinstance(t, PipeTask)]
 
 
 def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,

@@ -169,7 +169,7 @@ def test_cpp_matches_python_in_stages(seed):
 
 def test_rank_task_times_are_the_runtime_list():
     """The runtime's lists have no PipeTask (the executor does a stage's transfers around the
-    attention tasks that consume and produce them); with stage_transfers, emulation's times keep
+    attention tasks that consume and produce them); with_transfers: emulation's times keep
     them where plan.tasks.stage_transfers puts them."""
     from megatron_hetermoe.plan.tasks import stage_transfers
 
@@ -181,7 +181,7 @@ def test_rank_task_times_are_the_runtime_list():
         for t in zebra_tasks(plan, r):
             recv, send = stage_transfers(t, plan.stage_of(r), 2, L) if plan.role(r) == "attention" else (None, None)
             want += [x for x in (recv, t, send) if x is not None]
-        got = rank_task_times(plan, cost(), cl, 2, r, stage_transfers=True)
+        got = rank_task_times(plan, cost(), cl, 2, r, with_transfers=True)
         assert [t for t, _ in got] == want and all(d > 0 for t, d in got if isinstance(t, PipeTask))
 
 
