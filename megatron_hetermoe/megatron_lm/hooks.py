@@ -64,7 +64,9 @@ class HeteroPretrain:
         # --expert-tensor-parallel-size was replaced by the plan's whole experts (replace_flags).
         check_hetero_tp(self.plan, args.tensor_model_parallel_size, args.sequence_parallel,
                         args.expert_tensor_parallel_size)
-        check_hetero_pp(self.plan, args.pipeline_model_parallel_size, self.schedule)
+        # (the virtual stages after validate_args, below, which derives them from either flag)
+        check_hetero_pp(self.plan, args.pipeline_model_parallel_size, self.schedule,
+                        virtual_stages=self.plan.virtual_stages)
         # Megatron's data parallelism is over the attention ranks: validate_args derives
         # data_parallel_size (and set_global_variables the microbatch calculator) from it.
         args.world_size = n_attn
@@ -72,6 +74,9 @@ class HeteroPretrain:
             validate(args, defaults or {})
         finally:
             args.world_size = world
+        # Megatron's validate_args derives the virtual pipeline size from either of its flags.
+        check_hetero_pp(self.plan, args.pipeline_model_parallel_size, self.schedule,
+                        virtual_stages=getattr(args, "virtual_pipeline_model_parallel_size", None))
         nmb = self.plan.num_microbatches
         self._pool_args(args)
         if args.rank == 0:
@@ -181,7 +186,7 @@ class HeteroPretrain:
             # (RoleAssembly.module puts HeteroMoELayer in it).
             gpt["mtp_block_spec"] = get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=use_te,
                                                            vp_stage=vp_stage)
-        module, _ = self.assembly.module(config, block, args.seed, gpt)
+        module, _ = self.assembly.module(config, block, args.seed, gpt, vp_stage=vp_stage)
         return module
 
     # ---- 4. the schedule --------------------------------------------------------------------
@@ -221,6 +226,17 @@ class HeteroPretrain:
         if hs.role == "attention":
             return reported
         return [{"lm loss": tot / dist.get_world_size(hs.replica_group)}]
+
+    def data_iterators(self, build, provider):
+        """Megatron-LM's build_train_valid_test_data_iterators, which pretrain() calls once per
+        model chunk (each call has world-wide barriers and a broadcast): with virtual stages an
+        attention rank has one chunk per virtual stage, an expert rank one module for all of its
+        stage's chunks, so an expert rank builds as many times (it reads no data: the first
+        result is kept)."""
+        V = self.plan.virtual_stages
+        if self.hs.role != "expert" or V == 1:
+            return build(provider)
+        return [build(provider) for _ in range(V)][0]
 
     # ---- 5. the optimizer -------------------------------------------------------------------
     def get_megatron_optimizer(self, build, *a, **k):
@@ -349,6 +365,8 @@ class HeteroPretrain:
                 (checkpointing, "get_rng_state", _wrap(checkpointing.get_rng_state, self.get_rng_state)),
                 (checkpointing, "FullyParallelSaveStrategyWrapper", _save_wrapper_for_roles()),
                 (training, "calc_params_l2_norm", self.params_norm),
+                (training, "build_train_valid_test_data_iterators",
+                 _wrap(training.build_train_valid_test_data_iterators, self.data_iterators)),
             ]
             if megatron_lm_parses_in_pretrain():
                 hooks.append((initialize, "validate_args", _wrap(initialize.validate_args, self.validate_args)))

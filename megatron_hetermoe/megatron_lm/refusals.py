@@ -11,12 +11,11 @@ _OFF, _UNSET, _ONE = (False,), (None,), (1,)
 _REFUSED: dict[str, dict[str, tuple]] = {
     "HeterMoE's roles run without context parallelism inside a role (tensor parallelism and pipeline stages: "
     "the plan's attention_tp and pipeline_stages, checked against the plan)": {"--context-parallel-size": _ONE},
-    "the plan's pipeline stages split the decoder layers evenly (Megatron's default split) and its expert ranks "
-    "mirror the non-interleaved 1F1B; uneven splits and virtual pipeline stages are not built yet": {
+    "the plan's pipeline stages (and virtual stages) split the decoder layers evenly (Megatron's default split); "
+    "uneven splits are not built yet": {
         "--decoder-first-pipeline-num-layers": _UNSET, "--decoder-last-pipeline-num-layers": _UNSET,
         "--pipeline-model-parallel-layout": _UNSET, "--account-for-embedding-in-pipeline-split": _OFF,
-        "--account-for-loss-in-pipeline-split": _OFF, "--num-layers-per-virtual-pipeline-stage": _UNSET,
-        "--num-virtual-stages-per-pipeline-rank": _UNSET},
+        "--account-for-loss-in-pipeline-split": _OFF},
     "HeterMoE builds megatron-core's GPTModel from the command line's flags and Megatron's spec": {
         "--use-legacy-models": _OFF, "--spec": _UNSET, "--yaml-cfg": _UNSET},
     "not supported with HeterMoE": {

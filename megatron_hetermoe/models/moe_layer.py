@@ -108,10 +108,11 @@ def moe_layer_specs(spec) -> list:
     return [s for s in (layers if layers is not None else [spec]) if is_moe_layer_spec(s)]
 
 
-def hetero_block_spec(spec, hs: HeteroParallelState, pg_collection):
+def hetero_block_spec(spec, hs: HeteroParallelState, pg_collection, vp_stage: int | None = None):
     """GPTModel's transformer_layer_spec with HeteroMoELayer in every MoE layer: `spec` is a
     layer spec (every layer an MoE layer) or a decoder block spec whose MoE layers must be the
-    plan's (model layers, dense_layers)."""
+    plan's (model layers, dense_layers; of one pipeline stage, or of its model chunk `vp_stage`
+    with virtual stages)."""
     layers = getattr(spec, "layer_specs", None)
     if layers is None:
         if hs.plan.dense_layers:
@@ -121,7 +122,9 @@ def hetero_block_spec(spec, hs: HeteroParallelState, pg_collection):
     pattern = [is_moe_layer_spec(s) for s in layers]
     model_layers = range(hs.plan.decoder_layers)
     if hs.plan.pipeline_stages > 1 and len(layers) != hs.plan.decoder_layers:
-        model_layers = hs.plan.stage_model_layers(hs.stage)  # Megatron's block spec of one pipeline stage
+        # Megatron's block spec of one pipeline stage, or of one of its model chunks
+        model_layers = (hs.plan.stage_model_layers(hs.stage) if vp_stage is None
+                        else hs.plan.chunk_model_layers(hs.stage, vp_stage))
     want = [hs.plan.moe_index(i) is not None for i in model_layers]
     if pattern != want:
         raise ValueError(f"the model's MoE layers {[i for i, m in enumerate(pattern) if m]} of {len(pattern)} are not "

@@ -74,12 +74,17 @@ def install_parallel_state(hs: HeteroParallelState) -> None:
     # samplers by it): the attention members, which consume distinct data, on every rank. An expert
     # rank's data-parallel group stays its replica group (gradients are reduced over that).
     ps._MPU_DATA_PARALLEL_WORLD_SIZE = hs.plan.num_attention_members
+    # Virtual pipeline stages are the attention ranks' (Megatron-LM's get_model builds a model
+    # chunk per virtual stage there); an expert rank, outside Megatron's pipeline, builds one module.
+    V = hs.plan.virtual_stages
+    ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = V if V > 1 and hs.role == "attention" else None
     ps._set_global_memory_buffer()
 
 
 def uninstall_parallel_state() -> None:
     from megatron.core import parallel_state as ps
 
-    for name in (*_PARALLEL_STATE_GROUPS, *_PARALLEL_STATE_RANKS, "_MPU_DATA_PARALLEL_WORLD_SIZE"):
+    for name in (*_PARALLEL_STATE_GROUPS, *_PARALLEL_STATE_RANKS, "_MPU_DATA_PARALLEL_WORLD_SIZE",
+                 "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE"):
         setattr(ps, name, None)
     ps.destroy_global_memory_buffer()

@@ -99,6 +99,11 @@ class HeteroPlan:
     # backward (every stage keeps all R microbatches alive); "1f1b", Megatron's 1F1B over the
     # groups (stage i of P keeps at most min(W, P - i) groups alive). ZEBRA_WAVE_ORDERS.
     zebra_wave_order: str = "gpipe"
+    # Megatron's virtual pipeline stages (--num-virtual-stages-per-pipeline-rank): each pipeline
+    # stage holds this many model chunks, chunk v of stage s being Megatron's virtual stage v*P + s
+    # (decoder_layers / (P * V) layers each); the attention ranks run Megatron's interleaved 1F1B,
+    # the stage's expert ranks mirror it over the experts of all its chunks. DistEP only.
+    virtual_stages: int = 1
 
     # ---- layers: MoE layer k (placement, tasks) is model layer moe_layer_ids[k] --------------
     @property
@@ -176,10 +181,22 @@ class HeteroPlan:
         return ranks.index(rank) // (len(ranks) // self.pipeline_stages)
 
     def stage_model_layers(self, stage: int) -> list[int]:
-        """The model layers of pipeline stage `stage`: Megatron's even split of the decoder layers
-        (the MTP layers, which stay with one stage, are refused with pipeline stages)."""
-        n = self.decoder_layers // self.pipeline_stages
-        return list(range(stage * n, (stage + 1) * n))
+        """The model layers of pipeline stage `stage`, ascending: Megatron's even split of the
+        decoder layers (the MTP layers, which stay with one stage, are refused with pipeline
+        stages), over all of the stage's virtual stages."""
+        return [i for v in range(self.virtual_stages) for i in self.chunk_model_layers(stage, v)]
+
+    def chunk_model_layers(self, stage: int, chunk: int) -> list[int]:
+        """The model layers of model chunk `chunk` of pipeline stage `stage`: Megatron's virtual
+        stage chunk * P + stage of the even split (the stage's layers without virtual stages)."""
+        n = self.decoder_layers // (self.pipeline_stages * self.virtual_stages)
+        first = (chunk * self.pipeline_stages + stage) * n
+        return list(range(first, first + n))
+
+    def chunk_moe_layers(self, stage: int, chunk: int) -> list[int]:
+        """The MoE layer indices of model chunk `chunk` of pipeline stage `stage`, ascending."""
+        ids = [self.moe_index(i) for i in self.chunk_model_layers(stage, chunk)]
+        return [k for k in ids if k is not None]
 
     def stage_moe_layers(self, stage: int) -> list[int]:
         """The MoE layer indices (placement, tasks) of pipeline stage `stage`, ascending."""
@@ -201,7 +218,8 @@ class HeteroPlan:
         """The pipeline stage of MoE layer `layer`."""
         if self.pipeline_stages == 1:
             return 0
-        return self.moe_layer_ids[layer] // (self.decoder_layers // self.pipeline_stages)
+        n = self.decoder_layers // (self.pipeline_stages * self.virtual_stages)
+        return self.moe_layer_ids[layer] // n % self.pipeline_stages
 
     def role(self, rank: int) -> Role:
         for g in self.groups:
@@ -394,6 +412,15 @@ class HeteroPlan:
         if self.zebra_wave_order != "gpipe" and W == 1:
             raise PlanError(f"plan zebra_wave_order={self.zebra_wave_order!r} orders zebra_waves > 1 groups of "
                             f"microbatches, and this plan has one; set zebra_waves, or zebra_wave_order 'gpipe'")
+        V = self.virtual_stages
+        if type(V) is not int or V < 1:
+            raise PlanError(f"plan virtual_stages={V!r} must be a positive integer (Megatron's "
+                            f"--num-virtual-stages-per-pipeline-rank; 1 without virtual pipeline stages)")
+        if V > 1 and (P == 1 or self.schedule != "distep"):
+            raise PlanError(f"plan virtual_stages={V} needs pipeline stages and schedule 'distep' (it has schedule "
+                            f"{self.schedule!r}, pipeline_stages={P}): virtual stages interleave Megatron's 1F1B, "
+                            f"which DistEP runs on the attention ranks; zebra runs its own task lists per stage "
+                            f"(use zebra_waves there); set virtual_stages to 1")
         if P == 1:
             return
         if self.mtp_layers:
@@ -402,6 +429,10 @@ class HeteroPlan:
         if self.decoder_layers % P:
             raise PlanError(f"plan pipeline_stages={P} does not divide the {self.decoder_layers} decoder layers "
                             f"(Megatron's even split); use a divisor of {self.decoder_layers}")
+        if self.decoder_layers % (P * V):
+            raise PlanError(f"plan pipeline_stages x virtual_stages = {P} x {V} does not divide the "
+                            f"{self.decoder_layers} decoder layers (Megatron's even split into virtual stages); use "
+                            f"virtual_stages dividing {self.decoder_layers // P}")
         empty = [s for s in range(P) if not self.stage_moe_layers(s)]
         if empty:
             raise PlanError(f"pipeline stage(s) {empty} of {P} hold no MoE layer (dense_layers={self.dense_layers}); "
@@ -452,6 +483,8 @@ class HeteroPlan:
             del d["zebra_waves"]
         if d["zebra_wave_order"] == "gpipe":  # and with every group's forward first
             del d["zebra_wave_order"]
+        if d["virtual_stages"] == 1:  # and without virtual pipeline stages
+            del d["virtual_stages"]
         return d
 
     @classmethod
@@ -460,7 +493,7 @@ class HeteroPlan:
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         known = {"num_layers", "num_experts", "gpu_types", "groups", "num_microbatches", "schedule", "version", "meta",
                  "dense_layers", "mtp_layers", "expert_recompute", "attention_tp", "pipeline_stages", "zebra_waves",
-                 "zebra_wave_order"}
+                 "zebra_wave_order", "virtual_stages"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -487,7 +520,7 @@ class HeteroPlan:
                 ) from None
         rest = {k: d[k] for k in ("num_microbatches", "schedule", "version", "meta", "dense_layers", "mtp_layers",
                                   "expert_recompute", "attention_tp", "pipeline_stages", "zebra_waves",
-                                  "zebra_wave_order") if k in d}
+                                  "zebra_wave_order", "virtual_stages") if k in d}
         return cls(num_layers=d["num_layers"], num_experts=d["num_experts"], gpu_types=list(d["gpu_types"]),
                    groups=groups, **rest)
 
@@ -562,6 +595,7 @@ def even_plan(
     pipeline_stages: int = 1,
     zebra_waves: int = 1,
     zebra_wave_order: str = "gpipe",
+    virtual_stages: int = 1,
 ) -> HeteroPlan:
     """G groups of M attention + N expert ranks laid out group by group; experts split evenly
     over each group's expert ranks in every MoE layer (`num_layers` of them; `dense_layers`: the
@@ -569,7 +603,8 @@ def even_plan(
     layers are multi-token prediction layers; `attention_tp`: the M attention ranks are M /
     attention_tp tensor-parallel members). With `pipeline_stages` P > 1, M and N are per stage:
     a group is P stages of M attention + N expert ranks, laid out stage by stage, and a layer's
-    experts split over its stage's N expert ranks; `zebra_waves`, `zebra_wave_order`: the plan's."""
+    experts split over its stage's N expert ranks; `zebra_waves`, `zebra_wave_order`,
+    `virtual_stages`: the plan's."""
     M, N, P = attention_ranks, expert_ranks, pipeline_stages
     if any(type(v) is not int for v in (M, N, groups, P)) or M < 1 or N < 1 or groups < 1 or P < 1:
         raise PlanError(f"even plan needs integers M>=1, N>=1, groups>=1, pipeline_stages>=1; got M={M!r}, N={N!r}, "
@@ -586,7 +621,8 @@ def even_plan(
         gpu_types = ([attention_gpu] * M + [expert_gpu] * N) * (groups * P)
     plan = HeteroPlan(num_layers, num_experts, gpu_types, zp, num_microbatches, schedule,
                       dense_layers=list(dense_layers or []), mtp_layers=mtp_layers, attention_tp=attention_tp,
-                      pipeline_stages=P, zebra_waves=zebra_waves, zebra_wave_order=zebra_wave_order)
+                      pipeline_stages=P, zebra_waves=zebra_waves, zebra_wave_order=zebra_wave_order,
+                      virtual_stages=virtual_stages)
     plan._validate_stages()  # the layer split, before placing by it
     plan.place_evenly(range(groups))
     plan.validate()

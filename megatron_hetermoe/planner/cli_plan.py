@@ -2,7 +2,8 @@
 
   hetermoe plan --even --attention-ranks M --expert-ranks N --groups G --model CFG
                 [--microbatches R] [--schedule distep|zebra] [--zebra-waves W [--zebra-wave-order gpipe|1f1b]]
-                [--attention-gpu T --expert-gpu T] [--attention-tp T] [--pipeline-stages P] -o plan.json
+                [--attention-gpu T --expert-gpu T] [--attention-tp T] [--pipeline-stages P [--virtual-stages V]]
+                -o plan.json
       G groups of M attention + N expert ranks, experts split evenly (plan.even_plan); with
       --attention-tp T the M attention ranks are M/T tensor-parallel members; with
       --pipeline-stages P each group is P stages of M attention + N expert ranks (Megatron's
@@ -70,6 +71,10 @@ def _parser() -> argparse.ArgumentParser:
                       help="with --zebra-waves W > 1: gpipe, every group's forward before the first backward (every "
                       "stage keeps all R microbatches alive), or 1f1b, Megatron's 1F1B over the groups (stage i of P "
                       "keeps R / W x min(W, P - i)) (default gpipe)")
+    even.add_argument("--virtual-stages", type=int, default=1,
+                      help="V: with --pipeline-stages P > 1 and --schedule distep, each stage holds V model chunks "
+                      "(Megatron's --num-virtual-stages-per-pipeline-rank V, its interleaved 1F1B; Megatron-LM's "
+                      "pretrain() only) (default 1)")
     even.add_argument("--attention-gpu", default="cpu", help="GPU type of attention ranks (a configs/gpus/ name)")
     even.add_argument("--expert-gpu", default="cpu", help="GPU type of expert ranks (a configs/gpus/ name)")
     p.add_argument("--attention-tp", type=int, default=None,
@@ -189,9 +194,21 @@ def _model(args: argparse.Namespace, flags: list[str] | None) -> ModelConfig:
     return fm.model
 
 
+# Flags of the "even plan" group: a search picks these itself, so one given without --even is refused.
+_EVEN_ONLY = ("attention_ranks", "expert_ranks", "groups", "microbatches", "schedule", "zebra_waves",
+              "zebra_wave_order", "virtual_stages", "attention_gpu", "expert_gpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     own, flags = _split_flags(list(sys.argv[1:] if argv is None else argv))
-    args = _parser().parse_args(own)
+    parser = _parser()
+    args = parser.parse_args(own)
+    given = [d for d in _EVEN_ONLY if getattr(args, d) != parser.get_default(d)]
+    if given and not args.even:
+        names = ", ".join("--" + d.replace("_", "-") for d in given)
+        print(f"hetermoe plan: {names}: only with --even (a search, --cluster, chooses the layout itself); add "
+              f"--even, or drop {names}", file=sys.stderr)
+        return 2
     try:
         model = _model(args, flags)
     except (FileNotFoundError, ValueError) as e:
@@ -231,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                              expert_gpu=args.expert_gpu, num_microbatches=args.microbatches, schedule=args.schedule,
                              dense_layers=dense, mtp_layers=mtp, attention_tp=tp,
                              pipeline_stages=pp, zebra_waves=args.zebra_waves,
-                             zebra_wave_order=args.zebra_wave_order)
+                             zebra_wave_order=args.zebra_wave_order, virtual_stages=args.virtual_stages)
             plan.meta = {"model": model.name, "made_by": "hetermoe plan --even"}
             if flags is not None:  # where the model came from, for whoever reads the plan
                 plan.meta["model_flags"] = flags

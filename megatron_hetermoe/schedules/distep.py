@@ -4,7 +4,9 @@ order. Without pipeline stages that is Megatron's no-pipelining schedule (for ea
 every layer forward, then every layer backward in reverse); with them, Megatron's 1F1B
 (forward_backward_pipelining_without_interleaving) at this rank's stage: its warm-up forwards,
 then one forward and one backward at a time, then the cool-down backwards, each over the stage's
-layers only."""
+layers only; with virtual stages, Megatron's interleaved 1F1B
+(forward_backward_pipelining_with_interleaving), each forward and backward over one model chunk's
+layers, in the order megatron-core's own schedule table gives."""
 from __future__ import annotations
 
 import collections
@@ -25,25 +27,70 @@ def one_f_one_b(num_microbatches: int, stages: int, stage: int) -> list[tuple[st
     return order
 
 
+def interleaved_order(num_microbatches: int, stages: int, stage: int, chunks: int, group_size: int,
+                      forward_only: bool = False) -> list[tuple[str, int]]:
+    """The order of model-chunk forwards ("F", chunk) and backwards ("B", chunk) that Megatron's
+    interleaved 1F1B runs at pipeline stage `stage` of `stages` with `chunks` model chunks a stage
+    and config.microbatch_group_size_per_vp_stage `group_size`: megatron-core's own schedule table
+    and warm-up count (get_schedule_table, get_pp_rank_microbatches), then forward k + warm-up
+    and backward k in turn. A chunk's microbatches go backward in the order they went forward."""
+    from types import SimpleNamespace
+
+    from megatron.core.pipeline_parallel.schedules import (
+        get_pp_rank_microbatches,
+        get_schedule_table,
+    )
+
+    pp = SimpleNamespace(size=lambda: stages, rank=lambda: stage)
+    comm = SimpleNamespace(pp_group=pp, virtual_pipeline_model_parallel_size=chunks)
+    total, _, warmup, _ = get_pp_rank_microbatches(num_microbatches, chunks, group_size, forward_only=forward_only,
+                                                   p2p_communicator=comm)
+    chunk_of = [c for _, c in get_schedule_table(num_microbatches, chunks, group_size)]
+    if forward_only:  # every virtual microbatch is a warm-up forward, nothing goes backward
+        return [("F", c) for c in chunk_of]
+    order = [("F", chunk_of[k]) for k in range(warmup)]
+    for k in range(total - warmup):
+        order += [("F", chunk_of[k + warmup]), ("B", chunks - 1 - chunk_of[k])]
+    order += [("B", chunks - 1 - chunk_of[k]) for k in range(total - warmup, total)]
+    return order
+
+
+def pipeline_order(plan, stage: int, num_microbatches: int, group_size: int | None = None,
+                   forward_only: bool = False) -> list[tuple[str, int]]:
+    """The ("F" | "B", model chunk) steps an expert rank of pipeline stage `stage` mirrors in one
+    step of `plan`: Megatron's schedule for its pipeline stages and virtual stages (chunk 0
+    without virtual stages); forward_only: its forward-only pass (evaluation). `group_size`:
+    config.microbatch_group_size_per_vp_stage (None: megatron-core's default, the stages)."""
+    R, P, V = num_microbatches, plan.pipeline_stages, plan.virtual_stages
+    if V > 1:
+        return interleaved_order(R, P, stage, V, group_size or P, forward_only)
+    if forward_only:
+        return [("F", 0)] * R
+    if P > 1:
+        return [(step, 0) for step, _ in one_f_one_b(R, P, stage)]
+    return [(step, 0) for _ in range(R) for step in ("F", "B")]
+
+
 def expert_distep(runtime, num_microbatches: int, forward_only: bool = False) -> None:
     """`runtime`: the rank's models.experts.ExpertRuntime. forward_only: the mirror of a
     forward-only pass (evaluation): every layer forward, no backward."""
     hs = runtime.hs
     plan = hs.plan
-    layers = plan.stage_moe_layers(hs.stage)
     H = runtime.config.hidden_size
+    layers = [plan.chunk_moe_layers(hs.stage, c) for c in range(plan.virtual_stages)]
+    order = pipeline_order(plan, hs.stage, num_microbatches,
+                           getattr(runtime.config, "microbatch_group_size_per_vp_stage", None), forward_only)
     if forward_only:
         with torch.no_grad():
-            for _ in range(num_microbatches):
-                for layer in layers:
+            for _, c in order:
+                for layer in layers[c]:
                     runtime.forward_layer(layer, H)
         return
-    order = (one_f_one_b(num_microbatches, plan.pipeline_stages, hs.stage) if plan.pipeline_stages > 1
-             else [(step, i) for i in range(num_microbatches) for step in ("F", "B")])
-    alive: collections.deque = collections.deque()  # each forward's combine results, in forward order
-    for step, _ in order:
+    # each chunk's forwards' combine results, in forward order
+    alive = [collections.deque() for _ in layers]
+    for step, c in order:
         if step == "F":
-            alive.append([runtime.forward_layer(layer, H) for layer in layers])
+            alive[c].append([runtime.forward_layer(layer, H) for layer in layers[c]])
         else:
-            for out in reversed(alive.popleft()):
+            for out in reversed(alive[c].popleft()):
                 torch.autograd.backward(out, torch.zeros_like(out))

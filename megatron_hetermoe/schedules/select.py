@@ -227,15 +227,17 @@ def get_forward_backward_func(hs: HeteroParallelState, run: HeteroRunConfig | No
         get_forward_backward_func as megatron_get,
     )
 
-    if hs.plan.pipeline_stages == 1:
+    P, V = hs.plan.pipeline_stages, hs.plan.virtual_stages
+    if P == 1:
         return megatron_get(pp_size=1, vp_size=None)
-    return _Pipelined(hs, megatron_get(pp_size=hs.plan.pipeline_stages, vp_size=None))
+    return _Pipelined(hs, megatron_get(pp_size=P, vp_size=V if V > 1 else None))
 
 
 class _Pipelined:
-    """Megatron's 1F1B on an attention rank of a pipeline stage, over the rank's pipeline group
-    (member k of every stage of its ZP group) with an explicit P2PCommunicator: the plugin's
-    trainer installs no parallel_state globals, and Megatron-LM's installs the same group."""
+    """Megatron's 1F1B (interleaved with the plan's virtual stages) on an attention rank of a
+    pipeline stage, over the rank's pipeline group (member k of every stage of its ZP group) with
+    an explicit P2PCommunicator: the plugin's trainer installs no parallel_state globals, and
+    Megatron-LM's installs the same group."""
 
     def __init__(self, hs: HeteroParallelState, fn: Callable):
         self.hs, self.fn = hs, fn

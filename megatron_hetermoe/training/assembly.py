@@ -27,13 +27,16 @@ def model_config(config, hs: HeteroParallelState | None = None, **overrides):
     marks expert weights allreduce=False (Megatron's expert parameters), so DDP reduces them over
     the expert replica group and the optimizer keeps them in their own sub-optimizer. With `hs`,
     the role's tensor parallelism: an attention member's (the plan's attention_tp, sequence
-    parallel when > 1) and pipeline stages (the plan's pipeline_stages), none on an expert rank
-    (it holds its stage's experts whole); experts are never tensor-parallel here."""
+    parallel when > 1) and pipeline stages (the plan's pipeline_stages and virtual_stages), none on
+    an expert rank (it holds its stage's experts whole, for all of the stage's model chunks, in one
+    module); experts are never tensor-parallel here."""
     if hs is not None:
         attention = hs.role == "attention"
         t = hs.plan.attention_tp if attention else 1
+        V = hs.plan.virtual_stages
         overrides = {"tensor_model_parallel_size": t, "sequence_parallel": t > 1, "expert_tensor_parallel_size": 1,
-                     "pipeline_model_parallel_size": hs.plan.pipeline_stages if attention else 1, **overrides}
+                     "pipeline_model_parallel_size": hs.plan.pipeline_stages if attention else 1,
+                     "virtual_pipeline_model_parallel_size": V if attention and V > 1 else None, **overrides}
     return dataclasses.replace(config, expert_model_parallel_size=2, **overrides)
 
 
@@ -93,14 +96,17 @@ class RoleAssembly:
     hs: HeteroParallelState
     pools: PoolPrecision
 
-    def module(self, config, base_spec, seed: int, gpt_kwargs: dict, init_state: dict | None = None):
+    def module(self, config, base_spec, seed: int, gpt_kwargs: dict, init_state: dict | None = None,
+               vp_stage: int | None = None):
         """The role's module and its canonical parameter names. `config`: model_config's;
         `base_spec`: Megatron's GPT layer spec for the flags, or its decoder block spec (dense and
         MoE layers by --moe-layer-freq; each MoE layer becomes HeteroMoELayer); `gpt_kwargs`:
         GPTModel's arguments beyond config, spec and groups (vocab size, positions, embeddings,
         Megatron's `mtp_block_spec` whose MoE layers become HeteroMoELayer too ...). Built and initialized on the CPU
         (use_cpu_initialization); `init_state`: a plain Megatron state dict (canonical names)
-        to start from instead of the layout-invariant values."""
+        to start from instead of the layout-invariant values. `vp_stage`: the model chunk of an
+        attention rank with virtual pipeline stages (Megatron-LM's get_model builds one per chunk;
+        an expert rank, outside Megatron's pipeline, gets one module)."""
         from megatron.core.models.gpt import GPTModel
 
         from megatron_hetermoe.compat import (
@@ -133,7 +139,9 @@ class RoleAssembly:
             # This rank's pipeline stage: the embedding on the first, the head and loss on the last.
             P = hs.plan.pipeline_stages
             gpt_kwargs = {"pre_process": hs.stage == 0, "post_process": hs.stage == P - 1, **gpt_kwargs}
-            module = GPTModel(config=config, transformer_layer_spec=hetero_block_spec(base_spec, hs, pgc),
+            if vp_stage is not None:
+                gpt_kwargs = {**gpt_kwargs, "vp_stage": vp_stage}
+            module = GPTModel(config=config, transformer_layer_spec=hetero_block_spec(base_spec, hs, pgc, vp_stage),
                               pg_collection=pgc, **gpt_kwargs)
             names = canonical_names(module)
         else:

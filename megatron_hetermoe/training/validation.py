@@ -302,9 +302,10 @@ def check_hetero_pp(plan: HeteroPlan, pp: int, schedule: str | None, emulated: b
                     virtual_stages: int | None = None) -> None:
     """Pipeline parallelism of a HeterMoE job, the same rule for both hostings: Megatron's
     --pipeline-model-parallel-size is the plan's pipeline_stages; inside the stages DistEP (the
-    expert ranks mirror Megatron's 1F1B) or zebra (each stage's task lists, every microbatch's
-    forward before the backwards); emulation times zebra's stages only (DistEP's 1F1B is
-    Megatron's own schedule, which has no task lists to time); virtual stages are not built yet."""
+    expert ranks mirror Megatron's 1F1B, interleaved with the plan's virtual stages) or zebra
+    (each stage's task lists); emulation times zebra's stages only (DistEP's 1F1B is Megatron's
+    own schedule, which has no task lists to time). `virtual_stages`: Megatron's virtual pipeline
+    size (args.virtual_pipeline_model_parallel_size, None without), the plan's virtual_stages."""
     P = plan.pipeline_stages
     if pp != P:
         raise ConfigError(f"--pipeline-model-parallel-size {pp}: the plan has pipeline_stages={P}; pass "
@@ -313,16 +314,23 @@ def check_hetero_pp(plan: HeteroPlan, pp: int, schedule: str | None, emulated: b
         raise ConfigError(f"--hetero-schedule {schedule}: the plan runs zebra in zebra_waves={plan.zebra_waves} groups "
                           f"of microbatches, which DistEP has no use for; run zebra, or remake the plan with "
                           f"zebra_waves 1")
+    V = virtual_stages or 1
+    if V != plan.virtual_stages:
+        raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {V} (Megatron's virtual pipeline size; "
+                          f"--num-layers-per-virtual-pipeline-stage sets it too): the plan has "
+                          f"virtual_stages={plan.virtual_stages}; pass --num-virtual-stages-per-pipeline-rank "
+                          f"{plan.virtual_stages}" + (" (or neither flag)" if plan.virtual_stages == 1 else "")
+                          + f", or remake the plan with virtual_stages {V}")
+    if plan.virtual_stages > 1 and (schedule or plan.schedule) != "distep":
+        raise ConfigError(f"--hetero-schedule {schedule}: the plan has virtual_stages={plan.virtual_stages}, which "
+                          f"interleave Megatron's 1F1B, DistEP's schedule on the attention ranks; zebra runs its own "
+                          f"task lists per stage: run distep, or remake the plan with virtual_stages 1")
     if P == 1:
         return
     if emulated and (schedule or plan.schedule) != "zebra":
         raise ConfigError(f"--emulate with {P} pipeline stages under {schedule or plan.schedule}: the emulator times "
                           f"task lists, and DistEP runs Megatron's 1F1B across the stages; emulate zebra "
                           f"(--hetero-schedule zebra) or one stage")
-    if virtual_stages not in (None, 1):
-        raise ConfigError(f"--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank "
-                          f"({virtual_stages} virtual stages): the interleaved schedule is not mirrored on HeterMoE's "
-                          f"expert ranks yet; drop the flag")
 
 
 def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str | None = None,
@@ -336,6 +344,11 @@ def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str
         raise ConfigError(f"--expert-model-parallel-size {par.ep} with --hetero-plan: the plan places the experts; "
                           f"leave --expert-model-parallel-size at 1")
     check_hetero_tp(plan, par.tp, par.sequence_parallel)
+    if plan.virtual_stages > 1:
+        raise ConfigError(f"plan virtual_stages={plan.virtual_stages}: the plugin's trainer builds one model chunk "
+                          f"per rank (Megatron's non-interleaved schedules); train virtual pipeline stages in "
+                          f"Megatron-LM's pretrain() (--num-virtual-stages-per-pipeline-rank "
+                          f"{plan.virtual_stages} --hetero-plan ...), or remake the plan with virtual_stages 1")
     check_hetero_pp(plan, par.pp, schedule, cfg.emulate is not None)
     check_megatron_tp(cfg)  # the plugin's checkpoints and emulation are TP=1 in both trainers
     if schedule is not None and schedule not in SCHEDULES:

@@ -376,3 +376,35 @@ def test_zebra_waves_keep_one_stream_order_and_theorem_1_inside_each_wave(waves)
     grad_send = [t.microbatch for t in zebra_tasks(plan, 4) if t.kind == "A_B" and t.layer == 0]
     grad_recv = [t.microbatch for t in zebra_tasks(plan, 0) if t.kind == "A_B" and t.layer == 2]
     assert send == recv == grad_send == grad_recv == [0, 1, 2, 3]
+
+
+def test_virtual_stages_split_layers_as_megatron_numbers_its_virtual_stages():
+    """8 layers, P 2, V 2: virtual stage v*P + s holds layers 2(v*P+s), +1; stage 0 holds chunks
+    [0, 1] and [4, 5], stage 1 [2, 3] and [6, 7]; each layer's experts on its stage's expert rank."""
+    plan = even_plan(8, 4, 1, 1, num_microbatches=4, pipeline_stages=2, virtual_stages=2)
+    assert [[plan.chunk_model_layers(s, v) for v in range(2)] for s in range(2)] == [[[0, 1], [4, 5]],
+                                                                                      [[2, 3], [6, 7]]]
+    assert plan.stage_model_layers(0) == [0, 1, 4, 5] and plan.stage_model_layers(1) == [2, 3, 6, 7]
+    assert [plan.stage_of_layer(l) for l in range(8)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [sorted(pl) for pl in plan.groups[0].placement] == [[1], [1], [3], [3], [1], [1], [3], [3]]
+    # with a dense layer (model layer 2): MoE indices skip it
+    plan = even_plan(7, 4, 1, 1, num_microbatches=4, pipeline_stages=2, virtual_stages=2, dense_layers=[2])
+    assert plan.chunk_moe_layers(1, 0) == [2] and plan.chunk_moe_layers(0, 1) == [3, 4]
+    assert plan.stage_moe_layers(1) == [2, 5, 6]
+
+
+def test_virtual_stages_field_round_trips_and_is_validated():
+    plan = even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, virtual_stages=2)
+    d = plan.to_dict()
+    assert d["virtual_stages"] == 2 and HeteroPlan.from_dict(d).virtual_stages == 2
+    assert "virtual_stages" not in even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2).to_dict()
+    for bad in (0, 2.0, "2"):
+        with pytest.raises(PlanError, match=f"virtual_stages={bad!r} must be a positive integer"):
+            even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, virtual_stages=bad)
+    with pytest.raises(PlanError, match=r"pipeline_stages x virtual_stages = 2 x 3 does not divide the 4 decoder "
+                                        r"layers .* use virtual_stages dividing 2"):
+        even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, virtual_stages=3)
+    with pytest.raises(PlanError, match="virtual_stages=2 needs pipeline stages and schedule 'distep'"):
+        even_plan(4, 4, 1, 1, num_microbatches=4, virtual_stages=2)
+    with pytest.raises(PlanError, match="it has schedule 'zebra'"):
+        even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, schedule="zebra", virtual_stages=2)

@@ -16,6 +16,27 @@ def test_even_plan_file(tmp_path, capsys):
     assert plan.schedule == "zebra" and plan.num_microbatches == 2 and plan.gpu_types == ["cpu"] * 8
 
 
+def test_even_plan_with_virtual_stages_from_megatron_flags(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--pipeline-stages", "2",
+                 "--virtual-stages", "2", "--microbatches", "4", "-o", str(out), "--", "--num-layers", "4",
+                 "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "4"]) == 0
+    plan = HeteroPlan.load(out)
+    assert plan.virtual_stages == 2 and plan.stage_model_layers(0) == [0, 2]
+    assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--pipeline-stages", "2",
+                 "--virtual-stages", "2", "--schedule", "zebra", "--model", "tiny"]) == 2
+    assert "virtual_stages=2 needs pipeline stages and schedule 'distep'" in capsys.readouterr().err
+
+
+def test_even_plan_flags_are_refused_in_a_search(capsys):
+    """A search picks M, N, G, R, the schedule, the waves and the GPUs itself: --zebra-waves or
+    --virtual-stages given to it would be ignored, so they are refused by name."""
+    assert main(["--cluster", "o1", "--model", "d1", "--seq-len", "4096", "--global-batch", "48",
+                 "--zebra-waves", "2", "--virtual-stages", "2"]) == 2
+    assert ("--zebra-waves, --virtual-stages: only with --even (a search, --cluster, chooses the layout itself)"
+            in capsys.readouterr().err)
+
+
 def test_even_rejects_unknown_gpu(capsys):
     assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--model", "tiny",
                  "--attention-gpu", "B200"]) == 2

@@ -48,9 +48,8 @@ def test_megatron_defaults_are_not_refused():
 
 @pytest.mark.parametrize("given,expect", [
     ({"context_parallel_size": 2}, "--context-parallel-size 2: HeterMoE's roles run without context parallelism"),
-    ({"num_layers_per_virtual_pipeline_stage": 1}, "--num-layers-per-virtual-pipeline-stage 1: the plan's pipeline "
-                                                   "stages split the decoder layers evenly"),
-    ({"decoder_first_pipeline_num_layers": 1}, "--decoder-first-pipeline-num-layers 1: the plan's pipeline stages"),
+    ({"decoder_first_pipeline_num_layers": 1}, "--decoder-first-pipeline-num-layers 1: the plan's pipeline stages "
+                                               "(and virtual stages) split the decoder layers evenly"),
     ({"num_experts": None}, "--num-experts: HeterMoE trains MoE models; give --num-experts"),
     ({"moe_layer_recompute": True}, "--moe-layer-recompute True: recomputing a whole MoE layer would replay"),
     ({"ckpt_format": "torch"}, "--ckpt-format 'torch': HeterMoE checkpoints inside pretrain() are Megatron's torch_dist"),
