@@ -200,6 +200,46 @@ def checkpoints_both_ways(work: Path, plan: Path, data_path: str, tmp_path: Path
     assert seen[4] == pytest.approx(seen[3], abs=3e-6)
 
 
+def virtual_stages_run(work: Path, data_path: str, tmp_path: Path, data: tuple | list = DATA) -> None:
+    """Virtual pipeline stages in pretrain(): plain Megatron EP 2 (2 ranks, 4 layers) saves after
+    iteration 1; plain Megatron and HeterMoE at PP 2 x --num-virtual-stages-per-pipeline-rank 2
+    (each stage 1 attention + 1 expert rank, DistEP) load it and continue with the same training
+    and validation losses; then a HeterMoE run saved after iteration 2 (torch_dist: an attention
+    rank's two model chunks, an expert rank's one module) and resumed gives iteration 3 bitwise as
+    the uninterrupted run. `data`: the tokenizer flags of that release."""
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+
+    model = ["--num-layers", "4", *MODEL[2:]]
+    flags = [*model, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", *data, *RECIPE, *CPU,
+             "--data-path", data_path, "--log-interval", "1", "--moe-aux-loss-coeff", "0.01"]
+    ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    no_eval = ["--eval-interval", "100", "--eval-iters", "0"]
+    ckpt = tmp_path / "ckpt"
+    run_losses(work, tmp_path, 2, [*flags, *ep, "--train-iters", "1", "--save", str(ckpt), "--save-interval", "1",
+                                   *no_eval], "tb0")
+    cross = ["--train-iters", "3", "--load", str(ckpt), "--no-load-optim", "--no-load-rng"]
+    plan = tmp_path / "plan.json"
+    even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, virtual_stages=2).save(plan)
+    het_flags = [*flags, "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+                 "--hetero-plan", str(plan)]
+    plain, _ = run_losses(work, tmp_path, 2, [*flags, *ep, *cross, *EVAL], "tb1")
+    het, log = run_losses(work, tmp_path, 4, [*het_flags, *cross, *EVAL], "tb2")
+    assert "Number of virtual stages per pipeline stage: 2" in log
+    assert sorted(plain) == sorted(het) == [2, 3]
+    assert [het[i] for i in (2, 3)] == pytest.approx([plain[i] for i in (2, 3)], abs=3e-6), (het, plain)
+    v_plain, v_het = tb_losses(tmp_path / "tb1", "lm loss validation"), tb_losses(tmp_path / "tb2", "lm loss validation")
+    assert sorted(v_het) == sorted(v_plain) == [2, 3]
+    assert [v_het[i] for i in (2, 3)] == pytest.approx([v_plain[i] for i in (2, 3)], abs=3e-6), (v_het, v_plain)
+    full, _ = run_losses(work, tmp_path, 4, [*het_flags, "--train-iters", "3", *no_eval], "full")
+    again = tmp_path / "again"
+    first, _ = run_losses(work, tmp_path, 4, [*het_flags, "--train-iters", "3", *no_eval, "--save", str(again),
+                                              "--save-interval", "2", "--exit-interval", "2"], "first")
+    resumed, _ = run_losses(work, tmp_path, 4, [*het_flags, "--train-iters", "3", *no_eval, "--load", str(again)],
+                            "resumed")
+    assert sorted(first) == [1, 2] and sorted(resumed) == [3]
+    assert [first[1], first[2], resumed[3]] == [full[1], full[2], full[3]]
+
+
 def load_dcp(ckpt: Path) -> dict:
     """A torch_dist checkpoint as one dict of its global tensors and objects (torch DCP)."""
     import torch

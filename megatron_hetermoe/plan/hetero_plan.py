@@ -194,7 +194,10 @@ class HeteroPlan:
         return list(range(first, first + n))
 
     def chunk_moe_layers(self, stage: int, chunk: int) -> list[int]:
-        """The MoE layer indices of model chunk `chunk` of pipeline stage `stage`, ascending."""
+        """The MoE layer indices of model chunk `chunk` of pipeline stage `stage`, ascending (without
+        virtual stages: the stage's, the MTP layers' included at one stage)."""
+        if self.virtual_stages == 1:
+            return self.stage_moe_layers(stage)
         ids = [self.moe_index(i) for i in self.chunk_model_layers(stage, chunk)]
         return [k for k in ids if k is not None]
 

@@ -67,3 +67,12 @@ def test_mtp_experts_are_sliced_and_merged_by_the_plan():
     assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
     assert en.model_layer_of_prefix("mtp.layers.0.transformer_layer.mlp.experts.", 2) == 2
     assert en.model_layer_of_prefix("module.decoder.layers.1.mlp.experts.", 2) == 1
+
+
+def test_the_expert_mirror_serves_the_mtp_layers_too():
+    """One stage, no virtual stages: the DistEP mirror's one chunk is every MoE layer, the MTP
+    layer's included (MoE index 2 here)."""
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+
+    plan = even_plan(3, 4, 1, 1, mtp_layers=1)
+    assert plan.chunk_moe_layers(0, 0) == plan.stage_moe_layers(0) == [0, 1, 2]

@@ -78,42 +78,9 @@ def test_pretrain_virtual_pipeline_stages_continue_with_megatrons_losses_and_res
     """Virtual pipeline stages (--num-virtual-stages-per-pipeline-rank 2 at PP 2, 4 layers: stage 0
     holds layers 0 and 2, stage 1 layers 1 and 3): Megatron's interleaved 1F1B on the attention ranks
     (4 microbatches: 4 warm-up forwards on stage 0, 2 on stage 1), each stage's expert rank mirroring
-    it chunk by chunk, in training and in the forward-only evaluation. From one plain Megatron EP
-    checkpoint HeterMoE continues with plain Megatron's training and validation losses (measured:
-    iteration 2 and both validations bitwise, iteration 3 within 4.8e-7); saved after iteration 2
-    (torch_dist, an attention rank's two model chunks and an expert rank's one module) and resumed,
-    iteration 3 is bitwise the uninterrupted run's."""
-    from megatron_lm_run import CPU, DATA, EVAL, RECIPE, run_losses, tb_losses
+    it chunk by chunk, in training and in the forward-only evaluation (megatron_lm_run.virtual_stages_run;
+    measured: iteration 2 and both validations bitwise plain Megatron's, iteration 3 within 4.8e-7;
+    resumed bitwise)."""
+    from megatron_lm_run import virtual_stages_run
 
-    from megatron_hetermoe.plan.hetero_plan import even_plan
-
-    model = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
-             "--num-experts", "4", "--seq-length", "32", "--max-position-embeddings", "32"]
-    flags = [*model, "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3", *DATA, *RECIPE, *CPU,
-             "--data-path", data, "--log-interval", "1", "--moe-aux-loss-coeff", "0.01"]
-    ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
-    no_eval = ["--eval-interval", "100", "--eval-iters", "0"]
-    ckpt = tmp_path / "ckpt"
-    run_losses(mlm, tmp_path, 2, [*flags, *ep, "--train-iters", "1", "--save", str(ckpt), "--save-interval", "1",
-                                  *no_eval], "tb0")
-    cross = ["--train-iters", "3", "--load", str(ckpt), "--no-load-optim", "--no-load-rng"]
-    plan = tmp_path / "plan.json"
-    even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, virtual_stages=2).save(plan)
-    het_flags = [*flags, *PP, "--num-virtual-stages-per-pipeline-rank", "2", "--hetero-plan", str(plan)]
-    plain, _ = run_losses(mlm, tmp_path, 2, [*flags, *ep, *cross, *EVAL], "tb1")
-    het, log = run_losses(mlm, tmp_path, 4, [*het_flags, *cross, *EVAL], "tb2")
-    assert "Number of virtual stages per pipeline stage: 2" in log
-    assert sorted(plain) == sorted(het) == [2, 3]
-    assert [het[i] for i in (2, 3)] == pytest.approx([plain[i] for i in (2, 3)], abs=3e-6), (het, plain)
-    v_plain, v_het = tb_losses(tmp_path / "tb1", "lm loss validation"), tb_losses(tmp_path / "tb2", "lm loss validation")
-    assert sorted(v_het) == sorted(v_plain) == [2, 3]
-    assert [v_het[i] for i in (2, 3)] == pytest.approx([v_plain[i] for i in (2, 3)], abs=3e-6), (v_het, v_plain)
-    # Save after iteration 2 and resume (optimizer and RNG included): iteration 3 bitwise.
-    full, _ = run_losses(mlm, tmp_path, 4, [*het_flags, "--train-iters", "3", *no_eval], "full")
-    again = tmp_path / "again"
-    first, _ = run_losses(mlm, tmp_path, 4, [*het_flags, "--train-iters", "3", *no_eval, "--save", str(again),
-                                             "--save-interval", "2", "--exit-interval", "2"], "first")
-    resumed, _ = run_losses(mlm, tmp_path, 4, [*het_flags, "--train-iters", "3", *no_eval, "--load", str(again)],
-                            "resumed")
-    assert sorted(first) == [1, 2] and sorted(resumed) == [3]
-    assert [first[1], first[2], resumed[3]] == [full[1], full[2], full[3]]
+    virtual_stages_run(mlm, data, tmp_path)

@@ -281,3 +281,13 @@ def test_core_v019_pipeline_stages_checkpoints_both_ways(mlm19, data, tmp_path):
 
     checkpoints_both_ways(mlm19, _plan(tmp_path / "plan.json", schedule="zebra"), data, tmp_path, data=DATA,
                           extra=PP, plain_extra=[])
+
+
+@pytest.mark.slow
+def test_core_v019_virtual_pipeline_stages(mlm19, data, tmp_path):
+    """Virtual pipeline stages inside core_v0.19.0's pretrain(): PP 2 x 2 virtual stages, DistEP, from
+    one plain Megatron checkpoint with plain Megatron's training and validation losses, resumed
+    bitwise (test_megatron_lm_pp.py on core_v0.16.1)."""
+    from megatron_lm_run import virtual_stages_run
+
+    virtual_stages_run(mlm19, data, tmp_path, data=DATA)
