@@ -71,10 +71,20 @@ $(COMPAT_STAMP): setup.py pyproject.toml
 # (MEGATRON_LM_DIR: a core_v0.19.0 tree), and `hetermoe pretrain` with no checkout; a test that
 # cannot run there fails instead of skipping (HETERMOE_REQUIRE_V019).
 V019_TESTS := tests/training/test_megatron_lm_v019.py tests/training/test_hetermoe_pretrain.py
-.PHONY: test-v019
-test-v019: $(COMPAT_STAMP)
-	@test -n "$$MEGATRON_LM_DIR" || { echo "make test-v019: set MEGATRON_LM_DIR to a Megatron-LM core_v0.19.0 tree" >&2; exit 2; }
+.PHONY: test-v019 compat-env compat-deps
+# The download of .venv-compat's megatron-core and its (CUDA) torch, nothing of this project built:
+# CI runs it while its first line tests (.ci/run), the download overlapping CPU-bound tests.
+compat-deps:
+	@test -n "$(COMPAT_PY)" || { echo "make compat-deps: no Python 3.12 found (pyenv prefix 3.12, python3.12); set COMPAT_PY" >&2; exit 2; }
+	test -d $(COMPAT_VENV) || $(COMPAT_PY) -m venv $(COMPAT_VENV)
+	$(COMPAT_VENV)/bin/pip install -q pybind11 setuptools wheel 'megatron-core==$(COMPAT_MCORE)'
+
+# .venv-compat with Megatron-LM's training side: what test-v019 runs in.
+compat-env: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/pip install -q --no-build-isolation 'megatron-core==$(COMPAT_MCORE)' -e '.[megatron-lm]'
+
+test-v019: compat-env
+	@test -n "$$MEGATRON_LM_DIR" || { echo "make test-v019: set MEGATRON_LM_DIR to a Megatron-LM core_v0.19.0 tree" >&2; exit 2; }
 	HETERMOE_REQUIRE_V019=1 OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -rs $(V019_TESTS)
 
 # With MEGATRON_LM_DIR (a core_v0.19.0 checkout) Megatron-LM's own pretrain() runs too
