@@ -21,6 +21,7 @@ from megatron_hetermoe.training.assembly import RoleAssembly
 from megatron_hetermoe.training.validation import (
     check_hetero_pp,
     check_hetero_tp,
+    check_hetero_virtual_stages,
     check_plan_for_job,
 )
 
@@ -64,9 +65,7 @@ class HeteroPretrain:
         # --expert-tensor-parallel-size was replaced by the plan's whole experts (replace_flags).
         check_hetero_tp(self.plan, args.tensor_model_parallel_size, args.sequence_parallel,
                         args.expert_tensor_parallel_size)
-        # (the virtual stages after validate_args, below, which derives them from either flag)
-        check_hetero_pp(self.plan, args.pipeline_model_parallel_size, self.schedule,
-                        virtual_stages=self.plan.virtual_stages)
+        check_hetero_pp(self.plan, args.pipeline_model_parallel_size, self.schedule)
         # Megatron's data parallelism is over the attention ranks: validate_args derives
         # data_parallel_size (and set_global_variables the microbatch calculator) from it.
         args.world_size = n_attn
@@ -75,8 +74,8 @@ class HeteroPretrain:
         finally:
             args.world_size = world
         # Megatron's validate_args derives the virtual pipeline size from either of its flags.
-        check_hetero_pp(self.plan, args.pipeline_model_parallel_size, self.schedule,
-                        virtual_stages=getattr(args, "virtual_pipeline_model_parallel_size", None))
+        check_hetero_virtual_stages(self.plan, getattr(args, "virtual_pipeline_model_parallel_size", None),
+                                    self.schedule)
         nmb = self.plan.num_microbatches
         self._pool_args(args)
         if args.rank == 0:

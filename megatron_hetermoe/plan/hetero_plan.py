@@ -186,10 +186,15 @@ class HeteroPlan:
         stages), over all of the stage's virtual stages."""
         return [i for v in range(self.virtual_stages) for i in self.chunk_model_layers(stage, v)]
 
+    @property
+    def chunk_layers(self) -> int:
+        """Model layers in each virtual stage (each pipeline stage's, without virtual stages)."""
+        return self.decoder_layers // (self.pipeline_stages * self.virtual_stages)
+
     def chunk_model_layers(self, stage: int, chunk: int) -> list[int]:
         """The model layers of model chunk `chunk` of pipeline stage `stage`: Megatron's virtual
         stage chunk * P + stage of the even split (the stage's layers without virtual stages)."""
-        n = self.decoder_layers // (self.pipeline_stages * self.virtual_stages)
+        n = self.chunk_layers
         first = (chunk * self.pipeline_stages + stage) * n
         return list(range(first, first + n))
 
@@ -221,8 +226,7 @@ class HeteroPlan:
         """The pipeline stage of MoE layer `layer`."""
         if self.pipeline_stages == 1:
             return 0
-        n = self.decoder_layers // (self.pipeline_stages * self.virtual_stages)
-        return self.moe_layer_ids[layer] // n % self.pipeline_stages
+        return self.moe_layer_ids[layer] // self.chunk_layers % self.pipeline_stages
 
     def role(self, rank: int) -> Role:
         for g in self.groups:

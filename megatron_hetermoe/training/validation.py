@@ -298,14 +298,12 @@ def check_hetero_tp(plan: HeteroPlan, tp: int, sequence_parallel: bool, expert_t
                           f"(expert tensor parallelism is not built yet); pass --expert-tensor-parallel-size 1")
 
 
-def check_hetero_pp(plan: HeteroPlan, pp: int, schedule: str | None, emulated: bool = False,
-                    virtual_stages: int | None = None) -> None:
+def check_hetero_pp(plan: HeteroPlan, pp: int, schedule: str | None, emulated: bool = False) -> None:
     """Pipeline parallelism of a HeterMoE job, the same rule for both hostings: Megatron's
     --pipeline-model-parallel-size is the plan's pipeline_stages; inside the stages DistEP (the
     expert ranks mirror Megatron's 1F1B, interleaved with the plan's virtual stages) or zebra
     (each stage's task lists); emulation times zebra's stages only (DistEP's 1F1B is Megatron's
-    own schedule, which has no task lists to time). `virtual_stages`: Megatron's virtual pipeline
-    size (args.virtual_pipeline_model_parallel_size, None without), the plan's virtual_stages."""
+    own schedule, which has no task lists to time)."""
     P = plan.pipeline_stages
     if pp != P:
         raise ConfigError(f"--pipeline-model-parallel-size {pp}: the plan has pipeline_stages={P}; pass "
@@ -314,6 +312,18 @@ def check_hetero_pp(plan: HeteroPlan, pp: int, schedule: str | None, emulated: b
         raise ConfigError(f"--hetero-schedule {schedule}: the plan runs zebra in zebra_waves={plan.zebra_waves} groups "
                           f"of microbatches, which DistEP has no use for; run zebra, or remake the plan with "
                           f"zebra_waves 1")
+    if P == 1:
+        return
+    if emulated and (schedule or plan.schedule) != "zebra":
+        raise ConfigError(f"--emulate with {P} pipeline stages under {schedule or plan.schedule}: the emulator times "
+                          f"task lists, and DistEP runs Megatron's 1F1B across the stages; emulate zebra "
+                          f"(--hetero-schedule zebra) or one stage")
+
+
+def check_hetero_virtual_stages(plan: HeteroPlan, virtual_stages: int | None, schedule: str | None) -> None:
+    """Megatron-LM's virtual pipeline size (args.virtual_pipeline_model_parallel_size, which its
+    validate_args derives from either virtual-stage flag; None without) is the plan's
+    virtual_stages, and virtual stages run under DistEP (Megatron's interleaved 1F1B)."""
     V = virtual_stages or 1
     if V != plan.virtual_stages:
         raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {V} (Megatron's virtual pipeline size; "
@@ -325,12 +335,6 @@ def check_hetero_pp(plan: HeteroPlan, pp: int, schedule: str | None, emulated: b
         raise ConfigError(f"--hetero-schedule {schedule}: the plan has virtual_stages={plan.virtual_stages}, which "
                           f"interleave Megatron's 1F1B, DistEP's schedule on the attention ranks; zebra runs its own "
                           f"task lists per stage: run distep, or remake the plan with virtual_stages 1")
-    if P == 1:
-        return
-    if emulated and (schedule or plan.schedule) != "zebra":
-        raise ConfigError(f"--emulate with {P} pipeline stages under {schedule or plan.schedule}: the emulator times "
-                          f"task lists, and DistEP runs Megatron's 1F1B across the stages; emulate zebra "
-                          f"(--hetero-schedule zebra) or one stage")
 
 
 def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str | None = None,

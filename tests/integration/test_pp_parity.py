@@ -13,7 +13,7 @@ from margins import parity_within, within
 from megatron_hetermoe.config import ParallelConfig, TrainConfig
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup, even_plan
 from megatron_hetermoe.tools.parity import FREE_RUN_LOSS_TOL, run_parity
-from megatron_hetermoe.training.validation import ConfigError, check_hetero, check_hetero_pp
+from megatron_hetermoe.training.validation import ConfigError, check_hetero, check_hetero_virtual_stages
 
 # (M attention ranks per stage, N expert ranks per stage, G groups, R microbatches, attention_tp)
 CASES = {"2+1": (2, 1, 1, 2, 1), "1+2,R3": (1, 2, 1, 3, 1), "2x(1+1)": (1, 1, 2, 2, 1), "tp2+2": (2, 2, 1, 2, 2),
@@ -138,15 +138,15 @@ def test_pipeline_refusals(tiny):
     vpp = even_plan(4, tiny.num_experts, 2, 1, num_microbatches=2, pipeline_stages=2, virtual_stages=2)
     with pytest.raises(ConfigError, match="plan virtual_stages=2: the plugin's trainer builds one model chunk per rank"):
         check_hetero(ok, vpp, 6)
-    check_hetero_pp(vpp, 2, None, virtual_stages=2)
+    check_hetero_virtual_stages(vpp, 2, None)
     with pytest.raises(ConfigError, match="--num-virtual-stages-per-pipeline-rank 1 .* the plan has virtual_stages=2; "
                                           "pass --num-virtual-stages-per-pipeline-rank 2"):
-        check_hetero_pp(vpp, 2, None, virtual_stages=None)
+        check_hetero_virtual_stages(vpp, None, None)
     with pytest.raises(ConfigError, match=r"--num-virtual-stages-per-pipeline-rank 2 .* the plan has virtual_stages=1; "
                                           r"pass --num-virtual-stages-per-pipeline-rank 1 \(or neither flag\)"):
-        check_hetero_pp(plan, 2, None, virtual_stages=2)
+        check_hetero_virtual_stages(plan, 2, None)
     with pytest.raises(ConfigError, match="--hetero-schedule zebra: the plan has virtual_stages=2"):
-        check_hetero_pp(vpp, 2, "zebra", virtual_stages=2)
+        check_hetero_virtual_stages(vpp, 2, "zebra")
 
 
 @pytest.mark.slow
