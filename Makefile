@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints/ci.txt
 PIP_INSTALL := $(BIN)/pip install -q -c $(CONSTRAINTS)
 
-.PHONY: demo test test-fast test-install install wheel clean
+.PHONY: demo test test-slow test-all test-install install wheel clean
 
 $(STAMP): setup.py pyproject.toml $(CONSTRAINTS)
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -23,16 +23,22 @@ install: $(STAMP)
 demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python scripts/demo.py
 
-# With MEGATRON_LM_DIR (a Megatron-LM checkout), the tests of Megatron-LM's own pretrain() run too;
-# they need its training-side packages (the megatron-lm extra: triton alone is ~1 GB, so only then).
+# `make test`: every test not marked slow (minutes). `make test-slow`: the slow ones (multi-process
+# parity runs, the installed wheel and, with MEGATRON_LM_DIR (a Megatron-LM checkout), Megatron-LM's
+# own pretrain(), which needs its training-side packages: the megatron-lm extra, triton alone ~1 GB,
+# so only then). CI runs both; `make test-all` is both in one pytest run.
 test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 -m "not slow" tests
+
+test-slow: $(STAMP)
+	if [ -n "$$MEGATRON_LM_DIR" ]; then $(PIP_INSTALL) --no-build-isolation -e '.[megatron-lm]'; fi
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30 -m slow tests
+
+test-all: $(STAMP)
 	if [ -n "$$MEGATRON_LM_DIR" ]; then $(PIP_INSTALL) --no-build-isolation -e '.[megatron-lm]'; fi
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30 tests
 
-test-fast: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" tests
-
-# The wheel, installed into a fresh venv and run from outside the checkout (part of `make test`).
+# The wheel, installed into a fresh venv and run from outside the checkout (part of `make test-slow`).
 test-install: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/test_install.py
 

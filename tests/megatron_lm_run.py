@@ -3,14 +3,19 @@ of the tiny recipe, torchrun on CPU ranks, Megatron's tensorboard scalars, and t
 plugin's trainer. The checkout and data fixtures are in tests/training/conftest.py."""
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
 import re
+import shutil
+import signal
 import socket
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -66,13 +71,93 @@ def env() -> dict:
             "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
 
+# torchrun's ranks import torch, megatron and Megatron-LM each: ~10 s of a 4-rank run's ~14 s on 2
+# cores. tests/fork_torchrun.py keeps one process per checkout and environment that imported them
+# (a zygote) and forks each run's ranks from it, with torchrun's environment.
+# HETERMOE_TESTS_TORCHRUN=1: torch.distributed.run itself (test_patches.py always uses it).
+FORK_TORCHRUN = Path(__file__).with_name("fork_torchrun.py")
+_ZYGOTES: dict[tuple, tuple[subprocess.Popen, str]] = {}  # (checkout, environment) -> (process, socket)
+_ZYGOTES_KEPT = 2
+
+
+def _stop(proc: subprocess.Popen, path: str) -> None:
+    proc.kill()
+    proc.wait()
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def _stop_zygotes() -> None:
+    for proc, path in _ZYGOTES.values():
+        _stop(proc, path)
+    _ZYGOTES.clear()
+
+
+atexit.register(_stop_zygotes)
+
+
+def _zygote(work: Path, environ: dict) -> str:
+    """The socket of the zygote for `work` and this environment (pytest's per-test variable aside),
+    started on first use; at most _ZYGOTES_KEPT stay up."""
+    key = (str(work), tuple(sorted((k, v) for k, v in environ.items() if not k.startswith("PYTEST_"))))
+    found = _ZYGOTES.get(key)
+    if found is not None and found[0].poll() is None:
+        _ZYGOTES[key] = _ZYGOTES.pop(key)  # most recently used last
+        return found[1]
+    if found is not None:  # it died: a new one (its log is gone with it)
+        _stop(*_ZYGOTES.pop(key))
+    while len(_ZYGOTES) >= _ZYGOTES_KEPT:
+        _stop(*_ZYGOTES.pop(next(iter(_ZYGOTES))))
+    path = os.path.join(tempfile.mkdtemp(prefix="hz-"), "s")  # a Unix socket's path is at most 107 bytes
+    log = open(path + ".log", "w")
+    proc = subprocess.Popen([sys.executable, str(FORK_TORCHRUN), "--serve", path, "pretrain_gpt.py"], cwd=work,
+                            env=environ, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    log.close()
+    deadline = time.monotonic() + 300
+    while not os.path.exists(path):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"fork_torchrun's zygote for {work} did not start:\n{Path(path + '.log').read_text()[-3000:]}")
+        time.sleep(0.05)
+    _ZYGOTES[key] = (proc, path)
+    return path
+
+
+def _forked_run(work: Path, nproc: int, port: int, argv: list[str], environ: dict,
+                timeout: int) -> subprocess.CompletedProcess:
+    path = _zygote(work, environ)
+    out = path + f".{port}.out"
+    req = {"argv": argv, "nproc": nproc, "port": port, "cwd": str(work), "env": environ, "out": out}
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+        c.settimeout(timeout)
+        c.connect(path)
+        c.sendall((json.dumps(req) + "\n").encode())
+        reply = b""
+        try:
+            while reply.count(b"\n") < 2:
+                chunk = c.recv(64)
+                if not chunk:
+                    raise RuntimeError(f"fork_torchrun's zygote for {work} ended during a run (log: {path}.log)")
+                reply += chunk
+        except socket.timeout:
+            if reply:
+                os.kill(int(reply.split(b"\n")[0]), signal.SIGKILL)  # its ranks die with it (PDEATHSIG)
+            raise subprocess.TimeoutExpired(argv, timeout, output=Path(out).read_text() if os.path.exists(out) else "")
+    text = Path(out).read_text()
+    os.unlink(out)
+    return subprocess.CompletedProcess(argv, int(reply.split(b"\n")[1]), text, "")
+
+
 def torchrun(work: Path, nproc: int, flags: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node nproc pretrain_gpt.py flags` in `work`; stdout carries every rank's
+    output (stderr too, in the forked runs)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node",
-                           str(nproc), "--master-port", str(port), "pretrain_gpt.py", *flags],
-                          cwd=work, env=env(), capture_output=True, text=True, timeout=timeout)
+    if os.environ.get("HETERMOE_TESTS_TORCHRUN") == "1":
+        return subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node",
+                               str(nproc), "--master-port", str(port), "pretrain_gpt.py", *flags],
+                              cwd=work, env=env(), capture_output=True, text=True, timeout=timeout)
+    return _forked_run(work, nproc, port, ["pretrain_gpt.py", *flags], env(), timeout)
 
 
 def failure(log: str) -> str:
