@@ -58,25 +58,31 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", help="write the plan JSON here (default: print it)")
     even = p.add_argument_group("even plan")
     even.add_argument("--even", action="store_true", help="experts split evenly; no search")
-    even.add_argument("--attention-ranks", type=int, help="M: attention ranks per ZP group (required with --even)")
-    even.add_argument("--expert-ranks", type=int, help="N: expert ranks per ZP group (required with --even)")
-    even.add_argument("--groups", type=int, default=1, help="G: number of ZP groups")
-    even.add_argument("--microbatches", type=int, default=1, help="R: microbatches per step")
-    even.add_argument("--schedule", choices=list(SCHEDULES), default="distep",
+    # The group's other flags lay out an even plan; a search picks these itself (main refuses them there).
+    even_only: list[str] = []
+
+    def even_flag(*names: str, **kw) -> None:
+        even_only.append(even.add_argument(*names, **kw).dest)
+
+    even_flag("--attention-ranks", type=int, help="M: attention ranks per ZP group (required with --even)")
+    even_flag("--expert-ranks", type=int, help="N: expert ranks per ZP group (required with --even)")
+    even_flag("--groups", type=int, default=1, help="G: number of ZP groups")
+    even_flag("--microbatches", type=int, default=1, help="R: microbatches per step")
+    even_flag("--schedule", choices=list(SCHEDULES), default="distep",
                       help="the plan's schedule: DistEP (Megatron's schedule) or zebra (overlapped)")
-    even.add_argument("--zebra-waves", type=int, default=1,
+    even_flag("--zebra-waves", type=int, default=1,
                       help="W: with --schedule zebra and --pipeline-stages P > 1, Theorem 1 over W groups of R / W "
                       "microbatches, so a stage passes one group's outputs on while it runs the next (default 1)")
-    even.add_argument("--zebra-wave-order", choices=list(ZEBRA_WAVE_ORDERS), default="gpipe",
+    even_flag("--zebra-wave-order", choices=list(ZEBRA_WAVE_ORDERS), default="gpipe",
                       help="with --zebra-waves W > 1: gpipe, every group's forward before the first backward (every "
                       "stage keeps all R microbatches alive), or 1f1b, Megatron's 1F1B over the groups (stage i of P "
                       "keeps R / W x min(W, P - i)) (default gpipe)")
-    even.add_argument("--virtual-stages", type=int, default=1,
+    even_flag("--virtual-stages", type=int, default=1,
                       help="V: with --pipeline-stages P > 1 and --schedule distep, each stage holds V model chunks "
                       "(Megatron's --num-virtual-stages-per-pipeline-rank V, its interleaved 1F1B; Megatron-LM's "
                       "pretrain() only) (default 1)")
-    even.add_argument("--attention-gpu", default="cpu", help="GPU type of attention ranks (a configs/gpus/ name)")
-    even.add_argument("--expert-gpu", default="cpu", help="GPU type of expert ranks (a configs/gpus/ name)")
+    even_flag("--attention-gpu", default="cpu", help="GPU type of attention ranks (a configs/gpus/ name)")
+    even_flag("--expert-gpu", default="cpu", help="GPU type of expert ranks (a configs/gpus/ name)")
     p.add_argument("--attention-tp", type=int, default=None,
                    help="tensor-parallel size of each attention member (Megatron's --tensor-model-parallel-size with "
                    "--sequence-parallel; M must be a multiple of it; no experts on attention ranks with TP > 1). With "
@@ -110,6 +116,7 @@ def _parser() -> argparse.ArgumentParser:
                       "sharded over each parameter's replicas (attention members; an expert's ZP groups); "
                       "train the plan with --use-distributed-optimizer")
     srch.add_argument("--json", action="store_true", help="print the predictions as JSON instead of a table")
+    p.even_only = tuple(even_only)  # the dests of the "even plan" flags, for main's refusal in a search
     return p
 
 
@@ -194,16 +201,11 @@ def _model(args: argparse.Namespace, flags: list[str] | None) -> ModelConfig:
     return fm.model
 
 
-# Flags of the "even plan" group: a search picks these itself, so one given without --even is refused.
-_EVEN_ONLY = ("attention_ranks", "expert_ranks", "groups", "microbatches", "schedule", "zebra_waves",
-              "zebra_wave_order", "virtual_stages", "attention_gpu", "expert_gpu")
-
-
 def main(argv: list[str] | None = None) -> int:
     own, flags = _split_flags(list(sys.argv[1:] if argv is None else argv))
     parser = _parser()
     args = parser.parse_args(own)
-    given = [d for d in _EVEN_ONLY if getattr(args, d) != parser.get_default(d)]
+    given = [d for d in parser.even_only if getattr(args, d) != parser.get_default(d)]
     if given and not args.even:
         names = ", ".join("--" + d.replace("_", "-") for d in given)
         print(f"hetermoe plan: {names}: only with --even (a search, --cluster, chooses the layout itself); add "

@@ -3,8 +3,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
-from megatron_hetermoe.planner.cli_plan import main
+from megatron_hetermoe.planner.cli_plan import _parser, main
 
 
 def test_even_plan_file(tmp_path, capsys):
@@ -35,6 +37,21 @@ def test_even_plan_flags_are_refused_in_a_search(capsys):
                  "--zebra-waves", "2", "--virtual-stages", "2"]) == 2
     assert ("--zebra-waves, --virtual-stages: only with --even (a search, --cluster, chooses the layout itself)"
             in capsys.readouterr().err)
+
+
+# Each flag of the "even plan" group with a value other than its default.
+EVERY_EVEN_FLAG = [("--attention-ranks", "2"), ("--expert-ranks", "2"), ("--groups", "2"), ("--microbatches", "2"),
+                   ("--schedule", "zebra"), ("--zebra-waves", "2"), ("--zebra-wave-order", "1f1b"),
+                   ("--virtual-stages", "2"), ("--attention-gpu", "h100"), ("--expert-gpu", "a40")]
+
+
+@pytest.mark.parametrize("flag,value", EVERY_EVEN_FLAG)
+def test_every_even_plan_flag_is_refused_in_a_search(capsys, flag, value):
+    """The refusal covers the whole "even plan" group (the parser's own record of it), each flag by name."""
+    assert sorted("--" + d.replace("_", "-") for d in _parser().even_only) == sorted(
+        f for f, _ in EVERY_EVEN_FLAG)
+    assert main(["--cluster", "o1", "--model", "d1", "--seq-len", "4096", "--global-batch", "48", flag, value]) == 2
+    assert f"{flag}: only with --even" in capsys.readouterr().err
 
 
 def test_even_rejects_unknown_gpu(capsys):
