@@ -84,3 +84,41 @@ def test_pretrain_virtual_pipeline_stages_continue_with_megatrons_losses_and_res
     from megatron_lm_run import virtual_stages_run
 
     virtual_stages_run(mlm, data, tmp_path)
+
+
+@pytest.mark.slow
+def test_pretrain_virtual_stages_two_attention_members_asym_ea_an_empty_expert_rank_megatron_defaults(
+        mlm, data, tmp_path):
+    """Virtual stages at the shapes users hit: PP 2 x 2 virtual stages (stage 0 holds layers 0 and 2,
+    stage 1 layers 1 and 3), per stage 2 attention ranks (Megatron's data parallel 2) + 2 expert
+    ranks, DistEP; layer 0 has all its experts on one expert rank (the other holds none in that
+    layer), layers 1 and 2 each put one expert on an attention rank (Asym-EA, in either chunk of
+    either stage); Megatron's own model defaults (learned absolute positions, GeLU, LayerNorm, biased
+    linear layers, embeddings tied between the first and the last stage). From one plain Megatron
+    EP 2 checkpoint, HeterMoE's training and validation losses are plain Megatron's (measured on
+    default, avx2 and avx512 kernels: iteration 2 bitwise, the rest bitwise or 4.8e-7 apart)."""
+    from megatron_lm_run import CPU, DATA, EVAL, MEGATRON_DEFAULTS, MODEL, run_losses
+
+    from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup
+
+    flags = ["--num-layers", "4", *MODEL[2:], "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
+             *DATA, *MEGATRON_DEFAULTS, *CPU, "--data-path", data, "--log-interval", "1", "--moe-aux-loss-coeff", "0.01"]
+    ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    ckpt = tmp_path / "ckpt"
+    run_losses(mlm, tmp_path, 2, [*flags, *ep, "--train-iters", "1", "--save", str(ckpt), "--save-interval", "1",
+                                  "--eval-interval", "100", "--eval-iters", "0"], "tb0")
+    cross = ["--train-iters", "3", "--load", str(ckpt), "--no-load-optim", "--no-load-rng", *EVAL]
+    # Stage 0: attention 0, 1, experts 2, 3; stage 1: attention 4, 5, experts 6, 7.
+    placement = [{2: [0, 1, 2, 3]}, {5: [0], 6: [1, 2], 7: [3]}, {1: [3], 2: [0], 3: [1, 2]}, {6: [0, 1], 7: [2, 3]}]
+    plan = tmp_path / "plan.json"
+    HeteroPlan(4, 4, ["cpu"] * 8, [ZPGroup([0, 1, 4, 5], [2, 3, 6, 7], placement)], num_microbatches=2,
+               pipeline_stages=2, virtual_stages=2, schedule="distep").save(plan)
+    plain, _ = run_losses(mlm, tmp_path, 2, [*flags, *ep, *cross], "tb1")
+    het, log = run_losses(mlm, tmp_path, 8, [*flags, *PP, "--num-virtual-stages-per-pipeline-rank", "2", *cross,
+                                             "--hetero-plan", str(plan)], "tb2")
+    assert "Number of virtual stages per pipeline stage: 2" in log
+    assert sorted(plain) == sorted(het) == [2, 3]
+    assert [het[i] for i in (2, 3)] == pytest.approx([plain[i] for i in (2, 3)], abs=3e-6), (het, plain)
+    v_plain, v_het = tb_losses(tmp_path / "tb1", "lm loss validation"), tb_losses(tmp_path / "tb2", "lm loss validation")
+    assert sorted(v_het) == sorted(v_plain) == [2, 3]
+    assert [v_het[i] for i in (2, 3)] == pytest.approx([v_plain[i] for i in (2, 3)], abs=3e-6), (v_het, v_plain)
