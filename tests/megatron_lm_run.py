@@ -107,7 +107,8 @@ def _zygote(work: Path, environ: dict) -> str:
         _stop(*_ZYGOTES.pop(key))
     while len(_ZYGOTES) >= _ZYGOTES_KEPT:
         _stop(*_ZYGOTES.pop(next(iter(_ZYGOTES))))
-    path = os.path.join(tempfile.mkdtemp(prefix="hz-"), "s")  # a Unix socket's path is at most 107 bytes
+    # A Unix socket's path is at most 107 bytes: /tmp's, whatever TMPDIR is.
+    path = os.path.join(tempfile.mkdtemp(prefix="hz-", dir="/tmp" if os.path.isdir("/tmp") else None), "s")
     log = open(path + ".log", "w")
     proc = subprocess.Popen([sys.executable, str(FORK_TORCHRUN), "--serve", path, "pretrain_gpt.py"], cwd=work,
                             env=environ, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
