@@ -286,6 +286,21 @@ def checkpoints_both_ways(work: Path, plan: Path, data_path: str, tmp_path: Path
     assert seen[4] == pytest.approx(seen[3], abs=3e-6)
 
 
+def continues_as_plain(work: Path, tmp_path: Path, plain_nproc: int, plain_flags: list[str], het_nproc: int,
+                       het_flags: list[str]) -> None:
+    """Plain Megatron (`plain_flags`) and HeterMoE with virtual stages (`het_flags`), both from one
+    checkpoint through iteration 3 with validation after 2 and 3: the same training and validation
+    losses (3e-6; measured bitwise or 4.8e-7 apart on default, avx2 and avx512 kernels)."""
+    plain, _ = run_losses(work, tmp_path, plain_nproc, plain_flags, "tb1")
+    het, log = run_losses(work, tmp_path, het_nproc, het_flags, "tb2")
+    assert "Number of virtual stages per pipeline stage: 2" in log
+    assert sorted(plain) == sorted(het) == [2, 3]
+    assert [het[i] for i in (2, 3)] == pytest.approx([plain[i] for i in (2, 3)], abs=3e-6), (het, plain)
+    v_plain, v_het = tb_losses(tmp_path / "tb1", "lm loss validation"), tb_losses(tmp_path / "tb2", "lm loss validation")
+    assert sorted(v_het) == sorted(v_plain) == [2, 3]
+    assert [v_het[i] for i in (2, 3)] == pytest.approx([v_plain[i] for i in (2, 3)], abs=3e-6), (v_het, v_plain)
+
+
 def virtual_stages_run(work: Path, data_path: str, tmp_path: Path, data: tuple | list = DATA,
                        resume: bool = True) -> None:
     """Virtual pipeline stages in pretrain(): plain Megatron EP 2 (2 ranks, 4 layers) saves after
@@ -309,14 +324,7 @@ def virtual_stages_run(work: Path, data_path: str, tmp_path: Path, data: tuple |
     even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, virtual_stages=2).save(plan)
     het_flags = [*flags, "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
                  "--hetero-plan", str(plan)]
-    plain, _ = run_losses(work, tmp_path, 2, [*flags, *ep, *cross, *EVAL], "tb1")
-    het, log = run_losses(work, tmp_path, 4, [*het_flags, *cross, *EVAL], "tb2")
-    assert "Number of virtual stages per pipeline stage: 2" in log
-    assert sorted(plain) == sorted(het) == [2, 3]
-    assert [het[i] for i in (2, 3)] == pytest.approx([plain[i] for i in (2, 3)], abs=3e-6), (het, plain)
-    v_plain, v_het = tb_losses(tmp_path / "tb1", "lm loss validation"), tb_losses(tmp_path / "tb2", "lm loss validation")
-    assert sorted(v_het) == sorted(v_plain) == [2, 3]
-    assert [v_het[i] for i in (2, 3)] == pytest.approx([v_plain[i] for i in (2, 3)], abs=3e-6), (v_het, v_plain)
+    continues_as_plain(work, tmp_path, 2, [*flags, *ep, *cross, *EVAL], 4, [*het_flags, *cross, *EVAL])
     if not resume:
         return
     full, _ = run_losses(work, tmp_path, 4, [*het_flags, "--train-iters", "3", *no_eval], "full")
