@@ -69,18 +69,18 @@ def _parser() -> argparse.ArgumentParser:
     even_flag("--groups", type=int, default=1, help="G: number of ZP groups")
     even_flag("--microbatches", type=int, default=1, help="R: microbatches per step")
     even_flag("--schedule", choices=list(SCHEDULES), default="distep",
-                      help="the plan's schedule: DistEP (Megatron's schedule) or zebra (overlapped)")
+              help="the plan's schedule: DistEP (Megatron's schedule) or zebra (overlapped)")
     even_flag("--zebra-waves", type=int, default=1,
-                      help="W: with --schedule zebra and --pipeline-stages P > 1, Theorem 1 over W groups of R / W "
-                      "microbatches, so a stage passes one group's outputs on while it runs the next (default 1)")
+              help="W: with --schedule zebra and --pipeline-stages P > 1, Theorem 1 over W groups of R / W "
+              "microbatches, so a stage passes one group's outputs on while it runs the next (default 1)")
     even_flag("--zebra-wave-order", choices=list(ZEBRA_WAVE_ORDERS), default="gpipe",
-                      help="with --zebra-waves W > 1: gpipe, every group's forward before the first backward (every "
-                      "stage keeps all R microbatches alive), or 1f1b, Megatron's 1F1B over the groups (stage i of P "
-                      "keeps R / W x min(W, P - i)) (default gpipe)")
+              help="with --zebra-waves W > 1: gpipe, every group's forward before the first backward (every "
+              "stage keeps all R microbatches alive), or 1f1b, Megatron's 1F1B over the groups (stage i of P "
+              "keeps R / W x min(W, P - i)) (default gpipe)")
     even_flag("--virtual-stages", type=int, default=1,
-                      help="V: with --pipeline-stages P > 1 and --schedule distep, each stage holds V model chunks "
-                      "(Megatron's --num-virtual-stages-per-pipeline-rank V, its interleaved 1F1B; Megatron-LM's "
-                      "pretrain() only) (default 1)")
+              help="V: with --pipeline-stages P > 1 and --schedule distep, each stage holds V model chunks "
+              "(Megatron's --num-virtual-stages-per-pipeline-rank V, its interleaved 1F1B; Megatron-LM's "
+              "pretrain() only) (default 1)")
     even_flag("--attention-gpu", default="cpu", help="GPU type of attention ranks (a configs/gpus/ name)")
     even_flag("--expert-gpu", default="cpu", help="GPU type of expert ranks (a configs/gpus/ name)")
     p.add_argument("--attention-tp", type=int, default=None,
