@@ -1,23 +1,19 @@
-"""torchrun for the tests of Megatron-LM's pretrain_gpt.py, with the imports paid once per run.
-
-    python tests/fork_torchrun.py --nproc-per-node N --master-port P pretrain_gpt.py <flags>
-
-run in the checkout (cwd), as `python -m torch.distributed.run` is run there. A fresh rank spends
-~5 s of CPU importing torch, megatron-core, Megatron-LM's training side and the plugin, before it
-does anything; a 4-rank run on 2 cores is ~14 s, ~10 s of it those imports. Here one process
-imports what the script imports at its top level (and the plugin's Megatron-LM hooks), then forks
-the ranks, each of which runs the script as `__main__` (runpy) with torchrun's environment
-(RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and exits through the
-interpreter's own shutdown, as a process started by torchrun does. As torchrun does, the first rank
-that fails ends the others (SIGTERM, then SIGKILL) and the launcher exits 1.
+"""torchrun for the tests of Megatron-LM's pretrain_gpt.py, with the imports paid once per session.
 
     python tests/fork_torchrun.py --serve SOCKET pretrain_gpt.py
 
-keeps such an imported process (a zygote) for the test session: each request on the Unix socket
-(a JSON line: argv, nproc, port, cwd, env, the output file) is run by a forked copy, which forks
-the ranks as above with its output in the file, and the reply is its pid, then its exit code.
-The tests start one per checkout and environment (tests/megatron_lm_run.py), so a run costs its
-ranks' work only. The zygote leaves when its parent (the test process) is gone.
+run in the checkout (cwd), as `python -m torch.distributed.run` is run there. A fresh rank spends
+~5 s of CPU importing torch, megatron-core, Megatron-LM's training side and the plugin, before it
+does anything; a 4-rank run on 2 cores is ~14 s, ~10 s of it those imports. Here one process (a
+zygote, kept for the test session) imports what the script imports at its top level (and the
+plugin's Megatron-LM hooks). Each request on the Unix socket (a JSON line: argv, nproc, port, cwd,
+env, the output file) is run by a forked copy of it, with its output in the file, which forks the
+ranks; each runs the script as `__main__` (runpy) with torchrun's environment (RANK, LOCAL_RANK,
+WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and exits through the interpreter's own
+shutdown, as a process started by torchrun does. As torchrun does, the first rank that fails ends
+the others (SIGTERM, then SIGKILL) and the run exits 1. The reply is the copy's pid, then its exit
+code. The tests start one zygote per checkout and environment (tests/megatron_lm_run.py), so a run
+costs its ranks' work only. The zygote leaves when its parent (the test process) is gone.
 
 What differs from a fresh process: an import-time warning shows once (in the launcher), not once
 per rank. Nothing runs in the launcher but imports (no thread, no tensor op: fork must find the
@@ -131,7 +127,7 @@ def wait_ranks(pids: dict[int, int], grace_s: float = 10.0) -> int:
 
 
 def launch(script: str, argv: list[str], nproc: int, port: int) -> int:
-    """Fork `nproc` ranks of `script` (in this process, whose imports are done) and wait for them."""
+    """Fork `nproc` ranks of `script` (in the zygote's copy, whose imports are done) and wait for them."""
     if threading.active_count() > 1:
         raise SystemExit(f"fork_torchrun: {threading.active_count()} threads after the imports; forking would "
                          f"copy a busy process (set HETERMOE_TESTS_TORCHRUN=1 to use torchrun)")
@@ -212,19 +208,11 @@ def serve(path: str, script: str) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--serve", metavar="SOCKET", help="stay up as a zygote on this Unix socket")
-    p.add_argument("--nproc-per-node", type=int)
-    p.add_argument("--master-port", type=int)
+    p.add_argument("--serve", metavar="SOCKET", required=True, help="the zygote's Unix socket")
     p.add_argument("script")
-    p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args()
     sys.path[0] = os.getcwd()  # the script's directory, as `python pretrain_gpt.py` has it (not tests/)
-    if a.serve:
-        return serve(a.serve, a.script)
-    if a.nproc_per_node is None or a.master_port is None:
-        p.error("--nproc-per-node and --master-port are needed (or --serve)")
-    preload(a.script)
-    return launch(a.script, a.args, a.nproc_per_node, a.master_port)
+    return serve(a.serve, a.script)
 
 
 if __name__ == "__main__":

@@ -3,12 +3,17 @@ script as __main__, a failing rank ends the others, and the zygote serves runs o
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import megatron_lm_run
+
+@pytest.fixture(autouse=True)
+def forked(monkeypatch):
+    monkeypatch.delenv("HETERMOE_TESTS_TORCHRUN", raising=False)  # these test the forked runs
+
 
 SCRIPT = '''
 import os, sys, time
@@ -22,19 +27,16 @@ if "--fail" in sys.argv:
 '''
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ranks_get_torchruns_environment(tmp_path):
     (tmp_path / "pretrain_gpt.py").write_text(SCRIPT)
-    port = _port()
-    r = subprocess.run([sys.executable, str(megatron_lm_run.FORK_TORCHRUN), "--nproc-per-node", "3", "--master-port",
-                        str(port), "pretrain_gpt.py", "--x", "1"], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=60)
-    assert r.returncode == 0, r.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    try:
+        r = megatron_lm_run._forked_run(tmp_path, 3, port, ["pretrain_gpt.py", "--x", "1"], megatron_lm_run.env(), 60)
+    finally:
+        megatron_lm_run._stop_zygotes()
+    assert r.returncode == 0, r.stdout
     for rank in range(3):
         assert f"rank {rank} of 3 local {rank}/3 at 127.0.0.1:{port} as __main__ argv ['--x', '1']" in r.stdout
 
@@ -42,18 +44,18 @@ def test_ranks_get_torchruns_environment(tmp_path):
 def test_a_failing_rank_ends_the_others(tmp_path):
     (tmp_path / "pretrain_gpt.py").write_text(SCRIPT)
     t0 = time.monotonic()
-    r = subprocess.run([sys.executable, str(megatron_lm_run.FORK_TORCHRUN), "--nproc-per-node", "3", "--master-port",
-                        str(_port()), "pretrain_gpt.py", "--fail"], cwd=tmp_path, capture_output=True, text=True,
-                       timeout=100)
+    try:
+        r = megatron_lm_run.torchrun(tmp_path, 3, ["--fail"], timeout=100)
+    finally:
+        megatron_lm_run._stop_zygotes()
     assert r.returncode == 1
-    assert "ValueError: rank 1 refuses" in r.stderr
-    assert "fork_torchrun: rank 1 failed first (exit code 1)" in r.stderr
+    assert "ValueError: rank 1 refuses" in r.stdout
+    assert "fork_torchrun: rank 1 failed first (exit code 1)" in r.stdout
     assert time.monotonic() - t0 < 60, "the waiting ranks were not ended"
 
 
-def test_zygote_serves_runs_in_turn(tmp_path, monkeypatch):
+def test_zygote_serves_runs_in_turn(tmp_path):
     (tmp_path / "pretrain_gpt.py").write_text(SCRIPT)
-    monkeypatch.delenv("HETERMOE_TESTS_TORCHRUN", raising=False)
     zygotes = []
     try:
         ok = megatron_lm_run.torchrun(tmp_path, 2, ["--a"], timeout=60)
