@@ -299,3 +299,149 @@ def _executor_probe(dev, gemm, timed, calibrate, numel: int = 64 * 2**20) -> dic
             "t_cuda": t_cuda, "speedup": t_thread / t_cuda, "ok_thread": ok_thread, "ok_cuda": ok_cuda,
             "t_single": t_single, "speedup_single": t_thread / t_single, "ok_single": ok_single,
             "t_compute": t_compute, "t_transfer": t_transfer, "k_gemm": k_c, "k_a2a": k_tx}
+
+
+SYNC_TEXT = "synchronizing CUDA operation"  # c10's warning under torch.cuda.set_sync_debug_mode("warn")
+
+
+class SyncCounter:
+    """Host syncs inside a `with` block, under torch.cuda.set_sync_debug_mode("warn"): the warnings
+    raised on this thread (each with the Python line that made it) and, since a warning raised in
+    the autograd engine's device thread may reach only c10's logger, the lines it writes to fd 2
+    (no line number). counted is None where there is no CUDA (nothing to count)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.py_sites: list[str] = []
+        self.c10 = 0
+
+    @property
+    def counted(self) -> int | None:
+        return len(self.py_sites) + self.c10 if self.cuda else None
+
+    def __enter__(self):
+        import os
+        import sys
+        import tempfile
+        import warnings
+
+        if not self.cuda:
+            return self
+        import torch
+
+        torch.cuda.synchronize()
+        self._cw = warnings.catch_warnings(record=True)
+        self._rec = self._cw.__enter__()
+        warnings.simplefilter("always")
+        sys.stderr.flush()
+        self._saved = os.dup(2)
+        self._tmp = tempfile.TemporaryFile()
+        os.dup2(self._tmp.fileno(), 2)
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        import os
+        import sys
+
+        if not self.cuda:
+            return False
+        import torch
+
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()  # the block's queued work is done (not counted: the mode is off)
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+        self._tmp.seek(0)
+        text = self._tmp.read().decode(errors="replace")
+        self._tmp.close()
+        self._cw.__exit__(*exc)
+        self.c10 = text.count(SYNC_TEXT)
+        self.py_sites = [f"{_short(w.filename)}:{w.lineno}" for w in self._rec if SYNC_TEXT in str(w.message)]
+        if text.strip():  # whatever else the block printed to stderr stays visible
+            print(text.replace(SYNC_TEXT, "[sync]")[-2000:], file=sys.stderr)
+        return False
+
+
+def _short(path: str) -> str:
+    for mark in ("megatron_hetermoe/", "megatron/core/", "torch/"):
+        i = path.rfind(mark)
+        if i >= 0:
+            return path[i:]
+    return path
+
+
+# Sites of the route's one host read of the counts per (layer, microbatch) (parallel/comm.py,
+# TokenRoute): the split sizes of the transfers must be on the host; not a compute task's sync.
+ROUTE_SITES = ("megatron_hetermoe/parallel/comm.py", "megatron_hetermoe/parallel/transport.py")
+
+
+def worker_host_syncs(a) -> int:
+    """Host syncs per MoE layer forward+backward (issue 43 item 6), in one process: the attention
+    side, HeteroMoELayer as the trainer builds it (kernels for this device, RoleAssembly) in a
+    world of one rank holding every expert (its route reads the counts once; its experts run
+    through run_local_experts); and the expert runtime's computation of a layer,
+    models/experts.run_local_experts, on tokens from two source members (the chunk sort an
+    expert rank does). Two warm-ups, then `--iters` counted iterations of each."""
+    import torch
+
+    from megatron_hetermoe.config import HeteroRunConfig, ModelConfig, ParallelConfig, TrainConfig
+    from megatron_hetermoe.models.builder import choose_kernels, gpt_kwargs, layer_spec, transformer_config
+    from megatron_hetermoe.models.experts import run_local_experts
+    from megatron_hetermoe.parallel.megatron_globals import megatron_globals
+    from megatron_hetermoe.parallel.state import initialize_hetero_parallel
+    from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup
+    from megatron_hetermoe.training.assembly import RoleAssembly, model_config
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    model = ModelConfig.load(a.model).replace(num_layers=1)
+    init_single(dev)
+    plan = HeteroPlan(1, model.num_experts, ["cpu"], [ZPGroup([0], [], [{0: list(range(model.num_experts))}])],
+                      1, "zebra")
+    hs = initialize_hetero_parallel(plan, device=dev)
+    cfg = TrainConfig(model=model, micro_batch_size=2, global_batch_size=2, train_iters=1)
+    res: dict = {"device": str(dev), "iters": a.iters}
+    with megatron_globals(hs, 1234):
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=dev))
+        kernels = choose_kernels(dev, "fp32")
+        config = model_config(transformer_config(model, ParallelConfig(), "fp32", kernels=kernels.name), hs)
+        module, _ = RoleAssembly(hs, HeteroRunConfig().pools(cfg)).module(config, layer_spec(model, kernels.name), 1234,
+                                                                        gpt_kwargs(model))
+        module.to(dev).train()
+        mlp = module.decoder.layers[0].mlp
+        res["kernels"] = kernels.name
+        res["layer"] = type(mlp).__name__
+        S, B, H = model.seq_length, 2, model.hidden_size
+        x = torch.randn(S, B, H, device=dev, requires_grad=True)
+
+        def attention_side():
+            out, _ = mlp(x)
+            out.float().sum().backward()
+
+        n = model.num_experts
+        counts = torch.tensor([[(3 * s + e) % 5 + 1 for e in range(n)] for s in range(2)], dtype=torch.int64)
+        recv = torch.randn(int(counts.sum()), H, device=dev, requires_grad=True)
+
+        def expert_side():
+            y = run_local_experts(mlp.experts, recv, counts)
+            y.float().sum().backward()
+
+        for name, fn in (("attention", attention_side), ("expert", expert_side)):
+            for _ in range(2):  # warm-ups: lazy allocations, caches
+                fn()
+            with SyncCounter(cuda) as sc:
+                for _ in range(a.iters):
+                    fn()
+            sites: dict[str, int] = {}
+            for s in sc.py_sites:
+                sites[s] = sites.get(s, 0) + 1
+            route = sum(v for s, v in sites.items() if s.startswith(ROUTE_SITES))
+            res[name] = {"total": sc.counted, "route": route, "py": len(sc.py_sites), "c10": sc.c10,
+                         "sites": dict(sorted(sites.items(), key=lambda kv: -kv[1])[:8])}
+            print(f"{name}: {res[name]}")
+    emit(res)
+    return 0

@@ -1,7 +1,7 @@
 """The GPU check's workers that are not timing probes, each the entry point of a subprocess
-(`main.py --worker NAME`, under torchrun when it takes ranks): the environment probe, gloo's
-all_to_all on CUDA tensors, and train_hetero over gloo; init_single makes a world of one
-process for the probes too."""
+(`main.py --worker NAME`, under torchrun when it takes ranks): the environment probe, the
+4-rank preflight, and the fallbacks' gloo all_to_all on CUDA tensors and train_hetero over gloo;
+init_single makes a world of one process for the probes too."""
 from __future__ import annotations
 
 import json
@@ -15,13 +15,41 @@ from pathlib import Path
 from runner import emit
 
 
+# What the check imports, by distribution: the plugin's requirements (setup.py) and what
+# Megatron-LM's training side imports (megatron/training: pretrain_gpt.py's imports, checked on the
+# core_v0.16.1 tree; pydantic through megatron.rl). (module, distribution, who needs it)
+NEEDED = (("megatron.core", "megatron-core", "plugin"), ("einops", "einops", "plugin"), ("yaml", "pyyaml", "plugin"),
+          ("numpy", "numpy", "plugin"), ("psutil", "psutil", "plugin"), ("tokenizers", "tokenizers", "plugin"),
+          ("six", "six", "Megatron-LM"), ("regex", "regex", "Megatron-LM"), ("pydantic", "pydantic", "Megatron-LM"),
+          ("triton", "triton", "Megatron-LM"))
+# Megatron-LM compiles its dataset helpers at start (megatron/core/datasets/Makefile).
+BUILD_TOOLS = ("make", "c++", "python3-config")
+
+
+def _version(dist_name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist_name)
+    except PackageNotFoundError:
+        return None
+
+
 def worker_env(a) -> int:
+    """What is here and what is missing: Python, torch, the GPU, NCCL, each package the check
+    imports (imported one by one, so one missing does not hide the others), the build tools of
+    Megatron-LM's dataset helpers, transformer-engine and apex. Never fails on a missing package:
+    the orchestrator says what is missing."""
+    import importlib
     import platform
+    import shutil as sh
+    import sysconfig
 
     import torch
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "cuda_build": torch.version.cuda,
-            "cuda_available": torch.cuda.is_available(), "cpus": os.cpu_count(), "gpus": []}
+            "cuda_available": torch.cuda.is_available(), "cpus": os.cpu_count(), "gpus": [], "packages": {},
+            "missing": []}
     if info["cuda_available"]:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
@@ -33,27 +61,218 @@ def worker_env(a) -> int:
         except Exception as e:  # noqa: BLE001
             info["nccl"] = f"n/a ({e})"
         info["bf16"] = torch.cuda.is_bf16_supported()
-    try:
-        from importlib.metadata import version
-
-        info["megatron_core"] = version("megatron-core")
-    except Exception as e:  # noqa: BLE001
-        info["megatron_core"] = f"not installed ({e})"
+    for mod, dist_name, who in NEEDED:
+        try:
+            importlib.import_module(mod)
+            info["packages"][dist_name] = _version(dist_name) or "imports"
+        except BaseException as e:  # noqa: BLE001 - a broken install raises more than ImportError
+            info["packages"][dist_name] = None
+            info["missing"].append({"dist": dist_name, "module": mod, "for": who, "error": f"{type(e).__name__}: {e}"})
+    info["megatron_core"] = info["packages"].get("megatron-core") or "not installed"
     for mod, key in (("transformer_engine.pytorch", "transformer_engine"), ("apex", "apex")):
         try:
-            m = __import__(mod, fromlist=["_"])
+            m = importlib.import_module(mod)
             info[key] = f"imports ({getattr(sys.modules[mod.split('.')[0]], '__version__', '?')})"
             del m
         except BaseException as e:  # noqa: BLE001 - an import can fail in many ways
-            info[key] = f"no ({type(e).__name__})"
-    import megatron.core  # noqa: F401  - the plugin's import must work too
+            info[key] = f"no ({type(e).__name__}: {str(e)[:120]})"
+    # The PATH Megatron-LM's helpers build sees (steps.megatron_lm_env): this interpreter's
+    # directory, then its base installation's.
+    path = os.pathsep.join([os.path.dirname(sys.executable), sysconfig.get_config_var("BINDIR") or "",
+                            os.environ.get("PATH", "")])
+    info["build_tools"] = {t: sh.which(t, path=path) for t in BUILD_TOOLS}
+    include = sysconfig.get_paths().get("include") or ""
+    info["python_h"] = os.path.exists(os.path.join(include, "Python.h"))
+    try:
+        import megatron_hetermoe  # noqa: F401
+        import megatron_hetermoe.training.hetero  # noqa: F401  - the trainer's imports (megatron-core's)
 
-    import megatron_hetermoe  # noqa: F401
-
-    info["hetermoe_imports"] = True
+        info["hetermoe_imports"] = True
+    except BaseException as e:  # noqa: BLE001
+        info["hetermoe_imports"] = f"{type(e).__name__}: {e}"
     for k, v in info.items():
         print(f"{k}: {v}")
     emit(info)
+    return 0
+
+
+# ---- preflight: four ranks of the world, every group kind, every collective the product uses ----
+A2A_ROW = 4096  # floats per row of the uneven all_to_all (16 KiB)
+A2A_BIG_ROWS = 300  # the largest split: 4.9 MB, above NCCL's 4 MiB buffer
+P2P_NUMEL = 2**21  # fp32 elements of the paired exchange: 8 MiB each way
+
+
+def _splits(rank: int, peers: list[int], salt: int) -> list[int]:
+    """Rows rank sends to each peer: uneven, zeros included, one above NCCL's buffer."""
+    return [(0, 1, A2A_BIG_ROWS, 3)[(rank + 2 * i + salt) % 4] for i in range(len(peers))]
+
+
+def _groups_check(hs, device) -> dict:
+    """Every group kind of this rank (parallel/layout.GROUP_KINDS through HeteroParallelState.group):
+    its members are the layout's, and an all_reduce over it sums their ranks."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hetermoe.parallel.layout import GROUP_KINDS
+
+    out = {}
+    for kind in GROUP_KINDS:
+        want = hs.layout.ranks(kind)
+        g = hs.group(kind)
+        if g is None:
+            out[kind] = "none" if want is None or len(want) == 1 else f"MISSING (want {want})"
+            continue
+        got = dist.get_process_group_ranks(g)
+        t = torch.tensor([float(hs.rank)], device=device)
+        dist.all_reduce(t, group=g)
+        ok = sorted(got) == sorted(want or []) and float(t.item()) == float(sum(got))
+        out[kind] = f"ok {len(got)}" if ok else f"WRONG members {got} want {want}, sum {t.item()}"
+    for comm in ("dispatch", "combine", "counts"):
+        g = getattr(hs, f"{comm}_group")
+        got = dist.get_process_group_ranks(g)
+        out[comm] = f"ok {len(got)}" if sorted(got) == sorted(hs.layout.ranks("zp")) else f"WRONG {got}"
+    return out
+
+
+def _three_communicators(hs, device) -> str:
+    """Uneven all_to_all_single with zero splits on the dispatch, combine and counts
+    communicators at once (all issued async, then waited), values checked."""
+    import torch
+    import torch.distributed as dist
+
+    members = sorted(dist.get_process_group_ranks(hs.dispatch_group))
+    me = members.index(hs.rank)
+    works, checks = [], []
+    for salt, comm, dtype in ((0, "dispatch", torch.float32), (1, "combine", torch.float32), (2, "counts", torch.int64)):
+        g = getattr(hs, f"{comm}_group")
+        width = 1 if dtype == torch.int64 else A2A_ROW
+        send = _splits(me, members, salt)
+        recv = [_splits(k, members, salt)[me] for k in range(len(members))]
+        x = torch.cat([torch.full((send[k], width), 1000 * me + 10 * k + salt, dtype=dtype, device=device)
+                       for k in range(len(members))])
+        out = torch.full((sum(recv), width), -1, dtype=dtype, device=device)
+        works.append(dist.all_to_all_single(out, x, recv, send, group=g, async_op=True))
+        want = torch.cat([torch.full((recv[k], width), 1000 * k + 10 * me + salt, dtype=dtype)
+                          for k in range(len(members))])
+        checks.append((comm, out, want, recv))
+    for w in works:
+        w.wait()
+    bad = [f"{c} (splits in {r})" for c, out, want, r in checks if not torch.equal(out.cpu(), want)]
+    if bad:
+        raise AssertionError(f"all_to_all values wrong on {', '.join(bad)}")
+    return "ok: " + ", ".join(f"{c} in {r}" for c, _, _, r in checks)
+
+
+def _world_collectives(device) -> dict:
+    """all_reduce, broadcast, all_gather, reduce_scatter and batched p2p over the world, values checked."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    res = {}
+
+    def run(name, fn):
+        try:
+            res[name] = fn()
+        except Exception as e:  # noqa: BLE001 - reported per collective
+            res[name] = f"FAILED {type(e).__name__}: {str(e)[:200]}"
+
+    def all_reduce():
+        t = torch.full((P2P_NUMEL,), float(rank + 1), device=device)
+        dist.all_reduce(t)
+        assert bool((t == world * (world + 1) / 2).all()), "sum wrong"
+        return "ok"
+
+    def broadcast():
+        t = torch.full((1024,), float(rank), device=device)
+        dist.broadcast(t, src=world - 1)
+        assert bool((t == world - 1).all()), "values wrong"
+        return "ok"
+
+    def all_gather():
+        t = torch.full((1024,), float(rank), device=device)
+        out = torch.empty(world * 1024, device=device)
+        dist.all_gather_into_tensor(out, t)
+        assert torch.equal(out.cpu(), torch.arange(world).float().repeat_interleave(1024)), "values wrong"
+        return "ok"
+
+    def reduce_scatter():
+        t = torch.arange(world * 1024, dtype=torch.float32, device=device)
+        out = torch.empty(1024, device=device)
+        dist.reduce_scatter_tensor(out, t)
+        assert torch.equal(out.cpu(), world * torch.arange(rank * 1024, (rank + 1) * 1024).float()), "values wrong"
+        return "ok"
+
+    def p2p():
+        # A ring, then each pair (0,1), (2,3) sending and receiving 8 MiB at once: pipeline stages'
+        # crossing send/recv, fused in one batch as Megatron's send_forward_recv_backward does.
+        nxt, prv = (rank + 1) % world, (rank - 1) % world
+        a = torch.full((1024,), float(rank), device=device)
+        b = torch.empty(1024, device=device)
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, a, nxt), dist.P2POp(dist.irecv, b, prv)]):
+            w.wait()
+        assert bool((b == prv).all()), "ring values wrong"
+        peer = rank ^ 1
+        x = torch.full((P2P_NUMEL,), float(rank), device=device)
+        y = torch.empty(P2P_NUMEL, device=device)
+        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, peer), dist.P2POp(dist.irecv, y, peer)]):
+            w.wait()
+        assert bool((y == peer).all()), "pair values wrong"
+        return "ok"
+
+    for name, fn in (("all_reduce", all_reduce), ("broadcast", broadcast), ("all_gather", all_gather),
+                     ("reduce_scatter", reduce_scatter), ("batch_isend_irecv", p2p)):
+        run(name, fn)
+    return res
+
+
+def worker_preflight(a) -> int:
+    """One rank of the preflight (`torchrun ... rank.py main.py --worker preflight --plan P,...`):
+    the product's own start (parallel/device.init_distributed: NCCL on a GPU, gloo on the CPU),
+    the groups of each plan built by parallel/state.initialize_hetero_parallel, then the
+    collectives. Rank 0 emits every rank's findings."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_hetermoe.parallel.device import init_distributed
+    from megatron_hetermoe.parallel.state import initialize_hetero_parallel
+    from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+
+    t0 = time.perf_counter()
+    device = init_distributed()
+    mine: dict = {"rank": dist.get_rank(), "device": str(device), "backend": str(dist.get_backend()),
+                  "nccl_hostid": os.environ.get("NCCL_HOSTID"), "groups": {}}
+    ok = True
+    try:
+        for path in a.plan.split(","):
+            name = Path(path).stem
+            t = time.perf_counter()
+            hs = initialize_hetero_parallel(HeteroPlan.load(path), device=device)
+            mine["groups"][name] = _groups_check(hs, device)
+            mine["groups"][name]["seconds"] = round(time.perf_counter() - t, 2)
+            ok &= all(not str(v).startswith(("WRONG", "MISSING")) for v in mine["groups"][name].values())
+            if name == Path(a.plan.split(",")[0]).stem:
+                first = hs
+        mine["all_to_all_3_communicators"] = _three_communicators(first, device)
+    except Exception as e:  # noqa: BLE001 - reported
+        import traceback
+
+        traceback.print_exc()
+        mine["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        ok = False
+    mine["world"] = _world_collectives(device)
+    ok &= all(v == "ok" for v in mine["world"].values())
+    mine["ok"] = ok
+    mine["seconds"] = round(time.perf_counter() - t0, 2)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    print(json.dumps(mine, default=str))
+    if dist.get_rank() == 0:
+        emit({"ok": all(r["ok"] for r in every), "ranks": every})
+    dist.barrier()
+    dist.destroy_process_group()
     return 0
 
 
