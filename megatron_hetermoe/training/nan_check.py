@@ -6,6 +6,11 @@ one all-reduce over the world decides for every rank at once, so all ranks skip 
 together (no rank waits in a collective that another rank left). Findings name the rank, its
 role, the layer and the parameter.
 
+One host read per step, as Megatron's check: the scan counts each parameter's finite gradient
+values on the device (one tensor for the step), the loss check stays there too, and the step's
+flag is folded into the world all-reduce and read once. Only when it is set does a rank read its
+per-parameter counts and the ranks gather the findings.
+
 Modes (TrainConfig.check_for_nan_in_loss_and_grad, flag `--check-for-nan-in-loss-and-grad`):
   stop - Megatron's meaning (its default): every rank raises NonFiniteError naming the culprits.
   skip - the step is dropped on every rank (no optimizer or LR-scheduler step, as Megatron does
@@ -79,6 +84,15 @@ def layer_of(canonical: str) -> str:
     return canonical.rsplit(".", 1)[0]
 
 
+@dataclass(frozen=True)
+class _GradScan:
+    """One step's gradient scan: the parameters' canonical names, sizes and finite-value counts
+    (on the device)."""
+    names: list[str]
+    numels: list[int]
+    finite: torch.Tensor
+
+
 class NanGuard:
     """One per training run and rank. `chunks`: the DDP-wrapped model chunks (their
     finish_grad_sync is wrapped to scan local gradients first); `names`: parameter -> canonical
@@ -93,7 +107,7 @@ class NanGuard:
         self.device = device if device is not None else rank_device()
         self.injection = injection if injection is not None and injection.rank == rank else None
         self.iteration = 0  # advanced by after_backward; start() sets it for a resumed run
-        self.local: list[Finding] = []
+        self._scan: _GradScan | None = None  # this step's, once its gradients are scanned
         self.skipped: list[int] = []
         if self.injection is not None and self.injection.target == "grad":
             self._inject_into = next((p for p, n in names.items() if self.injection.param in n), None)
@@ -119,18 +133,19 @@ class NanGuard:
         if self._due("grad"):
             g = self._inject_into.main_grad
             g.view(-1)[0] = float("nan")
-        if self.mode == "off":  # wrapped only to inject: off must let the fault through
+        if self.mode == "off" or self._scan is not None:  # off: wrapped only to inject; one scan a step
             return
+        names, numels, grads = [], [], []
         for p, name in self.names.items():
             g = getattr(p, "main_grad", None)
             if g is None:
                 g = p.grad
-            if g is None:
-                continue
-            finite = torch.isfinite(g)
-            if not bool(finite.all()):
-                self.local.append(Finding(self.rank, self.role, "gradient", layer_of(name), name,
-                                          int((~finite).sum()), g.numel()))
+            if g is not None:
+                names.append(name)
+                numels.append(g.numel())
+                grads.append(g)
+        if grads:  # on the device, no read: the step's one read is after_backward's
+            self._scan = _GradScan(names, numels, torch.stack([torch.isfinite(g).sum() for g in grads]))
 
     def after_backward(self, iteration: int, local_losses: list[torch.Tensor]) -> bool:
         """Collective over `group`: every rank calls it once per step after its backward (and
@@ -139,17 +154,23 @@ class NanGuard:
         NonFiniteError to stop."""
         if local_losses and self._due("loss"):
             local_losses[0].view(-1)[0] = float("nan")  # in place: the reported loss shows it too
-        if self.mode == "off":
-            self.iteration = iteration + 1
-            return False
-        if not all(bool(torch.isfinite(t).all()) for t in local_losses):
-            self.local.insert(0, Finding(self.rank, self.role, "loss", "-", "", 1, 1))
-        flag = torch.tensor([1.0 if self.local else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        found, self.local = self.local, []
+        scan, self._scan = self._scan, None
         self.iteration = iteration + 1  # the scan of the next step's gradients belongs to it
-        if flag.item() == 0:
+        if self.mode == "off":
             return False
+        # [local loss non-finite, gradient values non-finite] as 0/1, built on the device (a
+        # torch.tensor of Python values would be a blocking copy to it).
+        flags = torch.zeros(2, device=self.device)
+        if local_losses:
+            losses = torch.cat([t.detach().reshape(-1).float() for t in local_losses])
+            flags[0] = torch.isfinite(losses).all().logical_not()
+        if scan is not None:
+            flags[1] = scan.finite.sum() != sum(scan.numels)
+        flag = flags.max().reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() == 0:  # the step's one host read
+            return False
+        found = self._findings(flags, scan)
         world = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(world, found, group=self.group)
         findings = [f for per_rank in world for f in per_rank]
@@ -163,6 +184,19 @@ class NanGuard:
         if self.rank == 0:
             print(f" skipping iteration {iteration + 1}: {head}{detail}", flush=True)
         return True
+
+    def _findings(self, flags: torch.Tensor, scan: "_GradScan | None") -> list[Finding]:
+        """This rank's findings, read from the device in one copy (only on a step some rank flagged)."""
+        if scan is None:
+            loss_bad, finite = bool(flags[0].item()), []
+        else:
+            loss_bad, *finite = torch.cat([flags[:1].to(scan.finite.dtype), scan.finite]).tolist()
+        found = [Finding(self.rank, self.role, "loss", "-", "", 1, 1)] if loss_bad else []
+        if scan is not None:
+            for name, numel, ok in zip(scan.names, scan.numels, finite):
+                if ok != numel:
+                    found.append(Finding(self.rank, self.role, "gradient", layer_of(name), name, numel - ok, numel))
+        return found
 
     def start(self, iteration: int) -> None:
         """Set the iteration the next forward/backward belongs to (needed only when a run does
