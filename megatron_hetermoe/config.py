@@ -6,8 +6,10 @@ timeline). Flags are parsed into these (training/args.py); everything downstream
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from pathlib import Path
 from typing import Literal
 
@@ -29,22 +31,98 @@ class ModelConfigError(UserError, ValueError):
     """A model config that cannot be built; the message names the field, the value and the fix."""
 
 
-# ModelConfig fields that are not positive ints (each checked on its own), and those that are
-# positive ints or None.
-_NOT_COUNTS = ("name", "moe_aux_loss_coeff", "moe_layer_freq")
-_OPTIONAL_COUNTS = ("moe_shared_expert_intermediate_size", "mtp_num_layers")
+class MlpActivation(str, Enum):
+    """An MLP's activation as Megatron-LM's flags give it: --swiglu (gated SiLU), --quick-geglu
+    (gated quick-GeLU), --squared-relu, or neither (GeLU). Gated ones have fc1 of 2 x ffn (gate
+    and up), so the same GEMMs as SwiGLU; the others fc1 of ffn."""
+    SWIGLU = "swiglu"
+    QUICK_GEGLU = "quick-geglu"
+    GELU = "gelu"
+    SQUARED_RELU = "squared-relu"
+
+    @property
+    def gated(self) -> bool:
+        return self in (MlpActivation.SWIGLU, MlpActivation.QUICK_GEGLU)
+
+
+class Normalization(str, Enum):
+    """Megatron's --normalization (its default is LayerNorm, with a bias; the plugin builds RMSNorm)."""
+    RMSNORM = "RMSNorm"
+    LAYERNORM = "LayerNorm"
+
+
+class SoftmaxType(str, Enum):
+    """Megatron's --softmax-type: attention sinks. 'learnable' holds one offset per head."""
+    VANILLA = "vanilla"
+    OFF_BY_ONE = "off-by-one"
+    LEARNABLE = "learnable"
+
+
+class PositionEmbedding(str, Enum):
+    """Megatron's --position-embedding-type of a GPT model (learned_absolute holds a table of
+    max_position_embeddings x hidden; rope and none hold nothing)."""
+    ROPE = "rope"
+    LEARNED_ABSOLUTE = "learned_absolute"
+    NONE = "none"
+
+
+# ModelConfig fields by kind, each checked on its own: positive ints; positive ints or None;
+# booleans; closed vocabularies (a string of the enum is read into it).
+_COUNTS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "moe_ffn_hidden_size",
+           "num_experts", "moe_router_topk", "vocab_size", "seq_length", "kv_lora_rank", "qk_head_dim",
+           "qk_pos_emb_head_dim", "v_head_dim")
+_OPTIONAL_COUNTS = ("moe_shared_expert_intermediate_size", "mtp_num_layers", "kv_channels", "num_query_groups",
+                    "q_lora_rank", "max_position_embeddings", "moe_router_num_groups", "moe_router_group_topk")
+_FLAGS = ("qk_layernorm", "multi_latent_attention", "add_bias_linear", "add_qkv_bias",
+          "untie_embeddings_and_output_weights", "attention_output_gate", "moe_shared_expert_gate")
+_VOCABULARIES = {"mlp_activation": MlpActivation, "normalization": Normalization, "softmax_type": SoftmaxType,
+                 "position_embedding_type": PositionEmbedding}
+# Widths without a bound of their own in limits.py are bounded by hidden_size's.
+_WIDTH_LIMIT = ("kv_channels", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+
+
+def _memoized(fn):
+    """Memoize a ModelConfig method by its arguments, in the instance (frozen: its fields never
+    change; dataclasses.replace makes a new instance). The planner asks them millions of times."""
+    @functools.wraps(fn)
+    def cached(self, *args):
+        memo = self.__dict__.setdefault("_memo", {})
+        key = (fn.__name__, *args)
+        if key not in memo:
+            memo[key] = fn(self, *args)
+        v = memo[key]
+        return list(v) if isinstance(v, list) else v  # a caller's list is its own
+
+    return cached
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A Mixtral-style MoE GPT (SwiGLU MLPs, RMSNorm, RoPE, no bias), with Megatron's layer options:
-    `moe_layer_freq` (Megatron's --moe-layer-freq) makes some layers dense (an MLP of
-    ffn_hidden_size instead of experts; default 1: every layer MoE), and
-    `moe_shared_expert_intermediate_size` gives every MoE layer a shared-expert MLP of that size
-    that all tokens pass through (default None: none), and `mtp_num_layers` (Megatron's
-    --mtp-num-layers) adds multi-token prediction layers after the decoder's (default None: none;
-    even plans place them, the search does not price them). `num_layers` is the decoder's total
-    (Megatron's --num-layers); `num_moe_layers` and `dense_layers` split it."""
+    """A MoE GPT as Megatron-core builds it. The defaults are the plugin's own Mixtral-style model
+    (SwiGLU MLPs, RMSNorm, RoPE, no bias, untied embeddings, multi-head attention of
+    hidden/heads channels); the other fields carry Megatron-LM's flags of the same name with
+    Megatron's meaning, so a model any Megatron-LM command line builds can be described and priced:
+    `moe_layer_freq` (--moe-layer-freq) makes some layers dense (an MLP of ffn_hidden_size instead
+    of experts; default 1: every layer MoE); `moe_shared_expert_intermediate_size` gives every MoE
+    layer a shared-expert MLP of that size that all tokens pass through (default None: none);
+    `mtp_num_layers` (--mtp-num-layers) adds multi-token prediction layers after the decoder's
+    (default None: none). `num_layers` is the decoder's total (Megatron's --num-layers);
+    `num_moe_layers` and `dense_layers` split it (the MTP layers are not in them: `planned_*`
+    counts them too).
+
+    Attention: `kv_channels` (--kv-channels, None: hidden/heads) per head, `num_query_groups`
+    (--num-query-groups with --group-query-attention, None: one per head), `qk_layernorm`,
+    `attention_output_gate`, `softmax_type` (attention sinks), `window_size` (--window-size
+    (left, right) of sliding-window attention, None: full) on the layers `window_attn_skip_freq`
+    leaves windowed (Megatron's rule: an int N, layer number n (from 1) is windowed unless n % N
+    == 0; a list, 1 = windowed); or multi-latent attention (`multi_latent_attention`, with
+    `q_lora_rank` (None: no query compression), `kv_lora_rank`, `qk_head_dim`,
+    `qk_pos_emb_head_dim` (the RoPE part), `v_head_dim`, Megatron's defaults). MLPs:
+    `mlp_activation`; `add_bias_linear` / `add_qkv_bias` biases; `normalization`;
+    `moe_shared_expert_gate`. Routing: `moe_router_num_groups` / `moe_router_group_topk`
+    (group-limited routing: a token's experts lie in group_topk of num_groups groups).
+    Embeddings: `untie_embeddings_and_output_weights`, `position_embedding_type`,
+    `max_position_embeddings` (None: seq_length; Megatron-LM requires the flag, a YAML may leave it out)."""
 
     name: str
     num_layers: int
@@ -63,42 +141,141 @@ class ModelConfig:
     moe_layer_freq: int | list[int] = 1
     moe_shared_expert_intermediate_size: int | None = None
     mtp_num_layers: int | None = None
+    # ---- attention (Megatron's flags of these names; defaults: the plugin's model) -----------
+    kv_channels: int | None = None
+    num_query_groups: int | None = None
+    qk_layernorm: bool = False
+    attention_output_gate: bool = False
+    softmax_type: SoftmaxType = SoftmaxType.VANILLA
+    window_size: tuple[int, int] | None = None
+    window_attn_skip_freq: int | list[int] | None = None
+    multi_latent_attention: bool = False
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    # ---- MLPs, norms, biases, routing, embeddings ---------------------------------------------
+    mlp_activation: MlpActivation = MlpActivation.SWIGLU
+    normalization: Normalization = Normalization.RMSNORM
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    moe_shared_expert_gate: bool = False
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    untie_embeddings_and_output_weights: bool = True
+    position_embedding_type: PositionEmbedding = PositionEmbedding.ROPE
+    max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ModelConfigError(f"model name={self.name!r} must be a non-empty string")
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.name in _NOT_COUNTS or (f.name in _OPTIONAL_COUNTS and v is None):
+        for f in _COUNTS + _OPTIONAL_COUNTS:
+            v = getattr(self, f)
+            if f in _OPTIONAL_COUNTS and v is None:
                 continue
             # bool is an int subclass: `num_layers: true` in YAML must not mean 1.
             if type(v) is not int or v <= 0:
-                what = " (or absent: none)" if f.name in _OPTIONAL_COUNTS else ""
-                raise ModelConfigError(f"model {self.name!r}: {f.name}={v!r} must be a positive integer{what}")
-            if f.name in MODEL_LIMITS and v > MODEL_LIMITS[f.name]:  # limits.py: no cluster holds more
-                raise ModelConfigError(f"model {self.name!r}: {f.name}={v} is above {MODEL_LIMITS[f.name]}, the "
+                what = " (or absent: none)" if f in _OPTIONAL_COUNTS else ""
+                raise ModelConfigError(f"model {self.name!r}: {f}={v!r} must be a positive integer{what}")
+            limit = MODEL_LIMITS.get("hidden_size" if f in _WIDTH_LIMIT else f)
+            if limit is not None and v > limit:  # limits.py: no cluster holds more
+                raise ModelConfigError(f"model {self.name!r}: {f}={v} is above {limit}, the "
                                        f"largest this plugin takes (megatron_hetermoe/limits.py); check the value")
+        for f in _FLAGS:
+            if type(getattr(self, f)) is not bool:
+                raise ModelConfigError(f"model {self.name!r}: {f}={getattr(self, f)!r} must be true or false")
+        for f, vocab in _VOCABULARIES.items():
+            v = getattr(self, f)
+            try:
+                object.__setattr__(self, f, vocab(v))
+            except ValueError:
+                raise ModelConfigError(f"model {self.name!r}: {f}={v!r} is not one of "
+                                       f"{[x.value for x in vocab]}") from None
         c = self.moe_aux_loss_coeff
         if type(c) not in (int, float) or not math.isfinite(c) or c < 0:
             raise ModelConfigError(f"model {self.name!r}: moe_aux_loss_coeff={c!r} must be a finite number >= 0 "
                                    f"(Megatron's default is 0.01; 0 disables the load-balancing loss)")
         self._check_moe_layer_freq()
-        if self.hidden_size % self.num_attention_heads:
-            raise ModelConfigError(
-                f"model {self.name!r}: hidden_size={self.hidden_size} is not divisible by "
-                f"num_attention_heads={self.num_attention_heads}; pick a head count that divides it"
-            )
-        if self.head_dim % 2:
-            # RoPE rotates pairs of channels; an odd head dim fails inside the first forward.
-            raise ModelConfigError(
-                f"model {self.name!r}: head dim hidden_size/num_attention_heads = {self.hidden_size}/"
-                f"{self.num_attention_heads} = {self.head_dim} is odd; RoPE needs an even head dim"
-            )
+        self._check_attention()
+        self._check_window()
         if not 1 <= self.moe_router_topk <= self.num_experts:
             raise ModelConfigError(
                 f"model {self.name!r}: moe_router_topk={self.moe_router_topk} must be in "
                 f"[1, num_experts={self.num_experts}]"
             )
+        self._check_router_groups()
+        if self.moe_shared_expert_intermediate_size and self.add_bias_linear:
+            raise ModelConfigError(f"model {self.name!r}: shared experts with add_bias_linear: megatron-core's "
+                                   f"SharedExpertMLP refuses biases; drop one (--disable-bias-linear)")
+
+    def _check_attention(self) -> None:
+        """The head shapes Megatron's modules take (attention.py, multi_latent_attention.py)."""
+        heads = self.num_attention_heads
+        if self.multi_latent_attention:
+            if self.num_query_groups is not None:
+                raise ModelConfigError(f"model {self.name!r}: num_query_groups={self.num_query_groups} with "
+                                       f"multi_latent_attention: Megatron refuses group-query attention with MLA; "
+                                       f"drop one")
+            if self.qk_pos_emb_head_dim % 2:
+                raise ModelConfigError(f"model {self.name!r}: qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} is odd; "
+                                       f"RoPE needs an even head dim")
+            return
+        if self.kv_channels is None and self.hidden_size % heads:
+            raise ModelConfigError(
+                f"model {self.name!r}: hidden_size={self.hidden_size} is not divisible by "
+                f"num_attention_heads={heads}; pick a head count that divides it, or give kv_channels "
+                f"(Megatron's --kv-channels)"
+            )
+        if self.head_dim % 2 and self.position_embedding_type == PositionEmbedding.ROPE:
+            # RoPE rotates pairs of channels; an odd head dim fails inside the first forward.
+            given = (f"kv_channels={self.kv_channels}" if self.kv_channels is not None else
+                     f"hidden_size/num_attention_heads = {self.hidden_size}/{heads} = {self.head_dim}")
+            raise ModelConfigError(f"model {self.name!r}: head dim {given} is odd; RoPE needs an even head dim")
+        g = self.num_query_groups
+        if g is not None and heads % g:
+            raise ModelConfigError(f"model {self.name!r}: num_query_groups={g} does not divide "
+                                   f"num_attention_heads={heads}; Megatron needs heads to be a multiple of the "
+                                   f"groups")
+
+    def _check_window(self) -> None:
+        w = self.window_size
+        if w is not None:
+            if isinstance(w, list):
+                w = tuple(w)
+                object.__setattr__(self, "window_size", w)
+            if (not isinstance(w, tuple) or len(w) != 2 or any(type(x) is not int or x < -1 for x in w)):
+                raise ModelConfigError(f"model {self.name!r}: window_size={self.window_size!r} must be two integers "
+                                       f"(left, right), -1 meaning unbounded (Megatron's --window-size, e.g. 128,0)")
+        f = self.window_attn_skip_freq
+        if f is None:
+            return
+        n = self.num_layers + (self.mtp_num_layers or 0)
+        if isinstance(f, str):
+            try:
+                f = moe_layers.parse_moe_layer_freq(f)  # Megatron reads both flags with moe_freq_type
+            except moe_layers.LayerPatternError as e:
+                raise ModelConfigError(f"model {self.name!r}: window_attn_skip_freq={f!r}: {e}") from None
+            object.__setattr__(self, "window_attn_skip_freq", f)
+        if not ((type(f) is int and f >= 1) or (isinstance(f, list) and all(x in (0, 1) and type(x) is int for x in f)
+                                                and len(f) >= self.num_layers)):
+            raise ModelConfigError(f"model {self.name!r}: window_attn_skip_freq={f!r} must be an int N >= 1 (every "
+                                   f"N-th layer full attention) or a list of 0/1 per layer ({self.num_layers} decoder "
+                                   f"layers{f', {n} with the MTP layers' if n > self.num_layers else ''}; 1 = "
+                                   f"windowed)")
+
+    def _check_router_groups(self) -> None:
+        n, k = self.moe_router_num_groups, self.moe_router_group_topk
+        if n is None and k is None:
+            return
+        if n is None or k is None or self.num_experts % n or not 1 <= k <= n:
+            raise ModelConfigError(f"model {self.name!r}: moe_router_num_groups={n}, moe_router_group_topk={k}: give "
+                                   f"both (group-limited routing), the groups dividing num_experts={self.num_experts} "
+                                   f"and group_topk in 1..num_groups")
+        if self.moe_router_topk > k * (self.num_experts // n):
+            raise ModelConfigError(f"model {self.name!r}: moe_router_topk={self.moe_router_topk} experts do not fit in "
+                                   f"moe_router_group_topk={k} groups of {self.num_experts // n}; raise the group "
+                                   f"count")
 
     def _check_moe_layer_freq(self) -> None:
         """Read moe_layer_freq as Megatron does (an int, or its list; a string form is read into
@@ -141,35 +318,138 @@ class ModelConfig:
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 
+    # ---- attention shape (Megatron's modules: attention.py, multi_latent_attention.py) ---------
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Channels per head of (non-MLA) attention: --kv-channels, Megatron's default hidden/heads."""
+        return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """K/V heads: --num-query-groups (with --group-query-attention), else one per head (MHA)."""
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+    @property
+    def qk_channels(self) -> int:
+        """Channels of a query and a key head in the attention core (MLA: qk_head_dim + its RoPE part)."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim
+
+    @property
+    def v_channels(self) -> int:
+        """Channels of a value head (and of the output projection's input per head)."""
+        return self.v_head_dim if self.multi_latent_attention else self.head_dim
+
+    @_memoized
+    def attention_linear_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) of every linear layer of one layer's attention, as megatron-core builds them."""
+        h, a = self.hidden_size, self.num_attention_heads
+        if self.multi_latent_attention:
+            q = a * self.qk_channels
+            out = ([(h, q)] if self.q_lora_rank is None else [(h, self.q_lora_rank), (self.q_lora_rank, q)])
+            return out + [(h, self.kv_lora_rank + self.qk_pos_emb_head_dim),
+                          (self.kv_lora_rank, a * (self.qk_head_dim + self.v_head_dim)), (a * self.v_head_dim, h)]
+        d, g = self.head_dim, self.query_groups
+        qkv = a * d + 2 * g * d + (a * d if self.attention_output_gate else 0)
+        return [(h, qkv), (a * d, h)]
+
+    @_memoized
+    def attention_linear_weights(self) -> int:
+        """Weights of one layer's attention GEMMs (multiply-accumulates per token: the same number)."""
+        return sum(i * o for i, o in self.attention_linear_shapes())
+
+    def norm_params(self, width: int) -> int:
+        """One norm of `width` channels: RMSNorm a weight, LayerNorm a weight and a bias."""
+        return width * (2 if self.normalization == Normalization.LAYERNORM else 1)
+
+    @_memoized
+    def attention_params(self) -> int:
+        """One layer's self-attention module: its GEMMs' weights, their biases (megatron-core: QKV
+        with add_bias_linear or add_qkv_bias, the output projection with add_bias_linear; MLA's
+        projections have none but its output), the q/k (MLA: q and kv latent) norms with
+        qk_layernorm, and the learnable softmax offsets (one per head)."""
+        h, a = self.hidden_size, self.num_attention_heads
+        n = self.attention_linear_weights()
+        if self.multi_latent_attention:
+            n += h if self.add_bias_linear else 0
+            if self.qk_layernorm:
+                n += self.norm_params(self.kv_lora_rank) + (self.norm_params(self.q_lora_rank) if self.q_lora_rank else 0)
+        else:
+            qkv_out = self.attention_linear_shapes()[0][1]
+            n += (qkv_out if self.add_bias_linear or self.add_qkv_bias else 0) + (h if self.add_bias_linear else 0)
+            n += 2 * self.norm_params(self.head_dim) if self.qk_layernorm else 0
+        return n + (a if self.softmax_type == SoftmaxType.LEARNABLE else 0)
+
+    @_memoized
+    def window_fraction(self, seq_len: int) -> float:
+        """Attention-core work of the model's attention layers (decoder and MTP), averaged over
+        them, as a fraction of full causal attention at `seq_len`: a windowed layer's query at
+        position i attends min(i, left) + 1 keys (Megatron's --window-size (left, right), causal,
+        so right adds none), a full one i + 1 (Megatron's is_layer_window_attention picks the
+        windowed layers). 1.0 without --window-size."""
+        if self.window_size is None or self.window_size[0] < 0 or self.window_size[0] + 1 >= seq_len:
+            return 1.0
+        w, s = self.window_size[0], seq_len
+        windowed = ((w + 1) * (w + 2) // 2 + (s - w - 1) * (w + 1)) / (s * (s + 1) / 2)
+        n = self.num_layers + (self.mtp_num_layers or 0)
+        f = self.window_attn_skip_freq
+        if f is None:
+            k = n
+        elif isinstance(f, int):
+            k = sum(1 for number in range(1, n + 1) if number % f)
+        else:
+            k = sum(f[:n])
+        return (k * windowed + (n - k)) / n
 
     # ---- layers: MoE and dense (Megatron's --moe-layer-freq) ------------------------------
     @property
+    @_memoized
     def moe_layer_pattern(self) -> list[int]:
-        """One entry per model layer: 1 = MoE layer, 0 = dense layer."""
+        """One entry per decoder layer: 1 = MoE layer, 0 = dense layer."""
         return moe_layers.moe_layer_pattern(self.moe_layer_freq, self.num_layers)
 
     @property
     def dense_layers(self) -> list[int]:
-        """Model indices of the layers without experts (a plan's dense_layers)."""
+        """Model indices of the decoder layers without experts."""
         return [i for i, v in enumerate(self.moe_layer_pattern) if not v]
 
     @property
     def moe_layer_ids(self) -> list[int]:
-        """Model indices of the MoE layers; MoE layer k (a plan's layer k) is model layer moe_layer_ids[k]."""
+        """Model indices of the decoder's MoE layers."""
         return [i for i, v in enumerate(self.moe_layer_pattern) if v]
 
     @property
     def num_moe_layers(self) -> int:
-        """MoE layers: a plan's num_layers (one expert placement each), the task lists' L."""
+        """The decoder's MoE layers (without the MTP layers: planned_num_moe_layers counts them)."""
         return sum(self.moe_layer_pattern)
 
     @property
+    @_memoized
+    def planned_dense_layers(self) -> list[int]:
+        """A plan's dense_layers: the decoder's, and the MTP layers (model layers num_layers + k)
+        when the decoder's last layer is dense (Megatron builds MTP layers from its spec)."""
+        return moe_layers.model_dense_layers(self.moe_layer_freq, self.num_layers, self.mtp_num_layers)
+
+    @property
+    @_memoized
+    def planned_moe_layer_ids(self) -> list[int]:
+        """Model indices of the MoE layers, MTP layers included: MoE layer k of a plan (its
+        placement, the task lists' layer k) is model layer planned_moe_layer_ids[k]."""
+        dense = set(self.planned_dense_layers)
+        return [i for i in range(self.num_layers + (self.mtp_num_layers or 0)) if i not in dense]
+
+    @property
+    def planned_num_moe_layers(self) -> int:
+        """A plan's num_layers: one expert placement per MoE layer, MTP layers included."""
+        return len(self.planned_moe_layer_ids)
+
+    @property
     def beyond_every_layer_moe(self) -> list[str]:
-        """What of this model the plugin's own trainer (every layer MoE, no shared experts) does not
-        build: dense layers, shared experts (empty: it builds this model)."""
+        """What of this model the plugin's own trainer does not build (empty: it builds this model).
+        That trainer (models/builder.py) builds every layer as an MoE layer without shared experts
+        nor MTP, with multi-head attention of hidden/heads channels, SwiGLU, RMSNorm, RoPE, no
+        biases, untied embeddings, full softmax attention and ungrouped routing: every other
+        value of a field here is named (training/validation.check_plugin_model refuses it; such a
+        model trains in Megatron-LM's pretrain_gpt.py)."""
         out = []
         if self.dense_layers:
             out.append(f"dense layers {self.dense_layers} (moe_layer_freq {self.moe_layer_freq!r})")
@@ -177,40 +457,96 @@ class ModelConfig:
             out.append(f"shared experts (moe_shared_expert_intermediate_size {self.moe_shared_expert_intermediate_size})")
         if self.mtp_num_layers:
             out.append(f"multi-token prediction layers (mtp_num_layers {self.mtp_num_layers})")
+        mha = self.hidden_size // self.num_attention_heads
+        if self.kv_channels is not None and (self.hidden_size % self.num_attention_heads or self.kv_channels != mha):
+            out.append(f"kv_channels {self.kv_channels} (not hidden/heads)")
+        for f, plugin in (("num_query_groups", (None, self.num_attention_heads)), ("qk_layernorm", (False,)),
+                          ("attention_output_gate", (False,)), ("multi_latent_attention", (False,)),
+                          ("softmax_type", (SoftmaxType.VANILLA,)), ("window_size", (None,)),
+                          ("mlp_activation", (MlpActivation.SWIGLU,)), ("normalization", (Normalization.RMSNORM,)),
+                          ("add_bias_linear", (False,)), ("add_qkv_bias", (False,)), ("moe_shared_expert_gate", (False,)),
+                          ("moe_router_num_groups", (None,)), ("untie_embeddings_and_output_weights", (True,)),
+                          ("position_embedding_type", (PositionEmbedding.ROPE,))):
+            v = getattr(self, f)
+            if v not in plugin:
+                out.append(f"{f} {v.value if isinstance(v, Enum) else v!r}")
         return out
 
-    # ---- parameters ---------------------------------------------------------------------
+    # ---- parameters (what megatron-core builds; tests/planner/test_model_params.py) -----------
+    @_memoized
+    def mlp_params(self, ffn: int) -> int:
+        """One MLP of intermediate size `ffn` (an expert, a dense layer's, a shared expert): fc1
+        h -> 2 ffn when gated (gate and up), else h -> ffn; fc2 ffn -> h; their biases with
+        add_bias_linear. 0 for ffn 0."""
+        if not ffn:
+            return 0
+        h = self.hidden_size
+        up = 2 * ffn if self.mlp_activation.gated else ffn
+        return h * up + ffn * h + ((up + h) if self.add_bias_linear else 0)
+
     def expert_params(self) -> int:
-        """Parameters of one SwiGLU expert (fc1 is 2 x ffn for the gate and up projections)."""
-        return 3 * self.hidden_size * self.moe_ffn_hidden_size
+        """Parameters of one routed expert."""
+        return self.mlp_params(self.moe_ffn_hidden_size)
 
     def dense_mlp_params(self) -> int:
-        """The SwiGLU MLP of one dense layer (ffn_hidden_size)."""
-        return 3 * self.hidden_size * self.ffn_hidden_size
+        """The MLP of one dense layer (ffn_hidden_size)."""
+        return self.mlp_params(self.ffn_hidden_size)
 
     def shared_expert_params(self) -> int:
-        """The shared-expert SwiGLU MLP of one MoE layer (0 without shared experts)."""
-        return 3 * self.hidden_size * (self.moe_shared_expert_intermediate_size or 0)
+        """The shared-expert MLP of one MoE layer and its gate (0 without shared experts)."""
+        if not self.moe_shared_expert_intermediate_size:
+            return 0
+        gate = self.hidden_size if self.moe_shared_expert_gate else 0
+        return self.mlp_params(self.moe_shared_expert_intermediate_size) + gate
 
+    def router_params(self) -> int:
+        """One MoE layer's router: E x h, and E biases with add_bias_linear."""
+        return self.num_experts * self.hidden_size + (self.num_experts if self.add_bias_linear else 0)
+
+    @_memoized
     def layer_attention_params(self) -> int:
-        """Attention of any layer: QKV + output projection and the two norms."""
-        h = self.hidden_size
-        return 4 * h * h + 2 * h
+        """Attention of any layer and the layer's two norms (input and pre-MLP)."""
+        return self.attention_params() + 2 * self.norm_params(self.hidden_size)
 
+    @_memoized
     def moe_layer_non_expert_params(self) -> int:
         """What an MoE layer holds besides its routed experts: attention, norms, router, shared expert."""
-        return self.layer_attention_params() + self.hidden_size * self.num_experts + self.shared_expert_params()
+        return self.layer_attention_params() + self.router_params() + self.shared_expert_params()
 
+    @_memoized
     def dense_layer_params(self) -> int:
         return self.layer_attention_params() + self.dense_mlp_params()
 
+    def mtp_extra_params(self) -> int:
+        """One MTP layer besides its transformer layer (multi_token_prediction.py): the embedding
+        and hidden norms, the 2h -> h projection, its final norm."""
+        h = self.hidden_size
+        return 3 * self.norm_params(h) + 2 * h * h
+
+    def embedding_params(self) -> int:
+        """The word embedding, and the position table with learned absolute positions."""
+        pos = (self.max_position_embeddings or self.seq_length
+               if self.position_embedding_type == PositionEmbedding.LEARNED_ABSOLUTE else 0)
+        return (self.vocab_size + pos) * self.hidden_size
+
+    def output_params(self) -> int:
+        """The output layer's own weight (0 when tied to the embedding)."""
+        return self.vocab_size * self.hidden_size if self.untie_embeddings_and_output_weights else 0
+
+    @_memoized
     def non_expert_params(self) -> int:
         """Embedding, output layer, final norm, and every layer but its routed experts (attention,
-        norms, routers, shared experts, dense layers' MLPs): what an attention rank holds."""
-        h = self.hidden_size
-        layers = self.num_moe_layers * self.moe_layer_non_expert_params() + \
-            len(self.dense_layers) * self.dense_layer_params()
-        return 2 * self.vocab_size * h + layers + h
+        norms, routers, shared experts, dense layers' MLPs; the MTP layers and their extras):
+        what an attention rank holds."""
+        n_dense = len(self.planned_dense_layers)
+        layers = self.planned_num_moe_layers * self.moe_layer_non_expert_params() + n_dense * self.dense_layer_params()
+        mtp = (self.mtp_num_layers or 0) * self.mtp_extra_params()
+        return self.embedding_params() + self.output_params() + layers + mtp + self.norm_params(self.hidden_size)
+
+    def total_params(self) -> int:
+        """Every parameter of the model (one pipeline stage, no parallelism): what megatron-core's
+        GPTModel of this config holds."""
+        return self.non_expert_params() + self.planned_num_moe_layers * self.num_experts * self.expert_params()
 
 
 @dataclass(frozen=True)

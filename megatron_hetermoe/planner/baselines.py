@@ -224,10 +224,8 @@ def pp_stage_params(cost: CostModel, st: PPStage) -> float:
     """Non-expert parameters one GPU of a stage holds: its zebra stages' (cost_model.stage_params:
     attention, norms, routers, shared experts, dense layers), the embedding on the first stage,
     the output layer and final norm on the last."""
-    m = cost.model
-    h = m.hidden_size
-    return sum(cost.stage_params(s) for s in st.stages(cost.num_layers)) + (m.vocab_size * h if st.is_first else 0) \
-        + (m.vocab_size * h + h if st.is_last else 0)
+    pieces = [(s, cost.dense_in_stage[s]) for s in st.stages(cost.num_layers)]
+    return cost.pipeline_stage_params(pieces, st.is_first, st.is_last)
 
 
 def pp_stage_time(cost: CostModel, cluster: Cluster, st: PPStage, t: float) -> tuple[float, float]:
@@ -260,15 +258,16 @@ def pp_stage_bytes(cost: CostModel, st: PPStage, t: float, in_flight: int) -> fl
     per_expert = d * t * k / E
     dense = sum(cost.dense_in_stage[s] for s in st.stages(cost.num_layers))
     shared = m.moe_shared_expert_intermediate_size or 0
+    act = cost.layer_activation_bytes_per_token()  # one whole layer's activations per token
     need = pp_stage_params(cost, st) * BYTES_PER_PARAM_STATE
     need += st.layers * (E // d) * cost.per_expert_bytes(per_expert, in_flight) + cost.expert_working_bytes(per_expert)
     if cost.settings.activation_checkpointing:
-        need += (st.layers + dense + 1) * t * h * b * in_flight + max(t * h * b * 20, t * h * 34.0 if dense else 0.0)
+        need += (st.layers + dense + 1) * t * h * b * in_flight + max(t * h * b * 20, t * act if dense else 0.0)
         need += t * shared * b * 4  # a shared expert's SwiGLU intermediates while it runs
     else:
-        need += (st.layers + dense) * t * h * 34.0 * in_flight + st.layers * t * 3 * shared * b * in_flight
+        need += (st.layers + dense) * t * act * in_flight + st.layers * t * 3 * shared * b * in_flight
     if st.is_last:
-        need += t * m.vocab_size * 4.0
+        need += cost.heads * t * m.vocab_size * 4.0
     return need
 
 
@@ -416,6 +415,100 @@ def physical_limit(cost: CostModel, cluster: Cluster, global_batch: int) -> Base
                           {"attention_s_per_seq": a, "expert_s_per_seq": e})
 
 
+# ---------------------------------------------------------------- the network floor and the roofline
+NETWORK_FLOOR = "Network floor (disaggregated)"
+ROOFLINE = "Roofline (compute + network)"
+
+
+def distinct_nodes(num_experts: int, topk: int, holdings: list[int], groups: int | None = None,
+                   group_topk: int | None = None) -> float:
+    """Expected number of distinct nodes a token's top-k experts sit on, experts routed uniformly
+    (the balanced routing the cost model assumes), `holdings[i]` experts on node i: sum over nodes
+    of 1 - C(E - c_i, k) / C(E, k). Group-limited routing (`groups`, `group_topk`: the k experts
+    lie in group_topk of `groups` groups of consecutive experts) where the nodes hold whole groups
+    (contiguous, equal holdings dividing the groups): at most the expected distinct nodes of
+    group_topk groups drawn among `groups`, each group counted as reached."""
+    def missed(total: int, held: int, draws: int) -> float:  # C(total - held, draws) / C(total, draws)
+        q = 1.0
+        for j in range(draws):
+            q *= max(0.0, (total - held - j) / (total - j))
+        return q
+
+    d = sum(1.0 - missed(num_experts, c, topk) for c in holdings if c)
+    n = len(holdings)
+    if groups and group_topk and len(set(holdings)) == 1 and groups % n == 0:
+        c = groups // n
+        d = min(d, n * (1.0 - missed(groups, c, group_topk)))
+    return d
+
+
+def network_limit(cost: CostModel, cluster: Cluster, global_batch: int, max_stages: int = 1) -> BaselineResult:
+    """A lower bound on the step of any disaggregated layout (attention and experts on different
+    GPUs, HeterMoE's), from the bytes a step must move across NICs with per-node dedup: a routed
+    token goes once to each distinct node holding one of its experts (distinct_nodes) in each of a
+    MoE layer's four transfers, two per direction (dispatch forward and the combine's gradient
+    toward the experts; the combine forward and the dispatch's gradient back; three toward the
+    experts with expert recompute 'resend-inputs'). Per role split by GPU type (the search's:
+    one type attention, the others experts; none where a node holds both roles):
+      * a layer's experts sit on at least n nodes: one copy of every expert's weights and state
+        (the distributed optimizer's least, state sharded over every rank) over `max_stages`
+        pipeline stages, on the expert type's largest node; every layer's experts split evenly
+        over a stage's expert ranks, so over those n nodes;
+      * at most the fraction f of routed tokens stays on the attention side (Asym-EA): the
+        attention GPUs' whole memory over that copy;
+      * B = tokens x MoE layers x (1 - f) x distinct nodes x token bytes per direction, each byte
+        through an attention NIC and an expert NIC: max(B / attention NICs, B / expert NICs).
+    The floor is the least over the splits. It ignores latency, compute and the NICs' other
+    traffic, so no disaggregated plan beats it (the simulator moves top-k copies, no dedup: the
+    plugin's transport does not dedup per node); Megatron EP, which places experts with the
+    tokens' attention, is not bound by it."""
+    m = cost.model
+    S, L, E, k = cost.settings.seq_len, cost.num_layers, m.num_experts, m.moe_router_topk
+    types, nodes, nics = cluster.gpu_types(), cluster.node_of(), cluster.nic_gbs()
+    tokens = float(global_batch) * S
+    toward = 3 if cost.settings.expert_recompute == "resend-inputs" else 2
+    per_param = cost.state_bytes_per_param(cluster.world_size)
+    copy = L * E * m.expert_params() * per_param
+    detail: dict = {}
+    best = math.inf
+    kinds = list(cluster.counts())
+    for att in (kinds if len(kinds) > 1 else []):
+        a_ranks = [r for r, t in enumerate(types) if t == att]
+        x_ranks = [r for r, t in enumerate(types) if t != att]
+        a_nodes, x_nodes = {nodes[r] for r in a_ranks}, {nodes[r] for r in x_ranks}
+        label = f"attention on {att}"
+        if a_nodes & x_nodes:
+            detail[label] = "a node holds both roles: tokens may stay in it (no floor)"
+            best = 0.0
+            continue
+        per_node: dict[int, float] = {}
+        for r in x_ranks:
+            per_node[nodes[r]] = per_node.get(nodes[r], 0.0) + cost.profile(types[r]).usable_memory_bytes
+        n = min(len(x_nodes), max(1, math.ceil(copy / max_stages / max(per_node.values()))))
+        holdings = [E // n + (1 if i < E % n else 0) for i in range(n)]
+        d = distinct_nodes(E, k, holdings, m.moe_router_num_groups, m.moe_router_group_topk)
+        local = min(1.0, sum(cost.profile(types[r]).usable_memory_bytes for r in a_ranks) / copy)
+        per_dir = tokens * L * (1.0 - local) * d * cost.token_bytes()
+        bw_a, bw_x = sum(nics[r] for r in a_ranks) * 1e9, sum(nics[r] for r in x_ranks) * 1e9
+        t = toward * per_dir / min(bw_a, bw_x)  # the direction toward the experts carries the most
+        detail[label] = {"expert_nodes_per_layer": n, "distinct_nodes_per_token": d, "local_fraction": local,
+                         "bytes_per_direction": toward * per_dir, "seconds": t}
+        best = min(best, t)
+    if not math.isfinite(best):
+        best = 0.0
+        detail["why"] = "one GPU type: no split by type"
+    return BaselineResult(NETWORK_FLOOR, best, tokens / best if best > 0 else 0.0, {}, detail)  # 0: no floor
+
+
+def roofline(compute: BaselineResult, network: BaselineResult) -> BaselineResult:
+    """The larger of the compute-only limit and the network floor: what a disaggregated layout
+    can reach at best (compute and transfers overlap at most fully)."""
+    step = max(compute.step_time_s, network.step_time_s)
+    binds = "network" if network.step_time_s > compute.step_time_s else "compute"
+    return BaselineResult(ROOFLINE, step, compute.tokens_per_s * compute.step_time_s / step, {},
+                          {"bound_by": binds, "compute_s": compute.step_time_s, "network_s": network.step_time_s})
+
+
 # ---------------------------------------------------------------- Megatron EP with TP and PP
 MEGATRON_TP = (1, 2, 4, 8)  # TP sizes the Megatron EP baseline tries (inside a node)
 MEGATRON_PP = (1, 2, 4, 8)  # PP sizes it tries (dividing the MoE layers)
@@ -469,21 +562,22 @@ def megatron_stage_bytes(cost: CostModel, st: PPStage, t: float, in_flight: int,
     need = dense_params * cost.state_bytes_per_param(dp_dense) + experts
     dense = sum(cost.dense_in_stage[s] for s in stages)
     shared = m.moe_shared_expert_intermediate_size or 0
+    act = cost.layer_activation_bytes_per_token()  # one whole layer's activations per token
     if cost.settings.activation_checkpointing:
-        need += (st.layers + dense + 1) * t * h * b * in_flight + max(t * h * b * 20, t * h * 34.0 if dense else 0.0)
+        need += (st.layers + dense + 1) * t * h * b * in_flight + max(t * h * b * 20, t * act if dense else 0.0)
         need += t * shared * b * 4
     else:
-        need += (st.layers + dense) * t * h * 34.0 * in_flight + st.layers * t * 3 * shared * b * in_flight
+        need += (st.layers + dense) * t * act * in_flight + st.layers * t * 3 * shared * b * in_flight
     need += (tp - 1) * t * h * b if tp > 1 else 0.0
     if st.is_last:
-        need += t * m.vocab_size * 4.0
+        need += cost.heads * t * m.vocab_size * 4.0
     return need
 
 
 def megatron_ep_config_reason(cost: CostModel, cluster: Cluster, ranks: list[int], tp: int, pp: int) -> str:
     """Why Megatron cannot run TP tp x PP pp over `ranks` ('' if it can)."""
     m = cost.model
-    W, S, L = len(ranks), cost.settings.seq_len, cost.num_layers
+    W, S, L = len(ranks), cost.settings.seq_len, cost.model.num_moe_layers  # the MTP layers go to the last stage
     if W % (tp * pp):
         return f"{W} ranks are not a multiple of TP {tp} x PP {pp}"
     if m.num_attention_heads % tp or S % tp:
@@ -523,9 +617,9 @@ def simulate_megatron_ep(cost: CostModel, cluster: Cluster, global_batch: int, r
         return BaselineResult.infeasible(name, f"global batch {global_batch} is not a multiple of the {dp} data-"
                                                f"parallel members (TP {tp}, PP {pp})")
     spm = global_batch // dp
-    per = L // pp
-    stages = [PPStage(types[ranks[i * Ws]], tuple(ranks[i * Ws:(i + 1) * Ws]), i * per, (i + 1) * per,
-                      i == 0, i == pp - 1) for i in range(pp)]
+    per = m.num_moe_layers // pp  # the decoder's MoE layers split evenly; MTP layers on the last stage (Megatron's)
+    stages = [PPStage(types[ranks[i * Ws]], tuple(ranks[i * Ws:(i + 1) * Ws]), i * per,
+                      L if i == pp - 1 else (i + 1) * per, i == 0, i == pp - 1) for i in range(pp)]
     nodes, nics = cluster.node_of(), cluster.nic_gbs()
     best, last_bad = None, ""
     for r_mb in _divisors(spm):

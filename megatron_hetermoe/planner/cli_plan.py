@@ -32,7 +32,6 @@ import math
 import sys
 
 from megatron_hetermoe.config import ModelConfig
-from megatron_hetermoe.layer_pattern import model_dense_layers
 from megatron_hetermoe.limits import (
     MAX_GLOBAL_BATCH,
     MAX_MICROBATCHES,
@@ -41,12 +40,13 @@ from megatron_hetermoe.limits import (
 )
 from megatron_hetermoe.plan.hetero_plan import RUNTIME_EXPERT_RECOMPUTE, PlanError, even_plan
 from megatron_hetermoe.plan.tasks import SCHEDULES, ZEBRA_WAVE_ORDERS
+from megatron_hetermoe.planner.baselines import NETWORK_FLOOR, ROOFLINE
 from megatron_hetermoe.planner.cluster import Cluster
-from megatron_hetermoe.planner.cost_model import EXPERT_RECOMPUTE
-from megatron_hetermoe.planner.megatron_flags import model_from_flags
+from megatron_hetermoe.planner.cost_model import EXPERT_RECOMPUTE, SELECTIVE_PRICED
+from megatron_hetermoe.planner.megatron_flags import RunFlags, model_from_flags
 from megatron_hetermoe.planner.pipeline import PIPELINE_STAGES
 from megatron_hetermoe.planner.profiles import known_gpu_types
-from megatron_hetermoe.planner.search import ATTENTION_TP, SearchResult, search
+from megatron_hetermoe.planner.search import ATTENTION_TP, ZEBRA_RUNS_MTP, SearchResult, search
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,9 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         even_only.append(even.add_argument(*names, **kw).dest)
 
     even_flag("--attention-ranks", type=int, help="M: attention ranks per ZP group (required with --even)")
-    even_flag("--expert-ranks", type=int, help="N: expert ranks per ZP group (required with --even)")
+    even_flag("--expert-ranks", type=int, help="N: expert ranks per ZP group (required with --even, unless the "
+              "run's flags after -- give --expert-model-parallel-size: then N is it)")
     even_flag("--groups", type=int, default=1, help="G: number of ZP groups")
-    even_flag("--microbatches", type=int, default=1, help="R: microbatches per step")
+    even_flag("--microbatches", type=int, default=None,
+              help="R: microbatches per step (default 1; with the run's flags after --: its --global-batch-size / "
+              "(--micro-batch-size x attention members))")
     even_flag("--schedule", choices=list(SCHEDULES), default="distep",
               help="the plan's schedule: DistEP (Megatron's schedule) or zebra (overlapped)")
     even_flag("--zebra-waves", type=int, default=1,
@@ -77,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
               help="with --zebra-waves W > 1: gpipe, every group's forward before the first backward (every "
               "stage keeps all R microbatches alive), or 1f1b, Megatron's 1F1B over the groups (stage i of P "
               "keeps R / W x min(W, P - i)) (default gpipe)")
-    even_flag("--virtual-stages", type=int, default=1,
+    even_flag("--virtual-stages", type=int, default=None,
               help="V: with --pipeline-stages P > 1 and --schedule distep, each stage holds V model chunks "
               "(Megatron's --num-virtual-stages-per-pipeline-rank V, its interleaved 1F1B; Megatron-LM's "
               "pretrain() only) (default 1)")
@@ -136,6 +139,11 @@ def format_table(res: SearchResult, title: str) -> str:
         row = f"{p.name:<{w}}{p.step_time_s:>10.3f}{p.tokens_per_s:>12.0f}{p.ratio_to_limit:>9.2f}"
         row += "".join(f"{p.utilization.get(g, 0.0):>16.2f}" for g in types)
         lines.append(row)
+    roof = next((p for p in res.predictions if p.name == ROOFLINE), None)
+    if roof is not None:
+        lines.append(f"note: vs limit: HeterMoE's rows over the {ROOFLINE} ({roof.step_time_s:.3f} s, bound by "
+                     f"{roof.detail.get('bound_by')}: the compute-only physical limit and the {NETWORK_FLOOR}, the "
+                     f"bytes a step moves across NICs with per-node dedup), the baselines over the compute-only one")
     for p in res.predictions:  # the parallel configuration of the Megatron rows
         if p.fits and "tp" in p.detail and "pp" in p.detail:
             lines.append(f"note: {p.name}: TP {p.detail['tp']}, PP {p.detail['pp']}, EP {p.detail['ep_size']}, "
@@ -178,13 +186,14 @@ def _split_flags(argv: list[str]) -> tuple[list[str], list[str] | None]:
     return argv[:i], argv[i + 1:]
 
 
-def _model(args: argparse.Namespace, flags: list[str] | None) -> ModelConfig:
+def _model(args: argparse.Namespace, flags: list[str] | None) -> tuple[ModelConfig, RunFlags | None]:
     """The model: --model's config, or the one the Megatron-LM flags after -- build (which also
-    give --seq-len and --global-batch their defaults; a value given twice must agree)."""
+    give --seq-len and --global-batch their defaults; a value given twice must agree), and the
+    run those flags describe (None without flags)."""
     if flags is None:
         if not args.model:
             raise ValueError("no model: give --model CONFIG, or the run's pretrain_gpt.py flags after --")
-        return ModelConfig.load(args.model)
+        return ModelConfig.load(args.model), None
     if args.model:
         raise ValueError(f"--model {args.model} and Megatron-LM flags after -- both give the model; keep one")
     fm = model_from_flags(flags)
@@ -198,7 +207,125 @@ def _model(args: argparse.Namespace, flags: list[str] | None) -> ModelConfig:
                              f"must price the run: drop --{ours.replace('_', '-')}")
         if mine is None:
             setattr(args, ours, v)
-    return fm.model
+    return fm.model, fm.run
+
+
+def _agree(ours: str, mine, theirs: str, run_value) -> None:
+    """A layout value given to hetermoe plan and read from the run's flags must agree (the run
+    refuses a plan that differs): ValueError naming both."""
+    if mine is not None and mine != run_value:
+        raise ValueError(f"{ours} {mine} and the run's {theirs} {run_value} (after --; Megatron's default where the "
+                         f"flag is absent) disagree; the run refuses a plan that differs: drop {ours}, or change "
+                         f"{theirs} after --")
+
+
+def even_layout(args: argparse.Namespace, model: ModelConfig, run: RunFlags | None) -> dict:
+    """The even plan's layout: hetermoe plan's flags, or the run's (RunFlags) as the run reads
+    them and checks them against the plan (training/validation.py): attention_tp is
+    --tensor-model-parallel-size, pipeline_stages --pipeline-model-parallel-size, virtual_stages
+    Megatron's virtual pipeline size, R = --global-batch-size / (--micro-batch-size x attention
+    members), members = groups x attention ranks / attention_tp (Megatron's data-parallel size);
+    N defaults to --expert-model-parallel-size (the run replaces it by the plan's placement)."""
+    out = {"tp": args.attention_tp, "pp": args.pipeline_stages, "V": args.virtual_stages, "R": args.microbatches,
+           "N": args.expert_ranks, "notes": []}
+    if run is not None:
+        _agree("--attention-tp", args.attention_tp, "--tensor-model-parallel-size", run.tensor_model_parallel_size)
+        _agree("--pipeline-stages", args.pipeline_stages, "--pipeline-model-parallel-size",
+               run.pipeline_model_parallel_size)
+        _agree("--virtual-stages", args.virtual_stages, "virtual pipeline size (--num-virtual-stages-per-pipeline-rank"
+               " / --num-layers-per-virtual-pipeline-stage)", run.virtual_stages)
+        out.update(tp=run.tensor_model_parallel_size, pp=run.pipeline_model_parallel_size, V=run.virtual_stages)
+        ep = run.expert_model_parallel_size
+        if args.expert_ranks is None and "--expert-model-parallel-size" in run.given:
+            out["N"] = ep
+        elif args.expert_ranks is not None and ep != 1 and ep != args.expert_ranks:
+            out["notes"].append(f"--expert-model-parallel-size {ep}: the plan's placement wins (as in the run): "
+                                f"{model.num_experts} experts a layer over --expert-ranks {args.expert_ranks}")
+        if args.attention_ranks is not None and out["tp"] and args.attention_ranks % out["tp"] == 0:
+            members = args.groups * args.attention_ranks // out["tp"]
+            mbs = run.micro_batch_size
+            gbs = run.global_batch_size if run.global_batch_size is not None else mbs * members
+            if gbs % (mbs * members):
+                raise ValueError(f"the run's --global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x "
+                                 f"{members} attention members (--groups {args.groups} x --attention-ranks "
+                                 f"{args.attention_ranks} / TP {out['tp']}: Megatron's data-parallel size); pass "
+                                 f"--global-batch-size {max(1, gbs // (mbs * members)) * mbs * members} after --, or "
+                                 f"change --attention-ranks / --groups")
+            _agree("--microbatches", args.microbatches, "--global-batch-size / (--micro-batch-size x attention "
+                   "members)", gbs // (mbs * members))
+            out["R"] = gbs // (mbs * members)
+        if out["tp"] > 1 and not run.sequence_parallel:
+            out["notes"].append(f"--tensor-model-parallel-size {out['tp']} without --sequence-parallel: the run "
+                                f"refuses it (Megatron's rule for MoE with TP); add --sequence-parallel")
+    for key, default in (("tp", 1), ("pp", 1), ("V", 1), ("R", 1)):
+        if out[key] is None:
+            out[key] = default
+    return out
+
+
+def run_flags_note(plan, global_batch: int, model: ModelConfig) -> str:
+    """The Megatron-LM flags a run of `plan` takes for its layout and batch (what the run checks
+    against the plan: training/validation.py)."""
+    members = plan.num_attention_members
+    mbs = global_batch // (members * plan.num_microbatches)
+    flags = [f"--tensor-model-parallel-size {plan.attention_tp}"]
+    if plan.attention_tp > 1:
+        flags.append("--sequence-parallel")
+    flags += [f"--pipeline-model-parallel-size {plan.pipeline_stages}", f"--micro-batch-size {mbs}",
+              f"--global-batch-size {global_batch}"]
+    return "train it with: " + " ".join(flags) + f" --hetero-plan PLAN (schedule {plan.schedule})"
+
+
+def search_settings(args: argparse.Namespace, run: RunFlags | None) -> dict:
+    """search()'s keyword arguments (and "notes") from hetermoe plan's flags and the run's: without
+    the run's flags the paper's program (activation recompute); with them, the run's recomputation
+    (full: zebra's per-stage recompute, the pick zebra, which is what the runtime runs with it;
+    selective modules; --moe-layer-recompute: expert ranks keep nothing, 'resend-inputs'), its
+    --use-distributed-optimizer, and the layout values the run's flags give (TP, PP, micro batch)
+    fix what the search tries; values the flags leave to Megatron's defaults stay the search's."""
+    tp = None if args.attention_tp is None else (args.attention_tp,)
+    pp = None if args.pipeline_stages is None else (args.pipeline_stages,)
+    kw = {"expert_recompute": args.expert_recompute, "distributed_optimizer": args.distributed_optimizer,
+          "notes": []}
+    if run is None:
+        return {**kw, "attention_tp": tp, "pipeline_stages": pp}
+    if run.virtual_stages > 1:
+        raise ValueError(f"the run's virtual pipeline size {run.virtual_stages} (after --): the search does not price "
+                         f"virtual stages; make an even plan (--even), or drop the virtual-stage flag")
+    given = run.given
+    if "--tensor-model-parallel-size" in given:
+        _agree("--attention-tp", args.attention_tp, "--tensor-model-parallel-size", run.tensor_model_parallel_size)
+        tp = (run.tensor_model_parallel_size,)
+    if "--pipeline-model-parallel-size" in given:
+        _agree("--pipeline-stages", args.pipeline_stages, "--pipeline-model-parallel-size",
+               run.pipeline_model_parallel_size)
+        pp = (run.pipeline_model_parallel_size,)
+    for flag, v, ok in (("--tensor-model-parallel-size", tp, ATTENTION_TP),
+                        ("--pipeline-model-parallel-size", pp, PIPELINE_STAGES)):
+        if v is not None and v[0] not in ok:
+            raise ValueError(f"{flag} {v[0]}: the search tries {list(ok)}")
+    rec = run.recompute
+    if rec.moe_layer:
+        if args.expert_recompute not in ("auto", "resend-inputs"):
+            raise ValueError(f"--expert-recompute {args.expert_recompute} and the run's --moe-layer-recompute (its "
+                             f"MoE layers recomputed whole: expert ranks keep nothing, 'resend-inputs') disagree; "
+                             f"drop one")
+        kw["expert_recompute"] = "resend-inputs"
+        kw["notes"].append("--moe-layer-recompute: priced as expert recompute 'resend-inputs' (expert ranks keep "
+                           "nothing; the tokens go again with the gradient); the runtime refuses both for now")
+    kw.update(attention_tp=tp, pipeline_stages=pp, activation_checkpointing=rec.full,
+              recompute_modules=frozenset(rec.selective) & frozenset(SELECTIVE_PRICED),
+              distributed_optimizer=args.distributed_optimizer or run.distributed_optimizer,
+              micro_batch_size=run.micro_batch_size if "--micro-batch-size" in given else None)
+    if rec.full:
+        kw["pick_schedules"] = ("zebra",)  # DistEP refuses full recomputation (megatron_lm/replaced.py)
+        kw["notes"].append(f"{rec.describe()}: priced as zebra's per-stage recompute; the pick is zebra (DistEP "
+                           f"refuses --recompute-granularity full)")
+    else:
+        kw["notes"].append(f"the run's flags ask for {rec.describe()}: priced so (zebra keeps every microbatch's "
+                           f"activations without recompute; --recompute-granularity full prices its per-stage "
+                           f"recompute)")
+    return kw
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -212,15 +339,20 @@ def main(argv: list[str] | None = None) -> int:
               f"--even, or drop {names}", file=sys.stderr)
         return 2
     try:
-        model = _model(args, flags)
+        model, run = _model(args, flags)
     except (FileNotFoundError, ValueError) as e:
         print(f"hetermoe plan: {e}", file=sys.stderr)
         return 2
     try:
         if args.even:
+            lay = even_layout(args, model, run)
+            args.expert_ranks = lay["N"]
             if args.attention_ranks is None or args.expert_ranks is None:
-                print("hetermoe plan: --even needs --attention-ranks and --expert-ranks", file=sys.stderr)
+                print("hetermoe plan: --even needs --attention-ranks and --expert-ranks (or, after --, the run's "
+                      "--expert-model-parallel-size)", file=sys.stderr)
                 return 2
+            for note in lay["notes"]:
+                print(f"hetermoe plan: note: {note}", file=sys.stderr)
             world = args.groups * (args.attention_ranks + args.expert_ranks)
             if world > MAX_RANKS:  # named by its flags here; even_plan would only say "world size"
                 print(f"hetermoe plan: --groups {args.groups} x (--attention-ranks {args.attention_ranks} + "
@@ -233,24 +365,28 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"hetermoe plan: {flag} {t!r} is not a known GPU type; use one of {known}", file=sys.stderr)
                     return 2
             mtp = model.mtp_num_layers or 0
-            if mtp and args.schedule == "zebra":
+            if mtp and args.schedule == "zebra" and not ZEBRA_RUNS_MTP:
                 print(f"hetermoe plan: {mtp} MTP layers (--mtp-num-layers) with --schedule zebra: zebra has no stage "
                       f"for the MTP block after the decoder; use --schedule distep", file=sys.stderr)
                 return 2
+            if run is not None and run.recompute.full and args.schedule != "zebra":
+                print(f"hetermoe plan: note: the run's --recompute-granularity full runs under zebra only (DistEP "
+                      f"would replay the dispatch); train with --hetero-schedule zebra, or plan --schedule zebra",
+                      file=sys.stderr)
             # MTP layers come after the decoder's, of its last layer's kind (layer_pattern.model_dense_layers)
-            dense = model_dense_layers(model.moe_layer_freq, model.num_layers, mtp)
-            tp = 1 if args.attention_tp is None else args.attention_tp
-            pp = 1 if args.pipeline_stages is None else args.pipeline_stages
-            if tp < 1 or model.num_attention_heads % tp:
-                print(f"hetermoe plan: --attention-tp {tp} must be a positive divisor of the model's "
-                      f"{model.num_attention_heads} attention heads", file=sys.stderr)
+            dense = model.planned_dense_layers
+            tp, pp = lay["tp"], lay["pp"]
+            if tp < 1 or model.num_attention_heads % tp or model.query_groups % tp:
+                print(f"hetermoe plan: attention TP {tp} (--attention-tp, or the run's --tensor-model-parallel-size) "
+                      f"must be a positive divisor of the model's {model.num_attention_heads} attention heads and "
+                      f"{model.query_groups} query groups", file=sys.stderr)
                 return 2
-            plan = even_plan(model.num_layers + mtp - len(dense), model.num_experts, args.attention_ranks,
+            plan = even_plan(model.planned_num_moe_layers, model.num_experts, args.attention_ranks,
                              args.expert_ranks, args.groups, attention_gpu=args.attention_gpu,
-                             expert_gpu=args.expert_gpu, num_microbatches=args.microbatches, schedule=args.schedule,
+                             expert_gpu=args.expert_gpu, num_microbatches=lay["R"], schedule=args.schedule,
                              dense_layers=dense, mtp_layers=mtp, attention_tp=tp,
                              pipeline_stages=pp, zebra_waves=args.zebra_waves,
-                             zebra_wave_order=args.zebra_wave_order, virtual_stages=args.virtual_stages)
+                             zebra_wave_order=args.zebra_wave_order, virtual_stages=lay["V"])
             plan.meta = {"model": model.name, "made_by": "hetermoe plan --even"}
             if flags is not None:  # where the model came from, for whoever reads the plan
                 plan.meta["model_flags"] = flags
@@ -263,11 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(plan.to_json())
             return 0
-        if model.mtp_num_layers:
-            print(f"hetermoe plan: {model.mtp_num_layers} MTP layers (--mtp-num-layers): the search's cost model does "
-                  f"not price multi-token prediction layers; make an even plan for this model (--even)",
-                  file=sys.stderr)
-            return 2
+        settings = search_settings(args, run)
         missing = [f for f, v in (("--cluster", args.cluster), ("--seq-len", args.seq_len),
                                   ("--global-batch", args.global_batch)) if v is None]
         if missing:
@@ -296,11 +428,10 @@ def main(argv: list[str] | None = None) -> int:
                   file=sys.stderr)
             return 2
         cluster = Cluster.load(args.cluster)
+        for note in settings.pop("notes"):
+            print(f"hetermoe plan: note: {note}", file=sys.stderr)
         res = search(model, cluster, args.seq_len, args.global_batch, asym=args.asym, engine=args.engine,
-                     max_microbatches=args.max_microbatches, expert_recompute=args.expert_recompute,
-                     attention_tp=None if args.attention_tp is None else (args.attention_tp,),
-                     distributed_optimizer=args.distributed_optimizer,
-                     pipeline_stages=None if args.pipeline_stages is None else (args.pipeline_stages,))
+                     max_microbatches=args.max_microbatches, **settings)
     except (PlanError, FileNotFoundError, ValueError, KeyError) as e:
         print(f"hetermoe plan: {e}", file=sys.stderr)
         return 2
@@ -319,6 +450,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if flags is not None:  # where the model came from, for whoever reads the plan
         res.plan.meta["model_flags"] = flags
+    if not args.json:
+        print(run_flags_note(res.plan, args.global_batch, model))
     if args.output:
         res.plan.save(args.output)
         if not args.json:

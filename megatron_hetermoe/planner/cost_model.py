@@ -74,22 +74,28 @@ OPTIMIZER_BYTES_PER_PARAM = 40.0  # estimate: Adam reads/writes master, m, v, gr
 
 
 def attention_linear_flops(m: ModelConfig, tokens: float, router: bool = True) -> float:
-    """QKV + output projection, and the router GEMM of an MoE layer (`router=False`: a dense layer)."""
-    h = m.hidden_size
-    return tokens * (8.0 * h * h + (2.0 * h * m.num_experts if router else 0.0))
+    """The attention's projections as megatron-core builds them (ModelConfig.attention_linear_shapes:
+    QKV with its GQA groups and output gate, or MLA's down/up projections; the output projection),
+    and the router GEMM of an MoE layer (`router=False`: a dense layer); 2 FLOPs per MAC."""
+    return tokens * 2.0 * (m.attention_linear_weights() + (m.hidden_size * m.num_experts if router else 0.0))
 
 
-def attention_core_flops(m: ModelConfig, tokens: float, seq_len: int) -> float:
-    return tokens * 2.0 * seq_len * m.hidden_size
+def attention_core_flops(m: ModelConfig, tokens: float, seq_len: int, full: bool = False) -> float:
+    """QK^T and PV of causal attention: a query meets seq_len / 2 keys on average, each costing
+    qk_channels + v_channels MACs per head; sliding windows scale it by ModelConfig.window_fraction
+    (`full`: the whole causal square, as an unfused kernel computes it whatever the mask)."""
+    frac = 1.0 if full else m.window_fraction(seq_len)
+    return tokens * seq_len * m.num_attention_heads * (m.qk_channels + m.v_channels) * frac
 
 
-def mlp_flops(hidden: int, ffn: int, tokens: float) -> float:
-    """One SwiGLU MLP: fc1 (h -> 2 ffn, gate and up) and fc2 (ffn -> h), 2 FLOPs per MAC."""
-    return tokens * 6.0 * hidden * ffn
+def mlp_flops(hidden: int, ffn: int, tokens: float, gated: bool = True) -> float:
+    """One MLP: fc1 (h -> 2 ffn gate and up when gated: SwiGLU, GeGLU; else h -> ffn) and fc2
+    (ffn -> h), 2 FLOPs per MAC."""
+    return tokens * 2.0 * hidden * ffn * (3.0 if gated else 2.0)
 
 
 def expert_flops(m: ModelConfig, tokens: float) -> float:
-    return mlp_flops(m.hidden_size, m.moe_ffn_hidden_size, tokens)
+    return mlp_flops(m.hidden_size, m.moe_ffn_hidden_size, tokens, m.mlp_activation.gated)
 
 
 def head_flops(m: ModelConfig, tokens: float) -> float:
@@ -202,13 +208,13 @@ def _analytic_attention(p: GpuProfile, m: ModelConfig, tokens: float, seq_len: i
     h = m.hidden_size
     b = program.dtype_bytes if program is not None else 2
     mult = 2.0 if backward else 1.0
-    lin_bytes = (4 * h * h + (h * m.num_experts if router else 0)) * b + tokens * h * b * 6
+    lin_bytes = (m.attention_linear_weights() + (h * m.num_experts if router else 0)) * b + tokens * h * b * 6
     lin = _roofline(p, mult * attention_linear_flops(m, tokens, router), mult * lin_bytes, p.gemm_efficiency,
                     int(ATTN_KERNELS * mult) // 2)
     if program is not None and program.attention == "unfused":
-        # the full score matrix (the mask is applied after), as batched GEMMs, through memory
+        # the full score matrix (the mask, a window's too, is applied after), as batched GEMMs, through memory
         scores = tokens * seq_len * m.num_attention_heads * b
-        core = _roofline(p, mult * 2.0 * attention_core_flops(m, tokens, seq_len),
+        core = _roofline(p, mult * 2.0 * attention_core_flops(m, tokens, seq_len, full=True),
                          mult * (UNFUSED_SCORE_PASSES * scores + tokens * h * b * 4), p.gemm_efficiency,
                          int(ATTN_KERNELS * mult) // 2)
     else:
@@ -219,12 +225,14 @@ def _analytic_attention(p: GpuProfile, m: ModelConfig, tokens: float, seq_len: i
     return lin + core + elem
 
 
-def _analytic_mlp(p: GpuProfile, h: int, f: int, tokens: float, backward: bool, dtype_bytes: int = 2) -> float:
-    """One SwiGLU MLP (an expert, a dense layer's MLP or a shared expert): weights, input, output
-    and the three f-wide intermediates through memory."""
+def _analytic_mlp(p: GpuProfile, h: int, f: int, tokens: float, backward: bool, dtype_bytes: int = 2,
+                  gated: bool = True) -> float:
+    """One MLP (an expert, a dense layer's MLP or a shared expert): weights, input, output and the
+    f-wide intermediates (three gated: gate, up and their product; else two) through memory."""
     mult = 2.0 if backward else 1.0
-    nbytes = mult * (3.0 * h * f + tokens * (2.0 * h + 3.0 * f)) * dtype_bytes
-    return _roofline(p, mult * mlp_flops(h, f, tokens), nbytes, p.gemm_efficiency, int(EXPERT_KERNELS * mult))
+    w = 3.0 if gated else 2.0
+    nbytes = mult * (w * h * f + tokens * (2.0 * h + w * f)) * dtype_bytes
+    return _roofline(p, mult * mlp_flops(h, f, tokens, gated), nbytes, p.gemm_efficiency, int(EXPERT_KERNELS * mult))
 
 
 # ---------------------------------------------------------------- measured-table interpolation
@@ -274,12 +282,12 @@ def _measured_attention(t: MeasuredTables, m: ModelConfig, tokens: float, seq_le
     return f / rate
 
 
-def _measured_mlp(t: MeasuredTables, h: int, f: int, tokens: float, backward: bool) -> float:
-    """A SwiGLU MLP of any width at the measured expert GEMMs' achieved FLOP rate (at `tokens`)."""
+def _measured_mlp(t: MeasuredTables, h: int, f: int, tokens: float, backward: bool, gated: bool = True) -> float:
+    """An MLP of any width at the measured expert GEMMs' achieved FLOP rate (at `tokens`)."""
     _, exp = _measured_rates(t)
     col = 2 if backward else 1
     rate = _interp_log([e[0] for e in exp], [e[col] for e in exp], tokens)
-    return (2.0 if backward else 1.0) * mlp_flops(h, f, tokens) / rate
+    return (2.0 if backward else 1.0) * mlp_flops(h, f, tokens, gated) / rate
 
 
 # ---------------------------------------------------------------- expert recomputation
@@ -309,6 +317,12 @@ def heavier_expert_recompute(level: str) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------- the model
+# Megatron's --recompute-modules the cost model prices (each re-runs its forward in backward); the
+# others it takes (layernorm, moe_act: elementwise) add no GEMM and are left out.
+SELECTIVE_PRICED = ("core_attn", "mlp", "shared_experts", "mla_up_proj")
+SELECTIVE_FREE = ("layernorm", "moe_act")
+
+
 @dataclass(frozen=True)
 class TrainSettings:
     """What besides the model shape changes the cost of a step. With `program` given, its
@@ -325,8 +339,16 @@ class TrainSettings:
     # Megatron's --use-distributed-optimizer: fp32 master weights and Adam moments sharded over
     # each parameter's data-parallel group (state_bytes_per_param).
     distributed_optimizer: bool = False
+    # Megatron's selective recomputation (--recompute-granularity selective --recompute-modules;
+    # --recompute-activations is core_attn), without activation checkpointing: each module in
+    # SELECTIVE_PRICED re-runs its forward in backward; core_attn also keeps no unfused scores.
+    recompute_modules: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "recompute_modules", frozenset(self.recompute_modules))
+        bad = sorted(self.recompute_modules - set(SELECTIVE_PRICED))
+        if bad:
+            raise ValueError(f"recompute_modules {bad}: the cost model prices {list(SELECTIVE_PRICED)}")
         if self.program is not None:
             object.__setattr__(self, "activation_checkpointing", self.program.activation_checkpointing)
             object.__setattr__(self, "dtype_bytes", self.program.dtype_bytes)
@@ -355,13 +377,19 @@ class CostModel:
             profiles = {n: priced_profile(p, self.program) for n, p in profiles.items()}
         self.profiles = profiles
         self._memo: dict[tuple, float] = {}  # the search asks the same few calls many times
-        # Stages 0..L (L: MoE layers): how many dense layers each runs. Dense layer d runs in the
-        # stage of the first MoE layer after it (stage L after the last one): the MoE layers before d.
-        moe = model.moe_layer_ids
+        # Stages 0..L (L: MoE layers, the MTP layers' included, as a plan counts them): how many
+        # dense layers each runs. Dense layer d runs in the stage of the first MoE layer after it
+        # (stage L after the last one): the MoE layers before d. MTP layer j's entry (its norms
+        # and 2h -> h projection) runs in the stage that runs its attention, alike.
+        moe = model.planned_moe_layer_ids
         self.num_layers = len(moe)
         self.dense_in_stage = [0] * (self.num_layers + 1)
-        for d in model.dense_layers:
+        for d in model.planned_dense_layers:
             self.dense_in_stage[sum(1 for i in moe if i < d)] += 1
+        self.mtp_in_stage = [0] * (self.num_layers + 1)
+        for j in range(model.mtp_num_layers or 0):
+            self.mtp_in_stage[sum(1 for i in moe if i < model.num_layers + j)] += 1
+        self.heads = 1 + (model.mtp_num_layers or 0)  # the output layer and loss run once per MTP layer more
 
     def program_of(self, gpu: str) -> Program:
         """The program this model's times on `gpu` are for."""
@@ -403,7 +431,24 @@ class CostModel:
             t = _analytic_attention(p, self.model, tokens, s, backward, self.program, router)
         if backward and self.settings.activation_checkpointing:
             t += self.attention_time(gpu, tokens, False, s, router)
+        elif backward and self.settings.recompute_modules & {"core_attn", "mla_up_proj"}:
+            t += self.selective_reforward_time(gpu, tokens, s)
         return t
+
+    def selective_reforward_time(self, gpu: str, tokens: float, seq_len: int) -> float:
+        """What Megatron's selective recomputation re-runs of one layer's attention in backward:
+        the core's forward (core_attn) and MLA's up projections (mla_up_proj), at the attention's
+        forward rate (the share of the attention forward their FLOPs are)."""
+        m = self.model
+        fwd = self.attention_time(gpu, tokens, False, seq_len, router=False)
+        lin, core = attention_linear_flops(m, tokens, False), attention_core_flops(m, tokens, seq_len)
+        if self.program is not None and self.program.attention == "unfused":
+            core = 2.0 * attention_core_flops(m, tokens, seq_len, full=True)
+        part = core if "core_attn" in self.settings.recompute_modules else 0.0
+        if "mla_up_proj" in self.settings.recompute_modules and m.multi_latent_attention:
+            part += 2.0 * tokens * sum(i * o for i, o in m.attention_linear_shapes()
+                                       if i in (m.q_lora_rank, m.kv_lora_rank))
+        return fwd * part / (lin + core)
 
     def mlp_time(self, gpu: str, ffn: int, tokens: float, backward: bool = False,
                  reforward: bool | None = None) -> float:
@@ -421,27 +466,60 @@ class CostModel:
             t += self.mlp_time(gpu, ffn, tokens, False)
         return t
 
+    def linear_time(self, gpu: str, n_in: int, n_out: int, tokens: float, backward: bool = False) -> float:
+        """One GEMM of an n_in x n_out weight on `tokens` tokens (MTP's projection), at the MLPs'
+        GEMM rate (measured: the expert table's), re-run in backward under activation checkpointing."""
+        if tokens <= 0:
+            return 0.0
+        p = self.profile(gpu)
+        mult = 2.0 if backward else 1.0
+        flops = mult * 2.0 * n_in * n_out * tokens
+        if p.measured is not None:
+            _, exp = _measured_rates(p.measured)
+            t = flops / _interp_log([e[0] for e in exp], [e[2 if backward else 1] for e in exp], tokens)
+        else:
+            b = self.settings.dtype_bytes
+            t = _roofline(p, flops, mult * (n_in * n_out + tokens * (n_in + n_out)) * b, p.gemm_efficiency,
+                          int(2 * mult))
+        if backward and self.settings.activation_checkpointing:
+            t += self.linear_time(gpu, n_in, n_out, tokens, False)
+        return t
+
+    def mtp_entry_time(self, gpu: str, tokens: float, backward: bool = False) -> float:
+        """One MTP layer's work before its transformer layer: the embedding lookup, the two norms
+        (elementwise) and the 2h -> h projection (multi_token_prediction.py)."""
+        h, b = self.model.hidden_size, self.settings.dtype_bytes
+        mult = 2.0 if backward else 1.0
+        return self.linear_time(gpu, 2 * h, h, tokens, backward) + self.elementwise_time(gpu, mult * tokens * h * b * 6)
+
     def _mlp_time(self, gpu: str, ffn: int, tokens: float, backward: bool) -> float:
         """The MLP's own forward or backward GEMMs, without any re-forward."""
         p = self.profile(gpu)
         h = self.model.hidden_size
+        gated = self.model.mlp_activation.gated
         if p.measured is not None:
-            return _measured_mlp(p.measured, h, ffn, tokens, backward)
-        return _analytic_mlp(p, h, ffn, tokens, backward, self.settings.dtype_bytes)
+            return _measured_mlp(p.measured, h, ffn, tokens, backward, gated)
+        return _analytic_mlp(p, h, ffn, tokens, backward, self.settings.dtype_bytes, gated)
 
     def expert_time(self, gpu: str, tokens: float, backward: bool = False) -> float:
         """One expert FFN (SwiGLU) on `tokens` routed tokens; its backward re-runs the forward
         unless settings.expert_recompute is 'off'."""
         return self.mlp_time(gpu, self.model.moe_ffn_hidden_size, tokens, backward, self.settings.expert_reforward)
 
+    def _selective(self, module: str) -> bool | None:
+        """Whether a module's backward re-runs its forward: activation checkpointing's setting
+        (None), or True where selective recomputation names the module."""
+        return True if module in self.settings.recompute_modules else None
+
     def shared_expert_time(self, gpu: str, tokens: float, backward: bool = False) -> float:
         """One MoE layer's shared expert on all `tokens` of the microbatch (0 without one)."""
-        return self.mlp_time(gpu, self.model.moe_shared_expert_intermediate_size or 0, tokens, backward)
+        return self.mlp_time(gpu, self.model.moe_shared_expert_intermediate_size or 0, tokens, backward,
+                             self._selective("shared_experts"))
 
     def dense_layer_time(self, gpu: str, tokens: float, backward: bool = False) -> float:
-        """One dense layer, whole: attention (no router) and its SwiGLU MLP of ffn_hidden_size."""
+        """One dense layer, whole: attention (no router) and its MLP of ffn_hidden_size."""
         return (self.attention_time(gpu, tokens, backward, router=False)
-                + self.mlp_time(gpu, self.model.ffn_hidden_size, tokens, backward))
+                + self.mlp_time(gpu, self.model.ffn_hidden_size, tokens, backward, self._selective("mlp")))
 
     def head_time(self, gpu: str, tokens: float, backward: bool = False) -> float:
         """Final norm + output projection + cross-entropy loss."""
@@ -468,12 +546,13 @@ class CostModel:
         p = self.profile(gpu)
         return nbytes / (p.memory_bandwidth_gbs * 1e9 * MEMBW_EFFICIENCY)
 
-    def stage_kind(self, stage: int) -> tuple[int, int]:
-        """Stages of one kind cost alike: (0 first / 1 middle / 2 head stage, dense layers run)."""
+    def stage_kind(self, stage: int) -> tuple[int, int, int]:
+        """Stages of one kind cost alike: (0 first / 1 middle / 2 head stage, dense layers run,
+        MTP entries run)."""
         L = self.num_layers
         if not 0 <= stage <= L:
             raise ValueError(f"stage {stage} outside 0..{L} for a model of {L} MoE layers")
-        return (0 if stage == 0 else (2 if stage == L else 1), self.dense_in_stage[stage])
+        return (0 if stage == 0 else (2 if stage == L else 1), self.dense_in_stage[stage], self.mtp_in_stage[stage])
 
     def stage_time(self, gpu: str, stage: int, tokens: float, backward: bool = False, tp: int = 1,
                    dense: int | None = None) -> float:
@@ -489,7 +568,7 @@ class CostModel:
         neighbouring stage: planner/pipeline.py)."""
         kind = self.stage_kind(stage)
         if dense is not None:
-            kind = (kind[0], dense)
+            kind = (kind[0], dense, kind[2])
         key = ("stage", gpu, kind, tokens, backward, tp)
         if key not in self._memo:
             t = self._stage_time(gpu, stage, tokens, backward, dense)
@@ -511,6 +590,7 @@ class CostModel:
         L = self.num_layers
         self.stage_kind(stage)  # range check
         n = 4 * (self.dense_in_stage[stage] if dense is None else dense)
+        n += self.mtp_in_stage[stage]  # the gathered input of MTP's projection
         if stage < L:
             n += 2 + (2 if self.model.moe_shared_expert_intermediate_size else 0)
         if stage == 0:
@@ -550,8 +630,9 @@ class CostModel:
         combine = self.elementwise_time(gpu, mult * tokens * h * b * (k + 2)) if stage > 0 else 0.0
         n_dense = self.dense_in_stage[stage] if n_dense is None else n_dense
         dense = n_dense * self.dense_layer_time(gpu, tokens, backward)
-        if stage == L:
-            return combine + dense + self.head_time(gpu, tokens, backward)
+        dense += self.mtp_in_stage[stage] * self.mtp_entry_time(gpu, tokens, backward)
+        if stage == L:  # the main output layer and loss, and one more per MTP layer
+            return combine + dense + self.heads * self.head_time(gpu, tokens, backward)
         # MoE layer `stage`: its attention and router, and its shared expert on every token
         moe = self.attention_time(gpu, tokens, backward) + self.shared_expert_time(gpu, tokens, backward)
         if stage == 0:
@@ -567,7 +648,7 @@ class CostModel:
         m = self.model
         self.stage_kind(stage)  # range check
         moe = m.moe_layer_non_expert_params() if stage < self.num_layers else 0
-        return moe + self.dense_in_stage[stage] * m.dense_layer_params()
+        return moe + self.dense_in_stage[stage] * m.dense_layer_params() + self.mtp_in_stage[stage] * m.mtp_extra_params()
 
     def optimizer_time(self, gpu: str, params: float) -> float:
         return self.elementwise_time(gpu, params * OPTIMIZER_BYTES_PER_PARAM)
@@ -598,20 +679,35 @@ class CostModel:
         """One expert's weights and state; `dp`: its replicas (ZP groups), for the distributed optimizer."""
         return self.model.expert_params() * self.state_bytes_per_param(dp)
 
-    def tp_replicated_params(self, stages: list[int] | None = None) -> int:
-        """Non-expert parameters every TP rank holds whole (norms and routers; Megatron replicates
-        them over the TP group): of the attention `stages` (None: all, with the final norm)."""
+    def layer_tp_replicated_params(self) -> int:
+        """Parameters of one layer's attention and norms that every TP rank holds whole: the two
+        norms, the q/k (MLA: latent) norms, MLA's down projections (transformer-engine's spec
+        duplicates them over TP; the local spec splits them: an over-estimate there)."""
         m = self.model
-        h, L = m.hidden_size, self.num_layers
-        stages = list(range(L + 1)) if stages is None else stages
-        n = 0
-        for s in stages:
-            n += 2 * h * self.dense_in_stage[s]  # a dense layer's two norms
-            if s < L:
-                n += 2 * h + h * m.num_experts  # an MoE layer's norms and router
-            else:
-                n += h  # the final norm
+        n = 2 * m.norm_params(m.hidden_size)
+        if m.multi_latent_attention:
+            n += sum(i * o for i, o in m.attention_linear_shapes()[:-1] if i == m.hidden_size)
+            if m.qk_layernorm:
+                n += m.norm_params(m.kv_lora_rank) + (m.norm_params(m.q_lora_rank) if m.q_lora_rank else 0)
+        elif m.qk_layernorm:
+            n += 2 * m.norm_params(m.head_dim)
         return n
+
+    def stage_tp_replicated_params(self, stage: int, dense: int | None = None) -> int:
+        """tp_replicated_params of one attention stage (its `dense` layers, default its own)."""
+        m = self.model
+        d = self.dense_in_stage[stage] if dense is None else dense
+        n = d * self.layer_tp_replicated_params() + self.mtp_in_stage[stage] * 3 * m.norm_params(m.hidden_size)
+        if stage < self.num_layers:
+            return n + self.layer_tp_replicated_params() + m.router_params()  # an MoE layer's and its router
+        return n + m.norm_params(m.hidden_size)  # the final norm
+
+    def tp_replicated_params(self, stages: list[int] | None = None) -> int:
+        """Non-expert parameters every TP rank holds whole (norms, routers, MLA's down projections;
+        Megatron replicates them over the TP group): of the attention `stages` (None: all, with
+        the final norm)."""
+        stages = list(range(self.num_layers + 1)) if stages is None else stages
+        return sum(self.stage_tp_replicated_params(s) for s in stages)
 
     def non_expert_params_per_rank(self, tp: int = 1) -> float:
         """Non-expert parameters one rank of a TP member holds: QKV/projection, dense MLPs, shared
@@ -626,6 +722,26 @@ class CostModel:
         """An attention rank's non-expert weights and state: `tp` its member's TP size, `dp` the
         number of members (the dense weights' data-parallel size, for the distributed optimizer)."""
         return self.non_expert_params_per_rank(tp) * self.state_bytes_per_param(dp)
+
+    def layer_activation_bytes_per_token(self) -> float:
+        """Activations one whole layer keeps per token for backward without recomputation (an
+        estimate after Korthikanti et al. 2022, 34 h bytes at 16 bits with fused attention: 11 h
+        of attention, 23 h of MLP and norms): the attention's 11 h generalized to its real widths,
+        3 h (its input, the dropout mask) + 2 x (query, key and value widths) + 2 x the output
+        projection's input (+ MLA's latents); unfused attention adds the scores (5 heads x seq
+        per token) unless selective recomputation re-runs the core."""
+        m, b = self.model, self.settings.dtype_bytes
+        h, a = m.hidden_size, m.num_attention_heads
+        if m.multi_latent_attention:
+            qkv = a * (2 * m.qk_channels + m.v_head_dim)
+            qkv += (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_pos_emb_head_dim
+        else:
+            qkv = (a + 2 * m.query_groups) * m.head_dim
+        units = 3 * h + 2 * qkv + 2 * a * m.v_channels + 23 * h
+        if (self.program is not None and self.program.attention == "unfused"
+                and "core_attn" not in self.settings.recompute_modules):
+            units += 5.0 * a * self.settings.seq_len
+        return units * b / 2
 
     def attention_rank_bytes(self, tokens_mb: float, microbatches_alive: int, layer_checkpoints: bool = False,
                              tp: int = 1, dp: int = 1) -> float:
@@ -644,12 +760,10 @@ class CostModel:
         sequence, (tp-1) x tokens_mb x h x dtype bytes."""
         m, b = self.model, self.settings.dtype_bytes
         h, L = m.hidden_size, self.num_layers
-        n_dense = len(m.dense_layers)
+        n_dense = len(m.planned_dense_layers)
         shared = m.moe_shared_expert_intermediate_size or 0
-        logits = tokens_mb * m.vocab_size * 4.0  # estimate: fp16 logits + their fp16 gradient
-        per_token = h * 34.0 * b / 2  # one whole layer's activations
-        if self.program is not None and self.program.attention == "unfused":
-            per_token += 5.0 * m.num_attention_heads * self.settings.seq_len * b / 2  # the scores (same source)
+        logits = self.heads * tokens_mb * m.vocab_size * 4.0  # estimate: fp16 logits + their fp16 gradient, per head
+        per_token = self.layer_activation_bytes_per_token()  # one whole layer's activations
         shared_working = tokens_mb * shared * b * 4  # as expert_working_bytes
         if self.settings.activation_checkpointing:
             stage_working = tokens_mb * h * b * 20
@@ -680,20 +794,23 @@ class CostModel:
         the last. Over all stages this is ModelConfig.non_expert_params()."""
         m = self.model
         h, L = m.hidden_size, self.num_layers
-        n = sum((m.moe_layer_non_expert_params() if s < L else 0) + d * m.dense_layer_params() for s, d in pieces)
-        return n + (m.vocab_size * h if first else 0) + (m.vocab_size * h + h if last else 0)
+        n = sum((m.moe_layer_non_expert_params() if s < L else 0) + d * m.dense_layer_params()
+                + self.mtp_in_stage[s] * m.mtp_extra_params() for s, d in pieces)
+        # the last stage holds an output layer, tied or not (a tied one is the embedding's copy
+        # there), unless it is also the first stage and tied
+        output = m.vocab_size * h if (m.untie_embeddings_and_output_weights or not first) else 0
+        return n + (m.embedding_params() if first else 0) + (output + m.norm_params(h) if last else 0)
 
     def pipeline_stage_params_per_rank(self, pieces: list[tuple[int, int]], first: bool, last: bool,
                                        tp: int = 1) -> float:
         """pipeline_stage_params on one rank of a TP member: split tp ways but norms and routers
         (tp_replicated_params' rule for the stage's pieces)."""
-        total = self.pipeline_stage_params(pieces, first, last)
-        if tp <= 1:
-            return total
-        m = self.model
-        h, L = m.hidden_size, self.num_layers
-        rep = sum(2 * h * d + (2 * h + h * m.num_experts if s < L else h) for s, d in pieces)
-        return (total - rep) / tp + rep
+        key = ("stage_params", tuple(pieces), first, last, tp)
+        if key not in self._memo:
+            total = self.pipeline_stage_params(pieces, first, last)
+            rep = sum(self.stage_tp_replicated_params(s, d) for s, d in pieces) if tp > 1 else 0
+            self._memo[key] = total if tp <= 1 else (total - rep) / tp + rep
+        return self._memo[key]
 
     def pipeline_attention_rank_bytes(self, tokens_mb: float, microbatches_alive: int,
                                       pieces: list[tuple[int, int]], first: bool, last: bool,
@@ -708,10 +825,8 @@ class CostModel:
         n_moe = sum(1 for s, _ in pieces if s < L)
         n_dense = sum(d for _, d in pieces)
         shared = m.moe_shared_expert_intermediate_size or 0
-        logits = tokens_mb * m.vocab_size * 4.0 if last else 0.0
-        per_token = h * 34.0 * b / 2
-        if self.program is not None and self.program.attention == "unfused":
-            per_token += 5.0 * m.num_attention_heads * self.settings.seq_len * b / 2
+        logits = self.heads * tokens_mb * m.vocab_size * 4.0 if last else 0.0
+        per_token = self.layer_activation_bytes_per_token()
         shared_working = tokens_mb * shared * b * 4
         if self.settings.activation_checkpointing:
             kept = len(pieces) * tokens_mb * h * b * microbatches_alive
@@ -739,7 +854,8 @@ class CostModel:
         """Bytes an expert holder keeps per routed token of a live microbatch for the expert's
         backward, by settings.expert_recompute (EXPERT_RECOMPUTE says what each level keeps)."""
         m, b = self.model, self.settings.dtype_bytes
-        return {"off": (m.hidden_size + 3 * m.moe_ffn_hidden_size) * b, "keep-inputs": m.hidden_size * b,
+        inter = 3 if m.mlp_activation.gated else 2  # fc1's outputs and the activation's
+        return {"off": (m.hidden_size + inter * m.moe_ffn_hidden_size) * b, "keep-inputs": m.hidden_size * b,
                 "resend-inputs": 0.0}[self.settings.expert_recompute]
 
     def per_expert_bytes(self, tokens_per_expert_mb: float, microbatches_alive: int, dp: int = 1) -> float:

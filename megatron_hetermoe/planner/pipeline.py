@@ -481,11 +481,12 @@ def check_plan_matches(plan: HeteroPlan, cluster: Cluster, model: ModelConfig) -
         if ctypes[r] != t:
             raise PlanError(f"rank {r} is {t!r} in the plan but {ctypes[r]!r} in cluster {cluster.name!r}")
     have = (plan.num_layers, sorted(plan.dense_layers), plan.num_experts)
-    if have != (model.num_moe_layers, model.dense_layers, model.num_experts):
+    if have != (model.planned_num_moe_layers, model.planned_dense_layers, model.num_experts):
         def shape(n: int, dense: list[int], e: int) -> str:
             return f"{n} MoE layers x {e} experts" + (f", dense layers {dense}" if dense else "")
         raise PlanError(f"plan is for {shape(*have)} but model {model.name!r} has "
-                        f"{shape(model.num_moe_layers, model.dense_layers, model.num_experts)}; plan for this model")
+                        f"{shape(model.planned_num_moe_layers, model.planned_dense_layers, model.num_experts)}; plan for "
+                        f"this model")
 
 
 def simulate_pipelined(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,

@@ -59,8 +59,10 @@ from megatron_hetermoe.planner import asym_ea, pipeline
 from megatron_hetermoe.planner.baselines import (
     BaselineResult,
     best_megatron_ep,
+    network_limit,
     newest_gpu,
     physical_limit,
+    roofline,
     simulate_ep,
     simulate_ep_ideal,
     simulate_hetero_pp,
@@ -83,6 +85,15 @@ ZEBRA_NO_EA = "Zebra (no Asym-EA)"
 DISTEP = "DistEP"
 DISTEP_PP = "DistEP with pipeline stages"  # P > 1: no row of its own; a candidate for the pick
 ZEBRA_PP = "Zebra with pipeline stages"  # P > 1, no Asym-EA: likewise
+# The rows that are bounds, not strategies: the compute-only physical limit, the network floor of
+# disaggregated layouts and their roofline (baselines.py).
+LIMIT_ROWS = ("Physical limit", "Network floor (disaggregated)", "Roofline (compute + network)")
+SCHEDULE_OF = {ZEBRA: "zebra", ZEBRA_GREEDY: "zebra", ZEBRA_NO_EA: "zebra", ZEBRA_PP: "zebra", DISTEP: "distep",
+               DISTEP_PP: "distep"}
+# Whether the runtime runs zebra for a model with MTP layers (megatron_lm/refusals.schedule_refusals
+# refuses it: zebra has no stage for the MTP block after the decoder); the pick is DistEP there until
+# it does (tests/planner/test_runtime_rules.py checks this against the runtime).
+ZEBRA_RUNS_MTP = False
 
 
 @dataclass
@@ -91,7 +102,9 @@ class Prediction:
     step_time_s: float
     tokens_per_s: float
     utilization: dict[str, float] = field(default_factory=dict)
-    ratio_to_limit: float = 0.0  # tokens/s over the physical limit's tokens/s
+    # tokens/s over the limit's: HeterMoE's strategies the roofline of compute and network
+    # (baselines.ROOFLINE), the baselines (not disaggregated) the compute-only physical limit
+    ratio_to_limit: float = 0.0
     fits: bool = True
     detail: dict = field(default_factory=dict)
 
@@ -139,8 +152,9 @@ def tp_sizes(cluster: Cluster, model: ModelConfig, seq_len: int, attn: list[int]
     for tp in ATTENTION_TP:
         if tp == 1:
             out[tp] = ""
-        elif model.num_attention_heads % tp:
-            out[tp] = f"attention_tp {tp} does not divide the {model.num_attention_heads} heads"
+        elif model.num_attention_heads % tp or model.query_groups % tp:
+            out[tp] = (f"attention_tp {tp} does not divide the {model.num_attention_heads} heads and the "
+                       f"{model.query_groups} query groups")
         elif seq_len % tp:
             out[tp] = f"attention_tp {tp} does not divide the sequence length {seq_len}"
         elif len(attn) % tp or any(len({nodes[r] for r in attn[i:i + tp]}) > 1 for i in range(0, len(attn), tp)):
@@ -201,7 +215,7 @@ def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert:
     if not 1 <= alive <= R:
         raise ValueError(f"microbatches_alive={alive} must be in 1..R={R} (zebra: R, DistEP: 1)")
     m = cost.model
-    L, E, k = m.num_moe_layers, m.num_experts, m.moe_router_topk  # stage l < L: MoE layer l (+ its dense layers)
+    L, E, k = m.planned_num_moe_layers, m.num_experts, m.moe_router_topk  # stage l < L: MoE layer l (+ its dense layers)
     M, N = len(attn), len(expert)
     t_mb = global_batch * cost.settings.seq_len / (G * M * R)
     tpe = M * t_mb * k / E
@@ -260,8 +274,9 @@ def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert
         members = a + x
         pl = [] if skeleton and g else [{members[i]: list(es) for i, es in p.items()} for p in local]
         groups.append(ZPGroup(a, x, pl))
-    plan = HeteroPlan(model.num_moe_layers, model.num_experts, list(gpu_types), groups, R, schedule,
-                      dense_layers=model.dense_layers, attention_tp=attention_tp)
+    plan = HeteroPlan(model.planned_num_moe_layers, model.num_experts, list(gpu_types), groups, R, schedule,
+                      dense_layers=model.planned_dense_layers, mtp_layers=model.mtp_num_layers or 0,
+                      attention_tp=attention_tp)
     if validate and not skeleton:
         plan.validate()
     return plan
@@ -280,8 +295,9 @@ def _build_pipelined_plan(model: ModelConfig, gpu_types: list[str], attn: list[i
                         f"pipeline stages")
     M, N = len(attn) // G, len(expert) // G
     groups = [ZPGroup(attn[g * M:(g + 1) * M], expert[g * N:(g + 1) * N], []) for g in range(G)]
-    plan = HeteroPlan(model.num_moe_layers, model.num_experts, list(gpu_types), groups, R, schedule,
-                      dense_layers=model.dense_layers, attention_tp=attention_tp, pipeline_stages=P, zebra_waves=W,
+    plan = HeteroPlan(model.planned_num_moe_layers, model.num_experts, list(gpu_types), groups, R, schedule,
+                      dense_layers=model.planned_dense_layers, mtp_layers=model.mtp_num_layers or 0,
+                      attention_tp=attention_tp, pipeline_stages=P, zebra_waves=W,
                       zebra_wave_order=order)
     plan.place_evenly(range(1 if skeleton else G))
     if any(k):  # Asym-EA inside each stage: k[l] experts of layer l on the stage's attention ranks
@@ -324,13 +340,14 @@ def stage_asym_problem(cost: CostModel, lay: pipeline.PipelineLayout, stage: int
 
 def candidates(cluster: Cluster, model: ModelConfig, global_batch: int, max_microbatches: int = 32,
                seq_len: int | None = None, attention_tp: tuple[int, ...] | None = None,
-               pipeline_stages: tuple[int, ...] | None = None) -> list[Candidate]:
+               pipeline_stages: tuple[int, ...] | None = None, micro_batch_size: int | None = None) -> list[Candidate]:
     """Every (role split, attention_tp, G, R) and pipeline size P: attention_tp from `attention_tp`
     (default ATTENTION_TP) where tp_sizes allows it, P from `pipeline_stages` (default
     PIPELINE_STAGES) where pipeline_sizes allows it, G dividing both sides into groups of P stages
     with a stage's M a multiple of tp and its N <= E, R dividing the sequences each attention
-    member gets (whole sequences). Candidates with P = 1 come first (the bound of a pipelined
-    candidate is checked against the best DistEP step so far)."""
+    member gets (whole sequences; with `micro_batch_size` m only R = those sequences / m, the run's
+    --micro-batch-size, whatever max_microbatches). Candidates with P = 1 come first (the bound of
+    a pipelined candidate is checked against the best DistEP step so far)."""
     out = []
     seq_len = seq_len or model.seq_length
     sizes = [P for P, why in pipeline_sizes(model, tuple(pipeline_stages or PIPELINE_STAGES)).items() if not why]
@@ -349,6 +366,10 @@ def candidates(cluster: Cluster, model: ModelConfig, global_batch: int, max_micr
                     if global_batch % members:
                         continue  # every attention member gets whole sequences
                     spr = global_batch // members
+                    if micro_batch_size is not None:  # the run's micro batch fixes R
+                        if spr % micro_batch_size == 0:
+                            out.append(Candidate(attn, expert, G, spr // micro_batch_size, tp, P))
+                        continue
                     for R in reversed(_divisors(spr)):  # most microbatches first: zebra's best, so the bound prunes more
                         if R <= max_microbatches:
                             out.append(Candidate(attn, expert, G, R, tp, P))
@@ -381,7 +402,7 @@ def compute_lower_bound(cost: CostModel, gpu_types: list[str], cand: Candidate, 
     before the next one's). The search skips a candidate whose bound is no less than the best
     step simulated so far: it cannot win."""
     m = cost.model
-    L, E, k_top = m.num_moe_layers, m.num_experts, m.moe_router_topk
+    L, E, k_top = m.planned_num_moe_layers, m.num_experts, m.moe_router_topk
     M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
     t_mb = global_batch * cost.settings.seq_len / (cand.G * M * cand.R)
     a_gpus = {gpu_types[r] for r in cand.attention_ranks[:M]}
@@ -477,7 +498,8 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
            engine: str = "auto", max_microbatches: int = 32, baselines: bool = True,
            activation_checkpointing: bool = True, expert_recompute: str = "auto",
            attention_tp: tuple[int, ...] | None = None, distributed_optimizer: bool = False,
-           pipeline_stages: tuple[int, ...] | None = None) -> SearchResult:
+           pipeline_stages: tuple[int, ...] | None = None, recompute_modules: frozenset[str] = frozenset(),
+           micro_batch_size: int | None = None, pick_schedules: tuple[str, ...] | None = None) -> SearchResult:
     """Best HeterMoE plan for the cluster, with every strategy's predicted step.
     `expert_recompute`: what expert holders keep for backward (cost_model.EXPERT_RECOMPUTE), or
     'auto': the settings' default level (keep-inputs with activation checkpointing, else off)
@@ -489,14 +511,22 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     --use-distributed-optimizer (optimizer state sharded over each parameter's replicas).
     `pipeline_stages`: the pipeline sizes to try (default PIPELINE_STAGES; module docstring): the
     zebra and DistEP rows are one stage (searched when 1 is in it), P > 1 runs DistEP or zebra in
-    the stages and competes for the pick."""
+    the stages and competes for the pick. `recompute_modules`: Megatron's selective recomputation
+    (TrainSettings.recompute_modules). `micro_batch_size`: the run's --micro-batch-size (R is then
+    each member's sequences / it). `pick_schedules`: the schedules the pick may use (default: every
+    one the runtime runs for this model: not zebra with MTP layers while ZEBRA_RUNS_MTP is False);
+    every row is priced either way."""
     if asym not in ("optimal", "greedy", "none"):
         raise ValueError(f"asym={asym!r}; use 'optimal', 'greedy' or 'none'")
     if expert_recompute != "auto" and expert_recompute not in EXPERT_RECOMPUTE:
         raise ValueError(f"expert_recompute={expert_recompute!r}; use 'auto' or one of {EXPERT_RECOMPUTE}")
-    if model.mtp_num_layers:
-        raise ValueError(f"model {model.name!r} has mtp_num_layers={model.mtp_num_layers}: the cost model does not "
-                         f"price multi-token prediction layers; make an even plan for it")
+    allowed = set(pick_schedules or ("zebra", "distep"))
+    if model.mtp_num_layers and not ZEBRA_RUNS_MTP:
+        allowed.discard("zebra")
+    if not allowed:
+        raise ValueError(f"model {model.name!r}: no schedule the pick may use ({list(pick_schedules or ())}) runs it"
+                         + (f": zebra has no stage for its {model.mtp_num_layers} MTP layers yet (the runtime "
+                            f"refuses it: megatron_lm/refusals.py)" if model.mtp_num_layers else ""))
     p_try = tuple(pipeline_stages or PIPELINE_STAGES)
     bad_p = [P for P in p_try if P not in PIPELINE_STAGES]
     if bad_p:
@@ -504,13 +534,17 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     t0 = time.perf_counter()
     profiles = load_profiles(set(cluster.gpu_types()))
     cost = CostModel(model.replace(seq_length=seq_len), profiles,
-                     TrainSettings(seq_len, activation_checkpointing, distributed_optimizer=distributed_optimizer))
+                     TrainSettings(seq_len, activation_checkpointing, distributed_optimizer=distributed_optimizer,
+                                   recompute_modules=recompute_modules))
     levels = (heavier_expert_recompute(cost.settings.expert_recompute) if expert_recompute == "auto"
               else (expert_recompute,))
     costs = {lv: cost if lv == cost.settings.expert_recompute else
              CostModel(cost.model, profiles, dataclasses.replace(cost.settings, expert_recompute=lv)) for lv in levels}
     types = cluster.gpu_types()
     limit = physical_limit(cost, cluster, global_batch)
+    stages = [P for P, w in pipeline_sizes(model, p_try).items() if not w] or [1]
+    net = network_limit(cost, cluster, global_batch, max(stages))
+    roof = roofline(limit, net)  # what HeterMoE's disaggregated layouts can reach; baselines: compute only
     best: dict[str, tuple] = {}  # strategy -> (step, result, candidate, k, schedule, expert recompute level)
     names: dict[tuple, str] = {}  # layout names, made once per role split (the rank lists _role_splits made)
 
@@ -535,13 +569,13 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         a_gpus = {types[r] for r in cand.attention_ranks[:M]}
         x_gpus = {types[r] for r in cand.expert_ranks[:N]}
         lb = pipeline.lower_bound(c, a_gpus, x_gpus, t, M * t * model.moe_router_topk / model.num_experts,
-                                  model.num_moe_layers * math.ceil(model.num_experts / N), cand.P, cand.R, cand.tp)
+                                  model.planned_num_moe_layers * math.ceil(model.num_experts / N), cand.P, cand.R, cand.tp)
         steps = [best[n][0] for n in variants if n in best]
         if steps and lb >= min(steps):
             return  # cannot beat the pick so far
         res = pipeline.price(lay, c, cluster, global_batch)
         if DISTEP_PP not in best or res.step_time_s < best[DISTEP_PP][0]:
-            best[DISTEP_PP] = (res.step_time_s, res, cand, [0] * model.num_moe_layers, "distep", level)
+            best[DISTEP_PP] = (res.step_time_s, res, cand, [0] * model.planned_num_moe_layers, "distep", level)
 
     def consider_zebra_pipelined(cand: Candidate, lay: pipeline.PipelineLayout, level: str,
                                  configs: list[tuple[int, str]], k: list[int] | None = None) -> None:
@@ -556,7 +590,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         t = global_batch * c.settings.seq_len / (cand.G * M * cand.R)
         a_gpus, x_gpus = {types[r] for r in cand.attention_ranks[:M]}, {types[r] for r in cand.expert_ranks[:N]}
         tpe = M * t * model.moe_router_topk / model.num_experts
-        k = k or [0] * model.num_moe_layers
+        k = k or [0] * model.planned_num_moe_layers
         cheap = pipeline.zebra_bound_terms(c, cluster, a_gpus, x_gpus, t, tpe, lay, streams=False)
         full = None  # with them: only for a candidate the cheaper bound keeps
         for W, order in configs:  # groups of microbatches (plan.zebra_waves) and their order
@@ -628,7 +662,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                 why[n][layout_name(types, attn, expert)] = (0.0,
                     f"global batch {global_batch} is not a multiple of the {len(attn)} attention ranks (each "
                     f"gets whole sequences){nor}; use a multiple of {fewest}")
-    cands = candidates(cluster, model, global_batch, max_microbatches, seq_len, tp_try, p_try)
+    cands = candidates(cluster, model, global_batch, max_microbatches, seq_len, tp_try, p_try, micro_batch_size)
     for cand in cands:
         if cand.P > 1:  # DistEP and zebra in P stages, no Asym-EA: each at the lightest level at which every rank fits
             lay = pipeline.even_layout(cost.model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.P,
@@ -669,7 +703,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
         grp_a, grp_x = cand.attention_ranks[:M], cand.expert_ranks[:N]
         a_gpu, x_gpu = types[grp_a[0]], types[grp_x[0]]
-        zero = [0] * model.num_moe_layers
+        zero = [0] * model.planned_num_moe_layers
         distep_fits = False
         for level in levels:  # lightest first; a heavier level only where memory binds at this one
             c = costs[level]
@@ -711,7 +745,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                     refuse((ZEBRA_GREEDY,), cand, (math.inf, f"{e} (expert recompute {level!r})"))
             if no_ea_fits:
                 break  # memory does not bind: keeping less would only cost time
-    picks = variants
+    picks = tuple(n for n in variants if SCHEDULE_OF[n] in allowed)
     options = [best[n] for n in picks if n in best]
     if options:  # the planner keeps the fastest plan: any zebra assignment, or DistEP at any pipeline size
         best[PICK] = min(options, key=lambda b: b[0])
@@ -721,7 +755,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         """Layouts this strategy could not use at this batch (a named reason for any jump)."""
         if name == PICK:  # excluded only where no zebra variant nor DistEP fits (Asym-EA's reason, last, is the
             # telling one), and a pipelined layout where DistEP does not fit in P stages
-            zs = (DISTEP, ZEBRA_NO_EA, ZEBRA_GREEDY, ZEBRA, DISTEP_PP, ZEBRA_PP)
+            zs = tuple(n for n in (DISTEP, ZEBRA_NO_EA, ZEBRA_GREEDY, ZEBRA, DISTEP_PP, ZEBRA_PP) if n in picks)
             reasons = {k: v[1] for n in zs for k, v in why[n].items()}
             return {k: v for k, v in sorted(reasons.items()) if not any(k in fitted[n] for n in zs)}
         return {k: v[1] for k, v in sorted(why[name].items()) if k not in fitted[name]}
@@ -733,7 +767,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
             step, res, cand, k, plan, level = best[name]
             M, N = cand.stage_shape
             extra = dict(res.detail) if isinstance(res, pipeline.PipelineResult) else {}
-            preds.append(_pred(name, res, limit.tokens_per_s, {
+            preds.append(_pred(name, res, roof.tokens_per_s, {
                 **extra,
                 "M": M, "N": N, "groups": cand.G, "microbatches": cand.R, "expert_recompute": level,
                 "attention_tp": cand.tp, "pipeline_stages": cand.P, "zebra_waves": waves.get(name, ONE_WAVE)[0],
@@ -767,7 +801,10 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                                              f"Megatron EP on {new} alone (best TP/PP)"))
         for res in megatron:
             preds.append(_pred(res.name, res, limit.tokens_per_s))
-    preds.append(_pred(limit.name, limit, limit.tokens_per_s, {}))
+    for bound in (limit, net, roof):  # the bounds: "vs limit" is each one's share of the roofline
+        preds.append(Prediction(bound.name, bound.step_time_s, bound.tokens_per_s, {},
+                                bound.step_time_s / roof.step_time_s if roof.step_time_s > 0 else 0.0, True,
+                                dict(bound.detail)))
 
     plan = None
     if PICK in best:

@@ -19,12 +19,23 @@ def test_even_plan_file(tmp_path, capsys):
 
 
 def test_even_plan_with_virtual_stages_from_megatron_flags(tmp_path, capsys):
+    """The run's pipeline size, virtual pipeline size and batch make the plan's P, V and R (issue 42:
+    they were hetermoe plan's own flags, and the run refused the mismatch)."""
     out = tmp_path / "p.json"
-    assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--pipeline-stages", "2",
-                 "--virtual-stages", "2", "--microbatches", "4", "-o", str(out), "--", "--num-layers", "4",
-                 "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "4"]) == 0
+    run = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "4",
+           "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+           "--micro-batch-size", "1", "--global-batch-size", "4"]
+    assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "-o", str(out), "--", *run]) == 0
     plan = HeteroPlan.load(out)
-    assert plan.virtual_stages == 2 and plan.stage_model_layers(0) == [0, 2]
+    assert (plan.pipeline_stages, plan.virtual_stages, plan.num_microbatches) == (2, 2, 4)
+    assert plan.stage_model_layers(0) == [0, 2]
+    # hetermoe plan's own value, where it agrees with the run's, is accepted; where not, refused by name
+    assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--pipeline-stages", "2",
+                 "--virtual-stages", "2", "--microbatches", "4", "-o", str(out), "--", *run]) == 0
+    assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--pipeline-stages", "4",
+                 "-o", str(out), "--", *run]) == 2
+    assert ("--pipeline-stages 4 and the run's --pipeline-model-parallel-size 2 (after --; Megatron's default where "
+            "the flag is absent) disagree" in capsys.readouterr().err)
     assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--pipeline-stages", "2",
                  "--virtual-stages", "2", "--schedule", "zebra", "--model", "tiny"]) == 2
     assert "virtual_stages=2 needs pipeline stages and schedule 'distep'" in capsys.readouterr().err

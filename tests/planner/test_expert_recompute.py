@@ -15,7 +15,7 @@ from megatron_hetermoe.planner.cost_model import (
     heavier_expert_recompute,
 )
 from megatron_hetermoe.planner.profiles import load_profiles
-from megatron_hetermoe.planner.search import PICK, ZEBRA_NO_EA, build_plan, layout_name, search
+from megatron_hetermoe.planner.search import LIMIT_ROWS, PICK, ZEBRA_NO_EA, build_plan, layout_name, search
 from megatron_hetermoe.planner.simulator import build_problem
 
 
@@ -154,5 +154,5 @@ def test_levels_beyond_the_default_only_where_memory_binds():
     for name, p in auto.by_name().items():
         q = fixed.by_name()[name]
         assert p.step_time_s == q.step_time_s, name
-        if p.fits and name != "Physical limit":
+        if p.fits and name not in LIMIT_ROWS:
             assert p.detail["expert_recompute"] == "keep-inputs", name
