@@ -1,9 +1,11 @@
 """The "hetero" parallel dimension: process groups built from a plan.
 
 Megatron's RankGenerator knows tp/cp/ep/dp/pp only, so HeterMoE builds its own groups and
-hands modules an explicit ProcessGroupCollection. Every rank creates every group in the same
-order (torch's new_group is collective over the world). A rank's role is read from the plan
-once, here; everything downstream reads it from HeteroParallelState.
+hands modules an explicit ProcessGroupCollection. Every rank creates every group of two or more
+ranks in the same order (torch's new_group is collective over the world). A group of one rank is
+the rank's one-rank group, made once and shared by every kind that is the rank alone, without a
+world-wide call per rank (`OneRankGroups`). A rank's role is read from the plan once, here;
+everything downstream reads it from HeteroParallelState.
 
 Groups, per the paper's placement:
 - dispatch group / combine group (one pair per ZP group, members = its attention + expert
@@ -20,6 +22,7 @@ Groups, per the paper's placement:
 from __future__ import annotations
 
 import datetime
+import enum
 import functools
 from dataclasses import dataclass
 
@@ -186,11 +189,66 @@ class HeteroParallelState:
         return ProcessGroupCollection(**{d: self.megatron_group(d) for d in COLLECTION_DIMS}, hcp=None)
 
 
+class OneRankGroups(str, enum.Enum):
+    """How a rank gets its one-rank group (megatron-core needs a ProcessGroup for a dimension of
+    size 1; it serves every group kind that is the rank alone, `self` included)."""
+    # The rank alone (new_group(use_local_synchronization=True)): gloo, and NCCL initialised lazily
+    # (no device bound to the default group: Megatron-LM's initialize), where a one-rank
+    # communicator is made without the other ranks.
+    LOCAL = "local"
+    # One split of the world's communicator gives every rank its own (split_group): NCCL with a
+    # device bound to the default group (eager, parallel/device.init_distributed), where every
+    # new_group is an ncclCommSplit the whole world must join, so a local one would hang.
+    SPLIT = "split"
+    # Every rank makes every rank's group, the world joining each (the only way left with an
+    # eagerly initialised NCCL world on a torch without split_group): world-size splits.
+    WORLD = "world"
+
+
+def one_rank_groups(default_group: dist.ProcessGroup | None = None) -> OneRankGroups:
+    """How this job makes one-rank groups (OneRankGroups), from its default process group
+    (default: dist.group.WORLD)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    default_group = dist.group.WORLD if default_group is None else default_group
+    torchcomms = getattr(c10d, "_use_torchcomms_enabled", lambda: False)  # torch >= 2.12: split_group only
+    if getattr(default_group, "bound_device_id", None) is None and not torchcomms():
+        return OneRankGroups.LOCAL
+    return OneRankGroups.SPLIT if hasattr(dist, "split_group") else OneRankGroups.WORLD
+
+
+_ONE_RANK: dict[int, dist.ProcessGroup] = {}  # rank -> its one-rank group, while its world lives
+
+
+def _one_rank_group(rank: int, world: int, timeout: datetime.timedelta, how: OneRankGroups) -> dist.ProcessGroup:
+    """This rank's one-rank group; collective over the world only with SPLIT (once) and WORLD.
+    Made once per process and world: torch names it by its ranks, so a second would clash."""
+    g = _ONE_RANK.get(rank)
+    if g is not None:
+        try:
+            if dist.get_process_group_ranks(g) == [rank]:
+                return g
+        except (KeyError, ValueError, RuntimeError):  # its world was destroyed since
+            pass
+    if how is OneRankGroups.LOCAL:
+        g = dist.new_group([rank], timeout=timeout, use_local_synchronization=True)
+    elif how is OneRankGroups.SPLIT:
+        g = dist.split_group(split_ranks=[[r] for r in range(world)], timeout=timeout)
+    else:
+        for r in range(world):
+            made = dist.new_group([r], timeout=timeout)
+            if r == rank:
+                g = made
+    _ONE_RANK[rank] = g
+    return g
+
+
 def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | None = None,
                                device: torch.device | None = None,
                                wire_dtype: torch.dtype | None = None) -> HeteroParallelState:
-    """Validate the plan against the job, then build every group of layout.group_plan (collective
-    over the world). `timeout`: of every group (default: device.group_timeout of the world's
+    """Validate the plan against the job, then build every group of layout.group_plan: those of
+    two or more ranks collective over the world, in its order; those of one rank are the rank's
+    one-rank group (OneRankGroups). `timeout`: of every group (default: device.group_timeout of the world's
     backend, 10 minutes on NCCL). `device`: where this rank's tensors live (default:
     device.rank_device(), the current CUDA device when the world runs NCCL, else the CPU).
     `wire_dtype`: what tokens cross roles in (HeteroParallelState.wire_dtype)."""
@@ -213,9 +271,14 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | N
     check_rank_gpu(plan, rank, device)  # this torch runs on this GPU, of the plan's type
     timeout = timeout or group_timeout()
     layout = RankLayout(plan, rank)
+    one = _one_rank_group(rank, world, timeout, one_rank_groups())  # every rank, at this point
     mine = {}
     for name, ranks in group_plan(plan):
-        g = dist.new_group(ranks, timeout=timeout)  # every rank creates every group, in this order
+        if len(ranks) == 1:  # the rank alone: no world-wide call
+            if ranks[0] == rank:
+                mine[name] = one
+            continue
+        g = dist.new_group(ranks, timeout=timeout)  # every rank creates every such group, in this order
         if rank in ranks:
             mine[name] = g
     k, P = layout.member_index, plan.pipeline_stages
