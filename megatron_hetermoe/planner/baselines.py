@@ -449,7 +449,7 @@ def network_limit(cost: CostModel, cluster: Cluster, global_batch: int, max_stag
     MoE layer's four transfers, two per direction (dispatch forward and the combine's gradient
     toward the experts; the combine forward and the dispatch's gradient back; three toward the
     experts with expert recompute 'resend-inputs'). Per role split by GPU type (the search's:
-    one type attention, the others experts; none where a node holds both roles):
+    one type attention, the others experts; a node holds one type, so never both roles):
       * a layer's experts sit on at least n nodes: one copy of every expert's weights and state
         (the distributed optimizer's least, state sharded over every rank) over `max_stages`
         pipeline stages, on the expert type's largest node; every layer's experts split evenly
@@ -475,12 +475,8 @@ def network_limit(cost: CostModel, cluster: Cluster, global_batch: int, max_stag
     for att in (kinds if len(kinds) > 1 else []):
         a_ranks = [r for r, t in enumerate(types) if t == att]
         x_ranks = [r for r, t in enumerate(types) if t != att]
-        a_nodes, x_nodes = {nodes[r] for r in a_ranks}, {nodes[r] for r in x_ranks}
+        x_nodes = {nodes[r] for r in x_ranks}  # a node holds one GPU type (Cluster): never both roles
         label = f"attention on {att}"
-        if a_nodes & x_nodes:
-            detail[label] = "a node holds both roles: tokens may stay in it (no floor)"
-            best = 0.0
-            continue
         per_node: dict[int, float] = {}
         for r in x_ranks:
             per_node[nodes[r]] = per_node.get(nodes[r], 0.0) + cost.profile(types[r]).usable_memory_bytes
