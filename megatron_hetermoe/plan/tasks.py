@@ -45,6 +45,7 @@ from typing import Callable, Iterable
 
 COMPUTE_KINDS = ("A_F", "A_B", "X_F", "X_B", "E_F", "E_B")
 COMM_KINDS = ("D_F", "C_F", "C_B", "D_B")
+ATTENTION_KINDS = ("A_F", "A_B")  # the attention pieces (may hold collectives among attention ranks)
 STREAM = {
     "A_F": "compute", "A_B": "compute", "X_F": "compute", "X_B": "compute", "E_F": "compute", "E_B": "compute",
     "D_F": "dispatch", "C_B": "dispatch", "C_F": "combine", "D_B": "combine",

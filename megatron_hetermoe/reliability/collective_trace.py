@@ -57,12 +57,17 @@ def install(rank: int | None = None) -> Path | None:
     path = Path(out) / f"collectives.rank{rank}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("")
+    from torch.distributed import distributed_c10d
+
     traced = {}
     for name in (*COLLECTIVES, *POINT_TO_POINT):
         fn = getattr(dist, name, None)
         if fn is not None and not getattr(fn, "_hetermoe_traced", False):
             traced[fn] = _traced(fn, name, path)
             setattr(dist, name, traced[fn])
+            if getattr(distributed_c10d, name, None) is fn:
+                # also where torch looks itself up: P2POp accepts only c10d's own isend/irecv
+                setattr(distributed_c10d, name, traced[fn])
     _trace_aliases(traced)
     _installed = path
     return path
@@ -102,11 +107,13 @@ def _traced(fn, name: str, path: Path):
         if depth:
             return fn(*args, **kwargs)
         group = _group_of(args, kwargs, name)
+        rec = {"group": getattr(group, "group_name", str(group)), "ranks": dist.get_process_group_ranks(group),
+               "op": name, "thread": threading.current_thread().name, "caller": _caller()}
+        if name in POINT_TO_POINT:
+            rec["p2p"] = _p2p_ops(name, args, kwargs, group)
         with _lock:  # the entry is written before the call: a collective that never returns shows
             seq = next(_seq)
-            _write(path, {"seq": seq, "group": getattr(group, "group_name", str(group)),
-                          "ranks": dist.get_process_group_ranks(group), "op": name,
-                          "thread": threading.current_thread().name, "start": time.monotonic(), "caller": _caller()})
+            _write(path, {"seq": seq, **rec, "start": time.monotonic()})
         _local.depth = depth + 1
         try:
             return fn(*args, **kwargs)
@@ -117,6 +124,22 @@ def _traced(fn, name: str, path: Path):
 
     call._hetermoe_traced = True
     return call
+
+
+def _p2p_ops(name: str, args: tuple, kwargs: dict, group) -> list[list]:
+    """A point-to-point call's operations as [send or recv, peer's global rank, tag], in order."""
+    import torch.distributed as dist
+
+    def one(op: str, peer, group_peer, tag) -> list:
+        if peer is None and group_peer is not None:
+            peer = dist.get_global_rank(group, group_peer)
+        return ["send" if op in ("send", "isend") else "recv", peer, tag]
+
+    if name == "batch_isend_irecv":
+        return [one(o.op.__name__, o.peer, getattr(o, "group_peer", None), o.tag) for o in args[0]]
+    peer = kwargs.get("dst", kwargs.get("src", args[1] if len(args) > 1 else None))
+    group_peer = kwargs.get("group_dst", kwargs.get("group_src"))
+    return [one(name, peer, group_peer, kwargs.get("tag", args[3] if len(args) > 3 else 0))]
 
 
 def _write(path: Path, rec: dict) -> None:
@@ -195,3 +218,58 @@ def _overlapping_threads(rank: int, recs: list[dict]) -> list[str]:
                 break
             open_.append(r)
     return out
+
+
+def single_queue_hangs(trace_dir: str | os.PathLike) -> list[str]:
+    """Where a job's traced calls would hang on the worst device: every rank runs its calls in the
+    order it entered them, one at a time, each blocking until it completes (one hardware queue:
+    CUDA_DEVICE_MAX_CONNECTIONS=1); a collective completes once every member entered it (the
+    members' k-th calls of a group meet); a point-to-point call (a batch_isend_irecv posts its
+    operations together) once each of its operations' counterparts was posted (the k-th send from
+    A to B with a tag meets the k-th receive at B from A with that tag), as NCCL's large messages
+    need. Empty: no hang; else where each stuck rank waits."""
+    files = sorted(Path(trace_dir).glob("collectives.rank*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"no collectives.rank*.jsonl in {trace_dir}; run with ${ENV}={trace_dir}")
+    calls = {int(f.name[len("collectives.rank"):-len(".jsonl")]): _read(f) for f in files}
+    key: dict[tuple[int, int], tuple] = {}  # (rank, index) -> the meeting a call waits at
+    seen: dict[tuple, int] = {}
+    where: dict[tuple, tuple[int, int]] = {}  # a p2p operation -> (rank, index) of the call that posts it
+    for rank, recs in calls.items():
+        for i, r in enumerate(recs):
+            if "p2p" not in r:
+                n = seen[(rank, r["group"])] = seen.get((rank, r["group"]), 0) + 1
+                key[(rank, i)] = ("collective", r["group"], n)
+                continue
+            ops = []
+            for kind, peer, tag in r["p2p"]:
+                src, dst = (rank, peer) if kind == "send" else (peer, rank)
+                c = (kind, src, dst, tag)
+                n = seen[c] = seen.get(c, 0) + 1
+                where[(kind, src, dst, tag, n)] = (rank, i)
+                ops.append(("recv" if kind == "send" else "send", src, dst, tag, n))
+            key[(rank, i)] = ("p2p", tuple(ops))
+    members = {g: set(r["ranks"]) for recs in calls.values() for r in recs if "p2p" not in r for g in [r["group"]]}
+    pos = {r: 0 for r in calls}
+    while True:
+        moved = False
+        at: dict[tuple, set[int]] = {}
+        for rank, recs in calls.items():
+            if pos[rank] < len(recs):
+                at.setdefault(key[(rank, pos[rank])], set()).add(rank)
+        for k, ranks in at.items():
+            if k[0] == "collective":
+                if ranks >= members[k[1]] & set(calls):
+                    for r in ranks:
+                        pos[r] += 1
+                    moved = True
+                continue
+            for rank in ranks:  # each counterpart posted: its call reached (it may wait there itself)
+                if all(c in where and pos[where[c][0]] >= where[c][1] for c in k[1]):
+                    pos[rank] += 1
+                    moved = True
+        if not moved:
+            break
+    return [f"rank {r} waits at its call #{pos[r]}: {calls[r][pos[r]]['op']} on group {calls[r][pos[r]]['group']}"
+            f"{' ' + str(calls[r][pos[r]]['p2p']) if 'p2p' in calls[r][pos[r]] else ''}"
+            for r in sorted(calls) if pos[r] < len(calls[r])]

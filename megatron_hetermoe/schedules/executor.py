@@ -9,7 +9,7 @@ A `Stream` is the abstraction; `TaskExecutor` picks the implementation from the 
 
 * `ThreadStream` (CPU ranks, gloo): a worker thread per stream runs the transfer function; its
   Future resolving means the data has arrived. The CPU runtime is exactly this.
-* `CudaStream` (CUDA ranks): the same worker thread per stream, but each stream also owns a
+* `CudaStream` (CUDA ranks over gloo): the same worker thread per stream, but each stream also owns a
   side CUDA stream (`torch.cuda.Stream(device)`, one per (device, stream name), made once per
   process) and the work is ordered on the device by events, not by host waits:
     - `submit` (compute thread) records a producer event on the compute thread's current
@@ -54,25 +54,25 @@ What the CUDA path achieves, and what it does not:
   stream (which close() ordered after every transfer) and the host waits for it: the step's
   one synchronize, none inside the step. Each span is placed on the host axis backwards from
   the moment that wait returned (recorder clock "cuda"; schedules/timeline.py).
-* Ordering guarantee relied on: on each stream every member of the ZP group issues the same
-  collectives in the same order (tasks.check_stream_order), each stream on its own process
-  group (dispatch_group / combine_group), so each NCCL communicator sees one consistent order.
-  Across the two communicators there is no common order; that is safe while the GPU can hold
-  both NCCL kernels at once (all_to_all uses a few SMs), as NCCL requires for concurrently used
-  communicators.
+* Ordering: on each stream every member of the ZP group issues the same collectives in the same
+  order (tasks.check_stream_order), each stream on its own process group, so each communicator
+  sees one consistent order; across the two communicators there is none, which is safe only
+  while every stream has a hardware queue of its own. This executor therefore runs CUDA tensors
+  over gloo only (and CPU ranks); NCCL ranks use schedules/issuer.py, whose one issue order per
+  rank (plan/issue_order.py) holds even with CUDA_DEVICE_MAX_CONNECTIONS=1, and NCCL does not
+  allow several threads to issue to communicators of one device at once (issuer.resolve_issuer).
 
 Tensors crossing streams (the caching allocator gives a freed block back to the stream that
-allocated it). No `record_stream` is called; we rely on references and on the waits above:
-* received tensors are allocated inside `fn` on the side stream and are held by zebra's Slot
-  objects until the step ends; the compute stream reads them only after waiting their done
-  event, and a later allocation on that side stream reuses a block only in a transfer whose
-  side-stream work starts by waiting a producer event recorded after those reads (and after
-  the step, `close` has joined the compute stream with every done event);
-* send buffers are allocated on the compute stream. Slot holds them until the step ends,
-  except `permuted` (freed by A_B(l, j), which waits D_B(l, j)) and `expert_out` (freed by
-  E_B/X_B(l, j), which waits C_B(l, j)): the data of those waited transfers is computed by the
-  peers from the very rows this rank sent, so the send had completed on the device. A change to
-  zebra.py that frees a send buffer earlier must call `t.record_stream(side)` on it instead.
+allocated it, which may hand it out again at once). zebra.py drops each transferred buffer after
+its last consumer and, on a CUDA rank, first calls `record_stream` for the stream that still
+uses it (zebra._release):
+* a received tensor (allocated inside `fn` on the side stream) after the compute task that reads
+  it was enqueued: `record_stream(compute stream)`;
+* a sent gradient (allocated on the compute stream: C_B's, D_B's) right after its transfer was
+  issued: `record_stream(side stream)`;
+* `permuted` (D_F's send) and `expert_out` (C_F's) are autograd outputs, freed by A_B(l, j) and
+  E_B/X_B(l, j), which wait D_B(l, j) and C_B(l, j): the peers computed those from the very rows
+  this rank sent, so the send had completed on the device.
 """
 from __future__ import annotations
 

@@ -1,40 +1,35 @@
-"""One issuing thread: a rank's task list issued in list order by the thread that runs its
-compute, every collective asynchronous (`async_op=True`), split sizes exchanged ahead.
+"""One issuing thread: a rank's step issued by the thread that runs its compute, every
+collective asynchronous (`async_op=True`), in the rank's issue sequence
+(plan/issue_order.py `issue_sequence`).
 
 The other executor (schedules/executor.py, `TaskExecutor`) gives each stream a worker thread
-that blocks in its collectives. This one has no worker thread. For each task of the list, in
-order:
-* a transfer task is appended to its stream's FIFO ("dispatch" or "combine"). A D_F also
-  starts its counts exchange right there, asynchronously, on the ZP group's third
-  communicator (`counts_group`): the split sizes of (l, j) are on their way while the rank goes
-  on issuing, and they never wait behind the payloads queued on the dispatch group;
-* a compute task first waits until the transfer `inputs()` names is issued (and, on a CPU
-  rank, has arrived), then runs (CPU) or is enqueued (CUDA).
-Between tasks and inside every wait the executor pumps: each stream's head transfer is issued
-as soon as its split sizes are on the host (D_F: its counts arrived; C_F/C_B/D_B: the route
-its D_F made exists). A stream issues its transfers in FIFO order, so on every communicator
-(dispatch, combine, counts) every member issues the same collectives in the same order
-(tasks.check_stream_order); across communicators the order is whatever the timing gives,
-which is safe while the collectives of the three communicators can be in flight at once.
-
-Deadlock freedom is the threaded executor's: there a stream's worker issues a transfer as soon
-as the rank reached it in its list, the stream's earlier transfers were issued and its split
-sizes are known, and the compute thread waits only for its input. Here the same transfer is
-issued under the same conditions, by the pump, and every host wait returns to pumping as soon
-as anything it could issue became ready: no wait can hold back a transfer a peer needs. On a
-CPU rank the wait blocks on one event that every collective's completion sets (HostTransport:
-what a wait waits for, and what makes a head transfer ready, is always a completion); on a CUDA
-rank it polls the counts' copy events with a short sleep back-off. (A CPU compute task cannot be
-interrupted; it delays this rank's issuing by its length, as the threaded executor's compute
-would delay its submissions. That is why CPU ranks keep the threaded executor by default.)
+that blocks in its collectives; NCCL forbids issuing from several threads at once to
+communicators of one device, so that one runs on CPU ranks (gloo) and emulated clusters only.
+This one has no worker thread and no choice of order: it walks the sequence, which holds the
+rank's compute tasks, counts exchanges, token transfers and pipeline calls in an order that
+every rank sharing a collective agrees on (the sequence's docstring says why that is needed on a
+GPU: with CUDA_DEVICE_MAX_CONNECTIONS=1 a rank's streams share one hardware queue, and two ranks
+issuing two collectives in opposite orders hang). For each item:
+* a counts exchange is issued at once, on the ZP group's counts communicator;
+* a token transfer is issued on its direction's communicator; a D_F's payload first waits until
+  its counts are on the host (the route's split sizes), the only wait the host ever does on a
+  CUDA rank (the sequence puts it one compute task after the counts, which the device runs
+  meanwhile);
+* a pipeline call is posted as one batch (zebra.py `_PipelineNeighbours.issue`);
+* a compute task first waits until the transfer `inputs()` names has arrived (a CPU rank) or
+  orders its stream after it (a CUDA rank), and its pipeline receive likewise, then runs (CPU)
+  or is enqueued (CUDA).
+Deadlock freedom is the sequence's: every collective's members issue it in one global order,
+and each item waits only for items before it in that order.
 
 Host synchronization on CUDA: none inside the step except the counts. A counts exchange runs
 on a side stream after a producer event, is copied to pinned host memory there, and the host
-polls that copy's event (`query()`, never a blocking wait) before it issues the payload. Token
-transfers run on the side stream of their direction after a producer event recorded on the
-compute stream at their place in the list (not when they are issued, which may be later); the consumer's compute stream waits on the transfer's done event
-right before the consumer is enqueued (`Ticket.consume`). Tensors crossing streams are held
-as in executor.py's docstring (Slot keeps them to the end of the step).
+polls that copy's event (`query()`, never a blocking wait) before it issues the payload. Each
+transfer (and its counts) waits on the device for a producer event recorded on the compute
+stream at the transfer's place in the task list (right after the compute task that fills its
+buffer), not at its later place in the sequence; the consumer's compute stream waits on the
+transfer's done event right before the consumer is enqueued (`Ticket.consume`). Tensors crossing
+streams are held as in executor.py's docstring.
 
 The CUDA calls go through executor.CudaApi, so tests drive them with fake streams and events
 (tests/schedules/test_issuer.py); on CPU ranks the same executor runs over gloo's async
@@ -44,12 +39,12 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 
+from megatron_hetermoe.plan.issue_order import Counts, Issue, PipeCall
 from megatron_hetermoe.plan.tasks import Task, inputs
 from megatron_hetermoe.schedules.executor import (
     CUDA,
@@ -63,15 +58,20 @@ from megatron_hetermoe.schedules.executor import (
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.schedules.timing import TaskTiming
 
-STREAMS = ("dispatch", "combine")
 WAKE_TIMEOUT_S = 0.05  # a host wait rechecks at least this often (see `until`)
 
 
-@dataclass
-class AsyncTransfer:
-    """What a rank gives the issuer for one transfer task, at the task's place in its list."""
-    ready: Callable[[], bool]  # its split sizes are on the host: it can be issued now
-    launch: Callable[[], list]  # issue its collective(s) asynchronously; returns their Work objects
+class IssueOps(Protocol):
+    """What a rank gives the single issuer (zebra.ZebraRank)."""
+
+    def counts(self, c: Counts) -> tuple[torch.Tensor, Any]:
+        """Issue the counts exchange `c` asynchronously: (received counts, Work)."""
+
+    def routed(self, c: Counts, counts: torch.Tensor) -> None:
+        """`c`'s counts are on the host: make the route of its (layer, microbatch)."""
+
+    def transfer(self, t: Task) -> list:
+        """Issue token transfer `t` asynchronously (its route exists); returns its Work objects."""
 
 
 @dataclass
@@ -93,8 +93,7 @@ def _wait_all(works: list) -> None:
 class HostTransport:
     """A CPU rank: gloo's async collectives run on gloo's own threads. Each collective's future
     sets `wake` when it completes, so the issuing thread blocks on that one event until some
-    collective it may be waiting for (an input, a head transfer's counts) completed, never
-    sleeping a guessed time."""
+    collective it may be waiting for completed, never sleeping a guessed time."""
 
     def __init__(self):
         self.wake = threading.Event()
@@ -118,7 +117,7 @@ class HostTransport:
             checks.append(fut.done)
         return lambda: all(c() for c in checks)
 
-    def counts(self, fn: Callable[[], tuple]) -> Ticket:
+    def counts(self, fn: Callable[[], tuple], producer: None = None) -> Ticket:
         recv, work = fn()
         return Ticket(arrived=self._arrived([work]), consume=lambda: work.wait(), value=recv, works=[work])
 
@@ -140,16 +139,15 @@ class CudaTransport:
         self.done: list = []  # every transfer's done event (close() joins the compute stream with them)
 
     def mark(self):
-        """The producer event of a transfer, recorded at its place in the list: after the compute
-        tasks before it (the one that made its send buffer), before those after it. A transfer
-        issued later than its place (split sizes still on the way) waits for no more compute
-        than that, so it still overlaps the compute enqueued meanwhile."""
+        """A producer event on the compute stream: after the compute enqueued so far (recorded
+        right after the compute task that fills a transfer's buffer, at the transfer's place in
+        the task list), so a transfer issued later still overlaps the compute enqueued meanwhile."""
         ev = self.api.event_type()
         ev.record(self.api.current_stream(self.device))
         return ev
 
-    def counts(self, fn: Callable[[], tuple]) -> Ticket:
-        producer, side = self.mark(), self.api.side_stream(self.device, "counts")
+    def counts(self, fn: Callable[[], tuple], producer) -> Ticket:
+        side = self.api.side_stream(self.device, "counts")
         copied = self.api.event_type()
         with self.api.use_stream(side):
             side.wait_event(producer)
@@ -184,8 +182,21 @@ class CudaTransport:
         self.done.clear()
 
 
+def fills(tasks: list[Task]) -> dict[Task | None, list[Task | Counts]]:
+    """compute task -> the collectives its list places right after it (before the next compute):
+    the ones whose buffers it fills; None -> those before the first compute task."""
+    out: dict[Task | None, list[Task | Counts]] = {}
+    last: Task | None = None
+    for t in tasks:
+        if not t.is_comm:
+            last = t
+            continue
+        out.setdefault(last, []).extend([Counts(t.layer, t.microbatch), t] if t.kind == "D_F" else [t])
+    return out
+
+
 class IssueExecutor:
-    """Runs one task list from one thread (see the module docstring)."""
+    """Runs one rank's issue sequence from one thread (see the module docstring)."""
 
     def __init__(self, num_layers: int, recorder: TimelineRecorder | None,
                  device: torch.device = torch.device("cpu"), api: CudaApi | None = None):
@@ -195,53 +206,44 @@ class IssueExecutor:
                           else HostTransport())
         self.executed: list[Task] = []
         self.executed_streams: dict[str, list[Task]] = {}
+        self.issued_order: list[Issue] = []  # every collective of the last run, in issue order
         self.meter = ActivationMeter()
-        self.polls = 0  # host waits that found nothing to do (tests read it)
+        self.polls = 0  # host waits that found nothing arrived (tests read it)
 
     def close(self) -> None:
         """Nothing outlives a run: no thread, no pending collective (run() waited them all)."""
 
-    def run(self, tasks: list[Task], compute: Callable[[Task], None],
-            start: Callable[[Task, Callable[[Callable[[], tuple]], Ticket]], AsyncTransfer],
+    def run(self, tasks: list[Task], sequence: list[Issue], compute: Callable[[Task], None], ops: IssueOps,
             stage_io: StageIO | None = None) -> None:
-        """`start(task, counts)`: the AsyncTransfer of a transfer task, called at its place in the
-        list; a D_F calls `counts(fn)` there, fn issuing its async counts exchange and returning
-        (received counts, work). `stage_io`: the rank's pipeline-stage traffic, around the compute
-        tasks (a receive blocks this thread, as the compute task would)."""
-        fifo: dict[str, deque] = {s: deque() for s in STREAMS}
+        """`tasks`: the rank's task list, `sequence` its issue sequence (plan.issue_order), `ops`
+        what issues its collectives; `stage_io`: the rank's pipeline-stage traffic (its calls
+        are items of the sequence; its receives are waited before their consumer)."""
+        transport, timing, recorder = self.transport, self.timing, self.recorder
+        filled = fills(tasks)
+        producer: dict[Task | Counts, Any] = {}
+        counts: dict[Counts, Ticket] = {}
         issued: dict[Task, Ticket] = {}
         issued_at: dict[Task, float] = {}
-        streams_done: dict[str, list[Task]] = {s: [] for s in STREAMS}
-        transport, timing, recorder = self.transport, self.timing, self.recorder
-
-        def pump() -> bool:
-            moved = False
-            for name, q in fifo.items():
-                while q and q[0][1].ready():
-                    t, tr, producer = q.popleft()
-                    issued_at[t] = time.perf_counter()
-                    issued[t] = transport.launch(t, tr.launch, producer)
-                    streams_done[name].append(t)
-                    moved = True
-            return moved
-
+        streams_done: dict[str, list[Task]] = {"dispatch": [], "combine": []}
         wake: threading.Event | None = getattr(transport, "wake", None)
+
+        def mark_after(t: Task | None) -> None:
+            if t in filled:  # these collectives' buffers are filled: the device waits for this point
+                ev = transport.mark()
+                for c in filled[t]:
+                    producer[c] = ev
 
         def until(cond: Callable[[], bool]) -> None:
             delay = 0.0
             while True:
                 if wake is not None:
-                    wake.clear()  # before the checks: a completion after them sets it again
+                    wake.clear()  # before the check: a completion after it sets it again
                 if cond():
                     return
-                if pump():
-                    delay = 0.0
-                    continue
                 self.polls += 1
                 if wake is not None:
-                    # Nothing can move until one of this rank's collectives completes: all that
-                    # cond() and pump() read is a completion (the futures set `wake`) or made by
-                    # this thread. The timeout only bounds a wait whose wake-up went missing.
+                    # Only a completion can make cond() true (the futures set `wake`); the
+                    # timeout only bounds a wait whose wake-up went missing.
                     wake.wait(WAKE_TIMEOUT_S)
                     continue
                 time.sleep(delay)  # CUDA: the counts' copy events can only be queried
@@ -252,31 +254,43 @@ class IssueExecutor:
             if recorder is not None and timing is None and t in issued_at:
                 recorder.record(t.stream, t.kind, t.layer, t.microbatch, issued_at.pop(t), time.perf_counter())
 
-        self.executed = []  # a new list: the previous run's stays with whoever read it
+        self.executed, self.issued_order = [], []  # new lists: the previous run's stay with whoever read them
         self.meter.__enter__()
         try:
-            for t in tasks:
-                if t.is_comm:
-                    producer = transport.mark()  # at its place: the counts exchange may start it at once
-                    fifo[t.stream].append((t, start(t, transport.counts), producer))
-                    pump()
-                    continue
-                need = inputs(t, self.L)
-                if need is not None:
-                    until(lambda: need in issued and issued[need].arrived())
-                    issued[need].consume()
-                    record_transfer(need)
-                if stage_io is not None:
-                    stage_io.receive(t, time.perf_counter())
-                t0 = time.perf_counter()
-                run_compute(t, compute, timing)
-                self.executed.append(t)
-                if recorder is not None:
-                    recorder.record("compute", t.kind, t.layer, t.microbatch, t0, time.perf_counter())
-                if stage_io is not None:
-                    stage_io.send(t, time.perf_counter())
-                pump()
-            until(lambda: not any(fifo.values()))
+            mark_after(None)
+            for item in sequence:
+                if isinstance(item, Counts):
+                    counts[item] = transport.counts(lambda c=item: ops.counts(c), producer[item])
+                    self.issued_order.append(item)
+                elif isinstance(item, PipeCall):
+                    stage_io.issue(item)
+                    self.issued_order.append(item)
+                elif item.is_comm:
+                    if item.kind == "D_F":
+                        c = Counts(item.layer, item.microbatch)
+                        until(counts[c].arrived)
+                        counts[c].consume()  # a CPU rank: re-raises a failed counts exchange
+                        ops.routed(c, counts[c].value)
+                    issued_at[item] = time.perf_counter()
+                    issued[item] = transport.launch(item, lambda t=item: ops.transfer(t), producer[item])
+                    streams_done[item.stream].append(item)
+                    self.issued_order.append(item)
+                else:
+                    need = inputs(item, self.L)
+                    if need is not None:
+                        until(issued[need].arrived)
+                        issued[need].consume()
+                        record_transfer(need)
+                    if stage_io is not None:
+                        stage_io.receive(item, time.perf_counter())
+                    t0 = time.perf_counter()
+                    run_compute(item, compute, timing)
+                    mark_after(item)
+                    self.executed.append(item)
+                    if recorder is not None:
+                        recorder.record("compute", item.kind, item.layer, item.microbatch, t0, time.perf_counter())
+                    if stage_io is not None:
+                        stage_io.send(item, time.perf_counter())
             until(lambda: all(k.arrived() for k in issued.values()))
             for t in list(issued_at):
                 record_transfer(t)
@@ -290,20 +304,29 @@ class IssueExecutor:
 
 def resolve_issuer(issuer: str, device, emulated: bool, backend: str) -> str:
     """"single" or "threads" for --hetero-zebra-issuer `issuer` on a rank of `device` whose
-    transfers run on `backend`; "auto": one issuing thread on a CUDA rank over NCCL that does not
-    emulate, a worker thread per stream otherwise (CPU ranks, emulated clusters, CUDA tensors
-    over gloo). An emulated cluster needs the threads: emulated transfers sleep in their stream's."""
-    cuda = torch.device(device).type == "cuda"
-    if issuer == "single" and cuda and backend != "nccl":
+    transfers run on `backend`; "auto": one issuing thread over NCCL, a worker thread per stream
+    otherwise (CPU ranks, emulated clusters, CUDA tensors over gloo). NCCL gets the single issuer
+    only: the threaded executor issues from a thread per stream, and NCCL does not allow several
+    threads to issue to communicators of one device at once. An emulated cluster needs the threads
+    (emulated transfers sleep in their stream's thread), so it runs on gloo."""
+    cuda, nccl = torch.device(device).type == "cuda", backend == "nccl"
+    if issuer == "single" and cuda and not nccl:
         # CudaTransport relies on NCCL's Work.wait() ordering a stream; gloo's blocks the host,
-        # which one issuing thread cannot afford (a peer may need a transfer queued behind it).
+        # which one issuing thread cannot afford.
         raise ValueError(f"--hetero-zebra-issuer single on a CUDA rank needs NCCL, not {backend}; pass threads")
     if issuer == "single" and emulated:
         raise ValueError("--hetero-zebra-issuer single cannot emulate a cluster (emulated transfers sleep in their "
                          "stream's thread); drop --hetero-zebra-issuer or pass threads")
+    if nccl and issuer == "threads":
+        raise ValueError("--hetero-zebra-issuer threads on NCCL: that executor issues collectives from a thread per "
+                         "stream, and NCCL does not allow several threads to issue to communicators of one device at "
+                         "once; drop the flag (NCCL ranks use the single issuer)")
+    if nccl and emulated:
+        raise ValueError("an emulated cluster on NCCL ranks: emulation needs the threaded executor, which NCCL does not "
+                         "allow (several issuing threads); emulate on CPU ranks (gloo)")
     if issuer != "auto":
         return issuer
-    return "single" if cuda and backend == "nccl" and not emulated else "threads"
+    return "single" if cuda and nccl else "threads"
 
 
 def make_executor(num_layers: int, issuer: str, recorder: TimelineRecorder | None, device: torch.device,

@@ -132,7 +132,7 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
             loss_funcs.append(lf)
         alone = built is None
         built = built or Built()
-        az = _step(built.rank(gpt, lambda: AttentionZebra(gpt, hs, run, recorder, task_timing)), executed)
+        az = _step(built.rank(gpt, lambda: AttentionZebra(gpt, hs, run, recorder, task_timing, schedule)), executed)
         try:
             reported, num_tokens = az.run(cap.calls, loss_funcs, built.tasks(schedule, hs, num_microbatches),
                                           (decoder_seq_length or seq_length, micro_batch_size))
@@ -168,7 +168,8 @@ def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model
         if runs_task_list(schedule, task_timing):
             alone = built is None
             built = built or Built()
-            ez = _step(built.rank(runtime, lambda: ExpertZebra(runtime, hs, run, recorder, task_timing)), executed)
+            ez = _step(built.rank(runtime, lambda: ExpertZebra(runtime, hs, run, recorder, task_timing, schedule)),
+                       executed)
             try:
                 ez.run(built.tasks(schedule, hs, num_microbatches))
             finally:

@@ -33,13 +33,10 @@ from megatron_hetermoe.models.stages import AttentionStages, StageContext
 from megatron_hetermoe.parallel import cpu_backend
 from megatron_hetermoe.parallel.comm import Move, TokenRoute
 from megatron_hetermoe.parallel.state import HeteroParallelState
-from megatron_hetermoe.plan.tasks import Task, stage_transfers
-from megatron_hetermoe.schedules.issuer import (
-    AsyncTransfer,
-    IssueExecutor,
-    make_executor,
-)
-from megatron_hetermoe.schedules.executor import StageIO
+from megatron_hetermoe.plan.issue_order import Counts, PipeCall, issue_sequence, stage_pipe_calls
+from megatron_hetermoe.plan.tasks import ATTENTION_KINDS, PipeTask, Task, stage_transfers
+from megatron_hetermoe.schedules.executor import CUDA, StageIO
+from megatron_hetermoe.schedules.issuer import IssueExecutor, make_executor
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.schedules.timing import TaskTiming
 
@@ -67,6 +64,25 @@ def _recomputed(fn, *args):
         return contextlib.nullcontext(), recompute()
 
     return checkpoint(fn, *args, use_reentrant=False, context_fn=contexts)
+
+
+# The slot field a transfer's received tensor goes to, per transfer kind.
+_RECEIVED = {"D_F": "recv_tokens", "C_F": "recv_combined", "C_B": "recv_grad", "D_B": "grad_permuted"}
+
+
+def _release(t: torch.Tensor, stream) -> None:
+    """Before a reference to a CUDA tensor that crossed streams is dropped: tell the caching
+    allocator that `stream` uses it, so its block is not handed out again before the work that
+    stream already has on it is done (nothing to do on CPU)."""
+    if stream is not None and t.is_cuda:
+        t.record_stream(stream)
+
+
+class _IssueOps:
+    """A ZebraRank's operations for the single issuer (issuer.IssueOps)."""
+
+    def __init__(self, rank: "ZebraRank"):
+        self.counts, self.routed, self.transfer = rank.counts, rank.routed, rank.transfer_async
 
 
 @dataclass
@@ -97,13 +113,14 @@ class ZebraRank:
 
     def __init__(self, hs: HeteroParallelState, hidden_size: int, dtype: torch.dtype, run: HeteroRunConfig,
                  recorder: TimelineRecorder | None, experts_of_layer: Callable[[int], torch.nn.Module | None],
-                 task_timing: TaskTiming | None = None):
+                 task_timing: TaskTiming | None = None, schedule: str = "zebra"):
         """`run`: recompute and zebra_issuer are read; `task_timing`: emulated task times
-        (schedules/timing.py), else tasks take as long as they run. One object serves every step
-        of a run (schedules/select.py); its executor keeps the threaded executor's stream
+        (schedules/timing.py), else tasks take as long as they run; `schedule`: whose task lists
+        the steps run (the single issuer's sequences are made from them). One object serves every
+        step of a run (schedules/select.py); its executor keeps the threaded executor's stream
         workers between steps until `close()`."""
         self.hs, self.H, self.dtype, self.recompute = hs, hidden_size, dtype, run.recompute
-        self.task_timing = task_timing
+        self.task_timing, self.schedule = task_timing, schedule
         self.experts_of_layer = experts_of_layer
         self.is_attention = hs.role == "attention"
         # The task lists' layer k is this rank's pipeline stage's k-th MoE layer (every MoE layer
@@ -112,6 +129,7 @@ class ZebraRank:
         self.slots: dict[tuple[int, int], Slot] = {}
         self.ex = make_executor(len(self.layer_ids), run.zebra_issuer, recorder, hs.device, hs.transport.backend,
                                 task_timing, keep_streams=True)
+        self.sequences: dict[int, list] = {}  # R -> this rank's issue sequence (the single issuer's)
 
     def close(self) -> None:
         """End what the executor keeps between steps (the threaded executor's stream workers)."""
@@ -172,57 +190,91 @@ class ZebraRank:
                                                 self.dtype, stamp)
             st.routed.set()
             started = got / 1e9 if got is not None else None  # the counts carried when each member could start
-            st.recv_tokens = st.route.to_experts(self._send(task, st), self._timed(task, started))
+            self._received(task, st, st.route.to_experts(self._send(task, st), self._timed(task, started)))
 
         def c_f():
             st.routed.wait()
-            st.recv_combined = st.route.to_attention(self._send(task, st), self._timed(task))
+            self._received(task, st, st.route.to_attention(self._send(task, st), self._timed(task)))
 
         def c_b():
-            st.recv_grad = st.route.to_experts(self._send(task, st), self._timed(task))
+            self._received(task, st, st.route.to_experts(self._send(task, st), self._timed(task)))
+            self._sent(task, st)
 
         def d_b():
-            st.grad_permuted = st.route.to_attention(self._send(task, st), self._timed(task))
+            self._received(task, st, st.route.to_attention(self._send(task, st), self._timed(task)))
+            self._sent(task, st)
 
         return {"D_F": d_f, "C_F": c_f, "C_B": c_b, "D_B": d_b}[task.kind]
 
-    def start(self, task: Task, counts) -> AsyncTransfer:
-        """The single issuer's form of `transfer` (schedules/issuer.py): called at the task's place
-        in the list; a D_F starts its counts exchange there (`counts`), and each transfer is
-        issued asynchronously once its route is known."""
-        l, j = task.layer, task.microbatch
-        st = self.slot(l, j)
-        routed = lambda: st.route is not None  # noqa: E731 - made by this (layer, microbatch)'s D_F, issued earlier
+    # ---- the single issuer's operations (schedules/issuer.py IssueOps) ----------------------
+    def counts(self, c: Counts):
+        """Issue the counts exchange of D_F(c) asynchronously: (received counts, Work)."""
+        return TokenRoute.start_exchange(self.hs, self.layer_ids[c.layer], self._dispatch_counts(self.slot(c.layer,
+                                                                                                         c.microbatch)))
 
-        if task.kind == "D_F":
-            per_expert = self._dispatch_counts(st)
-            ticket = counts(lambda: TokenRoute.start_exchange(self.hs, self.layer_ids[l], per_expert))
+    def routed(self, c: Counts, counts: torch.Tensor) -> None:
+        st = self.slot(c.layer, c.microbatch)
+        st.route = TokenRoute.from_counts(self.hs, self.layer_ids[c.layer], counts, self.H, self.dtype)
+        st.routed.set()
 
-            def d_f():
-                ticket.consume()  # a CPU rank: re-raises a failed counts exchange
-                st.route = TokenRoute.from_counts(self.hs, self.layer_ids[l], ticket.value, self.H, self.dtype)
-                st.routed.set()
-                st.recv_tokens, work = st.route.to_experts(self._send(task, st), self._async)
-                return [work]
-            return AsyncTransfer(ready=ticket.arrived, launch=d_f)
+    def transfer_async(self, task: Task) -> list:
+        """Issue transfer `task` asynchronously (its route exists); a sent buffer is released
+        right away (`_sent`: kept for the side stream that reads it)."""
+        st = self.slot(task.layer, task.microbatch)
+        send = self._send(task, st)
+        if task.kind in ("D_F", "C_B"):
+            out, work = st.route.to_experts(send, self._async)
+        else:
+            out, work = st.route.to_attention(send, self._async)
+        self._received(task, st, out)
+        self._sent(task, st)
+        return [work]
 
-        def c_f():
-            st.recv_combined, work = st.route.to_attention(self._send(task, st), self._async)
-            return [work]
+    # ---- buffers: each released after its last consumer ------------------------------------
+    def _received(self, task: Task, st: Slot, out: torch.Tensor) -> None:
+        """Keep what `task` received for its consumer: an expert task (D_F, C_B: every expert rank's
+        E task, an attention rank's X task where it holds experts) or an attention piece (C_F,
+        D_B); any other member received an empty tensor and has none."""
+        expert_side = not self.is_attention or self.holds(task.layer)
+        if expert_side if task.kind in ("D_F", "C_B") else self.is_attention:
+            setattr(st, _RECEIVED[task.kind], out)
 
-        def c_b():
-            st.recv_grad, work = st.route.to_experts(self._send(task, st), self._async)
-            return [work]
+    def _sent(self, task: Task, st: Slot) -> None:
+        """A gradient's send buffer has no consumer after its transfer was issued (C_B: the
+        combined output's gradient on an attention rank; D_B: the expert input's on a holder):
+        drop the slot's reference, the block kept for the side stream that reads it."""
+        if task.kind == "C_B" and st.grad_combined is not None:
+            _release(st.grad_combined, self._side(task))
+            st.grad_combined = None
+        elif task.kind == "D_B" and st.grad_recv is not None:
+            _release(st.grad_recv, self._side(task))
+            st.grad_recv = None
 
-        def d_b():
-            st.grad_permuted, work = st.route.to_attention(self._send(task, st), self._async)
-            return [work]
+    def _consumed(self, st: Slot, name: str) -> None:
+        """A received buffer's consumer was run (or enqueued on the compute stream): drop it, the
+        block kept for the compute stream until then."""
+        t = getattr(st, name)
+        if t is not None:
+            _release(t, self._compute_stream())
+            setattr(st, name, None)
 
-        return AsyncTransfer(ready=routed, launch={"C_F": c_f, "C_B": c_b, "D_B": d_b}[task.kind])
+    def _side(self, task: Task):
+        dev = self.hs.device
+        return CUDA.side_stream(dev, task.stream) if dev.type == "cuda" else None
+
+    def _compute_stream(self):
+        dev = self.hs.device
+        return torch.cuda.current_stream(dev) if dev.type == "cuda" else None
 
     def execute(self, tasks: list[Task], compute: Callable[[Task], None], stage_io: StageIO | None = None) -> None:
         self.slots.clear()  # a failed step's, should its caller go on
-        self.ex.run(tasks, compute, self.start if isinstance(self.ex, IssueExecutor) else self.transfer, stage_io)
+        if isinstance(self.ex, IssueExecutor):
+            R = 1 + max(t.microbatch for t in tasks)
+            if R not in self.sequences:
+                self.sequences[R] = issue_sequence(self.hs.plan, self.hs.rank, R, self.schedule)
+            self.ex.run(tasks, self.sequences[R], compute, _IssueOps(self), stage_io)
+        else:
+            self.ex.run(tasks, compute, self.transfer, stage_io)
         # The step is over: its slots (tensors referenced from the transfers' closures, a cycle
         # through this rank) go now, by reference counting, not at the next full collection.
         self.slots.clear()
@@ -231,12 +283,14 @@ class ZebraRank:
     def expert_forward(self, l: int, j: int) -> None:
         st = self.slot(l, j)
         st.expert_in = st.route.arrived(st.recv_tokens).detach().requires_grad_()
+        self._consumed(st, "recv_tokens")
         st.expert_out = run_local_experts(self.experts_of_layer(l), st.expert_in, st.route.local_counts,
                                           recompute=self.hs.plan.expert_recompute == "keep-inputs")
 
     def expert_backward(self, l: int, j: int) -> None:
         st = self.slot(l, j)
         torch.autograd.backward(st.expert_out, st.route.arrived(st.recv_grad))
+        self._consumed(st, "recv_grad")
         st.grad_recv = st.expert_in.grad if st.expert_in.grad is not None else torch.zeros_like(st.expert_in)
         st.expert_in = st.expert_out = None
 
@@ -256,11 +310,12 @@ class AttentionZebra(ZebraRank):
     offloaded experts (Asym-EA) as X_F/X_B tasks."""
 
     def __init__(self, gpt, hs: HeteroParallelState, run: HeteroRunConfig, recorder: TimelineRecorder | None,
-                 task_timing: TaskTiming | None = None):
+                 task_timing: TaskTiming | None = None, schedule: str = "zebra"):
         self.stages = AttentionStages(gpt)
         c = gpt.config
         super().__init__(hs, c.hidden_size, c.params_dtype, run, recorder,
-                         lambda l: self.stages.layers[l].mlp.experts, task_timing)
+                         lambda l: self.stages.layers[l].mlp.experts, task_timing, schedule)
+        self._pipeline_ready = False  # the pipeline group's communicator made by all its members
 
     def _stage(self, s: int, j: int, batch: dict, leaves: tuple):
         """Forward of attention stage s (0..L-1): returns (permuted, residual, probs, shared) and keeps
@@ -306,7 +361,13 @@ class AttentionZebra(ZebraRank):
         self.contexts: dict[int, StageContext] = {}
         losses: dict[int, torch.Tensor] = {}
         reported: dict[int, dict] = {}
-        pipe = _PipelineNeighbours(self.hs, self.stages.gpt.config, seq_shape, L, self.task_timing)
+        pipe = _PipelineNeighbours(self.hs, self.stages.gpt.config, seq_shape, L, tasks, self.task_timing,
+                                   sequenced=isinstance(self.ex, IssueExecutor), schedule=self.schedule)
+        if pipe.active and not self._pipeline_ready:
+            # batch_isend_irecv's first call on a group must include every member (torch's rule
+            # for NCCL's lazily made communicators); a stage's first call has one neighbour only.
+            pipe.warm_up()
+            self._pipeline_ready = True
 
         def leaves_for(s: int, j: int) -> tuple:
             if s == 0:  # the previous pipeline stage's output of microbatch j (none on the first stage)
@@ -316,6 +377,7 @@ class AttentionZebra(ZebraRank):
                   prev.residual.detach().requires_grad_(),
                   prev.probs.detach().requires_grad_(),
                   None if prev.shared is None else prev.shared.detach().requires_grad_())
+            self._consumed(prev, "recv_combined")
             prev.leaves = {"combined": lv[0], "residual": lv[1], "probs": lv[2], "shared": lv[3]}
             return lv
 
@@ -354,6 +416,7 @@ class AttentionZebra(ZebraRank):
                     outs = [st.permuted, st.residual, st.probs, st.shared]
                     keep = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
                     torch.autograd.backward([o for o, _ in keep], [g for _, g in keep])
+                    self._consumed(st, "grad_permuted")
                     st.permuted = st.residual = st.probs = st.shared = None
                     st.leaves = {}
                 if s > 0:
@@ -379,13 +442,32 @@ class AttentionZebra(ZebraRank):
         return [reported[j] for j in range(R)] if pipe.next is None else [], num_tokens_step
 
 
+class _Posted:
+    """One posted pipeline call: its Works and the tensors it sends (kept until they are sent).
+    Waited once: gloo's Work.wait() on a receive that already completed waits for another one."""
+
+    def __init__(self, works: list, keep: list):
+        self.works, self.keep, self.waited = works, keep, False
+
+    def wait(self) -> None:
+        if not self.waited:
+            for w in self.works:
+                w.wait()
+            self.waited = True
+
+
 class _PipelineNeighbours:
     """An attention rank's point-to-point traffic with the previous and next pipeline stage (the
     same member and TP position; Megatron's P2P tensors: [sequence (its slice with sequence
-    parallelism), micro-batch, hidden] in config.pipeline_dtype), done by the executor around the
-    compute tasks (executor.StageIO; plan.tasks.stage_transfers says which): a receive before the
-    task that consumes it, a send after the task that produced it. Sends are asynchronous and
-    finished at the end of the step; receives wait. Without pipeline stages there is none.
+    parallelism), micro-batch, hidden] in config.pipeline_dtype). It goes in the stage's calls
+    (plan.issue_order.pipe_calls): the messages both neighbours post together, one
+    batch_isend_irecv each, in one order on both sides, so a send never waits for a receive the
+    peer queued behind its own send (NCCL runs a pair's sends and receives on one stream).
+    `sequenced`: the single issuer issues the calls as items of its sequence (`issue`); else the
+    executor's hooks do, a call right after the A task its key names (`send`) or, for the first,
+    before the first A task (`receive`). A task's received input is waited for right before it
+    (`receive`); what a task produces for a neighbour is kept for its call (`send`); sends are
+    waited at the end of the step. Without pipeline stages there is none.
 
     With emulated task times each transfer is a window, as the simulator's PipeTask: the sender
     sends, ahead of the tensor, when its producing task ended; the receiver starts the window at
@@ -393,10 +475,11 @@ class _PipelineNeighbours:
     direction ended, and the consuming task starts when the window closed."""
 
     def __init__(self, hs: HeteroParallelState, config, seq_shape: tuple[int, int] | None, num_layers: int,
-                 timing: TaskTiming | None = None):
+                 tasks: list[Task], timing: TaskTiming | None = None, sequenced: bool = False,
+                 schedule: str = "zebra"):
         import torch.distributed as dist
 
-        self.dist, self.hs, self.L, self.timing = dist, hs, num_layers, timing
+        self.dist, self.hs, self.L, self.timing, self.sequenced = dist, hs, num_layers, timing, sequenced
         ranks = hs.layout.ranks("pp")
         k = ranks.index(hs.rank)
         self.stage, self.stages = k, len(ranks)
@@ -410,66 +493,104 @@ class _PipelineNeighbours:
             seq, mbs = seq_shape
             tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
             self.shape = (seq // tp, mbs, config.hidden_size)
+        self.a_index = {t: i for i, t in enumerate(t for t in tasks if t.kind in ATTENTION_KINDS)}
+        self.calls_after: dict[int, list[PipeCall]] = {}  # A task index (-1: before the first) -> its calls
+        if self.active:
+            R = 1 + max(t.microbatch for t in tasks)
+            for key, call in stage_pipe_calls(hs.plan, self.stage, R, schedule):
+                self.calls_after.setdefault(int(key - 0.5), []).append(call)
         self.inputs: dict[int, torch.Tensor] = {}  # microbatch -> the previous stage's output (a leaf)
         self.outputs: dict[int, torch.Tensor] = {}  # microbatch -> this stage's output, until its backward
         self.grads: dict[int, torch.Tensor] = {}  # microbatch -> the next stage's gradient of that output
-        self.sends: list = []
+        self.produced: dict[PipeTask, tuple[torch.Tensor, float]] = {}  # a message's tensor, when it was made
+        self.posted: dict[PipeTask, tuple[torch.Tensor, torch.Tensor | None, _Posted]] = {}  # receive buffers
+        self.sends: list[_Posted] = []  # every posted call, until the step's end
         self.lane_end: dict[str, float] = {}  # emulated: when the last transfer of each direction ended
 
-    def _recv(self, buf: torch.Tensor, src: int, pipe_task, ready: float) -> float | None:
-        if self.timing is None:
-            self.dist.recv(buf, src=src, group=self.group)
-            return None
-        sent = torch.empty(1, dtype=torch.float64, device=self.hs.device)
-        self.dist.recv(sent, src=src, group=self.group)
-        self.dist.recv(buf, src=src, group=self.group)
-        start = max(float(sent), ready, self.lane_end.get(pipe_task.kind, self.timing.origin()))
-        end = self.timing.transfer(pipe_task, start, time.perf_counter())
-        self.lane_end[pipe_task.kind] = end
-        return end
+    def warm_up(self) -> None:
+        """One collective over the pipeline group, by all its members at the start of a run."""
+        self.dist.barrier(group=self.group)
 
-    def _send(self, x: torch.Tensor, dst: int, end: float) -> None:
-        if self.timing is not None:
-            stamp = torch.tensor([end], dtype=torch.float64, device=self.hs.device)
-            self.sends.append((stamp, self.dist.isend(stamp, dst=dst, group=self.group)))
-        x = x.contiguous()
-        self.sends.append((x, self.dist.isend(x, dst=dst, group=self.group)))
+    def issue(self, call: PipeCall) -> None:
+        """Post one call: its messages in the call's order (both sides list them alike), each
+        preceded by its emulated send time where tasks are timed."""
+        P2POp = self.dist.P2POp
+        ops, keep, recvs = [], [], []
+        for m in call.messages:
+            peer = self.prev if m.peer < 0 else self.next
+            tag = 2 * m.task.microbatch  # gloo matches by tag (NCCL by order, the same on both sides)
+            if m.send:
+                x, end = self.produced.pop(m.task)
+                if self.timing is not None:
+                    stamp = torch.tensor([end], dtype=torch.float64, device=self.hs.device)
+                    ops.append(P2POp(self.dist.isend, stamp, peer, self.group, tag + 1))
+                    keep.append(stamp)
+                ops.append(P2POp(self.dist.isend, x, peer, self.group, tag))
+                keep.append(x)
+                continue
+            if m.task.kind == "P_F":
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.hs.device)
+            else:
+                buf = torch.empty_like(self.outputs[m.task.microbatch])
+            stamp = None
+            if self.timing is not None:
+                stamp = torch.empty(1, dtype=torch.float64, device=self.hs.device)
+                ops.append(P2POp(self.dist.irecv, stamp, peer, self.group, tag + 1))
+            ops.append(P2POp(self.dist.irecv, buf, peer, self.group, tag))
+            recvs.append((m.task, buf, stamp))
+        posted = _Posted(self.dist.batch_isend_irecv(ops), keep)
+        for task, buf, stamp in recvs:
+            self.posted[task] = (buf, stamp, posted)
+        self.sends.append(posted)
+
+    def _issue_after(self, a: int) -> None:
+        for call in self.calls_after.pop(a, []):
+            self.issue(call)
 
     def receive(self, task: Task, ready: float) -> float | None:
+        if not self.sequenced and self.a_index.get(task) == 0:
+            self._issue_after(-1)
         recv, _ = stage_transfers(task, self.stage, self.stages, self.L)
         if recv is None:
             return None
+        buf, stamp, posted = self.posted.pop(recv)
+        posted.wait()  # CPU: the data is here; NCCL: the current stream waits for it
+        end = None
+        if self.timing is not None:
+            start = max(float(stamp), ready, self.lane_end.get(recv.kind, self.timing.origin()))
+            end = self.timing.transfer(recv, start, time.perf_counter())
+            self.lane_end[recv.kind] = end
         j = task.microbatch
         if recv.kind == "P_F":
-            buf = torch.empty(self.shape, dtype=self.dtype, device=self.hs.device)
-            end = self._recv(buf, self.prev, recv, ready)
             self.inputs[j] = buf.requires_grad_()
         else:
-            out = self.outputs[j]
-            self.grads[j] = torch.empty_like(out)
-            end = self._recv(self.grads[j], self.next, recv, ready)
+            self.grads[j] = buf
         return end
 
     def send(self, task: Task, end: float) -> None:
         _, send = stage_transfers(task, self.stage, self.stages, self.L)
-        if send is None:
-            return
-        j = task.microbatch
-        if send.kind == "P_F":
-            self._send(self.outputs[j].detach(), self.next, end)
-        else:
-            x = self.inputs.pop(j)
-            self._send(x.grad if x.grad is not None else torch.zeros_like(x), self.prev, end)
+        if send is not None:
+            j = task.microbatch
+            if send.kind == "P_F":
+                x = self.outputs[j].detach()
+            else:
+                inp = self.inputs.pop(j)
+                x = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+            self.produced[send] = (x.contiguous(), end)
+        if not self.sequenced and task in self.a_index:
+            self._issue_after(self.a_index[task])
 
     def finish(self) -> None:
-        for _, w in self.sends:
-            w.wait()
+        for posted in self.sends:
+            posted.wait()
         self.sends.clear()
 
     def close(self) -> None:
         self.inputs.clear()
         self.outputs.clear()
         self.grads.clear()
+        self.produced.clear()
+        self.posted.clear()
         self.sends.clear()
 
     def share_from_last(self, value: torch.Tensor) -> None:
@@ -481,9 +602,9 @@ class ExpertZebra(ZebraRank):
     """An expert rank: its ExpertRuntime's experts as E_F/E_B tasks."""
 
     def __init__(self, runtime, hs: HeteroParallelState, run: HeteroRunConfig, recorder: TimelineRecorder | None,
-                 task_timing: TaskTiming | None = None):
+                 task_timing: TaskTiming | None = None, schedule: str = "zebra"):
         super().__init__(hs, runtime.config.hidden_size, runtime.config.params_dtype, run, recorder,
-                         lambda l: runtime.experts_of(self.layer_ids[l]), task_timing)
+                         lambda l: runtime.experts_of(self.layer_ids[l]), task_timing, schedule)
 
     def run(self, tasks: list[Task]) -> None:
         def compute(t: Task) -> None:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from megatron_hetermoe.reliability.collective_trace import check
+from megatron_hetermoe.reliability.collective_trace import check, single_queue_hangs
 
 
 def _write(d, rank, recs):
@@ -68,3 +68,42 @@ def test_a_collective_never_left_is_named_with_its_caller(tmp_path):
     _write(tmp_path, 1, [("3", [0, 1], "all_gather", "MainThread", 0, 1)])
     assert check(tmp_path) == ["stuck: rank 0 entered all_gather on group 3 (ranks [0, 1]) from x.py:1 and never "
                                "left it"]
+
+
+def _calls(d, rank, calls):
+    """Calls for single_queue_hangs: (group, ranks, op) or (group, ranks, op, [[send|recv, peer, tag]])."""
+    with open(d / f"collectives.rank{rank}.jsonl", "w") as f:
+        for i, c in enumerate(calls):
+            rec = {"seq": i, "group": c[0], "ranks": c[1], "op": c[2], "thread": "MainThread", "start": i,
+                   "caller": ["x.py:1"]}
+            if len(c) > 3:
+                rec["p2p"] = c[3]
+            f.write(json.dumps(rec) + "\n" + json.dumps({"seq": i, "end": i + 0.5}) + "\n")
+
+
+def test_single_queue_finds_two_communicators_in_opposite_orders(tmp_path):
+    # each group's order agrees (check() is content), but rank 0 runs dispatch first and rank 1
+    # combine first: with one hardware queue each waits for the other
+    _calls(tmp_path, 0, [("d", [0, 1], "all_to_all_single"), ("c", [0, 1], "all_to_all_single")])
+    _calls(tmp_path, 1, [("c", [0, 1], "all_to_all_single"), ("d", [0, 1], "all_to_all_single")])
+    assert check(tmp_path) == []
+    assert single_queue_hangs(tmp_path) == ["rank 0 waits at its call #0: all_to_all_single on group d",
+                                            "rank 1 waits at its call #0: all_to_all_single on group c"]
+    _calls(tmp_path, 1, [("d", [0, 1], "all_to_all_single"), ("c", [0, 1], "all_to_all_single")])
+    assert single_queue_hangs(tmp_path) == []
+
+
+def test_single_queue_pairs_point_to_point_by_peer_tag_and_turn(tmp_path):
+    send, recv = "batch_isend_irecv", "batch_isend_irecv"
+    # crossing sends, each alone: both wait
+    _calls(tmp_path, 0, [("p", [0, 1], send, [["send", 1, 2]]), ("p", [0, 1], recv, [["recv", 1, 0]])])
+    _calls(tmp_path, 1, [("p", [0, 1], send, [["send", 0, 0]]), ("p", [0, 1], recv, [["recv", 0, 2]])])
+    assert len(single_queue_hangs(tmp_path)) == 2
+    # the same messages posted together on both sides: through
+    _calls(tmp_path, 0, [("p", [0, 1], send, [["recv", 1, 0], ["send", 1, 2]])])
+    _calls(tmp_path, 1, [("p", [0, 1], send, [["send", 0, 0], ["recv", 0, 2]])])
+    assert single_queue_hangs(tmp_path) == []
+    # a receive posted before the send on one side resolves the crossing too
+    _calls(tmp_path, 0, [("p", [0, 1], recv, [["recv", 1, 0]]), ("p", [0, 1], send, [["send", 1, 2]])])
+    _calls(tmp_path, 1, [("p", [0, 1], send, [["send", 0, 0]]), ("p", [0, 1], recv, [["recv", 0, 2]])])
+    assert single_queue_hangs(tmp_path) == []

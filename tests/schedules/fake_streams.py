@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
+from megatron_hetermoe.plan.issue_order import stage_sequences
 from megatron_hetermoe.plan.tasks import (
     distep_tasks_for_role,
     zebra_tasks_for_role,
@@ -40,3 +41,14 @@ CASES = [
 
 def num_layers(tasks) -> int:
     return max(t.layer for t in tasks if t.kind not in ("A_F", "A_B")) + 1
+
+
+def sequence_of(name: str, tasks) -> list:
+    """`tasks`' issue sequence in a ZP group of it and one rank of the other role (CASES)."""
+    L, R = num_layers(tasks), 1 + max(t.microbatch for t in tasks)
+    make = distep_tasks_for_role if name.startswith("distep") else zebra_tasks_for_role
+    attention = name.startswith("attention")
+    other = make(L, R, "expert" if attention else "attention")
+    lists = {0: tasks, 1: other} if attention else {0: other, 1: tasks}
+    me = 0 if attention else 1
+    return stage_sequences(lists, {0}, [], L)[me]

@@ -10,10 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fake_streams import CASES, num_layers
+from fake_streams import CASES, num_layers, sequence_of
 
 from megatron_hetermoe.schedules.executor import ActivationMeter, TaskExecutor
-from megatron_hetermoe.schedules.issuer import AsyncTransfer, IssueExecutor
+from megatron_hetermoe.schedules.issuer import IssueExecutor
 
 
 def _workers() -> set[threading.Thread]:
@@ -117,24 +117,21 @@ def test_single_issuer_on_a_cpu_rank_blocks_until_a_collective_completes(monkeyp
 
     sleeps = []
     monkeypatch.setattr(issuer, "time", SimpleNamespace(perf_counter=time.perf_counter, sleep=sleeps.append))
-    tasks = CASES[1][1]  # an expert rank's list
+    name, tasks = CASES[1]  # an expert rank's list
     ex = IssueExecutor(num_layers(tasks), None)
-    routed: set = set()
 
-    def start(t, counts):
-        key = (t.layer, t.microbatch)
+    class Ops:
+        def counts(self, c):
+            return torch.zeros(2, 3, dtype=torch.int64), _Work(0.02)
 
-        def launch():
-            routed.add(key)
+        def routed(self, c, counts):
+            pass
+
+        def transfer(self, t):
             return [_Work(0.02)]
 
-        if t.kind == "D_F":
-            ticket = counts(lambda: (torch.zeros(2, 3, dtype=torch.int64), _Work(0.02)))
-            return AsyncTransfer(ready=ticket.arrived, launch=launch)
-        return AsyncTransfer(ready=lambda: key in routed, launch=launch)
-
     t0 = time.perf_counter()
-    ex.run(tasks, lambda t: None, start)
+    ex.run(tasks, sequence_of(name, tasks), lambda t: None, Ops())
     took = time.perf_counter() - t0
     assert sleeps == []
     assert ex.executed == [t for t in tasks if not t.is_comm]

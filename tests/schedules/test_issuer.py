@@ -1,26 +1,23 @@
 """The single issuer (schedules/issuer.py) on a CUDA rank, driven on CPU with fake streams,
-events and collectives: one thread issues everything in list order; each transfer's side stream
-waits the producer event recorded at the transfer's place in the list; a consumer's compute
-stream waits the transfer's done event right before it is enqueued; a D_F's payload is issued
-only once its counts reached the host (polled, never a blocking wait), and compute that does
-not need it is enqueued meanwhile; nothing synchronizes the host."""
+events and collectives: one thread issues everything in the rank's issue sequence
+(plan/issue_order.py), whatever the timing; each transfer's side stream waits the producer event
+recorded at the transfer's place in the task list; a consumer's compute stream waits the
+transfer's done event right before it is enqueued; a D_F's payload is issued only once its counts
+reached the host (polled, never a blocking wait); nothing synchronizes the host."""
 from __future__ import annotations
 
 import threading
 
 import pytest
 import torch
-from fake_streams import CASES, ThreadStreams, num_layers
+from fake_streams import CASES, ThreadStreams, num_layers, sequence_of
 
 from megatron_hetermoe.config import HeteroRunConfig
 from megatron_hetermoe.emulation.timing import EmulatedTiming
+from megatron_hetermoe.plan.issue_order import Counts
 from megatron_hetermoe.plan.tasks import inputs
 from megatron_hetermoe.schedules.executor import CudaApi, TaskExecutor
-from megatron_hetermoe.schedules.issuer import (
-    AsyncTransfer,
-    IssueExecutor,
-    make_executor,
-)
+from megatron_hetermoe.schedules.issuer import IssueExecutor, make_executor
 from megatron_hetermoe.training.validation import ConfigError, check_issuer
 
 DEVICE = torch.device("cuda", 1)
@@ -96,38 +93,38 @@ class Fake(ThreadStreams):
         return t.clone()
 
 
-def _run(fake: Fake, tasks, L: int):
+class Ops:
+    """A rank's IssueOps against the fake: logs each issue on the stream current at the time."""
+
+    def __init__(self, fake: "Fake"):
+        self.fake = fake
+
+    def counts(self, c):
+        self.fake.add("counts_started", c)
+        return torch.zeros(2, 3, dtype=torch.int64), self.fake.Work(self.fake, c)
+
+    def routed(self, c, counts):
+        self.fake.add("routed", c)
+
+    def transfer(self, t):
+        self.fake.add("launch", t, self.fake.current(DEVICE).name)
+        return [self.fake.Work(self.fake, t)]
+
+
+def _run(fake: Fake, name: str, tasks, L: int):
     ex = IssueExecutor(L, None, device=DEVICE, api=fake.api)
-    routed: set = set()
-
-    def compute(t):
-        fake.add("compute", t, fake.current(DEVICE).name)
-
-    def start(t, counts):
-        key = (t.layer, t.microbatch)
-
-        def launch():
-            if t.kind == "D_F":
-                routed.add(key)
-            fake.add("launch", t, fake.current(DEVICE).name)
-            return [fake.Work(fake, t)]
-
-        if t.kind == "D_F":
-            ticket = counts(lambda: (torch.zeros(2, 3, dtype=torch.int64), fake.Work(fake, ("counts", t))))
-            fake.add("counts_started", t)
-            return AsyncTransfer(ready=ticket.arrived, launch=launch)
-        return AsyncTransfer(ready=lambda: key in routed, launch=launch)
-
-    ex.run(tasks, compute, start)
+    ex.run(tasks, sequence_of(name, tasks), lambda t: fake.add("compute", t, fake.current(DEVICE).name), Ops(fake))
     return ex
 
 
 @pytest.mark.parametrize("lag", [0, 40])
 @pytest.mark.parametrize("name, tasks", CASES, ids=[c[0] for c in CASES])
 def test_single_issuer_orders_the_device_without_host_syncs(name, tasks, lag):
+    """`lag`: polls before a counts copy is done; the issue order must not depend on it (two ranks
+    whose counts arrive at different times still issue alike)."""
     fake = Fake(lag)
     L = num_layers(tasks)
-    ex = _run(fake, tasks, L)
+    ex = _run(fake, name, tasks, L)
     log = fake.log
     main = threading.current_thread().name
     assert all(it[-1] == main for it in log), "something ran off the issuing thread"
@@ -185,23 +182,22 @@ def test_single_issuer_orders_the_device_without_host_syncs(name, tasks, lag):
         i_rec, on = rec[ev]
         assert ev == done[need] and launched[need][0] < i_rec < i_c, (t, need)
 
-    # Counts: started at the D_F's place on the counts stream (after a producer wait, then the
-    # collective, then the copy to the host), and its payload issued only after the copy's event
-    # said done: never before `lag` polls.
+    # Counts: each issued on the counts stream (after a producer wait, then the collective, then
+    # the copy to the host), and its payload issued only after the copy's event said done: never
+    # before `lag` polls.
     counts_stream = (side - set(lanes.values())).pop()
-    for t, i in started.items():
-        assert i < launched[t][0]
+    routed = {it[1]: i for i, it in enumerate(log) if it[0] == "routed"}
+    for c, i in started.items():
+        assert i < routed[c] < launched[next(t for t in tasks if t.kind == "D_F" and (t.layer, t.microbatch)
+                                             == (c.layer, c.microbatch))][0]
     copies = [i for i, it in enumerate(log) if it[0] == "host_copy"]
     assert len(copies) == len(started) and all(log[i][1] == counts_stream for i in copies)
     assert (ex.polls > 0) == (lag > 0)  # the host waited only by polling, and only while counts travelled
-    if lag:
-        # The first dispatch was held back while its counts travelled, and compute after it in
-        # the list that does not need it was enqueued meanwhile.
-        first = next(t for t in tasks if t.kind == "D_F")
-        k = tasks.index(first)
-        nxt = next((u for u in tasks[k + 1:] if not u.is_comm and inputs(u, L) != first), None)
-        if nxt is not None and inputs(nxt, L) is None:
-            assert at[("compute", nxt)] < launched[first][0], (nxt, first)
+    # Every collective in the sequence's order, compute tasks at their places among them.
+    seq = sequence_of(name, tasks)
+    assert ex.issued_order == [it for it in seq if isinstance(it, Counts) or it.is_comm]
+    issued = [it[1] for it in log if it[0] in ("counts_started", "launch", "compute")]
+    assert issued == seq
 
     # The end: the compute stream waits every transfer's done event.
     last = max(max(at.values()), max(i for i, _ in launched.values()))
@@ -216,8 +212,12 @@ def test_issuer_choice_and_refusals():
     assert isinstance(make_executor(2, "auto", None, gpu, "gloo"), TaskExecutor)  # gloo's wait blocks the host
     assert isinstance(make_executor(2, "auto", None, cpu, "gloo"), TaskExecutor)
     assert isinstance(make_executor(2, "single", None, cpu, "gloo"), IssueExecutor)
-    assert isinstance(make_executor(2, "threads", None, gpu, "nccl"), TaskExecutor)
-    assert isinstance(make_executor(2, "auto", None, gpu, "nccl", timed), TaskExecutor)
+    assert isinstance(make_executor(2, "threads", None, gpu, "gloo"), TaskExecutor)
+    # NCCL: several threads must not issue to communicators of one device at once (item 3)
+    with pytest.raises(ValueError, match="threads on NCCL: .* NCCL does not allow several threads"):
+        make_executor(2, "threads", None, gpu, "nccl")
+    with pytest.raises(ValueError, match="emulated cluster on NCCL ranks"):
+        make_executor(2, "auto", None, gpu, "nccl", timed)
     with pytest.raises(ValueError, match="cannot emulate a cluster"):
         make_executor(2, "single", None, cpu, "gloo", timed)
     with pytest.raises(ValueError, match="single on a CUDA rank needs NCCL, not gloo; pass threads"):
