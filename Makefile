@@ -99,3 +99,25 @@ compat: $(COMPAT_STAMP)
 	if [ -n "$$MEGATRON_LM_DIR" ]; then $(COMPAT_VENV)/bin/pip install -q --no-build-isolation 'megatron-core==$(COMPAT_MCORE)' -e '.[megatron-lm]'; fi
 	@$(COMPAT_VENV)/bin/python -c "import sys, torch, megatron.core as m; print('compat: Python', sys.version.split()[0], '| torch', torch.__version__, '| megatron-core', m.__version__)" 2>/dev/null
 	OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -rs $(COMPAT_TESTS)
+
+# ---- the one-GPU check's wheels (issue 43): what scripts/gpu_check.sh needs on a GPU machine that has
+# Python 3.12 and torch but no megatron-core and no package registry (docs/gpu-check.md). Downloads, never
+# installs: megatron-core's cp312 manylinux wheel and pydantic with what it needs (Megatron-LM's training
+# side imports it; the device image lacks it), at the versions constraints/ci.txt pins, and Megatron-LM
+# core_v0.16.1's tree as a tarball (MEGATRON_LM_TARBALL, else made from MEGATRON_LM_DIR). Carry .whl.
+GPU_WHEELS_DIR := .whl
+GPU_WHEELS := megatron-core pydantic pydantic_core annotated-types typing-inspection typing_extensions
+GPU_WHEELS_PIP ?= $(if $(wildcard $(BIN)/pip),$(BIN)/pip,$(PY) -m pip)
+GPU_PLATFORMS := $(foreach p,manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1,--platform $(p)_x86_64)
+MEGATRON_LM_TARBALL ?= ../shared/megatron-lm/Megatron-LM-core_v0.16.1.tar.gz
+.PHONY: gpu-wheels
+gpu-wheels:
+	mkdir -p $(GPU_WHEELS_DIR)
+	$(GPU_WHEELS_PIP) download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(GPU_PLATFORMS) -d $(GPU_WHEELS_DIR) \
+		$(foreach w,$(GPU_WHEELS),$(shell grep -i '^$(w)==' $(CONSTRAINTS) || echo 'gpu-wheels: $(w) is not pinned in $(CONSTRAINTS)' >&2))
+	if [ -f "$(MEGATRON_LM_TARBALL)" ]; then install -m 644 "$(MEGATRON_LM_TARBALL)" $(GPU_WHEELS_DIR)/Megatron-LM-core_v0.16.1.tar.gz; \
+	elif [ -n "$$MEGATRON_LM_DIR" ]; then tar -czf $(GPU_WHEELS_DIR)/Megatron-LM-core_v0.16.1.tar.gz --exclude='*.so' \
+		--exclude=__pycache__ --exclude=.git -C "$$(dirname "$$MEGATRON_LM_DIR")" "$$(basename "$$MEGATRON_LM_DIR")"; \
+	else echo "gpu-wheels: no Megatron-LM tree (MEGATRON_LM_TARBALL=$(MEGATRON_LM_TARBALL) is absent, MEGATRON_LM_DIR unset): the check's pretrain step will say it is missing" >&2; fi
+	ls -l $(GPU_WHEELS_DIR); du -sh $(GPU_WHEELS_DIR)

@@ -35,12 +35,14 @@ FP16_SCALE = 2.0**20
 # overflow at steps 1-4, then the world's one scale trains at 2^20 (2^20 from the start never
 # overflows there; measured on CPU ranks).
 POOLS_SCALE = 2.0**23
-RUN_TIMEOUT_S = 120.0  # one 4-rank training run and its reference (a GPU run takes ~15-30 s)
-PRETRAIN_TIMEOUT_S = 180.0
+RUN_TIMEOUT_S = 90.0  # one 4-rank training run and its reference, side by side
+PRETRAIN_TIMEOUT_S = 150.0  # Megatron-LM's start-up is longer
 PP_TIMEOUT_S = 90.0  # the last step's own timeout (item 1's hang ends there)
-# PP 2 zebra in the 1f1b wave order, each stage message above NCCL's 4 MiB buffer: [seq, mbs, hidden] fp32.
-PP_SHAPE = {"hidden_size": 512, "seq_length": 2048, "micro_batch": 2}
-PP_SHAPE_DRY = {"hidden_size": 64, "seq_length": 32, "micro_batch": 2}
+# PP 2 zebra in the 1f1b wave order, each stage message above NCCL's 4 MiB buffer: [seq, mbs, hidden]
+# fp32 = 1024 x 4 x 512 x 4 bytes = 8.4 MB. Narrow experts and 2 steps keep the CPU reference short
+# (3 steps took 65 s on 2 busy cores with ffn 1024).
+PP_SHAPE = {"hidden_size": 512, "ffn": 256, "seq_length": 1024, "micro_batch": 4, "iters": 2}
+PP_SHAPE_DRY = {"hidden_size": 64, "ffn": 128, "seq_length": 32, "micro_batch": 2, "iters": 2}
 NCCL_BUFFER = 4 * 2**20
 MEGATRON_LM_TARBALL = "Megatron-LM-core_v0.16.1.tar.gz"  # what `make gpu-wheels` puts into .whl/
 WHEELS = REPO / ".whl"
@@ -206,6 +208,9 @@ def step_env(ck: Check, r: StepResult) -> None:
     if not info.get("python_h"):
         ck.log("  Python.h not found (python3-dev): Megatron-LM cannot compile its dataset helpers here")
     ck.log(f"  Megatron-LM: {src_note}")
+    if ck.gpu and not info.get("cuda_home"):
+        ck.log("  CUDA_HOME not found: Megatron-LM's start-up runs CUDA_HOME/bin/nvcc -V (its fused kernels' "
+               "loader) and fails without it")
     ck.log(f"  transformer_engine: {info.get('transformer_engine')}; apex: {info.get('apex')}")
     r.summary = (f"Python {info['python']}, torch {info['torch']} (CUDA {info['cuda_build']}), {gpu}, "
                  f"NCCL {info.get('nccl')}, megatron-core {info['megatron_core']}, "
@@ -657,7 +662,7 @@ def step_pp_1f1b(ck: Check, r: StepResult) -> None:
     tiny = ModelConfig.load("tiny")
     model.write_text(
         f"name: gpu-check-pp\nnum_layers: 2\nhidden_size: {shape['hidden_size']}\nnum_attention_heads: 4\n"
-        f"ffn_hidden_size: {2 * shape['hidden_size']}\nmoe_ffn_hidden_size: {2 * shape['hidden_size']}\n"
+        f"ffn_hidden_size: {shape['ffn']}\nmoe_ffn_hidden_size: {shape['ffn']}\n"
         f"num_experts: {tiny.num_experts}\nmoe_router_topk: {tiny.moe_router_topk}\nmoe_aux_loss_coeff: 0.01\n"
         f"vocab_size: {tiny.vocab_size}\nseq_length: {shape['seq_length']}\n")
     msg = judge.stage_message_bytes(shape["hidden_size"], shape["seq_length"], shape["micro_batch"])
@@ -665,7 +670,7 @@ def step_pp_1f1b(ck: Check, r: StepResult) -> None:
     gbs = shape["micro_batch"] * MICROBATCHES
     budget = max(1.0, min(PP_TIMEOUT_S, ck.left_total()))
     flags = ("--hetero-zebra-issuer", "single", "--pipeline-model-parallel-size", "2")
-    dev, ref = ck.pair("pp2_1f1b", lambda side: train_entry(plan, *flags, iters=3, gbs=gbs, model=str(model),
+    dev, ref = ck.pair("pp2_1f1b", lambda side: train_entry(plan, *flags, iters=shape["iters"], gbs=gbs, model=str(model),
                                                             mbs=shape["micro_batch"]), budget)
     size = (f"stage message {msg / 1e6:.1f} MB ({'above' if msg > NCCL_BUFFER else 'below'} NCCL's "
             f"{NCCL_BUFFER // 2**20} MiB buffer)")

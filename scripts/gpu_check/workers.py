@@ -61,6 +61,12 @@ def worker_env(a) -> int:
         except Exception as e:  # noqa: BLE001
             info["nccl"] = f"n/a ({e})"
         info["bf16"] = torch.cuda.is_bf16_supported()
+        try:  # Megatron-LM's start-up runs CUDA_HOME/bin/nvcc -V (megatron/legacy/fused_kernels)
+            from torch.utils.cpp_extension import CUDA_HOME
+
+            info["cuda_home"] = CUDA_HOME
+        except Exception as e:  # noqa: BLE001
+            info["cuda_home"] = f"n/a ({type(e).__name__}: {e})"
     for mod, dist_name, who in NEEDED:
         try:
             importlib.import_module(mod)
