@@ -169,7 +169,6 @@ def _layer_syncs(rank: int, world: int, microbatches: int) -> dict:
     return out
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_layer_synchronizes_once_per_microbatch_for_the_counts(world):
     # world 1: a ZP group of one (the experts weigh the outputs: probabilities permuted along);
