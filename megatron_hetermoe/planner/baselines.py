@@ -442,57 +442,60 @@ def distinct_nodes(num_experts: int, topk: int, holdings: list[int], groups: int
     return d
 
 
-def network_limit(cost: CostModel, cluster: Cluster, global_batch: int, max_stages: int = 1) -> BaselineResult:
-    """A lower bound on the step of any disaggregated layout (attention and experts on different
-    GPUs, HeterMoE's), from the bytes a step must move across NICs with per-node dedup: a routed
-    token goes once to each distinct node holding one of its experts (distinct_nodes) in each of a
-    MoE layer's four transfers, two per direction (dispatch forward and the combine's gradient
-    toward the experts; the combine forward and the dispatch's gradient back; three toward the
-    experts with expert recompute 'resend-inputs'). Per role split by GPU type (the search's:
-    one type attention, the others experts; a node holds one type, so never both roles):
-      * a layer's experts sit on at least n nodes: one copy of every expert's weights and state
-        (the distributed optimizer's least, state sharded over every rank) over `max_stages`
-        pipeline stages, on the expert type's largest node; every layer's experts split evenly
-        over a stage's expert ranks, so over those n nodes;
-      * at most the fraction f of routed tokens stays on the attention side (Asym-EA): the
-        attention GPUs' whole memory over that copy;
+def network_limit(cost: CostModel, cluster: Cluster, global_batch: int,
+                  layouts: list[tuple[list[int], list[int], int, int]]) -> BaselineResult:
+    """A lower bound on the step of the disaggregated `layouts` (attention and experts on different
+    ranks, HeterMoE's; each (attention ranks, expert ranks, ZP groups G, pipeline stages P), its
+    ranks group by group and stage by stage as plans lay them out), from the bytes a step must move
+    across NICs with per-node dedup: a routed token goes once to each distinct node holding one of
+    its experts (distinct_nodes) in each of a MoE layer's four transfers, two per direction
+    (dispatch forward and the combine's gradient toward the experts; the combine forward and the
+    dispatch's gradient back; three toward the experts with expert recompute 'resend-inputs').
+    Per layout:
+      * a layer's experts split evenly over its stage's expert ranks (N = expert ranks / (G P)),
+        so over their nodes;
+      * at most the fraction f of routed tokens stays on its own node (Asym-EA's experts on
+        attention ranks): an attention node's memory over one stage's copy of the experts'
+        weights and state (the distributed optimizer's least, state sharded over every rank);
       * B = tokens x MoE layers x (1 - f) x distinct nodes x token bytes per direction, each byte
-        through an attention NIC and an expert NIC: max(B / attention NICs, B / expert NICs).
-    The floor is the least over the splits. It ignores latency, compute and the NICs' other
-    traffic, so no disaggregated plan beats it (the simulator moves top-k copies, no dedup: the
-    plugin's transport does not dedup per node); Megatron EP, which places experts with the
-    tokens' attention, is not bound by it."""
+        through an attention NIC and an expert NIC: B / min(attention NICs, expert NICs), the
+        layout's ranks' NICs together.
+    The floor is the least over the layouts (the search passes every layout a strategy fits in).
+    It ignores latency, compute and the NICs' other traffic, so no plan of these layouts beats it
+    (the simulator moves top-k copies, no dedup: the plugin's transport does not dedup per node);
+    Megatron EP, which places experts with the tokens' attention, is not bound by it."""
     m = cost.model
     S, L, E, k = cost.settings.seq_len, cost.num_layers, m.num_experts, m.moe_router_topk
     types, nodes, nics = cluster.gpu_types(), cluster.node_of(), cluster.nic_gbs()
     tokens = float(global_batch) * S
     toward = 3 if cost.settings.expert_recompute == "resend-inputs" else 2
-    per_param = cost.state_bytes_per_param(cluster.world_size)
-    copy = L * E * m.expert_params() * per_param
-    detail: dict = {}
-    best = math.inf
-    kinds = list(cluster.counts())
-    for att in (kinds if len(kinds) > 1 else []):
-        a_ranks = [r for r, t in enumerate(types) if t == att]
-        x_ranks = [r for r, t in enumerate(types) if t != att]
-        x_nodes = {nodes[r] for r in x_ranks}  # a node holds one GPU type (Cluster): never both roles
-        label = f"attention on {att}"
-        per_node: dict[int, float] = {}
-        for r in x_ranks:
-            per_node[nodes[r]] = per_node.get(nodes[r], 0.0) + cost.profile(types[r]).usable_memory_bytes
-        n = min(len(x_nodes), max(1, math.ceil(copy / max_stages / max(per_node.values()))))
-        holdings = [E // n + (1 if i < E % n else 0) for i in range(n)]
+    copy = L * E * m.expert_params() * cost.state_bytes_per_param(cluster.world_size)
+    node_memory: dict[int, float] = {}
+    for r, g in enumerate(types):
+        node_memory[nodes[r]] = node_memory.get(nodes[r], 0.0) + cost.profile(g).usable_memory_bytes
+    best, detail, seen = math.inf, {}, set()
+    for attn, expert, G, P in layouts:
+        N = len(expert) // (G * P)
+        key = (tuple(attn), tuple(expert), G, P)
+        if key in seen or not N:
+            continue
+        seen.add(key)
+        held: dict[int, int] = {}
+        for i, r in enumerate(expert[:N]):  # group 0, stage 0: every stage of every group alike
+            held[nodes[r]] = held.get(nodes[r], 0) + E // N + (1 if i < E % N else 0)
+        holdings = list(held.values())
         d = distinct_nodes(E, k, holdings, m.moe_router_num_groups, m.moe_router_group_topk)
-        local = min(1.0, sum(cost.profile(types[r]).usable_memory_bytes for r in a_ranks) / copy)
+        local = min(1.0, max(node_memory[nodes[r]] for r in attn) * P / copy)
         per_dir = tokens * L * (1.0 - local) * d * cost.token_bytes()
-        bw_a, bw_x = sum(nics[r] for r in a_ranks) * 1e9, sum(nics[r] for r in x_ranks) * 1e9
-        t = toward * per_dir / min(bw_a, bw_x)  # the direction toward the experts carries the most
-        detail[label] = {"expert_nodes_per_layer": n, "distinct_nodes_per_token": d, "local_fraction": local,
-                         "bytes_per_direction": toward * per_dir, "seconds": t}
-        best = min(best, t)
+        bw = min(sum(nics[r] for r in attn), sum(nics[r] for r in expert)) * 1e9
+        t = toward * per_dir / bw  # the direction toward the experts carries the most
+        if t < best:
+            best = t
+            detail = {"groups": G, "pipeline_stages": P, "expert_nodes_per_stage": len(holdings),
+                      "distinct_nodes_per_token": d, "local_fraction": local,
+                      "bytes_toward_experts": toward * per_dir, "attention_gpu": types[attn[0]]}
     if not math.isfinite(best):
-        best = 0.0
-        detail["why"] = "one GPU type: no split by type"
+        return BaselineResult(NETWORK_FLOOR, 0.0, 0.0, {}, {"why": "no disaggregated layout fits: no floor"})
     return BaselineResult(NETWORK_FLOOR, best, tokens / best if best > 0 else 0.0, {}, detail)  # 0: no floor
 
 

@@ -74,11 +74,14 @@ def live_microbatches(P: int, stage: int, R: int) -> int:
     return min(P - stage, R)
 
 
-def stage_pieces(moe_ids: list[int], model_layers: int, P: int) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
+def stage_pieces(moe_ids: list[int], model_layers: int, P: int,
+                 total_layers: int | None = None) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
     """(MoE layers, attention pieces) of each of P pipeline stages, for a model whose MoE layer k
     is model layer moe_ids[k] among `model_layers` decoder layers, split evenly (Megatron's
-    default). A piece is (zebra attention stage s, dense layers it runs); module docstring."""
+    default); the layers after them up to `total_layers` (MTP layers) are the last stage's. A
+    piece is (zebra attention stage s, dense layers it runs); module docstring."""
     L = len(moe_ids)
+    total = model_layers if total_layers is None else total_layers
     if P < 1 or model_layers % P:
         raise PlanError(f"pipeline_stages={P} does not divide the {model_layers} decoder layers (Megatron's even "
                         f"split); use a divisor of {model_layers}")
@@ -86,7 +89,7 @@ def stage_pieces(moe_ids: list[int], model_layers: int, P: int) -> tuple[list[li
     moe_set = set(moe_ids)
     layers: list[list[int]] = [[] for _ in range(P)]
     for k, i in enumerate(moe_ids):
-        layers[i // per].append(k)
+        layers[min(i // per, P - 1)].append(k)
     empty = [i for i in range(P) if not layers[i]]
     if empty:
         raise PlanError(f"pipeline stage(s) {empty} of {P} hold no MoE layer; their expert ranks would idle: use fewer "
@@ -95,7 +98,7 @@ def stage_pieces(moe_ids: list[int], model_layers: int, P: int) -> tuple[list[li
     for i in range(P):
         own = layers[i] + ([L] if i == P - 1 else [])
         dense = {s: 0 for s in own}
-        for d in range(i * per, (i + 1) * per):
+        for d in range(i * per, (i + 1) * per if i < P - 1 else total):
             if d in moe_set:
                 continue
             s = sum(1 for x in moe_ids if x < d)  # the zebra stage that runs it with one stage
@@ -109,7 +112,7 @@ def model_pieces(model: ModelConfig, P: int) -> tuple[list[list[int]], list[list
     if P > 1 and model.mtp_num_layers:
         raise PlanError(f"model {model.name!r} has {model.mtp_num_layers} MTP layers: pipeline stages with multi-token "
                         f"prediction are not built; use one stage")
-    return stage_pieces(model.moe_layer_ids, model.num_layers, P)
+    return stage_pieces(model.planned_moe_layer_ids, model.num_layers, P, model.num_layers + (model.mtp_num_layers or 0))
 
 
 @dataclass
@@ -146,7 +149,7 @@ def layout_of_plan(plan: HeteroPlan, validate: bool = True) -> PipelineLayout:
         plan.validate()
     P, G = plan.pipeline_stages, len(plan.groups)
     moe_ids = plan.moe_layer_ids
-    layers, pieces = stage_pieces(moe_ids, plan.decoder_layers, P)
+    layers, pieces = stage_pieces(moe_ids, plan.decoder_layers, P, plan.model_layers)
     for i in range(P):  # the plan's own split must be ours
         if layers[i] != plan.stage_moe_layers(i):
             raise PlanError(f"pipeline stage {i}: the plan's MoE layers {plan.stage_moe_layers(i)} are not Megatron's "

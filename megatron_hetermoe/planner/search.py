@@ -542,9 +542,6 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
              CostModel(cost.model, profiles, dataclasses.replace(cost.settings, expert_recompute=lv)) for lv in levels}
     types = cluster.gpu_types()
     limit = physical_limit(cost, cluster, global_batch)
-    stages = [P for P, w in pipeline_sizes(model, p_try).items() if not w] or [1]
-    net = network_limit(cost, cluster, global_batch, max(stages))
-    roof = roofline(limit, net)  # what HeterMoE's disaggregated layouts can reach; baselines: compute only
     best: dict[str, tuple] = {}  # strategy -> (step, result, candidate, k, schedule, expert recompute level)
     names: dict[tuple, str] = {}  # layout names, made once per role split (the rank lists _role_splits made)
 
@@ -556,6 +553,11 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
 
     variants = (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP, DISTEP_PP, ZEBRA_PP)
     fitted: dict[str, set[str]] = {n: set() for n in variants}  # layouts with a candidate that fits
+    fit_layouts: dict[tuple, tuple] = {}  # (attention ranks, expert ranks, G, P) that fit: the network floor's
+
+    def mark_fit(cand: Candidate) -> None:
+        fit_layouts.setdefault((id(cand.attention_ranks), id(cand.expert_ranks), cand.G, cand.P),
+                               (cand.attention_ranks, cand.expert_ranks, cand.G, cand.P))
     waves: dict[str, tuple[int, str]] = {}  # strategy -> (zebra_waves, zebra_wave_order) of its best (zebra in stages)
     why: dict[str, dict[str, tuple[float, str]]] = {n: {} for n in variants}  # layout -> (shortfall, why)
 
@@ -563,6 +565,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         """A candidate with P > 1 stages that fits: priced unless its bound cannot beat the best
         step of any strategy the pick takes (all candidates with one stage come before)."""
         fitted[DISTEP_PP].add(layout_of(cand))
+        mark_fit(cand)
         c = costs[level]
         M, N = cand.stage_shape
         t = global_batch * c.settings.seq_len / (cand.G * M * cand.R)
@@ -585,6 +588,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         the pick takes (the bound holds in either order: a stage's first group's forward comes
         first and its last group's backward last in both)."""
         fitted[ZEBRA_PP].add(layout_of(cand))
+        mark_fit(cand)
         c = costs[level]
         M, N = cand.stage_shape
         t = global_batch * c.settings.seq_len / (cand.G * M * cand.R)
@@ -636,6 +640,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
 
     def consider(name: str, cand: Candidate, k: list[int], schedule: str, level: str) -> None:
         fitted[name].add(layout_of(cand))
+        mark_fit(cand)
         if name in best and compute_lower_bound(costs[level], types, cand, global_batch, k, cluster, schedule) >= best[name][0]:
             return  # cannot beat the best simulated so far: its busiest rank's compute alone is longer
         plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
@@ -760,6 +765,8 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
             return {k: v for k, v in sorted(reasons.items()) if not any(k in fitted[n] for n in zs)}
         return {k: v[1] for k, v in sorted(why[name].items()) if k not in fitted[name]}
 
+    net = network_limit(cost, cluster, global_batch, list(fit_layouts.values()))
+    roof = roofline(limit, net)  # what HeterMoE's disaggregated layouts can reach; baselines: compute only
     one_stage = 1 in p_try
     preds: list[Prediction] = []
     for name in (PICK, ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP):
@@ -821,9 +828,17 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
             W, order = waves[PICK]
             source = (f"zebra in {cand.P} pipeline stages ({W} wave(s) of microbatches"
                       f"{', in 1F1B order' if order == '1f1b' else ''}), {ea}")
+        lay = pipeline.layout_of_plan(plan, validate=False)
+        memory = {}  # role -> its most loaded rank over the stages: GPU type, GiB and usable GiB
+        for row in pipeline.pipeline_memory(lay, costs[level], global_batch, schedule == "zebra", *waves[PICK]):
+            for role in ("attention", "expert"):
+                if role in row and (role not in memory or row[role]["bytes"] > memory[role]["GiB"] * 2**30):
+                    memory[role] = {"gpu": row[role]["gpu"], "GiB": row[role]["bytes"] / 2**30,
+                                    "usable_GiB": row[role]["usable"] / 2**30}
+        next(p for p in preds if p.name == PICK).detail["memory"] = memory
         plan.meta = {
             "model": model.name, "cluster": cluster.name, "seq_len": seq_len, "global_batch": global_batch,
-            "distributed_optimizer": distributed_optimizer,
+            "distributed_optimizer": distributed_optimizer, "memory_per_rank": memory,
             "assignment": source, "experts_on_attention_per_layer": list(best[PICK][3]),
             "predicted": {p.name: {"step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s}
                           for p in preds if p.fits},

@@ -118,23 +118,45 @@ def test_distinct_nodes_by_hand():
 
 def test_network_floor_by_hand():
     """One node of 8 H100 (attention) and one of 8 A100 (experts), a model whose experts cannot sit
-    on the H100s: B = tokens x MoE layers x (1 - f) x distinct nodes (1: one expert node) x 2 h bytes
-    per direction, two transfers each way, through the H100 NICs (8 x 400 Gb/s) or the A100s' (8 x
-    200 Gb/s), whichever is slower."""
+    on one H100 node: B = tokens x MoE layers x (1 - f) x distinct nodes (1: one expert node) x 2 h
+    bytes per direction, two transfers each way, through the H100 NICs (8 x 200 Gb/s) or the
+    A100s' (the same here); f = the H100 node's memory over the copy of the experts."""
     cl = Cluster.of("h100-a100", {"H100": 8, "A100-80GB": 8}, nic_gbps=200.0)
     m = ModelConfig(name="big", num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=14336,
                     moe_ffn_hidden_size=14336, num_experts=16, seq_length=4096)
     cost = CostModel(m, load_profiles(["H100", "A100-80GB"]), TrainSettings(4096))
-    net = network_limit(cost, cl, 64)
-    copy = 32 * 16 * m.expert_params() * 18.0  # more than the one A100 node holds: still 1 node, the only one
-    f = min(1.0, 8 * cost.profile("H100").usable_memory_bytes / copy)
+    h100, a100 = list(range(8)), list(range(8, 16))
+    net = network_limit(cost, cl, 64, [(h100, a100, 1, 1)])
+    copy = 32 * 16 * m.expert_params() * 18.0
+    f = 8 * cost.profile("H100").usable_memory_bytes / copy
     assert f < 1
     per_dir = 64 * 4096 * 32 * (1 - f) * 1.0 * 4096 * 2
-    expect = 2 * per_dir / (8 * 200 / 8 * 1e9)
-    assert net.detail["attention on H100"]["expert_nodes_per_layer"] == 1
-    assert net.step_time_s == pytest.approx(expect, rel=1e-12)  # the other split (A100 attention) moves as much
+    assert net.step_time_s == pytest.approx(2 * per_dir / (8 * 200 / 8 * 1e9), rel=1e-12)
+    assert net.detail["expert_nodes_per_stage"] == 1 and net.detail["distinct_nodes_per_token"] == 1.0
+    # two groups of 4 + 4 on the same nodes: the same bytes; the least over the layouts counts
+    assert network_limit(cost, cl, 64, [(h100, a100, 2, 1), (h100, a100, 1, 1)]).step_time_s == net.step_time_s
+    # experts over two nodes, top-2 of 16 (8 a node): 2 (1 - C(8,2)/C(16,2)) nodes per token
+    cl2 = Cluster.of("h100-a100x2", {"H100": 8, "A100-80GB": 16}, nic_gbps=200.0)
+    net2 = network_limit(cost, cl2, 64, [(h100, list(range(8, 24)), 1, 1)])
+    assert net2.detail["distinct_nodes_per_token"] == pytest.approx(2 * (1 - 28 / 120), rel=1e-12)
     roof = roofline(physical_limit(cost, cl, 64), net)
     assert roof.step_time_s == max(net.step_time_s, physical_limit(cost, cl, 64).step_time_s)
     assert math.isfinite(roof.tokens_per_s) and roof.detail["bound_by"] in ("compute", "network")
-    # one GPU type: no split by type, no floor (the search splits such a cluster by rank ranges)
-    assert network_limit(cost, Cluster.of("h100", {"H100": 16}), 64).step_time_s == 0.0
+    assert network_limit(cost, cl, 64, []).step_time_s == 0.0  # no layout fits: no floor
+
+
+def test_the_roofline_bounds_every_hetermoe_row():
+    """moe-64l-256e on 64 H100 + 128 A100, one stage: the network floor is above zero (a stage's
+    experts on two nodes, at most a third of them on an attention node), and no HeterMoE row's
+    simulated step beats the roofline."""
+    from megatron_hetermoe.planner.search import LIMIT_ROWS, search
+
+    res = search(ModelConfig.load("moe-64l-256e"), Cluster.load("mixed-h100-a100"), 4096, 256,
+                 pipeline_stages=(1,)).by_name()
+    roof, net = res[LIMIT_ROWS[2]], res[LIMIT_ROWS[1]]
+    assert net.step_time_s > 0 and 0 < net.detail["local_fraction"] < 1
+    for name, p in res.items():
+        if p.fits and name not in LIMIT_ROWS:
+            assert p.ratio_to_limit <= 1.0 + 1e-9, (name, p.ratio_to_limit)
+            if not name.startswith(("EP", "Megatron", "Hetero PP")):
+                assert p.step_time_s >= roof.step_time_s, name
