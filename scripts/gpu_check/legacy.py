@@ -5,7 +5,6 @@ the grouped-GEMM checkpoint tests (extras, by name with --steps)."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 from pathlib import Path
 

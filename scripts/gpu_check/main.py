@@ -116,7 +116,8 @@ STEPS: tuple[StepDef, ...] = (
     StepDef("host-syncs", "host syncs per MoE layer fwd+bwd (item 6)", steps.step_host_syncs, needs_world=False),
     StepDef("transformer-engine", "transformer-engine variants", steps.step_te),
     StepDef("pp2-1f1b", "PP 2 zebra 1f1b, stage message > 4 MB (item 1)", steps.step_pp_1f1b),
-    StepDef("moe-layer", "extra: MoE layer fwd+bwd (megatron vs hetero)", legacy.step_moe_layer, StepGroup.EXTRA, False),
+    StepDef("moe-layer", "extra: MoE layer fwd+bwd (megatron vs hetero)", legacy.step_moe_layer, StepGroup.EXTRA,
+            False),
     StepDef("overlap", "extra: stream overlap probe", legacy.step_overlap, StepGroup.EXTRA, False),
     StepDef("profile", "extra: hetermoe profile", legacy.step_profile, StepGroup.EXTRA, False),
     StepDef("grouped-ckpt", "extra: grouped-GEMM expert checkpoints", legacy.step_grouped_ckpt, StepGroup.EXTRA, False),
@@ -212,7 +213,8 @@ WORKERS = {"env": workers.worker_env, "preflight": workers.worker_preflight, "ho
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="gpu_check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="gpu_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU only: gloo ranks instead of NCCL, GPU-only parts SKIP")
     p.add_argument("--steps", default=None, help=f"comma-separated step names (default: all but the extras): "
                                                  f"{', '.join(BY_NAME)}")

@@ -6,8 +6,9 @@ rank a host of its own with one GPU before anything imports torch.distributed: i
 (from torchrun's LOCAL_RANK), and LOCAL_RANK=0, LOCAL_WORLD_SIZE=1 (Megatron-LM's initialize takes
 cuda:LOCAL_RANK, which a one-GPU host does not have beyond 0; torchrun's value stays in
 GPU_CHECK_LOCAL_RANK). The caller sets NCCL_NET=Socket NCCL_SOCKET_IFNAME=lo NCCL_IB_DISABLE=1,
-so four ranks on one GPU are four real NCCL ranks talking over loopback sockets. Then the real entry point runs unchanged, as
-`python -m MODULE ARGS` or `python SCRIPT ARGS` would run it (runpy, as __main__).
+so four ranks on one GPU are four real NCCL ranks talking over loopback sockets. Then the real
+entry point runs unchanged, as `python -m MODULE ARGS` or `python SCRIPT ARGS` would run it
+(runpy, as __main__).
 
 Observation only, never a change of what the product computes:
 - GPU_CHECK_RANK_DIR: each rank writes `pid<RANK>` at start (the orchestrator kills leftover

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import sysconfig
 import tarfile
-import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -28,12 +27,12 @@ ITERS = 6  # steps of every training run; the resume runs restart after SAVE_AT
 SAVE_AT = 3
 MICROBATCHES = 4  # R of the 2+2 plan (zebra overlaps R microbatches)
 GBS = MICROBATCHES * 2  # micro-batch size 1 x R x 2 attention ranks (Megatron's data-parallel size)
-# --fp16 --initial-loss-scale 2^20 on the tiny 2+2 run: steps 1-4 overflow and are skipped (the
-# scale halves to 2^17), 5-6 train (measured on CPU ranks; 2^18 already overflows at step 1).
+# --fp16 --initial-loss-scale 2^20 on the 2+2 run: steps 1, 2 and 4 overflow and are skipped, the
+# scale ends at 2^18 (measured on CPU ranks, --dry-run; 2^18 from the start overflows at step 1 too).
 FP16_SCALE = 2.0**20
 # --bf16 --hetero-expert-precision fp16 --initial-loss-scale 2^23: the fp16 expert ranks' gradients
-# overflow at steps 1-4, then the world's one scale trains at 2^20 (2^20 from the start never
-# overflows there; measured on CPU ranks).
+# overflow at steps 1-3, then the world's one scale trains at 2^21 (measured on CPU ranks, --dry-run;
+# 2^20 from the start never overflows there).
 POOLS_SCALE = 2.0**23
 RUN_TIMEOUT_S = 90.0  # one 4-rank training run and its reference, side by side
 PRETRAIN_TIMEOUT_S = 150.0  # Megatron-LM's start-up is longer
@@ -119,13 +118,13 @@ def roles(plan: Path) -> dict[int, str]:
     return {r: str(p.role(r)) for r in range(p.world_size)}
 
 
-def train_entry(plan: Path, *flags: str, golden: Path | None = None, iters: int = ITERS, gbs: int = GBS,
-                model: str = "tiny", mbs: int = 1) -> list[str]:
-    """`hetermoe train` of the 2+2 plan (rank.py runs it as `python -m megatron_hetermoe.cli`)."""
-    out = ["-m", "megatron_hetermoe.cli", "train", "--model", model, "--micro-batch-size", str(mbs),
-           "--global-batch-size", str(gbs), "--train-iters", str(iters), "--deterministic-mode",
-           "--hetero-plan", str(plan), *flags]
-    return out + (["--golden-values-out", str(golden)] if golden else [])
+def train_entry(plan: Path, *flags: str, iters: int = ITERS, gbs: int = GBS, model: str = "tiny",
+                mbs: int = 1) -> list[str]:
+    """`hetermoe train` of `plan` (rank.py runs it as `python -m megatron_hetermoe.cli`); each rank's
+    losses, loss scales and dtypes come back through rank.py's report."""
+    return ["-m", "megatron_hetermoe.cli", "train", "--model", model, "--micro-batch-size", str(mbs),
+            "--global-batch-size", str(gbs), "--train-iters", str(iters), "--deterministic-mode",
+            "--hetero-plan", str(plan), *flags]
 
 
 def _side_label(ck: Check, side: Side) -> str:
