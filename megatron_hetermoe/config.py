@@ -146,8 +146,11 @@ class ModelConfig:
     num_query_groups: int | None = None
     qk_layernorm: bool = False
     attention_output_gate: bool = False
-    softmax_type: SoftmaxType = SoftmaxType.VANILLA
-    window_size: tuple[int, int] | None = None
+    # Closed vocabularies (SoftmaxType, MlpActivation, Normalization, PositionEmbedding) are kept as
+    # their values, plain strings, so a ModelConfig serializes as it did (YAML, JSON, checkpoints);
+    # __post_init__ checks each against its enum.
+    softmax_type: str = SoftmaxType.VANILLA.value
+    window_size: list[int] | None = None  # [left, right]: a list, so it serializes as YAML
     window_attn_skip_freq: int | list[int] | None = None
     multi_latent_attention: bool = False
     q_lora_rank: int | None = None
@@ -156,15 +159,15 @@ class ModelConfig:
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
     # ---- MLPs, norms, biases, routing, embeddings ---------------------------------------------
-    mlp_activation: MlpActivation = MlpActivation.SWIGLU
-    normalization: Normalization = Normalization.RMSNORM
+    mlp_activation: str = MlpActivation.SWIGLU.value
+    normalization: str = Normalization.RMSNORM.value
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
     moe_shared_expert_gate: bool = False
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
     untie_embeddings_and_output_weights: bool = True
-    position_embedding_type: PositionEmbedding = PositionEmbedding.ROPE
+    position_embedding_type: str = PositionEmbedding.ROPE.value
     max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
@@ -188,7 +191,7 @@ class ModelConfig:
         for f, vocab in _VOCABULARIES.items():
             v = getattr(self, f)
             try:
-                object.__setattr__(self, f, vocab(v))
+                object.__setattr__(self, f, vocab(v).value)
             except ValueError:
                 raise ModelConfigError(f"model {self.name!r}: {f}={v!r} is not one of "
                                        f"{[x.value for x in vocab]}") from None
@@ -241,12 +244,10 @@ class ModelConfig:
     def _check_window(self) -> None:
         w = self.window_size
         if w is not None:
-            if isinstance(w, list):
-                w = tuple(w)
-                object.__setattr__(self, "window_size", w)
-            if (not isinstance(w, tuple) or len(w) != 2 or any(type(x) is not int or x < -1 for x in w)):
+            if (not isinstance(w, (tuple, list)) or len(w) != 2 or any(type(x) is not int or x < -1 for x in w)):
                 raise ModelConfigError(f"model {self.name!r}: window_size={self.window_size!r} must be two integers "
                                        f"(left, right), -1 meaning unbounded (Megatron's --window-size, e.g. 128,0)")
+            object.__setattr__(self, "window_size", list(w))  # a fresh list: never the caller's
         f = self.window_attn_skip_freq
         if f is None:
             return
@@ -323,6 +324,10 @@ class ModelConfig:
     def head_dim(self) -> int:
         """Channels per head of (non-MLA) attention: --kv-channels, Megatron's default hidden/heads."""
         return self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+
+    @property
+    def activation(self) -> MlpActivation:
+        return MlpActivation(self.mlp_activation)
 
     @property
     def query_groups(self) -> int:
@@ -469,7 +474,7 @@ class ModelConfig:
                           ("position_embedding_type", (PositionEmbedding.ROPE,))):
             v = getattr(self, f)
             if v not in plugin:
-                out.append(f"{f} {v.value if isinstance(v, Enum) else v!r}")
+                out.append(f"{f} {v!r}")
         return out
 
     # ---- parameters (what megatron-core builds; tests/planner/test_model_params.py) -----------
@@ -481,7 +486,7 @@ class ModelConfig:
         if not ffn:
             return 0
         h = self.hidden_size
-        up = 2 * ffn if self.mlp_activation.gated else ffn
+        up = 2 * ffn if self.activation.gated else ffn
         return h * up + ffn * h + ((up + h) if self.add_bias_linear else 0)
 
     def expert_params(self) -> int:

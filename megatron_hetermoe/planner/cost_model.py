@@ -95,7 +95,7 @@ def mlp_flops(hidden: int, ffn: int, tokens: float, gated: bool = True) -> float
 
 
 def expert_flops(m: ModelConfig, tokens: float) -> float:
-    return mlp_flops(m.hidden_size, m.moe_ffn_hidden_size, tokens, m.mlp_activation.gated)
+    return mlp_flops(m.hidden_size, m.moe_ffn_hidden_size, tokens, m.activation.gated)
 
 
 def head_flops(m: ModelConfig, tokens: float) -> float:
@@ -496,7 +496,7 @@ class CostModel:
         """The MLP's own forward or backward GEMMs, without any re-forward."""
         p = self.profile(gpu)
         h = self.model.hidden_size
-        gated = self.model.mlp_activation.gated
+        gated = self.model.activation.gated
         if p.measured is not None:
             return _measured_mlp(p.measured, h, ffn, tokens, backward, gated)
         return _analytic_mlp(p, h, ffn, tokens, backward, self.settings.dtype_bytes, gated)
@@ -854,7 +854,7 @@ class CostModel:
         """Bytes an expert holder keeps per routed token of a live microbatch for the expert's
         backward, by settings.expert_recompute (EXPERT_RECOMPUTE says what each level keeps)."""
         m, b = self.model, self.settings.dtype_bytes
-        inter = 3 if m.mlp_activation.gated else 2  # fc1's outputs and the activation's
+        inter = 3 if m.activation.gated else 2  # fc1's outputs and the activation's
         return {"off": (m.hidden_size + inter * m.moe_ffn_hidden_size) * b, "keep-inputs": m.hidden_size * b,
                 "resend-inputs": 0.0}[self.settings.expert_recompute]
 

@@ -43,8 +43,8 @@ def test_megatron_defaults():
     assert (fm.model.ffn_hidden_size, fm.model.vocab_size) == (384, 32256)  # 4 h; 32000 up to a multiple of 384
     assert any("vocabulary of 32000" in n for n in fm.notes)
     d = fm.model
-    assert (d.mlp_activation.value, d.normalization.value, d.add_bias_linear, d.untie_embeddings_and_output_weights,
-            d.position_embedding_type.value, d.head_dim, d.query_groups) == ("gelu", "LayerNorm", True, False,
+    assert (d.mlp_activation, d.normalization, d.add_bias_linear, d.untie_embeddings_and_output_weights,
+            d.position_embedding_type, d.head_dim, d.query_groups) == ("gelu", "LayerNorm", True, False,
                                                                              "learned_absolute", 16, 6)
     # NullTokenizer: --vocab-size ids and the EOD after them (1001), padded
     assert model_from_flags([*SHAPE, "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]).model.vocab_size == 1024

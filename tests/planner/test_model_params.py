@@ -74,16 +74,16 @@ def megatron_core_params(m: ModelConfig, monkeypatch) -> int:
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     act, gated = {"swiglu": (F.silu, True), "quick-geglu": (quick_gelu, True), "gelu": (F.gelu, False),
-                  "squared-relu": (squared_relu, False)}[m.mlp_activation.value]
+                  "squared-relu": (squared_relu, False)}[m.mlp_activation]
     kw = dict(num_layers=m.num_layers, hidden_size=m.hidden_size, num_attention_heads=m.num_attention_heads,
               ffn_hidden_size=m.ffn_hidden_size, num_moe_experts=m.num_experts, moe_ffn_hidden_size=m.moe_ffn_hidden_size,
               moe_router_topk=m.moe_router_topk, moe_layer_freq=m.moe_layer_freq,
               moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
               moe_shared_expert_gate=m.moe_shared_expert_gate, mtp_num_layers=m.mtp_num_layers,
               kv_channels=m.kv_channels, num_query_groups=m.num_query_groups, qk_layernorm=m.qk_layernorm,
-              attention_output_gate=m.attention_output_gate, softmax_type=m.softmax_type.value,
-              window_size=m.window_size, window_attn_skip_freq=m.window_attn_skip_freq,
-              normalization=m.normalization.value, add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias,
+              attention_output_gate=m.attention_output_gate, softmax_type=m.softmax_type,
+              window_size=tuple(m.window_size) if m.window_size else None, window_attn_skip_freq=m.window_attn_skip_freq,
+              normalization=m.normalization, add_bias_linear=m.add_bias_linear, add_qkv_bias=m.add_qkv_bias,
               activation_func=act, gated_linear_unit=gated, moe_router_num_groups=m.moe_router_num_groups,
               moe_router_group_topk=m.moe_router_group_topk, use_cpu_initialization=True, hidden_dropout=0.0,
               attention_dropout=0.0, bias_activation_fusion=False, masked_softmax_fusion=False,
@@ -98,14 +98,14 @@ def megatron_core_params(m: ModelConfig, monkeypatch) -> int:
         # transformer-engine's names are placeholders on CPU: MLA's isinstance(linear_proj, TELinear) fails
         monkeypatch.setattr(multi_latent_attention, "HAVE_TE", False)
     config = cls(**kw)
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=m.normalization.value)
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=m.normalization)
     if m.multi_latent_attention:
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = _CoreWithKChannels
     mtp = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if m.mtp_num_layers else None
     model = GPTModel(config, spec, m.vocab_size, m.max_position_embeddings or m.seq_length, mtp_block_spec=mtp,
                      share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-                     position_embedding_type=m.position_embedding_type.value)
+                     position_embedding_type=m.position_embedding_type)
     return sum(p.numel() for p in model.parameters())
 
 

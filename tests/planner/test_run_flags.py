@@ -150,7 +150,9 @@ def test_planner_rules_agree_with_the_runtime():
     from megatron_hetermoe.megatron_lm.refusals import schedule_refusals
     from megatron_hetermoe.megatron_lm.replaced import recompute_choice
 
-    assert (not schedule_refusals(_megatron_args(mtp_num_layers=1), "zebra")) == ZEBRA_RUNS_MTP
+    assert (not schedule_refusals(_megatron_args(mtp_num_layers=1), "zebra")) == ZEBRA_RUNS_MTP, (
+        "the runtime's zebra and MTP rule changed (megatron_lm/refusals.schedule_refusals): set "
+        "planner/search.py ZEBRA_RUNS_MTP to match, so the search's pick and hetermoe plan --even follow it")
     assert not schedule_refusals(_megatron_args(mtp_num_layers=1), "distep")
     full = _megatron_args(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     assert recompute_choice(full, "distep")[2], "DistEP runs full recomputation now: let the search pick it"
