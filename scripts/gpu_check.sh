@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_check.sh                        # every step (GPU parts SKIP when no GPU is visible)
 #   scripts/gpu_check.sh --dry-run              # CPU: gloo ranks instead of NCCL, the same harness; ~1 min
-#   scripts/gpu_check.sh --steps zebra,resume   # some steps, by name; --budget SECONDS (default 450), --log FILE
+#   scripts/gpu_check.sh --steps zebra,resume   # some steps, by name; --budget SECONDS (default 430), --log FILE
 #
 # On the device machine (no registry: the wheels travel in .whl, gathered here by `make gpu-wheels`;
 # carry [".whl"], timeout_s 600):

@@ -275,3 +275,28 @@ def test_a_missing_package_is_named_and_stops_what_needs_it(tmp_path):
     assert "make gpu-wheels" in env_step["summary"]
     for name in ("preflight", "zebra"):
         assert res["steps"][name]["status"] == "SKIP" and "does not import" in res["steps"][name]["summary"]
+
+
+def test_preflight_falls_back_only_when_the_world_does_not_work(harness, tmp_path):
+    """A group kind that fails is a FAIL of the preflight, but the 4-rank steps still run; only
+    when the four ranks cannot run the world's collectives do the fallbacks replace them."""
+    import runner
+    import steps
+
+    def outcome(world_ok: bool, group: str) -> tuple:
+        rank = {"rank": 0, "groups": {"plan_2x2_r4": {"zp": "ok 4", "self": group}}, "world": {
+            "all_reduce": "ok" if world_ok else "FAILED RuntimeError: NCCL error"}, "world_ok": world_ok,
+            "ok": world_ok and group.startswith("ok"), "nccl_hostid": "h0", "seconds": 1.0}
+        res = {"ok": rank["ok"], "world_ok": world_ok, "ranks": [rank]}
+        proc = runner.Proc("preflight_gpu", 0, 1.0, runner.RESULT_TAG + json.dumps(res), False)
+        ck = runner.Check(tmp_path / f"log{world_ok}{group[:2]}", tmp_path, tmp_path, dry_run=True, budget_s=60)
+        ck.start_side = lambda *a, **k: None
+        ck.finish_side = lambda started, timeout: runner.Run(proc, runner.Side.DEVICE, tmp_path)
+        r = runner.StepResult("preflight", "")
+        steps.step_preflight(ck, r)
+        return ck.preflight_ok, str(r.status), r.summary
+
+    assert outcome(True, "ok 1")[:2] == (True, "PASS")
+    ok, status, summary = outcome(True, "MISSING (KeyError: 'self[0]')")
+    assert (ok, status) == (True, "FAIL") and summary.startswith("the world's collectives work (the 4-rank steps run)")
+    assert outcome(False, "ok 1")[:2] == (False, "FAIL")
