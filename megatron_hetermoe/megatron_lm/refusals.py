@@ -66,9 +66,4 @@ def refusals(args) -> list[str]:
 
 def schedule_refusals(args, schedule: str) -> list[str]:
     """The flags a run on `schedule` cannot honour (beyond recompute_choice's), with the reason."""
-    out = []
-    if getattr(args, "mtp_num_layers", None) and schedule == "zebra":
-        # zebra runs GPTModel stage by stage up to the head; the MTP block after the decoder has no stage
-        out.append(f"--mtp-num-layers {args.mtp_num_layers} with the zebra schedule: zebra has no stage for the MTP "
-                   f"block after the decoder; pass --hetero-schedule distep")
-    return out
+    return []  # none today: zebra cuts the MTP block into stages too (models/stages.py)

@@ -97,6 +97,7 @@ class Slot:
     residual: torch.Tensor | None = None
     probs: torch.Tensor | None = None
     shared: torch.Tensor | None = None  # the shared experts' output (None: the model has none)
+    carry: tuple = ()  # what the stage passes on to the head (models/stages.py: decoder and MTP outputs)
     leaves: dict = field(default_factory=dict)  # the next stage's input leaves (combined, residual, probs, shared)
     recv_tokens: torch.Tensor | None = None  # D_F's result on an expert holder
     expert_in: torch.Tensor | None = None
@@ -318,25 +319,29 @@ class AttentionZebra(ZebraRank):
         self._pipeline_ready = False  # the pipeline group's communicator made by all its members
 
     def _stage(self, s: int, j: int, batch: dict, leaves: tuple):
-        """Forward of attention stage s (0..L-1): returns (permuted, residual, probs, shared) and keeps
-        the stage's DispatchMeta in its slot; stage 0 also keeps the microbatch's StageContext
-        (attention mask, rotary embedding), which every later stage of it reads. On a pipeline
-        stage after the first, stage 0 starts from the previous stage's output (`leaves`: its
-        received leaf)."""
+        """Forward of attention stage s (0..L-1): returns (permuted, residual, probs, shared, *carry)
+        and keeps the stage's DispatchMeta in its slot; stage 0 also keeps the microbatch's
+        StageContext (attention mask, rotary embedding), which every later stage of it reads. On a
+        pipeline stage after the first, stage 0 starts from the previous stage's output (`leaves`:
+        its received leaf). `carry`: what the stage passes on to the head besides its MoE layer's
+        pieces (models/stages.py: the decoder's and MTP layers' outputs)."""
+        carry: tuple = ()
         if s == 0:
             hidden, self.contexts[j] = self.stages.embed(batch, leaves[0] if leaves else None)
         else:
-            hidden = self._combine(s - 1, j, leaves)
-        meta, permuted, residual, probs, shared = self.stages.attention_and_route(s, hidden, self.contexts[j])
+            hidden, carry = self._combine(s - 1, j, leaves)
+        meta, permuted, residual, probs, shared, carry = self.stages.attention_and_route(
+            s, hidden, self.contexts[j], batch, carry)
         self.slot(s, j).meta = meta
-        return permuted, residual, probs, shared
+        return (permuted, residual, probs, shared, *carry)
 
     def _combine(self, layer: int, j: int, leaves: tuple):
-        combined, residual, probs, shared = leaves
-        return self.stages.combine(layer, self.slot(layer, j).meta, combined, residual, probs, shared)
+        combined, residual, probs, shared, *carry = leaves
+        return self.stages.combine(layer, self.slot(layer, j).meta, combined, residual, probs, shared), tuple(carry)
 
     def _head(self, j: int, batch: dict, leaves: tuple):
-        return self.stages.head(self._combine(self.stages.num_layers - 1, j, leaves), batch, self.contexts[j])
+        hidden, carry = self._combine(self.stages.num_layers - 1, j, leaves)
+        return self.stages.head(hidden, batch, self.contexts[j], carry)
 
     def run(self, batches: list[dict], loss_funcs: list, tasks: list[Task],
             seq_shape: tuple[int, int] | None = None) -> tuple[list, torch.Tensor | None]:
@@ -357,6 +362,10 @@ class AttentionZebra(ZebraRank):
         scale_loss = config.grad_scale_func or (lambda t: t)
         one = scale_loss(torch.ones(1, device=self.hs.device))
         MoEAuxLossAutoScaler.set_loss_scale(one if per_token else one / R)
+        if config.mtp_num_layers:  # the MTP losses' backward scale, as Megatron's forward_step sets it
+            from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+            MTPLossAutoScaler.set_loss_scale(one if per_token else one / R)
         num_tokens_step = torch.zeros((), dtype=torch.int, device=self.hs.device) if per_token else None
         self.contexts: dict[int, StageContext] = {}
         losses: dict[int, torch.Tensor] = {}
@@ -376,9 +385,10 @@ class AttentionZebra(ZebraRank):
             lv = (prev.route.arrived(prev.recv_combined).detach().requires_grad_(),
                   prev.residual.detach().requires_grad_(),
                   prev.probs.detach().requires_grad_(),
-                  None if prev.shared is None else prev.shared.detach().requires_grad_())
+                  None if prev.shared is None else prev.shared.detach().requires_grad_(),
+                  *(c.detach().requires_grad_() for c in prev.carry))
             self._consumed(prev, "recv_combined")
-            prev.leaves = {"combined": lv[0], "residual": lv[1], "probs": lv[2], "shared": lv[3]}
+            prev.leaves = {"combined": lv[0], "residual": lv[1], "probs": lv[2], "shared": lv[3], "carry": lv[4:]}
             return lv
 
         def compute(t: Task) -> None:
@@ -389,7 +399,8 @@ class AttentionZebra(ZebraRank):
                     fn = _in_device_scope(lambda *a: self._stage(s, j, batches[j], a))
                     out = _recomputed(fn, *lv) if self.recompute else fn(*lv)
                     st = self.slot(s, j)
-                    st.permuted, st.residual, st.probs, st.shared = out
+                    st.permuted, st.residual, st.probs, st.shared, *carry = out
+                    st.carry = tuple(carry)
                 else:
                     fn = _in_device_scope(lambda *a: self._head(j, batches[j], a))
                     out_tensor = _recomputed(fn, *lv) if self.recompute else fn(*lv)
@@ -412,12 +423,14 @@ class AttentionZebra(ZebraRank):
                     st = self.slot(s, j)
                     nxt = st.leaves
                     grads = [st.route.arrived(st.grad_permuted), nxt["residual"].grad, nxt["probs"].grad,
-                             None if nxt["shared"] is None else nxt["shared"].grad]
-                    outs = [st.permuted, st.residual, st.probs, st.shared]
+                             None if nxt["shared"] is None else nxt["shared"].grad,
+                             *(c.grad for c in nxt["carry"])]
+                    outs = [st.permuted, st.residual, st.probs, st.shared, *st.carry]
                     keep = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
                     torch.autograd.backward([o for o, _ in keep], [g for _, g in keep])
                     self._consumed(st, "grad_permuted")
                     st.permuted = st.residual = st.probs = st.shared = None
+                    st.carry = ()
                     st.leaves = {}
                 if s > 0:
                     prev = self.slot(s - 1, j)

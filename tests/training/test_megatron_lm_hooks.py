@@ -67,13 +67,10 @@ def test_grouped_experts_are_accepted_with_checkpoints():
     assert refusals.refusals(_megatron_defaults(moe_grouped_gemm=True, save="/ckpt", load="/ckpt")) == []
 
 
-def test_mtp_is_accepted_under_distep_and_refused_under_zebra():
+def test_mtp_is_accepted_under_both_schedules():
     args = _megatron_defaults(mtp_num_layers=1)
     assert refusals.refusals(args) == []
-    assert refusals.schedule_refusals(args, "distep") == []
-    out = refusals.schedule_refusals(args, "zebra")
-    assert len(out) == 1 and out[0].startswith("--mtp-num-layers 1 with the zebra schedule") and "distep" in out[0]
-    assert refusals.schedule_refusals(_megatron_defaults(), "zebra") == []
+    assert refusals.schedule_refusals(args, "distep") == [] and refusals.schedule_refusals(args, "zebra") == []
 
 
 def test_flags_naming_what_hetermoe_replaces_are_accepted_with_a_note():

@@ -44,25 +44,38 @@ def _resume(mlm, tmp_path, nproc: int, flags: list[str], ckpt, name: str) -> dic
     return out
 
 
-def test_mtp_equals_megatron_ep(mlm, data, tmp_path):
-    """A plain Megatron EP checkpoint of a model with one MTP layer, after one iteration, loads into
-    Megatron EP and into a HeterMoE distep run (MTP experts on an attention rank and an expert rank,
-    none on the other): the next 3 iterations' lm and MTP losses are equal, and the checkpoints both
-    save after them hold the same tensors under the same keys, the MTP layer's experts included."""
+@pytest.fixture(scope="module")
+def mtp_reference(mlm, data, tmp_path_factory):
+    """A plain Megatron EP checkpoint of a model with one MTP layer after one iteration, and plain
+    Megatron EP's next 3 iterations from it, with the checkpoint it saves after them."""
     flags = [*MODEL, *DATA, *CPU, *RECIPE, *_with(BATCH, train_iters="4"), *EVAL_OFF, "--data-path", data,
              "--moe-aux-loss-coeff", "0.01", *MTP]
-    ep_dir = tmp_path / "ep"
+    ep_dir = tmp_path_factory.mktemp("mtp_ep")
     ckpt, ep_saved = ep_dir / "ckpt", ep_dir / "after"
     run_losses(mlm, ep_dir, 2, [*flags, *EP, "--save", str(ckpt), "--save-interval", "1", "--train-iters", "1"], "tb")
     ep = _resume(mlm, ep_dir, 2, [*flags, *EP, "--save", str(ep_saved), "--save-interval", "4"], ckpt, "resumed")
+    return flags, ckpt, ep, ep_saved
+
+
+@pytest.mark.parametrize("schedule", ["distep", "zebra"])
+def test_mtp_equals_megatron_ep(mlm, mtp_reference, tmp_path, schedule):
+    """Plain Megatron EP's checkpoint of a model with one MTP layer loads into a HeterMoE run (MTP
+    experts on an attention rank and an expert rank, none on the other), under DistEP and under
+    zebra (the MTP layer's MoE layer is zebra's third stage cut; models/stages.py): the next 3
+    iterations' lm and MTP losses are Megatron EP's, and the checkpoints both save after them hold
+    the same tensors under the same keys, the MTP layer's experts included."""
+    flags, ckpt, ep, ep_saved = mtp_reference
     path = tmp_path / "plan.json"
-    mtp_plan().save(path)
+    mtp_plan(schedule).save(path)
     saved = tmp_path / "after"
     # logged by the last rank, an expert rank here
-    het = _resume(mlm, tmp_path, 4, [*flags, "--hetero-plan", str(path), "--hetero-schedule", "distep",
+    het = _resume(mlm, tmp_path, 4, [*flags, "--hetero-plan", str(path), "--hetero-schedule", schedule,
                                      "--save", str(saved), "--save-interval", "4"], ckpt, "het")
+    # Measured (default, avx2, avx512 kernels): losses bitwise or <= 4.8e-7, saved weights <= 3.8e-6
+    # (distep) and <= 4.6e-6 (zebra, whose microbatch order sums in another order): >= 6x inside.
     for tag in ep:
-        within(f"MTP model, distep vs Megatron EP: {tag}", max(abs(het[tag][i] - ep[tag][i]) for i in ep[tag]), 3e-6)
+        within(f"MTP model, {schedule} vs Megatron EP: {tag}", max(abs(het[tag][i] - ep[tag][i]) for i in ep[tag]),
+               3e-6)
     a, b = (load_dcp(d / "iter_0000004") for d in (ep_saved, saved))
     model = ("decoder.", "embedding.", "output_layer.", "mtp.")
     assert sorted(k for k in a if k.startswith(model)) == sorted(k for k in b if k.startswith(model))
@@ -70,4 +83,4 @@ def test_mtp_equals_megatron_ep(mlm, data, tmp_path):
     mtp_experts = [k for k in weights if k.startswith("mtp.") and ".mlp.experts." in k]
     assert mtp_experts and [k for k in weights if k.startswith("mtp.") and "eh_proj" in k], weights
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in weights)
-    within("MTP model, distep: saved weights vs Megatron EP's", worst, 2e-5)
+    within(f"MTP model, {schedule}: saved weights vs Megatron EP's", worst, 3e-5)
