@@ -51,12 +51,14 @@ Extras (only by name with --steps): moe-layer (fwd+bwd timing, megatron vs heter
 copy/all_to_all on two streams; the executors), profile (`hetermoe profile`), grouped-ckpt
 (tests/checkpoint/test_grouped_experts.py).
 
---dry-run (CPU): the same harness with gloo ranks instead of NCCL: the same 4-rank launch through
-rank.py with the same per-rank environment, result files, comparisons and SUMMARY; the CPU
-reference runs on ATEN_CPU_CAPABILITY=default, so each comparison measures two CPU kernels' fp32
-round-off. GPU-only parts SKIP, and so do the steps whose harness path another step already runs
-(distep, zebra-threads, fp16-overflow, distopt: "the same harness path as ..."). Exit status 0 when
-no step FAILed.
+--dry-run (CPU): the same harness with gloo ranks instead of NCCL: every 4-rank run through rank.py
+with the same per-rank environment, result files, comparisons and SUMMARY. The preflight runs
+under torchrun as on the GPU; the other runs fork their ranks from one process that imported
+torch and megatron once (forkrun.py, torchrun's environment: a 4-rank run's imports cost ~16 s of
+CPU under torchrun). Only zebra runs a CPU reference, on ATEN_CPU_CAPABILITY=default (two CPU
+kernels). GPU-only parts SKIP, and so do distep and distopt ("the same harness path as zebra /
+resume"). ~1 minute on two idle cores (tests/tools/test_gpu_check.py). Exit status 0 when no step
+FAILed.
 
 The device call (a machine with Python 3.12, torch, no megatron-core and no package registry;
 docs/gpu-check.md says more). On a CPU machine with a registry, once: `make gpu-wheels` (megatron-core's
