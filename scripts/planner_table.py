@@ -42,6 +42,7 @@ from megatron_hetermoe.planner.cli_plan import main as plan_main
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.search import (
     DISTEP,
+    LIMIT_ROWS,
     PICK,
     ZEBRA,
     ZEBRA_NO_EA,
@@ -209,7 +210,7 @@ def flagship_row(f: Flagship, tree: Path) -> dict:
         return row
     s = d["strategies"]
     pick, meg = s["HeterMoE (planner's pick)"], s["Megatron EP (best TP/PP)"]
-    limit, net, roof = (s[n] for n in ("Physical limit", "Network floor (disaggregated)", "Roofline (compute + network)"))
+    limit, net, roof = (s[n] for n in LIMIT_ROWS)
     if pick["fits"]:
         p = pick["detail"]
         ea = sum(p["experts_on_attention_per_layer"])
@@ -242,7 +243,7 @@ def flagship_row(f: Flagship, tree: Path) -> dict:
 FLAGSHIP_HEAD = ("model", "cluster", "batch", "pick", "memory", "step", "megatron", "speedup", "limits", "vs roofline",
                  "bound", "search_s")
 FLAGSHIP_TITLES = ("model", "cluster", "global batch (x seq)", "HeterMoE pick", "memory per rank (peak/usable)",
-                   "step s", "Megatron EP best (TP, PP, EP)", "vs Megatron", "compute / network / roofline s",
+                   "step s", "Megatron EP best (TP, PP, EP)", "vs Megatron", "compute-only / layouts' floor / roofline s",
                    "vs roofline", "bound by", "search s")
 
 

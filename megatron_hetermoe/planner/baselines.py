@@ -416,7 +416,7 @@ def physical_limit(cost: CostModel, cluster: Cluster, global_batch: int) -> Base
 
 
 # ---------------------------------------------------------------- the network floor and the roofline
-NETWORK_FLOOR = "Network floor (disaggregated)"
+NETWORK_FLOOR = "Network + compute floor (layouts)"
 ROOFLINE = "Roofline (compute + network)"
 
 
@@ -443,31 +443,38 @@ def distinct_nodes(num_experts: int, topk: int, holdings: list[int], groups: int
 
 
 def network_limit(cost: CostModel, cluster: Cluster, global_batch: int,
-                  layouts: list[tuple[list[int], list[int], int, int]]) -> BaselineResult:
+                  layouts: list[tuple[list[int], list[int], int, int]], compute: BaselineResult) -> BaselineResult:
     """A lower bound on the step of the disaggregated `layouts` (attention and experts on different
     ranks, HeterMoE's; each (attention ranks, expert ranks, ZP groups G, pipeline stages P), its
     ranks group by group and stage by stage as plans lay them out), from the bytes a step must move
-    across NICs with per-node dedup: a routed token goes once to each distinct node holding one of
-    its experts (distinct_nodes) in each of a MoE layer's four transfers, two per direction
-    (dispatch forward and the combine's gradient toward the experts; the combine forward and the
-    dispatch's gradient back; three toward the experts with expert recompute 'resend-inputs').
-    Per layout:
+    across NICs and the compute each role must do. Bytes, with per-node dedup: a routed token goes
+    once to each distinct node holding one of its experts (distinct_nodes) in each of a MoE layer's
+    four transfers, two per direction (dispatch forward and the combine's gradient toward the
+    experts; the combine forward and the dispatch's gradient back; three toward the experts with
+    expert recompute 'resend-inputs'). Per layout:
       * a layer's experts split evenly over its stage's expert ranks (N = expert ranks / (G P)),
         so over their nodes;
-      * at most the fraction f of routed tokens stays on its own node (Asym-EA's experts on
-        attention ranks): an attention node's memory over one stage's copy of the experts'
-        weights and state (the distributed optimizer's least, state sharded over every rank);
-      * B = tokens x MoE layers x (1 - f) x distinct nodes x token bytes per direction, each byte
-        through an attention NIC and an expert NIC: B / min(attention NICs, expert NICs), the
-        layout's ranks' NICs together.
-    The floor is the least over the layouts (the search passes every layout a strategy fits in).
-    It ignores latency, compute and the NICs' other traffic, so no plan of these layouts beats it
-    (the simulator moves top-k copies, no dedup: the plugin's transport does not dedup per node);
-    Megatron EP, which places experts with the tokens' attention, is not bound by it."""
+      * a fraction f of the routed work may run on the attention ranks (Asym-EA), at most an
+        attention node's memory over one stage's copy of the experts' weights and state (the
+        distributed optimizer's least, state sharded over every rank); those tokens may stay
+        on their node;
+      * network(f) = (1 - f) x tokens x MoE layers x distinct nodes x token bytes per direction
+        through the layout's attention NICs or its expert NICs, the fewer;
+      * attention(f) = global batch x (a + f e) / attention ranks and experts(f) = global batch x
+        (1 - f) / sum(ranks / e) over the expert ranks' types, with a and e the compute-only
+        limit's seconds per sequence of attention and expert work at each type's best per-token
+        rate (physical_limit);
+      * the layout's floor: the least over f of the largest of the three.
+    The floor is the least over the layouts (the search passes every layout a strategy fits in);
+    the roofline is it or the compute-only limit, the larger. It ignores latency and overlap, so no
+    plan of those layouts beats it (the simulator prices top-k copies, no dedup: the plugin's
+    transport does not dedup per node); Megatron EP, which places experts with its tokens'
+    attention, is not bound by it."""
     m = cost.model
     S, L, E, k = cost.settings.seq_len, cost.num_layers, m.num_experts, m.moe_router_topk
     types, nodes, nics = cluster.gpu_types(), cluster.node_of(), cluster.nic_gbs()
-    tokens = float(global_batch) * S
+    a_s, e_s = compute.detail["attention_s_per_seq"], compute.detail["expert_s_per_seq"]
+    tokens, B = float(global_batch) * S, float(global_batch)
     toward = 3 if cost.settings.expert_recompute == "resend-inputs" else 2
     copy = L * E * m.expert_params() * cost.state_bytes_per_param(cluster.world_size)
     node_memory: dict[int, float] = {}
@@ -483,29 +490,40 @@ def network_limit(cost: CostModel, cluster: Cluster, global_batch: int,
         held: dict[int, int] = {}
         for i, r in enumerate(expert[:N]):  # group 0, stage 0: every stage of every group alike
             held[nodes[r]] = held.get(nodes[r], 0) + E // N + (1 if i < E % N else 0)
-        holdings = list(held.values())
-        d = distinct_nodes(E, k, holdings, m.moe_router_num_groups, m.moe_router_group_topk)
-        local = min(1.0, max(node_memory[nodes[r]] for r in attn) * P / copy)
-        per_dir = tokens * L * (1.0 - local) * d * cost.token_bytes()
-        bw = min(sum(nics[r] for r in attn), sum(nics[r] for r in expert)) * 1e9
-        t = toward * per_dir / bw  # the direction toward the experts carries the most
+        d = distinct_nodes(E, k, list(held.values()), m.moe_router_num_groups, m.moe_router_group_topk)
+        f_max = min(1.0, max(node_memory[nodes[r]] for r in attn) * P / copy)
+        net0 = toward * tokens * L * d * cost.token_bytes() / (
+            min(sum(nics[r] for r in attn), sum(nics[r] for r in expert)) * 1e9)
+        g_a = types[attn[0]]  # a role split puts one GPU type on the attention side
+        att0, att1 = B * a_s[g_a] / len(attn), B * e_s[g_a] / len(attn)  # attention(f) = att0 + f att1
+        exp0 = B / sum(1.0 / e_s[types[r]] for r in expert)  # experts(f) = (1 - f) exp0
+        # the largest of three lines in f is least where the rising one meets a falling one, or at an end
+        fs = {0.0, f_max} | {f for f in ((exp0 - att0) / (att1 + exp0), (net0 - att0) / (att1 + net0))
+                             if 0.0 < f < f_max}
+        t, f = min((max(att0 + f * att1, (1 - f) * exp0, (1 - f) * net0), f) for f in fs)
         if t < best:
             best = t
-            detail = {"groups": G, "pipeline_stages": P, "expert_nodes_per_stage": len(holdings),
-                      "distinct_nodes_per_token": d, "local_fraction": local,
-                      "bytes_toward_experts": toward * per_dir, "attention_gpu": types[attn[0]]}
+            detail = {"groups": G, "pipeline_stages": P, "attention_gpu": g_a, "expert_nodes_per_stage": len(held),
+                      "distinct_nodes_per_token": d, "routed_on_attention": f, "network_s": (1 - f) * net0,
+                      "attention_s": att0 + f * att1, "experts_s": (1 - f) * exp0}
     if not math.isfinite(best):
         return BaselineResult(NETWORK_FLOOR, 0.0, 0.0, {}, {"why": "no disaggregated layout fits: no floor"})
-    return BaselineResult(NETWORK_FLOOR, best, tokens / best if best > 0 else 0.0, {}, detail)  # 0: no floor
+    return BaselineResult(NETWORK_FLOOR, best, tokens / best, {}, detail)
 
 
 def roofline(compute: BaselineResult, network: BaselineResult) -> BaselineResult:
-    """The larger of the compute-only limit and the network floor: what a disaggregated layout
-    can reach at best (compute and transfers overlap at most fully)."""
+    """The larger of the compute-only limit and the layouts' floor of network and compute
+    (network_limit): what a disaggregated layout can reach at best (compute and transfers overlap
+    at most fully). bound_by: "compute" where the compute-only limit is the larger, else the term
+    that binds the best layout's floor (network, attention or experts)."""
     step = max(compute.step_time_s, network.step_time_s)
-    binds = "network" if network.step_time_s > compute.step_time_s else "compute"
+    binds = "compute"
+    if network.step_time_s > compute.step_time_s:
+        d = network.detail
+        binds = max(("network", d["network_s"]), ("attention ranks", d["attention_s"]),
+                    ("expert ranks", d["experts_s"]), key=lambda x: x[1])[0]
     return BaselineResult(ROOFLINE, step, compute.tokens_per_s * compute.step_time_s / step, {},
-                          {"bound_by": binds, "compute_s": compute.step_time_s, "network_s": network.step_time_s})
+                          {"bound_by": binds, "compute_s": compute.step_time_s, "layouts_floor_s": network.step_time_s})
 
 
 # ---------------------------------------------------------------- Megatron EP with TP and PP

@@ -17,12 +17,21 @@
       for backward;
       prints every strategy's predicted step.
   hetermoe plan [--even ... | --cluster CLUSTER ...] -- <pretrain_gpt.py flags>
-      the model from the run's own Megatron-LM flags instead of --model (--num-layers,
-      --hidden-size, --num-experts, --moe-layer-freq, ...; planner/megatron_flags.py says which
-      are read and which refused); --seq-len and --global-batch default to their --seq-length
-      and --global-batch-size.
+      the model from the run's own Megatron-LM flags instead of --model (every flag that changes
+      what megatron-core builds, with Megatron's meaning and default; planner/megatron_flags.py
+      says which are read and which refused); --seq-len and --global-batch default to their
+      --seq-length and --global-batch-size. An even plan follows the run's layout and batch as the
+      run checks them (even_layout): --tensor-model-parallel-size, --pipeline-model-parallel-size,
+      the virtual pipeline size and R = --global-batch-size / (--micro-batch-size x attention
+      members); --expert-ranks defaults to --expert-model-parallel-size. A search prices the run's
+      recomputation and distributed optimizer, and searches only the TP, PP and micro batch the
+      run's flags give (search_settings); it prints the flags its plan trains with.
 A model with dense layers (--moe-layer-freq) gets a plan of its MoE layers (num_layers) that
-names the dense ones (dense_layers); those and shared experts run on the attention ranks.
+names the dense ones (dense_layers); those and shared experts run on the attention ranks. MTP
+layers (--mtp-num-layers) are MoE layers after the decoder's, of its last layer's kind.
+The table's "vs limit" sets HeterMoE's rows against the roofline of compute and network (the
+compute-only physical limit and the network floor of the layouts it fits, both printed) and the
+baselines against the compute-only limit.
 """
 from __future__ import annotations
 
@@ -142,8 +151,9 @@ def format_table(res: SearchResult, title: str) -> str:
     roof = next((p for p in res.predictions if p.name == ROOFLINE), None)
     if roof is not None:
         lines.append(f"note: vs limit: HeterMoE's rows over the {ROOFLINE} ({roof.step_time_s:.3f} s, bound by "
-                     f"{roof.detail.get('bound_by')}: the compute-only physical limit and the {NETWORK_FLOOR}, the "
-                     f"bytes a step moves across NICs with per-node dedup), the baselines over the compute-only one")
+                     f"{roof.detail.get('bound_by')}: the larger of the compute-only physical limit and the "
+                     f"{NETWORK_FLOOR}, the best of the layouts the strategies fit by the bytes it moves across NICs "
+                     f"with per-node dedup and each role's compute), the baselines over the compute-only one")
     for p in res.predictions:  # the parallel configuration of the Megatron rows
         if p.fits and "tp" in p.detail and "pp" in p.detail:
             lines.append(f"note: {p.name}: TP {p.detail['tp']}, PP {p.detail['pp']}, EP {p.detail['ep_size']}, "

@@ -87,7 +87,7 @@ DISTEP_PP = "DistEP with pipeline stages"  # P > 1: no row of its own; a candida
 ZEBRA_PP = "Zebra with pipeline stages"  # P > 1, no Asym-EA: likewise
 # The rows that are bounds, not strategies: the compute-only physical limit, the network floor of
 # disaggregated layouts and their roofline (baselines.py).
-LIMIT_ROWS = ("Physical limit", "Network floor (disaggregated)", "Roofline (compute + network)")
+LIMIT_ROWS = ("Physical limit", "Network + compute floor (layouts)", "Roofline (compute + network)")
 SCHEDULE_OF = {ZEBRA: "zebra", ZEBRA_GREEDY: "zebra", ZEBRA_NO_EA: "zebra", ZEBRA_PP: "zebra", DISTEP: "distep",
                DISTEP_PP: "distep"}
 # Whether the runtime runs zebra for a model with MTP layers (megatron_lm/refusals.schedule_refusals
@@ -765,7 +765,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
             return {k: v for k, v in sorted(reasons.items()) if not any(k in fitted[n] for n in zs)}
         return {k: v[1] for k, v in sorted(why[name].items()) if k not in fitted[name]}
 
-    net = network_limit(cost, cluster, global_batch, list(fit_layouts.values()))
+    net = network_limit(cost, cluster, global_batch, list(fit_layouts.values()), limit)
     roof = roofline(limit, net)  # what HeterMoE's disaggregated layouts can reach; baselines: compute only
     one_stage = 1 in p_try
     preds: list[Prediction] = []

@@ -6,7 +6,7 @@ import math
 import pytest
 
 from megatron_hetermoe.config import ModelConfig
-from megatron_hetermoe.planner.baselines import distinct_nodes, network_limit, physical_limit, roofline
+from megatron_hetermoe.planner.baselines import BaselineResult, distinct_nodes, network_limit, roofline
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import (
     CostModel,
@@ -117,32 +117,42 @@ def test_distinct_nodes_by_hand():
 
 
 def test_network_floor_by_hand():
-    """One node of 8 H100 (attention) and one of 8 A100 (experts), a model whose experts cannot sit
-    on one H100 node: B = tokens x MoE layers x (1 - f) x distinct nodes (1: one expert node) x 2 h
-    bytes per direction, two transfers each way, through the H100 NICs (8 x 200 Gb/s) or the
-    A100s' (the same here); f = the H100 node's memory over the copy of the experts."""
+    """One node of 8 H100 (attention) and one of 8 A100 (experts), a model whose experts cannot all
+    sit on the H100 node, per-sequence compute set by hand: network(f) = (1 - f) x 2 transfers x
+    tokens x MoE layers x 1 node x 2 h bytes / (8 x 25 GB/s); attention(f) = 64 x (a + f e_H100) / 8;
+    experts(f) = (1 - f) x 64 / (8 / e_A100); the floor is least where attention meets the
+    network's line: f* = (net0 - att0) / (att1 + net0), below f_max = the H100 node's memory over
+    the experts' copy."""
     cl = Cluster.of("h100-a100", {"H100": 8, "A100-80GB": 8}, nic_gbps=200.0)
     m = ModelConfig(name="big", num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=14336,
                     moe_ffn_hidden_size=14336, num_experts=16, seq_length=4096)
     cost = CostModel(m, load_profiles(["H100", "A100-80GB"]), TrainSettings(4096))
+    compute = BaselineResult("Physical limit", 0.1, 1.0, {}, {"attention_s_per_seq": {"H100": 0.025, "A100-80GB": 1.0},
+                                                             "expert_s_per_seq": {"H100": 0.125, "A100-80GB": 0.0625}})
     h100, a100 = list(range(8)), list(range(8, 16))
-    net = network_limit(cost, cl, 64, [(h100, a100, 1, 1)])
-    copy = 32 * 16 * m.expert_params() * 18.0
-    f = 8 * cost.profile("H100").usable_memory_bytes / copy
-    assert f < 1
-    per_dir = 64 * 4096 * 32 * (1 - f) * 1.0 * 4096 * 2
-    assert net.step_time_s == pytest.approx(2 * per_dir / (8 * 200 / 8 * 1e9), rel=1e-12)
+    net = network_limit(cost, cl, 64, [(h100, a100, 1, 1)], compute)
+    f_max = 8 * cost.profile("H100").usable_memory_bytes / (32 * 16 * m.expert_params() * 18.0)
+    net0 = 2 * 64 * 4096 * 32 * 1.0 * 4096 * 2 / (8 * 200 / 8 * 1e9)
+    att0, att1, exp0 = 64 * 0.025 / 8, 64 * 0.125 / 8, 64 / (8 / 0.0625)  # 0.2, 1.0, 0.5 s
+    f = (net0 - att0) / (att1 + net0)
+    assert 0 < f < f_max < 1
+    assert net.step_time_s == pytest.approx(att0 + f * att1, rel=1e-12)
+    assert net.detail["routed_on_attention"] == pytest.approx(f, rel=1e-12)
+    assert net.detail["network_s"] == pytest.approx((1 - f) * net0, rel=1e-12) and net.detail["experts_s"] < \
+        net.step_time_s
     assert net.detail["expert_nodes_per_stage"] == 1 and net.detail["distinct_nodes_per_token"] == 1.0
-    # two groups of 4 + 4 on the same nodes: the same bytes; the least over the layouts counts
-    assert network_limit(cost, cl, 64, [(h100, a100, 2, 1), (h100, a100, 1, 1)]).step_time_s == net.step_time_s
+    # the least over the layouts counts; two groups on the same nodes move the same bytes
+    assert network_limit(cost, cl, 64, [(h100, a100, 2, 1), (h100, a100, 1, 1)], compute).step_time_s == \
+        net.step_time_s
     # experts over two nodes, top-2 of 16 (8 a node): 2 (1 - C(8,2)/C(16,2)) nodes per token
     cl2 = Cluster.of("h100-a100x2", {"H100": 8, "A100-80GB": 16}, nic_gbps=200.0)
-    net2 = network_limit(cost, cl2, 64, [(h100, list(range(8, 24)), 1, 1)])
+    net2 = network_limit(cost, cl2, 64, [(h100, list(range(8, 24)), 1, 1)], compute)
     assert net2.detail["distinct_nodes_per_token"] == pytest.approx(2 * (1 - 28 / 120), rel=1e-12)
-    roof = roofline(physical_limit(cost, cl, 64), net)
-    assert roof.step_time_s == max(net.step_time_s, physical_limit(cost, cl, 64).step_time_s)
-    assert math.isfinite(roof.tokens_per_s) and roof.detail["bound_by"] in ("compute", "network")
-    assert network_limit(cost, cl, 64, []).step_time_s == 0.0  # no layout fits: no floor
+    roof = roofline(compute, net)
+    assert roof.step_time_s == net.step_time_s and roof.detail["bound_by"] in ("network", "attention ranks")
+    assert math.isfinite(roof.tokens_per_s)
+    assert network_limit(cost, cl, 64, [], compute).step_time_s == 0.0  # no layout fits: no floor
+    assert roofline(compute, network_limit(cost, cl, 64, [], compute)).step_time_s == 0.1
 
 
 def test_the_roofline_bounds_every_hetermoe_row():
@@ -154,7 +164,7 @@ def test_the_roofline_bounds_every_hetermoe_row():
     res = search(ModelConfig.load("moe-64l-256e"), Cluster.load("mixed-h100-a100"), 4096, 256,
                  pipeline_stages=(1,)).by_name()
     roof, net = res[LIMIT_ROWS[2]], res[LIMIT_ROWS[1]]
-    assert net.step_time_s > 0 and 0 < net.detail["local_fraction"] < 1
+    assert net.step_time_s > 0
     for name, p in res.items():
         if p.fits and name not in LIMIT_ROWS:
             assert p.ratio_to_limit <= 1.0 + 1e-9, (name, p.ratio_to_limit)
