@@ -123,8 +123,9 @@ def hetero_block_spec(spec, hs: HeteroParallelState, pg_collection, vp_stage: in
     model_layers = range(hs.plan.decoder_layers)
     if hs.plan.pipeline_stages > 1 and len(layers) != hs.plan.decoder_layers:
         # Megatron's block spec of one pipeline stage, or of one of its model chunks
-        model_layers = (hs.plan.stage_model_layers(hs.stage) if vp_stage is None
-                        else hs.plan.chunk_model_layers(hs.stage, vp_stage))
+        model_layers = [i for i in (hs.plan.stage_model_layers(hs.stage) if vp_stage is None
+                                    else hs.plan.chunk_model_layers(hs.stage, vp_stage))
+                        if i < hs.plan.decoder_layers]  # the MTP layers are the MTP block's
     want = [hs.plan.moe_index(i) is not None for i in model_layers]
     if pattern != want:
         raise ValueError(f"the model's MoE layers {[i for i, m in enumerate(pattern) if m]} of {len(pattern)} are not "

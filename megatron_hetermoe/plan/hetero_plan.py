@@ -182,8 +182,8 @@ class HeteroPlan:
 
     def stage_model_layers(self, stage: int) -> list[int]:
         """The model layers of pipeline stage `stage`, ascending: Megatron's even split of the
-        decoder layers (the MTP layers, which stay with one stage, are refused with pipeline
-        stages), over all of the stage's virtual stages."""
+        decoder layers, over all of the stage's virtual stages; the MTP layers go with the last
+        stage (chunk_model_layers)."""
         return [i for v in range(self.virtual_stages) for i in self.chunk_model_layers(stage, v)]
 
     @property
@@ -193,10 +193,13 @@ class HeteroPlan:
 
     def chunk_model_layers(self, stage: int, chunk: int) -> list[int]:
         """The model layers of model chunk `chunk` of pipeline stage `stage`: Megatron's virtual
-        stage chunk * P + stage of the even split (the stage's layers without virtual stages)."""
+        stage chunk * P + stage of the even split (the stage's layers without virtual stages); the
+        last virtual stage also holds the MTP layers, as megatron-core builds its MTP block there
+        (mtp_on_this_rank without a pipeline layout)."""
         n = self.chunk_layers
         first = (chunk * self.pipeline_stages + stage) * n
-        return list(range(first, first + n))
+        last = stage == self.pipeline_stages - 1 and chunk == self.virtual_stages - 1
+        return list(range(first, first + n)) + (list(range(self.decoder_layers, self.model_layers)) if last else [])
 
     def chunk_moe_layers(self, stage: int, chunk: int) -> list[int]:
         """The MoE layer indices of model chunk `chunk` of pipeline stage `stage`, ascending (without
@@ -223,10 +226,13 @@ class HeteroPlan:
             self.groups[gi].placement = [dict(per_stage[stage[l]]) for l in range(self.num_layers)]
 
     def stage_of_layer(self, layer: int) -> int:
-        """The pipeline stage of MoE layer `layer`."""
+        """The pipeline stage of MoE layer `layer` (an MTP layer's: the last)."""
         if self.pipeline_stages == 1:
             return 0
-        return self.moe_layer_ids[layer] // self.chunk_layers % self.pipeline_stages
+        model = self.moe_layer_ids[layer]
+        if model >= self.decoder_layers:
+            return self.pipeline_stages - 1
+        return model // self.chunk_layers % self.pipeline_stages
 
     def role(self, rank: int) -> Role:
         for g in self.groups:
@@ -430,9 +436,6 @@ class HeteroPlan:
                             f"(use zebra_waves there); set virtual_stages to 1")
         if P == 1:
             return
-        if self.mtp_layers:
-            raise PlanError(f"plan has {self.mtp_layers} MTP layers and pipeline_stages={P}: multi-token prediction "
-                            f"with HeterMoE pipeline stages is not built yet; drop --mtp-num-layers or use one stage")
         if self.decoder_layers % P:
             raise PlanError(f"plan pipeline_stages={P} does not divide the {self.decoder_layers} decoder layers "
                             f"(Megatron's even split); use a divisor of {self.decoder_layers}")

@@ -47,8 +47,8 @@ def _to_stage(name: str, plan: HeteroPlan, stage: int) -> str | None:
         return name
     if name.startswith("embedding."):
         return name if stage == 0 else None
-    if name.startswith(("decoder.final_layernorm.", "output_layer.")):
-        return name if stage == P - 1 else None
+    if name.startswith(("decoder.final_layernorm.", "output_layer.", "mtp.")):
+        return name if stage == P - 1 else None  # the MTP block is the last stage's too
     m = _DECODER_LAYER.match(name)
     if m is None:
         return name

@@ -55,7 +55,7 @@ from megatron_hetermoe.planner.cost_model import EXPERT_RECOMPUTE, SELECTIVE_PRI
 from megatron_hetermoe.planner.megatron_flags import RunFlags, model_from_flags
 from megatron_hetermoe.planner.pipeline import PIPELINE_STAGES
 from megatron_hetermoe.planner.profiles import known_gpu_types
-from megatron_hetermoe.planner.search import ATTENTION_TP, ZEBRA_RUNS_MTP, SearchResult, search
+from megatron_hetermoe.planner.search import ATTENTION_TP, SearchResult, search
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -374,17 +374,12 @@ def main(argv: list[str] | None = None) -> int:
                 if t not in known:
                     print(f"hetermoe plan: {flag} {t!r} is not a known GPU type; use one of {known}", file=sys.stderr)
                     return 2
-            mtp = model.mtp_num_layers or 0
-            if mtp and args.schedule == "zebra" and not ZEBRA_RUNS_MTP:
-                print(f"hetermoe plan: {mtp} MTP layers (--mtp-num-layers) with --schedule zebra: zebra has no stage "
-                      f"for the MTP block after the decoder; use --schedule distep", file=sys.stderr)
-                return 2
             if run is not None and run.recompute.full and args.schedule != "zebra":
                 print(f"hetermoe plan: note: the run's --recompute-granularity full runs under zebra only (DistEP "
                       f"would replay the dispatch); train with --hetero-schedule zebra, or plan --schedule zebra",
                       file=sys.stderr)
             # MTP layers come after the decoder's, of its last layer's kind (layer_pattern.model_dense_layers)
-            dense = model.planned_dense_layers
+            mtp, dense = model.mtp_num_layers or 0, model.planned_dense_layers
             tp, pp = lay["tp"], lay["pp"]
             if tp < 1 or model.num_attention_heads % tp or model.query_groups % tp:
                 print(f"hetermoe plan: attention TP {tp} (--attention-tp, or the run's --tensor-model-parallel-size) "

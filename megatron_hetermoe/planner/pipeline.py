@@ -108,10 +108,7 @@ def stage_pieces(moe_ids: list[int], model_layers: int, P: int,
 
 
 def model_pieces(model: ModelConfig, P: int) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
-    """stage_pieces of a model config (its decoder layers; MTP layers are refused with P > 1)."""
-    if P > 1 and model.mtp_num_layers:
-        raise PlanError(f"model {model.name!r} has {model.mtp_num_layers} MTP layers: pipeline stages with multi-token "
-                        f"prediction are not built; use one stage")
+    """stage_pieces of a model config (its decoder layers split evenly, its MTP layers the last stage's)."""
     return stage_pieces(model.planned_moe_layer_ids, model.num_layers, P, model.num_layers + (model.mtp_num_layers or 0))
 
 

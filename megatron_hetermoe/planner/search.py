@@ -90,10 +90,6 @@ ZEBRA_PP = "Zebra with pipeline stages"  # P > 1, no Asym-EA: likewise
 LIMIT_ROWS = ("Physical limit", "Network + compute floor (layouts)", "Roofline (compute + network)")
 SCHEDULE_OF = {ZEBRA: "zebra", ZEBRA_GREEDY: "zebra", ZEBRA_NO_EA: "zebra", ZEBRA_PP: "zebra", DISTEP: "distep",
                DISTEP_PP: "distep"}
-# Whether the runtime runs zebra for a model with MTP layers (megatron_lm/refusals.schedule_refusals
-# refuses it: zebra has no stage for the MTP block after the decoder); the pick is DistEP there until
-# it does (tests/planner/test_runtime_rules.py checks this against the runtime).
-ZEBRA_RUNS_MTP = False
 
 
 @dataclass
@@ -513,20 +509,16 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     zebra and DistEP rows are one stage (searched when 1 is in it), P > 1 runs DistEP or zebra in
     the stages and competes for the pick. `recompute_modules`: Megatron's selective recomputation
     (TrainSettings.recompute_modules). `micro_batch_size`: the run's --micro-batch-size (R is then
-    each member's sequences / it). `pick_schedules`: the schedules the pick may use (default: every
-    one the runtime runs for this model: not zebra with MTP layers while ZEBRA_RUNS_MTP is False);
+    each member's sequences / it). `pick_schedules`: the schedules the pick may use (default: both);
     every row is priced either way."""
     if asym not in ("optimal", "greedy", "none"):
         raise ValueError(f"asym={asym!r}; use 'optimal', 'greedy' or 'none'")
     if expert_recompute != "auto" and expert_recompute not in EXPERT_RECOMPUTE:
         raise ValueError(f"expert_recompute={expert_recompute!r}; use 'auto' or one of {EXPERT_RECOMPUTE}")
     allowed = set(pick_schedules or ("zebra", "distep"))
-    if model.mtp_num_layers and not ZEBRA_RUNS_MTP:
-        allowed.discard("zebra")
     if not allowed:
-        raise ValueError(f"model {model.name!r}: no schedule the pick may use ({list(pick_schedules or ())}) runs it"
-                         + (f": zebra has no stage for its {model.mtp_num_layers} MTP layers yet (the runtime "
-                            f"refuses it: megatron_lm/refusals.py)" if model.mtp_num_layers else ""))
+        raise ValueError(f"model {model.name!r}: pick_schedules={list(pick_schedules or ())} names no schedule; "
+                         f"give zebra, distep or both")
     p_try = tuple(pipeline_stages or PIPELINE_STAGES)
     bad_p = [P for P in p_try if P not in PIPELINE_STAGES]
     if bad_p:

@@ -130,9 +130,15 @@ class RoleAssembly:
         bind_missing_te_general_gemm()  # megatron's router needs it without transformer-engine (compat.py)
         pgc = hs.pg_collection()
         mtp = gpt_kwargs.get("mtp_block_spec")
-        if (mtp is not None) != bool(hs.plan.mtp_layers):
-            raise ValueError(f"the model has {len(mtp.layer_specs) if mtp is not None else 0} MTP layers but the plan "
-                             f"{hs.plan.mtp_layers}; remake the plan for this model's --mtp-num-layers")
+        P, V = hs.plan.pipeline_stages, hs.plan.virtual_stages
+        # Megatron builds the MTP block on the last (virtual) pipeline stage only; an expert rank of
+        # a pipelined plan holds its stage's MTP experts in its ExpertRuntime whatever it is given.
+        if P == 1 or (hs.role == "attention" and hs.stage == P - 1 and vp_stage in (None, V - 1)):
+            if (mtp is not None) != bool(hs.plan.mtp_layers):
+                raise ValueError(f"the model has {len(mtp.layer_specs) if mtp is not None else 0} MTP layers but the "
+                                 f"plan {hs.plan.mtp_layers}; remake the plan for this model's --mtp-num-layers")
+        elif hs.role == "attention" and mtp is not None:
+            raise ValueError(f"pipeline stage {hs.stage} was given the MTP block; Megatron builds it on the last stage")
         if hs.role == "attention":
             if mtp is not None:
                 gpt_kwargs = {**gpt_kwargs, "mtp_block_spec": hetero_mtp_block_spec(mtp, hs, pgc)}

@@ -145,11 +145,16 @@ def test_stages_must_divide_the_decoder_layers():
         plan.validate()
 
 
-def test_mtp_layers_are_refused_with_stages():
-    # 5 model layers, the last an MTP layer: 4 decoder layers split in 2, then MTP is refused
-    with pytest.raises(PlanError, match="1 MTP layers and pipeline_stages=2.*not built yet"):
-        even_plan(5, 4, 1, 1, pipeline_stages=2, mtp_layers=1)
-    even_plan(5, 4, 1, 1, mtp_layers=1)  # one stage: fine
+def test_mtp_layers_go_with_the_last_stage():
+    # 5 model layers, the last an MTP layer: 4 decoder layers split in 2, MTP with the last stage
+    p = even_plan(5, 4, 1, 1, pipeline_stages=2, mtp_layers=1)
+    assert p.stage_model_layers(0) == [0, 1] and p.stage_model_layers(1) == [2, 3, 4]
+    assert p.stage_moe_layers(1) == [2, 3, 4] and p.stage_of_layer(4) == 1
+    assert p.groups[0].placement[4] == {3: [0, 1, 2, 3]}  # the last stage's expert rank holds them
+    # with virtual stages: the last chunk of the last stage (Megatron's last virtual stage)
+    v = even_plan(9, 4, 1, 1, pipeline_stages=2, mtp_layers=1, virtual_stages=2)
+    assert v.chunk_model_layers(1, 1) == [6, 7, 8] and v.chunk_model_layers(1, 0) == [2, 3]
+    assert v.stage_of_layer(8) == 1
 
 
 def test_a_stage_without_moe_layers_is_refused():

@@ -13,7 +13,7 @@ from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
 from megatron_hetermoe.planner.cli_plan import main
 from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.megatron_flags import model_from_flags
-from megatron_hetermoe.planner.search import PICK, ZEBRA_NO_EA, ZEBRA_RUNS_MTP, search
+from megatron_hetermoe.planner.search import PICK, ZEBRA_NO_EA, search
 from megatron_hetermoe.training.validation import (
     ConfigError,
     check_hetero_pp,
@@ -103,14 +103,13 @@ def test_even_plan_conflicts_and_notes_are_named(tmp_path, capsys):
 
 def test_search_prices_mtp_and_picks_what_runs():
     """An MTP model is searched (it was refused): its MTP layer is a plan MoE layer after the
-    decoder's; the pick is DistEP while zebra has no MTP stage; zebra's rows are priced anyway; the
-    MTP layer costs time."""
+    decoder's; zebra runs it (models/stages.py), so the pick may be zebra; the MTP layer costs time."""
     m = model_from_flags([*SHAPE, "--mtp-num-layers", "1"]).model
     cl = Cluster.load("mini-2a40-2v100")
     res = search(m, cl, 32, 8)
     plan = res.plan
     assert (plan.num_layers, plan.mtp_layers, plan.decoder_layers) == (5, 1, 4)
-    assert plan.schedule == ("zebra" if ZEBRA_RUNS_MTP else "distep")
+    assert plan.schedule == "zebra"  # zebra beats DistEP here as without MTP
     plan.validate()
     rows = res.by_name()
     assert rows[ZEBRA_NO_EA].fits
@@ -145,15 +144,16 @@ def _megatron_args(**kw) -> argparse.Namespace:
 
 
 def test_planner_rules_agree_with_the_runtime():
-    """ZEBRA_RUNS_MTP and the pick's schedule under full recomputation mirror the runtime's refusals
-    (megatron_lm/refusals.py, megatron_lm/replaced.py): when the runtime changes, this fails."""
+    """The pick's schedules mirror the runtime's refusals (megatron_lm/refusals.py,
+    megatron_lm/replaced.py): both schedules run MTP models, only zebra full recomputation; when
+    the runtime changes, this fails."""
     from megatron_hetermoe.megatron_lm.refusals import schedule_refusals
     from megatron_hetermoe.megatron_lm.replaced import recompute_choice
 
-    assert (not schedule_refusals(_megatron_args(mtp_num_layers=1), "zebra")) == ZEBRA_RUNS_MTP, (
-        "the runtime's zebra and MTP rule changed (megatron_lm/refusals.schedule_refusals): set "
-        "planner/search.py ZEBRA_RUNS_MTP to match, so the search's pick and hetermoe plan --even follow it")
-    assert not schedule_refusals(_megatron_args(mtp_num_layers=1), "distep")
+    for schedule in ("zebra", "distep"):
+        assert not schedule_refusals(_megatron_args(mtp_num_layers=1), schedule), (
+            f"the runtime refuses MTP under {schedule} again (megatron_lm/refusals.schedule_refusals): make the "
+            f"search's pick (planner/search.py pick_schedules) and hetermoe plan follow it")
     full = _megatron_args(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     assert recompute_choice(full, "distep")[2], "DistEP runs full recomputation now: let the search pick it"
     assert not recompute_choice(full, "zebra")[2]

@@ -84,3 +84,22 @@ def test_mtp_equals_megatron_ep(mlm, mtp_reference, tmp_path, schedule):
     assert mtp_experts and [k for k in weights if k.startswith("mtp.") and "eh_proj" in k], weights
     worst = max((a[k].float() - b[k].float()).abs().max().item() for k in weights)
     within(f"MTP model, {schedule}: saved weights vs Megatron EP's", worst, 3e-5)
+
+
+@pytest.mark.parametrize("schedule", ["distep", "zebra"])
+def test_mtp_across_pipeline_stages_equals_megatron_ep(mlm, mtp_reference, tmp_path, schedule):
+    """Two pipeline stages, the MTP layer with the last (as megatron-core builds its MTP block there):
+    each stage one attention + one expert rank, the MTP layer's experts on the last stage's expert
+    rank. From plain Megatron EP's checkpoint (PP 1, resharded by dist_checkpointing) the next 3
+    iterations' lm and MTP losses are Megatron EP's, under DistEP (Megatron's 1F1B, the expert ranks
+    mirroring it) and under zebra (each stage's task lists, the MTP block cut at its MoE layer)."""
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+
+    flags, ckpt, ep, _ = mtp_reference
+    path = tmp_path / "plan.json"
+    even_plan(3, 4, 1, 1, num_microbatches=4, schedule=schedule, pipeline_stages=2, mtp_layers=1).save(path)
+    het = _resume(mlm, tmp_path, 4, [*flags, "--pipeline-model-parallel-size", "2", "--hetero-plan", str(path),
+                                     "--hetero-schedule", schedule], ckpt, "het")
+    for tag in ep:
+        within(f"MTP model at PP 2, {schedule} vs Megatron EP: {tag}",
+               max(abs(het[tag][i] - ep[tag][i]) for i in ep[tag]), 3e-6)
