@@ -14,7 +14,12 @@ import torch.distributed as dist
 from megatron_hetermoe.config import PoolPrecision
 from megatron_hetermoe.megatron_lm.cpu_layer import _cpu_replacements, _no_cuda_arch, _replaced, _wrap
 from megatron_hetermoe.megatron_lm.refusals import refusals, schedule_refusals
-from megatron_hetermoe.megatron_lm.replaced import recompute_choice, replace_flags
+from megatron_hetermoe.megatron_lm.replaced import (
+    given_flags,
+    recompute_choice,
+    replace_flags,
+)
+from megatron_hetermoe.models.builder import KernelChoice, RankEnv
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.training.assembly import RoleAssembly
@@ -36,7 +41,10 @@ class HeteroPretrain:
     hs: HeteroParallelState | None = None
     pools: PoolPrecision | None = None
     assembly: RoleAssembly | None = None
+    envs: list[RankEnv] | None = None  # every rank's, gathered at group set-up
+    kernels: dict[str, KernelChoice] | None = None  # each pool's (role's)
     _fwd_bwd: Callable | None = None
+    _fusions_told: bool = False
 
     # ---- 1. arguments ---------------------------------------------------------------------
     def validate_args(self, validate, args, defaults=None):
@@ -142,6 +150,7 @@ class HeteroPretrain:
         install_parallel_state(self.hs)
         _alias_gtp_remat_groups()
         self.assembly = RoleAssembly(self.hs, self.pools)
+        self._choose_kernels(get_args())
         from megatron_hetermoe.schedules.issuer import resolve_issuer
 
         experts = {self.plan.moe_layer_ids[layer]: self.hs.local_experts(layer) for layer in range(self.plan.num_layers)}
@@ -150,6 +159,43 @@ class HeteroPretrain:
         print(f"> HeterMoE rank {self.hs.rank} ({self.hs.role}, ZP group {self.hs.group_index}"
               + (f", experts {experts}" if self.hs.role == "expert" else "")
               + (f", zebra issuer {issuer}" if self.schedule == "zebra" else "") + ")", flush=True)
+
+    def _choose_kernels(self, args) -> None:
+        """Each pool's kernels from every rank's GPU (models.builder.megatron_lm_kernels: the
+        ranks of a pool share gradient reductions, so they run one choice), computed alike on
+        every rank so that a request some rank cannot run fails everywhere before any model is
+        built; the first rank prints them on CUDA ranks."""
+        from megatron_hetermoe.models.builder import gather_rank_envs, megatron_lm_kernels
+
+        self.envs = gather_rank_envs(self.hs.device, self.hs.world_group)
+        given = "--transformer-impl" in given_flags(self.argv)
+        self.kernels = {role: megatron_lm_kernels(args.transformer_impl, given, bool(args.moe_grouped_gemm),
+                                                  self.pools.of(role), [self.envs[r] for r in ranks])
+                        for role, ranks in (("attention", self.plan.attention_ranks),
+                                            ("expert", self.plan.expert_ranks)) if ranks}
+        if self.hs.rank == 0 and self.hs.device.type == "cuda":
+            for role, choice in self.kernels.items():
+                print(f"> HeterMoE {role} ranks: {choice.line()}", flush=True)
+
+    def _rank_config(self, args, config):
+        """This rank's TransformerConfig: its pool's kernels where Megatron-LM's default
+        transformer_engine cannot run there, and Megatron's fusions (its flags) less those this rank
+        cannot run (models.builder.choose_fusions; the first rank of each pool says which and why)."""
+        from megatron_hetermoe.models.builder import Fusion, choose_fusions
+
+        hs = self.hs
+        choice = self.kernels[hs.role]
+        over = {}
+        if args.transformer_impl == "transformer_engine" and choice.transformer_impl != "transformer_engine":
+            over = {"transformer_impl": choice.transformer_impl, "moe_grouped_gemm": choice.moe_grouped_gemm}
+        fusions = choose_fusions(self.envs[hs.rank], choice.name, hs.role, args.normalization,
+                                 {f: bool(getattr(config, f.value)) for f in Fusion})
+        first = hs.rank == (self.plan.attention_ranks if hs.role == "attention" else self.plan.expert_ranks)[0]
+        if first and not self._fusions_told:
+            for line in fusions.lines():
+                print(f"> HeterMoE rank {hs.rank} ({hs.role} ranks' first): {line}", flush=True)
+        self._fusions_told = True
+        return {**over, **fusions.config_kwargs()}
 
     # ---- 3. the model -----------------------------------------------------------------------
     def builder(self, args, pre_process: bool = True, post_process: bool = True, vp_stage=None, config=None,
@@ -169,8 +215,13 @@ class HeteroPretrain:
         # No barrier in the model's own L1 timers (Megatron's schedule, finalize_model_grads): the
         # roles run different code there, so a world-wide barrier in one role's never meets the
         # other's (see _no_role_barriers).
-        config = model_config(config or core_transformer_config_from_args(args), self.hs, barrier_with_L1_time=False)
-        use_te = args.transformer_impl == "transformer_engine"
+        from megatron_hetermoe.parallel import cpu_backend
+
+        config = config or core_transformer_config_from_args(args)
+        config = model_config(config, self.hs, barrier_with_L1_time=False, **self._rank_config(args, config))
+        use_te = config.transformer_impl == "transformer_engine"
+        # TP > 1 with megatron-core's local spec: its torch norms under sequence parallelism, on GPUs too.
+        cpu_backend.apply_for_spec(self.hs.device, config.transformer_impl)
         block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization=args.normalization,
                                            qk_l2_norm=args.qk_l2_norm, vp_stage=vp_stage)
         # The block spec: dense and MoE layers by --moe-layer-freq (the plan's dense_layers, checked).
@@ -308,8 +359,9 @@ class HeteroPretrain:
 
     def reduce_mtp_losses(self, reduce):
         """Megatron averages the MTP losses over each rank's data-parallel group (the attention
-        ranks: the MTP block is theirs) and the last rank logs them, which may be an expert rank
-        with no MTP loss: every rank gets the first attention rank's values."""
+        ranks: the MTP block is theirs, on the last pipeline stage) and the last rank logs them,
+        which may be an expert rank or another stage's rank, with no MTP loss: every rank gets the
+        values of the first attention rank of the last stage."""
         from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
 
         from megatron_hetermoe.compat import megatron_lm_mtp_reduce
@@ -320,7 +372,8 @@ class HeteroPretrain:
         for key in keys:
             if key not in tracker:  # an expert rank: no MTP layer ran here
                 tracker[key] = torch.zeros(self.plan.mtp_layers, device=self.hs.device)
-            dist.broadcast(tracker[key], src=self.plan.attention_ranks[0], group=self.hs.world_group)
+            last = self.plan.stage_attention_ranks(self.plan.pipeline_stages - 1)[0]
+            dist.broadcast(tracker[key], src=last, group=self.hs.world_group)
 
     # ---- 8. --log-params-norm: each parameter once over the world ---------------------------------
     def params_norm(self, model, force_create_fp32_copy: bool = False) -> float:

@@ -6,24 +6,36 @@ from __future__ import annotations
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
 
-def _given(argv: list[str]) -> set[str]:
+def given_flags(argv: list[str]) -> set[str]:
+    """The flags of a command line (`--name` or `--name=value`), as given."""
     return {t.split("=", 1)[0] for t in argv if t.startswith("--")}
 
 
+
 def fused_permute_available() -> bool:
-    """Whether megatron-core has its fused permute kernels here (transformer-engine >= 2.1, CUDA)."""
+    """Whether megatron-core's fused permute kernels run on this rank: transformer-engine (>= 2.1)
+    binds them, and this rank's GPU (LOCAL_RANK's, the device Megatron-LM makes current) is one
+    transformer-engine supports (models.builder.TE_MIN_CAPABILITY: a V100 is not)."""
+    import os
+
     import torch
     from megatron.core.transformer.moe import moe_utils
 
-    names = ("fused_permute", "fused_unpermute", "fused_sort_chunks_by_index")
-    return torch.cuda.is_available() and all(getattr(moe_utils, n, None) is not None for n in names)
+    from megatron_hetermoe.models.builder import TE_MIN_CAPABILITY
+
+    names = ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+             "fused_sort_chunks_by_index_with_probs", "fused_unpermute")  # what TransformerConfig checks
+    if not torch.cuda.is_available() or not all(getattr(moe_utils, n, None) is not None for n in names):
+        return False
+    local = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+    return tuple(torch.cuda.get_device_capability(local)) >= TE_MIN_CAPABILITY
 
 
 def replace_flags(args, argv: list[str], plan: HeteroPlan) -> list[str]:
     """Apply the plan's replacements to Megatron-LM's `args` (before its validate_args); returns
     one line for each flag of the command line that something else replaces."""
     notes = []
-    if "--moe-token-dispatcher-type" in _given(argv):
+    if "--moe-token-dispatcher-type" in given_flags(argv):
         notes.append(f"--moe-token-dispatcher-type {args.moe_token_dispatcher_type}: replaced by HeterMoE's "
                      f"attention->expert dispatcher (the plan's ZP groups)")
         args.moe_token_dispatcher_type = "alltoall"  # Megatron's default: none of flex's or allgather's checks apply
@@ -49,8 +61,9 @@ def replace_flags(args, argv: list[str], plan: HeteroPlan) -> list[str]:
             notes.append("--moe-permute-fusion: HeterMoE's dispatcher and experts permute with megatron-core's "
                          "fused kernels (transformer-engine)")
         else:
-            notes.append("--moe-permute-fusion: megatron-core has no fused permute on this host (it needs "
-                         "transformer-engine >= 2.1 and CUDA): HeterMoE permutes unfused, with the same result")
+            notes.append("--moe-permute-fusion: megatron-core has no fused permute on this host that runs on this "
+                         "rank's GPU (it needs transformer-engine >= 2.1 and a CUDA GPU of compute capability 8.0+): "
+                         "HeterMoE permutes unfused here, with the same result")
             args.moe_permute_fusion = False
     return notes
 

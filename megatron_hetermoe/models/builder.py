@@ -1,8 +1,8 @@
 """Build the Mixtral-style MoE GPTModel with the kernels the rank can run, and give it weights
 that do not depend on the parallel layout or the kernels (so any two layouts start identical).
 
-Kernels (`choose_kernels`, decided once per run from the device, what imports and Megatron's
---transformer-impl / --moe-grouped-gemm):
+Kernels (`choose_kernels`, decided once per run for a pool of ranks from their GPUs, what imports
+there and Megatron-LM's --transformer-impl / --moe-grouped-gemm):
 
     name            layer spec (megatron-core)                          experts         attention
     "te"            get_gpt_layer_with_transformer_engine_spec, grouped  TEGroupedMLP    TE (fused)
@@ -12,20 +12,25 @@ Kernels (`choose_kernels`, decided once per run from the device, what imports an
 
 The same weights have other names (and for GroupedMLP another layout) under each: canonical
 names (plan/expert_names.py) are one namespace for all of them.
+
+Fusions (`choose_fusions`, per rank): Megatron-LM's defaults, each turned off only where this
+rank cannot run it, for the reason its row of FUSION_RULES gives; CPU ranks run none (their
+numerics are the parity suite's).
 """
 from __future__ import annotations
 
 import dataclasses
+import enum
 import importlib
 import os
 import re
 import zlib
-from typing import NamedTuple
+from typing import Callable, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from megatron_hetermoe.config import ModelConfig, ParallelConfig
+from megatron_hetermoe.config import ModelConfig, ParallelConfig, Role
 from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.plan import expert_names
 
@@ -33,7 +38,11 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 
 # --- kernels ---------------------------------------------------------------------------------
 KERNELS = ("local", "te", "te_sequential", "grouped")
+TE_KERNELS = ("te", "te_sequential")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")  # Megatron-LM's --transformer-impl values run here
+# transformer-engine's support matrix starts at Ampere (compute capability 8.0): a V100 (7.0) or
+# a T4 (7.5) cannot run its kernels even where the package imports.
+TE_MIN_CAPABILITY = (8, 0)
 
 
 class KernelError(UserError, ValueError):
@@ -48,7 +57,7 @@ class KernelChoice(NamedTuple):
 
     @property
     def transformer_impl(self) -> str:
-        return "transformer_engine" if self.name in ("te", "te_sequential") else "local"
+        return "transformer_engine" if self.name in TE_KERNELS else "local"
 
     @property
     def moe_grouped_gemm(self) -> bool:
@@ -90,45 +99,187 @@ def grouped_gemm_status() -> tuple[bool, str]:
     return True, "grouped_gemm imports"
 
 
+@dataclasses.dataclass(frozen=True)
+class RankEnv:
+    """What one rank can run: its device, its GPU, and which optional kernels import there.
+    `probe_rank` fills it in on the rank; `gather_rank_envs` gives every rank everyone's, so the
+    ranks that must agree on kernels decide from the same facts. A CPU rank imports none of the
+    optional kernels (an installed-but-broken transformer-engine raises on import).
+    capability None on a CUDA rank: unknown (no CUDA runtime answered: a check of a GPU job's
+    flags where there is no GPU), not held against it."""
+
+    device: str = "cpu"  # "cpu" or "cuda"
+    rank: int | None = None  # in the job; None: this process before it joined one
+    gpu: str | None = None  # torch.cuda.get_device_name
+    capability: tuple[int, int] | None = None  # torch.cuda.get_device_capability
+    te: bool = False  # transformer-engine imports
+    te_grouped: bool = False  # ... with grouped linear layers (TEGroupedMLP)
+    te_why: str = "CPU rank: transformer-engine is not imported on CPU ranks"
+    grouped_gemm: bool = False  # megatron-core's legacy GroupedMLP runs (grouped_gemm imports)
+    grouped_gemm_why: str = "CPU rank"
+    apex_norm: bool = False  # apex imports: megatron-core's FusedLayerNorm (LayerNorm only)
+    apex_wgrad: bool = False  # apex's fused_weight_gradient_mlp_cuda (megatron-core's flag for it)
+    softmax_kernels: bool = False  # Megatron's compiled fused-softmax extensions import
+    jit_fuser_builds: bool = False  # megatron-core's jit_fuser can build for this device
+    te_rope: bool = False  # megatron-core's fused RoPE (transformer-engine's) is bound
+    te_permute: bool = False  # megatron-core's fused permute (transformer-engine >= 2.1) is bound
+
+    @property
+    def cuda(self) -> bool:
+        return self.device == "cuda"
+
+    def who(self) -> str:
+        """'rank 5 (Tesla V100-SXM2-16GB, compute capability 7.0)', for messages."""
+        name = "this rank" if self.rank is None else f"rank {self.rank}"
+        if not self.cuda:
+            return f"{name} (CPU)"
+        cc = "" if self.capability is None else f", compute capability {self.capability[0]}.{self.capability[1]}"
+        return f"{name} ({self.gpu or 'GPU'}{cc})"
+
+    def te_blocker(self) -> str | None:
+        """Why transformer-engine cannot run on this rank (None: it can)."""
+        if not self.cuda:
+            return f"{self.who()}: transformer-engine runs on CUDA ranks only"
+        if not self.te:
+            return f"{self.who()}: {self.te_why}"
+        if self.capability is not None and tuple(self.capability) < TE_MIN_CAPABILITY:
+            lo = ".".join(map(str, TE_MIN_CAPABILITY))
+            return f"{self.who()}: transformer-engine supports compute capability {lo} (Ampere) and newer"
+        return None
+
+
+def _imports(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except Exception:  # ImportError, or OSError of an extension built for another CUDA
+        return False
+    return True
+
+
+def device_capability(device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA `device`, None where no CUDA runtime answers."""
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability(device))
+
+
+def probe_rank(device, rank: int | None = None) -> RankEnv:
+    """This process's RankEnv on `device` (CPU: nothing optional is imported)."""
+    if torch.device(device).type != "cuda":
+        return RankEnv("cpu", rank)
+    from megatron.core import jit
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.tensor_parallel import layers
+    from megatron.core.transformer.moe import moe_utils
+
+    te, te_grouped, te_why = transformer_engine_status()
+    gg, gg_why = grouped_gemm_status()
+    capability = device_capability(device)
+    gpu = torch.cuda.get_device_name(device) if capability is not None else None
+    # megatron-core's jit_fuser is torch.compile (torch >= 2.2), whose CUDA kernels are triton's.
+    if jit.jit_fuser is torch.compile:
+        try:
+            from torch.utils._triton import has_triton
+        except ImportError:  # a torch without the helper: triton importing is what inductor needs
+            builds = _imports("triton")
+        else:
+            builds = bool(has_triton())
+    else:
+        builds = True  # torch.jit.script or megatron's no-op decorator
+    permute = ("fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+               "fused_sort_chunks_by_index_with_probs", "fused_unpermute")  # what TransformerConfig checks
+    return RankEnv(
+        "cuda", rank, gpu, capability, te, te_grouped, te_why, gg, gg_why,
+        apex_norm=_imports("apex") and _imports("megatron.core.fusions.fused_layer_norm"),
+        apex_wgrad=bool(getattr(layers, "_grad_accum_fusion_available", False)),
+        softmax_kernels=all(_imports(m) for m in ("scaled_upper_triang_masked_softmax_cuda",
+                                                  "scaled_masked_softmax_cuda", "scaled_softmax_cuda")),
+        jit_fuser_builds=builds,
+        te_rope=te and getattr(rope_utils, "fused_apply_rotary_pos_emb", None) is not None,
+        te_permute=te and all(getattr(moe_utils, n, None) is not None for n in permute))
+
+
+def gather_rank_envs(device, group=None) -> list[RankEnv]:
+    """Every rank's RankEnv, indexed by its rank in `group` (default: the world), on every rank.
+    A world's ranks are all CUDA (NCCL) or all CPU (gloo; parallel/device.py rank_device), so
+    CPU ranks know everyone's without a collective."""
+    import torch.distributed as dist
+
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    if torch.device(device).type != "cuda":
+        return [RankEnv("cpu", r) for r in range(n)]
+    out = [None] * n
+    dist.all_gather_object(out, probe_rank(device, me), group=group)
+    return out
+
+
+def _te_blocker(pool: Sequence[RankEnv]) -> str | None:
+    """Why transformer-engine cannot run on some rank of `pool` (the first such; None: it runs on all)."""
+    return next((b for b in (r.te_blocker() for r in pool) if b is not None), None)
+
+
+def _oldest(pool: Sequence[RankEnv]) -> str:
+    caps = [r.capability for r in pool if r.capability is not None]
+    return f" (oldest GPU: compute capability {'.'.join(map(str, min(caps)))})" if caps else ""
+
+
 def choose_kernels(device, precision: str = "fp32", transformer_impl: str | None = None,
-                   moe_grouped_gemm: bool | None = None) -> KernelChoice:
-    """The kernels of a rank on `device`. transformer_impl / moe_grouped_gemm: Megatron-LM's
-    --transformer-impl and --moe-grouped-gemm with Megatron's meaning when given (an impossible
-    request raises KernelError); None: choose automatically, the fastest that runs here:
-    TE (with TEGroupedMLP) when transformer-engine imports and the device is CUDA, else the legacy
-    GroupedMLP when grouped_gemm imports, the device is CUDA and the run is bf16 (megatron-core's
-    GroupedMLP asserts bf16), else megatron-core's local spec (SequentialMLP)."""
-    cuda = torch.device(device).type == "cuda"
+                   moe_grouped_gemm: bool | None = None, pool: Sequence[RankEnv] | None = None) -> KernelChoice:
+    """The kernels of a pool of ranks: `pool` (their RankEnvs; default: this rank alone on `device`).
+
+    The rule: ranks whose gradients meet in one data-parallel reduction (DDP buckets, the
+    distributed optimizer's shards) must have identical parameter layouts, so they run one
+    choice. HeterMoE decides per pool (role): the attention ranks (the dense weights' DP group,
+    and the replica groups of Asym-EA experts, all of them attention ranks) and the expert ranks
+    (every expert replica group is expert ranks: ZP groups have one shape); every rank of the job
+    computes both pools' choices from the same gathered RankEnvs, so all agree, and a choice that
+    cannot run fails on every rank alike. TE is chosen only where every rank of the pool runs it
+    (it imports, compute capability >= TE_MIN_CAPABILITY), so its oldest GPU decides.
+
+    transformer_impl / moe_grouped_gemm: Megatron-LM's --transformer-impl and --moe-grouped-gemm
+    with Megatron's meaning when given (a request some rank of the pool cannot run raises
+    KernelError naming that rank and its GPU); None: choose automatically, the fastest that runs on
+    every rank of the pool: TE (with TEGroupedMLP) on CUDA ranks, else the legacy GroupedMLP when
+    grouped_gemm imports on CUDA ranks and the run is bf16 (megatron-core's GroupedMLP asserts
+    bf16), else megatron-core's local spec (SequentialMLP)."""
+    ranks = list(pool) if pool is not None else [probe_rank(device)]
+    cuda = all(r.cuda for r in ranks)
     if transformer_impl not in (None, *TRANSFORMER_IMPLS):
         raise KernelError(f"--transformer-impl {transformer_impl}: this trainer runs {' or '.join(TRANSFORMER_IMPLS)}")
+    gg_bad = next((r for r in ranks if not r.grouped_gemm), None)
+    gg, gg_why = gg_bad is None, (ranks[0].grouped_gemm_why if gg_bad is None else gg_bad.grouped_gemm_why)
+    if gg_bad is not None and len(ranks) > 1:
+        gg_why = f"{gg_bad.who()}: {gg_why}"
+    te_blocker = _te_blocker(ranks)
+    te_why = te_blocker if te_blocker is not None else ranks[0].te_why + _oldest(ranks)
+    te_grouped = all(r.te_grouped for r in ranks)
 
     def grouped_or_raise(what: str) -> KernelChoice:
-        ok, why = grouped_gemm_status()
         if not cuda:
             raise KernelError(f"{what}: GroupedMLP runs on CUDA ranks only, these are CPU ranks; drop --moe-grouped-gemm")
-        if not ok:
-            raise KernelError(f"{what}: {why} (pip install grouped_gemm, or use transformer-engine); drop "
+        if not gg:
+            raise KernelError(f"{what}: {gg_why} (pip install grouped_gemm, or use transformer-engine); drop "
                               f"--moe-grouped-gemm")
         if precision != "bf16":
             raise KernelError(f"{what}: megatron-core's GroupedMLP runs bf16 only (it asserts config.bf16), this run is "
                               f"{precision}; add --bf16 or drop --moe-grouped-gemm")
-        return KernelChoice("grouped", f"{what}: local spec, GroupedMLP experts; {why}")
+        return KernelChoice("grouped", f"{what}: local spec, GroupedMLP experts; {gg_why}")
 
     if transformer_impl == "transformer_engine":
-        te, te_grouped, why = transformer_engine_status()
-        if not te:
-            raise KernelError(f"--transformer-impl transformer_engine: {why}; install transformer-engine, or use "
-                              f"--transformer-impl local (or leave the flag out to choose automatically)")
         if not cuda:
             raise KernelError("--transformer-impl transformer_engine: transformer-engine runs on CUDA ranks only, these "
                               "are CPU ranks; use --transformer-impl local")
+        if te_blocker is not None:
+            raise KernelError(f"--transformer-impl transformer_engine: {te_blocker}; install transformer-engine there, "
+                              f"or run that pool on Ampere or newer GPUs, or use --transformer-impl local, or leave the "
+                              f"flag out (each pool then runs transformer-engine where all of its GPUs can)")
         if moe_grouped_gemm:
             if not te_grouped:
-                raise KernelError(f"--transformer-impl transformer_engine --moe-grouped-gemm: {why} has no grouped "
+                raise KernelError(f"--transformer-impl transformer_engine --moe-grouped-gemm: {te_why} has no grouped "
                                   f"linear layers (TEGroupedMLP needs transformer-engine >= 1.7)")
-            return KernelChoice("te", f"--transformer-impl transformer_engine --moe-grouped-gemm: TEGroupedMLP experts; {why}")
+            return KernelChoice("te", f"--transformer-impl transformer_engine --moe-grouped-gemm: TEGroupedMLP experts; {te_why}")
         return KernelChoice("te_sequential", f"--transformer-impl transformer_engine: TE spec, SequentialMLP experts "
-                                             f"(no --moe-grouped-gemm); {why}")
+                                             f"(no --moe-grouped-gemm); {te_why}")
     if transformer_impl == "local":
         if moe_grouped_gemm:
             return grouped_or_raise("--transformer-impl local --moe-grouped-gemm")
@@ -138,22 +289,174 @@ def choose_kernels(device, precision: str = "fp32", transformer_impl: str | None
         if moe_grouped_gemm:
             grouped_or_raise("--moe-grouped-gemm")  # raises: CPU
         return KernelChoice("local", "automatic: CPU ranks run megatron-core's local spec, SequentialMLP experts")
-    te, te_grouped, te_why = transformer_engine_status()
-    if te:
+    if te_blocker is None:
         if te_grouped:
-            return KernelChoice("te", f"automatic: {te_why} imports on CUDA: TE spec, TEGroupedMLP experts")
+            return KernelChoice("te", f"automatic: {te_why} runs on CUDA: TE spec, TEGroupedMLP experts")
         if not moe_grouped_gemm:
-            return KernelChoice("te_sequential", f"automatic: {te_why} imports on CUDA but has no grouped linear "
+            return KernelChoice("te_sequential", f"automatic: {te_why} runs on CUDA but has no grouped linear "
                                                  f"layers: TE spec, SequentialMLP experts")
     if moe_grouped_gemm:
         return grouped_or_raise(f"--moe-grouped-gemm ({te_why})")
-    gg, gg_why = grouped_gemm_status()
     if gg and precision == "bf16":
         return KernelChoice("grouped", f"automatic: no transformer-engine ({te_why}); {gg_why}, bf16 on CUDA: "
                                        f"local spec, GroupedMLP experts")
     why = gg_why if not gg else f"{gg_why} but GroupedMLP runs bf16 only, this run is {precision}"
     return KernelChoice("local", f"automatic: no transformer-engine ({te_why}); {why}: megatron-core's local "
                                  f"spec, SequentialMLP experts")
+
+
+def megatron_lm_kernels(transformer_impl: str, given: bool, moe_grouped_gemm: bool, precision: str,
+                        pool: Sequence[RankEnv]) -> KernelChoice:
+    """Megatron-LM's --transformer-impl and --moe-grouped-gemm on one pool of a --hetero-plan run
+    of its pretrain() (the pool rule of choose_kernels). transformer_engine given on the command
+    line: every rank of the pool must run it (KernelError naming the rank otherwise); Megatron-LM's
+    default transformer_engine: the pool runs it where every rank can, else megatron-core's local
+    spec, with --moe-grouped-gemm the legacy GroupedMLP where it runs there (grouped_gemm, bf16),
+    else SequentialMLP (the reason says which rank decided). Any other value: Megatron's own."""
+    if transformer_impl != "transformer_engine":
+        return KernelChoice("grouped" if moe_grouped_gemm else "local", f"--transformer-impl {transformer_impl}")
+    if given:
+        return choose_kernels("cuda", precision, "transformer_engine", moe_grouped_gemm, pool)
+    blocker = _te_blocker(pool)
+    if blocker is None:
+        return choose_kernels("cuda", precision, "transformer_engine", moe_grouped_gemm, pool)
+    why = f"Megatron-LM's default --transformer-impl transformer_engine cannot run on {blocker}"
+    if moe_grouped_gemm:
+        try:
+            return choose_kernels("cuda", precision, "local", True, pool)._replace(
+                reason=f"{why}: megatron-core's local spec, GroupedMLP experts")
+        except KernelError as e:
+            return KernelChoice("local", f"{why}: megatron-core's local spec, SequentialMLP experts (the legacy "
+                                         f"GroupedMLP for --moe-grouped-gemm cannot run either: {e})")
+    return KernelChoice("local", f"{why}: megatron-core's local spec, SequentialMLP experts")
+
+
+# --- fusions ---------------------------------------------------------------------------------
+class Fusion(str, enum.Enum):
+    """Megatron's kernel fusions, each by the TransformerConfig field that sets it."""
+
+    BIAS_ACTIVATION = "bias_activation_fusion"
+    MASKED_SOFTMAX = "masked_softmax_fusion"
+    PERSIST_LAYER_NORM = "persist_layer_norm"
+    GRADIENT_ACCUMULATION = "gradient_accumulation_fusion"
+    APPLY_ROPE = "apply_rope_fusion"
+    BIAS_DROPOUT = "bias_dropout_fusion"
+    MOE_PERMUTE = "moe_permute_fusion"
+    CROSS_ENTROPY_LOSS = "cross_entropy_loss_fusion"
+
+
+# Why a fusion cannot run on a rank (None: it can): (the rank, its kernels, its role, the model's
+# normalization) -> reason. Read from megatron-core 0.16.1's source (the sites named).
+Blocker = Callable[[RankEnv, str, "Role | None", str], "str | None"]
+_CPU = ("CPU rank: megatron-core's fused paths are CUDA kernels or torch.compile'd by its jit_fuser; CPU ranks run "
+        "the unfused ops (the parity suite's numerics)")
+
+
+def _jit(env: RankEnv, kernels: str, role, norm: str) -> str | None:
+    if not env.jit_fuser_builds:  # fusions/fused_bias_swiglu.py, fused_bias_dropout.py, fused_cross_entropy.py
+        return "megatron-core's jit_fuser is torch.compile, whose CUDA kernels need triton, which does not import here"
+    return None
+
+
+def _softmax(env: RankEnv, kernels: str, role, norm: str) -> str | None:
+    if kernels in TE_KERNELS:  # TE's attention does not read it
+        return None
+    if not env.softmax_kernels:  # fusions/fused_softmax.py imports them when it fuses
+        return ("the local spec's FusedScaleMaskSoftmax imports Megatron's compiled softmax extensions "
+                "(scaled_masked_softmax_cuda ...), which do not import here")
+    return None
+
+
+def _persist(env: RankEnv, kernels: str, role, norm: str) -> str | None:
+    if kernels in TE_KERNELS:  # TE's norms do not read it
+        return None
+    if norm != "LayerNorm":  # the local spec's RMSNorm is torch's (transformer/torch_norm.py asserts it off)
+        return f"the local spec's {norm} is torch's (WrappedTorchNorm), which refuses it; apex's kernel is LayerNorm's"
+    if not env.apex_norm:
+        return "the local spec's LayerNorm is torch's (WrappedTorchNorm, apex does not import), which refuses it"
+    return None
+
+
+def _wgrad(env: RankEnv, kernels: str, role, norm: str) -> str | None:
+    if env.apex_wgrad:
+        return None
+    if role == "expert" and kernels in TE_KERNELS:  # only TE's linears, which fuse it themselves
+        return None
+    # tensor_parallel/layers.py: ColumnParallelLinear raises at build without it (GPTModel's output
+    # layer is one in every spec; the local spec's linears are all megatron-core's).
+    return "megatron-core's own linear layers need apex's fused_weight_gradient_mlp_cuda, which does not import here"
+
+
+def _rope(env: RankEnv, kernels: str, role, norm: str) -> str | None:
+    blocker = env.te_blocker()  # models/common/embeddings/rope_utils.py binds transformer-engine's
+    if blocker is not None:
+        return f"megatron-core's fused RoPE is transformer-engine's: {blocker}"
+    if not env.te_rope:
+        return "this transformer-engine has no fused RoPE (megatron-core asks for transformer-engine >= 1.4)"
+    return None
+
+
+def _permute(env: RankEnv, kernels: str, role, norm: str) -> str | None:
+    blocker = env.te_blocker()  # transformer/moe/moe_utils.py binds transformer-engine's
+    if blocker is not None:
+        return f"megatron-core's fused permute is transformer-engine's: {blocker}"
+    if not env.te_permute:
+        return "this transformer-engine has no fused permute (megatron-core asks for transformer-engine >= 2.1)"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionRule:
+    megatron_lm: bool  # Megatron-LM's default (its flags; TransformerConfig's own default is off for all)
+    flag: str  # Megatron-LM's flag that changes it
+    blocker: Blocker
+
+
+FUSION_RULES: dict[Fusion, FusionRule] = {
+    Fusion.BIAS_ACTIVATION: FusionRule(True, "--no-bias-swiglu-fusion", _jit),
+    Fusion.MASKED_SOFTMAX: FusionRule(True, "--no-masked-softmax-fusion", _softmax),
+    Fusion.PERSIST_LAYER_NORM: FusionRule(True, "--no-persist-layer-norm", _persist),
+    Fusion.GRADIENT_ACCUMULATION: FusionRule(True, "--no-gradient-accumulation-fusion", _wgrad),
+    Fusion.APPLY_ROPE: FusionRule(True, "--no-rope-fusion", _rope),
+    Fusion.BIAS_DROPOUT: FusionRule(True, "--no-bias-dropout-fusion", _jit),
+    Fusion.MOE_PERMUTE: FusionRule(False, "--moe-permute-fusion", _permute),
+    Fusion.CROSS_ENTROPY_LOSS: FusionRule(False, "--cross-entropy-loss-fusion", _jit),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FusionChoice:
+    """Which fusions a rank runs (`on`), and why each asked-for one it does not run is off (`off`)."""
+
+    on: Mapping[Fusion, bool]
+    off: Mapping[Fusion, str] = dataclasses.field(default_factory=dict)
+
+    def config_kwargs(self) -> dict[str, bool]:
+        """TransformerConfig's fields."""
+        return {f.value: bool(self.on[f]) for f in Fusion}
+
+    def lines(self) -> list[str]:
+        """One line per fusion asked for and turned off here: its field and the reason."""
+        return [f"{f.value} off: {why}" for f, why in self.off.items()]
+
+
+NO_FUSIONS = FusionChoice({f: False for f in Fusion})
+
+
+def choose_fusions(env: RankEnv, kernels: str, role: Role | None = None, normalization: str = "RMSNorm",
+                   requested: Mapping[Fusion, bool] | None = None) -> FusionChoice:
+    """The fusions of a rank (`env`) running `kernels` in `role`: each asked for (`requested`,
+    default Megatron-LM's defaults, FusionRule.megatron_lm) stays on unless its rule says this rank
+    cannot run it; CPU ranks run none. Per rank: a fusion changes no parameter layout."""
+    asked = {f: r.megatron_lm for f, r in FUSION_RULES.items()}
+    asked.update(requested or {})
+    on, off = {}, {}
+    for f, rule in FUSION_RULES.items():
+        why = (_CPU if not env.cuda else rule.blocker(env, kernels, role, normalization)) if asked[f] else None
+        on[f] = bool(asked[f]) and why is None
+        if why is not None:
+            off[f] = why
+    return FusionChoice(on, off)
 
 
 def config_kernels(config) -> str:
@@ -172,10 +475,12 @@ def precision_dtype(precision: str) -> torch.dtype:
 
 
 def transformer_config(model: ModelConfig, par: ParallelConfig, precision: str = "fp32", kernels: str = "local",
-                       **overrides):
+                       fusions: FusionChoice | None = None, **overrides):
     """megatron-core's TransformerConfig of `model`; `precision` sets bf16/fp16 and
     params_dtype as Megatron-LM's --bf16/--fp16 do; `kernels` (KERNELS, choose_kernels) sets
-    transformer_impl and moe_grouped_gemm as Megatron-LM's flags do."""
+    transformer_impl and moe_grouped_gemm as Megatron-LM's flags do; `fusions` (choose_fusions'
+    for the rank) sets Megatron's fusion fields; default: every fusion off, a CPU rank's choice
+    (and all that megatron-core's own config checks, run before launch, need)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     if kernels not in KERNELS:
@@ -210,18 +515,11 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, precision: str =
         expert_tensor_parallel_size=1,  # experts are never tensor-parallel here (tp_shards.py)
         pipeline_model_parallel_size=par.pp,
         expert_model_parallel_size=par.ep,
-        bias_activation_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        bias_dropout_fusion=False,
-        moe_permute_fusion=False,
-        cross_entropy_loss_fusion=False,
-        transformer_impl="transformer_engine" if kernels in ("te", "te_sequential") else "local",
+        **(fusions or NO_FUSIONS).config_kwargs(),
+        transformer_impl="transformer_engine" if kernels in TE_KERNELS else "local",
         moe_grouped_gemm=kernels in ("te", "grouped"),
     )
-    if kernels in ("te", "te_sequential") and overrides.get("deterministic_mode"):
+    if kernels in TE_KERNELS and overrides.get("deterministic_mode"):
         # megatron-core refuses TE's attention in deterministic mode unless this is 0 (Megatron-LM's advice).
         os.environ.setdefault("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0")
     # megatron-core's default CUDA-graph scope "full" (cuda_graph_scope in 0.16-0.18,
@@ -267,6 +565,34 @@ def layer_spec(model: ModelConfig, kernels: str = "local"):
     return spec
 
 
+def block_spec(model: ModelConfig, kernels: str, config, pp_rank: int = 0, device=None):
+    """The decoder block spec of pipeline stage `pp_rank`: `layer_spec(model, kernels)` for each
+    layer the stage builds (megatron-core's get_num_layers_to_build, as TransformerBlock counts
+    them) and a final norm of the same kernels: TENorm with TE, else the local spec's own norm.
+    Given a layer spec alone, TransformerBlock takes its final norm from what imports (TENorm
+    whenever transformer-engine imports, even on a V100 or with the local spec; else apex's
+    FusedLayerNorm, which refuses RMSNorm). `device`: the rank's, which needs the norm patch on the
+    local spec (parallel/cpu_backend.py apply_for_spec)."""
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    from megatron_hetermoe.parallel import cpu_backend
+
+    spec = layer_spec(model, kernels)
+    if device is not None:
+        cpu_backend.apply_for_spec(device, "transformer_engine" if kernels in TE_KERNELS else "local")
+    if kernels in TE_KERNELS:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        norm = TENorm
+    else:
+        norm = spec.submodules.input_layernorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, pp_rank=pp_rank),
+                                      layer_norm=norm)
+
+
 def gpt_kwargs(model: ModelConfig) -> dict:
     """GPTModel's arguments beyond config, spec and groups for `model` (a Mixtral-style model:
     untied embeddings, RoPE)."""
@@ -275,17 +601,23 @@ def gpt_kwargs(model: ModelConfig) -> dict:
 
 
 def build_gpt(model: ModelConfig, config, spec=None, pre_process: bool = True, post_process: bool = True,
-              pg_collection=None, pp_rank: int | None = None):
-    """One pipeline stage of the GPT model (all of it when PP=1); without `spec`, the layer spec
-    of the kernels `config` was made for (transformer_config's `kernels`)."""
+              pg_collection=None, pp_rank: int | None = None, device=None):
+    """One pipeline stage of the GPT model (all of it when PP=1); without `spec`, the block spec
+    of the kernels `config` was made for (transformer_config's `kernels`) for its stage: `pp_rank`,
+    default the rank in the pipeline group GPTModel's TransformerBlock reads (pg_collection's, or
+    megatron-core's global one); `device`: block_spec's."""
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.utils import get_pg_rank
 
     kw = {} if pg_collection is None else {"pg_collection": pg_collection}
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=spec if spec is not None else layer_spec(model, config_kernels(config)),
-        pre_process=pre_process, post_process=post_process, **gpt_kwargs(model), **kw,
-    )
+    if spec is None:
+        if pp_rank is None:
+            pgc = pg_collection if pg_collection is not None else ProcessGroupCollection.use_mpu_process_groups()
+            pp_rank = get_pg_rank(getattr(pgc, "pp", None))
+        spec = block_spec(model, config_kernels(config), config, pp_rank, device)
+    return GPTModel(config=config, transformer_layer_spec=spec, pre_process=pre_process, post_process=post_process,
+                    **gpt_kwargs(model), **kw)
 
 
 def wrap_precision(config, module: torch.nn.Module) -> torch.nn.Module:

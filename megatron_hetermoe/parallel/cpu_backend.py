@@ -4,6 +4,9 @@ megatron-core assumes CUDA in a handful of places. Each assumption is bridged by
 patch below; `apply()` installs the ones the installed megatron-core needs (`patches_for`,
 `NEEDED_IN`) once and is a no-op when CUDA is available, so the same code runs unchanged on GPU
 ranks; `apply(force=True)` makes a CPU rank even on a GPU host (the fork launcher's children).
+One patch is not about CPUs: torch_norm_sequence_parallel is what megatron-core's local spec
+needs under sequence parallelism on any device, and `apply_for_spec` installs it on CUDA ranks
+that build that spec (`torch_norm_patch_applies` decides).
 Each patch has a canary test (tests/parallel/test_cpu_backend.py) that shows the original failure
 with the patch off, so an upstream fix is noticed; a patch that a release no longer needs has a
 canary showing the fix (compat.py records which release changed what).
@@ -293,6 +296,32 @@ def apply(skip: tuple[str, ...] = (), force: bool = False) -> list[str]:
         _applied.add(name)
         done.append(name)
     return done
+
+
+# --- the torch-norm patch on every device ----------------------------------------------------
+_NORM_PATCH = "torch_norm_sequence_parallel"
+
+
+def torch_norm_patch_applies(device, transformer_impl: str) -> bool:
+    """Whether a rank on `device` whose layers come from Megatron's `transformer_impl` spec needs
+    torch_norm_sequence_parallel: every CPU rank (apply() installs it with the other CPU patches),
+    and a CUDA rank on megatron-core's local spec, whose RMSNorm is torch's WrappedTorchNorm
+    whatever imports (its LayerNorm too without apex): that norm asserts sequence parallelism off,
+    so TP > 1 without transformer-engine could not build on GPUs either. A transformer_engine
+    rank builds TE's norms, which take sequence parallelism themselves."""
+    return torch.device(device).type != "cuda" or transformer_impl != "transformer_engine"
+
+
+def apply_for_spec(device, transformer_impl: str) -> bool:
+    """Install torch_norm_sequence_parallel where torch_norm_patch_applies, CUDA ranks included
+    (where apply() installs nothing), unless $HETERMOE_CPU_PATCHES_SKIP names it or the installed
+    megatron-core does not need it (patches_for). Returns whether it is in place."""
+    skip = os.environ.get("HETERMOE_CPU_PATCHES_SKIP", "").split(",")
+    if torch_norm_patch_applies(device, transformer_impl) and _NORM_PATCH not in skip and \
+            _NORM_PATCH in patches_for() and _NORM_PATCH not in _applied:
+        PATCHES[_NORM_PATCH]()
+        _applied.add(_NORM_PATCH)
+    return _NORM_PATCH in _applied
 
 
 def preload() -> None:

@@ -89,9 +89,10 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("kernels (Megatron-LM flags; default: chosen for the ranks' device)")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
                    help="Megatron-LM's layer spec: transformer_engine (TE layers; needs transformer-engine and CUDA "
-                        "ranks) or local (megatron-core's own). Default: chosen automatically (unlike Megatron-LM, "
-                        "whose default is transformer_engine): TE when it imports on CUDA ranks, else local; the "
-                        "choice is printed (kernels: ...)")
+                        "ranks of compute capability 8.0+ (Ampere or newer), on every rank) or local (megatron-core's "
+                        "own). Default: chosen automatically (unlike Megatron-LM, whose default is "
+                        "transformer_engine) per pool (attention ranks, expert ranks): TE where it runs on every GPU "
+                        "of the pool, else local; the choice is printed (kernels: ...)")
     g.add_argument("--moe-grouped-gemm", action="store_true", default=None,
                    help="Megatron-LM's grouped GEMM for experts: TEGroupedMLP with transformer_engine, the legacy "
                         "GroupedMLP (grouped_gemm package, CUDA, --bf16) with local (default: with TE when chosen "
@@ -209,19 +210,23 @@ def run(cfg: TrainConfig, nproc: int, timeout_s: float | None = None, plan=None,
 
 
 def check_kernels(p: argparse.ArgumentParser, cfg: TrainConfig, device, pools=None) -> None:
-    """--transformer-impl / --moe-grouped-gemm against what runs on `device` in each pool's
-    precision (`pools`, a config.PoolPrecision: HeterMoE's attention and expert ranks may differ;
-    None: the world's), a clear error naming the pool for a request that cannot run, before any
-    group exists; the first rank prints the kernels each pool will use. The trainers make the
-    same choice (models.builder.choose_kernels) when they build the model."""
-    from megatron_hetermoe.models.builder import KernelError, choose_kernels
+    """--transformer-impl / --moe-grouped-gemm against what runs on this rank's `device` (its GPU's
+    compute capability, what imports there) in each pool's precision (`pools`, a
+    config.PoolPrecision: HeterMoE's attention and expert ranks may differ; None: the world's), a
+    clear error naming the rank, its GPU and the pool for a request that cannot run, before any
+    HeterMoE group exists; the first rank prints the kernels each pool would use on its own GPU.
+    The trainers then choose per pool from every rank's GPU (models.builder.choose_kernels' pool
+    rule), where an older GPU elsewhere in a pool may choose otherwise (printed again on CUDA)."""
+    from megatron_hetermoe.models.builder import KernelError, choose_kernels, probe_rank
 
+    rank = int(os.environ["RANK"]) if "RANK" in os.environ else None
+    env = probe_rank(device, rank)
     per_pool = {"": cfg.precision} if pools is None or not pools.mixed else \
         {"attention ranks": pools.attention, "expert ranks": pools.expert}
     lines = []
     for pool, precision in per_pool.items():
         try:
-            choice = choose_kernels(device, precision, cfg.transformer_impl, cfg.moe_grouped_gemm)
+            choice = choose_kernels(device, precision, cfg.transformer_impl, cfg.moe_grouped_gemm, [env])
         except KernelError as e:
             p.error(f"{pool} ({precision}): {e}" if pool else str(e))
         lines.append(f"{pool} ({precision}): {choice.line()}" if pool else choice.line())

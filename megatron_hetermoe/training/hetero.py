@@ -21,9 +21,13 @@ from megatron_hetermoe.checkpoint.hooks import hetero_checkpointer
 from megatron_hetermoe.config import HeteroRunConfig, ParallelConfig, TrainConfig
 from megatron_hetermoe.data.dataset import make_data
 from megatron_hetermoe.models.builder import (
+    KernelChoice,
+    RankEnv,
+    block_spec,
+    choose_fusions,
     choose_kernels,
+    gather_rank_envs,
     gpt_kwargs,
-    layer_spec,
     precision_dtype,
     transformer_config,
     wrap_precision,
@@ -141,14 +145,18 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
               f"{pools.wire}, one {scale} loss scale", flush=True)
     if precision == "bf16":
         check_native_bf16(hs.device)
+    envs = gather_rank_envs(hs.device, hs.world_group)
+    kernels = pool_kernels(cfg, plan, pools, envs, quiet=cfg.quiet)[hs.role]
+    fusions = choose_fusions(envs[hs.rank], kernels.name, hs.role)
     with megatron_globals(hs, cfg.seed):
         torch.manual_seed(cfg.seed)
         pgc = hs.pg_collection()
-        kernels = choose_kernels(hs.device, precision, cfg.transformer_impl, cfg.moe_grouped_gemm)
         config = model_config(transformer_config(cfg.model, ParallelConfig(), precision, kernels=kernels.name,
-                                                 deterministic_mode=cfg.deterministic), hs)
-        module, names = assembly.module(config, layer_spec(cfg.model, kernels.name), cfg.seed, gpt_kwargs(cfg.model),
-                                        hooks.init_state)
+                                                 fusions=fusions, deterministic_mode=cfg.deterministic), hs)
+        from megatron.core.utils import get_pg_rank
+
+        spec = block_spec(cfg.model, kernels.name, config, get_pg_rank(pgc.pp), hs.device)
+        module, names = assembly.module(config, spec, cfg.seed, gpt_kwargs(cfg.model), hooks.init_state)
         module.to(hs.device)  # built and initialized on the CPU (use_cpu_initialization)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=cfg.use_distributed_optimizer)
@@ -201,6 +209,22 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
             executed=[(list(a), {k: list(v) for k, v in b.items()}) for a, b, _ in executed],
             peak_activation_mib=max((m for _, _, m in executed if m is not None), default=0) / 2**20,
             peak_rss_mib=peak)
+
+
+def pool_kernels(cfg: TrainConfig, plan: HeteroPlan, pools, envs: list[RankEnv],
+                 quiet: bool = True) -> dict[str, KernelChoice]:
+    """Each pool's kernels (models.builder.choose_kernels' pool rule: the attention ranks and the
+    expert ranks each run one choice, in the pool's precision, from every rank's gathered RankEnv).
+    Every rank computes both pools', so a choice that cannot run fails on every rank alike. The
+    first rank prints them on CUDA ranks, where the pool's GPUs may choose otherwise than the
+    check before launch did (CPU ranks: the same choice, already printed)."""
+    out = {role: choose_kernels(envs[ranks[0]].device, pools.of(role), cfg.transformer_impl, cfg.moe_grouped_gemm,
+                                [envs[r] for r in ranks])
+           for role, ranks in (("attention", plan.attention_ranks), ("expert", plan.expert_ranks)) if ranks}
+    if not quiet and dist.get_rank() == 0 and envs[0].cuda:
+        for role, choice in out.items():
+            print(f" {role} ranks: {choice.line()}", flush=True)
+    return out
 
 
 _UNWRAP = re.compile(r"^(?:module\.)+")  # DDP's and Float16Module's prefixes

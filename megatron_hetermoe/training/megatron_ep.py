@@ -16,7 +16,9 @@ from megatron_hetermoe.data.dataset import make_data
 from megatron_hetermoe.models.builder import (
     build_gpt,
     canonical_names,
+    choose_fusions,
     choose_kernels,
+    gather_rank_envs,
     init_layout_invariant,
     transformer_config,
     wrap_precision,
@@ -140,10 +142,15 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
         dp = ps.get_data_parallel_world_size()
         nmb = cfg.num_microbatches(dp)
         mcfg = cfg.model
-        kernels = choose_kernels(device, cfg.precision, cfg.transformer_impl, cfg.moe_grouped_gemm)
-        config = transformer_config(mcfg, par, cfg.precision, kernels=kernels.name, deterministic_mode=cfg.deterministic)
+        # Every rank shares a gradient reduction with every other (DP, EP and their buckets): the
+        # world is one pool (choose_kernels), its oldest GPU decides; fusions are each rank's.
+        envs = gather_rank_envs(device)
+        kernels = choose_kernels(device, cfg.precision, cfg.transformer_impl, cfg.moe_grouped_gemm, envs)
+        fusions = choose_fusions(envs[dist.get_rank()], kernels.name, MEGATRON_ROLE)
+        config = transformer_config(mcfg, par, cfg.precision, kernels=kernels.name, fusions=fusions,
+                                    deterministic_mode=cfg.deterministic)
         module = build_gpt(mcfg, config, pre_process=ps.is_pipeline_first_stage(),
-                           post_process=ps.is_pipeline_last_stage())
+                           post_process=ps.is_pipeline_last_stage(), device=device)
         names = canonical_names(module)
         tp_group = ps.get_tensor_model_parallel_group() if par.tp > 1 else None
         if hooks.init_state is not None:
