@@ -26,6 +26,7 @@ from megatron_hetermoe.checkpoint.format import (
     set_rng_state,
     verify_file,
 )
+from megatron_hetermoe.checkpoint.megatron_optimizer import own_step_tensors
 from megatron_hetermoe.checkpoint.reshard import (
     gather_canonical,
     inject_optimizer_state,
@@ -227,11 +228,7 @@ def load(state: RankState, load_dir: str | os.PathLike, step: int | None = None,
                 for sub, shard in zip(_sub_optimizers(state.optimizer), payload["optimizer_dp_shard"]):
                     with torch.no_grad():  # it copies into main params that require grad
                         sub.load_parameter_state_from_dp_reshardable(_mark_unpadded(shard))
-                    # megatron-core 0.16.1 without apex/TE gives every parameter the *same* 'step'
-                    # tensor on load, which torch's Adam then increments once per parameter.
-                    for st in sub.optimizer.state.values():
-                        if torch.is_tensor(st.get("step")):
-                            st["step"] = st["step"].clone()
+                    own_step_tensors(sub.optimizer)
         else:  # imported from a plain Megatron checkpoint: Adam state by name
             inject_optimizer_state(state, payload["optimizer_canonical"])
         if payload.get("rng_state") is not None:

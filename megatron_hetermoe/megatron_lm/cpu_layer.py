@@ -59,12 +59,59 @@ def _cpu_replacements() -> list:
         (schedules, "deallocate_output_tensor", lambda out, deallocate_pipeline_outputs=False: None),
         (schedules, "custom_backward", lambda output, grad_output: torch.autograd.backward(output, grad_output)),
         *_no_cuda_arch(),
+        *torch_adam_replacements(),
     ]
     try:  # core_v0.16.1 builds its legacy CUDA kernels with nvcc; core_v0.19.0 has none
         import megatron.legacy.fused_kernels as fused_kernels
     except ImportError:
         return out
     return out + [(fused_kernels, "load", lambda args: None)]
+
+
+def torch_adam_replacements() -> list:
+    """megatron-core's DistributedOptimizer on torch's Adam (no apex, no transformer-engine: every
+    CPU rank) cannot be loaded into: its state_dict reads the step from the Adam state, which is
+    empty before the first step (an assertion fails as Megatron-LM builds the state dict to load),
+    its load_state_dict copies into views of parameters requiring grad outside no_grad, and it
+    gives every parameter one shared step tensor, which torch's Adam advances once per parameter
+    each step. None where apex or transformer-engine's Adam is used
+    (Megatron's step is then in the param groups)."""
+    from megatron.core.optimizer import distrib_optimizer
+
+    if distrib_optimizer.HAVE_APEX_OR_TE:
+        return []
+    cls = distrib_optimizer.DistributedOptimizer
+    return [(cls, "state_dict", _wrap(cls.state_dict, _state_dict_from_step_0)),
+            (cls, "load_state_dict", _wrap(cls.load_state_dict, _load_with_own_steps))]
+
+
+def _state_dict_from_step_0(state_dict: Callable, self) -> dict:
+    """Before its first step (a run that loads a checkpoint), torch's Adam is at step 0: its
+    state gets that step for the call (Megatron then allocates the state and loads into it)."""
+    from collections import defaultdict
+
+    inner = self.optimizer
+    params = [p for g in inner.param_groups for p in g["params"]]
+    if not params or any("step" in inner.state.get(p, {}) for p in params):
+        return state_dict(self)
+    state = inner.state
+    inner.state = defaultdict(dict, {p: {"step": torch.tensor(0.0)} for p in params})
+    try:
+        return state_dict(self)
+    finally:
+        inner.state = state
+
+
+def _load_with_own_steps(load_state_dict: Callable, self, state_dict: dict):
+    """Megatron's load, each parameter's state then given its own step tensor; under no_grad, as
+    it copies the loaded values into fp32 main parameters that are views of parameters
+    requiring grad (autograd refuses the in-place copy otherwise)."""
+    from megatron_hetermoe.checkpoint.megatron_optimizer import own_step_tensors
+
+    with torch.no_grad():
+        out = load_state_dict(self, state_dict)
+    own_step_tensors(self.optimizer)
+    return out
 
 
 def _cpu_arch_version() -> int:
