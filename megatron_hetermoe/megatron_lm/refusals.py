@@ -26,9 +26,6 @@ _REFUSED: dict[str, dict[str, tuple]] = {
         "--moe-enable-deepep": _OFF,
         "--moe-apply-probs-on-input": _OFF},
     "zebra is HeterMoE's overlap of expert communication": {"--overlap-moe-expert-parallel-comm": _OFF},
-    "recomputing a whole MoE layer would replay its dispatch collectives, which expert ranks do not mirror "
-    "(--recompute-modules moe is refused alike; zebra recomputes its attention stages with --recompute-granularity "
-    "full)": {"--moe-layer-recompute": _OFF},
     "not computed across HeterMoE's roles (the logging rank may hold experts only)": {
         "--log-max-attention-logit": _OFF, "--qk-clip": _OFF},
     "HeterMoE initializes every parameter by Megatron's init method for it, seeded by its name, so every "

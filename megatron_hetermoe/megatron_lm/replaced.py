@@ -78,27 +78,37 @@ def recompute_choice(args, schedule: str) -> tuple[bool, list[str], list[str]]:
 
     - selective: each module Megatron recomputes inside one rank (attention, norms, the experts'
       activation, shared experts) runs as Megatron runs it, under both schedules; `moe` (the
-      whole MoE layer, its dispatch included) is refused.
+      whole MoE layer, its dispatch included; --moe-layer-recompute) is run without replaying the
+      dispatch: the experts keep their inputs and recompute their forward in backward
+      (models/experts.recomputes_experts), with a note.
     - full: Megatron's TransformerBlock would recompute layers through their dispatch (distep:
       refused). Zebra recomputes each attention stage (one layer's attention and routing, the
       previous layer's combine) in its backward: Megatron's full/uniform recomputation, each
       layer's input kept (--recompute-num-layers 1's memory; larger numbers keep fewer); block with
       fewer layers than the model recomputes only some layers (refused)."""
     granularity = args.recompute_granularity
+    moe_layer = bool(getattr(args, "moe_layer_recompute", False))
+    if moe_layer and granularity is None:  # TransformerConfig makes it selective "moe" (megatron-core 0.16+)
+        granularity = "selective"
+    notes: list[str] = []
     if granularity == "selective":
-        modules = set(args.recompute_modules or ["core_attn"])
-        bad = sorted(modules - _SELECTIVE_LOCAL)
+        modules = set(args.recompute_modules or ([] if moe_layer else ["core_attn"])) | ({"moe"} if moe_layer else set())
+        if "moe" in modules:
+            flag = "--moe-layer-recompute" if moe_layer else "--recompute-modules moe"
+            notes.append(f"{flag}: the experts keep their inputs and recompute their forward in backward (on the "
+                         f"expert ranks and on attention ranks holding experts); the dispatch is not replayed, so "
+                         f"the router's outputs and the tokens that came back from other ranks are kept")
+        bad = sorted(modules - _SELECTIVE_LOCAL - {"moe"})
         if bad:
-            return False, [], [f"--recompute-modules {' '.join(bad)}: recomputing a whole MoE layer would replay "
-                                f"its dispatch collectives, which expert ranks do not mirror; keep "
-                                f"{sorted(_SELECTIVE_LOCAL)}"]
+            return False, [], [f"--recompute-modules {' '.join(bad)}: not a module Megatron recomputes inside one "
+                                f"rank; keep {sorted(_SELECTIVE_LOCAL | {'moe'})}"]
         if schedule == "zebra" and "layernorm" in modules:
             # Megatron registers the pre-MLP norm's recomputation on the MLP's output (_forward_mlp),
             # which zebra's stages do not call; megatron-core 0.16.1's norm recomputation also needs
             # transformer-engine, so it cannot be tried on CPU ranks.
             return False, [], ["--recompute-modules layernorm with the zebra schedule: not supported (zebra splits "
                                "the layer where Megatron registers the norm's recomputation); use distep or drop it"]
-        return False, [], []
+        return False, notes, []
     if granularity != "full":
         return False, [], []
     if schedule != "zebra":

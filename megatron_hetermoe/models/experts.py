@@ -33,6 +33,17 @@ def _chunk_order(n_src: int, n_exp: int, by_expert: bool, device: torch.device |
     return torch.tensor(order, device=device)
 
 
+def recomputes_experts(config, plan) -> bool:
+    """Whether an expert holder keeps only its experts' inputs for backward and re-runs their
+    forward there: the plan's expert_recompute 'keep-inputs', or Megatron's MoE-layer
+    recomputation (--moe-layer-recompute, --recompute-modules moe), of which HeterMoE runs the part
+    that replays no collective: the experts' intermediates are recomputed; the tokens they received
+    came from other ranks and are kept (megatron_lm/replaced.py says so at run start)."""
+    moe = getattr(config, "recompute_granularity", None) == "selective" and "moe" in (
+        getattr(config, "recompute_modules", None) or ())
+    return plan.expert_recompute == "keep-inputs" or moe
+
+
 def run_local_experts(experts, recv: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor | None = None,
                       recompute: bool = False) -> torch.Tensor:
     """counts[src, i]: tokens from member src for the i-th local expert, on the host (the route's);
@@ -197,6 +208,6 @@ class ExpertRuntime(_megatron_module()):
         leaf = route.empty().requires_grad_()
         recv = route.dispatch(leaf)
         out = run_local_experts(self.experts_of(layer), recv, route.local_counts,
-                                recompute=self.hs.plan.expert_recompute == "keep-inputs")
+                                recompute=recomputes_experts(self.config, self.hs.plan))
         # The combined output lands on the attention ranks: nothing comes back here.
         return route.combine(out)

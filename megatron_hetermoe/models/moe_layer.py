@@ -16,7 +16,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 
 from megatron_hetermoe.compat import normalize_layer_spec, set_moe_layer
 from megatron_hetermoe.models.dispatcher import HeteroTokenDispatcher
-from megatron_hetermoe.models.experts import build_experts, run_local_experts
+from megatron_hetermoe.models.experts import build_experts, recomputes_experts, run_local_experts
 from megatron_hetermoe.parallel.state import HeteroParallelState
 
 # TransformerLayer passes pg_collection only to exactly MoELayer and logs "Unknown MLP type"
@@ -45,6 +45,9 @@ class HeteroMoELayer(MoELayer):
         sub.experts = _NoExperts
         super().__init__(config, sub, layer_number=layer_number, pg_collection=pg_collection, **kwargs)
         self._pgc = pg_collection
+        # Megatron's MoE-layer recomputation would checkpoint forward() whole and replay the dispatch,
+        # which the expert ranks do not mirror: the experts recompute instead (recomputes_experts).
+        self.moe_layer_recompute = False
         self.experts = None
         self.token_dispatcher = None  # set once the layer knows its number
 
@@ -81,7 +84,7 @@ class HeteroMoELayer(MoELayer):
         if self.experts is None:
             return hidden_states, None  # nothing lands here: an empty [0, H] passes through
         return run_local_experts(self.experts, hidden_states, counts, permuted_probs,
-                                 recompute=self.hs.plan.expert_recompute == "keep-inputs"), None
+                                 recompute=recomputes_experts(self.config, self.hs.plan)), None
 
     def backward_dw(self, routed_experts: bool = True, shared_experts: bool = False):
         if self.experts is not None and routed_experts:

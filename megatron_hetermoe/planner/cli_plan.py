@@ -290,7 +290,7 @@ def search_settings(args: argparse.Namespace, run: RunFlags | None) -> dict:
     """search()'s keyword arguments (and "notes") from hetermoe plan's flags and the run's: without
     the run's flags the paper's program (activation recompute); with them, the run's recomputation
     (full: zebra's per-stage recompute, the pick zebra, which is what the runtime runs with it;
-    selective modules; --moe-layer-recompute: expert ranks keep nothing, 'resend-inputs'), its
+    selective modules; --moe-layer-recompute: the experts keep their inputs, 'keep-inputs'), its
     --use-distributed-optimizer, and the layout values the run's flags give (TP, PP, micro batch)
     fix what the search tries; values the flags leave to Megatron's defaults stay the search's."""
     tp = None if args.attention_tp is None else (args.attention_tp,)
@@ -316,13 +316,12 @@ def search_settings(args: argparse.Namespace, run: RunFlags | None) -> dict:
             raise ValueError(f"{flag} {v[0]}: the search tries {list(ok)}")
     rec = run.recompute
     if rec.moe_layer:
-        if args.expert_recompute not in ("auto", "resend-inputs"):
-            raise ValueError(f"--expert-recompute {args.expert_recompute} and the run's --moe-layer-recompute (its "
-                             f"MoE layers recomputed whole: expert ranks keep nothing, 'resend-inputs') disagree; "
-                             f"drop one")
-        kw["expert_recompute"] = "resend-inputs"
-        kw["notes"].append("--moe-layer-recompute: priced as expert recompute 'resend-inputs' (expert ranks keep "
-                           "nothing; the tokens go again with the gradient); the runtime refuses both for now")
+        if args.expert_recompute not in ("auto", "keep-inputs"):
+            raise ValueError(f"--expert-recompute {args.expert_recompute} and the run's MoE-layer recomputation (the "
+                             f"runtime's experts keep their inputs and recompute: 'keep-inputs') disagree; drop one")
+        kw["expert_recompute"] = "keep-inputs"
+        kw["notes"].append("MoE-layer recomputation: priced as expert recompute 'keep-inputs', what the runtime runs "
+                           "(the experts keep their inputs and recompute their forward; the dispatch is not replayed)")
     kw.update(attention_tp=tp, pipeline_stages=pp, activation_checkpointing=rec.full,
               recompute_modules=frozenset(rec.selective) & frozenset(SELECTIVE_PRICED),
               distributed_optimizer=args.distributed_optimizer or run.distributed_optimizer,

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megatron_hetermoe.config import HeteroRunConfig
 from megatron_hetermoe.models.dispatcher import DispatchMeta
-from megatron_hetermoe.models.experts import run_local_experts
+from megatron_hetermoe.models.experts import recomputes_experts, run_local_experts
 from megatron_hetermoe.models.stages import AttentionStages, StageContext
 from megatron_hetermoe.parallel import cpu_backend
 from megatron_hetermoe.parallel.comm import Move, TokenRoute
@@ -112,15 +112,18 @@ class Slot:
 class ZebraRank:
     """The state and transfers of one rank's step; AttentionZebra and ExpertZebra add compute."""
 
-    def __init__(self, hs: HeteroParallelState, hidden_size: int, dtype: torch.dtype, run: HeteroRunConfig,
-                 recorder: TimelineRecorder | None, experts_of_layer: Callable[[int], torch.nn.Module | None],
-                 task_timing: TaskTiming | None = None, schedule: str = "zebra"):
-        """`run`: recompute and zebra_issuer are read; `task_timing`: emulated task times
+    def __init__(self, hs: HeteroParallelState, config, hidden_size: int, dtype: torch.dtype,
+                 run: HeteroRunConfig, recorder: TimelineRecorder | None,
+                 experts_of_layer: Callable[[int], torch.nn.Module | None], task_timing: TaskTiming | None = None,
+                 schedule: str = "zebra"):
+        """`config`: the rank's TransformerConfig (its recomputation flags: recomputes_experts);
+        `run`: recompute and zebra_issuer are read; `task_timing`: emulated task times
         (schedules/timing.py), else tasks take as long as they run; `schedule`: whose task lists
         the steps run (the single issuer's sequences are made from them). One object serves every
         step of a run (schedules/select.py); its executor keeps the threaded executor's stream
         workers between steps until `close()`."""
         self.hs, self.H, self.dtype, self.recompute = hs, hidden_size, dtype, run.recompute
+        self.config = config
         self.task_timing, self.schedule = task_timing, schedule
         self.experts_of_layer = experts_of_layer
         self.is_attention = hs.role == "attention"
@@ -286,7 +289,7 @@ class ZebraRank:
         st.expert_in = st.route.arrived(st.recv_tokens).detach().requires_grad_()
         self._consumed(st, "recv_tokens")
         st.expert_out = run_local_experts(self.experts_of_layer(l), st.expert_in, st.route.local_counts,
-                                          recompute=self.hs.plan.expert_recompute == "keep-inputs")
+                                          recompute=recomputes_experts(self.config, self.hs.plan))
 
     def expert_backward(self, l: int, j: int) -> None:
         st = self.slot(l, j)
@@ -314,7 +317,7 @@ class AttentionZebra(ZebraRank):
                  task_timing: TaskTiming | None = None, schedule: str = "zebra"):
         self.stages = AttentionStages(gpt)
         c = gpt.config
-        super().__init__(hs, c.hidden_size, c.params_dtype, run, recorder,
+        super().__init__(hs, c, c.hidden_size, c.params_dtype, run, recorder,
                          lambda l: self.stages.layers[l].mlp.experts, task_timing, schedule)
         self._pipeline_ready = False  # the pipeline group's communicator made by all its members
 
@@ -616,7 +619,7 @@ class ExpertZebra(ZebraRank):
 
     def __init__(self, runtime, hs: HeteroParallelState, run: HeteroRunConfig, recorder: TimelineRecorder | None,
                  task_timing: TaskTiming | None = None, schedule: str = "zebra"):
-        super().__init__(hs, runtime.config.hidden_size, runtime.config.params_dtype, run, recorder,
+        super().__init__(hs, runtime.config, runtime.config.hidden_size, runtime.config.params_dtype, run, recorder,
                          lambda l: runtime.experts_of(self.layer_ids[l]), task_timing, schedule)
 
     def run(self, tasks: list[Task]) -> None:

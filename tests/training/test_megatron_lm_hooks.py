@@ -51,7 +51,7 @@ def test_megatron_defaults_are_not_refused():
     ({"decoder_first_pipeline_num_layers": 1}, "--decoder-first-pipeline-num-layers 1: the plan's pipeline stages "
                                                "(and virtual stages) split the decoder layers evenly"),
     ({"num_experts": None}, "--num-experts: HeterMoE trains MoE models; give --num-experts"),
-    ({"moe_layer_recompute": True}, "--moe-layer-recompute True: recomputing a whole MoE layer would replay"),
+    ({"use_torch_fsdp2": True}, "--use-torch-fsdp2 True: not supported with HeterMoE"),
     ({"ckpt_format": "torch"}, "--ckpt-format 'torch': HeterMoE checkpoints inside pretrain() are Megatron's torch_dist"),
     ({"moe_enable_deepep": True}, "--moe-enable-deepep True: HeterMoE's dispatcher replaces"),
     ({"data_parallel_random_init": True}, "--data-parallel-random-init True: HeterMoE initializes every parameter"),
@@ -200,10 +200,14 @@ def test_recomputation_choice():
         assert choice(schedule, recompute_granularity="selective") == (False, [], [])  # core_attn
         assert choice(schedule, recompute_granularity="selective",
                       recompute_modules=["core_attn", "moe_act", "shared_experts"]) == (False, [], [])
-        _, _, bad = choice(schedule, recompute_granularity="selective", recompute_modules=["core_attn", "moe"])
-        assert bad == ["--recompute-modules moe: recomputing a whole MoE layer would replay its dispatch collectives, "
-                       "which expert ranks do not mirror; keep ['core_attn', 'layernorm', 'mla_up_proj', 'mlp', "
-                       "'moe_act', 'shared_experts']"]
+        # the MoE layer: its experts recompute, the dispatch is not replayed (a note says so)
+        on, notes, bad = choice(schedule, recompute_granularity="selective", recompute_modules=["core_attn", "moe"])
+        assert not on and not bad and notes[0].startswith("--recompute-modules moe: the experts keep their inputs")
+        on, notes, bad = choice(schedule, moe_layer_recompute=True)  # Megatron's deprecated flag, the same
+        assert not on and not bad and notes[0].startswith("--moe-layer-recompute: the experts keep their inputs")
+        _, _, bad = choice(schedule, recompute_granularity="selective", recompute_modules=["core_attn", "attn"])
+        assert bad == ["--recompute-modules attn: not a module Megatron recomputes inside one rank; keep "
+                       "['core_attn', 'layernorm', 'mla_up_proj', 'mlp', 'moe', 'moe_act', 'shared_experts']"]
     assert choice("distep", recompute_granularity="selective", recompute_modules=["layernorm"]) == (False, [], [])
     _, _, bad = choice("zebra", recompute_granularity="selective", recompute_modules=["layernorm"])
     assert bad[0].startswith("--recompute-modules layernorm with the zebra schedule: not supported")

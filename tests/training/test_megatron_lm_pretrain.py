@@ -94,11 +94,11 @@ def test_megatron_lm_flags_it_cannot_honour_are_refused_by_name(mlm, tmp_path):
     plan = tmp_path / "plan.json"
     even_plan(2, 4, 1, 1, num_microbatches=4).save(plan)
     r = torchrun(mlm, 1, [*MODEL, *BATCH, *CPU, "--mock-data", "--vocab-size", "256", "--tokenizer-type",
-                           "NullTokenizer", "--moe-layer-recompute", "--moe-apply-probs-on-input",
+                           "NullTokenizer", "--data-parallel-random-init", "--moe-apply-probs-on-input",
                            "--moe-router-topk", "1", "--hetero-plan", str(plan)], timeout=300)
     log = r.stdout + r.stderr
     assert r.returncode != 0
-    assert "--moe-layer-recompute True: recomputing a whole MoE layer would replay" in log, log[-3000:]
+    assert "--data-parallel-random-init True: HeterMoE initializes every parameter" in log, log[-3000:]
     assert "--moe-apply-probs-on-input True: HeterMoE's dispatcher replaces Megatron's" in log
 
 
@@ -118,6 +118,22 @@ def test_megatron_lm_pretrain_runs_a_keep_inputs_plan_with_the_same_losses(mlm, 
         _, losses[mode] = hetero_run(mlm, plan, data, tmp_path / f"tb-{mode}", evaluation=EVAL_OFF)
     assert sorted(losses["off"]) == [1, 2, 3]
     assert losses["keep-inputs"] == losses["off"]  # measured: bitwise
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zebra", "distep"])
+def test_megatron_lm_moe_layer_recompute_recomputes_the_experts_with_the_same_losses(mlm, data, tmp_path, schedule):
+    """Megatron's --moe-layer-recompute (the DeepSeek-R1, Kimi-K2 and Qwen3-235B confs pass it) on the
+    Asym-EA plan: accepted with its note, the experts (expert ranks' and the attention ranks') keep
+    their inputs and recompute their forward in backward (models/experts.recomputes_experts), the
+    dispatch is not replayed; the losses are bitwise the run's without it."""
+    plan = _asym_plan(tmp_path / "plan.json")
+    sched = ["--hetero-schedule", schedule]
+    _, plain = hetero_run(mlm, plan, data, tmp_path / "tb-plain", extra=sched, evaluation=EVAL_OFF)
+    log, rec = hetero_run(mlm, plan, data, tmp_path / "tb-rec", extra=[*sched, "--moe-layer-recompute"],
+                          evaluation=EVAL_OFF)
+    assert "--moe-layer-recompute: the experts keep their inputs and recompute their forward" in log
+    assert sorted(plain) == [1, 2, 3] and rec == plain
 
 
 EVAL_OFF = ["--eval-interval", "100", "--eval-iters", "0"]

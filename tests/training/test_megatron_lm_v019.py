@@ -191,11 +191,11 @@ def test_core_v019_refuses_by_name(mlm19, tmp_path):
     plan = tmp_path / "plan.json"
     even_plan(2, 4, 1, 1, num_microbatches=4).save(plan)
     r = torchrun(mlm19, 1, [*MODEL, *BATCH, *CPU, "--mock-data", "--vocab-size", "257", "--tokenizer-type",
-                             "NullTokenizer", "--moe-layer-recompute", "--moe-apply-probs-on-input",
+                             "NullTokenizer", "--data-parallel-random-init", "--moe-apply-probs-on-input",
                              "--moe-router-topk", "1", "--hetero-plan", str(plan)], timeout=300)
     log = r.stdout + r.stderr
     assert r.returncode != 0
-    assert "--moe-layer-recompute True: recomputing a whole MoE layer would replay" in log, log[-3000:]
+    assert "--data-parallel-random-init True: HeterMoE initializes every parameter" in log, log[-3000:]
     assert "--moe-apply-probs-on-input True: HeterMoE's dispatcher replaces Megatron's" in log
 
 
