@@ -118,6 +118,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
+    from megatron.core.utils import get_pg_rank
 
     from megatron_hetermoe.training.step import build_optimizer
     from megatron_hetermoe.training.validation import check_hetero
@@ -153,8 +154,6 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         pgc = hs.pg_collection()
         config = model_config(transformer_config(cfg.model, ParallelConfig(), precision, kernels=kernels.name,
                                                  fusions=fusions, deterministic_mode=cfg.deterministic), hs)
-        from megatron.core.utils import get_pg_rank
-
         spec = block_spec(cfg.model, kernels.name, config, get_pg_rank(pgc.pp), hs.device)
         module, names = assembly.module(config, spec, cfg.seed, gpt_kwargs(cfg.model), hooks.init_state)
         module.to(hs.device)  # built and initialized on the CPU (use_cpu_initialization)
