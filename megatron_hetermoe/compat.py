@@ -60,6 +60,13 @@ What changed, and what the plugin does about it
    machine without a GPU (what the registry gives for 0.17+), failures read differently from the
    CPU build's "Torch not compiled with CUDA enabled": "CUDA driver version is insufficient" at
    the first CUDA call, "Cannot re-initialize CUDA in forked subprocess" in a forked rank.
+   Multi-latent attention on the local spec (every CPU rank; CUDA ranks without transformer-engine):
+   MLASelfAttention builds its core with k_channels/v_channels, which the local spec's
+   DotProductAttention does not take in any tag (0.16.1, 0.17.0, 0.17.1, 0.18.0, 0.18.2, 0.19.0 and
+   main d98e8a6 read: the file is unchanged), so cpu_backend's core_attention_kv_channels is needed on
+   every release; 0.16.1's multi_latent_attention also sets HAVE_TE when transformer-engine is missing
+   (the extension's names import as MagicMock stand-ins), so isinstance(linear_proj, TELinear) fails:
+   0.17.0 imports HAVE_TE from the extension (mla_have_te: 0.16.x only).
 6. ProcessGroupCollection (0.19) gains optional fields (gtp_remat, expt_gtp_remat, dp_cp_ag,
    expt_dp_ag, dp_cp_gtp_remat, expt_dp_gtp_remat, tp_ep_pp_with_egtp_remat). All are read with
    fallbacks (tp_ep_pp_with_egtp_remat -> tp_ep_pp; gtp_remat groups -> None, inactive), so the

@@ -4,9 +4,10 @@ megatron-core assumes CUDA in a handful of places. Each assumption is bridged by
 patch below; `apply()` installs the ones the installed megatron-core needs (`patches_for`,
 `NEEDED_IN`) once and is a no-op when CUDA is available, so the same code runs unchanged on GPU
 ranks; `apply(force=True)` makes a CPU rank even on a GPU host (the fork launcher's children).
-One patch is not about CPUs: torch_norm_sequence_parallel is what megatron-core's local spec
-needs under sequence parallelism on any device, and `apply_for_spec` installs it on CUDA ranks
-that build that spec (`torch_norm_patch_applies` decides).
+Three patches are not about CPUs but about megatron-core's local spec on any device
+(LOCAL_SPEC_PATCHES: torch norms under sequence parallelism, multi-latent attention's core and its
+transformer-engine check); `apply_for_spec` installs them on CUDA ranks that build that spec
+(`torch_norm_patch_applies` decides).
 Each patch has a canary test (tests/parallel/test_cpu_backend.py) that shows the original failure
 with the patch off, so an upstream fix is noticed; a patch that a release no longer needs has a
 canary showing the fix (compat.py records which release changed what).
@@ -235,6 +236,67 @@ def patch_torch_norm_sequence_parallel() -> None:
     torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
 
 
+# --- 8. separate key and value head widths in the local attention core ---------------------
+def patch_core_attention_kv_channels() -> None:
+    """Let megatron-core's DotProductAttention (the local spec's attention core) take `k_channels`
+    and `v_channels`, the per-head widths of queries/keys and of values, as transformer-engine's
+    core takes them. Without the two keywords it is megatron-core's class unchanged.
+
+    Why: multi-latent attention builds its core with k_channels = qk_head_dim +
+    qk_pos_emb_head_dim and v_channels = v_head_dim (every release 0.16.1 .. 0.19 and main), which
+    only TEDotProductAttention takes: "DotProductAttention.__init__() got an unexpected keyword
+    argument 'k_channels'", so MLA cannot build on the local spec (every CPU rank). The core's
+    forward reads the head widths from its inputs but for its output's width,
+    hidden_size_per_partition (kv_channels x heads / TP): the values' heads set it here. Scores
+    are scaled by the softmax_scale MLA passes (yarn's mscale^2 / sqrt(q head dim)); without one,
+    by 1 / sqrt(k_channels), as transformer-engine's core (then / layer number where
+    apply_query_key_layer_scaling, in megatron-core's own __init__).
+    """
+    import functools
+    import math
+
+    from megatron.core.transformer import dot_product_attention
+
+    cls = dot_product_attention.DotProductAttention
+    orig = cls.__init__
+    if getattr(orig, "_hetermoe_kv", False):
+        return
+
+    @functools.wraps(orig)
+    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
+        if k_channels is None and v_channels is None:
+            return orig(self, *args, **kwargs)
+        # softmax_scale is the 6th parameter (config, layer_number, attn_mask_type,
+        # attention_type, attention_dropout, softmax_scale, ...) in every release
+        if len(args) < 6 and kwargs.get("softmax_scale") is None and k_channels is not None:
+            kwargs["softmax_scale"] = 1.0 / math.sqrt(k_channels)
+        orig(self, *args, **kwargs)
+        if k_channels is not None:
+            self.hidden_size_per_attention_head = k_channels
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
+
+    __init__._hetermoe_kv = True
+    cls.__init__ = __init__
+
+
+# --- 9. MLA's transformer-engine check without transformer-engine ---------------------------
+def patch_mla_have_te() -> None:
+    """Make multi_latent_attention.HAVE_TE say whether transformer-engine is there
+    (megatron.core.extensions.transformer_engine.HAVE_TE), as megatron-core 0.17+ read it.
+
+    Why: 0.16.1's multi_latent_attention sets HAVE_TE when it can import the extension's TELinear,
+    which imports without transformer-engine too (as a MagicMock stand-in), so every MLA layer's
+    __init__ calls isinstance(linear_proj, TELinear) and fails: "isinstance() arg 2 must be a
+    type, a tuple of types, or a union". With HAVE_TE False that fp8/fp4 branch is skipped, as
+    on a GPU without transformer-engine it should be.
+    """
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+
+    multi_latent_attention.HAVE_TE = transformer_engine.HAVE_TE
+
+
 PATCHES: dict[str, Callable[[], None]] = {
     "cuda_streams": patch_cuda_streams,
     "current_device": patch_current_device,
@@ -242,6 +304,8 @@ PATCHES: dict[str, Callable[[], None]] = {
     "split_sizes_to_cpu": patch_split_sizes_to_cpu,
     "cuda_device_literals": patch_cuda_device_literals,
     "torch_norm_sequence_parallel": patch_torch_norm_sequence_parallel,
+    "core_attention_kv_channels": patch_core_attention_kv_channels,
+    "mla_have_te": patch_mla_have_te,
 }
 
 
@@ -255,6 +319,8 @@ NEEDED_IN: dict[str, tuple[tuple[int, int, int], tuple[int, int, int] | None]] =
     "split_sizes_to_cpu": _ALWAYS,
     "cuda_device_literals": _ALWAYS,
     "torch_norm_sequence_parallel": _ALWAYS,
+    "core_attention_kv_channels": _ALWAYS,  # read in every tag 0.16.1 .. 0.19.0 and main d98e8a6
+    "mla_have_te": ((0, 16, 1), (0, 17, 0)),  # 0.17.0 imports HAVE_TE from the extension
 }
 
 
@@ -298,8 +364,11 @@ def apply(skip: tuple[str, ...] = (), force: bool = False) -> list[str]:
     return done
 
 
-# --- the torch-norm patch on every device ----------------------------------------------------
+# --- the local spec's patches on every device -----------------------------------------------
 _NORM_PATCH = "torch_norm_sequence_parallel"
+# What megatron-core's local spec needs on any device, not only on CPU ranks: its torch norms
+# under sequence parallelism, and multi-latent attention's core and transformer-engine check.
+LOCAL_SPEC_PATCHES = (_NORM_PATCH, "core_attention_kv_channels", "mla_have_te")
 
 
 def torch_norm_patch_applies(device, transformer_impl: str) -> bool:
@@ -308,19 +377,24 @@ def torch_norm_patch_applies(device, transformer_impl: str) -> bool:
     and a CUDA rank on megatron-core's local spec, whose RMSNorm is torch's WrappedTorchNorm
     whatever imports (its LayerNorm too without apex): that norm asserts sequence parallelism off,
     so TP > 1 without transformer-engine could not build on GPUs either. A transformer_engine
-    rank builds TE's norms, which take sequence parallelism themselves."""
+    rank builds TE's norms, which take sequence parallelism themselves. The same ranks need the
+    other LOCAL_SPEC_PATCHES: the local spec's MLA core is DotProductAttention (TE's takes k/v
+    widths itself)."""
     return torch.device(device).type != "cuda" or transformer_impl != "transformer_engine"
 
 
 def apply_for_spec(device, transformer_impl: str) -> bool:
-    """Install torch_norm_sequence_parallel where torch_norm_patch_applies, CUDA ranks included
-    (where apply() installs nothing), unless $HETERMOE_CPU_PATCHES_SKIP names it or the installed
-    megatron-core does not need it (patches_for). Returns whether it is in place."""
+    """Install LOCAL_SPEC_PATCHES where torch_norm_patch_applies, CUDA ranks included (where
+    apply() installs nothing), each unless $HETERMOE_CPU_PATCHES_SKIP names it or the installed
+    megatron-core does not need it (patches_for). Returns whether torch_norm_sequence_parallel is
+    in place."""
     skip = os.environ.get("HETERMOE_CPU_PATCHES_SKIP", "").split(",")
-    if torch_norm_patch_applies(device, transformer_impl) and _NORM_PATCH not in skip and \
-            _NORM_PATCH in patches_for() and _NORM_PATCH not in _applied:
-        PATCHES[_NORM_PATCH]()
-        _applied.add(_NORM_PATCH)
+    if torch_norm_patch_applies(device, transformer_impl):
+        needed = patches_for()
+        for name in LOCAL_SPEC_PATCHES:
+            if name not in skip and name in needed and name not in _applied:
+                PATCHES[name]()
+                _applied.add(name)
     return _NORM_PATCH in _applied
 
 
@@ -331,6 +405,7 @@ def preload() -> None:
     import megatron.core.tensor_parallel.random  # noqa: F401
     import megatron.core.transformer.moe.moe_utils  # noqa: F401
     import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
+    import megatron.core.transformer.dot_product_attention  # noqa: F401
     import megatron.core.transformer.torch_norm  # noqa: F401
 
 

@@ -31,18 +31,33 @@ KNOWN_FAILURES = {
     "cuda_device_literals": ("Torch not compiled with CUDA enabled", (_NO_DRIVER, "megatron/core/optimizer")),
     "torch_norm_sequence_parallel": ("sequence parallel not supported by torch LayerNorm",
                                      (("sequence parallel not supported by torch LayerNorm",), "torch_norm.py")),
+    "core_attention_kv_channels": ("got an unexpected keyword argument 'k_channels'",
+                                   (("got an unexpected keyword argument 'k_channels'",), "multi_latent_attention.py")),
+    "mla_have_te": ("isinstance() arg 2 must be a type",
+                    (("isinstance() arg 2 must be a type",), "multi_latent_attention.py")),
 }
 # The canary step a patch shows its failure in (canary_step.py's argument): TP=2 + SP, EP=2 on 4 ranks.
 CANARY_ARGS = {"torch_norm_sequence_parallel": ["tp2"]}
+# Patches whose canary step is another script: multi-latent attention's (a DeepSeek-shaped GPTModel).
+MLA_STEP = Path(__file__).with_name("test_cpu_mla.py")
+CANARY_SCRIPTS = {"core_attention_kv_channels": MLA_STEP, "mla_have_te": MLA_STEP}
+
+
+def _mla_have_te_fixed() -> bool:
+    """0.17+: multi_latent_attention reads HAVE_TE from the transformer-engine extension."""
+    from megatron.core.extensions import transformer_engine
+    from megatron.core.transformer import multi_latent_attention
+
+    return multi_latent_attention.HAVE_TE is transformer_engine.HAVE_TE
 
 
 # For a patch the installed release does not need: the upstream fix, seen without the patch.
-UPSTREAM_FIXES: dict = {}
+UPSTREAM_FIXES: dict = {"mla_have_te": _mla_have_te_fixed}
 
 
-def _step(skip: str, args: list[str] = ()) -> subprocess.CompletedProcess:
+def _step(skip: str, args: list[str] = (), script: Path = HERE / "canary_step.py") -> subprocess.CompletedProcess:
     env = dict(os.environ, HETERMOE_CPU_PATCHES_SKIP=skip, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-W", "ignore", str(HERE / "canary_step.py"), *args], env=env,
+    return subprocess.run([sys.executable, "-W", "ignore", str(script), *args], env=env,
                           capture_output=True, text=True, timeout=180)
 
 
@@ -61,8 +76,8 @@ def test_every_patch_has_a_canary():
 def test_patches_chosen_per_version():
     every = tuple(cpu_backend.PATCHES)
     assert cpu_backend.patches_for((0, 16, 1)) == every
-    for v in ((0, 17, 0), (0, 18, 2), (0, 19, 2)):
-        assert cpu_backend.patches_for(v) == every
+    for v in ((0, 17, 0), (0, 18, 2), (0, 19, 2)):  # 0.17.0 fixed MLA's HAVE_TE
+        assert cpu_backend.patches_for(v) == tuple(p for p in every if p != "mla_have_te")
 
 
 @pytest.mark.slow
@@ -72,13 +87,18 @@ def test_all_patches_train_a_step(args):
     assert "CANARY-OK" in r.stdout, r.stdout + r.stderr
 
 
+def test_all_patches_run_the_mla_step():
+    r = _step("", script=MLA_STEP)
+    assert "CANARY-OK" in r.stdout, r.stdout + r.stderr[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("patch", sorted(KNOWN_FAILURES))
 def test_patch_still_needed(patch):
     if patch not in NEEDED:
         pytest.skip(f"{patch} is not applied on megatron-core {'.'.join(map(str, VERSION))}; "
                     f"test_patch_not_needed checks the upstream fix")
-    r = _step(patch, CANARY_ARGS.get(patch, []))
+    r = _step(patch, CANARY_ARGS.get(patch, []), CANARY_SCRIPTS.get(patch, HERE / "canary_step.py"))
     assert "CANARY-OK" not in r.stdout, f"{patch}: megatron-core now works without it; drop the patch"
     assert _failed_as_known(patch, r.stdout + r.stderr), (r.stdout + r.stderr)[-3000:]
 
