@@ -72,9 +72,9 @@ def torch_adam_replacements() -> list:
     """megatron-core's DistributedOptimizer on torch's Adam (no apex, no transformer-engine: every
     CPU rank) cannot be loaded into: its state_dict reads the step from the Adam state, which is
     empty before the first step (an assertion fails as Megatron-LM builds the state dict to load),
-    its load_state_dict copies into views of parameters requiring grad outside no_grad, and it
-    gives every parameter one shared step tensor, which torch's Adam advances once per parameter
-    each step. None where apex or transformer-engine's Adam is used
+    its load_state_dict copies into views of parameters requiring grad outside no_grad, and the
+    step it loads is overwritten by that of the state it loaded into (and was one tensor shared
+    by every parameter, which torch's Adam advances once per parameter each step). None where apex or transformer-engine's Adam is used
     (Megatron's step is then in the param groups)."""
     from megatron.core.optimizer import distrib_optimizer
 
@@ -103,14 +103,22 @@ def _state_dict_from_step_0(state_dict: Callable, self) -> dict:
 
 
 def _load_with_own_steps(load_state_dict: Callable, self, state_dict: dict):
-    """Megatron's load, each parameter's state then given its own step tensor; under no_grad, as
-    it copies the loaded values into fp32 main parameters that are views of parameters
-    requiring grad (autograd refuses the in-place copy otherwise)."""
-    from megatron_hetermoe.checkpoint.megatron_optimizer import own_step_tensors
-
+    """Megatron's load, then each parameter's Adam state at the checkpoint's step, in a tensor of
+    its own. Megatron sets one shared step tensor from the loaded param_groups, then copies the
+    per-parameter state over it, whose `step` is not saved (a LocalNonpersistentObject): the
+    state built to load into holds step 0 (_state_dict_from_step_0), so 0 is what remained.
+    Under no_grad, as it copies the loaded values into fp32 main parameters that are views of
+    parameters requiring grad (autograd refuses the in-place copy otherwise)."""
     with torch.no_grad():
         out = load_state_dict(self, state_dict)
-    own_step_tensors(self.optimizer)
+    steps = {g["step"] for g in state_dict["optimizer"]["param_groups"]}
+    if len(steps) != 1:
+        raise ValueError(f"a distributed optimizer checkpoint with param groups at steps {sorted(steps)}: Megatron "
+                         f"saves one step for all of them")
+    step = float(steps.pop())
+    for st in self.optimizer.state.values():
+        if torch.is_tensor(st.get("step")):
+            st["step"] = torch.tensor(step, dtype=st["step"].dtype)
     return out
 
 
