@@ -7,9 +7,8 @@ What changes besides the sizes (each for a reason that is not HeterMoE's):
 - --moe-grouped-gemm is dropped: Megatron's grouped GEMM has no CPU kernel (Megatron EP cannot run it
   on CPU either); --bf16 is dropped: the comparison is at fp32 round-off (16-bit runs are checked
   against the plugin's trainer in test_megatron_lm_pretrain.py);
-- multi-latent attention is dropped (MLA below: megatron-core 0.16.1 builds it from transformer-engine);
-- PP becomes 1 (pipeline parallelism inside the pools is not built) and EP 2 for the Megatron EP
-  reference (HeterMoE's replace_flags sets it to 1 with a line); TP stays the recipe's: the plan's
+- PP becomes 1 (test_mixtral_recipe_with_its_pipeline_stages runs Mixtral at its own PP) and EP 2 for the
+  Megatron EP reference (HeterMoE's replace_flags sets it to 1 with a line); TP stays the recipe's: the plan's
   attention members are tensor-parallel alike (attention_tp), the reference runs on 2 x TP ranks, and
   Megatron's expert TP (the TP size by default) is replaced by the plan's whole experts, with a line;
 - the tokenizer and data are NullTokenizer on a locally built corpus; --lr-warmup-iters 1 and
@@ -18,6 +17,10 @@ What changes besides the sizes (each for a reason that is not HeterMoE's):
   Megatron's defaults (zebra runs the microbatches' layers in another order than Megatron, so its
   dropout masks are other draws: Qwen3's conf at Megatron's 0.1 differs by 4.7e-3 under zebra,
   not under distep).
+Multi-latent attention runs as the confs give it (DeepSeek-V2-Lite's; the CPU backend's
+core_attention_kv_channels and mla_have_te make megatron-core's local MLA spec build), with the confs' head
+widths' shape; --kv-channels keeps its multiple of hidden / heads. The flagship shapes (DeepSeek-V3, Kimi-K2,
+Qwen3-30B-A3B) run in test_megatron_lm_flagships.py with these helpers, checkpoints and resume included.
 Megatron's MoE CI config named by the issue (tests/functional_tests/test_cases/moe/
 gpt3_mcore_te_tp2_pp1_te_8experts2parallel_top2router/model_config.yaml) is not part of the shared tree:
 CI_CONFIG below is its MODEL_ARGS as Megatron-LM's public repository has them (paths, data and the
@@ -44,8 +47,8 @@ from megatron_hetermoe.planner.cli_plan import main as plan_main
 pytestmark = pytest.mark.slow
 MIXTRAL = "examples/mixtral/train_mixtral_8x7b_distributed.sh"
 CONF = "examples/post_training/modelopt/conf"
-RECIPES = {"mixtral-8x7b": MIXTRAL, "qwen3-30b-a3b": f"{CONF}/Qwen/Qwen3-30B-A3B.sh",
-           "deepseek-v2-lite": f"{CONF}/deepseek-ai/DeepSeek-V2-Lite.sh", "moe-ci-tp2-ep2-top2": "CI_CONFIG"}
+RECIPES = {"mixtral-8x7b": MIXTRAL, "deepseek-v2-lite": f"{CONF}/deepseek-ai/DeepSeek-V2-Lite.sh",
+           "moe-ci-tp2-ep2-top2": "CI_CONFIG"}
 CI_CONFIG = """--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-params-norm --log-num-zeros-in-grad
 --log-validation-ppl-to-tensorboard --log-timers-to-tensorboard --micro-batch-size 4 --global-batch-size 32
 --seq-length 1024 --max-position-embeddings 1024 --train-iters 50 --timing-log-level 0 --lr-decay-iters 320000
@@ -60,25 +63,24 @@ CI_CONFIG = """--num-layers 12 --hidden-size 512 --num-attention-heads 8 --log-p
 # The config's ENV_VARS (--deterministic-mode asserts NCCL_ALGO is set, even on gloo)
 RECIPE_ENV = {"moe-ci-tp2-ep2-top2": {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
                                       "NCCL_ALGO": "Ring", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}}
-# The sizes (flag -> value), applied where the recipe passes the flag.
+# The sizes (flag -> value), applied where the recipe passes the flag. MLA's widths keep the confs' shape:
+# q/k heads (qk 16 + rope 8) wider than v heads (16), a q LoRA rank above the kv one.
 SHRINK = {"--num-layers": "2", "--hidden-size": "64", "--ffn-hidden-size": "128", "--num-attention-heads": "4",
-          "--num-query-groups": "2", "--kv-channels": "16", "--num-experts": "8", "--moe-ffn-hidden-size": "64",
+          "--num-query-groups": "2", "--num-experts": "8", "--moe-ffn-hidden-size": "64",
           "--moe-shared-expert-intermediate-size": "96", "--seq-length": "32", "--max-position-embeddings": "32",
-          "--kv-lora-rank": "32", "--v-head-dim": "16", "--qk-head-dim": "16", "--qk-pos-emb-head-dim": "8",
-          "--micro-batch-size": "2", "--global-batch-size": "8", "--train-iters": "4", "--lr-warmup-iters": "1",
-          "--pipeline-model-parallel-size": "1",
+          "--q-lora-rank": "48", "--kv-lora-rank": "32", "--v-head-dim": "16", "--qk-head-dim": "16",
+          "--qk-pos-emb-head-dim": "8", "--micro-batch-size": "2", "--global-batch-size": "8", "--train-iters": "4",
+          "--lr-warmup-iters": "1", "--pipeline-model-parallel-size": "1",
           "--expert-model-parallel-size": "2", "--moe-layer-freq": "([0]+[1]*2)",
-          "--make-vocab-size-divisible-by": "128"}
+          "--make-vocab-size-divisible-by": "128", "--padded-vocab-size": "384",
+          # DeepSeek-V3's 8 groups of 32 experts, 4 groups kept: 4 groups of 2, 2 kept, top-4 from their 4
+          "--moe-router-num-groups": "4", "--moe-router-group-topk": "2"}
 TOPK_MOST = 4  # of the 8 shrunk experts
-# Multi-latent attention (DeepSeek) is built from transformer-engine's attention in megatron-core 0.16.1:
-# with --transformer-impl local its spec hands DotProductAttention a k_channels it does not take, so
-# plain Megatron cannot run it on CPU; DeepSeek-V2-Lite runs here with standard attention.
-MLA = {"--multi-latent-attention": 0, "--kv-lora-rank": 1, "--v-head-dim": 1, "--qk-head-dim": 1,
-       "--qk-pos-emb-head-dim": 1, "--rotary-scaling-factor": 1, "--mscale": 1, "--mscale-all-dim": 1}
+HEAD = 16  # the shrunk hidden size / heads
 # --use-persistent-ckpt-worker: Megatron's persistent checkpoint process sets a CUDA device, and
 # --log-memory-to-tensorboard reads CUDA allocator statistics (plain Megatron fails with either on CPU);
 # --async-save stays (its per-save worker).
-DROP = {**MLA, "--moe-grouped-gemm": 0, "--bf16": 0, "--lr-warmup-fraction": 1, "--use-persistent-ckpt-worker": 0,
+DROP = {"--moe-grouped-gemm": 0, "--bf16": 0, "--lr-warmup-fraction": 1, "--use-persistent-ckpt-worker": 0,
         "--log-memory-to-tensorboard": 0, "--tokenizer-type": 1, "--tokenizer-model": 1, "--data-path": 1,
         "--split": 1, "--save-interval": 1, "--save": 1, "--load": 1, "--log-interval": 1, "--eval-interval": 1,
         "--eval-iters": 1}
@@ -100,13 +102,23 @@ def recipe_flags(tree: Path, path: str) -> list[str]:
     return flags
 
 
+def _value(flags: list[str], flag: str, default: str | None = None) -> str | None:
+    return flags[flags.index(flag) + 1] if flag in flags else default
+
+
 def shrunk(flags: list[str]) -> list[str]:
-    """SHRINK's sizes, DROP's flags removed (a flag and its value count), the rest as the recipe has them."""
+    """SHRINK's sizes, DROP's flags removed (a flag and its value count), the rest as the recipe has them;
+    --kv-channels keeps its multiple of hidden / heads (Qwen3's 128 = 2 x 2048 / 32: 32 = 2 x 64 / 4)."""
     out, i = [], 0
     while i < len(flags):
         f = flags[i]
         if f in DROP:
             i += 1 + DROP[f]
+            continue
+        if f == "--kv-channels":
+            heads, hidden = int(_value(flags, "--num-attention-heads")), int(_value(flags, "--hidden-size"))
+            out += [f, str(HEAD * max(1, round(int(flags[i + 1]) * heads / hidden)))]
+            i += 2
             continue
         if f in SHRINK:
             out += [f, SHRINK[f]]
@@ -159,11 +171,13 @@ def test_recipe_trains_unchanged_with_megatron_eps_losses(mlm, data, tmp_path, t
         _EP_RUNS[recipe] = ckpt, _resume(mlm, tmp, 2 * tp, flags, ckpt, "resumed")
     ckpt, ep = _EP_RUNS[recipe]
     plan = tmp_path / "plan.json"
-    assert plan_main(["--even", "--attention-ranks", str(tp), "--attention-tp", str(tp), "--expert-ranks", "1",
-                      "--groups", "2", "--microbatches", "2", "--schedule", schedule, "-o", str(plan), "--",
-                      *flags]) == 0
+    # As a user makes it: TP and R (= 8 / (2 x 2 attention members)) from the run's flags.
+    assert plan_main(["--even", "--attention-ranks", str(tp), "--expert-ranks", "1", "--groups", "2", "--schedule",
+                      schedule, "-o", str(plan), "--", *flags]) == 0
+    p = HeteroPlan.load(plan)
+    assert (p.attention_tp, p.num_microbatches) == (tp, 2)
     if "--moe-layer-freq" in flags:
-        assert HeteroPlan.load(plan).dense_layers == [0]
+        assert p.dense_layers == [0]
     het = _resume(mlm, tmp_path, 2 * (tp + 1), [*flags, "--hetero-plan", str(plan)], ckpt, "het")
     within(f"recipe {recipe}, {schedule} vs Megatron EP ({het} vs {ep})", max(abs(het[i] - ep[i]) for i in ep), 3e-6)
 
