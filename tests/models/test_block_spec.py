@@ -5,8 +5,6 @@ transformer-engine imports (on a V100, or a run on the local spec), else apex's 
 choice to a stand-in."""
 from __future__ import annotations
 
-import tempfile
-
 import pytest
 import torch
 from megatron.core.extensions.transformer_engine import TENorm
@@ -24,33 +22,27 @@ class ImportedNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(hidden_size))
 
 
-@pytest.fixture
-def one_rank_megatron():
-    """megatron-core's parallel state on a one-process gloo world (as Megatron EP's trainer has it)."""
-    import torch.distributed as dist
+def _final_norm_types(rank: int, world: int, tiny) -> tuple[type, type, int]:
+    """In a launched rank (megatron-core's parallel state never lives in the pytest process, whose
+    later tests fork their ranks: a world made and destroyed here left them hanging)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
     ps.initialize_model_parallel()
-    try:
-        model_parallel_cuda_manual_seed(1)
-        yield
-    finally:
-        ps.destroy_model_parallel()
-        if created:
-            dist.destroy_process_group()
-
-
-def test_the_local_spec_s_final_norm_is_its_own_whatever_imports(tiny, one_rank_megatron, monkeypatch):
-    monkeypatch.setattr(transformer_block, "LayerNormImpl", ImportedNorm)
+    model_parallel_cuda_manual_seed(1)
+    transformer_block.LayerNormImpl = ImportedNorm  # what a GPU host's imports would give
     cfg = builder.transformer_config(tiny, ParallelConfig(), kernels="local")
     gpt = builder.build_gpt(tiny, cfg)
-    assert type(gpt.decoder.final_layernorm) is torch.nn.RMSNorm  # the local spec's layers' norm
-    assert type(gpt.decoder.layers[0].input_layernorm) is torch.nn.RMSNorm
-    assert len(gpt.decoder.layers) == tiny.num_layers
+    return type(gpt.decoder.final_layernorm), type(gpt.decoder.layers[0].input_layernorm), len(gpt.decoder.layers)
+
+
+def test_the_local_spec_s_final_norm_is_its_own_whatever_imports(tiny):
+    from megatron_hetermoe.parallel.launcher import launch
+
+    [(final, layer_norm, layers)] = launch(_final_norm_types, 1, tiny, timeout_s=300)
+    assert final is torch.nn.RMSNorm  # the local spec's layers' norm
+    assert layer_norm is torch.nn.RMSNorm
+    assert layers == tiny.num_layers
 
 
 def test_te_kernels_take_te_s_norm(tiny, monkeypatch):
