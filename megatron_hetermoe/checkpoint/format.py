@@ -93,6 +93,17 @@ def optimizer_param_names(state: RankState) -> list[list[str]]:
     return out
 
 
+def optimizer_dp_names(state: RankState) -> list[dict]:
+    """Per distributed sub-optimizer, what each entry of its get_parameter_state_dp_reshardable()
+    holds, in its order (grad buffer, dtype, bucket, the bucket's parameters): the parameter's
+    canonical name and the range of its flattened elements this rank's shard covers. With it the
+    bucket-space Adam state is read by name (reshard.optimizer_pieces)."""
+    by_id = {id(p): state.names[n] for n, p in state.module.named_parameters()}
+    return [{g: {dtype: [[(by_id.get(id(p), "?"), r["param"].start, r["param"].end) for p, r in b["param_map"].items()]
+                         for b in buckets] for dtype, buckets in maps.items()}
+             for g, maps in enumerate(sub.gbuf_ranges)} for sub in _sub_optimizers(state.optimizer)]
+
+
 def get_rng_state() -> dict:
     """Megatron's rng_state keys (cuda_rng_state only with real CUDA: on CPU the "CUDA"
     generator is the CPU one)."""
@@ -137,8 +148,10 @@ def rank_payload(state: RankState, iteration: int) -> dict:
     }
     if _is_distributed(opt):
         # The distributed optimizer keeps Adam moments out of state_dict(); Megatron saves them
-        # per DP rank in bucket space (exact resume only, not reshardable by name).
+        # per DP rank in bucket space, read back as they are (exact resume) or by name through
+        # optimizer_dp_names (resharding).
         payload["optimizer_dp_shard"] = [o.get_parameter_state_dp_reshardable() for o in _sub_optimizers(opt)]
+        payload["optimizer_dp_names"] = optimizer_dp_names(state)
     return payload
 
 
