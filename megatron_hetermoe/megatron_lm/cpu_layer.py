@@ -74,15 +74,15 @@ def torch_adam_replacements() -> list:
     empty before the first step (an assertion fails as Megatron-LM builds the state dict to load),
     its load_state_dict copies into views of parameters requiring grad outside no_grad, and the
     step it loads is overwritten by that of the state it loaded into (and was one tensor shared
-    by every parameter, which torch's Adam advances once per parameter each step). None where apex or transformer-engine's Adam is used
-    (Megatron's step is then in the param groups)."""
+    by every parameter, which torch's Adam advances once per parameter each step). None where
+    apex's or transformer-engine's Adam is used (Megatron keeps the step in the param groups)."""
     from megatron.core.optimizer import distrib_optimizer
 
     if distrib_optimizer.HAVE_APEX_OR_TE:
         return []
     cls = distrib_optimizer.DistributedOptimizer
     return [(cls, "state_dict", _wrap(cls.state_dict, _state_dict_from_step_0)),
-            (cls, "load_state_dict", _wrap(cls.load_state_dict, _load_with_own_steps))]
+            (cls, "load_state_dict", _wrap(cls.load_state_dict, _load_at_the_saved_step))]
 
 
 def _state_dict_from_step_0(state_dict: Callable, self) -> dict:
@@ -102,7 +102,7 @@ def _state_dict_from_step_0(state_dict: Callable, self) -> dict:
         inner.state = state
 
 
-def _load_with_own_steps(load_state_dict: Callable, self, state_dict: dict):
+def _load_at_the_saved_step(load_state_dict: Callable, self, state_dict: dict):
     """Megatron's load, then each parameter's Adam state at the checkpoint's step, in a tensor of
     its own. Megatron sets one shared step tensor from the loaded param_groups, then copies the
     per-parameter state over it, whose `step` is not saved (a LocalNonpersistentObject): the
