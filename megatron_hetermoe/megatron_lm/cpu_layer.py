@@ -72,9 +72,10 @@ def torch_adam_replacements() -> list:
     """megatron-core's DistributedOptimizer on torch's Adam (no apex, no transformer-engine: every
     CPU rank) cannot be loaded into: its state_dict reads the step from the Adam state, which is
     empty before the first step (an assertion fails as Megatron-LM builds the state dict to load),
-    its load_state_dict copies into views of parameters requiring grad outside no_grad, and the
-    step it loads is overwritten by that of the state it loaded into (and was one tensor shared
-    by every parameter, which torch's Adam advances once per parameter each step). None where
+    its load_state_dict copies into views of parameters requiring grad outside no_grad, the step
+    it loads is overwritten by that of the state it loaded into (and was one tensor shared by
+    every parameter, which torch's Adam advances once per parameter each step), and its fully
+    reshardable format's load looks for a per-parameter step it does not save. None where
     apex's or transformer-engine's Adam is used (Megatron keeps the step in the param groups)."""
     from megatron.core.optimizer import distrib_optimizer
 
@@ -82,7 +83,9 @@ def torch_adam_replacements() -> list:
         return []
     cls = distrib_optimizer.DistributedOptimizer
     return [(cls, "state_dict", _wrap(cls.state_dict, _state_dict_from_step_0)),
-            (cls, "load_state_dict", _wrap(cls.load_state_dict, _load_at_the_saved_step))]
+            (cls, "load_state_dict", _wrap(cls.load_state_dict, _load_at_the_saved_step)),
+            (cls, "_set_main_param_and_optimizer_states",
+             _wrap(cls._set_main_param_and_optimizer_states, _set_states_but_the_step))]
 
 
 def _state_dict_from_step_0(state_dict: Callable, self) -> dict:
@@ -120,6 +123,18 @@ def _load_at_the_saved_step(load_state_dict: Callable, self, state_dict: dict):
         if torch.is_tensor(st.get("step")):
             st["step"] = torch.tensor(step, dtype=st["step"].dtype)
     return out
+
+
+def _set_states_but_the_step(set_states: Callable, self, model_param, tensors: dict) -> None:
+    """--dist-ckpt-optim-fully-reshardable loads each parameter's state without its `step` (kept
+    in the param groups), and Megatron then copies every key of the Adam state from it: the
+    parameter's own step is given back (_load_at_the_saved_step sets it to the checkpoint's)."""
+    if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+        gi, order = self.model_param_group_index_map[model_param]
+        step = self.optimizer.state[self.optimizer.param_groups[gi]["params"][order]].get("step")
+        if step is not None:
+            tensors = {**tensors, "step": step.clone()}
+    return set_states(self, model_param, tensors)
 
 
 def _cpu_arch_version() -> int:
