@@ -22,12 +22,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from margins import within
 from megatron_lm_run import BATCH, CPU, DATA, MODEL, RECIPE, run_losses, tb_losses
 from test_megatron_lm_recipes import MIXTRAL, recipe_flags, shrunk
 
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.planner.cli_plan import main as plan_main
 
 pytestmark = pytest.mark.slow
@@ -52,7 +54,7 @@ class Layout:
     plain_nproc: int
     nproc: int
     even: list[str] | None = None
-    plan: object = None
+    plan: Callable[[str], HeteroPlan] | None = None  # by schedule
     tags: tuple[str, ...] = (BALANCE,)
     both_ways: str | None = "zebra"  # the schedule whose checkpoint goes back into Megatron EP
 
