@@ -246,8 +246,8 @@ def patch_core_attention_kv_channels() -> None:
     qk_pos_emb_head_dim and v_channels = v_head_dim (every release 0.16.1 .. 0.19 and main), which
     only TEDotProductAttention takes: "DotProductAttention.__init__() got an unexpected keyword
     argument 'k_channels'", so MLA cannot build on the local spec (every CPU rank). The core's
-    forward reads the head widths from its inputs but for its output's width,
-    hidden_size_per_partition (kv_channels x heads / TP): the values' heads set it here. Scores
+    forward takes every width from its inputs but its output's, hidden_size_per_partition
+    (kv_channels x heads / TP), which v_channels sets here (v_channels x heads / TP). Scores
     are scaled by the softmax_scale MLA passes (yarn's mscale^2 / sqrt(q head dim)); without one,
     by 1 / sqrt(k_channels), as transformer-engine's core (then / layer number where
     apply_query_key_layer_scaling, in megatron-core's own __init__).
