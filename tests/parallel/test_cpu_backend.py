@@ -87,6 +87,7 @@ def test_all_patches_train_a_step(args):
     assert "CANARY-OK" in r.stdout, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_all_patches_run_the_mla_step():
     r = _step("", script=MLA_STEP)
     assert "CANARY-OK" in r.stdout, r.stdout + r.stderr[-3000:]
