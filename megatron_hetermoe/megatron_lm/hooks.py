@@ -12,7 +12,13 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetermoe.config import PoolPrecision
-from megatron_hetermoe.megatron_lm.cpu_layer import _cpu_replacements, _no_cuda_arch, _replaced, _wrap
+from megatron_hetermoe.megatron_lm.cpu_layer import (
+    _cpu_replacements,
+    _no_cuda_arch,
+    _replaced,
+    _wrap,
+    torch_adam_replacements,
+)
 from megatron_hetermoe.megatron_lm.refusals import refusals, schedule_refusals
 from megatron_hetermoe.megatron_lm.replaced import (
     given_flags,
@@ -290,8 +296,6 @@ class HeteroPretrain:
 
     # ---- 5. the optimizer -------------------------------------------------------------------
     def get_megatron_optimizer(self, build, *a, **k):
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
         from megatron_hetermoe.checkpoint.megatron_optimizer import (
             per_rank_optimizer_state,
         )
@@ -302,12 +306,7 @@ class HeteroPretrain:
         optimizer = build(*a, **{**k, "use_gloo_process_groups": False})
         hs = self.hs
         optimizer = self.assembly.configure_optimizer(optimizer, a[0] if a else k["config"])
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-            if isinstance(opt, DistributedOptimizer):
-                # Its checkpoint keys name the model-parallel group the state belongs to; here the
-                # attention DP group (dense) or the replica group of one ZP member position (experts).
-                opt.data_parallel_group_idx = 0 if opt.data_parallel_group is hs.attention_dp_group \
-                    else 1 + hs.member_index
+        # Its checkpoint keys: each data-parallel group named once in the job (name_dp_groups there).
         per_rank_optimizer_state(optimizer, hs.rank, dist.get_world_size())
         return optimizer
 
@@ -407,6 +406,8 @@ class HeteroPretrain:
         with contextlib.ExitStack() as stack:
             if not torch.cuda.is_available():
                 stack.enter_context(_replaced(_cpu_replacements()))
+            else:  # a GPU rank without apex or transformer-engine runs torch's Adam too
+                stack.enter_context(_replaced(torch_adam_replacements()))
             # Read after the CPU layer is in: these wrap it.
             hooks = [
                 (initialize, "_initialize_distributed",
