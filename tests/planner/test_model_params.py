@@ -1,7 +1,6 @@
 """ModelConfig's parameter counts are what megatron-core builds (issue 42 item 1): a tiny GPTModel of
 each shape on CPU, megatron-core 0.16.1's local spec, against ModelConfig.total_params(); and
 hand-counted layers of the flagship models (their published sizes to the shown digits)."""
-import tempfile
 
 import pytest
 import torch
@@ -32,27 +31,26 @@ SHAPES = {
 }
 
 
-@pytest.fixture(scope="module")
-def one_rank_megatron():
-    """megatron-core's global groups over a one-process gloo world (GPTModel reads them)."""
-    import torch.distributed as dist
+def _megatron_counts(rank: int, world: int, shapes: dict) -> dict[str, int]:
+    """megatron_core_params of every shape, in a launched rank: megatron-core's global groups never
+    live in the pytest process (a world made and destroyed there leaves later tests' forked ranks
+    hanging)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from megatron_hetermoe.compat import bind_missing_te_general_gemm
 
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
     ps.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1)
     bind_missing_te_general_gemm()
-    try:
-        yield
-    finally:
-        ps.destroy_model_parallel()
-        if created:
-            dist.destroy_process_group()
+    return {name: megatron_core_params(ModelConfig(**{**BASE, **shape})) for name, shape in shapes.items()}
+
+
+@pytest.fixture(scope="module")
+def megatron_counts() -> dict[str, int]:
+    from megatron_hetermoe.parallel.launcher import launch
+
+    return launch(_megatron_counts, 1, SHAPES, timeout_s=600)[0]
 
 
 class _CoreWithKChannels(torch.nn.Module):
@@ -64,7 +62,7 @@ class _CoreWithKChannels(torch.nn.Module):
         super().__init__()
 
 
-def megatron_core_params(m: ModelConfig, monkeypatch) -> int:
+def megatron_core_params(m: ModelConfig) -> int:
     """Parameters of megatron-core's GPTModel of `m` (local spec, Megatron-LM's mapping of its flags:
     core_transformer_config_from_args, gpt_builders)."""
     from megatron.core.activations import quick_gelu, squared_relu
@@ -96,7 +94,8 @@ def megatron_core_params(m: ModelConfig, monkeypatch) -> int:
                   qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
                   rope_type="rope")
         # transformer-engine's names are placeholders on CPU: MLA's isinstance(linear_proj, TELinear) fails
-        monkeypatch.setattr(multi_latent_attention, "HAVE_TE", False)
+        # (set in the launched rank, which ends after the counts)
+        multi_latent_attention.HAVE_TE = False
     config = cls(**kw)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=m.normalization)
     if m.multi_latent_attention:
@@ -110,9 +109,9 @@ def megatron_core_params(m: ModelConfig, monkeypatch) -> int:
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_param_count_is_what_megatron_core_builds(shape, one_rank_megatron, monkeypatch):
+def test_param_count_is_what_megatron_core_builds(shape, megatron_counts):
     m = ModelConfig(**{**BASE, **SHAPES[shape]})
-    assert m.total_params() == megatron_core_params(m, monkeypatch)
+    assert m.total_params() == megatron_counts[shape]
 
 
 def test_flagship_layers_by_hand():
