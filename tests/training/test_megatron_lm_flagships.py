@@ -17,8 +17,8 @@ there; the plan is made as a user makes it (`hetermoe plan --even --attention-ra
 EP's lm, MTP and load-balancing losses, and saves what Megatron EP saves (the same keys; weights, expert
 biases and the MTP layer within round-off); saved after iteration 2 and resumed, it gives iterations 3-4
 and the checkpoint after them bitwise (model, optimizer, and RNG states but torch's default generator's,
-which Megatron's resume itself advances on CPU ranks: _DEFAULT_GENERATOR). Recomputation flags of the confs (--recompute-activations,
---moe-layer-recompute) stay: they change no value."""
+which Megatron's resume itself advances on CPU ranks: _DEFAULT_GENERATOR). Recomputation flags of the confs
+(--recompute-activations, --moe-layer-recompute) stay: they change no value."""
 from __future__ import annotations
 
 import pytest
@@ -110,8 +110,8 @@ def reference(mlm, data, tmp_path_factory):
             ckpt, saved = tmp / "ckpt", tmp / "after"
             run_losses(mlm, tmp, 2, [*flags, "--save", str(ckpt), "--save-interval", "1", "--train-iters", "1",
                                      "--lr-warmup-iters", "0"], "tb")  # Megatron: warmup < decay (= train) iters
-            ep = _run(mlm, tmp, 2, [*flags, "--load", str(ckpt), "--ckpt-step", "1", "--no-load-optim",
-                                    "--no-load-rng", "--save", str(saved), "--save-interval", "4"], "resumed", [2, 3, 4])
+            ep = _run(mlm, tmp, 2, [*flags, "--load", str(ckpt), "--ckpt-step", "1", "--no-load-optim", "--no-load-rng",
+                                    "--save", str(saved), "--save-interval", "4"], "resumed", [2, 3, 4])
             _REFERENCES[name] = flags, ckpt, ep, load_dcp(saved / "iter_0000004")
         return _REFERENCES[name]
     return get
@@ -162,8 +162,8 @@ def test_flagship_continues_megatron_ep_and_resumes_bitwise(mlm, reference, tmp_
     a, b = _model(ep_saved), _model(saved)
     assert sorted(a) == sorted(b)
     tensors = sorted(k for k in a if isinstance(a[k], torch.Tensor))
-    assert [k for k in tensors if k.endswith("self_attention.linear_q_down_proj.weight")] or "--multi-latent-attention" \
-        not in flags
+    mla = "--multi-latent-attention" in flags
+    assert [k for k in tensors if k.endswith("self_attention.linear_q_down_proj.weight")] or not mla
     assert [k for k in tensors if k.endswith("router.expert_bias")] or "--moe-router-enable-expert-bias" not in flags
     within(f"{name}, {schedule}: saved weights vs Megatron EP's",
            max((a[k].double() - b[k].double()).abs().max().item() for k in tensors), 2e-7)
@@ -176,3 +176,53 @@ def test_flagship_continues_megatron_ep_and_resumes_bitwise(mlm, reference, tmp_
     assert sorted(after) == sorted(saved)
     assert [k for k in saved if not same_state(after[k], saved[k])] == [k for k in saved if k.startswith("rng_state")]
     assert same_state(_but_default_generator(after), _but_default_generator(saved))
+
+
+
+
+
+@pytest.mark.slow
+def test_mla_gradients_at_tp2_but_the_rope_keys(mlm, reference, tmp_path):
+    """Multi-latent attention under tensor and sequence parallelism on CPU ranks, plain Megatron: one SGD
+    step of Kimi-K2's shape (MLA with q and kv LoRA, qk-layernorm; no MTP layer after the decoder) from
+    Megatron EP's checkpoint at TP 2 (+SP, EP 2: 4 ranks) and at TP 1 (2 ranks). After one step SGD's
+    momentum buffer is the gradient (norms take no weight decay; the rest the same decay x the same
+    weights), so the saved buffers compare gradients. In the last layer, which no later layer's
+    gradient reaches, the q and kv latents' norms work on sequence shards at TP 2 (the CPU backend's
+    torch_norm_sequence_parallel marks their weights, whose gradients Megatron then sums over TP; left
+    partial they would be about half of TP 1's) and equal TP 1's, as do the kv projection's latent rows.
+
+    Its rope rows do not, nor (through the input's gradient) anything before them: megatron-core's
+    defect on any device (0.16.1 .. 0.19.0, read). With the local spec, linear_kv_down_proj is a
+    ColumnParallelLinear whose output MLA gathers over TP (gather_from_tensor_model_parallel_region)
+    before splitting off k_pos_emb, the rope key every head shares; that gather's backward takes each
+    rank's slice without summing, so the rope rows (the last qk_pos_emb_head_dim of the projection, on
+    the last TP rank) and the input's gradient through them get only the gradient of that rank's heads.
+    transformer-engine's spec (a duplicated TELinear, k_pos_emb gathered over the sequence) sums it.
+    When megatron-core fixes it, the last assertion fails: then TP 2 is TP 1 throughout.
+    (--lr-warmup-iters 0: with --no-load-optim the scheduler starts again, at lr 0 within a warmup.)"""
+    flags, ckpt, _, _ = reference("kimi-k2")
+    one_step = [*flags, "--optimizer", "sgd", "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
+                "--train-iters", "2", "--load", str(ckpt), "--ckpt-step", "1", "--no-load-optim", "--no-load-rng",
+                "--save-interval", "2"]
+    run_losses(mlm, tmp_path, 2, [*one_step, "--save", str(tmp_path / "tp1")], "tb1")
+    run_losses(mlm, tmp_path, 4, [*one_step, "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "tp2")],
+               "tb2")
+    buffer = "optimizer.state.momentum_buffer.decoder.layers.2.self_attention."
+    a, b = ({k[len(buffer):]: v.double() for k, v in load_dcp(tmp_path / d / "iter_0000002").items()
+             if k.startswith(buffer)} for d in ("tp1", "tp2"))
+    assert sorted(a) == sorted(b)
+    assert {"q_layernorm.weight", "kv_layernorm.weight", "linear_kv_down_proj.weight"} <= set(a)
+
+    def rel(x, y):
+        return ((x - y).abs().max() / x.abs().max()).item()
+
+    rows = 32  # --kv-lora-rank 32, then --qk-pos-emb-head-dim 8 rope rows
+    kv = "linear_kv_down_proj.weight"
+    # Measured (default / avx2 / avx512 kernels): 2.3e-5 / 2.3e-5 / 2.3e-5 for both, the relative round-off
+    # every gradient of the last layer and the output layer shows here; partial norm gradients would be ~0.5.
+    within("MLA at TP 2 vs TP 1, last layer: the q and kv latents' norms' gradients",
+           max(rel(a[k], b[k]) for k in ("q_layernorm.weight", "kv_layernorm.weight")), 2e-4)
+    within("MLA at TP 2 vs TP 1, last layer: the kv projection's latent rows' gradient",
+           rel(a[kv][:rows], b[kv][:rows]), 2e-4)
+    assert rel(a[kv][rows:], b[kv][rows:]) > 0.01  # megatron-core's defect above (measured 0.13)
