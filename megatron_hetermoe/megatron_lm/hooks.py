@@ -31,6 +31,7 @@ from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.training.assembly import RoleAssembly
 from megatron_hetermoe.training.validation import (
     check_hetero_pp,
+    check_hetero_split,
     check_hetero_tp,
     check_hetero_virtual_stages,
     check_plan_for_job,
@@ -80,6 +81,8 @@ class HeteroPretrain:
         check_hetero_tp(self.plan, args.tensor_model_parallel_size, args.sequence_parallel,
                         args.expert_tensor_parallel_size)
         check_hetero_pp(self.plan, args.pipeline_model_parallel_size, self.schedule)
+        check_hetero_split(self.plan, getattr(args, "decoder_first_pipeline_num_layers", None),
+                           getattr(args, "decoder_last_pipeline_num_layers", None))
         # Megatron's data parallelism is over the attention ranks: validate_args derives
         # data_parallel_size (and set_global_variables the microbatch calculator) from it.
         args.world_size = n_attn

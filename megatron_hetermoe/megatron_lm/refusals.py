@@ -11,9 +11,8 @@ _OFF, _UNSET, _ONE = (False,), (None,), (1,)
 _REFUSED: dict[str, dict[str, tuple]] = {
     "HeterMoE's roles run without context parallelism inside a role (tensor parallelism and pipeline stages: "
     "the plan's attention_tp and pipeline_stages, checked against the plan)": {"--context-parallel-size": _ONE},
-    "the plan's pipeline stages (and virtual stages) split the decoder layers evenly (Megatron's default split); "
-    "uneven splits are not built yet": {
-        "--decoder-first-pipeline-num-layers": _UNSET, "--decoder-last-pipeline-num-layers": _UNSET,
+    "the plan's pipeline stages split the decoder layers evenly or by the first and last stages' counts "
+    "(--decoder-first/last-pipeline-num-layers, checked against the plan); other layouts are not built yet": {
         "--pipeline-model-parallel-layout": _UNSET, "--account-for-embedding-in-pipeline-split": _OFF,
         "--account-for-loss-in-pipeline-split": _OFF},
     "HeterMoE builds megatron-core's GPTModel from the command line's flags and Megatron's spec": {

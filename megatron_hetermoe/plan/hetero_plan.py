@@ -104,6 +104,11 @@ class HeteroPlan:
     # (decoder_layers / (P * V) layers each); the attention ranks run Megatron's interleaved 1F1B,
     # the stage's expert ranks mirror it over the experts of all its chunks. DistEP only.
     virtual_stages: int = 1
+    # Megatron's --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: the
+    # decoder layers of the first / last pipeline stage, the rest split evenly over the stages
+    # between (None: Megatron's even split). Without virtual stages.
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
     # ---- layers: MoE layer k (placement, tasks) is model layer moe_layer_ids[k] --------------
     @property
@@ -180,6 +185,18 @@ class HeteroPlan:
         ranks = g.attention_ranks if rank in g.attention_ranks else g.expert_ranks
         return ranks.index(rank) // (len(ranks) // self.pipeline_stages)
 
+    def stage_layer_counts(self) -> list[int]:
+        """Decoder layers of each pipeline stage: Megatron's even split, or its uneven one (the
+        first and last stages' counts given, the rest even over the stages between)."""
+        P, n = self.pipeline_stages, self.decoder_layers
+        F, La = self.first_stage_layers, self.last_stage_layers
+        if F is None and La is None:
+            return [n // P] * P
+        middle = P - (F is not None) - (La is not None)
+        rest = n - (F or 0) - (La or 0)
+        each = rest // middle if middle > 0 else 0
+        return [F if F is not None else each] + [each] * (P - 2) + [La if La is not None else each]
+
     def stage_model_layers(self, stage: int) -> list[int]:
         """The model layers of pipeline stage `stage`, ascending: Megatron's even split of the
         decoder layers, over all of the stage's virtual stages; the MTP layers go with the last
@@ -196,10 +213,15 @@ class HeteroPlan:
         stage chunk * P + stage of the even split (the stage's layers without virtual stages); the
         last virtual stage also holds the MTP layers, as megatron-core builds its MTP block there
         (mtp_on_this_rank without a pipeline layout)."""
+        last = stage == self.pipeline_stages - 1 and chunk == self.virtual_stages - 1
+        mtp = list(range(self.decoder_layers, self.model_layers)) if last else []
+        if self.virtual_stages == 1:
+            counts = self.stage_layer_counts()
+            first = sum(counts[:stage])
+            return list(range(first, first + counts[stage])) + mtp
         n = self.chunk_layers
         first = (chunk * self.pipeline_stages + stage) * n
-        last = stage == self.pipeline_stages - 1 and chunk == self.virtual_stages - 1
-        return list(range(first, first + n)) + (list(range(self.decoder_layers, self.model_layers)) if last else [])
+        return list(range(first, first + n)) + mtp
 
     def chunk_moe_layers(self, stage: int, chunk: int) -> list[int]:
         """The MoE layer indices of model chunk `chunk` of pipeline stage `stage`, ascending (without
@@ -232,6 +254,8 @@ class HeteroPlan:
         model = self.moe_layer_ids[layer]
         if model >= self.decoder_layers:
             return self.pipeline_stages - 1
+        if self.virtual_stages == 1:
+            return next(s for s in range(self.pipeline_stages) if model in self.stage_model_layers(s))
         return model // self.chunk_layers % self.pipeline_stages
 
     def role(self, rank: int) -> Role:
@@ -434,12 +458,31 @@ class HeteroPlan:
                             f"{self.schedule!r}, pipeline_stages={P}): virtual stages interleave Megatron's 1F1B, "
                             f"which DistEP runs on the attention ranks; zebra runs its own task lists per stage "
                             f"(use zebra_waves there); set virtual_stages to 1")
+        uneven = {k: v for k, v in (("first_stage_layers", self.first_stage_layers),
+                                    ("last_stage_layers", self.last_stage_layers)) if v is not None}
+        for k, v in uneven.items():
+            if type(v) is not int or v < 1:
+                raise PlanError(f"plan {k}={v!r} must be a positive integer (Megatron's "
+                                f"--decoder-{k.split('_')[0]}-pipeline-num-layers) or absent (the even split)")
+        if uneven and (P == 1 or V > 1):
+            raise PlanError(f"plan {', '.join(f'{k}={v}' for k, v in uneven.items())} needs pipeline stages and no "
+                            f"virtual stages (it has pipeline_stages={P}, virtual_stages={V}): uneven splits with "
+                            f"virtual stages are not built; drop them or the virtual stages")
         if P == 1:
             return
-        if self.decoder_layers % P:
+        if uneven:
+            middle = P - len(uneven)
+            rest = self.decoder_layers - sum(uneven.values())
+            if rest < 0 or (middle > 0 and (rest % middle or rest == 0)) or (middle == 0 and rest != 0):
+                raise PlanError(f"plan {', '.join(f'{k}={v}' for k, v in uneven.items())}: the other "
+                                f"{self.decoder_layers - sum(uneven.values())} of {self.decoder_layers} decoder layers "
+                                f"do not split evenly over the {middle} stage(s) between (Megatron's rule); give "
+                                f"counts whose remainder the middle stages divide")
+        elif self.decoder_layers % P:
             raise PlanError(f"plan pipeline_stages={P} does not divide the {self.decoder_layers} decoder layers "
-                            f"(Megatron's even split); use a divisor of {self.decoder_layers}")
-        if self.decoder_layers % (P * V):
+                            f"(Megatron's even split); use a divisor of {self.decoder_layers}, or uneven first/last "
+                            f"stage layers (first_stage_layers, last_stage_layers)")
+        if V > 1 and self.decoder_layers % (P * V):
             raise PlanError(f"plan pipeline_stages x virtual_stages = {P} x {V} does not divide the "
                             f"{self.decoder_layers} decoder layers (Megatron's even split into virtual stages); use "
                             f"virtual_stages dividing {self.decoder_layers // P}")
@@ -495,6 +538,9 @@ class HeteroPlan:
             del d["zebra_wave_order"]
         if d["virtual_stages"] == 1:  # and without virtual pipeline stages
             del d["virtual_stages"]
+        for k in ("first_stage_layers", "last_stage_layers"):  # and with Megatron's even split
+            if d[k] is None:
+                del d[k]
         return d
 
     @classmethod
@@ -503,7 +549,7 @@ class HeteroPlan:
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         known = {"num_layers", "num_experts", "gpu_types", "groups", "num_microbatches", "schedule", "version", "meta",
                  "dense_layers", "mtp_layers", "expert_recompute", "attention_tp", "pipeline_stages", "zebra_waves",
-                 "zebra_wave_order", "virtual_stages"}
+                 "zebra_wave_order", "virtual_stages", "first_stage_layers", "last_stage_layers"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -530,7 +576,8 @@ class HeteroPlan:
                 ) from None
         rest = {k: d[k] for k in ("num_microbatches", "schedule", "version", "meta", "dense_layers", "mtp_layers",
                                   "expert_recompute", "attention_tp", "pipeline_stages", "zebra_waves",
-                                  "zebra_wave_order", "virtual_stages") if k in d}
+                                  "zebra_wave_order", "virtual_stages", "first_stage_layers",
+                                  "last_stage_layers") if k in d}
         return cls(num_layers=d["num_layers"], num_experts=d["num_experts"], gpu_types=list(d["gpu_types"]),
                    groups=groups, **rest)
 
@@ -606,6 +653,8 @@ def even_plan(
     zebra_waves: int = 1,
     zebra_wave_order: str = "gpipe",
     virtual_stages: int = 1,
+    first_stage_layers: int | None = None,
+    last_stage_layers: int | None = None,
 ) -> HeteroPlan:
     """G groups of M attention + N expert ranks laid out group by group; experts split evenly
     over each group's expert ranks in every MoE layer (`num_layers` of them; `dense_layers`: the
@@ -614,7 +663,7 @@ def even_plan(
     attention_tp tensor-parallel members). With `pipeline_stages` P > 1, M and N are per stage:
     a group is P stages of M attention + N expert ranks, laid out stage by stage, and a layer's
     experts split over its stage's N expert ranks; `zebra_waves`, `zebra_wave_order`,
-    `virtual_stages`: the plan's."""
+    `virtual_stages`, `first_stage_layers`, `last_stage_layers`: the plan's."""
     M, N, P = attention_ranks, expert_ranks, pipeline_stages
     if any(type(v) is not int for v in (M, N, groups, P)) or M < 1 or N < 1 or groups < 1 or P < 1:
         raise PlanError(f"even plan needs integers M>=1, N>=1, groups>=1, pipeline_stages>=1; got M={M!r}, N={N!r}, "
@@ -632,7 +681,8 @@ def even_plan(
     plan = HeteroPlan(num_layers, num_experts, gpu_types, zp, num_microbatches, schedule,
                       dense_layers=list(dense_layers or []), mtp_layers=mtp_layers, attention_tp=attention_tp,
                       pipeline_stages=P, zebra_waves=zebra_waves, zebra_wave_order=zebra_wave_order,
-                      virtual_stages=virtual_stages)
+                      virtual_stages=virtual_stages, first_stage_layers=first_stage_layers,
+                      last_stage_layers=last_stage_layers)
     plan._validate_stages()  # the layer split, before placing by it
     plan.place_evenly(range(groups))
     plan.validate()

@@ -233,18 +233,20 @@ def even_layout(args: argparse.Namespace, model: ModelConfig, run: RunFlags | No
     """The even plan's layout: hetermoe plan's flags, or the run's (RunFlags) as the run reads
     them and checks them against the plan (training/validation.py): attention_tp is
     --tensor-model-parallel-size, pipeline_stages --pipeline-model-parallel-size, virtual_stages
-    Megatron's virtual pipeline size, R = --global-batch-size / (--micro-batch-size x attention
+    Megatron's virtual pipeline size, first/last_stage_layers --decoder-first/last-pipeline-num-layers,
+    R = --global-batch-size / (--micro-batch-size x attention
     members), members = groups x attention ranks / attention_tp (Megatron's data-parallel size);
     N defaults to --expert-model-parallel-size (the run replaces it by the plan's placement)."""
     out = {"tp": args.attention_tp, "pp": args.pipeline_stages, "V": args.virtual_stages, "R": args.microbatches,
-           "N": args.expert_ranks, "notes": []}
+           "N": args.expert_ranks, "first": None, "last": None, "notes": []}
     if run is not None:
         _agree("--attention-tp", args.attention_tp, "--tensor-model-parallel-size", run.tensor_model_parallel_size)
         _agree("--pipeline-stages", args.pipeline_stages, "--pipeline-model-parallel-size",
                run.pipeline_model_parallel_size)
         _agree("--virtual-stages", args.virtual_stages, "virtual pipeline size (--num-virtual-stages-per-pipeline-rank"
                " / --num-layers-per-virtual-pipeline-stage)", run.virtual_stages)
-        out.update(tp=run.tensor_model_parallel_size, pp=run.pipeline_model_parallel_size, V=run.virtual_stages)
+        out.update(tp=run.tensor_model_parallel_size, pp=run.pipeline_model_parallel_size, V=run.virtual_stages,
+                   first=run.first_stage_layers, last=run.last_stage_layers)
         ep = run.expert_model_parallel_size
         if args.expert_ranks is None and "--expert-model-parallel-size" in run.given:
             out["N"] = ep
@@ -302,6 +304,9 @@ def search_settings(args: argparse.Namespace, run: RunFlags | None) -> dict:
     if run.virtual_stages > 1:
         raise ValueError(f"the run's virtual pipeline size {run.virtual_stages} (after --): the search does not price "
                          f"virtual stages; make an even plan (--even), or drop the virtual-stage flag")
+    if run.first_stage_layers is not None or run.last_stage_layers is not None:
+        raise ValueError("the run's --decoder-first/last-pipeline-num-layers (after --): the search prices Megatron's "
+                         "even pipeline split only; make an even plan (--even), which takes the split")
     given = run.given
     if "--tensor-model-parallel-size" in given:
         _agree("--attention-tp", args.attention_tp, "--tensor-model-parallel-size", run.tensor_model_parallel_size)
@@ -390,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
                              expert_gpu=args.expert_gpu, num_microbatches=lay["R"], schedule=args.schedule,
                              dense_layers=dense, mtp_layers=mtp, attention_tp=tp,
                              pipeline_stages=pp, zebra_waves=args.zebra_waves,
-                             zebra_wave_order=args.zebra_wave_order, virtual_stages=lay["V"])
+                             zebra_wave_order=args.zebra_wave_order, virtual_stages=lay["V"],
+                             first_stage_layers=lay["first"], last_stage_layers=lay["last"])
             plan.meta = {"model": model.name, "made_by": "hetermoe plan --even"}
             if flags is not None:  # where the model came from, for whoever reads the plan
                 plan.meta["model_flags"] = flags

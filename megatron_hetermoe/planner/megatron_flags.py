@@ -70,12 +70,6 @@ FLAG_REFUSALS = {
                                                  "split); the runtime refuses it too",
     "--account-for-loss-in-pipeline-split": "a plan splits the decoder layers evenly (Megatron's default split); "
                                             "the runtime refuses it too",
-    "--decoder-first-pipeline-num-layers": "uneven pipeline splits: a plan splits the decoder layers evenly "
-                                           "(Megatron's default split; the plan has no field for other splits and "
-                                           "the runtime refuses the flag, megatron_lm/refusals.py)",
-    "--decoder-last-pipeline-num-layers": "uneven pipeline splits: a plan splits the decoder layers evenly "
-                                          "(Megatron's default split; the plan has no field for other splits and the "
-                                          "runtime refuses the flag, megatron_lm/refusals.py)",
 }
 # Megatron's --recompute-modules choices (TransformerConfig.recompute_modules)
 RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
@@ -131,6 +125,9 @@ class RunFlags:
     distributed_optimizer: bool = False
     recompute: Recompute = field(default_factory=Recompute)
     given: frozenset[str] = frozenset()
+    # --decoder-first/last-pipeline-num-layers: an uneven pipeline split (None: Megatron's even one)
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
 
 
 @dataclass
@@ -178,7 +175,8 @@ def _parser() -> argparse.ArgumentParser:
                  "--kv-channels", "--num-query-groups", "--mtp-num-layers", "--q-lora-rank",
                  "--moe-router-num-groups", "--moe-router-group-topk", "--max-position-embeddings",
                  "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
-                 "--recompute-num-layers"):
+                 "--recompute-num-layers", "--decoder-first-pipeline-num-layers",
+                 "--decoder-last-pipeline-num-layers"):
         p.add_argument(flag, type=int, default=None)
     for flag, default in (("--kv-lora-rank", 32), ("--qk-head-dim", 128), ("--qk-pos-emb-head-dim", 64),
                           ("--v-head-dim", 128), ("--make-vocab-size-divisible-by", 128),
@@ -287,7 +285,7 @@ def _run(a: argparse.Namespace, given: frozenset[str]) -> RunFlags:
     return RunFlags(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, _virtual_stages(a),
                     a.expert_model_parallel_size, a.micro_batch_size, a.global_batch_size,
                     a.sequence_parallel and a.tensor_model_parallel_size > 1, a.use_distributed_optimizer,
-                    _recompute(a), given)
+                    _recompute(a), given, a.decoder_first_pipeline_num_layers, a.decoder_last_pipeline_num_layers)
 
 
 def _vocab(a: argparse.Namespace, notes: list[str]) -> int:

@@ -37,6 +37,9 @@ def model_config(config, hs: HeteroParallelState | None = None, **overrides):
         overrides = {"tensor_model_parallel_size": t, "sequence_parallel": t > 1, "expert_tensor_parallel_size": 1,
                      "pipeline_model_parallel_size": hs.plan.pipeline_stages if attention else 1,
                      "virtual_pipeline_model_parallel_size": V if attention and V > 1 else None, **overrides}
+        if not attention:  # outside Megatron's pipeline: no stage of an uneven split either
+            overrides = {"num_layers_in_first_pipeline_stage": None, "num_layers_in_last_pipeline_stage": None,
+                         **overrides}
     return dataclasses.replace(config, expert_model_parallel_size=2, **overrides)
 
 

@@ -320,6 +320,21 @@ def check_hetero_pp(plan: HeteroPlan, pp: int, schedule: str | None, emulated: b
                           f"(--hetero-schedule zebra) or one stage")
 
 
+def check_hetero_split(plan: HeteroPlan, first: int | None, last: int | None) -> None:
+    """Megatron-LM's --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers are the
+    plan's first_stage_layers / last_stage_layers (both None: Megatron's even split)."""
+    if (first, last) != (plan.first_stage_layers, plan.last_stage_layers):
+        def flags(f: int | None, la: int | None) -> str:
+            out = ([f"--decoder-first-pipeline-num-layers {f}"] if f is not None else []) + \
+                ([f"--decoder-last-pipeline-num-layers {la}"] if la is not None else [])
+            return " ".join(out) or "no uneven split flags"
+
+        want = flags(plan.first_stage_layers, plan.last_stage_layers)
+        raise ConfigError(f"{flags(first, last)}: the plan splits its stages as {want} (stage layers "
+                          f"{plan.stage_layer_counts()}); pass those, or remake the plan from the run's flags "
+                          f"(hetermoe plan --even ... -- <flags>)")
+
+
 def check_hetero_virtual_stages(plan: HeteroPlan, virtual_stages: int | None, schedule: str | None) -> None:
     """Megatron-LM's virtual pipeline size (args.virtual_pipeline_model_parallel_size, which its
     validate_args derives from either virtual-stage flag; None without) is the plan's
@@ -353,6 +368,11 @@ def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str
                           f"per rank (Megatron's non-interleaved schedules); train virtual pipeline stages in "
                           f"Megatron-LM's pretrain() (--num-virtual-stages-per-pipeline-rank "
                           f"{plan.virtual_stages} --hetero-plan ...), or remake the plan with virtual_stages 1")
+    if plan.first_stage_layers is not None or plan.last_stage_layers is not None:
+        raise ConfigError(f"plan stage layers {plan.stage_layer_counts()} (first_stage_layers, last_stage_layers): "
+                          f"the plugin's trainer splits pipeline stages evenly; train uneven stages in Megatron-LM's "
+                          f"pretrain() (--decoder-first/last-pipeline-num-layers --hetero-plan ...), or remake the "
+                          f"plan with the even split")
     check_hetero_pp(plan, par.pp, schedule, cfg.emulate is not None)
     check_megatron_tp(cfg)  # the plugin's checkpoints and emulation are TP=1 in both trainers
     if schedule is not None and schedule not in SCHEDULES:

@@ -413,3 +413,24 @@ def test_virtual_stages_field_round_trips_and_is_validated():
         even_plan(4, 4, 1, 1, num_microbatches=4, virtual_stages=2)
     with pytest.raises(PlanError, match="it has schedule 'zebra'"):
         even_plan(4, 4, 1, 1, num_microbatches=4, pipeline_stages=2, schedule="zebra", virtual_stages=2)
+
+
+def test_uneven_first_and_last_stage_layers():
+    """Megatron's --decoder-first/last-pipeline-num-layers: the first and last stages' counts, the
+    rest split evenly over the stages between (DeepSeek-V3's 61 layers have no even split)."""
+    p = even_plan(61, 8, 1, 1, pipeline_stages=4, first_stage_layers=16, last_stage_layers=13)
+    assert p.stage_layer_counts() == [16, 16, 16, 13]
+    assert p.stage_model_layers(3) == list(range(48, 61)) and p.stage_of_layer(47) == 2
+    assert p.groups[0].placement[60] == {7: [0, 1, 2, 3, 4, 5, 6, 7]}  # the last stage's expert rank
+    q = even_plan(5, 4, 1, 1, pipeline_stages=2, first_stage_layers=1, mtp_layers=1)  # 4 decoder layers
+    assert q.stage_layer_counts() == [1, 3] and q.stage_model_layers(1) == [1, 2, 3, 4]  # MTP last
+    assert HeteroPlan.from_dict(q.to_dict()) == q
+    assert "first_stage_layers" not in even_plan(4, 4, 1, 1, pipeline_stages=2).to_dict()  # the file as before
+    with pytest.raises(PlanError, match=r"the other 5 of 7 decoder layers do not split evenly over the 2 stage"):
+        even_plan(7, 4, 1, 1, pipeline_stages=4, first_stage_layers=1, last_stage_layers=1)
+    with pytest.raises(PlanError, match="uneven splits with virtual stages are not built"):
+        even_plan(8, 4, 1, 1, pipeline_stages=2, virtual_stages=2, first_stage_layers=2)
+    with pytest.raises(PlanError, match="first_stage_layers=0 must be a positive integer"):
+        even_plan(4, 4, 1, 1, pipeline_stages=2, first_stage_layers=0)
+    with pytest.raises(PlanError, match="does not divide the 61 decoder layers.*uneven first/last"):
+        even_plan(61, 8, 1, 1, pipeline_stages=4)

@@ -56,7 +56,7 @@ def test_megatron_defaults():
 @pytest.mark.parametrize("extra, words", [
     (["--mtp-num-layers", "-1"], "--mtp-num-layers=-1 must be a positive integer"),
     (["--experimental-attention-variant", "dsa"], "--experimental-attention-variant (an attention variant"),
-    (["--decoder-first-pipeline-num-layers", "1"], "--decoder-first-pipeline-num-layers (uneven pipeline splits"),
+    (["--pipeline-model-parallel-layout", "Et|tL"], "--pipeline-model-parallel-layout (a custom pipeline layout"),
     (["--kv-channels", "33", "--position-embedding-type", "rope"], "head dim --kv-channels=33 is odd"),
     (["--group-query-attention", "--num-query-groups", "4"], "--num-query-groups=4 does not divide "
                                                              "--num-attention-heads=6"),

@@ -48,8 +48,8 @@ def test_megatron_defaults_are_not_refused():
 
 @pytest.mark.parametrize("given,expect", [
     ({"context_parallel_size": 2}, "--context-parallel-size 2: HeterMoE's roles run without context parallelism"),
-    ({"decoder_first_pipeline_num_layers": 1}, "--decoder-first-pipeline-num-layers 1: the plan's pipeline stages "
-                                               "(and virtual stages) split the decoder layers evenly"),
+    ({"pipeline_model_parallel_layout": "Et|tL"}, "--pipeline-model-parallel-layout 'Et|tL': the plan's pipeline "
+                                                  "stages split the decoder layers evenly or by the first"),
     ({"num_experts": None}, "--num-experts: HeterMoE trains MoE models; give --num-experts"),
     ({"use_torch_fsdp2": True}, "--use-torch-fsdp2 True: not supported with HeterMoE"),
     ({"ckpt_format": "torch"}, "--ckpt-format 'torch': HeterMoE checkpoints inside pretrain() are Megatron's torch_dist"),

@@ -115,3 +115,40 @@ def test_pretrain_virtual_stages_two_attention_members_asym_ea_an_empty_expert_r
                pipeline_stages=2, virtual_stages=2, schedule="distep").save(plan)
     continues_as_plain(mlm, tmp_path, 2, [*flags, *ep, *cross], 8,
                        [*flags, *PP, "--num-virtual-stages-per-pipeline-rank", "2", *cross, "--hetero-plan", str(plan)])
+
+
+@pytest.fixture(scope="module")
+def four_layer_reference(mlm, data, tmp_path_factory):
+    """Plain Megatron EP 2 with 4 layers saves after iteration 1 and continues through iteration 4."""
+    from megatron_lm_run import CPU, DATA, MODEL, RECIPE, run_losses
+
+    work = tmp_path_factory.mktemp("four_layers")
+    flags = ["--num-layers", "4", *MODEL[2:], "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
+             *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1", "--moe-aux-loss-coeff", "0.01",
+             "--eval-interval", "100", "--eval-iters", "0"]
+    ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
+    ckpt = work / "ckpt"
+    run_losses(mlm, work, 2, [*flags, *ep, "--train-iters", "1", "--save", str(ckpt), "--save-interval", "1"], "tb0")
+    cross = ["--train-iters", "4", "--load", str(ckpt), "--no-load-optim", "--no-load-rng"]
+    plain, _ = run_losses(mlm, work, 2, [*flags, *ep, *cross], "plain")
+    return flags, cross, plain
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["zebra", "distep"])
+def test_pretrain_uneven_stages_continue_with_megatrons_losses(mlm, four_layer_reference, tmp_path, schedule):
+    """--decoder-first-pipeline-num-layers 1 at PP 2 (stage 0 one layer, stage 1 three; what DeepSeek-V3's
+    61 layers need), the plan made as a user makes it (hetermoe plan --even ... -- <the run's flags>):
+    from plain Megatron EP's checkpoint both schedules continue with its losses."""
+    from megatron_lm_run import run_losses
+
+    from megatron_hetermoe.planner.cli_plan import main as plan_main
+
+    flags, cross, plain = four_layer_reference
+    run = [*flags, "--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1"]
+    plan = tmp_path / "plan.json"
+    assert plan_main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--schedule", schedule,
+                      "-o", str(plan), "--", *run]) == 0
+    het, log = run_losses(mlm, tmp_path, 4, [*run, *cross, "--hetero-plan", str(plan)], "het")
+    assert sorted(het) == sorted(plain) == [2, 3, 4]
+    assert [het[i] for i in (2, 3, 4)] == pytest.approx([plain[i] for i in (2, 3, 4)], abs=3e-6), (het, plain)

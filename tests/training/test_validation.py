@@ -400,3 +400,18 @@ def test_parity_command_refuses_bad_inputs_before_any_rank(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             parity.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_an_uneven_split_is_the_plans():
+    """--decoder-first/last-pipeline-num-layers against the plan's first/last_stage_layers (Megatron-LM's
+    pretrain()); the plugin's trainer splits stages evenly and refuses an uneven plan by name."""
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+    from megatron_hetermoe.training.validation import check_hetero_split
+
+    plan = even_plan(4, 4, 1, 1, pipeline_stages=2, first_stage_layers=1)
+    check_hetero_split(plan, 1, None)
+    with pytest.raises(ConfigError, match=r"no uneven split flags: the plan splits its stages as "
+                                          r"--decoder-first-pipeline-num-layers 1 \(stage layers \[1, 3\]\)"):
+        check_hetero_split(plan, None, None)
+    with pytest.raises(ConfigError, match="--decoder-last-pipeline-num-layers 2: the plan splits"):
+        check_hetero_split(even_plan(4, 4, 1, 1, pipeline_stages=2), None, 2)
