@@ -44,11 +44,13 @@ def shard_spec(param: torch.nn.Parameter, name: str, tp_rank: int, tp_size: int,
         return REPLICATED
     if getattr(param, "allreduce", True) is False:  # expert parameters: expert TP is 1 here
         return REPLICATED
-    stride = getattr(param, "partition_stride", 1)
-    if stride != 1:
-        raise ValueError(f"{name}: partition_stride {stride} is not handled (only 1)")
     dim = int(getattr(param, "partition_dim", 0))
     kind = "glu" if glu and dim == 0 and name.endswith("linear_fc1.weight") else "chunk"
+    stride = getattr(param, "partition_stride", 1)
+    # megatron-core 0.16+ marks a gated fc1 (dense MLPs, shared experts) stride 2: [gate_i; up_i]
+    # on rank i, which is the "glu" split itself.
+    if stride != 1 and not (stride == 2 and kind == "glu"):
+        raise ValueError(f"{name}: partition_stride {stride} is not handled (only 1, or 2 on a gated fc1)")
     return ShardSpec(kind, dim, tp_rank, tp_size)
 
 

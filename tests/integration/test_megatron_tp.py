@@ -95,6 +95,18 @@ def test_glu_fc1_is_gate_i_then_up_i():
         tp_shards.shard(torch.zeros(6, 1), spec)
 
 
+def test_a_stride_2_gated_fc1_is_the_glu_split():
+    """megatron-core 0.16+ marks the gated fc1 of dense MLPs and shared experts partition_stride 2 (its
+    [gate_i; up_i] on rank i: the glu split); stride 2 anywhere else stays refused by name."""
+    p = _param((4, 1))
+    p.partition_stride = 2
+    assert tp_shards.shard_spec(p, "decoder.layers.0.mlp.shared_experts.linear_fc1.weight", 1, 2).kind == "glu"
+    with pytest.raises(ValueError, match="linear_qkv.weight: partition_stride 2 is not handled"):
+        tp_shards.shard_spec(p, "decoder.layers.0.self_attention.linear_qkv.weight", 1, 2)
+    with pytest.raises(ValueError, match="partition_stride 2 is not handled"):  # an ungated fc1 has no gate
+        tp_shards.shard_spec(p, "decoder.layers.0.mlp.linear_fc1.weight", 1, 2, glu=False)
+
+
 def test_replicated_params_are_not_split():
     norm = _param((4,), tp=False)
     expert = _param((8, 4), expert=True)  # Megatron marks expert linears TP too; expert TP is 1 here
