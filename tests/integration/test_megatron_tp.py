@@ -119,8 +119,11 @@ def test_replicated_params_are_not_split():
     assert not tp_shards.shard_spec(_param((4, 4)), "x.linear_qkv.weight", 0, 1).split  # TP 1
     bad = _param((4, 4))
     bad.partition_stride = 2
-    with pytest.raises(ValueError, match="partition_stride 2"):
-        tp_shards.shard_spec(bad, "x.linear_fc1.weight", 0, 2)
+    # megatron-core 0.16+ marks a gated fc1 stride 2: that is the glu split; elsewhere refused
+    assert tp_shards.shard_spec(bad, "x.linear_fc1.weight", 0, 2).kind == "glu"
+    for name, glu in (("x.linear_fc1.weight", False), ("x.linear_qkv.weight", True)):
+        with pytest.raises(ValueError, match="partition_stride 2"):
+            tp_shards.shard_spec(bad, name, 0, 2, glu=glu)
 
 
 def test_shard_local_state_cuts_full_tensors_only(monkeypatch):
