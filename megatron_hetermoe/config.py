@@ -720,6 +720,9 @@ class HeteroRunConfig:
     expert_precision: str | None = None
     # --hetero-zebra-issuer: who issues zebra's transfers (schedules/issuer.py resolve_issuer).
     zebra_issuer: str = "auto"
+    # --hetero-expert-load-stats: where the measured expert loads go at every log interval
+    # (docs/expert-load.md); None: beside the timeline (timeline_dir/expert_load.json) or nowhere.
+    expert_load_stats: str | None = None
 
     def __post_init__(self) -> None:
         if self.zebra_issuer not in ISSUERS:

@@ -8,6 +8,12 @@ second). The same rules time plain Megatron EP, through hooks on megatron-core's
 (attention, experts, output layer) and its token all-to-all, so HeterMoE and the baselines are
 measured alike, and each can be compared with the simulator's prediction for the same plan.
 
+Real loads. An emulated expert task (X_*, E_*) lasts the cost model's time for the tokens its
+experts really received in that microbatch, scaled to the emulated shape (each expert's tokens
+over the layer's mean, times the balanced share: `expert_task_time`), and so do Megatron EP's
+emulated experts (emulation/megatron_ep.py): an emulated step includes the router's skew. The
+transfers and the predicted step (`predict_hetero`, the clock's reference) stay balanced.
+
 Validity. Emulation holds only while the real work fits inside the emulated time. Each window
 (a compute task, a transfer, the post-step, a Megatron EP segment) begins when it could, as in
 the simulator: when its inputs were there and its lane free (a collective: when its last member
@@ -111,7 +117,20 @@ class Emulator:
 
         times = self.task_times(plan, rank, schedule)
         scale = (lambda: clock.scale) if clock is not None else (lambda: self.spec.scale)
-        return EmulatedTiming(lambda t: times[t] * scale(), clock)
+        expert = self.expert_task_time(plan, rank)
+        return EmulatedTiming(lambda t: times[t] * scale(), clock, lambda t, got: expert(t, got) * scale())
+
+    def expert_task_time(self, plan, rank: int):
+        """(task, ReceivedTokens) -> emulated seconds of an expert task of `rank` whose experts
+        received those tokens: each expert runs the balanced share of the emulated shape times its
+        multiplier (its tokens over the layer's mean in that microbatch), so the real model's
+        routing skew is priced on the emulated model; balanced routing gives task_times' time."""
+        from megatron_hetermoe.planner.simulator import balanced_tokens_per_expert, experts_time
+
+        share = balanced_tokens_per_expert(plan, self.cost, self.spec.global_batch)
+        gpu = self.gpu(rank)
+        return lambda task, got: experts_time(self.cost, gpu, [share * m for m in got.multipliers()],
+                                              task.kind.endswith("_B"))
 
     def predict_hetero(self, plan, schedule: str):
         from megatron_hetermoe.planner.simulator import simulate_plan

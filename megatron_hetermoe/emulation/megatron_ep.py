@@ -26,7 +26,12 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
     microbatch and its backward (else a rank would run ahead into a stage and wait inside it,
     in a hidden collective such as the dispatcher's token counts). Every window starts when
     its inputs were there and all real work (norms, router, permutes, the loss, the
-    probabilities' all-to-all) runs inside its emulated time instead of adding to it."""
+    probabilities' all-to-all) runs inside its emulated time instead of adding to it.
+
+    The experts' window lasts the cost model's time for the tokens this rank's experts received
+    in that layer and microbatch (the experts module's tokens_per_expert, on the host on CPU
+    ranks), each expert's tokens over the layer's mean (the EP group's tokens x top-k / experts)
+    times the balanced share, as HeterMoE's emulated expert tasks (Emulator.expert_task_time)."""
     import torch.distributed as dist
     from megatron.core.transformer.moe import token_dispatcher as td
 
@@ -39,13 +44,31 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
     per_expert = len(ep_group_ranks) * t * m.moe_router_topk / m.num_experts
     n_local = gpt.decoder.layers[0].mlp.num_local_experts
     stage = [[cost.stage_time(gpu, i, t, b) for i in range(L + 1)] for b in (False, True)]
-    expert = [n_local * cost.expert_time(gpu, per_expert, b) for b in (False, True)]
+    expert = [n_local * cost.expert_time(gpu, per_expert, b) for b in (False, True)]  # balanced
+    topk = gpt.config.moe_router_topk
     a2a = ep_a2a_time(cost, emulator.cluster, ep_group_ranks, t) if len(ep_group_ranks) > 1 else 0.0
     hidden = gpt.config.hidden_size
     device = rank_device()  # of the all-reduces in synced()
     # last: when this rank's previous window closed (its next window's inputs are there)
     st = {"last": time.perf_counter(), "seg": 0.0, "calls": 0, "pending": None, "bseg": 0.0, "bstart": None,
-          "mb": -1}
+          "mb": -1, "tokens": 0, "received": {}}
+
+    def experts_budget(layer: int, bwd: bool) -> float:
+        """Emulated seconds of this rank's experts of `layer` for what they received in the
+        current microbatch (balanced: `expert`)."""
+        from megatron_hetermoe.planner.simulator import experts_time
+
+        got = st["received"].get(layer)
+        if got is None:
+            return expert[bwd]
+        mean = len(ep_group_ranks) * st["tokens"] * topk / m.num_experts
+        return experts_time(cost, gpu, [per_expert * (c / mean) if mean > 0 else 0.0 for c in got], bwd)
+
+    def experts_received(layer: int):
+        def hook(mod, args):
+            counts = args[1]  # tokens_per_expert: this rank's local experts, on the host here
+            st["received"][layer] = [int(c) for c in (counts.tolist() if torch.is_tensor(counts) else counts)]
+        return hook
     if clock is not None:
         clock.on_step_begin = lambda t0: st.update(last=t0)
 
@@ -69,11 +92,12 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
         return float(x.item())
 
     def mb_start(mod, args):
-        st.update(seg=synced(st["last"]), calls=0, pending=None, mb=st["mb"] + 1)
+        st.update(seg=synced(st["last"]), calls=0, pending=None, mb=st["mb"] + 1, tokens=args[0].numel(),
+                  received={})
 
     def bwd_call(layer: int, dispatch: bool):  # gradient of an all-to-all's output is ready
         if dispatch:
-            close("compute", "E_B", layer, st["bseg"], expert[True] * scale())
+            close("compute", "E_B", layer, st["bseg"], experts_budget(layer, True) * scale())
         else:
             close("compute", "A_B", layer + 1, st["bseg"], stage[True][layer + 1] * scale())
         st["bstart"] = (layer, dispatch, synced(st["last"]))
@@ -100,7 +124,7 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
         if dispatch:
             close("compute", "A_F", layer, st["seg"], stage[False][layer] * scale())
         else:
-            close("compute", "E_F", layer, st["seg"], expert[False] * scale())
+            close("compute", "E_F", layer, st["seg"], experts_budget(layer, False) * scale())
         start = synced(st["last"])
         x = _Mark.apply(input_, bwd_return) if input_.requires_grad else input_
         out = orig(group, x, output_split_sizes, input_split_sizes, **kw)
@@ -125,6 +149,8 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
     handles = [gpt.embedding.register_forward_pre_hook(mb_start),
                gpt.embedding.register_forward_hook(embedding_done),
                gpt.output_layer.register_forward_hook(head_done)]
+    handles += [layer.mlp.experts.register_forward_pre_hook(experts_received(i))
+                for i, layer in enumerate(gpt.decoder.layers)]
     td.all_to_all = timed_all_to_all
 
     def undo():

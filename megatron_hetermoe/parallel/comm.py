@@ -57,6 +57,10 @@ class TokenRoute:
     dtype: torch.dtype  # the wire dtype: every member sends and receives this
     device: torch.device
     compute: torch.dtype | None = None  # this rank's dtype (None: the wire dtype)
+    # Rows every member routed in this (layer, microbatch), for all experts of the layer: with
+    # local_counts, the load this rank's experts got against the layer's mean (emulated expert
+    # times, parallel/expert_load.py).
+    layer_tokens: int = 0
 
     @property
     def local_dtype(self) -> torch.dtype:
@@ -93,7 +97,8 @@ class TokenRoute:
         """The route of `layer` from the counts exchange's [member, expert in travel order] result;
         dtype: this rank's compute dtype (as `exchange`). Everything a route needs on the host
         (both split sizes, the local experts' counts) comes from one host copy of `all_counts`
-        (a no-op where it is already there): this rank's own row is what it sends."""
+        (a no-op where it is already there): this rank's own row is what it sends. The rank's
+        load meter (hs.load_meter), if any, counts the tokens its experts receive."""
         host = all_counts.cpu()
         local = hs.received_counts(layer, host)
         mine = host[hs.comm_order.index(hs.rank)].tolist()
@@ -101,8 +106,10 @@ class TokenRoute:
         for size in hs.member_sizes(layer):
             send.append(sum(mine[start:start + size]))
             start += size
+        if hs.load_meter is not None:
+            hs.load_meter.observe(layer, hs.local_experts(layer), local.sum(0).tolist())
         return cls(tuple(send), tuple(local.sum(1).tolist()), local, hs.transport, width,
-                   hs.wire_dtype or dtype, hs.device, dtype)
+                   hs.wire_dtype or dtype, hs.device, dtype, layer_tokens=int(host.sum()))
 
     def empty(self) -> torch.Tensor:
         return torch.empty(0, self.width, dtype=self.dtype, device=self.device)

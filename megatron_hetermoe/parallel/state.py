@@ -25,6 +25,7 @@ import datetime
 import enum
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,9 @@ from megatron_hetermoe.parallel.layout import (
     staged_name,
 )
 from megatron_hetermoe.plan.hetero_plan import RUNTIME_EXPERT_RECOMPUTE, HeteroPlan, PlanError, ZPGroup
+
+if TYPE_CHECKING:
+    from megatron_hetermoe.parallel.expert_load import ExpertLoadMeter
 
 
 @dataclass
@@ -68,6 +72,8 @@ class HeteroParallelState:
     pp_group: dist.ProcessGroup | None = None
     embd_group: dist.ProcessGroup | None = None
     tp_pp_group: dist.ProcessGroup | None = None
+    # Counts the tokens this rank's experts receive (parallel/expert_load.py); None: not measured.
+    load_meter: "ExpertLoadMeter | None" = None
 
     # ---- the plan arithmetic, read once (RankLayout) -----------------------------------------
     @property

@@ -44,6 +44,7 @@ from megatron_hetermoe.planner.cluster import (
     allreduce_time,
 )
 from megatron_hetermoe.planner.cost_model import CostModel
+from megatron_hetermoe.planner.expert_load import ExpertLoad
 from megatron_hetermoe.planner.pipeline import (
     PipelineResult,
     check_plan_matches,
@@ -235,21 +236,43 @@ def compute_task_time(cost: CostModel, gpu: str, task: Task, tokens_per_microbat
     return experts_held * cost.expert_time(gpu, tokens_per_expert, bwd)
 
 
+def experts_time(cost: CostModel, gpu: str, tokens: list[float] | tuple[float, ...], backward: bool) -> float:
+    """Seconds of one X/E task running one expert per entry of `tokens` (the tokens each
+    received), one after another. Equal counts are priced once and multiplied, so a balanced
+    load gives exactly compute_task_time's n * expert_time."""
+    groups: dict[float, int] = {}
+    for t in tokens:
+        groups[t] = groups.get(t, 0) + 1
+    return sum(n * cost.expert_time(gpu, t, backward) for t, n in groups.items())
+
+
+def balanced_tokens_per_expert(plan: HeteroPlan, cost: CostModel, global_batch: int) -> float:
+    """Routed tokens each expert of a layer gets per microbatch under balanced routing: the
+    stage's attention ranks' tokens x top-k over the experts."""
+    t_mb = tokens_per_microbatch(plan, float(global_batch) * cost.settings.seq_len)
+    M_stage = len(plan.stage_ranks(0, 0)[0])
+    return M_stage * t_mb * cost.model.moe_router_topk / plan.num_experts
+
+
 def rank_task_times(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int, rank: int,
-                    schedule: str | None = None, with_transfers: bool = False) -> list[tuple[Task | PipeTask, float]]:
+                    schedule: str | None = None, with_transfers: bool = False,
+                    expert_load: ExpertLoad | None = None) -> list[tuple[Task | PipeTask, float]]:
     """The task list of `rank` with each task's predicted seconds (compute: on the rank's GPU
     type; comm: the collective's transfer time). For emulating a mixed cluster: stretch each
     compute task to its time; compare measured step times with simulate_plan's. The runtime's
     list has no stage transfers (PipeTask: it does them at the attention tasks that produce or
-    consume them); `with_transfers` keeps them where plan.tasks.stage_transfers puts them."""
-    p = build_problem(plan, cost, cluster, global_batch, schedule, group=plan.group_of(rank), dedup=False)
+    consume them); `with_transfers` keeps them where plan.tasks.stage_transfers puts them.
+    `expert_load`: price expert tasks and transfers for these loads (build_problem)."""
+    p = build_problem(plan, cost, cluster, global_batch, schedule, group=plan.group_of(rank), dedup=False,
+                      expert_load=expert_load)
     i = p.ranks.index(rank)
     return [(t, p.coll_dur[ref] if c else d) for t, c, d, ref in zip(p.tasks[i], p.is_comm[i], p.dur[i], p.ref[i])
             if with_transfers or not isinstance(t, PipeTask)]
 
 
 def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,
-                  schedule: str | None = None, group: int = 0, dedup: bool = True) -> SimProblem:
+                  schedule: str | None = None, group: int = 0, dedup: bool = True,
+                  expert_load: ExpertLoad | None = None) -> SimProblem:
     """The task lists and durations of ZP group `group` for a global batch of `global_batch`
     sequences of cost.settings.seq_len tokens.
 
@@ -262,7 +285,13 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     transfer when it reaches the task that waits for it (a send waits for its receive). The
     attention pieces are planner/pipeline.py's (stage_pieces): the last piece of a stage before
     the last does no compute (dense layers after the stage's last MoE layer are priced with that
-    layer's piece); the post-step is pipeline.post_step's."""
+    layer's piece); the post-step is pipeline.post_step's.
+
+    `expert_load` (a measured per-layer histogram, planner/expert_load.py; None: balanced): each
+    expert of a layer gets the balanced share times its multiplier (its tokens over the layer's
+    mean), so an X/E task costs its experts' own token counts (experts_time) and a member's share
+    of a layer's dispatch and combine bytes is its experts' multipliers summed (where balanced
+    routing has their count)."""
     P = plan.pipeline_stages
     schedule = schedule or plan.schedule
     lister = {"zebra": zebra_tasks, "distep": distep_tasks}.get(schedule)
@@ -283,12 +312,19 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     role = {r: plan.role(r) for r in g.members}
     layers = [plan.stage_moe_layers(i) for i in range(P)]  # a stage's task-list layer k is MoE layer layers[i][k]
     counts = {r: [len(g.placement[l].get(r, [])) for l in layers[stage[r]]] for r in g.members}
+    load_mult = None
+    if expert_load is not None:
+        expert_load.check(plan.num_layers, E, "the expert load")
+        load_mult = [expert_load.multipliers(l) for l in range(plan.num_layers)]
+    # a member's weight in a layer's transfers: its experts' count, or their multipliers' sum
+    weight = counts if load_mult is None else {
+        r: [sum(load_mult[l][e] for e in g.placement[l].get(r, [])) for l in layers[stage[r]]] for r in g.members}
 
     # collectives: one per (stage, kind, layer, microbatch); durations from the bipartite byte matrix
     layer_dur: list[list[dict]] = []  # [stage][k]
     for i in range(P):
         att, exp = plan.stage_ranks(group, i)
-        held = [tuple(counts[r][kk] for r in att + exp) for kk in range(len(layers[i]))]
+        held = [tuple(weight[r][kk] for r in att + exp) for kk in range(len(layers[i]))]
         layer_dur.append(layer_collectives(cost, cluster, att + exp, len(att), held, t_mb))
     # between stage b and b + 1: (b, False) the activations forward, (b, True) their gradient back
     p2p = {(b, bwd): p2p_time(lay, cost, cluster, b, t_mb, bwd) for b in range(P - 1) for bwd in (False, True)}
@@ -298,7 +334,9 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     reps: list[int] = []
     mult: list[int] = []
     for r in g.members:
-        key = (stage[r], role[r], plan.gpu_types[r], tuple(counts[r])) if dedup else (r,)
+        key = (stage[r], role[r], plan.gpu_types[r], tuple(weight[r] if load_mult is None else
+                                                            [tuple(g.placement[l].get(r, [])) for l in layers[stage[r]]]))
+        key = key if dedup else (r,)
         if key in keys:
             mult[keys[key]] += 1
         else:
@@ -334,6 +372,13 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
 
     def compute_dur(r: int, t: Task) -> float:
         i = stage[r]
+        if load_mult is not None and t.kind[0] in "XE":  # the experts' own loads
+            l = layers[i][t.layer]
+            key = (plan.gpu_types[r], t.kind, l, tuple(g.placement[l].get(r, [])))
+            if key not in cache:
+                cache[key] = experts_time(cost, plan.gpu_types[r], [per_expert_tokens * load_mult[l][e] for e in key[3]],
+                                          t.kind.endswith("_B"))
+            return cache[key]
         key = (plan.gpu_types[r], i, t.kind, t.layer, counts[r][t.layer] if t.kind[0] in "XE" else 0)
         if key not in cache:
             if lay is None or t.kind[0] != "A":
@@ -423,17 +468,21 @@ def result_of(p: SimProblem, tr: SimTrace, keep: bool = False) -> SimResult:
 
 def simulate_plan(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,
                   schedule: str | None = None, engine: str = "auto", dedup: bool = True,
-                  keep_trace: bool = False) -> SimResult | PipelineResult:
+                  keep_trace: bool = False, expert_load: ExpertLoad | None = None) -> SimResult | PipelineResult:
     """Predicted step of `plan` (its own schedule unless `schedule` is given). With pipeline
     stages (pipeline_stages > 1) zebra runs its stages' task lists here (build_problem); DistEP
     is priced by planner/pipeline.py's model (Megatron's 1F1B across the stages; a
-    PipelineResult, which has no trace: keep_trace is refused)."""
+    PipelineResult, which has no trace: keep_trace is refused). `expert_load`: measured loads
+    (build_problem)."""
     if plan.pipeline_stages != 1 and (schedule or plan.schedule) == "distep":
+        if expert_load is not None:
+            raise PlanError(f"plan has pipeline_stages={plan.pipeline_stages} under DistEP, priced by the 1F1B step "
+                            f"model, which takes no expert load yet; simulate zebra, or drop the expert load")
         if keep_trace:
             raise PlanError(f"plan has pipeline_stages={plan.pipeline_stages} under DistEP: there are no task lists to "
                             f"trace (the 1F1B model prices whole stages); drop keep_trace")
         return simulate_pipelined(plan, cost, cluster, global_batch, schedule)
-    p = build_problem(plan, cost, cluster, global_batch, schedule, dedup=dedup)
+    p = build_problem(plan, cost, cluster, global_batch, schedule, dedup=dedup, expert_load=expert_load)
     return result_of(p, run(p, engine), keep_trace)
 
 

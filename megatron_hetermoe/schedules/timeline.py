@@ -77,6 +77,17 @@ class TimelineRecorder:
         clock = "cuda" if any(e.clock == "cuda" for e in mine) else "host"
         return sum(e.end - e.start for e in mine if e.clock == clock)
 
+    def kind_seconds(self, step: int) -> dict[str, float]:
+        """Seconds per compute task kind during `step`, on the clock busy() reads."""
+        with self._lock:
+            mine = [e for e in self.events if e.step == step and e.lane == "compute"]
+        clock = "cuda" if any(e.clock == "cuda" for e in mine) else "host"
+        out: dict[str, float] = {}
+        for e in mine:
+            if e.clock == clock:
+                out[e.kind] = out.get(e.kind, 0.0) + (e.end - e.start)
+        return out
+
     def save(self, run_dir: str | Path) -> Path:
         path = Path(run_dir) / f"timeline.rank{self.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)

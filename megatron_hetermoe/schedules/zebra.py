@@ -38,7 +38,7 @@ from megatron_hetermoe.plan.tasks import ATTENTION_KINDS, PipeTask, Task, stage_
 from megatron_hetermoe.schedules.executor import CUDA, StageIO
 from megatron_hetermoe.schedules.issuer import IssueExecutor, make_executor
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
-from megatron_hetermoe.schedules.timing import TaskTiming
+from megatron_hetermoe.schedules.timing import LoadedTiming, ReceivedTokens, TaskTiming
 
 
 def _recomputed(fn, *args):
@@ -131,8 +131,10 @@ class ZebraRank:
         # without pipeline stages): the plan's layer index for placement and routes.
         self.layer_ids = hs.plan.stage_moe_layers(hs.stage)
         self.slots: dict[tuple[int, int], Slot] = {}
+        # Emulated expert tasks are priced for what their experts received (schedules/timing.py).
+        executor_timing = None if task_timing is None else LoadedTiming(task_timing, self.received_tokens)
         self.ex = make_executor(len(self.layer_ids), run.zebra_issuer, recorder, hs.device, hs.transport.backend,
-                                task_timing, keep_streams=True)
+                                executor_timing, keep_streams=True)
         self.sequences: dict[int, list] = {}  # R -> this rank's issue sequence (the single issuer's)
 
     def close(self) -> None:
@@ -141,6 +143,18 @@ class ZebraRank:
 
     def slot(self, layer: int, j: int) -> Slot:
         return self.slots.setdefault((layer, j), Slot())
+
+    def received_tokens(self, task: Task) -> ReceivedTokens | None:
+        """What the experts of an expert task (X_*, E_*) received in its (layer, microbatch),
+        from its route (on the host: made from the counts exchange); None for other tasks."""
+        if task.kind[0] not in "XE":
+            return None
+        st = self.slots.get((task.layer, task.microbatch))
+        if st is None or st.route is None:
+            return None
+        route = st.route
+        return ReceivedTokens(tuple(int(c) for c in route.local_counts.sum(0).tolist()),
+                              route.layer_tokens / len(self.hs.layer_order(self.layer_ids[task.layer])))
 
     def holds(self, layer: int) -> bool:
         return bool(self.hs.local_experts(self.layer_ids[layer]))

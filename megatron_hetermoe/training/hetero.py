@@ -49,6 +49,7 @@ from megatron_hetermoe.reliability import collective_trace
 from megatron_hetermoe.schedules.select import ExecutedSteps
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.training.assembly import RoleAssembly, model_config
+from megatron_hetermoe.training.expert_load_log import ExpertLoadLog, stats_path
 from megatron_hetermoe.training.logging import StepLogger, last_step_busy
 from megatron_hetermoe.training.loop import LoopParts, train_loop
 from megatron_hetermoe.training.nan_check import NanGuard
@@ -176,7 +177,9 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
             config.no_sync_func = model.no_sync
         # Every step's events only for a timeline to write; else the current step's (utilization).
         recorder = TimelineRecorder(hs.rank, hs.role, keep_history=run.timeline_dir is not None)
-        steplog = StepLogger(cfg, hs.role, recorder, hs.world_group, dist.get_rank() == 0)
+        loads = ExpertLoadLog(hs, [plan.role(r) for r in range(plan.world_size)], stats_path(run), recorder,
+                              writes=dist.get_rank() == 0)
+        steplog = StepLogger(cfg, hs.role, recorder, hs.world_group, dist.get_rank() == 0, loads)
         # The last step's order and activation peak (only that step is metered: HeteroStep.before_step).
         executed = ExecutedSteps(maxlen=1, meter=False)
         clock, task_timing = None, hooks.task_timing

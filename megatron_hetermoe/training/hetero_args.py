@@ -8,7 +8,7 @@ from megatron_hetermoe.config import ISSUERS, HeteroRunConfig
 from megatron_hetermoe.plan.tasks import SCHEDULES
 
 HETERO_FLAGS = ("--hetero-plan", "--hetero-schedule", "--hetero-ckpt-reshard", "--hetero-zebra-issuer",
-                "--hetero-expert-precision")
+                "--hetero-expert-precision", "--hetero-expert-load-stats")
 
 
 def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -33,6 +33,10 @@ def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="zebra: who issues the transfers: 'single', the compute thread with async collectives and "
                         "split sizes sent ahead; 'threads', a worker thread per stream; 'auto': single on GPU ranks "
                         "over NCCL, threads on CPU ranks and emulated clusters (default: auto)")
+    g.add_argument("--hetero-expert-load-stats", default=None, metavar="PATH",
+                   help="write the measured expert loads (tokens each expert received per MoE layer, each rank's "
+                        "compute seconds per task kind) to this JSON file at every log interval, for `hetermoe plan "
+                        "--expert-load` (docs/expert-load.md); the loads are logged either way")
     return parser
 
 
@@ -40,4 +44,4 @@ def hetero_run_config(args: argparse.Namespace, recompute: bool = False, timelin
     """The run's HeteroRunConfig from the parsed --hetero-* flags (and the plugin trainer's own
     --recompute-granularity full and --timeline-dir)."""
     return HeteroRunConfig(args.hetero_schedule, recompute, timeline_dir, args.hetero_expert_precision,
-                           args.hetero_zebra_issuer)
+                           args.hetero_zebra_issuer, getattr(args, "hetero_expert_load_stats", None))

@@ -4,7 +4,9 @@ time, from each rank's timeline) when the ranks record compute tasks (zebra, emu
 Busy time is TimelineRecorder.busy: on a CUDA rank running a task list, the compute tasks' CUDA
 event spans (when they ran on the GPU); on CPU ranks and emulated runs, host times. Megatron's own
 schedule (DistEP attention ranks without emulation, the Megatron EP trainer) records no tasks.
-`log` is collective over `group`: every rank calls it at the same iterations."""
+Expert loads (training/expert_load_log.py): the interval's max/mean on the line, TensorBoard
+scalars, the stats file. `log` is collective over `group`: every rank calls it at the same
+iterations."""
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -39,8 +41,11 @@ def last_step_busy(recorder, step: int, group) -> list[float]:
 
 
 class StepLogger:
-    def __init__(self, cfg, role: str, recorder, group, is_first_rank: bool):
+    def __init__(self, cfg, role: str, recorder, group, is_first_rank: bool, load=None):
+        """`load`: the run's expert-load logging (training/expert_load_log.ExpertLoadLog; None:
+        none, the Megatron EP trainer)."""
         self.cfg, self.role, self.recorder, self.group = cfg, role, recorder, group
+        self.load = load
         self.first = is_first_rank
         self.skipped = 0
         self.tb = None
@@ -67,6 +72,12 @@ class StepLogger:
     def log(self, it: int, dt: float, lr: float, loss: float, grad_norm, loss_scale: float | None = None,
             skipped: int = 0) -> None:
         self.skipped += skipped  # Megatron's count: skipped iterations since the last line
+        load = None
+        if self.load is not None:
+            self.load.step(it)
+            # the interval's one collective: where the line is printed or a stats file is written
+            if not it % self.cfg.log_interval and (not self.cfg.quiet or self.load.path):
+                load = self.load.interval(it)
         if self.cfg.quiet or it % self.cfg.log_interval:
             return
         skipped, self.skipped = self.skipped, 0
@@ -76,6 +87,8 @@ class StepLogger:
         line = format_iteration(it, self.cfg, dt, lr, loss, grad_norm, loss_scale, skipped)
         if util:
             line += " utilization: " + " ".join(f"{r} {u:.0%}" for r, u in sorted(util.items())) + " |"
+        if load is not None:
+            line += self.load.line(load)
         print(line, flush=True)
         if self.tb is not None:
             tokens = self.cfg.global_batch_size * self.cfg.model.seq_length
@@ -89,6 +102,8 @@ class StepLogger:
             self.tb.add_scalar("throughput (tokens/s)", tokens / dt, it)
             for r, u in util.items():
                 self.tb.add_scalar(f"utilization/{r}", u, it)
+            if load is not None:
+                self.load.write_scalars(load, it, self.tb)
             self.tb.flush()
 
     def close(self) -> None:
