@@ -17,8 +17,7 @@ pretrain_gpt.py's parse_and_validate_args through the hooks (`parse_with_hooks`:
 runs there, before pretrain()), passes model_provider with the plugin's builder, and pretrain()
 drops the config container's model so Megatron builds it with that model_provider. What else
 differs between the releases is decided in compat.py (megatron_lm_* rules) or by the object at hand
-(hooks.py: the "with GTP_remat" groups, the MoE and MTP metric trackers; cpu_layer.py). `run_hetero`
-(the plugin's trainer on Megatron-LM's command line) is no longer used by a patch.
+(hooks.py: the "with GTP_remat" groups, the MoE and MTP metric trackers; cpu_layer.py).
 
 Inside pretrain() (hooks.py):
 Every rank, attention and expert alike, runs Megatron-LM's pretrain(): initialize_megatron,
@@ -47,10 +46,11 @@ entered by every rank by construction. HeterMoE changes five things, each throug
 On a host without CUDA the CPU backend (parallel/cpu_backend.py) runs the same path over gloo.
 
 Modules: `pretrain` (`hetermoe pretrain`: a patched checkout's pretrain_gpt.py, or megatron-core
->= 0.19's own pretrain() with this package's GPT providers and no checkout), `hooks` (HeteroPretrain and hetero_pretrain), `refusals` (the flags refused by name),
-`cpu_layer` (pretrain() on CPU ranks, and megatron_on_cpu for a plain Megatron run), `patches`
-(which patch fits a checkout). The --hetero-* flags are training/hetero_args.py's, the plugin
-trainer's too.
+>= 0.19's own pretrain() with this package's GPT providers and no checkout), `hooks` (HeteroPretrain
+and hetero_pretrain), `refusals` (the flags refused by name), `replaced` (the flags accepted with a
+line naming what replaces them, and recomputation), `cpu_layer` (pretrain() on CPU ranks, and
+megatron_on_cpu for a plain Megatron run), `patches` (which patch fits a checkout). The --hetero-*
+flags are training/hetero_args.py's, the plugin trainer's too.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ from megatron_hetermoe.megatron_lm.hooks import hetero_pretrain
 from megatron_hetermoe.megatron_lm.patches import PATCHES, checkout_version, patch_for
 from megatron_hetermoe.training.hetero_args import add_hetero_args
 
-__all__ = ["add_hetero_args", "hetero_pretrain", "megatron_on_cpu", "hetero_requested", "run_hetero", "patch_for",
+__all__ = ["add_hetero_args", "hetero_pretrain", "megatron_on_cpu", "hetero_requested", "patch_for",
            "checkout_version", "PATCHES"]
 
 
@@ -76,11 +76,3 @@ def hetero_plan_path(argv: list[str]) -> str | None:
 def hetero_requested(argv: list[str]) -> bool:
     """Whether this command line asks for HeterMoE (--hetero-plan given)."""
     return hetero_plan_path(argv) is not None
-
-
-def run_hetero(argv: list[str]) -> int:
-    """Run Megatron-LM's command line on the plugin's trainer (joins the torchrun job); what the
-    core_v0.19.0 patch did before it ran Megatron-LM's own pretrain() (kept for callers)."""
-    from megatron_hetermoe.training.pretrain_gpt import main
-
-    return main(argv)

@@ -1,6 +1,7 @@
-"""The model per role: builder.py (model YAML -> TransformerConfig / GPTModel, the kernels,
-layout-invariant weights), expert_names.py (every kernel's parameter names <-> canonical names),
-moe_layer.py (HeteroMoELayer, installed through the layer spec), dispatcher.py
-(HeteroTokenDispatcher and its frozen per-microbatch DispatchMeta), experts.py (expert compute
-and the expert ranks' ExpertRuntime), stages.py (the only place that cuts megatron's layers into
-zebra's stages)."""
+"""The model per role: builder.py (model YAML or Megatron's flags -> TransformerConfig / GPTModel,
+the kernels, layout-invariant weights), moe_layer.py (HeteroMoELayer, installed through the layer
+spec), dispatcher.py (HeteroTokenDispatcher and its frozen per-microbatch DispatchMeta),
+experts.py (expert compute and the expert ranks' ExpertRuntime), expert_axis.py (an experts
+module's checkpoint keys renumbered to the plan's expert ids), tp_shards.py (a canonical tensor
+<-> a tensor-parallel rank's shard), stages.py (the only place that cuts megatron's layers into
+zebra's stages). Parameter names of every expert kernel are plan/expert_names.py's."""

@@ -1,6 +1,8 @@
-"""Process groups and transport: state.py (HeteroParallelState: the "hetero" dimension's groups
-built from a plan, and the rank's device), comm.py (TokenRoute: the one attention<->expert token
-transport), megatron_globals.py (the megatron-core globals with no explicit-group path),
-device.py (a rank's device and group timeouts; torchrun ranks join with init_distributed, GPU
-first), launcher.py and cpu_backend.py (N CPU ranks on gloo, even on a GPU host; megatron-core
-on CPU)."""
+"""Ranks, process groups and token transport: layout.py (RankLayout: a rank's role and groups by
+plan arithmetic, no process group), state.py (HeteroParallelState: the "hetero" groups built from
+a plan, and the rank's device), transport.py (the Transport every token transfer of a ZP group
+goes through: all-to-all, or loopback in a one-rank group), comm.py (TokenRoute: one layer's
+tokens of one microbatch), megatron_globals.py (megatron-core's parallel_state globals from the
+plan's groups), device.py (a rank's device and group timeouts; torchrun ranks join with
+init_distributed, GPU first), launcher.py and watchdog.py (N CPU ranks on gloo, even on a GPU
+host, and the progress watchdog), cpu_backend.py (megatron-core on CPU)."""

@@ -1,4 +1,6 @@
-"""Schedules: tasks.py (Theorem 1's task lists, shared with the simulator; no torch), executor.py
-(runs a task list: compute in order, transfers on streams), zebra.py (attention and expert
-ranks under zebra), distep.py (the expert mirror of Megatron's schedule), select.py
-(get_forward_backward_func for a hetero rank, megatron-core's signature)."""
+"""Schedules: executor.py (runs a rank's task list of plan/tasks.py: compute in order, transfers on
+stream threads), issuer.py (the single issuer: one thread issues every collective asynchronously
+in the rank's issue order), zebra.py (attention and expert ranks under zebra), distep.py (the
+expert ranks' mirror of Megatron's schedule, 1F1B and interleaved included), select.py
+(get_forward_backward_func for a hetero rank, megatron-core's signature), timing.py (the
+TaskTiming seam), timeline.py (what a rank ran, for `hetermoe timeline`)."""

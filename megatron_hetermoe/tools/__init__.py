@@ -1,3 +1,4 @@
 """User-facing tools built on the library: parity.py (`hetermoe parity`), bench.py (`hetermoe
-bench`), demo.py (`make demo`), golden.py (`hetermoe regress`), timeline.py (`hetermoe
-timeline`), slurm.py (SLURM launch rendering)."""
+bench`), layer_bench.py (`hetermoe bench --layer`), demo.py (`make demo`), golden.py (`hetermoe
+regress`), timeline.py (`hetermoe timeline`), profiler.py (`hetermoe profile`), slurm.py (SLURM
+launch rendering, scripts/slurm/launch.sh)."""

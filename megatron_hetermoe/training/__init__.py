@@ -1,5 +1,9 @@
-"""Training: args.py (`hetermoe train` flags -> TrainConfig, ranks), megatron_ep.py and hetero.py
-(the two trainers: model, optimizer and schedule per role), loop.py (the one loop both run),
-step.py (forward_step, loss, optimizer, global grad norm and clip), logging.py (iteration lines,
-TensorBoard, utilization), golden_values.py, pretrain_gpt.py and megatron_lm.py (Megatron-LM's
-command line and its pretrain_gpt.py patch)."""
+"""Training: args.py (`hetermoe train` flags -> TrainConfig, ranks), pretrain_gpt.py (`hetermoe
+train-gpt`: Megatron-LM's pretrain_gpt.py flags for the subset the plugin's trainer builds),
+hetero_args.py (the --hetero-* flags, defined once for both hostings), validation.py (every input
+checked before any process group exists), assembly.py (RoleAssembly: a HeterMoE rank put together
+for both hostings), megatron_ep.py and hetero.py (the two trainers), loop.py (the one loop both
+run), step.py (forward_step, loss, optimizer, one loss scale), world_stats.py (params norm and
+zero count over the world), nan_check.py (Megatron's NaN check, world-wide), logging.py
+(iteration lines, TensorBoard, utilization), golden_values.py, run_hooks.py and result.py (what
+a trainer takes besides its config, and returns)."""

@@ -1,10 +1,9 @@
 """One optimizer step's pieces, shared by the Megatron EP and HeterMoE trainers: Megatron's GPT
-forward_step and loss, Megatron's Adam with its cosine schedule, and the exact global gradient
-norm and clip of a HeterMoE world (each parameter counted once over roles that hold different
-parameters)."""
+forward_step and loss, Megatron's Adam with its cosine schedule, one loss scale for the world
+(share_loss_scale), and the canonical gather of parameters or gradients over every rank. The
+world-wide gradient norm is Megatron's optimizer's own over the world's groups (assembly.py)."""
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import torch
@@ -192,22 +191,3 @@ def gather_canonical(model_chunks, names_per_chunk, attr: str, scale: float = 1.
         for k, v in d.items():
             merged.setdefault(k, v)
     return expand(merged)  # GroupedMLP's packed tensors -> one canonical name per expert
-
-
-def global_grad_norm(owned_grads, group, device: torch.device) -> float:
-    """The exact L2 norm of the whole model's gradient over `group`: each rank passes the
-    gradients it owns (every distinct parameter owned by exactly one rank) and its device."""
-    sq = torch.zeros(1, dtype=torch.float64, device=device)
-    for g in owned_grads:
-        sq += g.double().pow(2).sum()
-    dist.all_reduce(sq, group=group)
-    return float(sq.sqrt())
-
-
-def clip_coefficient(clip_grad: float, grad_norm: float) -> float:
-    """Megatron's rule (clip_grad_by_total_norm_fp32): scale by clip/(norm+1e-6) when below 1;
-    1.0 when not clipping, or when the norm is not finite (the step is skipped then)."""
-    if clip_grad <= 0 or not math.isfinite(grad_norm):
-        return 1.0
-    coeff = clip_grad / (grad_norm + 1.0e-6)
-    return coeff if coeff < 1.0 else 1.0
