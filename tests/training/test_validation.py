@@ -1,8 +1,9 @@
 """Every user input error: refused before any process group exists, with a message that names
-the field, the bad value and the fix; and README.md's table lists each one with its message.
+the field, the bad value and the fix; and docs/reliability.md's table lists each one with its message.
 
 CASES is the single list: (input, field, how to provoke it, expected error type, the message's
-start after file paths are replaced by PATH). test_readme_table checks the README rows against it.
+start after file paths are replaced by PATH). test_error_table_lists_every_error checks the rows of
+docs/reliability.md's "Input errors" table against it (the table lived in README.md before).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from megatron_hetermoe.training import args as train_args
 from megatron_hetermoe.training.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
-README = ROOT / "README.md"
+ERROR_TABLE = ROOT / "docs" / "reliability.md"  # its "## Input errors" section
 TINY = yaml.safe_load((ROOT / "configs/models/tiny.yaml").read_text())
 O1 = yaml.safe_load((ROOT / "configs/clusters/o1.yaml").read_text())
 A40 = yaml.safe_load((ROOT / "configs/gpus/a40.yaml").read_text())
@@ -366,8 +367,8 @@ def test_flag_errors_come_from_the_documented_types():
     validate_job(TrainConfig(tiny, global_batch_size=4), 3, plan=HeteroPlan.from_dict(PLAN))  # the valid one
 
 
-def _readme_rows() -> list[list[str]]:
-    text = README.read_text()
+def _error_table_rows() -> list[list[str]]:
+    text = ERROR_TABLE.read_text()
     start = text.index("## Input errors")
     rows = []
     for line in text[start:].splitlines()[1:]:
@@ -378,15 +379,15 @@ def _readme_rows() -> list[list[str]]:
     return rows
 
 
-def test_readme_table_lists_every_error():
-    rows = _readme_rows()
+def test_error_table_lists_every_error():
+    rows = _error_table_rows()
     want = [(inp, field, message, etype.__name__) for inp, field, _, etype, message in CASES]
     got = []
     for r in rows:
         m = re.fullmatch(r"(`+) ?(.*?) ?\1 \((\w+)\)", r[2])
-        assert m, f"README row's message cell is not `MESSAGE` (Type): {r}"
+        assert m, f"{ERROR_TABLE.name} row's message cell is not `MESSAGE` (Type): {r}"
         got.append((r[0], r[1].strip("`"), m.group(2), m.group(3)))
-    assert got == want, "README.md's input error table is out of date (see tests/plan/test_validation.py CASES)"
+    assert got == want, "docs/reliability.md's input error table is out of date (see CASES in tests/training/test_validation.py)"
     assert all(len(r) == 4 and r[3] for r in rows), "every row needs a fix column"
 
 
