@@ -51,6 +51,7 @@ class HeteroPretrain:
     envs: list[RankEnv] | None = None  # every rank's, gathered at group set-up
     kernels: dict[str, KernelChoice] | None = None  # each pool's (role's)
     _fwd_bwd: Callable | None = None
+    loads: object | None = None  # training/expert_load_log.ExpertLoadLog, made with the groups
     _fusions_told: bool = False
 
     # ---- 1. arguments ---------------------------------------------------------------------
@@ -159,6 +160,12 @@ class HeteroPretrain:
         install_parallel_state(self.hs)
         _alias_gtp_remat_groups()
         self.assembly = RoleAssembly(self.hs, self.pools)
+        from megatron_hetermoe.training.expert_load_log import ExpertLoadLog
+
+        # Tokens only: Megatron's schedule and these task lists record no task times here.
+        self.loads = ExpertLoadLog(self.hs, [self.plan.role(r) for r in range(self.plan.world_size)],
+                                   getattr(get_args(), "hetero_expert_load_stats", None), None,
+                                   writes=dist.get_rank() == 0)
         self._choose_kernels(get_args())
         from megatron_hetermoe.schedules.issuer import resolve_issuer
 
@@ -264,7 +271,11 @@ class HeteroPretrain:
     def _step(self, train, evaluate, *, forward_only: bool = False, model, **kw):
         hs = self.hs
         if forward_only:
-            reported = evaluate(forward_only=True, model=model, **kw)
+            hs.load_meter.enabled = False  # an evaluation's routes are no training load
+            try:
+                reported = evaluate(forward_only=True, model=model, **kw)
+            finally:
+                hs.load_meter.enabled = True
         else:
             reported = train(forward_only=False, model=model, **kw)
         # The world's [token-summed lm loss, tokens]: attention ranks keep their own reports
@@ -351,6 +362,25 @@ class HeteroPretrain:
             if entry is not None:
                 entry.values = self._first_attention_ranks(entry.values)
 
+    def track_moe_metrics(self, track, *a, **k):
+        """Megatron-LM's MoE metrics, then the expert loads (training/expert_load_log.py): training_log
+        calls it on every rank at every iteration; at each log interval one all-reduce, the
+        stats file, the writers' scalars and "expert load max/mean" in the iteration line."""
+        from megatron.training import get_args
+
+        track(*a, **k)
+        iteration = k["iteration"] if "iteration" in k else a[1]
+        self.loads.step(iteration)
+        args = get_args()
+        if iteration % args.log_interval:
+            return
+        load = self.loads.interval(iteration)
+        self.loads.write_scalars(load, iteration, k.get("writer"), k.get("wandb_writer"),
+                                 bool(k.get("per_layer_logging")))
+        total = k.get("total_loss_dict")
+        if total is not None:
+            self.loads.total_loss_entry(load, total, int(total.get("advanced iterations", 1)))
+
     def _first_attention_ranks(self, values: torch.Tensor) -> torch.Tensor:
         if values.numel() != self.plan.model_layers:
             # Megatron sizes an untouched tracker by --num-layers, the routers by their layers
@@ -426,6 +456,8 @@ class HeteroPretrain:
             ]
             if megatron_lm_parses_in_pretrain():
                 hooks.append((initialize, "validate_args", _wrap(initialize.validate_args, self.validate_args)))
+            if hasattr(training, "track_moe_metrics"):  # core_v0.16.1's training_log (0.19: not yet)
+                hooks.append((training, "track_moe_metrics", _wrap(training.track_moe_metrics, self.track_moe_metrics)))
             tracker = megatron_lm_moe_metrics_tracker()
             if tracker is None:
                 hooks.append((moe_utils, "reduce_aux_losses_tracker_across_ranks",

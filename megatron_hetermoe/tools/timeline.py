@@ -2,7 +2,9 @@
 records them) as one row per (rank, lane, clock), and write timeline.json (Chrome trace format)
 beside it for Perfetto. Each row names its clock: "host" (when the host ran or, on a CUDA rank,
 enqueued the work) or "cuda" (when it ran on the GPU, from CUDA events); a CUDA rank running a
-task list has rows of both.
+task list has rows of both. Where the run wrote its measured expert loads beside the timeline
+(RUN_DIR/expert_load.json, training/expert_load_log.py), it prints them too: per MoE layer, each
+expert's tokens over the layer's mean, and each rank's compute seconds per task kind.
 """
 from __future__ import annotations
 
@@ -80,6 +82,24 @@ def draw_png(events: list[Event], path: str | Path, step: int | None = None, tit
     plt.close(fig)
 
 
+def load_table(stats) -> str:
+    """The per-expert load of a stats file (planner/expert_load.LoadStats) as text: per MoE layer,
+    each expert's tokens over the layer's mean and the layer's max/mean; then each rank's compute
+    seconds per task kind over the same steps."""
+    load = stats.load
+    first, last = stats.iterations
+    lines = [f"expert load, iterations {first}-{last} ({stats.steps} steps): tokens per expert / the layer's mean"]
+    for l in range(load.num_layers):
+        m = load.multipliers(l)
+        lines.append(f"  layer {l} (model layer {stats.model_layers[l]}): max/mean {max(m):.2f} | "
+                     + " ".join(f"e{e} {x:.2f}" for e, x in enumerate(m)))
+    for r, kinds in enumerate(stats.task_seconds):
+        if kinds:
+            lines.append(f"  rank {r} ({stats.roles[r]}, {stats.gpu_types[r]}): "
+                         + " ".join(f"{k} {v:.3g} s" for k, v in sorted(kinds.items())))
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     from megatron_hetermoe.help_format import HelpFormatter
 
@@ -113,6 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     trace = png.with_suffix(".json")
     trace.write_text(json.dumps(chrome_trace(events)))
     print(f"wrote {png} and {trace} (Chrome trace: open in Perfetto)")
+    loads = run_dir / "expert_load.json"  # training/expert_load_log.STATS_FILE
+    if loads.exists():
+        from megatron_hetermoe.planner.expert_load import LoadStats
+
+        try:
+            stats = LoadStats.load_file(loads)
+        except (ValueError, KeyError, TypeError) as e:
+            p.error(f"{loads}: not a readable expert-load stats file ({type(e).__name__}: {e})")
+        if stats.steps:
+            print(load_table(stats))
     return 0
 
 

@@ -1,0 +1,146 @@
+"""Emulated expert tasks priced for the tokens they received (issue 46 item 2): with a router forced
+to send every token to experts 0 and 1 (tests/routing.py), the expert rank holding them gets the
+cost model's time for twice the balanced share per expert, the other expert rank for nothing; the
+tokens are counted once per ZP group in the stats file. The unit tests check the pricing itself:
+a balanced load gives exactly the old (balanced) task times, in the emulator, the Megatron EP
+hooks' rule and the simulator."""
+from __future__ import annotations
+
+import pytest
+
+from megatron_hetermoe.config import EmulationSpec, ModelConfig
+from megatron_hetermoe.emulation.emulator import Emulator
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup
+from megatron_hetermoe.planner.expert_load import ExpertLoad
+from megatron_hetermoe.planner.simulator import balanced_tokens_per_expert, experts_time, simulate_plan
+from megatron_hetermoe.schedules.timing import ReceivedTokens
+
+CLUSTER = """name: a40-2v100
+node_groups:
+  - {gpu: A40, nodes: 1, gpus_per_node: 1, nic_gbps_per_gpu: 100}
+  - {gpu: V100-16GB, nodes: 1, gpus_per_node: 2, nic_gbps_per_gpu: 100}
+network_latency_us: 10
+"""
+MODEL = """name: small-moe-4e
+num_layers: 2
+hidden_size: 1024
+num_attention_heads: 8
+ffn_hidden_size: 3584
+moe_ffn_hidden_size: 3584
+num_experts: 4
+moe_router_topk: 2
+moe_aux_loss_coeff: 0.0
+vocab_size: 32000
+seq_length: 1024
+"""
+SEQ, GB = 1024, 4
+
+
+def _plan() -> HeteroPlan:
+    """1 A40 attention rank, 2 V100 expert ranks: rank 1 holds experts 0 and 1, rank 2 holds 2 and 3."""
+    g = ZPGroup([0], [1, 2], [{1: [0, 1], 2: [2, 3]}, {1: [0, 1], 2: [2, 3]}])
+    return HeteroPlan(2, 4, ["A40", "V100-16GB", "V100-16GB"], [g], num_microbatches=2, schedule="zebra")
+
+
+@pytest.fixture
+def spec(tmp_path) -> EmulationSpec:
+    (tmp_path / "cluster.yaml").write_text(CLUSTER)
+    (tmp_path / "model.yaml").write_text(MODEL)
+    return EmulationSpec(str(tmp_path / "cluster.yaml"), str(tmp_path / "model.yaml"), SEQ, GB, scale=1e-6)
+
+
+def test_a_balanced_load_prices_every_expert_task_as_before(spec):
+    em, plan = Emulator(spec), _plan()
+    timing = em.task_timing(plan, 1, "zebra")
+    for task, t in em.task_times(plan, 1, "zebra").items():
+        if task.kind in ("E_F", "E_B"):
+            # every local expert got exactly the layer's mean: the balanced time, bitwise
+            assert timing.expert_duration(task, ReceivedTokens((96, 96), 96.0)) == t * spec.scale
+            assert timing.expert_duration(task, ReceivedTokens((192, 0), 96.0)) != t * spec.scale
+
+
+def test_skewed_loads_price_each_expert_by_its_tokens(spec):
+    em, plan = Emulator(spec), _plan()
+    share = balanced_tokens_per_expert(plan, em.cost, GB)
+    assert share == pytest.approx(SEQ * GB / 2 * 2 / 4)  # per microbatch: 2 sequences x top-2 / 4 experts
+    price = em.expert_task_time(plan, 1)
+    from megatron_hetermoe.plan.tasks import Task
+
+    hot = price(Task("E_F", 0, 0), ReceivedTokens((300, 100), 100.0))
+    assert hot == pytest.approx(em.cost.expert_time("V100-16GB", 3 * share) + em.cost.expert_time("V100-16GB", share))
+    assert price(Task("E_B", 0, 0), ReceivedTokens((0, 0), 100.0)) == pytest.approx(
+        2 * em.cost.expert_time("V100-16GB", 0.0, True))
+
+
+def test_simulator_takes_an_expert_load_histogram(spec):
+    em, plan = Emulator(spec), _plan()
+    base = simulate_plan(plan, em.cost, em.cluster, GB, dedup=False)
+    assert simulate_plan(plan, em.cost, em.cluster, GB, dedup=False,
+                         expert_load=ExpertLoad.uniform(2, 4)).step_time_s == base.step_time_s
+    hot = ExpertLoad.of([[3, 1, 0, 0], [3, 1, 0, 0]])  # rank 1's experts get every token
+    skewed = simulate_plan(plan, em.cost, em.cluster, GB, dedup=False, keep_trace=True, expert_load=hot)
+    assert skewed.step_time_s > base.step_time_s
+    share = balanced_tokens_per_expert(plan, em.cost, GB)
+    e_f = {t: e - s for t, s, e in skewed.trace_of(1) if t.kind == "E_F"}
+    assert e_f[next(iter(e_f))] == pytest.approx(experts_time(em.cost, "V100-16GB", [3 * share, share], False))
+    with pytest.raises(ValueError, match="3 MoE layers x 4 experts but the plan 2 x 4"):
+        simulate_plan(plan, em.cost, em.cluster, GB, expert_load=ExpertLoad.uniform(3, 4))
+
+
+def _rank(rank, world, cfg, plan, spec, init_state):
+    """Train with the emulator's task times at a tiny scale, recording every expert task's budget."""
+    from megatron_hetermoe.config import HeteroRunConfig
+    from megatron_hetermoe.training.hetero import train_hetero
+    from megatron_hetermoe.training.run_hooks import RunHooks
+
+    inner = Emulator(spec).task_timing(plan, rank, "zebra")
+    seen = []
+
+    class Recording:
+        def origin(self):
+            return inner.origin()
+
+        def compute(self, task, start, real_end, tokens=None):
+            if task.kind in ("E_F", "E_B"):
+                seen.append((task, tokens, inner.expert_duration(task, tokens) / spec.scale))
+            return inner.compute(task, start, real_end, tokens)
+
+        def transfer(self, task, start, real_end):
+            return inner.transfer(task, start, real_end)
+
+    res = train_hetero(cfg, plan, HeteroRunConfig(schedule="zebra", expert_load_stats=str(spec.cluster) + ".load"),
+                       RunHooks(init_state=init_state, task_timing=Recording()))
+    return res.losses, seen
+
+
+@pytest.mark.slow
+def test_emulated_expert_times_follow_a_planted_skew(spec):
+    import json
+
+    from routing import force_routing, initial_state
+
+    from megatron_hetermoe.config import ParallelConfig, TrainConfig
+    from megatron_hetermoe.emulation.emulator import emulation_real_model
+    from megatron_hetermoe.parallel.launcher import launch
+
+    real = emulation_real_model(ModelConfig.load(spec.model))
+    plan = _plan()
+    state = force_routing(initial_state(real), [0, 1], real.num_layers)
+    cfg = TrainConfig(real, ParallelConfig(), micro_batch_size=1, global_batch_size=2, train_iters=1, quiet=True,
+                      log_interval=1)
+    out = launch(_rank, plan.world_size, cfg, plan, spec, state)
+    em = Emulator(spec)
+    share = balanced_tokens_per_expert(plan, em.cost, GB)
+    tokens = real.seq_length  # per microbatch: one sequence, every token to experts 0 and 1
+    hot, cold = out[1][1], out[2][1]
+    assert len(hot) == len(cold) == 2 * 2 * 2  # E_F, E_B x 2 layers x 2 microbatches
+    for task, got, budget in hot:
+        assert got == ReceivedTokens((tokens, tokens), tokens * 2 / 4)
+        assert budget == pytest.approx(2 * em.cost.expert_time("V100-16GB", 2 * share, task.kind == "E_B"))
+    for task, got, budget in cold:
+        assert got.received == (0, 0)
+        assert budget == pytest.approx(2 * em.cost.expert_time("V100-16GB", 0.0, task.kind == "E_B"))
+    balanced = em.task_times(plan, 1, "zebra")
+    assert all(budget > balanced[task] * 1.5 for task, _, budget in hot)
+    stats = json.loads(open(str(spec.cluster) + ".load").read())
+    assert stats["tokens"] == [[2 * tokens, 2 * tokens, 0, 0]] * 2  # one step of 2 microbatches
