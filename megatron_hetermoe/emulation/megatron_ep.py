@@ -92,8 +92,11 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
         return float(x.item())
 
     def mb_start(mod, args):
-        st.update(seg=synced(st["last"]), calls=0, pending=None, mb=st["mb"] + 1, tokens=args[0].numel(),
-                  received={})
+        st.update(seg=synced(st["last"]), calls=0, pending=None, mb=st["mb"] + 1, received={})
+
+    def count_tokens(mod, args, kwargs):  # this rank's tokens of the microbatch (the experts' mean)
+        ids = args[0] if args else kwargs["input_ids"]
+        st["tokens"] = ids.numel()
 
     def bwd_call(layer: int, dispatch: bool):  # gradient of an all-to-all's output is ready
         if dispatch:
@@ -147,6 +150,7 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
         return _Mark.apply(out, lambda: close("compute", "A_B", 0, st["bseg"], stage[True][0] * scale()))
 
     handles = [gpt.embedding.register_forward_pre_hook(mb_start),
+               gpt.embedding.register_forward_pre_hook(count_tokens, with_kwargs=True),
                gpt.embedding.register_forward_hook(embedding_done),
                gpt.output_layer.register_forward_hook(head_done)]
     handles += [layer.mlp.experts.register_forward_pre_hook(experts_received(i))

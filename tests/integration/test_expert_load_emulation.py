@@ -144,3 +144,56 @@ def test_emulated_expert_times_follow_a_planted_skew(spec):
     assert all(budget > balanced[task] * 1.5 for task, _, budget in hot)
     stats = json.loads(open(str(spec.cluster) + ".load").read())
     assert stats["tokens"] == [[2 * tokens, 2 * tokens, 0, 0]] * 2  # one step of 2 microbatches
+
+
+PAIR = """name: a40-v100
+node_groups:
+  - {gpu: A40, nodes: 1, gpus_per_node: 1, nic_gbps_per_gpu: 100}
+  - {gpu: V100-16GB, nodes: 1, gpus_per_node: 1, nic_gbps_per_gpu: 100}
+network_latency_us: 10
+"""
+
+
+def _ep_rank(rank, world, cfg, init_state):
+    """Plain Megatron EP, emulated, recording its experts' windows (emulated seconds)."""
+    from megatron_hetermoe.emulation import clock
+    from megatron_hetermoe.training.megatron_ep import train
+    from megatron_hetermoe.training.run_hooks import RunHooks
+
+    seen, window = [], clock.EmulationClock.window
+
+    def recording(self, lane, key, start, budget, real_end, end):
+        if key[0] in ("E_F", "E_B"):
+            seen.append((key, budget / self.cur["scale"]))
+        return window(self, lane, key, start, budget, real_end, end)
+
+    clock.EmulationClock.window = recording
+    train(cfg, RunHooks(init_state=init_state))
+    return seen
+
+
+@pytest.mark.slow
+def test_megatron_ep_emulated_experts_follow_a_planted_skew(tmp_path):
+    """EP 2 on an A40 + a V100: every token to experts 0 and 1 (rank 0's), so rank 0's experts
+    take the time of twice their balanced share each, rank 1's of nothing."""
+    from routing import force_routing, initial_state
+
+    from megatron_hetermoe.config import ParallelConfig, TrainConfig
+    from megatron_hetermoe.emulation.emulator import emulation_real_model
+    from megatron_hetermoe.parallel.launcher import launch
+
+    (tmp_path / "pair.yaml").write_text(PAIR)
+    (tmp_path / "model.yaml").write_text(MODEL)
+    spec = EmulationSpec(str(tmp_path / "pair.yaml"), str(tmp_path / "model.yaml"), SEQ, 2, scale=1e-3)
+    real = emulation_real_model(ModelConfig.load(spec.model))
+    state = force_routing(initial_state(real), [0, 1], real.num_layers)
+    cfg = TrainConfig(real, ParallelConfig(ep=2), micro_batch_size=1, global_batch_size=2, train_iters=1,
+                      quiet=True, emulate=spec)
+    hot, cold = launch(_ep_rank, 2, cfg, state, timeout_s=300)
+    cost = Emulator(spec).cost
+    share = 2 * SEQ * 2 / 4  # the EP group's tokens of a microbatch x top-2 / 4 experts
+    assert len(hot) == len(cold) == 4  # E_F and E_B of 2 layers, one microbatch
+    for (kind, _, _), budget in hot:
+        assert budget == pytest.approx(2 * cost.expert_time("A40", 2 * share, kind == "E_B"))
+    for (kind, _, _), budget in cold:
+        assert budget == pytest.approx(2 * cost.expert_time("V100-16GB", 0.0, kind == "E_B"))
