@@ -625,6 +625,9 @@ class TrainConfig:
     quiet: bool = False
     progress_bar: bool = False  # prefix iteration lines with a bar (the demo)
     tensorboard_dir: str | None = None  # Megatron's --tensorboard-dir: scalars from the first rank
+    # The first rank appends each completed step's lm loss here as a JSON line (training/elastic.py
+    # keeps the losses of a job whose ranks were lost mid-run); None: nowhere.
+    loss_log: str | None = None
     data: DataConfig = field(default_factory=DataConfig)  # no data_path: mock data (data.py)
     # Megatron's --check-for-nan-in-loss-and-grad: "stop" (its default), "skip" or "off" (training/nan_check.py).
     check_for_nan_in_loss_and_grad: str = "stop"

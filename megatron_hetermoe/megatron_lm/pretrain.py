@@ -376,6 +376,10 @@ def _plan_world(argv: list[str]) -> int | None:
         return None
     from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
+    if path == "auto":
+        raise PretrainError("--hetero-plan auto: inside Megatron-LM's pretrain() a run does not plan itself yet; make "
+                            "the plan with `hetermoe plan --cluster ... -- <flags>` and pass its path, or train with "
+                            "the plugin's trainer (hetermoe train --hetero-plan auto)")
     return HeteroPlan.load(path).world_size
 
 

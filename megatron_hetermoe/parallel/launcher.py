@@ -48,9 +48,12 @@ class LaunchError(RuntimeError):
     None for a bug."""
 
     def __init__(self, message: str, rank: int | None = None, peer_exit_s: dict[int, float] | None = None,
-                 killed: list[int] | None = None, user_message: str | None = None):
+                 killed: list[int] | None = None, user_message: str | None = None, lost: list[int] | None = None):
         super().__init__(message)
         self.rank = rank
+        # Ranks that ended without a report of their own (a signal, os._exit, an OOM kill): the
+        # process, and under a real job its GPU, is gone; their peers only report losing them.
+        self.lost = lost or []
         # With peer_grace_s: seconds after the failure at which each other rank exited by itself,
         # and the ranks still running when the grace ran out (then killed).
         self.peer_exit_s = peer_exit_s or {}
@@ -316,7 +319,7 @@ def _first_failure(tmp: str, procs: list, grace_s: float = 1.0, stopped: list[in
 
 
 def _rank_failure(tmp: str, rank: int, procs: list, world_size: int, exit_at: dict, killed: list,
-                  stall: str | None) -> LaunchError:
+                  stall: str | None, lost: list[int] | None = None) -> LaunchError:
     err = Path(tmp) / f"error.{rank}"
     code = procs[rank].exitcode
     if stall is not None:
@@ -331,7 +334,7 @@ def _rank_failure(tmp: str, rank: int, procs: list, world_size: int, exit_at: di
     if stall is not None:
         line = stall
     return LaunchError(f"rank {rank} of {world_size} failed: {detail}", rank=rank, peer_exit_s=exit_at,
-                       killed=killed, user_message=line)
+                       killed=killed, user_message=line, lost=lost)
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float | None = 300.0,
@@ -379,6 +382,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
                  for r in range(world_size)]
         failed: int | None = None
         stall: str | None = None
+        lost: list[int] = []
         try:
             janitor.start()
             for p in procs:
@@ -405,6 +409,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
                             break
                         time.sleep(0.02)
                     killed = [r for r, p in enumerate(procs) if r != failed and p.exitcode is None]
+                    lost = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                            and not (Path(tmp) / f"error.{r}").exists()]
                     break
                 if all(c == 0 for c in codes):
                     break
@@ -434,7 +440,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
                     p.join()
             _shown.update(os.listdir(os.path.join(tmp, "warned")))  # what the ranks showed
         if failed is not None:
-            raise _rank_failure(tmp, failed, procs, world_size, exit_at, killed, stall)
+            raise _rank_failure(tmp, failed, procs, world_size, exit_at, killed, stall, lost)
         out = []
         for r in range(world_size):
             with open(Path(tmp) / f"result.{r}", "rb") as f:

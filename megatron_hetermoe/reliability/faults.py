@@ -5,21 +5,29 @@ occurrence of SITE on that rank:
 - site "exchange": any all-to-all between attention and expert ranks (dispatch, combine and their
   gradients; forward and backward; DistEP and zebra; counts exchanges included);
 - site "task": a compute task of the zebra/DistEP task list (A_F, A_B, X_*, E_F, E_B).
+- site "iteration": the start of training iteration N (`at` is the iteration itself, not an
+  occurrence count, so that a resumed run fails at the same point).
 MODE "raise" raises FaultInjected (a Python error), "exit" ends the process at once (os._exit,
-like a crash or an OOM kill). Read once per process; costs a pid and a None check per site otherwise.
+like a crash or an OOM kill), "kill" sends the process SIGKILL (kill -9: a lost GPU or node).
+Several faults are separated by ";". `attempt=K` (default 0) aims a fault at the K-th start of
+an elastic job (training/elastic.py numbers its starts in $HETERMOE_ELASTIC_ATTEMPT), so a test
+can lose one rank, then another rank of the re-planned job. Read once per process; costs a pid
+and a None check per site otherwise.
 The launching process checks the variable against the job's world size first (`check_env`): a
 malformed value, or a rank the job does not have, is refused before any rank starts.
 """
 from __future__ import annotations
 
 import os
+import signal
 from dataclasses import dataclass
 
 from megatron_hetermoe.errors import UserError
 
 ENV = "HETERMOE_INJECT_FAULT"
-SITES = ("exchange", "task")
-MODES = ("raise", "exit")
+ATTEMPT_ENV = "HETERMOE_ELASTIC_ATTEMPT"
+SITES = ("exchange", "task", "iteration")
+MODES = ("raise", "exit", "kill")
 
 
 class FaultInjected(RuntimeError):
@@ -36,22 +44,36 @@ class Fault:
     site: str
     at: int
     mode: str = "raise"
+    attempt: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "Fault":
         try:
             kv = dict(item.split("=", 1) for item in text.split(",") if item)
-            f = cls(int(kv["rank"]), kv["site"], int(kv["at"]), kv.get("mode", "raise"))
+            unknown = set(kv) - {"rank", "site", "at", "mode", "attempt"}
+            if unknown:
+                raise ValueError(f"unknown keys {sorted(unknown)}")
+            f = cls(int(kv["rank"]), kv["site"], int(kv["at"]), kv.get("mode", "raise"), int(kv.get("attempt", 0)))
         except (KeyError, ValueError) as e:
             raise FaultSpecError(f"${ENV}={text!r} is malformed ({type(e).__name__}: {e}); use "
-                                 f"rank=R,site=SITE,at=N[,mode=MODE]") from None
-        if f.site not in SITES or f.mode not in MODES or f.at < 0 or f.rank < 0:
-            raise FaultSpecError(f"${ENV}={text!r}: site must be one of {SITES}, mode one of {MODES}, rank and at "
-                                 f">= 0")
+                                 f"rank=R,site=SITE,at=N[,mode=MODE][,attempt=K]") from None
+        if f.site not in SITES or f.mode not in MODES or f.at < 0 or f.rank < 0 or f.attempt < 0:
+            raise FaultSpecError(f"${ENV}={text!r}: site must be one of {SITES}, mode one of {MODES}, rank, at and "
+                                 f"attempt >= 0")
         return f
 
     def env(self) -> str:
-        return f"rank={self.rank},site={self.site},at={self.at},mode={self.mode}"
+        return f"rank={self.rank},site={self.site},at={self.at},mode={self.mode},attempt={self.attempt}"
+
+
+def parse_all(text: str) -> list[Fault]:
+    """Every fault of a $HETERMOE_INJECT_FAULT value (faults separated by ';')."""
+    return [Fault.parse(part) for part in text.split(";") if part.strip()]
+
+
+def current_attempt() -> int:
+    """Which start of an elastic job this process belongs to (0: the first, or no elastic job)."""
+    return int(os.environ.get(ATTEMPT_ENV, "0"))
 
 
 def check_env(world_size: int) -> Fault | None:
@@ -60,11 +82,12 @@ def check_env(world_size: int) -> Fault | None:
     text = os.environ.get(ENV)
     if not text:
         return None
-    f = Fault.parse(text)
-    if f.rank >= world_size:
-        raise FaultSpecError(f"${ENV}={text!r} aims at rank {f.rank}, but the job has ranks 0..{world_size - 1}; "
-                             f"pick one of those (or unset {ENV})")
-    return f
+    faults = parse_all(text)
+    for f in faults:
+        if f.rank >= world_size and f.attempt == current_attempt():
+            raise FaultSpecError(f"${ENV}={text!r} aims at rank {f.rank}, but the job has ranks 0..{world_size - 1}; "
+                                 f"pick one of those (or unset {ENV})")
+    return faults[0] if faults else None
 
 
 _fault: Fault | None = None
@@ -80,9 +103,17 @@ def _load() -> None:
     _fault, _counts = None, {s: 0 for s in SITES}
     text = os.environ.get(ENV)
     if text:
-        f = Fault.parse(text)
-        if f.rank == int(os.environ.get("RANK", "-1")):
-            _fault = f
+        rank, attempt = int(os.environ.get("RANK", "-1")), current_attempt()
+        mine = [f for f in parse_all(text) if f.rank == rank and f.attempt == attempt]
+        _fault = mine[0] if mine else None
+
+
+def _fail(site: str, what: str) -> None:
+    if _fault.mode == "exit":
+        os._exit(17)
+    if _fault.mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise FaultInjected(f"injected fault on rank {_fault.rank} at {site} ({what})")
 
 
 def checkpoint(site: str, what: str = "") -> None:
@@ -94,6 +125,12 @@ def checkpoint(site: str, what: str = "") -> None:
     n = _counts[site]
     _counts[site] = n + 1
     if n == _fault.at:
-        if _fault.mode == "exit":
-            os._exit(17)
-        raise FaultInjected(f"injected fault on rank {_fault.rank} at {site} #{n} ({what})")
+        _fail(site, f"#{n} {what}")
+
+
+def iteration(it: int) -> None:
+    """Called at the start of training iteration `it`; fails here if the fault names it."""
+    if _loaded_pid != os.getpid():
+        _load()
+    if _fault is not None and _fault.site == "iteration" and _fault.at == it:
+        _fail("iteration", f"iteration {it}")

@@ -244,6 +244,10 @@ def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=None,
                    help=f"CPU ranks to start, 1..{MAX_FORKED_RANKS} (default: join a torchrun job if RANK is set, "
                         f"else 4)")
+    p.add_argument("--elastic-restarts", type=int, default=0, metavar="N",
+                   help="HeterMoE on forked ranks: when ranks are lost (a process killed, its GPU gone), re-plan "
+                        "for the GPUs left (--hetero-gpus, or the plan's) and continue from the latest checkpoint "
+                        "(--save, --save-interval), up to N times (default: 0, a lost rank ends the job)")
     p.add_argument("--progress-timeout", type=float, default=DEFAULT_PROGRESS_TIMEOUT_S, metavar="SECONDS",
                    help="forked CPU ranks: end the job, naming the rank furthest behind, when no rank finishes a "
                         "step (or a checkpoint save) for this long; 0: never. A run has no other time limit "
@@ -260,6 +264,32 @@ def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     p = build_parser()
     return run_from_args(p, p.parse_args(argv))
+
+
+def _run_elastic(p: argparse.ArgumentParser, a: argparse.Namespace, cfg: TrainConfig, plan, hetero):
+    """--elastic-restarts: training/elastic.py on forked ranks; the result holds every iteration's
+    loss (a re-run iteration its last start's), and a line per restart is printed."""
+    from megatron_hetermoe.training.elastic import run_elastic
+    from megatron_hetermoe.training.validation import validate_job
+
+    def start(c: TrainConfig, pl) -> "TrainResult":
+        return run(c, pl.world_size, plan=pl, hetero=hetero, progress_timeout_s=a.progress_timeout or None)
+
+    def check(c: TrainConfig, pl) -> None:
+        validate_job(c, pl.world_size, pl, a.hetero_schedule, hetero)
+
+    er = run_elastic(cfg, plan, inventory_of(p, a, plan), plan_run_of(cfg, a), a.elastic_restarts, start, check,
+                     log=lambda line: print(line, flush=True))
+    for rec in er.recoveries:
+        took = f"{rec.recovery_s:.1f} s" if rec.recovery_s is not None else "no step completed"
+        print(f" elastic restart {rec.attempt}: lost {list(rec.lost_gpus) or 'no GPU'}; {rec.plan_before} -> "
+              f"{rec.plan_after}; resumed from iteration {rec.resumed_from}, {rec.steps_lost} step(s) run again; "
+              f"failure to next completed step {took}")
+    res = er.result
+    first = min(er.losses, default=res.start_iteration + 1)
+    res.losses = [er.losses[i] for i in sorted(er.losses)]
+    res.start_iteration = first - 1
+    return res
 
 
 def check_launch_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -327,13 +357,29 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
                               or a.hetero_zebra_issuer != "auto"):
         raise SystemExit("--hetero-schedule, --timeline-dir, --hetero-expert-precision and --hetero-zebra-issuer "
                          "need --hetero-plan")
+    if a.elastic_restarts < 0:
+        p.error(f"--elastic-restarts {a.elastic_restarts}: give the number of restarts, >= 0")
+    if a.elastic_restarts and not a.hetero_plan:
+        p.error(f"--elastic-restarts {a.elastic_restarts} needs --hetero-plan (a plan file, or auto): a restart "
+                f"re-plans HeterMoE for the GPUs left")
+    if a.elastic_restarts and not (a.save and a.save_interval):
+        p.error(f"--elastic-restarts {a.elastic_restarts} needs --save DIR and --save-interval N: a restart "
+                f"continues from the latest checkpoint, and a job loses the iterations since it")
+    if a.elastic_restarts and "RANK" in os.environ and a.nproc is None:
+        p.error(f"--elastic-restarts {a.elastic_restarts} restarts the ranks this command forks; under torchrun "
+                f"re-planning on restart is not built yet (torchrun --max-restarts restarts the same plan)")
+    if a.hetero_gpus and not a.hetero_plan:
+        p.error("--hetero-gpus needs --hetero-plan auto (or a plan file with --elastic-restarts)")
     if a.hetero_plan:
         from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
         try:
-            plan = HeteroPlan.load(a.hetero_plan)
+            if a.hetero_plan == "auto":
+                plan = _auto_plan(p, a, cfg)
+            else:
+                plan = HeteroPlan.load(a.hetero_plan)
         except (ValueError, OSError) as e:
-            p.error(f"--hetero-plan: {e}")
+            p.error(f"--hetero-plan {a.hetero_plan}: {e}")
         # TP and PP with a plan (its attention_tp and pipeline_stages) and EP (replaced by the plan) are
         # validation.check_hetero's to judge, in validate_job below.
         if a.nproc not in (None, plan.world_size):
@@ -359,6 +405,50 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
     return cfg, plan if a.hetero_plan else None, hetero, joining
 
 
+def inventory_of(p: argparse.ArgumentParser, a: argparse.Namespace, plan=None):
+    """The job's GPUs (planner/inventory.py): --hetero-gpus, else the plan's GPU types."""
+    from megatron_hetermoe.planner.inventory import Inventory
+
+    if a.hetero_gpus:
+        try:
+            return Inventory.from_spec(a.hetero_gpus)
+        except ValueError as e:
+            p.error(str(e))
+    if plan is None:
+        p.error("--hetero-plan auto needs --hetero-gpus on CPU ranks (the GPUs to plan for: a cluster config, or "
+                "GPU types like 4xA40,4xV100-16GB)")
+    from megatron_hetermoe.planner.cluster import Cluster
+
+    return Inventory.from_cluster(Cluster.from_gpu_types("plan", list(plan.gpu_types)))
+
+
+def plan_run_of(cfg: TrainConfig, a: argparse.Namespace):
+    """What the run fixes for --hetero-plan auto's search: model, batch, TP, PP, the schedule."""
+    from megatron_hetermoe.planner.inventory import AutoPlanRun
+
+    return AutoPlanRun(cfg.model, cfg.model.seq_length, cfg.global_batch_size, cfg.micro_batch_size,
+                       cfg.parallel.tp, cfg.parallel.pp, cfg.use_distributed_optimizer, a.hetero_schedule)
+
+
+def _auto_plan(p: argparse.ArgumentParser, a: argparse.Namespace, cfg: TrainConfig):
+    """--hetero-plan auto: the planner's pick for the GPUs (--hetero-gpus), printed."""
+    from megatron_hetermoe.planner.inventory import auto_plan
+    from megatron_hetermoe.training.elastic import describe_plan
+
+    inventory = inventory_of(p, a)
+    plan, kept = auto_plan(plan_run_of(cfg, a), inventory)
+    idle = [i for i in range(inventory.size) if i not in kept]
+    if idle and "RANK" in os.environ and a.nproc is None:  # torchrun's world has a rank on every GPU
+        p.error(f"--hetero-plan auto: the best plan for {inventory.describe()} leaves GPU(s) {idle} idle (the batch "
+                f"does not split over the attention ranks the others give); start the job without them, or change "
+                f"the batch")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f" --hetero-plan auto: {describe_plan(plan)} (for {inventory.describe()}; the planner's search)"
+              + (f"; GPU(s) {idle} of the inventory idle: the batch does not split over the attention ranks with "
+                 f"them" if idle else ""), flush=True)
+    return plan
+
+
 def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     """Validate, launch (forked CPU ranks or the surrounding torchrun job) and report a run."""
     cfg, plan, hetero, joining = validate_run(p, a)
@@ -382,7 +472,11 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         except ValueError as e:  # OutputPathError: --save is a file, or cannot be written
             p.error(str(e))
         try:
-            result = run(cfg, a.nproc or 4, plan=plan, hetero=hetero, progress_timeout_s=a.progress_timeout or None)
+            if a.elastic_restarts:
+                result = _run_elastic(p, a, cfg, plan, hetero)
+            else:
+                result = run(cfg, a.nproc or 4, plan=plan, hetero=hetero,
+                             progress_timeout_s=a.progress_timeout or None)
         finally:
             if save_lock is not None:
                 save_lock.release()

@@ -8,7 +8,7 @@ from megatron_hetermoe.config import ISSUERS, HeteroRunConfig
 from megatron_hetermoe.plan.tasks import SCHEDULES
 
 HETERO_FLAGS = ("--hetero-plan", "--hetero-schedule", "--hetero-ckpt-reshard", "--hetero-zebra-issuer",
-                "--hetero-expert-precision", "--hetero-expert-load-stats")
+                "--hetero-expert-precision", "--hetero-expert-load-stats", "--hetero-gpus")
 
 
 def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -16,7 +16,13 @@ def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     contract)."""
     g = parser.add_argument_group(title="HeterMoE (megatron-hetermoe)")
     g.add_argument("--hetero-plan", default=None,
-                   help="train with HeterMoE on this plan (hetermoe plan -o plan.json; default: plain Megatron)")
+                   help="train with HeterMoE on this plan (hetermoe plan -o plan.json; default: plain Megatron); "
+                        "'auto' (hetermoe train): the planner's search picks the plan for the job's GPUs "
+                        "(--hetero-gpus, or each rank's CUDA device under torchrun) and the run's model and batch")
+    g.add_argument("--hetero-gpus", default=None, metavar="CLUSTER|TYPES",
+                   help="the job's GPUs for --hetero-plan auto and --elastic-restarts (hetermoe train): a cluster "
+                        "config (as hetermoe plan --cluster) or GPU types in rank order, e.g. 4xA40,4xV100-16GB "
+                        "(default: the plan's GPU types; under torchrun, each rank's CUDA device)")
     g.add_argument("--hetero-schedule", choices=list(SCHEDULES), default=None,
                    help="HeterMoE schedule: " + "; ".join(f"{s.name}: {s.summary}" for s in SCHEDULES.values())
                         + " (default: the plan's)")

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_hetermoe.config import TrainConfig
 from megatron_hetermoe.parallel import watchdog
+from megatron_hetermoe.reliability import faults
 from megatron_hetermoe.training.step import loss_scale_of
 
 
@@ -63,6 +64,7 @@ def train_loop(parts: LoopParts, role: RoleStep) -> LoopResult:
     res = LoopResult(start_iteration=parts.checkpointer.resume())
     watchdog.report(res.start_iteration)  # the launcher's progress watchdog: this rank is alive and stepping
     for it in range(res.start_iteration, cfg.train_iters):
+        faults.iteration(it)  # $HETERMOE_INJECT_FAULT's site "iteration" (tests of lost ranks)
         parts.guard.start(it)  # a resumed run starts past 0
         role.before_step(it)
         t0 = time.perf_counter()
@@ -97,6 +99,9 @@ def train_loop(parts: LoopParts, role: RoleStep) -> LoopResult:
         if clock is not None:
             clock.step_end(it, res.step_times[-1])
         res.loss_scales.append(loss_scale_of(optimizer))
+        if cfg.loss_log and parts.steplog.first:
+            with open(cfg.loss_log, "a") as f:  # repr: the float exactly, for bitwise comparisons
+                f.write(f'{{"iteration": {it + 1}, "lm loss": {loss!r}, "time": {time.time()!r}}}\n')
         res.grad_norms.append(grad_norm)
         parts.steplog.log(it + 1, res.step_times[-1], lr_used, loss, grad_norm,
                           loss_scale=None if cfg.precision == "fp32" else res.loss_scales[-1],

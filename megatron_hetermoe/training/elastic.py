@@ -1,0 +1,158 @@
+"""Keep training when a GPU is lost (`hetermoe train --elastic-restarts N`, the plugin's launcher).
+
+A start runs the plan on forked ranks. When a rank is lost (its process ended without a report of
+its own: a signal, os._exit, an OOM kill; parallel/launcher.LaunchError.lost), the launcher has
+already ended the others; the survivors' inventory (planner/inventory.py) gets a new plan from the
+planner's search, and the next start loads the latest checkpoint resharded onto it by parameter
+name (checkpoint/reshard.py) and continues: the global batch and the sample order are the run's,
+so the iterations after the restart are those of a run started from that checkpoint on the new
+plan. A rank that failed with a Python error (not lost) restarts on the same GPUs and plan; a
+user's error (a bad input) ends the job. Steps completed after the last save are run again: what
+a start loses is the iterations since its last checkpoint (--save-interval).
+
+Not built: in-memory copies of a rank's state on its peers (a restart reads the checkpoint), and
+growing back when a GPU returns (the inventory only shrinks within a job).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+from megatron_hetermoe.config import TrainConfig
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+from megatron_hetermoe.planner.inventory import AutoPlanRun, Inventory, auto_plan
+from megatron_hetermoe.reliability.faults import ATTEMPT_ENV
+from megatron_hetermoe.training.result import TrainResult
+
+TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's tracker file in --save
+
+
+def describe_plan(plan: HeteroPlan) -> str:
+    """One line: the ZP groups (attention + expert ranks and their GPU types), R and the schedule."""
+    def side(ranks) -> str:
+        types = [plan.gpu_types[r] for r in ranks]
+        return "+".join(f"{types.count(t)} {t}" for t in dict.fromkeys(types)) or "0"
+
+    groups = ", ".join(f"({side(g.attention_ranks)} attention | {side(g.expert_ranks)} expert)" for g in plan.groups)
+    return f"{plan.world_size} ranks: {groups}, R={plan.num_microbatches}, {plan.schedule}"
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """One restart: what was lost, and how the job went on."""
+    attempt: int  # the start that followed (1, 2, ...)
+    lost_ranks: tuple[int, ...]  # ranks of the failed start's plan whose processes were lost
+    lost_gpus: tuple[str, ...]
+    failure: str  # the launcher's first line about it
+    last_completed: int  # the last iteration completed before the failure
+    resumed_from: int  # the checkpoint iteration the next start loaded (0: from scratch)
+    plan_before: str
+    plan_after: str
+    plan: dict = field(compare=False)  # the next start's plan (HeteroPlan.to_dict())
+    failed_at: float = 0.0  # time.time() when the launcher had ended the failed start
+    recovery_s: float | None = None  # failed_at -> the first step completed after it
+
+    @property
+    def steps_lost(self) -> int:
+        """Iterations completed before the failure that the next start runs again."""
+        return self.last_completed - self.resumed_from
+
+
+@dataclass
+class ElasticResult:
+    result: TrainResult  # the last start's
+    losses: dict[int, float]  # iteration (1-based) -> lm loss; a re-run iteration has its last start's
+    recoveries: list[Recovery]
+
+
+def _read_losses(path: Path) -> list[tuple[int, float, float]]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        d = json.loads(line)
+        out.append((d["iteration"], d["lm loss"], d["time"]))
+    return out
+
+
+def run_elastic(cfg: TrainConfig, plan: HeteroPlan, inventory: Inventory, plan_run: AutoPlanRun,
+                max_restarts: int, start: Callable[[TrainConfig, HeteroPlan], TrainResult],
+                check: Callable[[TrainConfig, HeteroPlan], None] = lambda cfg, plan: None,
+                log: Callable[[str], None] = print) -> ElasticResult:
+    """Run `start(cfg, plan)` (forked ranks; raises LaunchError on a failure) and restart it up to
+    `max_restarts` times after failures: re-planned for the GPUs left of `inventory` (plan rank i
+    runs on inventory rank i) when ranks were lost, from the latest checkpoint in cfg.save.
+    `check`: the job's validation of each new plan (training/validation.validate_job)."""
+    from megatron_hetermoe.parallel.launcher import LaunchError
+
+    if not cfg.save:
+        raise ValueError("--elastic-restarts needs --save DIR (and --save-interval): a restart continues from the "
+                         "latest checkpoint there")
+    if plan.world_size != inventory.size:
+        raise ValueError(f"the plan has {plan.world_size} ranks but the inventory {inventory.size} GPUs")
+    tmp = Path(tempfile.mkdtemp(prefix="hetermoe-elastic-"))
+    loss_log = tmp / "losses.jsonl"
+    recoveries: list[Recovery] = []
+    old_attempt = os.environ.get(ATTEMPT_ENV)
+    alive = inventory  # plan rank i runs on alive rank on_gpu[i]
+    on_gpu = list(range(inventory.size))
+    run_cfg = replace(cfg, loss_log=str(loss_log))
+    try:
+        for attempt in range(max_restarts + 1):
+            os.environ[ATTEMPT_ENV] = str(attempt)  # forked ranks inherit it (faults.py aims at a start)
+            try:
+                result = start(run_cfg, plan)
+            except LaunchError as e:
+                failed_at = time.time()
+                if attempt == max_restarts or e.user_message is not None:
+                    raise
+                lost = sorted(set(e.lost))
+                done = [it for it, _, t in _read_losses(loss_log) if t <= failed_at]
+                before = describe_plan(plan)
+                lost_gpus = tuple(plan.gpu_types[r] for r in lost)
+                if lost:
+                    gone = {on_gpu[r] for r in lost}
+                    alive = alive.without(sorted(gone))
+                    plan, on_gpu = auto_plan(plan_run, alive)
+                resumed = _latest_checkpoint(cfg.save)
+                run_cfg = replace(run_cfg, load=cfg.save if resumed else cfg.load, ckpt_reshard=True,
+                                  ckpt_step=None)
+                check(run_cfg, plan)
+                rec = Recovery(attempt + 1, tuple(lost), lost_gpus, str(e).split("\n", 1)[0][:300],
+                               max(done, default=0), resumed, before, describe_plan(plan), plan.to_dict(),
+                               failed_at)
+                recoveries.append(rec)
+                what = (f"lost rank(s) {list(lost)} ({', '.join(lost_gpus)})" if lost
+                        else f"rank {e.rank} failed (no GPU lost)")
+                log(f"elastic: {what} after iteration {rec.last_completed}; restart {attempt + 1} of "
+                    f"{max_restarts} on {describe_plan(plan)}"
+                    + (f"; idle GPUs: {plan.meta.get('idle_gpus')}" if plan.meta.get("idle_gpus") else "")
+                    + (f", from the checkpoint of iteration {resumed}" if resumed else ", from the start"))
+                continue
+            break
+        logged = _read_losses(loss_log)
+        losses: dict[int, float] = {}
+        for it, loss, _ in logged:
+            losses[it] = loss
+        for i, rec in enumerate(recoveries):  # the first step completed after each failure
+            after = [t for _, _, t in logged if t > rec.failed_at]
+            if after:
+                recoveries[i] = replace(rec, recovery_s=min(after) - rec.failed_at)
+        return ElasticResult(result, losses, recoveries)
+    finally:
+        if old_attempt is None:
+            os.environ.pop(ATTEMPT_ENV, None)
+        else:
+            os.environ[ATTEMPT_ENV] = old_attempt
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _latest_checkpoint(save: str) -> int:
+    tracker = Path(save) / TRACKER
+    return int(tracker.read_text().strip()) if tracker.exists() else 0

@@ -1,0 +1,74 @@
+"""Issue 44: a job that loses GPUs goes on (`hetermoe train --elastic-restarts`, training/elastic.py).
+
+A 2 x (2 A40 attention + 2 V100 expert) job on 8 forked CPU ranks loses, by SIGKILL (kill -9,
+$HETERMOE_INJECT_FAULT mode=kill at the start of an iteration): an expert rank, then an attention
+rank of the re-planned job, then two ranks at once. Each time the job re-plans for the GPUs left
+(the planner's search) and continues from the latest checkpoint; the losses of each start after a
+failure equal, bitwise, those of a fresh run from that checkpoint on that plan."""
+import json
+
+import pytest
+
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
+from megatron_hetermoe.planner.inventory import AutoPlanRun, Inventory, auto_plan
+from megatron_hetermoe.training import args as train_args
+from megatron_hetermoe.training.golden_values import read_golden
+
+pytestmark = pytest.mark.slow
+FLAGS = ["--model", "tiny", "--micro-batch-size", "1", "--global-batch-size", "8", "--lr-warmup-iters", "1",
+         "--deterministic-mode"]
+
+
+def _train(argv, monkeypatch, fault=None):
+    if fault:
+        monkeypatch.setenv("HETERMOE_INJECT_FAULT", fault)
+    else:
+        monkeypatch.delenv("HETERMOE_INJECT_FAULT", raising=False)
+    assert train_args.main(argv) == 0
+
+
+def test_lose_an_expert_then_an_attention_rank_then_two_at_once(tiny, tmp_path, monkeypatch, capfd):
+    plan0 = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, 2, attention_gpu="A40", expert_gpu="V100-16GB",
+                      num_microbatches=2, schedule="zebra")
+    plan0.save(tmp_path / "plan0.json")
+    assert plan0.role(2) == "expert"
+    # The plans the job must arrive at (what training/elastic.py computes: plan rank i on inventory rank kept[i]).
+    run = AutoPlanRun(tiny, tiny.seq_length, 8, 1)
+    alive = Inventory.from_spec("2xA40,2xV100-16GB,2xA40,2xV100-16GB")
+    alive = alive.without([2])
+    plan1, on1 = auto_plan(run, alive)
+    a1 = plan1.groups[0].attention_ranks[0]
+    alive = alive.without([on1[a1]])
+    plan2, on2 = auto_plan(run, alive)
+    two = sorted({plan2.groups[0].attention_ranks[-1], plan2.groups[-1].expert_ranks[-1]})
+    alive = alive.without([on2[r] for r in two])
+    plan3, _ = auto_plan(run, alive)
+    fault = ";".join([f"rank=2,site=iteration,at=2,mode=kill,attempt=0",
+                      f"rank={a1},site=iteration,at=4,mode=kill,attempt=1",
+                      *(f"rank={r},site=iteration,at=5,mode=kill,attempt=2" for r in two)])
+    ck = tmp_path / "ck"
+    _train([*FLAGS, "--train-iters", "7", "--hetero-plan", str(tmp_path / "plan0.json"), "--save", str(ck),
+            "--save-interval", "1", "--elastic-restarts", "3", "--golden-values-out", str(tmp_path / "el.json")],
+           monkeypatch, fault)
+    out = capfd.readouterr().out
+    restarts = [line for line in out.splitlines() if line.startswith(" elastic restart")]
+    assert len(restarts) == 3, out[-3000:]
+    assert "lost ['V100-16GB']" in restarts[0] and "lost ['A40']" in restarts[1], restarts
+    assert restarts[2].count("'") == 4, restarts  # two GPUs at once
+    for line, (resumed, size) in zip(restarts, ((2, plan1.world_size), (4, plan2.world_size), (5, plan3.world_size))):
+        assert f"resumed from iteration {resumed}, 0 step(s) run again" in line and f"-> {size} ranks" in line, line
+    elastic = read_golden(tmp_path / "el.json")
+    assert sorted(elastic) == list(range(1, 8)), elastic
+    # Each start after a failure = a fresh run from the checkpoint it loaded, on its plan.
+    for k, (plan, start, end) in enumerate(((plan1, 2, 4), (plan2, 4, 5), (plan3, 5, 7)), 1):
+        saved = HeteroPlan.from_dict(json.loads((ck / f"iter_{end:07d}" / "manifest.json").read_text())
+                                     ["layout"]["plan"])
+        assert saved.to_dict()["groups"] == plan.to_dict()["groups"], f"restart {k} ran another plan"
+        plan.save(tmp_path / f"plan{k}.json")
+        _train([*FLAGS, "--train-iters", "7", "--hetero-plan", str(tmp_path / f"plan{k}.json"), "--load",
+                str(ck), "--ckpt-step", str(start), "--hetero-ckpt-reshard", "--golden-values-out",
+                str(tmp_path / f"fresh{k}.json")], monkeypatch)
+        fresh = read_golden(tmp_path / f"fresh{k}.json")
+        # the same --train-iters (the LR schedule's length); the start ran start+1..end before its failure
+        assert {i: fresh[i] for i in range(start + 1, end + 1)} == \
+            {i: elastic[i] for i in range(start + 1, end + 1)}, (k, fresh, elastic)
