@@ -53,8 +53,8 @@ clean:
 # megatron-core $(COMPAT_MCORE) and the torch the registry resolves for it (a multi-GB CUDA build
 # that also runs on CPU; downloaded once), then the parity, zebra, checkpoint, golden, CPU-backend
 # and patch tests there. MEGATRON_LM_DIR=/path/to/Megatron-LM (core_v0.19.0) also runs the patch
-# tests and Megatron-LM's own pretrain() with --hetero-plan against that checkout. Results: README,
-# "Compatibility"; what differs: megatron_hetermoe/compat.py.
+# tests and Megatron-LM's own pretrain() with --hetero-plan against that checkout. Results:
+# docs/compatibility.md; what differs: megatron_hetermoe/compat.py.
 COMPAT_VENV := .venv-compat
 COMPAT_MCORE ?= 0.19.2
 COMPAT_PY ?= $(shell p=$$(pyenv prefix 3.12 2>/dev/null) && echo $$p/bin/python3.12 || command -v python3.12)

@@ -5,7 +5,7 @@ import os
 def within(what: str, value: float, tol: float) -> None:
     """assert value <= tol, naming the margin; with HETERMOE_MARGIN_LOG=FILE each check is also
     appended there (one JSON line), so a run under each ATEN_CPU_CAPABILITY shows every
-    tolerance's measured margin (README "Parity")."""
+    tolerance's measured margin (docs/parity.md)."""
     import json
 
     log = os.environ.get("HETERMOE_MARGIN_LOG")

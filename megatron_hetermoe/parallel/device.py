@@ -151,7 +151,7 @@ def peak_gpu_mib(role: str, device: torch.device, group=None) -> list[tuple[str,
 
 # ---- is this GPU the one the plan means, and can this torch run on it ------------------------
 # torch builds (pip wheels) by the CUDA version they ship and the GPU architectures they carry
-# kernels for (torch.cuda.get_arch_list()); README "On GPUs" has the table by GPU pair.
+# kernels for (torch.cuda.get_arch_list()); docs/gpus.md has the table by GPU pair.
 TORCH_BUILD_FOR_ARCH = (((5, 0), (7, 0), "cu126"),)  # (oldest, newest capability) that needs that build
 
 
@@ -196,7 +196,7 @@ def arch_error(device_name: str, capability: tuple[int, int], arch_list: list[st
            f"install a torch build whose torch.cuda.get_arch_list() covers sm_{major}{minor}")
     return (f"this rank's GPU, {device_name} (compute capability {major}.{minor}, sm_{major}{minor}), has no kernels "
             f"in the installed torch {torch_version} (CUDA {cuda_version}), built for {' '.join(arch_list) or 'no GPU'}; "
-            f"its first kernel would fail with 'no kernel image is available'. {how} (README: On GPUs)")
+            f"its first kernel would fail with 'no kernel image is available'. {how} (docs/gpus.md)")
 
 
 def gpu_type_matches(profile, device_name: str, total_gib: float) -> bool:

@@ -30,8 +30,8 @@ from megatron_hetermoe.plan.tasks import SCHEDULES
 # Tolerances at identical parameters (both sides' gradients of step i are taken at the
 # reference's parameters before step i), from measurement: the worst case over the test matrix
 # (1+1, 2+2, 1+3, 3+1, 2x(2+2); distep and zebra, R in 1..8) and ATEN_CPU_CAPABILITY
-# default/avx2/avx512 was loss 1.8e-7 (two fp32 ulps) and gradients 7.0e-7 relative (README,
-# "Parity"); each bound keeps >= 5x above it.
+# default/avx2/avx512 was loss 1.8e-7 (two fp32 ulps) and gradients 7.0e-7 relative (docs/parity.md,
+# the core test); each bound keeps >= 5x above it.
 LOSS_TOL = 1e-6
 GRAD_TOL = 1e-5
 # The free-running trajectory (each side steps from its own parameters) drifts apart: Adam's

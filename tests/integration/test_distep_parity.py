@@ -20,7 +20,7 @@ from megatron_hetermoe.tools.parity import (
                          ids=["1+1", "2+2", "1+3-uneven", "3+1", "2x(2+2)"])
 def test_distep_matches_megatron_ep(tiny, M, N, G, R):
     # Each step's loss and gradients at the reference's parameters of that step. Measured worst
-    # over these cases and ATEN_CPU_CAPABILITY default/avx2/avx512 (README "Parity"): loss
+    # over these cases and ATEN_CPU_CAPABILITY default/avx2/avx512 (docs/parity.md): loss
     # 1.7e-7, grads 6e-7, free-run weights 2e-4 and losses 3e-7: >= 5x inside every bound.
     plan = even_plan(tiny.num_layers, tiny.num_experts, M, N, groups=G, num_microbatches=R)
     r = run_parity(plan, tiny, steps=5, free_run=R == 2)  # the free run once per plan

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
                          ids=["1+1", "2+2", "1+3-uneven", "3+1", "2x(2+2)"])
 def test_zebra_matches_megatron_ep(tiny, M, N, G, R):
     # At the reference's parameters of each step; measured worst over this matrix and
-    # ATEN_CPU_CAPABILITY default/avx2/avx512 (README "Parity"): loss 9.0e-8, grads 4.6e-7: >= 11x inside.
+    # ATEN_CPU_CAPABILITY default/avx2/avx512 (docs/parity.md): loss 9.0e-8, grads 4.6e-7: >= 11x inside.
     plan = even_plan(tiny.num_layers, tiny.num_experts, M, N, groups=G, num_microbatches=R, schedule="zebra")
     r = run_parity(plan, tiny, steps=5, micro_batch_size=1, free_run=False)
     within("loss", r.max_rel_loss_diff, LOSS_TOL)

@@ -13,7 +13,7 @@ What changes besides the sizes (each for a reason that is not HeterMoE's):
   Megatron's expert TP (the TP size by default) is replaced by the plan's whole experts, with a line;
 - the tokenizer and data are NullTokenizer on a locally built corpus; --lr-warmup-iters 1 and
   --train-iters 4 (a recipe's warmup of hundreds of steps would leave the weights unmoved);
-- the CPU flags of the README; --log-interval 1; --lr 1e-4 and dropout 0 where a conf leaves them to
+- the CPU flags of docs/megatron-lm.md; --log-interval 1; --lr 1e-4 and dropout 0 where a conf leaves them to
   Megatron's defaults (zebra runs the microbatches' layers in another order than Megatron, so its
   dropout masks are other draws: Qwen3's conf at Megatron's 0.1 differs by 4.7e-3 under zebra,
   not under distep).

@@ -4,7 +4,7 @@ megatron-lm extra): Megatron-LM's own pretrain() on every rank, through the same
 core_v0.16.1's (test_megatron_lm_pretrain.py), and a plain Megatron EP run through the patch's CPU
 layer. Skipped, with the reason, without such a checkout or environment.
 
-What differs from core_v0.16.1 for these runs (README, Compatibility):
+What differs from core_v0.16.1 for these runs (docs/compatibility.md):
 - NullTokenizer --vocab-size N has N tokens, EOD N-1 (core_v0.16.1: N+1 tokens, EOD N): the plugin's
   data (EOD 256, vocab 257) takes --vocab-size 257 here, 256 on core_v0.16.1 and the plugin's trainer
   (the padded vocabulary is 384 on all three).
