@@ -4,6 +4,8 @@ hetero_args.py (the --hetero-* flags, defined once for both hostings), validatio
 checked before any process group exists), assembly.py (RoleAssembly: a HeterMoE rank put together
 for both hostings), megatron_ep.py and hetero.py (the two trainers), loop.py (the one loop both
 run), step.py (forward_step, loss, optimizer, one loss scale), world_stats.py (params norm and
-zero count over the world), nan_check.py (Megatron's NaN check, world-wide), logging.py
-(iteration lines, TensorBoard, utilization), golden_values.py, run_hooks.py and result.py (what
-a trainer takes besides its config, and returns)."""
+zero count over the world), nan_check.py (Megatron's NaN check, world-wide), expert_load_log.py
+(measured expert loads in the log, both hostings), elastic.py (--elastic-restarts: re-plan and
+continue when ranks are lost), logging.py (iteration lines, TensorBoard, utilization),
+golden_values.py, run_hooks.py and result.py (what a trainer takes besides its config, and
+returns)."""
