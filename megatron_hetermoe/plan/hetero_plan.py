@@ -101,8 +101,9 @@ class HeteroPlan:
     zebra_wave_order: str = "gpipe"
     # Megatron's virtual pipeline stages (--num-virtual-stages-per-pipeline-rank): each pipeline
     # stage holds this many model chunks, chunk v of stage s being Megatron's virtual stage v*P + s
-    # (decoder_layers / (P * V) layers each); the attention ranks run Megatron's interleaved 1F1B,
-    # the stage's expert ranks mirror it over the experts of all its chunks. DistEP only.
+    # (decoder_layers / (P * V) layers each); under DistEP the attention ranks run Megatron's
+    # interleaved 1F1B, under zebra its order over waves of microbatches (plan.tasks
+    # zebra_chunk_tasks); the stage's expert ranks mirror it over the experts of all its chunks.
     virtual_stages: int = 1
     # Megatron's --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: the
     # decoder layers of the first / last pipeline stage, the rest split evenly over the stages
@@ -453,11 +454,9 @@ class HeteroPlan:
         if type(V) is not int or V < 1:
             raise PlanError(f"plan virtual_stages={V!r} must be a positive integer (Megatron's "
                             f"--num-virtual-stages-per-pipeline-rank; 1 without virtual pipeline stages)")
-        if V > 1 and (P == 1 or self.schedule != "distep"):
-            raise PlanError(f"plan virtual_stages={V} needs pipeline stages and schedule 'distep' (it has schedule "
-                            f"{self.schedule!r}, pipeline_stages={P}): virtual stages interleave Megatron's 1F1B, "
-                            f"which DistEP runs on the attention ranks; zebra runs its own task lists per stage "
-                            f"(use zebra_waves there); set virtual_stages to 1")
+        if V > 1 and P == 1:
+            raise PlanError(f"plan virtual_stages={V} needs pipeline stages (it has pipeline_stages={P}): virtual "
+                            f"stages interleave model chunks over the pipeline stages; set virtual_stages to 1")
         uneven = {k: v for k, v in (("first_stage_layers", self.first_stage_layers),
                                     ("last_stage_layers", self.last_stage_layers)) if v is not None}
         for k, v in uneven.items():
@@ -490,6 +489,11 @@ class HeteroPlan:
         if empty:
             raise PlanError(f"pipeline stage(s) {empty} of {P} hold no MoE layer (dense_layers={self.dense_layers}); "
                             f"their expert ranks would idle: use fewer stages")
+        dense_chunks = [(s, v) for s in range(P) for v in range(V) if V > 1 and not self.chunk_moe_layers(s, v)]
+        if dense_chunks and self.schedule == "zebra":
+            raise PlanError(f"model chunk(s) (pipeline stage, chunk) {dense_chunks} hold no MoE layer "
+                            f"(dense_layers={self.dense_layers}) and zebra cuts a chunk's stages at its MoE layers; "
+                            f"use fewer virtual stages, or schedule 'distep'")
         per = P * self.attention_tp
         for gi, g in enumerate(self.groups):
             if len(g.attention_ranks) % per:

@@ -29,7 +29,10 @@ follows the sequence made here:
   producers; a crossing that no call can resolve is refused when the sequence is made.
 * Together: each stage's sequence is a total order of its events, and a pair of stages orders
   the calls they share the same way; the stages of a pipeline form a chain, so one global order
-  agrees with every rank's sequence, and issuing in it cannot wait in a cycle.
+  agrees with every rank's sequence, and issuing in it cannot wait in a cycle. With virtual
+  stages the last stage's output goes on to the first (the next model chunk), so the stages form
+  a ring (with two stages, one pair exchanging messages both ways): `pipe_calls` then checks
+  that the stages' calls have one global order (`_check_ring`) and refuses the lists otherwise.
 
 A D_F's payload needs its counts on the host; it is placed one simulated round after its
 counts exchange, so the host enqueues the next compute task before it waits for them.
@@ -40,7 +43,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from megatron_hetermoe.plan.tasks import ATTENTION_KINDS, PipeTask, Task, inputs, stage_transfers
+from megatron_hetermoe.plan.tasks import (
+    ATTENTION_KINDS,
+    Layers,
+    PipeTask,
+    Task,
+    chunk_counts,
+    inputs,
+    stage_transfers,
+    task_layers,
+)
 
 
 @dataclass(frozen=True)
@@ -58,7 +70,7 @@ class Counts:
 class PipeMessage:
     """One pipeline message seen from one side: `task` (P_F(s, j): stage s's output of microbatch
     j; P_B(s, j): the gradient of stage s's input), sent or received, with the previous (-1) or
-    next (+1) stage."""
+    next (+1) stage (with virtual stages, stage P - 1's next is stage 0)."""
     task: PipeTask
     send: bool
     peer: int  # -1: the previous stage, +1: the next
@@ -92,7 +104,7 @@ def _message_key(m: PipeTask) -> tuple:
     return (m.kind, m.layer, m.microbatch)
 
 
-def stage_messages(tasks: list[Task], stage: int, stages: int, num_layers: int) -> list[tuple[float, PipeMessage]]:
+def stage_messages(tasks: list[Task], stage: int, stages: int, num_layers: Layers) -> list[tuple[float, PipeMessage]]:
     """The pipeline messages of an attention rank of `stage`, in the order its list reaches them,
     each with its key on the list's attention tasks (k-th A task: a receive before it has key
     k - 0.5, a send after it k + 0.5)."""
@@ -114,10 +126,16 @@ def _calls_of_pair(upper: list[tuple[float, PipeMessage]], lower: list[tuple[flo
                    stage: int) -> tuple[list[tuple[float, PipeCall]], list[tuple[float, PipeCall]]]:
     """The calls between stage `stage` (upper: its messages with the next stage) and stage+1
     (lower: its messages with the previous one), each side's with its key (module docstring)."""
-    a = [m for m in upper if m[1].peer == 1]
-    b = [m for m in lower if m[1].peer == -1]
+    return _calls_between([m for m in upper if m[1].peer == 1], [m for m in lower if m[1].peer == -1],
+                          f"pipeline stages {stage} and {stage + 1}")
+
+
+def _calls_between(a: list[tuple[float, PipeMessage]], b: list[tuple[float, PipeMessage]],
+                   pair: str) -> tuple[list[tuple[float, PipeCall]], list[tuple[float, PipeCall]]]:
+    """The calls of two neighbours from the messages each exchanges with the other (`a`: the upper
+    side's, `b`: the lower side's, each with its key, in list order)."""
     if sorted(_message_key(m.task) for _, m in a) != sorted(_message_key(m.task) for _, m in b):
-        raise IssueOrderError(f"pipeline stages {stage} and {stage + 1} do not exchange the same messages: "
+        raise IssueOrderError(f"{pair} do not exchange the same messages: "
                               f"{[m for _, m in a]} vs {[m for _, m in b]}")
     out_a: list[tuple[float, PipeCall]] = []
     out_b: list[tuple[float, PipeCall]] = []
@@ -146,18 +164,123 @@ def _calls_of_pair(upper: list[tuple[float, PipeMessage]], lower: list[tuple[flo
             late = [m for k, m in part if m.send and k > key] if recv_keys else []
             if recv_keys and key > min(recv_keys) or late:
                 raise IssueOrderError(
-                    f"pipeline stages {stage} and {stage + 1}: the {side} side would have to post "
-                    f"{list(msgs)} together, but it needs a receive before a send of that call exists; no "
-                    f"deadlock-free order of the stages' point-to-point traffic (a zebra wave order bug)")
+                    f"{pair}: the {side} side would have to post {list(msgs)} together, but it needs a "
+                    f"receive before a send of that call exists; no deadlock-free order of the stages' "
+                    f"point-to-point traffic (a zebra wave order bug)")
             out.append((key, PipeCall(msgs[0].peer, msgs)))
     return out_a, out_b
 
 
-def pipe_calls(stage_tasks: list[list[Task]], num_layers: list[int]) -> list[list[tuple[float, PipeCall]]]:
+def _ring_order(calls: list[list[tuple[float, PipeCall]]], peers: list[list[int]]) -> list[list[int]]:
+    """The order in which each stage of a ring posts its calls (indices into `calls[s]`, a pair's
+    calls in their order, `peers[s][k]` the stage of call k): by key, and among a stage's calls
+    of one key (posted at one place of its list) in an order that lets every call go once both
+    its stages reached it (NCCL's one queue per rank). Found by posting any call both of whose
+    stages have it at hand: posting one never holds up another, so this finds an order whenever
+    one exists; IssueOrderError when none does."""
+    P = len(calls)
+    pair_of: list[list[tuple[int, int]]] = [[] for _ in range(P)]  # (pair id, index in the pair) per call
+    seen: dict[frozenset, int] = {}
+    for s in range(P):
+        count: dict[int, int] = {}
+        for k in range(len(calls[s])):
+            pid = seen.setdefault(frozenset((s, peers[s][k])), len(seen))
+            pair_of[s].append((pid, count.get(pid, 0)))
+            count[pid] = count.get(pid, 0) + 1
+    keys = [sorted({kc[0] for kc in c}) for c in calls]
+    group = [0] * P  # the key each stage has reached
+    done_in_pair = [0] * len(seen)
+    order: list[list[int]] = [[] for _ in range(P)]
+    posted = [set() for _ in range(P)]
+
+    def at_hand(s: int) -> dict[tuple[int, int], int]:
+        if group[s] == len(keys[s]):
+            return {}
+        key = keys[s][group[s]]
+        return {pair_of[s][k]: k for k, kc in enumerate(calls[s]) if kc[0] == key and k not in posted[s]}
+
+    moved = True
+    while moved:
+        moved = False
+        for s in range(P):
+            for pk, k in at_hand(s).items():
+                t = peers[s][k]
+                other = at_hand(t)
+                if pk[1] == done_in_pair[pk[0]] and pk in other:
+                    for stage, i in ((s, k), (t, other[pk])):
+                        order[stage].append(i)
+                        posted[stage].add(i)
+                    done_in_pair[pk[0]] += 1
+                    moved = True
+            for st in range(P):  # a stage whose calls of one key all went goes on to the next key
+                while group[st] < len(keys[st]) and not at_hand(st):
+                    group[st] += 1
+    stuck = {s: [calls[s][k][1] for k in at_hand(s).values()] for s in range(P) if group[s] < len(keys[s])}
+    if stuck:
+        raise IssueOrderError(f"the pipeline stages' calls wait in a cycle: stage(s) wait at {stuck}; no deadlock-free "
+                              f"order of the stages' point-to-point traffic (a zebra wave order bug)")
+    return order
+
+
+def _ring_calls(msgs: list[list[tuple[float, PipeMessage]]], tasks: list[list[Task]], num_layers: list[Layers]
+                ) -> tuple[list[list[tuple[float, PipeCall]]], list[list[int]]]:
+    """The calls of pipeline stages that form a ring (virtual stages: stage P - 1 sends on to stage
+    0), with the stage each call is with. A receive left at its consumer can close a cycle of
+    stages each waiting to send, so the calls follow the pipeline's data flow in rounds instead
+    (as Megatron's interleaved schedule posts a step's sends with the next step's receives): a
+    zero-time run of the stages' attention tasks, one per stage and round, each waiting for its
+    input from an earlier round; after round r each pair of neighbours exchanges, in one call,
+    the messages either made in round r. A sender is then past its producer and a receiver before
+    its consumer, and every stage reaches round r's calls once round r - 1's went, so the calls
+    of one round are the only ones that can wait on each other (_ring_order orders them)."""
+    P = len(msgs)
+    made: dict[PipeTask, int] = {}  # message -> the round its sender produced it
+    heads = [[t for t in tasks[s] if t.kind in ATTENTION_KINDS] for s in range(P)]
+    pos, at = [0] * P, [[] for _ in range(P)]  # at[s][r]: stage s's place after round r (after its A task pos - 1)
+    while any(pos[s] < len(heads[s]) for s in range(P)):
+        rnd, moved = len(at[0]), False
+        for s in range(P):
+            if pos[s] < len(heads[s]):
+                recv, send = stage_transfers(heads[s][pos[s]], s, P, num_layers[s])
+                if recv is None or made.get(recv, rnd) < rnd:
+                    if send is not None:
+                        made[send] = rnd
+                    pos[s] += 1
+                    moved = True
+            at[s].append(pos[s] - 0.5)
+        if not moved:
+            raise IssueOrderError(f"pipeline stages wait for each other's inputs: stage heads "
+                                  f"{[heads[s][pos[s]] if pos[s] < len(heads[s]) else None for s in range(P)]}")
+    pairs = [(0, 1, msgs[0], msgs[1])] if P == 2 else [
+        (s, (s + 1) % P, [m for m in msgs[s] if m[1].peer == 1], [m for m in msgs[(s + 1) % P] if m[1].peer == -1])
+        for s in range(P)]
+    calls: list[list[tuple[float, PipeCall]]] = [[] for _ in range(P)]
+    peers: list[list[int]] = [[] for _ in range(P)]
+    for s, t, a, b in pairs:
+        if sorted(_message_key(m.task) for _, m in a) != sorted(_message_key(m.task) for _, m in b):
+            raise IssueOrderError(f"pipeline stages {s} and {t} do not exchange the same messages: "
+                                  f"{[m for _, m in a]} vs {[m for _, m in b]}")
+        for stage, peer, side in ((s, t, a), (t, s, b)):
+            rounds: dict[int, list[PipeMessage]] = {}
+            for _, m in side:
+                rounds.setdefault(made[m.task], []).append(m)
+            for r in sorted(rounds):
+                part = tuple(sorted(rounds[r], key=lambda m: _message_key(m.task)))
+                calls[stage].append((at[stage][r], PipeCall(part[0].peer, part)))
+                peers[stage].append(peer)
+    return calls, peers
+
+
+def pipe_calls(stage_tasks: list[list[Task]], num_layers: list[Layers]) -> list[list[tuple[float, PipeCall]]]:
     """Each stage's pipeline calls with their keys (stage_messages), in issue order;
-    `stage_tasks[s]`: an attention rank's list of stage s, `num_layers[s]` its MoE layers."""
+    `stage_tasks[s]`: an attention rank's list of stage s, `num_layers[s]` its MoE layers (per
+    model chunk with virtual stages: then stage P - 1 sends on to stage 0, a ring: _ring_calls)."""
     P = len(stage_tasks)
     msgs = [stage_messages(stage_tasks[s], s, P, num_layers[s]) for s in range(P)]
+    if len(chunk_counts(num_layers[0])) > 1:
+        calls, peers = _ring_calls(msgs, stage_tasks, num_layers)
+        order = _ring_order(calls, peers)  # an order of each stage's calls that no cycle of waits holds up
+        return [[calls[s][i] for i in o] for s, o in enumerate(order)]
     calls: list[list[tuple[float, PipeCall]]] = [[] for _ in range(P)]
     for s in range(P - 1):
         up, low = _calls_of_pair(msgs[s], msgs[s + 1], s)
@@ -223,11 +346,11 @@ class _StageSim:
             moved = True
         return moved
 
-    def _can_run(self, t: Task, L: int) -> bool:
+    def _can_run(self, t: Task, L: Layers) -> bool:
         need = inputs(t, L)
         return need is None or need in self.issued
 
-    def run(self, num_layers: int) -> None:
+    def run(self, num_layers: Layers) -> None:
         L, n, rnd = num_layers, len(self.members), 0
         while any(m.head() is not None for m in self.members):
             moved = False
@@ -278,10 +401,10 @@ class _StageSim:
 
 
 def stage_sequences(lists: dict[int, list[Task]], attention: set[int], calls: list[tuple[float, PipeCall]],
-                    num_layers: int) -> dict[int, list[Issue]]:
+                    num_layers: Layers) -> dict[int, list[Issue]]:
     """The issue sequence of every member of one ZP group's stage: `lists` rank -> its task list,
     `attention` the attention ranks among them, `calls` the stage's pipeline calls (pipe_calls;
-    empty without pipeline stages)."""
+    empty without pipeline stages), `num_layers` the stage's MoE layers (per model chunk)."""
     classes: dict[tuple, _Member] = {}
     of: dict[int, _Member] = {}
     for r in sorted(lists):
@@ -307,7 +430,7 @@ def issue_sequence(plan, rank: int, num_microbatches: int | None = None, schedul
     members = plan.stage_members(g, stage)
     attention = set(plan.stage_ranks(g, stage)[0])
     lists = {r: tasks_of(plan, r, R) for r in members}
-    return stage_sequences(lists, attention, calls, len(plan.stage_moe_layers(stage)))[rank]
+    return stage_sequences(lists, attention, calls, task_layers(plan, stage))[rank]
 
 
 def stage_pipe_calls(plan, stage: int, num_microbatches: int | None = None,
@@ -319,4 +442,4 @@ def stage_pipe_calls(plan, stage: int, num_microbatches: int | None = None,
     R = num_microbatches or plan.num_microbatches
     firsts = [plan.stage_ranks(0, s)[0][0] for s in range(plan.pipeline_stages)]
     return pipe_calls([tasks_of(plan, r, R) for r in firsts],
-                      [len(plan.stage_moe_layers(s)) for s in range(plan.pipeline_stages)])[stage]
+                      [task_layers(plan, s) for s in range(plan.pipeline_stages)])[stage]

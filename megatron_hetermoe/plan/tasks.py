@@ -37,11 +37,19 @@ Theorem 1 order (0-based, R microbatches j):
   attention: A_F(s, 0..R-1) for s = 0..L-1; then A_F(L, j) A_B(L, j) for j = 0..R-1;
              then A_B(s, 0..R-1) for s = L-1..0
   expert:    E_F(l, 0..R-1) for l = 0..L-1; then E_B(l, 0..R-1) for l = L-1..0
+
+Virtual pipeline stages (Megatron's interleaved model chunks, plan.virtual_stages V > 1): an
+attention rank holds V model chunks, chunk c of pipeline stage s being virtual stage u = c*P + s.
+Its MoE layers are numbered over all its chunks (chunk 0's first: plan.stage_moe_layers), which
+every non-A task's `layer` is; an A task names its chunk (`Task.chunk`) and the attention stage
+within it (0..L_c, L_c the chunk's MoE layers). `num_layers` arguments take the per-chunk counts
+(a tuple; an int is one chunk). Each (chunk, wave of microbatches) is one item of Theorem 1's
+forward or backward, in Megatron's interleaved order over the waves (zebra_interleaved_items).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence, Union
 
 COMPUTE_KINDS = ("A_F", "A_B", "X_F", "X_B", "E_F", "E_B")
 COMM_KINDS = ("D_F", "C_F", "C_B", "D_B")
@@ -55,11 +63,12 @@ STREAM = {
 @dataclass(frozen=True)
 class Task:
     kind: str
-    layer: int  # attention stage (A_*) or expert layer (all other kinds)
+    layer: int  # attention stage (A_*, within its chunk) or expert layer (all other kinds, the rank's)
     microbatch: int
+    chunk: int = 0  # A_*: the model chunk (virtual pipeline stage) it runs; 0 without virtual stages
 
     def __repr__(self) -> str:
-        return f"{self.kind}({self.layer},{self.microbatch})"
+        return f"{self.kind}({self.layer},{self.microbatch}" + (f",c{self.chunk})" if self.chunk else ")")
 
     @property
     def stream(self) -> str:
@@ -76,10 +85,11 @@ class PipeTask:
     attention task that produces or consumes it; the simulator inserts it there): P_F, stage
     `layer`'s output of microbatch j to the next stage (every attention rank to its
     counterpart); P_B, the gradient of stage `layer`'s input back to the previous stage. Sender
-    and receiver both issue it (a send waits for its receive)."""
+    and receiver both issue it (a send waits for its receive). With virtual stages `layer` is
+    the sending virtual stage u = chunk * P + stage; the next of stage P - 1 is stage 0."""
 
     kind: str
-    layer: int  # the sending pipeline stage
+    layer: int  # the sending (virtual) pipeline stage
     microbatch: int
     is_comm = True
 
@@ -91,34 +101,53 @@ class PipeTask:
         return "pipeline"
 
 
-def stage_transfers(task: Task, stage: int, stages: int, num_layers: int) -> tuple[PipeTask | None, PipeTask | None]:
+Layers = Union[int, Sequence[int]]  # a rank's MoE layers: per model chunk, or an int for one chunk
+
+
+def chunk_counts(num_layers: Layers) -> tuple[int, ...]:
+    """The MoE layers of each of a rank's model chunks (`num_layers` an int: one chunk)."""
+    return (num_layers,) if isinstance(num_layers, int) else tuple(num_layers)
+
+
+def stage_transfers(task: Task, stage: int, stages: int, num_layers: Layers) -> tuple[PipeTask | None, PipeTask | None]:
     """(the transfer an attention rank of pipeline stage `stage` receives before `task`, the one it
-    sends after it); num_layers: the stage's MoE layers (its last attention piece is
-    num_layers). A stage after the first receives its input before its first piece's forward and
-    sends that input's gradient after its backward; a stage before the last sends its output
-    after its last piece's forward and receives the output's gradient before its backward."""
+    sends after it); num_layers: the stage's MoE layers, per model chunk with virtual stages (a
+    chunk's last attention piece is its count). A (virtual) stage after the first receives its
+    input before its first piece's forward and sends that input's gradient after its backward; a
+    (virtual) stage before the last sends its output after its last piece's forward and receives
+    the output's gradient before its backward."""
     k, l, j = task.kind, task.layer, task.microbatch
+    if k not in ATTENTION_KINDS:
+        return None, None
+    counts = chunk_counts(num_layers)
+    u, last, end = task.chunk * stages + stage, stages * len(counts) - 1, counts[task.chunk]
     recv = send = None
     if k == "A_F":
-        if stage > 0 and l == 0:
-            recv = PipeTask("P_F", stage - 1, j)
-        if stage < stages - 1 and l == num_layers:
-            send = PipeTask("P_F", stage, j)
-    elif k == "A_B":
-        if stage < stages - 1 and l == num_layers:
-            recv = PipeTask("P_B", stage + 1, j)
-        if stage > 0 and l == 0:
-            send = PipeTask("P_B", stage, j)
+        if u > 0 and l == 0:
+            recv = PipeTask("P_F", u - 1, j)
+        if u < last and l == end:
+            send = PipeTask("P_F", u, j)
+    else:
+        if u < last and l == end:
+            recv = PipeTask("P_B", u + 1, j)
+        if u > 0 and l == 0:
+            send = PipeTask("P_B", u, j)
     return recv, send
 
 
-def inputs(task: Task, num_layers: int) -> Task | None:
-    """The comm task whose result a compute task waits for (None: only local inputs)."""
+def inputs(task: Task, num_layers: Layers) -> Task | None:
+    """The comm task whose result a compute task waits for (None: only local inputs);
+    `num_layers`: the rank's MoE layers (per model chunk with virtual stages)."""
     k, l, j = task.kind, task.layer, task.microbatch
     if k == "A_F":
-        return Task("C_F", l - 1, j) if l > 0 else None
+        if l == 0:
+            return None
+        return Task("C_F", l - 1 + (sum(chunk_counts(num_layers)[:task.chunk]) if task.chunk else 0), j)
     if k == "A_B":
-        return Task("D_B", l, j) if l < num_layers else None
+        counts = chunk_counts(num_layers)
+        if l == counts[task.chunk]:
+            return None
+        return Task("D_B", l + (sum(counts[:task.chunk]) if task.chunk else 0), j)
     if k in ("X_F", "E_F"):
         return Task("D_F", l, j)
     if k in ("X_B", "E_B"):
@@ -187,48 +216,115 @@ def zebra_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: I
     warmup = waves if warmup is None else warmup
     if type(warmup) is not int or not 1 <= warmup <= waves:
         raise ValueError(f"zebra warm-up groups={warmup!r} must be between 1 and the {waves} waves")
-    T = Task
     if role == "expert":
         attention = zebra_tasks_for_role(L, R, "attention", (), last_pipeline_stage, waves, warmup)
         return _expert_list([t for t in attention if t.stream == "dispatch"], R // waves)
-    m = R // waves
-    groups = [range(w * m, (w + 1) * m) for w in range(waves)]
-    out: list[Task] = []
-
-    def forward(mbs: range) -> None:
-        for s in range(L):
-            for j in mbs:
-                out.extend([T("A_F", s, j), T("D_F", s, j)])
-                if s not in off:
-                    out.append(T("C_F", s, j))  # receive only: post at once
-            if s in off:
-                for j in mbs:
-                    out.extend([T("X_F", s, j), T("C_F", s, j)])
-        if not last_pipeline_stage:
-            out.extend(T("A_F", L, j) for j in mbs)
-
-    for mbs in groups[:warmup]:
-        forward(mbs)
-    for w, mbs in enumerate(groups):  # each group's backward, then the next group's forward
-        for j in mbs:
-            if last_pipeline_stage:
-                out.append(T("A_F", L, j))
-            out += [T("A_B", L, j), T("C_B", L - 1, j)]
-            if L - 1 not in off:
-                out.append(T("D_B", L - 1, j))
-        for s in reversed(range(L)):
-            if s in off:  # mirror of the forward: offloaded experts' backward before the stage's
-                for j in mbs:
-                    out += [T("X_B", s, j), T("D_B", s, j)]
-            for j in mbs:
-                out.append(T("A_B", s, j))
-                if s > 0:
-                    out.append(T("C_B", s - 1, j))
-                    if s - 1 not in off:
-                        out.append(T("D_B", s - 1, j))
+    # each group's backward, then the next group's forward
+    items = [("F", 0, w) for w in range(warmup)]
+    for w in range(waves):
+        items.append(("B", 0, w))
         if w + warmup < waves:
-            forward(groups[w + warmup])
+            items.append(("F", 0, w + warmup))
+    return _zebra_attention((L,), off, 0 if last_pipeline_stage else None, R // waves, items)
+
+
+def _zebra_attention(counts: tuple[int, ...], off: set[int], holds_loss: int | None, per_wave: int,
+                     items: list[tuple[str, int, int]]) -> list[Task]:
+    """An attention rank's list from its items ("F" | "B", chunk c, wave w): Theorem 1's forward or
+    backward of chunk c's MoE layers (the rank's layers sum(counts[:c]) on) over wave w's
+    `per_wave` microbatches. `holds_loss`: the chunk whose last piece computes the loss (the
+    model's last virtual stage), whose A_F(L_c, j) runs interleaved with A_B(L_c, j) in its
+    backward (Theorem 1's head), or None; any other chunk's last piece sends its output on, so
+    the wave's forward runs it (the next stage needs all the wave's outputs before any of its
+    backwards, which would otherwise wait on this one)."""
+    T = Task
+    out: list[Task] = []
+    for step, c, w in items:
+        o, L, mbs = sum(counts[:c]), counts[c], range(w * per_wave, (w + 1) * per_wave)
+        if step == "F":
+            for s in range(L):
+                k = o + s
+                for j in mbs:
+                    out.extend([T("A_F", s, j, c), T("D_F", k, j)])
+                    if k not in off:
+                        out.append(T("C_F", k, j))  # receive only: post at once
+                if k in off:
+                    for j in mbs:
+                        out.extend([T("X_F", k, j), T("C_F", k, j)])
+            if c != holds_loss:
+                out.extend(T("A_F", L, j, c) for j in mbs)
+            continue
+        for j in mbs:
+            if c == holds_loss:
+                out.append(T("A_F", L, j, c))
+            out += [T("A_B", L, j, c), T("C_B", o + L - 1, j)]
+            if o + L - 1 not in off:
+                out.append(T("D_B", o + L - 1, j))
+        for s in reversed(range(L)):
+            k = o + s
+            if k in off:  # mirror of the forward: offloaded experts' backward before the stage's
+                for j in mbs:
+                    out += [T("X_B", k, j), T("D_B", k, j)]
+            for j in mbs:
+                out.append(T("A_B", s, j, c))
+                if s > 0:
+                    out.append(T("C_B", k - 1, j))
+                    if k - 1 not in off:
+                        out.append(T("D_B", k - 1, j))
     return out
+
+
+def zebra_interleaved_items(order: str, waves: int, stages: int, stage: int, chunks: int) -> list[tuple[str, int, int]]:
+    """The ("F" | "B", chunk, wave) items of pipeline stage `stage` of `stages` with `chunks` model
+    chunks, W = `waves` waves each: Megatron's interleaved 1F1B (forward_backward_pipelining_with_
+    interleaving) with the waves as its microbatches, in its schedule table (groups of P waves,
+    chunk by chunk: megatron-core's microbatch_group_size_per_vp_stage default) and its warm-up
+    count (P - stage - 1) * 2 + (V - 1) * P, then forward k + warm-up and backward k in turn, the
+    backwards' chunks in reverse; "gpipe": every forward (in that table's order) before the first
+    backward. Both are deadlock-free over the stages' point-to-point traffic as Megatron's own
+    schedule is (plan.issue_order checks the calls they make)."""
+    if order not in ZEBRA_WAVE_ORDERS:
+        raise ValueError(f"zebra wave order {order!r} is not one of {ZEBRA_WAVE_ORDERS}")
+    P, V, W = stages, chunks, waves
+    table = [(w, c) for g in range(0, W, P) for c in range(V) for w in range(g, g + P if g + P < W else W)]
+    total = W * V
+    warmup = total if order == "gpipe" else min(total, (P - stage - 1) * 2 + (V - 1) * P)
+    fwd = [("F", c, w) for w, c in table]
+    bwd = [("B", V - 1 - c, w) for w, c in table]
+    items = fwd[:warmup]
+    for k in range(total - warmup):
+        items += [fwd[k + warmup], bwd[k]]
+    return items + bwd[total - warmup:]
+
+
+def zebra_chunk_tasks(chunk_layers: Sequence[int], R: int, role: str, offloaded_layers: Iterable[int] = (),
+                      stage: int = 0, stages: int = 1, waves: int = 1, order: str = "gpipe") -> list[Task]:
+    """The zebra list of a rank of pipeline stage `stage` of `stages` whose model chunks hold
+    `chunk_layers` MoE layers each (virtual stage c * stages + stage for chunk c; one chunk:
+    zebra_tasks_for_role with wave_warmup's groups). With several chunks: Theorem 1 per (chunk,
+    wave of R / waves microbatches) item in zebra_interleaved_items' `order`; the model's last
+    virtual stage (the last stage's last chunk) interleaves its head's forward and backward.
+    `offloaded_layers`: the rank's MoE layers (over all its chunks) in which it holds experts.
+    An expert rank issues its stage's attention ranks' collectives in their order, over the
+    experts of all the stage's chunks."""
+    counts = chunk_counts(chunk_layers)
+    if len(counts) == 1:
+        return zebra_tasks_for_role(counts[0], R, role, offloaded_layers, last_pipeline_stage=stage == stages - 1,
+                                    waves=waves, warmup=wave_warmup(order, waves, stages, stage))
+    if stages < 2 or not 0 <= stage < stages:
+        raise ValueError(f"model chunks need pipeline stages: stage {stage} of {stages}")
+    if any(type(n) is not int or n < 1 for n in counts):
+        raise ValueError(f"every model chunk needs an MoE layer for zebra (its stages are cut at them); the chunks "
+                         f"hold {list(counts)}")
+    off = _check(sum(counts), R, role, offloaded_layers)
+    if type(waves) is not int or waves < 1 or R % waves:
+        raise ValueError(f"zebra waves={waves!r} must be a positive divisor of the R={R} microbatches")
+    if role == "expert":
+        attention = zebra_chunk_tasks(counts, R, "attention", (), stage, stages, waves, order)
+        return _expert_list([t for t in attention if t.stream == "dispatch"], R // waves)
+    holds_loss = len(counts) - 1 if stage == stages - 1 else None
+    return _zebra_attention(counts, off, holds_loss, R // waves,
+                            zebra_interleaved_items(order, waves, stages, stage, len(counts)))
 
 
 def _expert_list(dispatch: list[Task], window: int) -> list[Task]:
@@ -286,12 +382,20 @@ def offloaded_layers_of(plan, rank: int) -> set[int]:
     return {k for k, l in enumerate(layers) if plan.local_experts(rank, l)}
 
 
+def task_layers(plan, stage: int) -> tuple[int, ...]:
+    """The MoE layers of each model chunk of pipeline stage `stage` (one entry without virtual
+    stages): what inputs(), stage_transfers() and the executors take as `num_layers`."""
+    if plan.virtual_stages == 1:
+        return (len(plan.stage_moe_layers(stage)),)
+    return tuple(len(plan.chunk_moe_layers(stage, c)) for c in range(plan.virtual_stages))
+
+
 def zebra_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[Task]:
     """Zebra task list of `rank` in a HeteroPlan (megatron_hetermoe.plan.hetero_plan), over the
     plan's R microbatches or `num_microbatches` (a step of Megatron's batch-size ramp-up). With
     pipeline stages, over the rank's stage's MoE layers (layer k: the stage's k-th,
     plan.stage_moe_layers), in the plan's zebra_waves groups of microbatches, in its
-    zebra_wave_order."""
+    zebra_wave_order; with virtual stages, per model chunk (zebra_chunk_tasks)."""
     role = plan.role(rank)
     off = offloaded_layers_of(plan, rank) if role == "attention" else set()
     stage = plan.stage_of(rank)
@@ -300,8 +404,7 @@ def zebra_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[Ta
         raise ValueError(f"{R} microbatches this step do not split into the plan's zebra_waves={plan.zebra_waves} "
                          f"groups; use a global batch (and ramp-up) whose microbatch count it divides")
     P, W = plan.pipeline_stages, plan.zebra_waves
-    return zebra_tasks_for_role(len(plan.stage_moe_layers(stage)), R, role, off, last_pipeline_stage=stage == P - 1,
-                                waves=W, warmup=wave_warmup(plan.zebra_wave_order, W, P, stage))
+    return zebra_chunk_tasks(task_layers(plan, stage), R, role, off, stage, P, W, plan.zebra_wave_order)
 
 
 def distep_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[Task]:

@@ -90,9 +90,9 @@ def _parser() -> argparse.ArgumentParser:
               "stage keeps all R microbatches alive), or 1f1b, Megatron's 1F1B over the groups (stage i of P "
               "keeps R / W x min(W, P - i)) (default gpipe)")
     even_flag("--virtual-stages", type=int, default=None,
-              help="V: with --pipeline-stages P > 1 and --schedule distep, each stage holds V model chunks "
-              "(Megatron's --num-virtual-stages-per-pipeline-rank V, its interleaved 1F1B; Megatron-LM's "
-              "pretrain() only) (default 1)")
+              help="V: with --pipeline-stages P > 1, each stage holds V model chunks (Megatron's "
+              "--num-virtual-stages-per-pipeline-rank V; DistEP runs Megatron's interleaved 1F1B, zebra its "
+              "order over the waves, docs/virtual-stages.md; Megatron-LM's pretrain() only) (default 1)")
     even_flag("--attention-gpu", default="cpu", help="GPU type of attention ranks (a configs/gpus/ name)")
     even_flag("--expert-gpu", default="cpu", help="GPU type of expert ranks (a configs/gpus/ name)")
     p.add_argument("--attention-tp", type=int, default=None,

@@ -88,7 +88,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from megatron_hetermoe.parallel.device import bind_device
-from megatron_hetermoe.plan.tasks import Task, inputs
+from megatron_hetermoe.plan.tasks import Layers, Task, inputs
 from megatron_hetermoe.reliability import faults
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.schedules.timing import TaskTiming
@@ -381,7 +381,7 @@ class TaskExecutor:
 
     STREAMS = ("dispatch", "combine")
 
-    def __init__(self, num_layers: int, recorder: TimelineRecorder | None, task_timing: TaskTiming | None = None,
+    def __init__(self, num_layers: Layers, recorder: TimelineRecorder | None, task_timing: TaskTiming | None = None,
                  make_stream: StreamFactory | None = None, device: torch.device = torch.device("cpu"),
                  api: CudaApi | None = None, keep_streams: bool = False):
         """`device`: the rank's device; picks the Stream (stream_factory) unless `make_stream`

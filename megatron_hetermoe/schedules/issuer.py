@@ -45,7 +45,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from megatron_hetermoe.plan.issue_order import Counts, Issue, PipeCall
-from megatron_hetermoe.plan.tasks import Task, inputs
+from megatron_hetermoe.plan.tasks import Layers, Task, inputs
 from megatron_hetermoe.schedules.executor import (
     CUDA,
     ActivationMeter,
@@ -198,7 +198,7 @@ def fills(tasks: list[Task]) -> dict[Task | None, list[Task | Counts]]:
 class IssueExecutor:
     """Runs one rank's issue sequence from one thread (see the module docstring)."""
 
-    def __init__(self, num_layers: int, recorder: TimelineRecorder | None,
+    def __init__(self, num_layers: Layers, recorder: TimelineRecorder | None,
                  device: torch.device = torch.device("cpu"), api: CudaApi | None = None):
         self.L, self.recorder, self.device = num_layers, recorder, torch.device(device)
         self.timing = CudaTiming(self.device, api) if self.device.type == "cuda" and recorder is not None else None
@@ -329,7 +329,7 @@ def resolve_issuer(issuer: str, device, emulated: bool, backend: str) -> str:
     return "single" if cuda and nccl else "threads"
 
 
-def make_executor(num_layers: int, issuer: str, recorder: TimelineRecorder | None, device: torch.device,
+def make_executor(num_layers: Layers, issuer: str, recorder: TimelineRecorder | None, device: torch.device,
                   backend: str, task_timing: TaskTiming | None = None,
                   keep_streams: bool = False) -> IssueExecutor | TaskExecutor:
     """The executor `issuer` names (resolve_issuer); `task_timing`: emulated task times;

@@ -122,19 +122,30 @@ def forward_backward_zebra(*, forward_step_func, data_iterator, model, num_micro
     if forward_only or collect_non_loss_data:
         raise NotImplementedError("forward-only passes are not supported by the zebra schedule yet; "
                                   "evaluate with --hetero-schedule distep")
-    gpt = unwrap(model)
-    cfg = gpt.config
+    chunks = model if isinstance(model, list) else [model]
+    gpts = [unwrap(m) for m in chunks]
+    V = hs.plan.virtual_stages
+    if len(gpts) != V:
+        raise ValueError(f"the zebra step got {len(gpts)} model chunk(s), the plan has virtual_stages={V}; build one "
+                         f"chunk per virtual stage (--num-virtual-stages-per-pipeline-rank {V})")
+    # With virtual stages Megatron-LM passes one data iterator per chunk (each chunk's forward_step
+    # reads the batch of its virtual stage: Nones where it neither embeds nor computes the loss).
+    iterators = data_iterator if V > 1 else [data_iterator]
+    cfg = gpts[0].config
     with _forward_backward_timer(cfg):
-        cap = _CaptureModel()
-        loss_funcs = []
-        for _ in range(num_microbatches):
-            _, lf = forward_step_func(data_iterator, cap)
-            loss_funcs.append(lf)
+        batches, loss_funcs = [], []
+        for c in range(V):
+            cap = _CaptureModel()
+            cap.vp_stage = getattr(gpts[c], "vp_stage", None) if V > 1 else None
+            loss_funcs.append([forward_step_func(iterators[c], cap)[1] for _ in range(num_microbatches)])
+            batches.append(cap.calls)
         alone = built is None
         built = built or Built()
-        az = _step(built.rank(gpt, lambda: AttentionZebra(gpt, hs, run, recorder, task_timing, schedule)), executed)
+        az = _step(built.rank(gpts[0], lambda: AttentionZebra(gpts if V > 1 else gpts[0], hs, run, recorder,
+                                                                task_timing, schedule)), executed)
         try:
-            reported, num_tokens = az.run(cap.calls, loss_funcs, built.tasks(schedule, hs, num_microbatches),
+            reported, num_tokens = az.run(batches if V > 1 else batches[0], loss_funcs if V > 1 else loss_funcs[0],
+                                          built.tasks(schedule, hs, num_microbatches),
                                           (decoder_seq_length or seq_length, micro_batch_size))
         finally:
             if alone:

@@ -34,7 +34,7 @@ from megatron_hetermoe.parallel import cpu_backend
 from megatron_hetermoe.parallel.comm import Move, TokenRoute
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.issue_order import Counts, PipeCall, issue_sequence, stage_pipe_calls
-from megatron_hetermoe.plan.tasks import ATTENTION_KINDS, PipeTask, Task, stage_transfers
+from megatron_hetermoe.plan.tasks import ATTENTION_KINDS, Layers, PipeTask, Task, stage_transfers, task_layers
 from megatron_hetermoe.schedules.executor import CUDA, StageIO
 from megatron_hetermoe.schedules.issuer import IssueExecutor, make_executor
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
@@ -133,7 +133,7 @@ class ZebraRank:
         self.slots: dict[tuple[int, int], Slot] = {}
         # Emulated expert tasks are priced for what their experts received (schedules/timing.py).
         executor_timing = None if task_timing is None else LoadedTiming(task_timing, self.received_tokens)
-        self.ex = make_executor(len(self.layer_ids), run.zebra_issuer, recorder, hs.device, hs.transport.backend,
+        self.ex = make_executor(task_layers(hs.plan, hs.stage), run.zebra_issuer, recorder, hs.device, hs.transport.backend,
                                 executor_timing, keep_streams=True)
         self.sequences: dict[int, list] = {}  # R -> this rank's issue sequence (the single issuer's)
 
@@ -325,56 +325,79 @@ def _in_device_scope(fn):
 
 class AttentionZebra(ZebraRank):
     """An attention rank: its GPTModel's stages (models/stages.py) as A_F/A_B tasks, its
-    offloaded experts (Asym-EA) as X_F/X_B tasks."""
+    offloaded experts (Asym-EA) as X_F/X_B tasks. With virtual pipeline stages it holds one
+    GPTModel per model chunk (Megatron-LM's get_model builds them), chunk c's stages being the A
+    tasks of chunk c and its MoE layers the rank's layers after the earlier chunks'."""
 
     def __init__(self, gpt, hs: HeteroParallelState, run: HeteroRunConfig, recorder: TimelineRecorder | None,
                  task_timing: TaskTiming | None = None, schedule: str = "zebra"):
-        self.stages = AttentionStages(gpt)
-        c = gpt.config
+        """`gpt`: the rank's GPTModel, or its model chunks' in order (virtual stages)."""
+        gpts = list(gpt) if isinstance(gpt, (list, tuple)) else [gpt]
+        self.chunks = [AttentionStages(g) for g in gpts]
+        self.stages = self.chunks[0]
+        want = task_layers(hs.plan, hs.stage)
+        got = tuple(st.num_layers for st in self.chunks)
+        if got != want:
+            raise ValueError(f"attention rank {hs.rank}: its model chunks hold {list(got)} MoE layers, but the plan's "
+                             f"pipeline stage {hs.stage} has {list(want)} per chunk; build the model the plan was made "
+                             f"for (its layers, --moe-layer-freq, virtual stages)")
+        self.offsets = [sum(got[:c]) for c in range(len(got))]  # chunk c's first MoE layer among the rank's
+        layers = [tl for st in self.chunks for tl in st.layers]
+        c = gpts[0].config
         super().__init__(hs, c, c.hidden_size, c.params_dtype, run, recorder,
-                         lambda l: self.stages.layers[l].mlp.experts, task_timing, schedule)
+                         lambda l: layers[l].mlp.experts, task_timing, schedule)
+        P, V = hs.plan.pipeline_stages, len(self.chunks)
+        self.first_chunk = 0 if hs.stage == 0 else None  # the chunk that embeds the tokens (virtual stage 0)
+        self.loss_chunk = V - 1 if hs.stage == P - 1 else None  # the chunk that computes the loss
         self._pipeline_ready = False  # the pipeline group's communicator made by all its members
 
-    def _stage(self, s: int, j: int, batch: dict, leaves: tuple):
-        """Forward of attention stage s (0..L-1): returns (permuted, residual, probs, shared, *carry)
-        and keeps the stage's DispatchMeta in its slot; stage 0 also keeps the microbatch's
-        StageContext (attention mask, rotary embedding), which every later stage of it reads. On a
-        pipeline stage after the first, stage 0 starts from the previous stage's output (`leaves`:
-        its received leaf). `carry`: what the stage passes on to the head besides its MoE layer's
-        pieces (models/stages.py: the decoder's and MTP layers' outputs)."""
+    def _stage(self, c: int, s: int, j: int, batch: dict, leaves: tuple):
+        """Forward of attention stage s (0..L-1) of chunk c: returns (permuted, residual, probs,
+        shared, *carry) and keeps the stage's DispatchMeta in its slot; stage 0 also keeps the
+        microbatch's StageContext (attention mask, rotary embedding), which every later stage of
+        the chunk reads. On a (virtual) pipeline stage after the first, stage 0 starts from the
+        previous stage's output (`leaves`: its received leaf). `carry`: what the stage passes on to
+        the head besides its MoE layer's pieces (models/stages.py: the decoder's and MTP layers'
+        outputs)."""
         carry: tuple = ()
         if s == 0:
-            hidden, self.contexts[j] = self.stages.embed(batch, leaves[0] if leaves else None)
+            hidden, self.contexts[(c, j)] = self.chunks[c].embed(batch, leaves[0] if leaves else None)
         else:
-            hidden, carry = self._combine(s - 1, j, leaves)
-        meta, permuted, residual, probs, shared, carry = self.stages.attention_and_route(
-            s, hidden, self.contexts[j], batch, carry)
-        self.slot(s, j).meta = meta
+            hidden, carry = self._combine(c, s - 1, j, leaves)
+        meta, permuted, residual, probs, shared, carry = self.chunks[c].attention_and_route(
+            s, hidden, self.contexts[(c, j)], batch, carry)
+        self.slot(self.offsets[c] + s, j).meta = meta
         return (permuted, residual, probs, shared, *carry)
 
-    def _combine(self, layer: int, j: int, leaves: tuple):
+    def _combine(self, c: int, layer: int, j: int, leaves: tuple):
         combined, residual, probs, shared, *carry = leaves
-        return self.stages.combine(layer, self.slot(layer, j).meta, combined, residual, probs, shared), tuple(carry)
+        meta = self.slot(self.offsets[c] + layer, j).meta
+        return self.chunks[c].combine(layer, meta, combined, residual, probs, shared), tuple(carry)
 
-    def _head(self, j: int, batch: dict, leaves: tuple):
-        hidden, carry = self._combine(self.stages.num_layers - 1, j, leaves)
-        return self.stages.head(hidden, batch, self.contexts[j], carry)
+    def _head(self, c: int, j: int, batch: dict, leaves: tuple):
+        hidden, carry = self._combine(c, self.chunks[c].num_layers - 1, j, leaves)
+        return self.chunks[c].head(hidden, batch, self.contexts[(c, j)], carry)
 
-    def run(self, batches: list[dict], loss_funcs: list, tasks: list[Task],
+    def run(self, batches: list, loss_funcs: list, tasks: list[Task],
             seq_shape: tuple[int, int] | None = None) -> tuple[list, torch.Tensor | None]:
         """The step: (each microbatch's reported losses (none on a pipeline stage before the
-        last), the step's tokens with --calculate-per-token-loss, else None). `seq_shape`:
-        (sequence length, micro-batch size), what a pipeline stage after the first receives.
-        Nothing of it stays on the rank object (a long run's memory stays flat)."""
+        last), the step's tokens with --calculate-per-token-loss, else None). `batches` and
+        `loss_funcs`: per microbatch, or with several model chunks per chunk and microbatch (a
+        chunk that neither embeds nor computes the loss reads no batch: Megatron-LM's get_batch
+        gives it Nones). `seq_shape`: (sequence length, micro-batch size), what a pipeline stage
+        after the first receives. Nothing of it stays on the rank object (a long run's memory
+        stays flat)."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-        R = len(batches)
-        L = self.stages.num_layers
+        if len(self.chunks) == 1:
+            batches, loss_funcs = [batches], [loss_funcs]
+        R = len(batches[0])
         # As Megatron's forward_step: the loss is scaled by config.grad_scale_func (the optimizer's
         # loss scale), and the aux loss by grad_scale_func(1) / R; with --calculate-per-token-loss
         # the losses are token sums (no division: finalize_model_grads divides the gradients by the
         # step's tokens, which run returns) and the aux loss is scaled by grad_scale_func(1).
-        config = self.stages.gpt.config
+        # Megatron-LM's training loop sets these on the first chunk's config.
+        config = self.chunks[0].gpt.config
         per_token = config.calculate_per_token_loss
         scale_loss = config.grad_scale_func or (lambda t: t)
         one = scale_loss(torch.ones(1, device=self.hs.device))
@@ -384,47 +407,51 @@ class AttentionZebra(ZebraRank):
 
             MTPLossAutoScaler.set_loss_scale(one if per_token else one / R)
         num_tokens_step = torch.zeros((), dtype=torch.int, device=self.hs.device) if per_token else None
-        self.contexts: dict[int, StageContext] = {}
+        self.contexts: dict[tuple[int, int], StageContext] = {}  # (chunk, microbatch) ->
         losses: dict[int, torch.Tensor] = {}
         reported: dict[int, dict] = {}
-        pipe = _PipelineNeighbours(self.hs, self.stages.gpt.config, seq_shape, L, tasks, self.task_timing,
-                                   sequenced=isinstance(self.ex, IssueExecutor), schedule=self.schedule)
+        pipe = _PipelineNeighbours(self.hs, config, seq_shape, task_layers(self.hs.plan, self.hs.stage), tasks,
+                                   self.task_timing, sequenced=isinstance(self.ex, IssueExecutor),
+                                   schedule=self.schedule)
         if pipe.active and not self._pipeline_ready:
             # batch_isend_irecv's first call on a group must include every member (torch's rule
             # for NCCL's lazily made communicators); a stage's first call has one neighbour only.
             pipe.warm_up()
             self._pipeline_ready = True
 
-        def leaves_for(s: int, j: int) -> tuple:
-            if s == 0:  # the previous pipeline stage's output of microbatch j (none on the first stage)
-                return () if pipe.prev is None else (pipe.inputs[j],)
-            prev = self.slot(s - 1, j)
+        def leaves_for(c: int, s: int, j: int) -> tuple:
+            if s == 0:  # the previous (virtual) pipeline stage's output of microbatch j (none on the first)
+                return () if c == self.first_chunk else (pipe.inputs[(c, j)],)
+            prev = self.slot(self.offsets[c] + s - 1, j)
             lv = (prev.route.arrived(prev.recv_combined).detach().requires_grad_(),
                   prev.residual.detach().requires_grad_(),
                   prev.probs.detach().requires_grad_(),
                   None if prev.shared is None else prev.shared.detach().requires_grad_(),
-                  *(c.detach().requires_grad_() for c in prev.carry))
+                  *(x.detach().requires_grad_() for x in prev.carry))
             self._consumed(prev, "recv_combined")
             prev.leaves = {"combined": lv[0], "residual": lv[1], "probs": lv[2], "shared": lv[3], "carry": lv[4:]}
             return lv
 
         def compute(t: Task) -> None:
             s, j = t.layer, t.microbatch
+            if t.kind in ("A_F", "A_B"):
+                c = t.chunk
+                L, k = self.chunks[c].num_layers, self.offsets[c] + s  # k: the rank's MoE layer s of chunk c
             if t.kind == "A_F":
-                lv = leaves_for(s, j)
+                lv = leaves_for(c, s, j)
                 if s < L:
-                    fn = _in_device_scope(lambda *a: self._stage(s, j, batches[j], a))
+                    fn = _in_device_scope(lambda *a: self._stage(c, s, j, batches[c][j], a))
                     out = _recomputed(fn, *lv) if self.recompute else fn(*lv)
-                    st = self.slot(s, j)
+                    st = self.slot(k, j)
                     st.permuted, st.residual, st.probs, st.shared, *carry = out
                     st.carry = tuple(carry)
                 else:
-                    fn = _in_device_scope(lambda *a: self._head(j, batches[j], a))
+                    fn = _in_device_scope(lambda *a: self._head(c, j, batches[c][j], a))
                     out_tensor = _recomputed(fn, *lv) if self.recompute else fn(*lv)
-                    if pipe.next is not None:  # this stage's output of microbatch j: pipe.send sends it
-                        pipe.outputs[j] = out_tensor
+                    if c != self.loss_chunk:  # this chunk's output of microbatch j: pipe.send sends it
+                        pipe.outputs[(c, j)] = out_tensor
                         return
-                    loss, num_tokens, rep = loss_funcs[j](out_tensor)
+                    loss, num_tokens, rep = loss_funcs[c][j](out_tensor)
                     if per_token:
                         losses[j] = loss
                         num_tokens_step.add_(num_tokens)
@@ -432,16 +459,16 @@ class AttentionZebra(ZebraRank):
                         losses[j] = loss / torch.clamp(num_tokens, min=1) / R
                     reported[j] = rep
             elif t.kind == "A_B":
-                if s == L and pipe.next is not None:  # the next stage's gradient of this stage's output
-                    torch.autograd.backward(pipe.outputs.pop(j), pipe.grads.pop(j))
+                if s == L and c != self.loss_chunk:  # the next stage's gradient of this chunk's output
+                    torch.autograd.backward(pipe.outputs.pop((c, j)), pipe.grads.pop((c, j)))
                 elif s == L:
                     torch.autograd.backward(scale_loss(losses.pop(j)))
                 else:
-                    st = self.slot(s, j)
+                    st = self.slot(k, j)
                     nxt = st.leaves
                     grads = [st.route.arrived(st.grad_permuted), nxt["residual"].grad, nxt["probs"].grad,
                              None if nxt["shared"] is None else nxt["shared"].grad,
-                             *(c.grad for c in nxt["carry"])]
+                             *(x.grad for x in nxt["carry"])]
                     outs = [st.permuted, st.residual, st.probs, st.shared, *st.carry]
                     keep = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
                     torch.autograd.backward([o for o, _ in keep], [g for _, g in keep])
@@ -450,10 +477,10 @@ class AttentionZebra(ZebraRank):
                     st.carry = ()
                     st.leaves = {}
                 if s > 0:
-                    prev = self.slot(s - 1, j)
+                    prev = self.slot(k - 1, j)
                     g = prev.leaves["combined"].grad
                     prev.grad_combined = g if g is not None else torch.zeros_like(prev.leaves["combined"])
-                # on a stage after the first, pipe.send sends the received input's gradient back
+                # on a (virtual) stage after the first, pipe.send sends the received input's gradient back
             elif t.kind == "X_F":
                 self.expert_forward(s, j)
             elif t.kind == "X_B":
@@ -469,7 +496,7 @@ class AttentionZebra(ZebraRank):
         self.contexts.clear()
         if per_token and self.hs.plan.pipeline_stages > 1:  # the last stage counts the step's tokens
             pipe.share_from_last(num_tokens_step)
-        return [reported[j] for j in range(R)] if pipe.next is None else [], num_tokens_step
+        return [reported[j] for j in range(R)] if self.loss_chunk is not None else [], num_tokens_step
 
 
 class _Posted:
@@ -497,14 +524,16 @@ class _PipelineNeighbours:
     executor's hooks do, a call right after the A task its key names (`send`) or, for the first,
     before the first A task (`receive`). A task's received input is waited for right before it
     (`receive`); what a task produces for a neighbour is kept for its call (`send`); sends are
-    waited at the end of the step. Without pipeline stages there is none.
+    waited at the end of the step. Without pipeline stages there is none. With virtual stages
+    stage P - 1's next is stage 0 (a chunk's output goes on to the next chunk there), and a
+    message's tensors are the (model chunk, microbatch)'s.
 
     With emulated task times each transfer is a window, as the simulator's PipeTask: the sender
     sends, ahead of the tensor, when its producing task ended; the receiver starts the window at
     the latest of that, when it reached the consuming task and when its previous transfer of that
     direction ended, and the consuming task starts when the window closed."""
 
-    def __init__(self, hs: HeteroParallelState, config, seq_shape: tuple[int, int] | None, num_layers: int,
+    def __init__(self, hs: HeteroParallelState, config, seq_shape: tuple[int, int] | None, num_layers: Layers,
                  tasks: list[Task], timing: TaskTiming | None = None, sequenced: bool = False,
                  schedule: str = "zebra"):
         import torch.distributed as dist
@@ -514,8 +543,10 @@ class _PipelineNeighbours:
         k = ranks.index(hs.rank)
         self.stage, self.stages = k, len(ranks)
         self.active = len(ranks) > 1
-        self.prev = ranks[k - 1] if k > 0 else None
-        self.next = ranks[k + 1] if k + 1 < len(ranks) else None
+        # With virtual stages the last stage's chunks send on to the first stage's next chunk.
+        self.ring = hs.plan.virtual_stages > 1
+        self.prev = ranks[k - 1] if k > 0 else ranks[-1] if self.ring else None
+        self.next = ranks[k + 1] if k + 1 < len(ranks) else ranks[0] if self.ring else None
         self.last = ranks[-1]
         self.group = hs.megatron_group("pp")
         self.dtype = config.pipeline_dtype or config.params_dtype
@@ -529,9 +560,10 @@ class _PipelineNeighbours:
             R = 1 + max(t.microbatch for t in tasks)
             for key, call in stage_pipe_calls(hs.plan, self.stage, R, schedule):
                 self.calls_after.setdefault(int(key - 0.5), []).append(call)
-        self.inputs: dict[int, torch.Tensor] = {}  # microbatch -> the previous stage's output (a leaf)
-        self.outputs: dict[int, torch.Tensor] = {}  # microbatch -> this stage's output, until its backward
-        self.grads: dict[int, torch.Tensor] = {}  # microbatch -> the next stage's gradient of that output
+        # keyed by (model chunk, microbatch):
+        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # the previous stage's output (a leaf)
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}  # this stage's output, until its backward
+        self.grads: dict[tuple[int, int], torch.Tensor] = {}  # the next stage's gradient of that output
         self.produced: dict[PipeTask, tuple[torch.Tensor, float]] = {}  # a message's tensor, when it was made
         self.posted: dict[PipeTask, tuple[torch.Tensor, torch.Tensor | None, _Posted]] = {}  # receive buffers
         self.sends: list[_Posted] = []  # every posted call, until the step's end
@@ -548,7 +580,7 @@ class _PipelineNeighbours:
         ops, keep, recvs = [], [], []
         for m in call.messages:
             peer = self.prev if m.peer < 0 else self.next
-            tag = 2 * m.task.microbatch  # gloo matches by tag (NCCL by order, the same on both sides)
+            tag = self._tag(m.task)
             if m.send:
                 x, end = self.produced.pop(m.task)
                 if self.timing is not None:
@@ -558,10 +590,11 @@ class _PipelineNeighbours:
                 ops.append(P2POp(self.dist.isend, x, peer, self.group, tag))
                 keep.append(x)
                 continue
-            if m.task.kind == "P_F":
+            out = self.outputs.get(self._key(m.task, sent=False))  # a P_B's: the output it is the gradient of
+            if m.task.kind == "P_F" or out is None:  # (posted before it exists with virtual stages)
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.hs.device)
             else:
-                buf = torch.empty_like(self.outputs[m.task.microbatch])
+                buf = torch.empty_like(out)
             stamp = None
             if self.timing is not None:
                 stamp = torch.empty(1, dtype=torch.float64, device=self.hs.device)
@@ -572,6 +605,20 @@ class _PipelineNeighbours:
         for task, buf, stamp in recvs:
             self.posted[task] = (buf, stamp, posted)
         self.sends.append(posted)
+
+    def _key(self, m: PipeTask, sent: bool) -> tuple[int, int]:
+        """(model chunk, microbatch) of message `m` on this rank: the chunk that sends it or, for
+        a receive, the virtual stage after (P_F) or before (P_B) the sending one."""
+        u = m.layer if sent else m.layer + (1 if m.kind == "P_F" else -1)
+        return u // self.stages, m.microbatch
+
+    def _tag(self, m: PipeTask) -> int:
+        """Gloo matches a pair's messages by tag (NCCL by order, the same on both sides); with
+        virtual stages a pair exchanges several messages of one microbatch, each its own tag.
+        Odd tags: the emulated send times ahead of them."""
+        if not self.ring:
+            return 2 * m.microbatch
+        return 2 * ((m.microbatch * self.stages * self.hs.plan.virtual_stages + m.layer) * 2 + (m.kind == "P_B"))
 
     def _issue_after(self, a: int) -> None:
         for call in self.calls_after.pop(a, []):
@@ -590,21 +637,21 @@ class _PipelineNeighbours:
             start = max(float(stamp), ready, self.lane_end.get(recv.kind, self.timing.origin()))
             end = self.timing.transfer(recv, start, time.perf_counter())
             self.lane_end[recv.kind] = end
-        j = task.microbatch
+        key = (task.chunk, task.microbatch)
         if recv.kind == "P_F":
-            self.inputs[j] = buf.requires_grad_()
+            self.inputs[key] = buf.requires_grad_()
         else:
-            self.grads[j] = buf
+            self.grads[key] = buf
         return end
 
     def send(self, task: Task, end: float) -> None:
         _, send = stage_transfers(task, self.stage, self.stages, self.L)
         if send is not None:
-            j = task.microbatch
+            key = (task.chunk, task.microbatch)
             if send.kind == "P_F":
-                x = self.outputs[j].detach()
+                x = self.outputs[key].detach()
             else:
-                inp = self.inputs.pop(j)
+                inp = self.inputs.pop(key)
                 x = inp.grad if inp.grad is not None else torch.zeros_like(inp)
             self.produced[send] = (x.contiguous(), end)
         if not self.sequenced and task in self.a_index:

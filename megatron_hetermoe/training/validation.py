@@ -338,7 +338,9 @@ def check_hetero_split(plan: HeteroPlan, first: int | None, last: int | None) ->
 def check_hetero_virtual_stages(plan: HeteroPlan, virtual_stages: int | None, schedule: str | None) -> None:
     """Megatron-LM's virtual pipeline size (args.virtual_pipeline_model_parallel_size, which its
     validate_args derives from either virtual-stage flag; None without) is the plan's
-    virtual_stages, and virtual stages run under DistEP (Megatron's interleaved 1F1B)."""
+    virtual_stages; under DistEP they run Megatron's interleaved 1F1B, under zebra its order over
+    waves of microbatches (plan.tasks.zebra_chunk_tasks), where every model chunk needs an MoE
+    layer."""
     V = virtual_stages or 1
     if V != plan.virtual_stages:
         raise ConfigError(f"--num-virtual-stages-per-pipeline-rank {V} (Megatron's virtual pipeline size; "
@@ -346,10 +348,12 @@ def check_hetero_virtual_stages(plan: HeteroPlan, virtual_stages: int | None, sc
                           f"virtual_stages={plan.virtual_stages}; pass --num-virtual-stages-per-pipeline-rank "
                           f"{plan.virtual_stages}" + (" (or neither flag)" if plan.virtual_stages == 1 else "")
                           + f", or remake the plan with virtual_stages {V}")
-    if plan.virtual_stages > 1 and (schedule or plan.schedule) != "distep":
-        raise ConfigError(f"--hetero-schedule {schedule}: the plan has virtual_stages={plan.virtual_stages}, which "
-                          f"interleave Megatron's 1F1B, DistEP's schedule on the attention ranks; zebra runs its own "
-                          f"task lists per stage: run distep, or remake the plan with virtual_stages 1")
+    P = plan.pipeline_stages
+    dense = [(s, v) for s in range(P) for v in range(V) if V > 1 and not plan.chunk_moe_layers(s, v)]
+    if dense and (schedule or plan.schedule) == "zebra":
+        raise ConfigError(f"--hetero-schedule zebra: model chunk(s) (pipeline stage, chunk) {dense} of the plan's "
+                          f"{P} x {V} virtual stages hold no MoE layer, and zebra cuts a chunk's stages at its MoE "
+                          f"layers; run distep, or use fewer virtual stages")
 
 
 def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str | None = None,

@@ -22,7 +22,7 @@ from megatron_hetermoe.plan.issue_order import (
     issue_sequence,
     stage_messages,
 )
-from megatron_hetermoe.plan.tasks import PipeTask, Task, inputs, zebra_tasks
+from megatron_hetermoe.plan.tasks import PipeTask, Task, inputs, task_layers, zebra_tasks
 from shared_plans import sparse_asym_ea_plan
 
 
@@ -30,9 +30,10 @@ def _key(plan, rank: int, item):
     """The rendezvous an item waits at (None: local work)."""
     g, s = plan.group_of(rank), plan.stage_of(rank)
     if isinstance(item, PipeCall):
+        # the pair of ranks that post it (with virtual stages stage P - 1's next is stage 0)
         pipe = next(p for p in plan.attention_pipelines(g) if rank in p)
-        lo = s if item.peer > 0 else s - 1
-        return ("pipe", g, pipe[lo], frozenset(repr(m.task) for m in item.messages))
+        peer = pipe[(s + item.peer) % plan.pipeline_stages]
+        return ("pipe", g, frozenset((rank, peer)), frozenset(repr(m.task) for m in item.messages))
     if isinstance(item, Counts) or item.is_comm:
         return ("zp", g, s, repr(item))
     if item.kind in ("A_F", "A_B"):  # may hold a collective over the stage's attention ranks
@@ -77,7 +78,7 @@ def _lists_keep_their_dependencies(plan, rank: int, seq: list) -> None:
     assert [t for t in seq if isinstance(t, Task) and not t.is_comm] == [t for t in tasks if not t.is_comm]
     assert sorted(map(repr, (t for t in seq if isinstance(t, Task) and t.is_comm))) == \
         sorted(map(repr, (t for t in tasks if t.is_comm)))
-    L = len(plan.stage_moe_layers(plan.stage_of(rank)))
+    L = task_layers(plan, plan.stage_of(rank))
     seen: set = set()
     for it in seq:
         if isinstance(it, Task) and not it.is_comm:
