@@ -128,6 +128,9 @@ class PipelineLayout:
     held: list[list[tuple[int, ...]]]  # [stage][j]: experts of its j-th MoE layer on each stage member (group 0)
     totals: list[tuple[int, ...]] | None = None  # [stage]: experts of all its layers on each member (group 0)
     member_gpus: list[tuple[str, ...]] | None = None  # [stage]: GPU type of each member (group 0)
+    # With virtual stages (zebra's task lists only): [virtual stage u = chunk * P + stage]: its
+    # attention pieces; `layers` and `pieces` then hold each stage's chunks' in chunk order.
+    chunk_pieces: list[list[tuple[int, int]]] | None = None
 
     def __post_init__(self) -> None:
         if self.totals is None:
@@ -139,14 +142,23 @@ class PipelineLayout:
         return self.attention[group][stage] + self.experts[group][stage]
 
 
-def layout_of_plan(plan: HeteroPlan, validate: bool = True) -> PipelineLayout:
+def layout_of_plan(plan: HeteroPlan, validate: bool = True, virtual: bool = False) -> PipelineLayout:
     """The layout of a plan, any pipeline_stages (validated first unless `validate` is False: the
-    search's skeleton plans place group 0 only, which is all the layout reads)."""
+    search's skeleton plans place group 0 only, which is all the layout reads). `virtual`: a plan
+    with virtual stages gets its chunks' pieces (chunk_pieces: Megatron's even split into P * V
+    virtual stages, chunk c of stage i being virtual stage c * P + i), which zebra's task lists
+    price; the 1F1B model does not price virtual stages (the split is refused as not P's)."""
     if validate:
         plan.validate()
-    P, G = plan.pipeline_stages, len(plan.groups)
+    P, G, V = plan.pipeline_stages, len(plan.groups), plan.virtual_stages
     moe_ids = plan.moe_layer_ids
-    layers, pieces = stage_pieces(moe_ids, plan.decoder_layers, P, plan.model_layers)
+    chunk_pieces = None
+    if virtual and V > 1:
+        vlayers, chunk_pieces = stage_pieces(moe_ids, plan.decoder_layers, P * V, plan.model_layers)
+        layers = [[k for c in range(V) for k in vlayers[c * P + i]] for i in range(P)]
+        pieces = [[x for c in range(V) for x in chunk_pieces[c * P + i]] for i in range(P)]
+    else:
+        layers, pieces = stage_pieces(moe_ids, plan.decoder_layers, P, plan.model_layers)
     for i in range(P):  # the plan's own split must be ours
         if layers[i] != plan.stage_moe_layers(i):
             raise PlanError(f"pipeline stage {i}: the plan's MoE layers {plan.stage_moe_layers(i)} are not Megatron's "
@@ -157,7 +169,7 @@ def layout_of_plan(plan: HeteroPlan, validate: bool = True) -> PipelineLayout:
     held = [[tuple(len(g0.placement[l].get(r, [])) for r in att[0][i] + exp[0][i]) for l in layers[i]]
             for i in range(P)]
     return PipelineLayout(P, G, plan.num_microbatches, plan.attention_tp, list(plan.gpu_types), att, exp, layers,
-                          pieces, held)
+                          pieces, held, chunk_pieces=chunk_pieces)
 
 
 def even_layout(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int, P: int,
@@ -205,13 +217,13 @@ def p2p_time(lay: PipelineLayout, cost: CostModel, cluster: Cluster, i: int, t: 
              backward: bool = False) -> float:
     """One microbatch's activations from stage i to i+1 (backward: their gradient from i+1 back
     to i): every attention rank sends its t tokens to its counterpart at once; the slowest pair
-    of any group counts."""
+    of any group counts. With virtual stages the last stage's next is the first."""
     nbytes = t * cost.token_bytes()
     nodes, nics = cluster.node_of(), cluster.nic_gbs()
     seen: dict[tuple, float] = {}
     worst = 0.0
     for g in range(lay.G):
-        for src, dst in zip(lay.attention[g][i], lay.attention[g][i + 1]):
+        for src, dst in zip(lay.attention[g][i], lay.attention[g][(i + 1) % lay.P]):
             if backward:
                 src, dst = dst, src
             # pairs alike in GPU types, node sharing and NICs take the same time

@@ -36,6 +36,7 @@ from megatron_hetermoe.plan.tasks import (
     distep_tasks,
     inputs,
     stage_transfers,
+    task_layers,
     zebra_tasks,
 )
 from megatron_hetermoe.planner.cluster import (
@@ -285,7 +286,10 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     transfer when it reaches the task that waits for it (a send waits for its receive). The
     attention pieces are planner/pipeline.py's (stage_pieces): the last piece of a stage before
     the last does no compute (dense layers after the stage's last MoE layer are priced with that
-    layer's piece); the post-step is pipeline.post_step's.
+    layer's piece); the post-step is pipeline.post_step's. With virtual stages each model chunk's
+    A tasks are its virtual stage's pieces (pipeline.layout_of_plan's chunk_pieces), the last
+    stage's chunks send on to the first stage's next chunk over that pair's link, and a stage's
+    transfers of all its chunks share its links (streams).
 
     `expert_load` (a measured per-layer histogram, planner/expert_load.py; None: balanced): each
     expert of a layer gets the balanced share times its multiplier (its tokens over the layer's
@@ -305,7 +309,9 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     E, k = plan.num_experts, m.moe_router_topk
     g = plan.groups[group]
     G = len(plan.groups)
-    lay = layout_of_plan(plan, validate=False) if P > 1 else None
+    V = plan.virtual_stages
+    lay = layout_of_plan(plan, validate=False, virtual=True) if P > 1 else None
+    chunk_layers = [task_layers(plan, i) for i in range(P)]  # what inputs() and stage_transfers() take
     global_tokens = float(global_batch) * cost.settings.seq_len
     t_mb = tokens_per_microbatch(plan, global_tokens)
     stage = {r: plan.stage_of(r) for r in g.members}
@@ -326,8 +332,10 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
         att, exp = plan.stage_ranks(group, i)
         held = [tuple(weight[r][kk] for r in att + exp) for kk in range(len(layers[i]))]
         layer_dur.append(layer_collectives(cost, cluster, att + exp, len(att), held, t_mb))
-    # between stage b and b + 1: (b, False) the activations forward, (b, True) their gradient back
-    p2p = {(b, bwd): p2p_time(lay, cost, cluster, b, t_mb, bwd) for b in range(P - 1) for bwd in (False, True)}
+    # between stage b and b + 1 (virtual stages: P - 1 and 0 too): (b, False) the activations
+    # forward, (b, True) their gradient back
+    p2p = {(b, bwd): p2p_time(lay, cost, cluster, b, t_mb, bwd) for b in range(P if V > 1 else P - 1)
+           for bwd in (False, True)}
 
     # representatives
     keys: dict[tuple, int] = {}
@@ -357,10 +365,10 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
             c = coll_id[key] = len(prob.coll_dur)
             prob.coll_tasks.append(t)
             prob.coll_members.append(0)
-            if isinstance(t, PipeTask):  # keyed and streamed by the sending stage
-                prob.coll_stream.append(4 * t.layer + STREAM_ID[t.kind])
+            if isinstance(t, PipeTask):  # keyed by the sending (virtual) stage, streamed by its pipeline stage
+                prob.coll_stream.append(4 * (t.layer % P) + STREAM_ID[t.kind])
                 back = t.kind == "P_B"
-                prob.coll_dur.append(p2p[(t.layer - back, back)])
+                prob.coll_dur.append(p2p[((t.layer - back) % P, back)])
             else:
                 prob.coll_stream.append(4 * i + STREAM_ID[t.stream])
                 prob.coll_dur.append(layer_dur[i][t.layer][t.kind])
@@ -379,20 +387,21 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
                 cache[key] = experts_time(cost, plan.gpu_types[r], [per_expert_tokens * load_mult[l][e] for e in key[3]],
                                           t.kind.endswith("_B"))
             return cache[key]
-        key = (plan.gpu_types[r], i, t.kind, t.layer, counts[r][t.layer] if t.kind[0] in "XE" else 0)
+        key = (plan.gpu_types[r], i, t.kind, t.layer, t.chunk, counts[r][t.layer] if t.kind[0] in "XE" else 0)
         if key not in cache:
+            pieces = None if lay is None else lay.chunk_pieces[t.chunk * P + i] if V > 1 else lay.pieces[i]
             if lay is None or t.kind[0] != "A":
-                cache[key] = compute_task_time(cost, plan.gpu_types[r], t, t_mb, key[4], per_expert_tokens,
+                cache[key] = compute_task_time(cost, plan.gpu_types[r], t, t_mb, key[5], per_expert_tokens,
                                                plan.attention_tp)
-            elif t.layer < len(lay.pieces[i]):  # the stage's piece t.layer (its last only on the last stage)
-                s, d = lay.pieces[i][t.layer]
+            elif t.layer < len(pieces):  # the (chunk's) piece t.layer (its last only on the last virtual stage)
+                s, d = pieces[t.layer]
                 cache[key] = cost.stage_time(plan.gpu_types[r], s, t_mb, t.kind == "A_B", plan.attention_tp, dense=d)
             else:  # a stage's last piece before the last stage: only the send of its output
                 cache[key] = 0.0
         return cache[key]
 
     for r in reps:
-        i, n_local = stage[r], len(layers[stage[r]])
+        i, n_local = stage[r], chunk_layers[stage[r]]
         tl: list = []
         received: dict[int, PipeTask] = {}  # list index of a compute task -> the transfer it waits for
         for t in lister(plan, r):

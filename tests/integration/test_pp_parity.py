@@ -145,8 +145,13 @@ def test_pipeline_refusals(tiny):
     with pytest.raises(ConfigError, match=r"--num-virtual-stages-per-pipeline-rank 2 .* the plan has virtual_stages=1; "
                                           r"pass --num-virtual-stages-per-pipeline-rank 1 \(or neither flag\)"):
         check_hetero_virtual_stages(plan, 2, None)
-    with pytest.raises(ConfigError, match="--hetero-schedule zebra: the plan has virtual_stages=2"):
-        check_hetero_virtual_stages(vpp, 2, "zebra")
+    check_hetero_virtual_stages(vpp, 2, "zebra")  # zebra runs virtual stages (plan.tasks.zebra_chunk_tasks)
+    dense_chunk = even_plan(2, tiny.num_experts, 1, 1, num_microbatches=2, pipeline_stages=2, virtual_stages=2,
+                            dense_layers=[2, 3])
+    check_hetero_virtual_stages(dense_chunk, 2, "distep")
+    with pytest.raises(ConfigError, match=r"--hetero-schedule zebra: model chunk\(s\) \(pipeline stage, chunk\) "
+                                          r"\[\(0, 1\), \(1, 1\)\] of the plan's 2 x 2 virtual stages hold no MoE layer"):
+        check_hetero_virtual_stages(dense_chunk, 2, "zebra")
 
 
 @pytest.mark.slow

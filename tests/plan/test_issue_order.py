@@ -22,7 +22,7 @@ from megatron_hetermoe.plan.issue_order import (
     issue_sequence,
     stage_messages,
 )
-from megatron_hetermoe.plan.tasks import PipeTask, Task, inputs, task_layers, zebra_tasks
+from megatron_hetermoe.plan.tasks import PipeTask, Task, check_stream_order, inputs, task_layers, zebra_tasks
 from shared_plans import sparse_asym_ea_plan
 
 
@@ -188,6 +188,11 @@ def test_no_shape_deadlocks(shape, move):
     s = shape
     plan = even_plan(s["L"] * s["P"], 2 * s["N"], s["M"], s["N"], groups=s["groups"], num_microbatches=s["R"],
                      schedule="zebra", pipeline_stages=s["P"], zebra_waves=s["W"], zebra_wave_order=s["order"])
+    _move_experts(plan, move)
+    _check(plan)
+
+
+def _move_experts(plan, move) -> None:
     for layer, member in move:  # one expert of `layer` onto attention member `member` in every group
         layer %= plan.num_layers
         for g in plan.groups:
@@ -200,4 +205,65 @@ def test_no_shape_deadlocks(shape, move):
             e, place[donor] = place[donor][-1], place[donor][:-1]  # lists may be shared between groups
             place[a[member]] = sorted(place.get(a[member], []) + [e])
     plan.validate()
-    _check(plan)
+
+
+VIRTUAL_SHAPES = [dict(C=C, R=R, M=M, groups=G, P=P, V=V, W=W, order=o, dense=d)
+                  for C, R, M, G, P, V, W, o, d in itertools.product(
+                      (1, 2), (1, 2, 4, 6), (1, 2), (1, 2), (2, 3, 4), (2, 3), (1, 2, 3, 4, 6), ("gpipe", "1f1b"),
+                      (False, True))
+                  if R % W == 0 and (o == "gpipe" or W > 1) and (not d or C == 2)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=st.sampled_from(VIRTUAL_SHAPES),
+       move=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 1)), max_size=3))
+def test_no_virtual_stage_shape_deadlocks(shape, move):
+    """Virtual pipeline stages (the stages form a ring: stage P - 1's chunks send on to stage 0's
+    next chunk): P 2..4 x V 2..3, 1 or 2 model layers a chunk (the first of every other chunk dense),
+    waves in both orders, Asym-EA moves. Every ZP stage issues one collective order and the world
+    finishes under rendezvous semantics (every call a rendezvous of its two ranks, a send waiting
+    for its receive)."""
+    s = shape
+    P, V, C = s["P"], s["V"], s["C"]
+    dense = [u * C for u in range(1, P * V, 2)] if s["dense"] else []
+    plan = even_plan(P * V * C - len(dense), 4, s["M"], 1, groups=s["groups"], num_microbatches=s["R"],
+                     schedule="zebra", pipeline_stages=P, virtual_stages=V, zebra_waves=s["W"],
+                     zebra_wave_order=s["order"], dense_layers=dense)
+    _move_experts(plan, move)
+    for g in range(s["groups"]):
+        for stage in range(P):
+            check_stream_order({r: zebra_tasks(plan, r) for r in plan.stage_members(g, stage)})
+    seqs = _check(plan)
+    calls = [c for c in seqs[0] if isinstance(c, PipeCall)]
+    assert calls, "stage 0 exchanges its chunks' activations in calls"
+
+
+def test_ring_receives_left_at_their_consumers_deadlock_in_the_checker():
+    """Why the ring's calls follow the data flow in rounds: the same sequences with each message its
+    own call, every receive posted right before its consumer, close a cycle of stages each waiting
+    to send to the next (P 3 x V 2, 3 waves of 2 microbatches)."""
+    from megatron_hetermoe.plan.tasks import stage_transfers
+
+    plan = even_plan(12, 4, 1, 1, num_microbatches=6, schedule="zebra", pipeline_stages=3, virtual_stages=2,
+                     zebra_waves=3)
+    seqs = _check(plan)
+    late = {}
+    for r, seq in seqs.items():
+        if plan.role(r) != "attention":
+            late[r] = seq
+            continue
+        stage, L = plan.stage_of(r), task_layers(plan, plan.stage_of(r))
+        recvs, out = {}, []
+        for it in seq:
+            if isinstance(it, PipeCall):
+                out += [PipeCall(m.peer, (m,)) for m in it.messages if m.send]
+                recvs.update({m.task: PipeCall(m.peer, (m,)) for m in it.messages if not m.send})
+                continue
+            if isinstance(it, Task) and it.kind in ("A_F", "A_B"):
+                recv, _ = stage_transfers(it, stage, plan.pipeline_stages, L)
+                if recv is not None:
+                    out.append(recvs.pop(recv))
+            out.append(it)
+        late[r] = out
+    with pytest.raises(AssertionError, match="deadlock"):
+        rendezvous(plan, late)

@@ -36,9 +36,13 @@ def test_even_plan_with_virtual_stages_from_megatron_flags(tmp_path, capsys):
                  "-o", str(out), "--", *run]) == 2
     assert ("--pipeline-stages 4 and the run's --pipeline-model-parallel-size 2 (after --; Megatron's default where "
             "the flag is absent) disagree" in capsys.readouterr().err)
-    assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--pipeline-stages", "2",
-                 "--virtual-stages", "2", "--schedule", "zebra", "--model", "tiny"]) == 2
-    assert "virtual_stages=2 needs pipeline stages and schedule 'distep'" in capsys.readouterr().err
+    # zebra takes the run's virtual stages too (docs/virtual-stages.md); without pipeline stages refused by name
+    assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--schedule", "zebra", "-o", str(out),
+                 "--", *run]) == 0
+    assert (HeteroPlan.load(out).schedule, HeteroPlan.load(out).virtual_stages) == ("zebra", 2)
+    assert main(["--even", "--attention-ranks", "1", "--expert-ranks", "1", "--virtual-stages", "2", "--schedule",
+                 "zebra", "--model", "tiny"]) == 2
+    assert "virtual_stages=2 needs pipeline stages (it has pipeline_stages=1)" in capsys.readouterr().err
 
 
 def test_even_plan_flags_are_refused_in_a_search(capsys):
