@@ -76,11 +76,12 @@ def init_distributed(backend: str | None = None) -> torch.device:
     all_gather_object find it. With gloo the ranks are CPU ranks (cpu_backend's patches)."""
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    store = _restart_store()
     if backend == "gloo":
         from megatron_hetermoe.parallel import cpu_backend
 
         cpu_backend.apply(force=True)
-        dist.init_process_group("gloo", timeout=group_timeout("gloo"))
+        dist.init_process_group("gloo", timeout=group_timeout("gloo"), **store)
         return torch.device("cpu")
     if backend != "nccl":
         raise ValueError(f"backend={backend!r}; use 'nccl' (GPUs) or 'gloo' (CPUs)")
@@ -88,8 +89,25 @@ def init_distributed(backend: str | None = None) -> torch.device:
     torch.cuda.set_device(device)
     # device_id (torch >= 2.3) binds the default group to this GPU at once.
     kw = {"device_id": device} if "device_id" in inspect.signature(dist.init_process_group).parameters else {}
-    dist.init_process_group("nccl", timeout=NCCL_TIMEOUT, **kw)
+    dist.init_process_group("nccl", timeout=NCCL_TIMEOUT, **kw, **store)
     return device
+
+
+def _restart_store() -> dict:
+    """init_process_group's store for a worker that torchrun's elastic agent restarted
+    ($TORCHELASTIC_RESTART_COUNT > 0): the job's store under a prefix of its own per restart. With
+    env:// a restarted gloo worker found the failed start's addresses in the agent's store and
+    timed out connecting to them ("Gloo connectFullMesh failed ... Connection refused", torch 2.13,
+    even for a bare init_process_group + new_group script); the prefix gives each start fresh keys.
+    {} for a first start (env:// as before)."""
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if not restart:
+        return {}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it, as env:// does
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=not agent and rank == 0)
+    return {"store": dist.PrefixStore(f"/hetermoe/restart_{restart}/", base), "rank": rank, "world_size": world}
 
 
 def check_native_bf16(device: torch.device) -> None:

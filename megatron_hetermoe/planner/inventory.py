@@ -1,9 +1,11 @@
 """The GPUs a job has, and the plan the planner's search picks for them (`--hetero-plan auto`).
 
 An Inventory is a GPU type (a profile name, configs/gpus/) and a node per rank, in rank order.
-It comes from what the user gives (`--hetero-gpus`: a cluster config, as `hetermoe plan --cluster`
-takes, or a list of GPU types: `from_spec`) or from a plan's GPU types. (Gathering each rank's CUDA
-device at start under torchrun is not built yet.) `auto_plan` runs the planner's search for
+It comes from what the job finds at start under torchrun (each rank's CUDA device's profile, or on
+a CPU rank the type its node emulates, $HETERMOE_GPU_TYPE; training/elastic.gather_inventory:
+`from_ranks`), or from what the user gives (`--hetero-gpus`: a
+cluster config, as `hetermoe plan --cluster` takes, or a list of GPU types: `from_spec`), or from a
+plan's GPU types. `auto_plan` runs the planner's search for
 the inventory with the run's model, batch and layout flags fixed, so the plan it returns is one the
 run accepts; elastic restarts (training/elastic.py) call it again for the survivors (`without`).
 """
@@ -22,6 +24,8 @@ from megatron_hetermoe.planner.profiles import known_gpu_types
 class InventoryError(UserError, ValueError):
     """An inventory that names no known GPU, or one the model does not fit."""
 
+
+GPU_TYPE_ENV = "HETERMOE_GPU_TYPE"  # a CPU rank's emulated GPU type (there is no device to ask)
 
 @dataclass(frozen=True)
 class Inventory:
@@ -66,6 +70,12 @@ class Inventory:
             raise InventoryError(f"--hetero-gpus {spec!r} names no GPU")
         cluster = Cluster.from_gpu_types("given", types)
         return cls(tuple(cluster.gpu_types()), tuple(cluster.node_of()))
+
+    @classmethod
+    def from_ranks(cls, ranks: list[tuple[str, str]]) -> "Inventory":
+        """From each rank's (GPU type, host name), in rank order: a node per host."""
+        hosts: dict[str, int] = {}
+        return cls(tuple(t for t, _ in ranks), tuple(hosts.setdefault(h, len(hosts)) for _, h in ranks))
 
     def without(self, ranks: list[int]) -> "Inventory":
         """The inventory after losing `ranks` (their GPUs); the survivors keep their order."""

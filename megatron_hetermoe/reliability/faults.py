@@ -10,8 +10,8 @@ occurrence of SITE on that rank:
 MODE "raise" raises FaultInjected (a Python error), "exit" ends the process at once (os._exit,
 like a crash or an OOM kill), "kill" sends the process SIGKILL (kill -9: a lost GPU or node).
 Several faults are separated by ";". `attempt=K` (default 0) aims a fault at the K-th start of
-an elastic job (training/elastic.py numbers its starts in $HETERMOE_ELASTIC_ATTEMPT), so a test
-can lose one rank, then another rank of the re-planned job. Read once per process; costs a pid
+an elastic job (training/elastic.py numbers its starts in $HETERMOE_ELASTIC_ATTEMPT, torchrun in
+$TORCHELASTIC_RESTART_COUNT), so a test can lose one rank, then another rank of the re-planned job. Read once per process; costs a pid
 and a None check per site otherwise.
 The launching process checks the variable against the job's world size first (`check_env`): a
 malformed value, or a rank the job does not have, is refused before any rank starts.
@@ -72,8 +72,9 @@ def parse_all(text: str) -> list[Fault]:
 
 
 def current_attempt() -> int:
-    """Which start of an elastic job this process belongs to (0: the first, or no elastic job)."""
-    return int(os.environ.get(ATTEMPT_ENV, "0"))
+    """Which start of an elastic job this process belongs to (0: the first, or no elastic job):
+    training/elastic.py's count, or torchrun's ($TORCHELASTIC_RESTART_COUNT) for its workers."""
+    return int(os.environ.get(ATTEMPT_ENV, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
 
 
 def check_env(world_size: int) -> Fault | None:

@@ -302,8 +302,31 @@ def check_launch_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> Non
         p.error(f"--ckpt-step {a.ckpt_step} needs --load DIR: it picks the iteration to load from DIR")
 
 
+def _auto_plan_at_start(a: argparse.Namespace, cfg: TrainConfig, hetero: HeteroRunConfig, device):
+    """--hetero-plan auto under torchrun: the planner's pick for every rank's GPU (gathered), the
+    same on every rank (the search is deterministic); checked as a given plan is. A restarted
+    elastic job (torchrun --nnodes MIN:MAX --max-restarts) plans again for the world it got."""
+    from megatron_hetermoe.errors import UserError
+    from megatron_hetermoe.planner.inventory import auto_plan
+    from megatron_hetermoe.training.elastic import describe_plan, gather_inventory
+    from megatron_hetermoe.training.validation import validate_job
+
+    inventory = gather_inventory(device)
+    plan, kept = auto_plan(plan_run_of(cfg, a), inventory)
+    if len(kept) != inventory.size:
+        idle = [r for r in range(inventory.size) if r not in kept]
+        raise UserError(f"--hetero-plan auto: the best plan for this job's {inventory.describe()} leaves rank(s) "
+                        f"{idle} idle (the batch does not split over the attention ranks the others give); start "
+                        f"the job without them, or change the batch")
+    validate_job(cfg, inventory.size, plan, a.hetero_schedule, hetero)
+    if int(os.environ["RANK"]) == 0:
+        print(f" --hetero-plan auto: {describe_plan(plan)} (for this job's {inventory.describe()}; the planner's "
+              f"search)", flush=True)
+    return plan
+
+
 def _run_joined(cfg: TrainConfig, p: argparse.ArgumentParser, plan, hetero: HeteroRunConfig | None,
-                save_lock) -> dict:
+                save_lock, a: argparse.Namespace | None = None) -> dict:
     """This process is one rank of a torchrun (or SLURM) job. A failure prints its error (one
     line for a user's error, else the traceback) and ends the process at once: the other ranks
     may be blocked in a collective with it, and only the process ending lets torchrun's
@@ -319,7 +342,9 @@ def _run_joined(cfg: TrainConfig, p: argparse.ArgumentParser, plan, hetero: Hete
             save_lock.acquire()
         from megatron_hetermoe.parallel.device import init_distributed, rank_device
 
-        init_distributed()  # this rank's GPU first, then NCCL (gloo and CPU patches without CUDA)
+        device = init_distributed()  # this rank's GPU first, then NCCL (gloo and CPU patches without CUDA)
+        if plan is AUTO:
+            plan = _auto_plan_at_start(a, cfg, hetero, device)
         check_kernels(p, cfg, rank_device(), hetero.pools(cfg) if plan is not None else None)
         result = _rank_main(rank, int(os.environ["WORLD_SIZE"]), cfg, plan, hetero)
     except BaseException as e:  # noqa: BLE001 - every failure ends this rank now
@@ -340,6 +365,14 @@ def _run_joined(cfg: TrainConfig, p: argparse.ArgumentParser, plan, hetero: Hete
     if dist.is_initialized():
         dist.destroy_process_group()
     return result
+
+
+AUTO = "auto"  # --hetero-plan auto under torchrun: planned at start, once every rank's GPU is known
+
+
+def joining_torchrun(a: argparse.Namespace) -> bool:
+    """This process is a rank of a torchrun (or SLURM) job rather than the launcher of forked ranks."""
+    return "RANK" in os.environ and a.nproc is None
 
 
 def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_outputs: bool = True):
@@ -367,14 +400,19 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
                 f"continues from the latest checkpoint, and a job loses the iterations since it")
     if a.elastic_restarts and "RANK" in os.environ and a.nproc is None:
         p.error(f"--elastic-restarts {a.elastic_restarts} restarts the ranks this command forks; under torchrun "
-                f"re-planning on restart is not built yet (torchrun --max-restarts restarts the same plan)")
+                f"its elastic agent restarts them (torchrun --nnodes MIN:MAX --max-restarts N) and each start "
+                f"plans for the world it got with --hetero-plan auto (--load and --hetero-ckpt-reshard continue "
+                f"from the latest checkpoint): drop --elastic-restarts")
     if a.hetero_gpus and not a.hetero_plan:
         p.error("--hetero-gpus needs --hetero-plan auto (or a plan file with --elastic-restarts)")
+    plan = None
     if a.hetero_plan:
         from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
         try:
-            if a.hetero_plan == "auto":
+            if a.hetero_plan == "auto" and joining_torchrun(a) and not a.hetero_gpus:
+                plan = AUTO  # planned at start, from every rank's GPU (_run_joined)
+            elif a.hetero_plan == "auto":
                 plan = _auto_plan(p, a, cfg)
             else:
                 plan = HeteroPlan.load(a.hetero_plan)
@@ -382,21 +420,25 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
             p.error(f"--hetero-plan {a.hetero_plan}: {e}")
         # TP and PP with a plan (its attention_tp and pipeline_stages) and EP (replaced by the plan) are
         # validation.check_hetero's to judge, in validate_job below.
-        if a.nproc not in (None, plan.world_size):
+        if plan is AUTO:
+            pass
+        elif a.nproc not in (None, plan.world_size):
             raise SystemExit(f"--nproc {a.nproc} but the plan has {plan.world_size} ranks; drop --nproc")
         if "RANK" not in os.environ:  # under torchrun, join its ranks instead of forking more
             a.nproc = plan.world_size
-    if a.recompute_granularity == "full" and (not a.hetero_plan or (a.hetero_schedule or plan.schedule) != "zebra"):
+    if a.recompute_granularity == "full" and (not a.hetero_plan or (a.hetero_schedule or plan.schedule) != "zebra") \
+            and plan is not AUTO:
         p.error("--recompute-granularity full: this trainer recomputes only under the zebra schedule (--hetero-plan, "
                 "--hetero-schedule zebra or a zebra plan); here it would do nothing; drop it, or run zebra")
-    joining = "RANK" in os.environ and a.nproc is None
+    joining = joining_torchrun(a)
     world = int(os.environ.get("WORLD_SIZE", 0)) if joining else (a.nproc or 4)
     try:  # every input, before any process group (torchrun's or ours) exists
         from megatron_hetermoe.outputs import check_output_paths
         from megatron_hetermoe.reliability.faults import check_env
         from megatron_hetermoe.training.validation import validate_job
 
-        validate_job(cfg, world, plan if a.hetero_plan else None, a.hetero_schedule, hetero)
+        if plan is not AUTO:  # else once the plan is made, at start (_run_joined)
+            validate_job(cfg, world, plan if a.hetero_plan else None, a.hetero_schedule, hetero)
         check_env(world)  # $HETERMOE_INJECT_FAULT, read by every rank
         if check_outputs and int(os.environ.get("RANK", "0")) == 0:  # rank 0 of a torchrun job checks them
             check_output_paths(a)
@@ -461,7 +503,7 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         print("WARNING: --check-for-nan-in-loss-and-grad is off: --fp16 with a dynamic loss scale skips steps "
               "whose gradients overflow (as Megatron-LM does)", file=sys.stderr)
     if joining:
-        result = _run_joined(cfg, p, plan, hetero, save_lock)
+        result = _run_joined(cfg, p, plan, hetero, save_lock, a)
     else:
         import megatron.core  # noqa: F401  - import once in the parent, then fork ranks
 

@@ -26,7 +26,13 @@ from typing import Callable
 
 from megatron_hetermoe.config import TrainConfig
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
-from megatron_hetermoe.planner.inventory import AutoPlanRun, Inventory, auto_plan
+from megatron_hetermoe.planner.inventory import (
+    GPU_TYPE_ENV,
+    AutoPlanRun,
+    Inventory,
+    InventoryError,
+    auto_plan,
+)
 from megatron_hetermoe.reliability.faults import ATTEMPT_ENV
 from megatron_hetermoe.training.result import TrainResult
 
@@ -156,3 +162,45 @@ def run_elastic(cfg: TrainConfig, plan: HeteroPlan, inventory: Inventory, plan_r
 def _latest_checkpoint(save: str) -> int:
     tracker = Path(save) / TRACKER
     return int(tracker.read_text().strip()) if tracker.exists() else 0
+
+
+def gather_inventory(device) -> Inventory:
+    """Every rank's GPU type and host, gathered over the default group (call after
+    init_distributed): the CUDA device's profile, or on a CPU rank $HETERMOE_GPU_TYPE (the type
+    its node emulates, or a type per local rank, comma-separated). Returns a
+    planner.inventory.Inventory in rank order."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        mine = profile_of_device(props.name, props.total_memory / 2**30)
+    else:  # a CPU rank: the type its node emulates, or one per local rank ("A40,A40,V100-16GB,...")
+        types = [t.strip() for t in os.environ.get(GPU_TYPE_ENV, "").split(",") if t.strip()]
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        mine = types[0] if len(types) == 1 else types[local] if local < len(types) else None
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (mine, socket.gethostname()))
+    missing = [r for r, (t, _) in enumerate(got) if not t]
+    if missing:
+        raise InventoryError(f"--hetero-plan auto: CPU rank(s) {missing} have no GPU to find; set ${GPU_TYPE_ENV} "
+                             f"(the GPU type the node emulates, e.g. A40, or one per local rank: A40,V100-16GB) in "
+                             f"their environment, or pass --hetero-gpus with every rank's type")
+    return Inventory.from_ranks([(t, h) for t, h in got])
+
+
+def profile_of_device(name: str, memory_gib: float) -> str:
+    """The GPU profile (configs/gpus/) a CUDA device is, by parallel/device.gpu_type_matches (the
+    rule that checks a rank's GPU against its plan type); InventoryError naming the device when
+    none matches."""
+    from megatron_hetermoe.parallel.device import gpu_type_matches
+    from megatron_hetermoe.planner.profiles import known_gpu_types, load_profile
+
+    known = [t for t in known_gpu_types() if t != "cpu"]
+    for t in known:
+        if gpu_type_matches(load_profile(t), name, memory_gib):
+            return t
+    raise InventoryError(f"GPU {name!r} ({memory_gib:.0f} GiB) is none of the GPU profiles {known}; pass "
+                         f"--hetero-gpus with its type, or add its profile under configs/gpus/")

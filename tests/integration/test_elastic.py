@@ -72,3 +72,81 @@ def test_lose_an_expert_then_an_attention_rank_then_two_at_once(tiny, tmp_path, 
         # the same --train-iters (the LR schedule's length); the start ran start+1..end before its failure
         assert {i: fresh[i] for i in range(start + 1, end + 1)} == \
             {i: elastic[i] for i in range(start + 1, end + 1)}, (k, fresh, elastic)
+
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and everything under it (a node: torchrun's agent and its workers)."""
+    import os
+    import signal
+    import subprocess
+
+    kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    os.kill(pid, signal.SIGSTOP)  # no new children while the tree is walked
+    for k in kids:
+        _kill_tree(int(k))
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_torchrun_loses_a_node_and_replans_for_the_survivors(tiny, tmp_path):
+    """Under torchrun's elastic agent (two agents, --nnodes 1:2, c10d rendezvous: two "nodes" on this
+    host, of 2 A40 and 2 V100, each rank's type from $HETERMOE_GPU_TYPE), --hetero-plan auto gathers
+    every rank's GPU at start and plans for them; the V100 node is killed (agent and workers, SIGKILL)
+    mid-run; the A40 node's agent restarts its workers in a world of 2, which plan again for 2 A40 and
+    continue from the latest checkpoint (--load, --hetero-ckpt-reshard); the iterations after it equal
+    a fresh run from that checkpoint on that plan, bitwise."""
+    import os
+    import re
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ck = tmp_path / "ck"
+
+    def node(gpu: str, log: str, host: bool):
+        cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node",
+               "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
+               "--max-restarts", "2", "--rdzv-conf", f"is_host={int(host)},last_call_timeout=10,join_timeout=120", "--monitor-interval",
+               "0.5", "-m", "megatron_hetermoe.training.args", *FLAGS, "--train-iters", "8", "--hetero-plan", "auto",
+               "--save", str(ck), "--load", str(ck), "--save-interval", "1", "--hetero-ckpt-reshard",
+               "--golden-values-out", str(tmp_path / f"{gpu}.json")]
+        env = {**os.environ, "HETERMOE_GPU_TYPE": gpu, "OMP_NUM_THREADS": "1", "HETERMOE_COLLECTIVE_TIMEOUT_S": "60"}
+        for k in ("HETERMOE_ELASTIC_ATTEMPT", "HETERMOE_INJECT_FAULT"):
+            env.pop(k, None)
+        return subprocess.Popen(cmd, stdout=open(tmp_path / log, "w"), stderr=subprocess.STDOUT, env=env,
+                                cwd=tmp_path, start_new_session=True)
+
+    a40 = node("A40", "a40.log", host=True)  # hosts the rendezvous store, which must outlive the V100 node
+    v100 = node("V100-16GB", "v100.log", host=False)
+    tracker = ck / "latest_checkpointed_iteration.txt"
+    try:
+        deadline = time.monotonic() + 300
+        while not (tracker.exists() and int(tracker.read_text() or 0) >= 2):
+            assert time.monotonic() < deadline and a40.poll() is None and v100.poll() is None, \
+                (tmp_path / "a40.log").read_text()[-3000:]
+            time.sleep(0.1)
+        _kill_tree(v100.pid)
+        assert a40.wait(timeout=400) == 0, (tmp_path / "a40.log").read_text()[-4000:]
+    finally:
+        for p in (a40, v100):
+            if p.poll() is None:
+                _kill_tree(p.pid)
+    out = (tmp_path / "a40.log").read_text()
+    picks = [line for line in out.splitlines() if "--hetero-plan auto:" in line]
+    assert "for this job's 2 A40 + 2 V100-16GB" in picks[0] and "for this job's 2 A40;" in picks[-1], picks
+    resumed = int(re.findall(r"loaded checkpoint \S+ at iteration (\d+)", out)[-1])
+    after = read_golden(tmp_path / "A40.json")
+    assert sorted(after) == list(range(resumed + 1, 9)), (resumed, after)
+    manifest = json.loads((ck / "iter_0000008" / "manifest.json").read_text())
+    plan = HeteroPlan.from_dict(manifest["layout"]["plan"])
+    assert plan.world_size == 2 and set(plan.gpu_types) == {"A40"}
+    plan.save(tmp_path / "picked.json")
+    ref = tmp_path / "ref.json"
+    assert train_args.main([*FLAGS, "--train-iters", "8", "--hetero-plan", str(tmp_path / "picked.json"), "--load",
+                            str(ck), "--ckpt-step", str(resumed), "--hetero-ckpt-reshard",
+                            "--golden-values-out", str(ref)]) == 0
+    assert after == read_golden(ref)
