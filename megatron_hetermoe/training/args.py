@@ -417,7 +417,7 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
             else:
                 plan = HeteroPlan.load(a.hetero_plan)
         except (ValueError, OSError) as e:
-            p.error(f"--hetero-plan {a.hetero_plan}: {e}")
+            p.error(f"--hetero-plan: {e}")
         # TP and PP with a plan (its attention_tp and pipeline_stages) and EP (replaced by the plan) are
         # validation.check_hetero's to judge, in validate_job below.
         if plan is AUTO:

@@ -5,7 +5,7 @@ before forking ranks or joining torchrun's group), so a bad flag, model, plan or
 refused with one message naming the flag/field, the bad value and the fix, instead of a
 traceback from inside megatron-core on every rank. Plan, model config, cluster and GPU profile
 files have their own errors (PlanError, ModelConfigError, ClusterError, ProfileError), raised
-when they are loaded; README.md lists them all.
+when they are loaded; docs/reliability.md lists them all.
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def check_plugin_model(m) -> None:
     if what:
         raise ConfigError(f"model {m.name!r} has {' and '.join(what)}: the plugin's own trainer builds every layer "
                           f"as an MoE layer without shared experts; train it with Megatron-LM's pretrain_gpt.py and "
-                          f"--hetero-plan (README: \"Inside Megatron-LM's own pretrain()\"), or use a model without them")
+                          f"--hetero-plan (docs/megatron-lm.md), or use a model without them")
 
 
 def check_train_config(cfg: "TrainConfig") -> None:
