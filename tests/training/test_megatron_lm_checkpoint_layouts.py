@@ -1,7 +1,7 @@
 """Checkpoints at every layout (issue 42 item 4) in Megatron-LM's own pretrain() (core_v0.16.1 checkout,
 MEGATRON_LM_DIR), with Megatron's distributed optimizer: Mixtral's flags (examples/mixtral/, shrunk as
 test_megatron_lm_recipes.py shrinks them) at pipeline size 2 under zebra and distep, at 2 x 2 virtual
-stages (distep), with an MTP layer at 2 stages under both schedules, and an Asym-EA plan whose attention
+stages (zebra, distep), with an MTP layer at 2 stages under both schedules, and an Asym-EA plan whose attention
 ranks hold different numbers of optimizers; and at PP 2 with --dist-ckpt-optim-fully-reshardable. Plans are made as a user makes them
 (`hetermoe plan --even ... -- <the run's flags>`), except the Asym-EA one (a search's placement).
 
@@ -155,7 +155,7 @@ def _plan(layout: Layout, schedule: str, path: Path) -> Path:
     return path
 
 
-CASES = [("pp2", "zebra"), ("pp2", "distep"), ("pp2-fully-reshardable", "zebra"), ("vpp2", "distep"),
+CASES = [("pp2", "zebra"), ("pp2", "distep"), ("pp2-fully-reshardable", "zebra"), ("vpp2", "distep"), ("vpp2", "zebra"),
          ("mtp-pp2", "zebra"), ("mtp-pp2", "distep"), ("asym-ea", "zebra")]
 
 
