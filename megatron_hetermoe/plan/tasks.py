@@ -49,7 +49,7 @@ forward or backward, in Megatron's interleaved order over the waves (zebra_inter
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence, Union
+from typing import Callable, Iterable, Sequence
 
 COMPUTE_KINDS = ("A_F", "A_B", "X_F", "X_B", "E_F", "E_B")
 COMM_KINDS = ("D_F", "C_F", "C_B", "D_B")
@@ -101,7 +101,7 @@ class PipeTask:
         return "pipeline"
 
 
-Layers = Union[int, Sequence[int]]  # a rank's MoE layers: per model chunk, or an int for one chunk
+Layers = int | Sequence[int]  # a rank's MoE layers: per model chunk, or an int for one chunk
 
 
 def chunk_counts(num_layers: Layers) -> tuple[int, ...]:
@@ -286,7 +286,7 @@ def zebra_interleaved_items(order: str, waves: int, stages: int, stage: int, chu
     if order not in ZEBRA_WAVE_ORDERS:
         raise ValueError(f"zebra wave order {order!r} is not one of {ZEBRA_WAVE_ORDERS}")
     P, V, W = stages, chunks, waves
-    table = [(w, c) for g in range(0, W, P) for c in range(V) for w in range(g, g + P if g + P < W else W)]
+    table = [(w, c) for g in range(0, W, P) for c in range(V) for w in range(g, min(W, g + P))]
     total = W * V
     warmup = total if order == "gpipe" else min(total, (P - stage - 1) * 2 + (V - 1) * P)
     fwd = [("F", c, w) for w, c in table]

@@ -387,7 +387,8 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
                 cache[key] = experts_time(cost, plan.gpu_types[r], [per_expert_tokens * load_mult[l][e] for e in key[3]],
                                           t.kind.endswith("_B"))
             return cache[key]
-        key = (plan.gpu_types[r], i, t.kind, t.layer, t.chunk, counts[r][t.layer] if t.kind[0] in "XE" else 0)
+        held = counts[r][t.layer] if t.kind[0] in "XE" else 0
+        key = (plan.gpu_types[r], i, t.kind, t.layer, t.chunk, held)
         if key not in cache:
             pieces = None if lay is None else lay.chunk_pieces[t.chunk * P + i] if V > 1 else lay.pieces[i]
             if lay is None or t.kind[0] != "A":

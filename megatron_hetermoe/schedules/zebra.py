@@ -133,8 +133,8 @@ class ZebraRank:
         self.slots: dict[tuple[int, int], Slot] = {}
         # Emulated expert tasks are priced for what their experts received (schedules/timing.py).
         executor_timing = None if task_timing is None else LoadedTiming(task_timing, self.received_tokens)
-        self.ex = make_executor(task_layers(hs.plan, hs.stage), run.zebra_issuer, recorder, hs.device, hs.transport.backend,
-                                executor_timing, keep_streams=True)
+        self.ex = make_executor(task_layers(hs.plan, hs.stage), run.zebra_issuer, recorder, hs.device,
+                                hs.transport.backend, executor_timing, keep_streams=True)
         self.sequences: dict[int, list] = {}  # R -> this rank's issue sequence (the single issuer's)
 
     def close(self) -> None:

@@ -150,7 +150,8 @@ def test_pipeline_refusals(tiny):
                             dense_layers=[2, 3])
     check_hetero_virtual_stages(dense_chunk, 2, "distep")
     with pytest.raises(ConfigError, match=r"--hetero-schedule zebra: model chunk\(s\) \(pipeline stage, chunk\) "
-                                          r"\[\(0, 1\), \(1, 1\)\] of the plan's 2 x 2 virtual stages hold no MoE layer"):
+                                          r"\[\(0, 1\), \(1, 1\)\] of the plan's 2 x 2 virtual stages hold no "
+                                          r"MoE layer"):
         check_hetero_virtual_stages(dense_chunk, 2, "zebra")
 
 

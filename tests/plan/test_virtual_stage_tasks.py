@@ -50,9 +50,13 @@ def test_two_chunks_by_hand():
     T = Task
     # stage 1: warm-up (P - 1 - 1) * 2 + (V - 1) * P = 2 waves: chunk 0's two, then 1F1B
     got = zebra_chunk_tasks((1, 1), 2, "attention", (), 1, 2, 2, "1f1b")
-    fwd = lambda j, c, head=True: [A_F(0, j, c), T("D_F", c, j), T("C_F", c, j)] + ([A_F(1, j, c)] if head else [])  # noqa: E731
-    bwd = lambda j, c, head=False: ([A_F(1, j, c)] if head else []) + [A_B(1, j, c), T("C_B", c, j), T("D_B", c, j),  # noqa: E731
-                                                                        A_B(0, j, c)]
+
+    def fwd(j, c, head=True):
+        return [A_F(0, j, c), T("D_F", c, j), T("C_F", c, j)] + ([A_F(1, j, c)] if head else [])
+
+    def bwd(j, c, head=False):
+        return ([A_F(1, j, c)] if head else []) + [A_B(1, j, c), T("C_B", c, j), T("D_B", c, j), A_B(0, j, c)]
+
     assert got == (fwd(0, 0) + fwd(1, 0) + fwd(0, 1, False) + bwd(0, 1, True) + fwd(1, 1, False) + bwd(1, 1, True)
                    + bwd(0, 0) + bwd(1, 0))
     # stage 0: warm-up 2 + 2 = 4 = every forward
