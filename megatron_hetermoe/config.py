@@ -726,8 +726,18 @@ class HeteroRunConfig:
     # --hetero-expert-load-stats: where the measured expert loads go at every log interval
     # (docs/expert-load.md); None: beside the timeline (timeline_dir/expert_load.json) or nowhere.
     expert_load_stats: str | None = None
+    # --hetero-replan-interval K: every K steps the ranks agree on a new expert placement from the
+    # measured loads and move experts live when it pays (training/replan.py); 0: never.
+    # --hetero-replan-margin: how many times the move's cost the predicted saving must exceed.
+    replan_interval: int = 0
+    replan_margin: float = 2.0
 
     def __post_init__(self) -> None:
+        if type(self.replan_interval) is not int or self.replan_interval < 0:
+            raise ValueError(f"--hetero-replan-interval {self.replan_interval!r}: give a number of steps >= 1 (0: "
+                             f"never re-place experts)")
+        if not self.replan_margin >= 0:
+            raise ValueError(f"--hetero-replan-margin {self.replan_margin!r}: give a factor >= 0")
         if self.zebra_issuer not in ISSUERS:
             raise ValueError(f"--hetero-zebra-issuer {self.zebra_issuer!r} is unknown; use one of {list(ISSUERS)}")
         if self.expert_precision not in (None, "bf16", "fp16", "fp32"):

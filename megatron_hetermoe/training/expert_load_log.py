@@ -39,6 +39,7 @@ class ExpertLoadLog:
         self.meter = ExpertLoadMeter(hs.plan.num_layers, hs.plan.num_experts)
         self.stats = new_stats(hs.plan, roles)
         self.last: ExpertLoad | None = None  # the last interval's
+        self.reduced_at: int | None = None  # the iteration the last interval ended at
         hs.load_meter = self.meter
 
     def step(self, iteration: int) -> None:
@@ -49,6 +50,7 @@ class ExpertLoadLog:
     def interval(self, iteration: int) -> ExpertLoad:
         """Collective over the world: the interval ending at `iteration`; writes the stats file."""
         tokens = self.meter.reduce_into(self.stats, iteration, self.hs.world_group, self.hs.device)
+        self.reduced_at = iteration
         self.last = ExpertLoad.of(tokens)
         if self.writes and self.path:
             self.stats.save(self.path)

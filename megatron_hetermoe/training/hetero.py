@@ -102,6 +102,11 @@ class HeteroStep:
     def local_loss(self):
         return self.tot
 
+    def adopt(self, rb: "RankBuild", fwd_bwd) -> None:
+        """Run on a live move's rebuilt objects (training/replan.py) from the next step on."""
+        self.model, self.module, self.names, self.optimizer = rb.model, rb.module, rb.names, rb.optimizer
+        self.fwd_bwd = fwd_bwd
+
     def before_optimizer(self) -> None:
         if self.hooks.collect_grads:
             # Before Megatron's optimizer unscales and clips: the unscaled gradients, as Megatron
@@ -114,14 +119,6 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
                  hooks: RunHooks | None = None) -> TrainResult:
     """Train on the current world with `plan` (run.schedule: the plan's, or another; run.timeline_dir:
     each rank writes its timeline there). `hooks`: build-time objects and test seams."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.utils import get_pg_rank
-
-    from megatron_hetermoe.training.step import build_optimizer
     from megatron_hetermoe.training.validation import check_hetero
 
     run = run or HeteroRunConfig()
@@ -136,6 +133,9 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         emulator = Emulator(cfg.emulate)
         emulator.check_real_model(cfg.model)
         emulator.check_plan(plan)
+    if run.replan_interval and cfg.emulate is not None:
+        raise ValueError(f"--hetero-replan-interval {run.replan_interval} with --emulate is not built (the emulation "
+                         f"clock prices one plan for the whole run); drop one of them")
     nmb = plan.num_microbatches
     collective_trace.install()  # $HETERMOE_TRACE_COLLECTIVES: every collective's order, to check
     hs = initialize_hetero_parallel(plan, device=hooks.device or rank_device(), wire_dtype=precision_dtype(pools.wire))
@@ -152,29 +152,9 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
     fusions = choose_fusions(envs[hs.rank], kernels.name, hs.role)
     with megatron_globals(hs, cfg.seed):
         torch.manual_seed(cfg.seed)
-        pgc = hs.pg_collection()
-        config = model_config(transformer_config(cfg.model, ParallelConfig(), precision, kernels=kernels.name,
-                                                 fusions=fusions, deterministic_mode=cfg.deterministic), hs)
-        spec = block_spec(cfg.model, kernels.name, config, get_pg_rank(pgc.pp), hs.device)
-        module, names = assembly.module(config, spec, cfg.seed, gpt_kwargs(cfg.model), hooks.init_state)
-        module.to(hs.device)  # built and initialized on the CPU (use_cpu_initialization)
-        ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                                   use_distributed_optimizer=cfg.use_distributed_optimizer)
-        # bf16/fp16: Float16Module on both roles (the expert ranks' ExpertRuntime too), as
-        # Megatron-LM's get_model wraps a chunk before DDP.
-        model = DistributedDataParallel(config, ddp_config, wrap_precision(config, module), pg_collection=pgc)
-        guard = NanGuard(cfg.nan_check_mode(pools), [model],
-                         {p: names[n] for n, p in module.named_parameters()}, hs.rank, hs.role,
-                         hs.world_group, hooks.nan_injection, device=hs.device)
-        optimizer, scheduler, opt_config = build_optimizer(cfg, model, cfg.clip_grad, cfg.use_distributed_optimizer,
-                                                           pg_collection=pgc, precision=precision)
-        optimizer = assembly.configure_optimizer(optimizer, opt_config)
-        scheduler.optimizer = optimizer
-        if hs.role == "attention":
-            config.finalize_model_grads_func = lambda m, n=None, pg_collection=None, force_all_reduce=False: \
-                finalize_model_grads(m, n, pg_collection=pgc, force_all_reduce=force_all_reduce)
-            config.grad_scale_func = optimizer.scale_loss
-            config.no_sync_func = model.no_sync
+        rb = build_rank(cfg, hooks, assembly, kernels, fusions, hooks.init_state)
+        module, names, model, optimizer, scheduler, guard = (rb.module, rb.names, rb.model, rb.optimizer,
+                                                             rb.scheduler, rb.guard)
         # Every step's events only for a timeline to write; else the current step's (utilization).
         recorder = TimelineRecorder(hs.rank, hs.role, keep_history=run.timeline_dir is not None)
         loads = ExpertLoadLog(hs, [plan.role(r) for r in range(plan.world_size)], stats_path(run), recorder,
@@ -186,13 +166,31 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         if emulator is not None:
             clock = emulator.hetero_clock(plan, schedule, hs.world_group, run.recompute)
             task_timing = emulator.task_timing(plan, hs.rank, schedule, clock)
-        fwd_bwd = assembly.schedule(dataclasses.replace(run, schedule=schedule), recorder, executed, task_timing)
+        run = dataclasses.replace(run, schedule=schedule)
+        fwd_bwd = assembly.schedule(run, recorder, executed, task_timing)
         role = HeteroStep(cfg, hooks, assembly, model, module, fwd_bwd, nmb, optimizer, executed)
+        role.names = names
         parts = LoopParts(cfg, model, optimizer, scheduler, guard, recorder, steplog,
                           hetero_checkpointer(cfg, hs, module, names, optimizer, scheduler, pools.expert),
                           hs.world_group, clock)
+        if run.replan_interval:
+            from megatron_hetermoe.training.replan import Replanner
+
+            def rebuild(states: dict) -> None:
+                """The rank's objects for hs's (new) plan, from whole parameter states."""
+                new = build_rank(cfg, hooks, assembly, kernels, fusions, {n: st.param for n, st in states.items()},
+                                 carry=parts)
+                role.adopt(new, assembly.schedule(run, recorder, executed, task_timing))
+                parts.model, parts.optimizer, parts.scheduler, parts.guard = (new.model, new.optimizer,
+                                                                              new.scheduler, new.guard)
+                parts.checkpointer.state = hetero_checkpointer(cfg, hs, new.module, new.names, new.optimizer,
+                                                               new.scheduler, pools.expert).state
+                return new
+
+            parts.after_step = Replanner(hs, run, hooks.replan, loads, role, parts, rebuild)
         reset_peak_memory(hs.device)  # the GPU peak counts from here (model and optimizer already allocated)
         res = train_loop(parts, role)
+        model, module = role.model, role.module  # the last plan's, after live moves
         gpu = peak_gpu_mib(hs.role, hs.device, hs.world_group)  # before the exports below; None on CPU ranks
         emulation = clock.report() if clock is not None else None
         params = export_megatron(hs, model, "data") if hooks.collect_grads else None
@@ -210,7 +208,72 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
             peak_gpu_mib=gpu, params=params, grads=role.grads, schedule=schedule,
             executed=[(list(a), {k: list(v) for k, v in b.items()}) for a, b, _ in executed],
             peak_activation_mib=max((m for _, _, m in executed if m is not None), default=0) / 2**20,
-            peak_rss_mib=peak)
+            peak_rss_mib=peak, moves=parts.after_step.moves if parts.after_step is not None else [],
+            plan=hs.plan.to_dict() if run.replan_interval else None)
+
+
+@dataclasses.dataclass
+class RankBuild:
+    """A rank's objects that depend on its plan: built once at start, again by each live move
+    (training/replan.py)."""
+    module: torch.nn.Module
+    names: dict[str, str]
+    model: object  # Megatron's DDP
+    optimizer: object
+    scheduler: object
+    guard: NanGuard
+    opt_config: object
+
+
+def build_rank(cfg: TrainConfig, hooks: RunHooks, assembly: RoleAssembly, kernels: KernelChoice, fusions,
+               init_state: dict | None, carry=None) -> RankBuild:
+    """The rank's module (from `init_state`, canonical names, or the layout-invariant init), its
+    DDP, Megatron's optimizer and LR schedule and the NaN guard, for assembly.hs's plan. `carry`:
+    the LoopParts of the objects this build replaces (a live move): the schedule's position, the
+    loss scale and the NaN guard's record carry over; the optimizer's state is the caller's."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.utils import get_pg_rank
+
+    from megatron_hetermoe.training.step import build_optimizer
+
+    hs, pools = assembly.hs, assembly.pools
+    precision = pools.of(hs.role)
+    pgc = hs.pg_collection()
+    config = model_config(transformer_config(cfg.model, ParallelConfig(), precision, kernels=kernels.name,
+                                             fusions=fusions, deterministic_mode=cfg.deterministic), hs)
+    spec = block_spec(cfg.model, kernels.name, config, get_pg_rank(pgc.pp), hs.device)
+    module, names = assembly.module(config, spec, cfg.seed, gpt_kwargs(cfg.model), init_state)
+    module.to(hs.device)  # built and initialized on the CPU (use_cpu_initialization)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=cfg.use_distributed_optimizer)
+    # bf16/fp16: Float16Module on both roles (the expert ranks' ExpertRuntime too), as
+    # Megatron-LM's get_model wraps a chunk before DDP.
+    model = DistributedDataParallel(config, ddp_config, wrap_precision(config, module), pg_collection=pgc)
+    guard = NanGuard(cfg.nan_check_mode(pools), [model],
+                     {p: names[n] for n, p in module.named_parameters()}, hs.rank, hs.role,
+                     hs.world_group, hooks.nan_injection, device=hs.device)
+    optimizer, scheduler, opt_config = build_optimizer(cfg, model, cfg.clip_grad, cfg.use_distributed_optimizer,
+                                                       pg_collection=pgc, precision=precision)
+    optimizer = assembly.configure_optimizer(optimizer, opt_config)
+    scheduler.optimizer = optimizer
+    if carry is not None:
+        scheduler.load_state_dict(carry.scheduler.state_dict())
+        scalers = [o.grad_scaler for o in getattr(carry.optimizer, "chained_optimizers", [carry.optimizer])
+                   if getattr(o, "grad_scaler", None) is not None]
+        for o in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if scalers and getattr(o, "grad_scaler", None) is not None:
+                o.grad_scaler.load_state_dict(scalers[0].state_dict())  # one loss scale for the world
+        guard.skipped, guard.iteration = carry.guard.skipped, carry.guard.iteration
+    if hs.role == "attention":
+        config.finalize_model_grads_func = lambda m, n=None, pg_collection=None, force_all_reduce=False: \
+            finalize_model_grads(m, n, pg_collection=pgc, force_all_reduce=force_all_reduce)
+        config.grad_scale_func = optimizer.scale_loss
+        config.no_sync_func = model.no_sync
+    return RankBuild(module, names, model, optimizer, scheduler, guard, opt_config)
 
 
 def pool_kernels(cfg: TrainConfig, plan: HeteroPlan, pools, envs: list[RankEnv],

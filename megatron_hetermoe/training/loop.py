@@ -47,6 +47,10 @@ class LoopParts:
     checkpointer: object  # checkpoint.hooks.Checkpointer
     loss_group: object  # every rank: the lm loss is summed over it
     clock: object | None = None  # emulation.EmulationClock
+    # Called with the finished iteration after its log line, before its checkpoint save: a live
+    # move (training/replan.py) replaces model, optimizer, scheduler, guard and the checkpointer's
+    # state here, so the loop reads them from these parts each step.
+    after_step: object | None = None
 
 
 @dataclass
@@ -60,11 +64,12 @@ class LoopResult:
 
 
 def train_loop(parts: LoopParts, role: RoleStep) -> LoopResult:
-    cfg, optimizer, clock = parts.cfg, parts.optimizer, parts.clock
+    cfg, clock = parts.cfg, parts.clock
     res = LoopResult(start_iteration=parts.checkpointer.resume())
     watchdog.report(res.start_iteration)  # the launcher's progress watchdog: this rank is alive and stepping
     for it in range(res.start_iteration, cfg.train_iters):
         faults.iteration(it)  # $HETERMOE_INJECT_FAULT's site "iteration" (tests of lost ranks)
+        optimizer = parts.optimizer  # a live move may have replaced it (after_step)
         parts.guard.start(it)  # a resumed run starts past 0
         role.before_step(it)
         t0 = time.perf_counter()
@@ -107,6 +112,8 @@ def train_loop(parts: LoopParts, role: RoleStep) -> LoopResult:
                           loss_scale=None if cfg.precision == "fp32" else res.loss_scales[-1],
                           skipped=int(skip or overflow))
         watchdog.report(it + 1)
+        if parts.after_step is not None:
+            parts.after_step(it + 1)
         parts.checkpointer.after_step(it + 1)
         watchdog.report(it + 1)  # a save is progress too
     parts.checkpointer.finish(max(res.start_iteration, cfg.train_iters))

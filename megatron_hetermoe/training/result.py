@@ -32,3 +32,6 @@ class TrainResult:
     step_params: list[dict] = field(default_factory=list)
     initial_params: dict | None = None
     grad_norms: list = field(default_factory=list)  # Megatron's optimizer's grad norm per step (None: skipped)
+    # --hetero-replan-interval: each live move (training/replan.py MoveRecord.as_dict) and the plan run last.
+    moves: list[dict] = field(default_factory=list)
+    plan: dict | None = None

@@ -6,7 +6,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from typing import Callable
+
     import torch
+
+    from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
     from megatron_hetermoe.schedules.timing import TaskTiming
     from megatron_hetermoe.training.nan_check import NanInjection
@@ -28,3 +32,6 @@ class RunHooks:
     # The rank's device when not the one its world's backend implies (parallel/device.rank_device:
     # CUDA under NCCL, else the CPU): CUDA tensors over gloo (scripts/gpu_check, 2 ranks on one GPU).
     device: "torch.device | None" = None
+    # --hetero-replan-interval: decide the placement instead of the load rule (tests of live moves):
+    # replan(iteration, plan) -> the plan to move to, or None to stay; called on the first rank.
+    replan: "Callable[[int, HeteroPlan], HeteroPlan | None] | None" = None
