@@ -31,9 +31,6 @@ PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FLAGS_PAGE = ROOT / "docs" / "flags.md"
 MEGATRON_FLAGS_FILE = ROOT / "megatron_hetermoe" / "training" / "megatron_lm_flags.txt"
 HELP = {"-h", "--help"}
-# Pages other engineers were writing when docs/README.md first linked them: a link to one of them
-# is not checked while the page is absent.
-PENDING_PAGES = {"docs/virtual-stages.md"}
 
 
 class _Stop(BaseException):
@@ -260,10 +257,8 @@ def test_relative_links_point_to_files_and_headings(page):
             continue
         file, _, anchor = target.partition("#")
         path = (page.parent / file).resolve() if file else page
-        rel = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else str(path)
         if not path.exists():
-            if rel not in PENDING_PAGES:
-                missing.append(target)
+            missing.append(target)
         elif anchor and path.suffix == ".md" and anchor not in anchors(path):
             missing.append(target)
     assert not missing, f"{page.relative_to(ROOT)} links to files or headings that do not exist: {missing}"
