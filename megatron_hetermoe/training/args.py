@@ -13,6 +13,7 @@ timeout; a clean end destroys the process group.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import traceback
@@ -257,6 +258,16 @@ def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
                    help="zebra only (refused otherwise): recompute attention stages in backward (Megatron's "
                         "'full' meaning, per stage; default: keep activations)")
     p.add_argument("--timeline-dir", default=None, help="HeterMoE: write each rank's timeline here (default: none)")
+    p.add_argument("--hetero-replan-interval", type=int, default=0, metavar="K",
+                   help="HeterMoE: every K steps, place the experts anew for the expert loads and per-rank times "
+                        "measured since the last decision (same ranks and roles, no rank holding more experts than "
+                        "the plan gave it) and move them live, between steps, when the predicted saving pays for the "
+                        "move; losses stay bitwise those of a run without moves (docs/expert-load.md#live-moves; "
+                        "default: 0, never)")
+    p.add_argument("--hetero-replan-margin", type=float, default=2.0, metavar="X",
+                   help="--hetero-replan-interval: move only when the predicted saving over the next K steps exceeds "
+                        "X times the move's estimated cost (the last move's measured one; before any, one step), and "
+                        "the experts' predicted time drops by 5%% or more (default: 2.0)")
     add_hetero_args(p)
     return p
 
@@ -390,6 +401,17 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
                               or a.hetero_zebra_issuer != "auto"):
         raise SystemExit("--hetero-schedule, --timeline-dir, --hetero-expert-precision and --hetero-zebra-issuer "
                          "need --hetero-plan")
+    if a.hetero_replan_interval < 0 or not a.hetero_replan_margin >= 0:
+        p.error(f"--hetero-replan-interval {a.hetero_replan_interval} --hetero-replan-margin "
+                f"{a.hetero_replan_margin}: give steps >= 0 (0: never) and a factor >= 0")
+    if a.hetero_replan_interval and not a.hetero_plan:
+        p.error(f"--hetero-replan-interval {a.hetero_replan_interval} needs --hetero-plan: it moves HeterMoE's "
+                f"experts between the plan's ranks")
+    if a.hetero_replan_interval and a.emulate:
+        p.error(f"--hetero-replan-interval {a.hetero_replan_interval} with --emulate is not built (the emulation "
+                f"clock prices one plan for the whole run); drop one of them")
+    hetero = dataclasses.replace(hetero, replan_interval=a.hetero_replan_interval,
+                                 replan_margin=a.hetero_replan_margin)
     if a.elastic_restarts < 0:
         p.error(f"--elastic-restarts {a.elastic_restarts}: give the number of restarts, >= 0")
     if a.elastic_restarts and not a.hetero_plan:

@@ -53,6 +53,7 @@ EXTENSION_FLAGS = frozenset({
     "--model", "--nproc", "--progress-timeout", "--golden-values-out", "--timeline-dir",
     "--hetero-plan", "--hetero-schedule", "--hetero-ckpt-reshard", "--hetero-expert-precision",
     "--hetero-zebra-issuer", "--hetero-expert-load-stats", "--hetero-gpus", "--elastic-restarts",
+    "--hetero-replan-interval", "--hetero-replan-margin",
     "--emulate", "--emulated-model", "--emulated-seq-length", "--emulated-global-batch-size", "--emulation-scale",
     # Megatron-LM has only --no-check-for-nan-in-loss-and-grad; the positive form takes stop/skip here.
     "--check-for-nan-in-loss-and-grad",
