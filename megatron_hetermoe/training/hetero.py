@@ -180,6 +180,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
                 """The rank's objects for hs's (new) plan, from whole parameter states."""
                 new = build_rank(cfg, hooks, assembly, kernels, fusions, {n: st.param for n, st in states.items()},
                                  carry=parts)
+                carry_buffers(role.module, new.module)
                 role.adopt(new, assembly.schedule(run, recorder, executed, task_timing))
                 parts.model, parts.optimizer, parts.scheduler, parts.guard = (new.model, new.optimizer,
                                                                               new.scheduler, new.guard)
@@ -210,6 +211,18 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
             peak_activation_mib=max((m for _, _, m in executed if m is not None), default=0) / 2**20,
             peak_rss_mib=peak, moves=parts.after_step.moves if parts.after_step is not None else [],
             plan=hs.plan.to_dict() if run.replan_interval else None)
+
+
+@torch.no_grad()
+def carry_buffers(old: torch.nn.Module, new: torch.nn.Module) -> None:
+    """Copy the old module's buffers into the rebuilt one where both have them (the router's
+    expert bias under aux-loss-free balancing and its token counts live on attention ranks, which
+    a move does not change, but a rebuild would reset)."""
+    mine = dict(old.named_buffers())
+    for n, b in new.named_buffers():
+        o = mine.get(n)
+        if o is not None and o.shape == b.shape:
+            b.copy_(o)
 
 
 @dataclasses.dataclass
@@ -246,7 +259,12 @@ def build_rank(cfg: TrainConfig, hooks: RunHooks, assembly: RoleAssembly, kernel
     config = model_config(transformer_config(cfg.model, ParallelConfig(), precision, kernels=kernels.name,
                                              fusions=fusions, deterministic_mode=cfg.deterministic), hs)
     spec = block_spec(cfg.model, kernels.name, config, get_pg_rank(pgc.pp), hs.device)
-    module, names = assembly.module(config, spec, cfg.seed, gpt_kwargs(cfg.model), init_state)
+    # A live move loads every parameter from the moved states: Megatron's random init would only
+    # be overwritten (most of a rebuild's time).
+    built = dataclasses.replace(config, perform_initialization=False) if carry is not None else config
+    module, names = assembly.module(built, spec, cfg.seed, gpt_kwargs(cfg.model), init_state)
+    if carry is not None:
+        config = built
     module.to(hs.device)  # built and initialized on the CPU (use_cpu_initialization)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=cfg.use_distributed_optimizer)
