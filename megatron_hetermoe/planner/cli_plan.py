@@ -26,6 +26,16 @@
       members); --expert-ranks defaults to --expert-model-parallel-size. A search prices the run's
       recomputation and distributed optimizer, and searches only the TP, PP and micro batch the
       run's flags give (search_settings); it prints the flags its plan trains with.
+  hetermoe plan [--even ... | --cluster CLUSTER ...] --expert-load STATS [--expert-load-intervals K]
+                [--expert-load-plan RUN_PLAN]
+      places experts for the loads a run measured (--hetero-expert-load-stats; docs/expert-load.md):
+      Asym-EA and the expert-to-rank assignment balance each expert's load x its time on each
+      rank's GPU within each rank's memory (planner/load_placement.py); prints the predicted step
+      of the uniform placement and of the load-aware one under the measured loads, side by side,
+      and writes the load-aware one where it is predicted faster. With --even the layout is kept
+      (placement only; --seq-len and --global-batch, or the run's flags after --, price it); a
+      search re-places its fastest candidates. --expert-load-plan: the plan the measured run
+      trained on, so its per-rank expert task seconds give each GPU type's measured speed.
 A model with dense layers (--moe-layer-freq) gets a plan of its MoE layers (num_layers) that
 names the dense ones (dense_layers); those and shared experts run on the attention ranks. MTP
 layers (--mtp-num-layers) are MoE layers after the decoder's, of its last layer's kind.
@@ -47,14 +57,16 @@ from megatron_hetermoe.limits import (
     MAX_RANKS,
     MODEL_LIMITS,
 )
-from megatron_hetermoe.plan.hetero_plan import RUNTIME_EXPERT_RECOMPUTE, PlanError, even_plan
+from megatron_hetermoe.plan.hetero_plan import RUNTIME_EXPERT_RECOMPUTE, HeteroPlan, PlanError, even_plan
 from megatron_hetermoe.plan.tasks import SCHEDULES, ZEBRA_WAVE_ORDERS
 from megatron_hetermoe.planner.baselines import NETWORK_FLOOR, ROOFLINE
 from megatron_hetermoe.planner.cluster import Cluster
-from megatron_hetermoe.planner.cost_model import EXPERT_RECOMPUTE, SELECTIVE_PRICED
+from megatron_hetermoe.planner.cost_model import EXPERT_RECOMPUTE, SELECTIVE_PRICED, CostModel, TrainSettings
+from megatron_hetermoe.planner.expert_load import ExpertLoad, LoadStats, describe_skew, load_expert_load
+from megatron_hetermoe.planner.load_placement import ExpertSpeeds, LoadPlacement, measured_speeds, place_for_load
 from megatron_hetermoe.planner.megatron_flags import RunFlags, model_from_flags
 from megatron_hetermoe.planner.pipeline import PIPELINE_STAGES
-from megatron_hetermoe.planner.profiles import known_gpu_types
+from megatron_hetermoe.planner.profiles import known_gpu_types, load_profiles
 from megatron_hetermoe.planner.search import ATTENTION_TP, SearchResult, search
 
 
@@ -128,6 +140,20 @@ def _parser() -> argparse.ArgumentParser:
                       "sharded over each parameter's replicas (attention members; an expert's ZP groups); "
                       "train the plan with --use-distributed-optimizer")
     srch.add_argument("--json", action="store_true", help="print the predictions as JSON instead of a table")
+    loads = p.add_argument_group("measured expert loads (docs/expert-load.md)")
+    loads.add_argument("--expert-load", metavar="STATS",
+                       help="place experts for the loads a run measured (its --hetero-expert-load-stats file): "
+                       "Asym-EA and the expert-to-rank assignment balance load x time per token of each rank's GPU "
+                       "within its memory; prints the predicted step of the uniform and the load-aware placement "
+                       "under these loads and writes the load-aware one where it is faster. With --even: "
+                       "placement only (needs --seq-len and --global-batch, or the run's flags after --)")
+    loads.add_argument("--expert-load-intervals", type=int, default=None, metavar="K",
+                       help="with --expert-load: the loads of the stats file's last K log intervals (recent "
+                       "routing; default: the whole run)")
+    loads.add_argument("--expert-load-plan", metavar="RUN_PLAN",
+                       help="with --expert-load: the plan the measured run trained on; each GPU type's expert speed "
+                       "is then its ranks' measured expert task seconds over the cost model's for the same tokens "
+                       "(relative between the measured types; default: the GPU profiles)")
     p.even_only = tuple(even_only)  # the dests of the "even plan" flags, for main's refusal in a search
     return p
 
@@ -184,8 +210,33 @@ def format_table(res: SearchResult, title: str) -> str:
             lines.append(f"note: expert recompute {res.plan.expert_recompute!r} is priced, not run: training refuses "
                          f"this plan; plan with --expert-recompute "
                          f"{' or '.join(RUNTIME_EXPERT_RECOMPUTE)} for one that runs")
+    if res.expert_load is not None:
+        lines.extend(load_lines(res.expert_load))
     lines.append(f"searched {res.candidates} shapes in {res.elapsed_s:.2f} s")
     return "\n".join(lines)
+
+
+def load_lines(report: dict) -> list[str]:
+    """The measured-loads comparison in words (a search's or an even plan's report)."""
+    if "not_priced" in report:
+        return [f"note: measured expert loads: the pick is not priced under loads ({report['not_priced']}); its "
+                f"placement is kept"]
+    u, a, b = report["uniform_step_s"], report["load_aware_step_s"], report["balanced_routing_step_s"]
+    out = [f"under the measured loads: uniform placement {u:.3f} s, load-aware {a:.3f} s ({u / a:.2f}x); the "
+           f"same plan under balanced routing {b:.3f} s",
+           f"placement written: {report['placement']}; experts on attention ranks per layer: "
+           f"{report['experts_on_attention_per_layer']}"]
+    if not report.get("load_aware_fits", True):
+        out.append("note: no placement found fits in memory under these loads; the written one is over by the "
+                   "least (more ranks, more microbatches or GPUs with more memory)")
+    if not report.get("uniform_fits", True):
+        out.append("note: the uniform placement does not fit in memory under these loads (a hot expert's routed "
+                   "tokens and working set)")
+    if report.get("same_shape_as_pick") is False:
+        out.append("note: the load-aware plan starts from another of the search's candidates than the balanced "
+                   "pick (another shape, R or Asym-EA): " + ", ".join(
+            f"{k} {v}" for k, v in report["load_aware_shape"].items()))
+    return out
 
 
 def _split_flags(argv: list[str]) -> tuple[list[str], list[str] | None]:
@@ -275,6 +326,16 @@ def even_layout(args: argparse.Namespace, model: ModelConfig, run: RunFlags | No
     return out
 
 
+def _print_placed(placed: LoadPlacement, load: ExpertLoad, speeds: ExpertSpeeds, out) -> None:
+    print(f"measured expert loads: {describe_skew(load)}; {speeds.describe()}", file=out)
+    print(f"{'placement under the measured loads':<40}{'step (s)':>10}{'tokens/s':>12}", file=out)
+    for name, t in (("uniform (this layout's even placement)", placed.uniform_step_s),
+                    ("load-aware", placed.load_aware_step_s)):
+        print(f"{name:<40}{t:>10.3f}{placed.tokens_per_step / t:>12.0f}", file=out)
+    for line in load_lines({**placed.to_dict(), "same_shape_as_pick": True}):
+        print(line, file=out)
+
+
 def run_flags_note(plan, global_batch: int, model: ModelConfig) -> str:
     """The Megatron-LM flags a run of `plan` takes for its layout and batch (what the run checks
     against the plan: training/validation.py)."""
@@ -342,6 +403,38 @@ def search_settings(args: argparse.Namespace, run: RunFlags | None) -> dict:
     return kw
 
 
+def read_loads(args: argparse.Namespace, model: ModelConfig, cost: CostModel) -> tuple[ExpertLoad, ExpertSpeeds]:
+    """--expert-load's histogram (checked against the model) and the expert speeds: measured with
+    --expert-load-plan, else the GPU profiles'."""
+    if args.expert_load_intervals is not None and args.expert_load_intervals < 1:
+        raise ValueError(f"--expert-load-intervals {args.expert_load_intervals} must be >= 1")
+    load = load_expert_load(args.expert_load, args.expert_load_intervals)
+    load.check(model.planned_num_moe_layers, model.num_experts, f"--expert-load {args.expert_load}")
+    if args.expert_load_plan is None:
+        stats = LoadStats.load_file(args.expert_load)
+        if any(any(k[0] in "XE" for k in s) for s in stats.task_seconds):
+            print("hetermoe plan: note: the stats file has the measured run's expert task seconds; give "
+                  "--expert-load-plan (the plan that run trained on) to price experts at their measured speeds",
+                  file=sys.stderr)
+        return load, ExpertSpeeds()
+    speeds = measured_speeds(LoadStats.load_file(args.expert_load), HeteroPlan.load(args.expert_load_plan), cost,
+                             args.expert_load_intervals)
+    return load, speeds
+
+
+def _load_cost(model: ModelConfig, gpu_types: list[str], seq_len: int, run: RunFlags | None,
+               distributed_optimizer: bool, expert_recompute: str | None = None) -> CostModel:
+    """The cost model a plan is priced with under loads: the paper's program (activation recompute)
+    or the run's recomputation and optimizer (as search_settings prices them)."""
+    rec = run.recompute if run is not None else None
+    settings = TrainSettings(seq_len, activation_checkpointing=rec.full if rec else True,
+                             expert_recompute=expert_recompute,
+                             distributed_optimizer=distributed_optimizer or bool(run and run.distributed_optimizer),
+                             recompute_modules=frozenset(rec.selective) & frozenset(SELECTIVE_PRICED) if rec
+                             else frozenset())
+    return CostModel(model.replace(seq_length=seq_len), load_profiles(set(gpu_types)), settings)
+
+
 def main(argv: list[str] | None = None) -> int:
     own, flags = _split_flags(list(sys.argv[1:] if argv is None else argv))
     parser = _parser()
@@ -351,6 +444,12 @@ def main(argv: list[str] | None = None) -> int:
         names = ", ".join("--" + d.replace("_", "-") for d in given)
         print(f"hetermoe plan: {names}: only with --even (a search, --cluster, chooses the layout itself); add "
               f"--even, or drop {names}", file=sys.stderr)
+        return 2
+    loose = [f for f, v in (("--expert-load-intervals", args.expert_load_intervals),
+                            ("--expert-load-plan", args.expert_load_plan)) if v is not None]
+    if loose and not args.expert_load:
+        print(f"hetermoe plan: {', '.join(loose)}: only with --expert-load STATS (the measured loads they read)",
+              file=sys.stderr)
         return 2
     try:
         model, run = _model(args, flags)
@@ -400,6 +499,22 @@ def main(argv: list[str] | None = None) -> int:
             plan.meta = {"model": model.name, "made_by": "hetermoe plan --even"}
             if flags is not None:  # where the model came from, for whoever reads the plan
                 plan.meta["model_flags"] = flags
+            placed = None
+            if args.expert_load:
+                if args.seq_len is None or args.global_batch is None:
+                    print("hetermoe plan: --expert-load with --even prices the loads, which needs --seq-len and "
+                          "--global-batch (or the run's --seq-length and --global-batch-size after --)",
+                          file=sys.stderr)
+                    return 2
+                cost = _load_cost(model, plan.gpu_types, args.seq_len, run, args.distributed_optimizer,
+                                  plan.expert_recompute)
+                load, speeds = read_loads(args, model, cost)
+                cluster = Cluster.from_gpu_types("even plan", plan.gpu_types)
+                placed = place_for_load(plan, cost, cluster, args.global_batch, load, speeds, args.engine)
+                plan = placed.plan
+                plan.meta["expert_load"] = {**placed.to_dict(), "stats": args.expert_load}
+            if placed is not None:  # the plan JSON may go to stdout: the comparison goes to stderr then
+                _print_placed(placed, load, speeds, sys.stdout if args.output else sys.stderr)
             if args.output:
                 plan.save(args.output)
                 tp_note = f", attention_tp {tp}" if tp > 1 else ""
@@ -440,8 +555,14 @@ def main(argv: list[str] | None = None) -> int:
         cluster = Cluster.load(args.cluster)
         for note in settings.pop("notes"):
             print(f"hetermoe plan: note: {note}", file=sys.stderr)
+        load = speeds = None
+        if args.expert_load:
+            cost = _load_cost(model, cluster.gpu_types(), args.seq_len, run, args.distributed_optimizer)
+            load, speeds = read_loads(args, model, cost)
+            print(f"measured expert loads ({args.expert_load}): {describe_skew(load)}; {speeds.describe()}",
+                  file=sys.stderr if args.json else sys.stdout)
         res = search(model, cluster, args.seq_len, args.global_batch, asym=args.asym, engine=args.engine,
-                     max_microbatches=args.max_microbatches, **settings)
+                     max_microbatches=args.max_microbatches, expert_load=load, expert_speeds=speeds, **settings)
     except (PlanError, FileNotFoundError, ValueError, KeyError) as e:
         print(f"hetermoe plan: {e}", file=sys.stderr)
         return 2
@@ -452,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
                                        "fits": p.fits, "detail": p.detail} for p in res.predictions},
                "search": {"candidates": res.candidates, "elapsed_s": res.elapsed_s},
                "plan_file": args.output}
+        if res.expert_load is not None:
+            out["expert_load"] = res.expert_load
         print(json.dumps(out, indent=1, default=str))
     else:
         print(format_table(res, f"{model.name} on {cluster.name}, seq {args.seq_len}, global batch {args.global_batch}"))

@@ -53,7 +53,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from megatron_hetermoe.config import ModelConfig
-from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, ZPGroup
+from megatron_hetermoe.plan.hetero_plan import RUNTIME_EXPERT_RECOMPUTE, HeteroPlan, PlanError, ZPGroup
 from megatron_hetermoe.plan.tasks import ZEBRA_WAVE_ORDERS, wave_warmup
 from megatron_hetermoe.planner import asym_ea, pipeline
 from megatron_hetermoe.planner.baselines import (
@@ -74,6 +74,8 @@ from megatron_hetermoe.planner.cost_model import (
     TrainSettings,
     heavier_expert_recompute,
 )
+from megatron_hetermoe.planner.expert_load import ExpertLoad
+from megatron_hetermoe.planner.load_placement import ExpertSpeeds, LoadPlacement, place_for_load
 from megatron_hetermoe.planner.pipeline import PIPELINE_STAGES, pipeline_sizes
 from megatron_hetermoe.planner.profiles import load_profiles
 from megatron_hetermoe.planner.simulator import simulate_plan
@@ -85,6 +87,11 @@ ZEBRA_NO_EA = "Zebra (no Asym-EA)"
 DISTEP = "DistEP"
 DISTEP_PP = "DistEP with pipeline stages"  # P > 1: no row of its own; a candidate for the pick
 ZEBRA_PP = "Zebra with pipeline stages"  # P > 1, no Asym-EA: likewise
+# With measured expert loads (search(expert_load=...)): the pick's own placement and the load-aware
+# one, both priced under the loads (planner/load_placement.py)
+LOAD_UNIFORM = "HeterMoE pick, uniform placement, measured loads"
+LOAD_AWARE = "HeterMoE, load-aware placement, measured loads"
+LOAD_CANDIDATES = 6  # the fastest simulated candidates (balanced routing) re-placed and priced under the loads
 # The rows that are bounds, not strategies: the compute-only physical limit, the network floor of
 # disaggregated layouts and their roofline (baselines.py).
 LIMIT_ROWS = ("Physical limit", "Network + compute floor (layouts)", "Roofline (compute + network)")
@@ -111,13 +118,17 @@ class SearchResult:
     predictions: list[Prediction]
     candidates: int
     elapsed_s: float
+    expert_load: dict | None = None  # with measured loads: the uniform vs load-aware report (plan.meta's too)
 
     def by_name(self) -> dict[str, Prediction]:
         return {p.name: p for p in self.predictions}
 
     def to_dict(self) -> dict:
-        return {"strategies": [asdict(p) for p in self.predictions], "candidates": self.candidates,
-                "elapsed_s": self.elapsed_s, "plan": self.plan.to_dict() if self.plan else None}
+        out = {"strategies": [asdict(p) for p in self.predictions], "candidates": self.candidates,
+               "elapsed_s": self.elapsed_s, "plan": self.plan.to_dict() if self.plan else None}
+        if self.expert_load is not None:
+            out["expert_load"] = self.expert_load
+        return out
 
 
 @dataclass
@@ -495,7 +506,8 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
            activation_checkpointing: bool = True, expert_recompute: str = "auto",
            attention_tp: tuple[int, ...] | None = None, distributed_optimizer: bool = False,
            pipeline_stages: tuple[int, ...] | None = None, recompute_modules: frozenset[str] = frozenset(),
-           micro_batch_size: int | None = None, pick_schedules: tuple[str, ...] | None = None) -> SearchResult:
+           micro_batch_size: int | None = None, pick_schedules: tuple[str, ...] | None = None,
+           expert_load: ExpertLoad | None = None, expert_speeds: ExpertSpeeds | None = None) -> SearchResult:
     """Best HeterMoE plan for the cluster, with every strategy's predicted step.
     `expert_recompute`: what expert holders keep for backward (cost_model.EXPERT_RECOMPUTE), or
     'auto': the settings' default level (keep-inputs with activation checkpointing, else off)
@@ -510,7 +522,14 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     the stages and competes for the pick. `recompute_modules`: Megatron's selective recomputation
     (TrainSettings.recompute_modules). `micro_batch_size`: the run's --micro-batch-size (R is then
     each member's sequences / it). `pick_schedules`: the schedules the pick may use (default: both);
-    every row is priced either way."""
+    every row is priced either way. `expert_load`: measured loads (planner/expert_load.py): the
+    search runs as without them (balanced routing), then its LOAD_CANDIDATES fastest simulated
+    candidates the pick could take (at a level the runtime runs, where the pick's is one) get the
+    load-aware placement (planner/load_placement.py,
+    expert times scaled by `expert_speeds`), and the plan is the one predicted fastest under the
+    loads, where that beats the pick's own placement under them (rows LOAD_UNIFORM and LOAD_AWARE,
+    SearchResult.expert_load). DistEP in pipeline stages is not priced under loads (its 1F1B model
+    takes none): such a pick stays as it is."""
     if asym not in ("optimal", "greedy", "none"):
         raise ValueError(f"asym={asym!r}; use 'optimal', 'greedy' or 'none'")
     if expert_recompute != "auto" and expert_recompute not in EXPERT_RECOMPUTE:
@@ -551,6 +570,8 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         fit_layouts.setdefault((id(cand.attention_ranks), id(cand.expert_ranks), cand.G, cand.P),
                                (cand.attention_ranks, cand.expert_ranks, cand.G, cand.P))
     waves: dict[str, tuple[int, str]] = {}  # strategy -> (zebra_waves, zebra_wave_order) of its best (zebra in stages)
+    # with expert loads: every simulated candidate the pick could take, (step, cand, k, schedule, level, waves)
+    tried: list[tuple] = []
     why: dict[str, dict[str, tuple[float, str]]] = {n: {} for n in variants}  # layout -> (shortfall, why)
 
     def consider_pipelined(cand: Candidate, lay: pipeline.PipelineLayout, level: str) -> None:
@@ -601,6 +622,8 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                               skeleton=True, attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=W,
                               zebra_wave_order=order)
             res = simulate_plan(plan, c, cluster, global_batch, engine=engine)
+            if expert_load is not None and "zebra" in allowed:
+                tried.append((res.step_time_s, cand, list(k), "zebra", level, (W, order)))
             if ZEBRA_PP not in best or res.step_time_s < best[ZEBRA_PP][0]:
                 best[ZEBRA_PP] = (res.step_time_s, res, cand, k, "zebra", level)
                 waves[ZEBRA_PP] = (W, order)
@@ -638,6 +661,8 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
         plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
                           skeleton=True, attention_tp=cand.tp)  # the chosen plan is rebuilt in full below
         res = simulate_plan(plan, costs[level], cluster, global_batch, engine=engine)
+        if expert_load is not None and schedule in allowed:
+            tried.append((res.step_time_s, cand, list(k), schedule, level, ONE_WAVE))
         if name not in best or res.step_time_s < best[name][0]:
             best[name] = (res.step_time_s, res, cand, k, schedule, level)
 
@@ -835,4 +860,75 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
             "predicted": {p.name: {"step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s}
                           for p in preds if p.fits},
         }
-    return SearchResult(plan, preds, len(cands), time.perf_counter() - t0)
+    report = None
+    if expert_load is not None and plan is not None:
+        plan, report = _replan_for_load(model, types, cluster, costs, global_batch, plan, best[PICK], tried, preds,
+                                        roof.tokens_per_s, expert_load, expert_speeds, engine)
+    return SearchResult(plan, preds, len(cands), time.perf_counter() - t0, report)
+
+
+def _replan_for_load(model: ModelConfig, types: list[str], cluster: Cluster, costs: dict[str, CostModel],
+                     global_batch: int, pick: HeteroPlan, pick_entry: tuple, tried: list[tuple],
+                     preds: list[Prediction], roof_tps: float, load: ExpertLoad, speeds: ExpertSpeeds | None,
+                     engine: str) -> tuple[HeteroPlan, dict]:
+    """search()'s step with measured loads (its docstring): the plan to write and the report. Adds
+    the rows LOAD_UNIFORM and LOAD_AWARE after the HeterMoE strategies' rows."""
+    level = pick_entry[5]
+    try:
+        own = place_for_load(pick, costs[level], cluster, global_batch, load, speeds, engine)
+    except PlanError as e:  # DistEP in pipeline stages: no step model with loads
+        report = {"placement": "uniform", "not_priced": str(e)}
+        pick.meta["expert_load"] = report
+        return pick, report
+    seen = {(id(pick_entry[2]), tuple(pick_entry[3]), pick_entry[4], level, (pick.zebra_waves, pick.zebra_wave_order))}
+    found: list[tuple[LoadPlacement, tuple]] = [(own, pick_entry)]
+    runs = level in RUNTIME_EXPERT_RECOMPUTE  # a pick that trains is replaced only by a plan that trains
+    for step, cand, k, schedule, lv, wo in sorted(tried, key=lambda t: t[0]):
+        if len(seen) >= LOAD_CANDIDATES:
+            break
+        key = (id(cand), tuple(k), schedule, lv, wo)
+        if key in seen or (runs and lv not in RUNTIME_EXPERT_RECOMPUTE):
+            continue
+        seen.add(key)
+        plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
+                          attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=wo[0], zebra_wave_order=wo[1])
+        plan.expert_recompute = lv
+        found.append((place_for_load(plan, costs[lv], cluster, global_batch, load, speeds, engine),
+                      (step, None, cand, k, schedule, lv)))
+    best, entry = min(found, key=lambda f: min(f[0].uniform_step_s, f[0].load_aware_step_s))
+    step = min(best.uniform_step_s, best.load_aware_step_s)
+    take = step < own.uniform_step_s
+    plan = best.plan if take else pick
+    g0 = plan.groups[0]
+    report = {**own.to_dict(), "placement": "load-aware" if take else "uniform", "load_aware_step_s": step,
+              "gain": own.uniform_step_s / step if take else 1.0, "candidates_priced": len(found),
+              "load_aware_shape": {"M": len(g0.attention_ranks) // plan.pipeline_stages,
+                                   "N": len(g0.expert_ranks) // plan.pipeline_stages, "groups": len(plan.groups),
+                                   "microbatches": plan.num_microbatches, "schedule": plan.schedule,
+                                   "pipeline_stages": plan.pipeline_stages, "expert_recompute": entry[5]},
+              "experts_on_attention_per_layer": plan.experts_on_attention_per_layer(),
+              "same_shape_as_pick": best is own}
+    tokens = best.tokens_per_step
+    rows = [Prediction(LOAD_UNIFORM, own.uniform_step_s, tokens / own.uniform_step_s, dict(own.uniform_util),
+                       tokens / own.uniform_step_s / roof_tps if roof_tps else 0.0, True,
+                       {"placement": "the pick's, as without loads", "fits": own.uniform_fits}),
+            Prediction(LOAD_AWARE, step, tokens / step, dict(best.load_aware_util if take else own.uniform_util),
+                       tokens / step / roof_tps if roof_tps else 0.0, True,
+                       {"placement": report["placement"], "shape": report["load_aware_shape"],
+                        "experts_on_attention_per_layer": report["experts_on_attention_per_layer"]})]
+    at = max(i for i, p in enumerate(preds) if p.name in (PICK, ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP)) + 1
+    preds[at:at] = rows
+    if take:
+        meta = dict(pick.meta)
+        meta["assignment"] = f"{meta.get('assignment')}; experts re-placed for the measured loads"
+        meta["experts_on_attention_per_layer"] = report["experts_on_attention_per_layer"]
+        if not report["same_shape_as_pick"]:
+            meta["assignment"] += " (from another of the search's candidates: " + ", ".join(
+                f"{k} {v}" for k, v in report["load_aware_shape"].items()) + ")"
+            meta.pop("memory_per_rank", None)  # the pick's; this shape's is the load-aware problem's
+        plan.meta = meta
+        plan.expert_recompute = entry[5]
+    plan.meta["expert_load"] = report
+    plan.meta.setdefault("predicted", {}).update(
+        {p.name: {"step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s} for p in rows})
+    return plan, report
