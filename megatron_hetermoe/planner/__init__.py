@@ -12,6 +12,7 @@ plan search. A guided tour, in the order data flows:
   search.py          picks M:N, groups, R, TP, stages, waves and placement
   megatron_flags.py  the model and run of a pretrain_gpt.py command line (`hetermoe plan ... -- <flags>`)
   expert_load.py     measured expert loads and their stats file (docs/expert-load.md)
+  rebalance.py       live re-placement for measured loads within the running plan's roles, with hysteresis
   inventory.py       the GPUs a job has, and the plan the search picks for them (--hetero-plan auto)
   cli_plan.py        `hetermoe plan`
 Nothing here imports torch (`hetermoe profile`, which measures a device, is tools/profiler.py).

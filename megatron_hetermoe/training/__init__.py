@@ -6,6 +6,7 @@ for both hostings), megatron_ep.py and hetero.py (the two trainers), loop.py (th
 run), step.py (forward_step, loss, optimizer, one loss scale), world_stats.py (params norm and
 zero count over the world), nan_check.py (Megatron's NaN check, world-wide), expert_load_log.py
 (measured expert loads in the log, both hostings), elastic.py (--elastic-restarts: re-plan and
-continue when ranks are lost), logging.py (iteration lines, TensorBoard, utilization),
+continue when ranks are lost), replan.py and expert_move.py (--hetero-replan-interval: experts re-placed
+for the measured loads and moved live between steps), logging.py (iteration lines, TensorBoard, utilization),
 golden_values.py, run_hooks.py and result.py (what a trainer takes besides its config, and
 returns)."""
