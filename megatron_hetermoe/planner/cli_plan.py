@@ -478,8 +478,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"hetermoe plan: {flag} {t!r} is not a known GPU type; use one of {known}", file=sys.stderr)
                     return 2
             if run is not None and run.recompute.full and args.schedule != "zebra":
-                print(f"hetermoe plan: note: the run's --recompute-granularity full runs under zebra only (DistEP "
-                      f"would replay the dispatch); train with --hetero-schedule zebra, or plan --schedule zebra",
+                print("hetermoe plan: note: the run's --recompute-granularity full runs under zebra only (DistEP "
+                      "would replay the dispatch); train with --hetero-schedule zebra, or plan --schedule zebra",
                       file=sys.stderr)
             # MTP layers come after the decoder's, of its last layer's kind (layer_pattern.model_dense_layers)
             mtp, dense = model.mtp_num_layers or 0, model.planned_dense_layers

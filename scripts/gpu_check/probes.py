@@ -4,6 +4,7 @@ GEMM against a copy / all_to_all on two CUDA streams and the zebra executor's st
 single issuer."""
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -144,7 +145,7 @@ def worker_overlap(a) -> int:
     gemm_loop = lambda: [gemm() for _ in range(kg)]  # noqa: E731
     src = torch.empty(2**30, device=dev, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    copy = lambda: dst.copy_(src)  # noqa: E731
+    copy = functools.partial(dst.copy_, src)  # bound now: src and dst are dropped later
     s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
 
     def pair(comm_unit, k: int) -> dict:
@@ -214,7 +215,7 @@ def _executor_probe(dev, gemm, timed, calibrate, numel: int = 64 * 2**20) -> dic
     # numel: 64 Mi elements = 128 MiB bf16 per message
     probe_x = torch.ones(numel, device=dev, dtype=torch.bfloat16)
     probe_y = torch.empty_like(probe_x)
-    unit = lambda: dist.all_to_all_single(probe_y, probe_x, group=groups["dispatch"])  # noqa: E731
+    unit = functools.partial(dist.all_to_all_single, probe_y, probe_x, group=groups["dispatch"])  # bound now
     k_tx = calibrate(unit, 0.006)
     k_c = calibrate(gemm, 0.006)
     del probe_x, probe_y

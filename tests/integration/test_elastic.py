@@ -43,7 +43,7 @@ def test_lose_an_expert_then_an_attention_rank_then_two_at_once(tiny, tmp_path, 
     two = sorted({plan2.groups[0].attention_ranks[-1], plan2.groups[-1].expert_ranks[-1]})
     alive = alive.without([on2[r] for r in two])
     plan3, _ = auto_plan(run, alive)
-    fault = ";".join([f"rank=2,site=iteration,at=2,mode=kill,attempt=0",
+    fault = ";".join(["rank=2,site=iteration,at=2,mode=kill,attempt=0",
                       f"rank={a1},site=iteration,at=4,mode=kill,attempt=1",
                       *(f"rank={r},site=iteration,at=5,mode=kill,attempt=2" for r in two)])
     ck = tmp_path / "ck"

@@ -5,7 +5,6 @@ transformer-engine imports (on a V100, or a run on the local spec), else apex's 
 choice to a stand-in."""
 from __future__ import annotations
 
-import pytest
 import torch
 from megatron.core.extensions.transformer_engine import TENorm
 from megatron.core.transformer import transformer_block

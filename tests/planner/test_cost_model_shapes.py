@@ -133,7 +133,7 @@ def test_network_floor_by_hand():
     net = network_limit(cost, cl, 64, [(h100, a100, 1, 1)], compute)
     f_max = 8 * cost.profile("H100").usable_memory_bytes / (32 * 16 * m.expert_params() * 18.0)
     net0 = 2 * 64 * 4096 * 32 * 1.0 * 4096 * 2 / (8 * 200 / 8 * 1e9)
-    att0, att1, exp0 = 64 * 0.025 / 8, 64 * 0.125 / 8, 64 / (8 / 0.0625)  # 0.2, 1.0, 0.5 s
+    att0, att1 = 64 * 0.025 / 8, 64 * 0.125 / 8  # 0.2, 1.0 s (the experts' 64 / (8 / 0.0625) = 0.5 s)
     f = (net0 - att0) / (att1 + net0)
     assert 0 < f < f_max < 1
     assert net.step_time_s == pytest.approx(att0 + f * att1, rel=1e-12)

@@ -75,7 +75,7 @@ def test_dry_run_places_every_rank_on_its_gpu_type(mixed_plan, tmp_path):
     assert sorted(ranks) == list(range(plan.world_size)) and ranks[0] == 0  # rank 0 hosts the store
     gpn = {"A40": 8, "V100-32GB": 4}
     for t in tasks:
-        procid, group, gtype, node, gpu, rank, local = int(t[1]), int(t[2]), t[3], int(t[4]), int(t[5]), int(t[6]), int(t[7])
+        gtype, gpu, rank, local = t[3], int(t[5]), int(t[6]), int(t[7])
         assert plan.gpu_types[rank] == gtype and gpu == local < gpn[gtype]
         assert int(t[8]) == plan.world_size and t[9] == "A40"
         assert shlex.split(t[11])[-2:] == ["--hetero-plan", str(mixed_plan)]

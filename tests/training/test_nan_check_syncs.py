@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_hetermoe.parallel.launcher import LaunchError, launch
+from megatron_hetermoe.parallel.launcher import launch
 from megatron_hetermoe.training.nan_check import NanInjection
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
