@@ -71,11 +71,11 @@ class ExpertLoadMeter:
             flat = [float(t) for row in self.tokens for t in row]
             mine = [self.seconds[k] for k in COMPUTE_KINDS]
             self.tokens = [[0] * self.E for _ in range(self.L)]
-        buf = torch.zeros(self.L * self.E + world * K, dtype=torch.float64)
-        buf[:self.L * self.E] = torch.tensor(flat, dtype=torch.float64)
+        # Built on the rank's device: NCCL reduces device tensors only (one host -> device copy)
+        buf = torch.zeros(self.L * self.E + world * K, dtype=torch.float64, device=device)
         off = self.L * self.E + rank * K
-        buf[off:off + K] = torch.tensor(mine, dtype=torch.float64)
-        buf = buf.to(device)
+        buf[:self.L * self.E] = torch.tensor(flat, dtype=torch.float64, device=device)
+        buf[off:off + K] = torch.tensor(mine, dtype=torch.float64, device=device)
         dist.all_reduce(buf, group=group)
         vals = buf.cpu().tolist()
         tokens = [vals[l * self.E:(l + 1) * self.E] for l in range(self.L)]

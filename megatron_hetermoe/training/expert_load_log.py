@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_hetermoe.parallel.device import rank_device
 from megatron_hetermoe.parallel.expert_load import ExpertLoadMeter, new_stats
 from megatron_hetermoe.planner.expert_load import ExpertLoad
 
@@ -88,4 +89,6 @@ class ExpertLoadLog:
         count prints the value."""
         mm = load.max_over_mean()
         if mm:
-            total_loss_dict["expert load max/mean"] = torch.tensor([max(mm) * max(1, advanced)])
+            # on the rank's device, as Megatron-LM's training_log keeps its other entries
+            total_loss_dict["expert load max/mean"] = torch.tensor([max(mm) * max(1, advanced)],
+                                                                   device=rank_device())

@@ -240,7 +240,7 @@ def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
     n = 1
     for d in shape:
         n *= d
-    return n * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    return n * getattr(torch, dtype).itemsize
 
 
 def timed(fn, *args, **kw):

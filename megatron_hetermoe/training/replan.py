@@ -142,7 +142,8 @@ class Replanner:
         load_optimizer_states(rb.module, rb.names, rb.optimizer, kept)
         rebuild_s = time.perf_counter() - t1
         _set_rng_state(rng)  # building draws from the RNG; training must not see it
-        took = torch.tensor([gather_s, exchange_s, rebuild_s, time.perf_counter() - t0], dtype=torch.float64)
+        took = torch.tensor([gather_s, exchange_s, rebuild_s, time.perf_counter() - t0], dtype=torch.float64,
+                            device=hs.device)
         dist.all_reduce(took, op=dist.ReduceOp.MAX, group=hs.world_group)
         gather_s, exchange_s, rebuild_s, total = took.tolist()
         moved = moves(old, new)
