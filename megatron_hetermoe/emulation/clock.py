@@ -43,6 +43,9 @@ class EmulationClock:
         self.calibration: dict | None = None
         self.describe = describe or {}
         self.on_step_begin: Callable[[float], None] | None = None  # the Megatron EP hooks' step start
+        # (first iteration, predicted step, bound) of each plan the run was on: a live move
+        # (follow) changes the lists, and each step is judged by its own plan's.
+        self.phases: list[tuple[int | None, float, object]] = [(None, predicted_step_s, bound)]
         self._lock = threading.Lock()
         self._restore: list[Callable[[], None]] = []  # undo what _start_run changed in this process
         self._niceness: tuple[int, int] | None = None
@@ -57,10 +60,19 @@ class EmulationClock:
         if self.first_it is None:
             self.first_it = it
             self._start_run()
+        if self.phases[-1][0] is None:
+            self.phases[-1] = (it, *self.phases[-1][1:])
         self.cur = {"it": it, "t0": t0, "scale": self.scale, "windows": [], "busy": 0.0, "lists_end": t0,
-                    "post": None, "post_end": None, "end": None}
+                    "post": None, "post_end": None, "end": None, "phase": len(self.phases) - 1}
         if self.on_step_begin is not None:
             self.on_step_begin(t0)
+
+    def follow(self, predicted_step_s: float, post_step_s: float, bound) -> None:
+        """From the next step on, the run is on another plan (a live move, training/replan.py):
+        its predicted step, post-step and validity task graph (Emulator.hetero_phase). The scale
+        stays; steps before are judged by the plan they ran."""
+        self.pred, self.post_s, self.bound = predicted_step_s, post_step_s, bound
+        self.phases.append((None, predicted_step_s, bound))
 
     def _start_run(self) -> None:
         """What keeps an emulated rank's host delays small, for the run (report() undoes it)."""
@@ -148,12 +160,13 @@ class EmulationClock:
         per_step = []
         for ranks in steps:
             s = ranks[0]["scale"]
-            b = step_bound(ranks, s, 1.0, self.bound)
+            _, pred, bound = self.phases[ranks[0]["phase"]]
+            b = step_bound(ranks, s, 1.0, bound)
             step_s = ranks[0]["end"] - ranks[0]["t0"]
             per_step.append({
                 "iteration": ranks[0]["it"], "scale": s, "step_s": step_s, "emulated_step_s": step_s / s,
-                "overrun_s": b["total"] / s, "overrun": b["total"] / (self.pred * s),
-                "work_overrun": b["work"] / (self.pred * s), "host_delay": b["host"] / (self.pred * s),
+                "predicted_step_s": pred, "overrun_s": b["total"] / s, "overrun": b["total"] / (pred * s),
+                "work_overrun": b["work"] / (pred * s), "host_delay": b["host"] / (pred * s),
                 "busy": [min(1.0, r["busy"] / max(step_s, 1e-12)) for r in ranks]})
         first = self.first_it if self.first_it is not None else 0
         after = first + (spec.calibrate_step if spec.auto_scale else 0)
@@ -162,7 +175,8 @@ class EmulationClock:
         out = {"predicted_step_s": self.pred, "scale": self.scale, "initial_scale": spec.scale,
                "niceness": None if self._niceness is None else self._niceness[1],
                "calibration": self.calibration, "max_overrun": spec.max_overrun, "steps": per_step,
-               "steady_steps": [per_step[i]["iteration"] for i in steady], **self.describe}
+               "steady_steps": [per_step[i]["iteration"] for i in steady],
+               "phases": [{"from_iteration": it, "predicted_step_s": p} for it, p, _ in self.phases], **self.describe}
         if not steady:
             out.update(valid=False, overrun=None, measured_step_s=None, utilization=[],
                        invalid_reason="no step ran after the calibration step; run more steps")

@@ -100,6 +100,13 @@ class Emulator:
 
     def hetero_clock(self, plan, schedule: str, group, recompute: bool = False) -> EmulationClock:
         """The clock of a HeterMoE rank (the same on every rank)."""
+        pred, post, bound = self.hetero_phase(plan, schedule)
+        return EmulationClock(self.spec, pred, post, group, bound, self.programs(recompute))
+
+    def hetero_phase(self, plan, schedule: str) -> tuple[float, float, _TaskGraph]:
+        """What the clock judges a HeterMoE step of `plan` by: its predicted step, its post-step
+        and the task graph of the validity bound (EmulationClock.follow takes them after a live
+        move: the steps after it are judged on the new plan's lists)."""
         from megatron_hetermoe.planner.simulator import build_problem
 
         gb = self.spec.global_batch
@@ -107,8 +114,7 @@ class Emulator:
         problems = [build_problem(plan, self.cost, self.cluster, gb, schedule, group=g, dedup=False)
                     for g in range(len(plan.groups))]
         pred = self.predict_hetero(plan, schedule).step_time_s
-        return EmulationClock(self.spec, pred, post, group, _TaskGraph(problems, list(range(plan.world_size))),
-                              self.programs(recompute))
+        return pred, post, _TaskGraph(problems, list(range(plan.world_size)))
 
     def task_timing(self, plan, rank: int, schedule: str, clock: EmulationClock | None = None):
         """The executors' task times of `rank` (emulation/timing.py): each task's emulated time on

@@ -407,9 +407,6 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
     if a.hetero_replan_interval and not a.hetero_plan:
         p.error(f"--hetero-replan-interval {a.hetero_replan_interval} needs --hetero-plan: it moves HeterMoE's "
                 f"experts between the plan's ranks")
-    if a.hetero_replan_interval and a.emulate:
-        p.error(f"--hetero-replan-interval {a.hetero_replan_interval} with --emulate is not built (the emulation "
-                f"clock prices one plan for the whole run); drop one of them")
     hetero = dataclasses.replace(hetero, replan_interval=a.hetero_replan_interval,
                                  replan_margin=a.hetero_replan_margin)
     if a.elastic_restarts < 0:

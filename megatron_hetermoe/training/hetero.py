@@ -133,9 +133,6 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         emulator = Emulator(cfg.emulate)
         emulator.check_real_model(cfg.model)
         emulator.check_plan(plan)
-    if run.replan_interval and cfg.emulate is not None:
-        raise ValueError(f"--hetero-replan-interval {run.replan_interval} with --emulate is not built (the emulation "
-                         f"clock prices one plan for the whole run); drop one of them")
     nmb = plan.num_microbatches
     collective_trace.install()  # $HETERMOE_TRACE_COLLECTIVES: every collective's order, to check
     hs = initialize_hetero_parallel(plan, device=hooks.device or rank_device(), wire_dtype=precision_dtype(pools.wire))
@@ -181,7 +178,11 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
                 new = build_rank(cfg, hooks, assembly, kernels, fusions, {n: st.param for n, st in states.items()},
                                  carry=parts)
                 carry_buffers(role.module, new.module)
-                role.adopt(new, assembly.schedule(run, recorder, executed, task_timing))
+                timing = task_timing
+                if emulator is not None:  # the emulated times and the validity rules follow the new plan
+                    timing = emulator.task_timing(hs.plan, hs.rank, schedule, clock)
+                    clock.follow(*emulator.hetero_phase(hs.plan, schedule))
+                role.adopt(new, assembly.schedule(run, recorder, executed, timing))
                 parts.model, parts.optimizer, parts.scheduler, parts.guard = (new.model, new.optimizer,
                                                                               new.scheduler, new.guard)
                 parts.checkpointer.state = hetero_checkpointer(cfg, hs, new.module, new.names, new.optimizer,

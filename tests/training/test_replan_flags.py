@@ -25,11 +25,23 @@ def test_the_flags_reach_the_run_config(tiny, tmp_path):
     assert (hetero.replan_interval, hetero.replan_margin) == (20, 0.5) and plan is not None
 
 
+def test_an_emulated_run_may_move_experts(tiny, tmp_path):
+    """--emulate with --hetero-replan-interval: the emulated times follow each move's plan
+    (tests/integration/test_emulated_live_moves.py)."""
+    p = train_args.build_parser()
+    plan = tmp_path / "plan.json"
+    even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=2,
+              gpu_types=["A40", "A40", "V100-16GB", "V100-16GB"]).save(plan)
+    a = p.parse_args(BASE + ["--hetero-plan", str(plan), "--hetero-replan-interval", "5", "--emulate",
+                             "mini-2a40-2v100", "--emulated-model", "tiny"])
+    cfg, _, hetero, _ = train_args.validate_run(p, a)
+    assert hetero.replan_interval == 5 and cfg.emulate is not None
+
+
 @pytest.mark.parametrize("extra, says", [
     (["--hetero-replan-interval", "5"], "needs --hetero-plan"),
     (["--hetero-replan-interval", "-1", "PLAN"], "give steps >= 0"),
     (["--hetero-replan-interval", "5", "--hetero-replan-margin", "-2", "PLAN"], "a factor >= 0"),
-    (["--hetero-replan-interval", "5", "--emulate", "mini-2a40-2v100", "PLAN"], "with --emulate is not built"),
 ])
 def test_refused_combinations_name_the_flag(tiny, tmp_path, capsys, extra, says):
     extra = [x for x in extra if x != "PLAN"] + (["--hetero-plan", _plan(tmp_path, tiny)] if "PLAN" in extra else [])
