@@ -11,8 +11,9 @@ the last `--measure-steps` calibrates the emulation's scale and those steps are 
 
 - static: HeterMoE (zebra) on the planner's pick for the whole run;
 - closed loop: the same, with `--hetero-replan-interval K` (training/replan.py): every K steps
-  the first rank proposes a placement for the measured loads (planner/rebalance.py) and the
-  experts move when it pays; the emulation follows each move's plan;
+  the first rank proposes a placement for the measured loads (emulated: planner/rebalance.py
+  propose_simulated, the load-aware placement judged by the simulator on the emulated cluster)
+  and the experts move when it pays; the emulation follows each move's plan;
 - Megatron EP: the plugin's Megatron EP trainer (EP over every GPU), its experts priced for the
   tokens its own router sent them.
 
@@ -180,13 +181,8 @@ def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int
                                      "seconds", "reason", "predicted_s_now", "predicted_s_new", "estimated_cost_s",
                                      "step_s")} for m in cl_run["result"].moves]
     moved_total = plan_moves(plan, cl_run["final_plan"])
-    # What a move would cost on the emulated cluster (not emulated: the CPU ranks move the tiny
-    # model's states): each moved expert's parameter, fp32 main parameter and two Adam moments
-    # over one 100 Gb/s-class NIC, in series (an upper bound: moves between different pairs overlap).
-    state_bytes = shape.expert_params() * (em.cost.settings.dtype_bytes + 12)
-    nic = min(cl.nic_gbs()) * 1e9
-    for m in moves:
-        m["emulated_estimate_s"] = m["experts"] * len(plan.groups) * state_bytes / nic
+    for m in moves:  # what it would cost on the emulated cluster (Emulator.move_seconds: an estimate)
+        m["emulated_estimate_s"] = em.move_seconds(m["experts"] * len(plan.groups))
     summary = {
         "cluster": cluster, "emulated_model": shape.name, "num_experts": num_experts, "topk": topk,
         "aux_loss": aux_loss, "seq_len": seq_len, "global_batch": global_batch, "steps": steps,
@@ -228,7 +224,7 @@ def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int
     for m in moves:
         print(f"move at iteration {m['iteration']}: {m['experts']} expert(s) of group 0, {m['bytes'] / 2**20:.2f} MiB "
               f"in {m['seconds']:.3f} s on the CPU ranks (tiny widths; on the emulated cluster about "
-              f"{m['emulated_estimate_s']:.2f} s); the rule's predicted expert s/step {m['predicted_s_now']:.4g} -> "
+              f"{m['emulated_estimate_s']:.2f} s); predicted s/step {m['predicted_s_now']:.4g} -> "
               f"{m['predicted_s_new']:.4g} ({m['reason']})")
     if not moves:
         print("no move made")

@@ -138,6 +138,24 @@ class Emulator:
         return lambda task, got: experts_time(self.cost, gpu, [share * m for m in got.multipliers()],
                                               task.kind.endswith("_B"))
 
+    def move_seconds(self, experts: int) -> float:
+        """Estimated seconds of a live move of `experts` (layer, expert) copies on the emulated
+        cluster (the CPU ranks move the small model's states, whose time says nothing of it): each
+        copy's parameter, fp32 main parameter and two Adam moments over the slowest NIC, in series
+        (an upper bound: copies between different pairs of ranks overlap)."""
+        state_bytes = self.model.expert_params() * (self.cost.settings.dtype_bytes + 12)
+        return experts * state_bytes / (min(self.cluster.nic_gbs()) * 1e9)
+
+    def replan(self, margin: float):
+        """The live-move decision of an emulated run (training/replan.py): planner/rebalance's
+        propose_simulated on the emulated cluster and shape, a move costed by move_seconds."""
+        from megatron_hetermoe.planner.rebalance import RebalanceConfig, propose_simulated
+
+        cfg = RebalanceConfig(margin=margin)
+        return lambda plan, tokens, next_steps: propose_simulated(
+            plan, tokens, next_steps, self.cost, self.cluster, self.spec.global_batch,
+            lambda n: self.move_seconds(n * len(plan.groups)), cfg)
+
     def predict_hetero(self, plan, schedule: str):
         from megatron_hetermoe.planner.simulator import simulate_plan
 

@@ -227,3 +227,34 @@ def propose(plan: HeteroPlan, tokens: list[list[float]], task_seconds: list[dict
         return Proposal(None, moved, now, new, cost,
                         f"saving {saving:.3g} s over {next_steps} steps <= {cfg.margin:g} x move cost {cost:.3g} s")
     return Proposal(candidate, moved, now, new, cost, f"saving {saving:.3g} s over {next_steps} steps")
+
+
+def propose_simulated(plan: HeteroPlan, tokens: list[list[float]], next_steps: int, cost, cluster,
+                      global_batch: int, move_cost_s: Callable[[int], float],
+                      cfg: RebalanceConfig = RebalanceConfig()) -> Proposal:
+    """Whether and where to move, judged by the simulator where the cluster's cost model is known
+    (an emulated run: its emulated cluster and shape). The placement is planner/load_placement's for
+    the measured loads (it balances each rank's attention and experts together, within memory),
+    taken only where the simulator predicts its step under the same loads faster than the running
+    placement's; the hysteresis is `propose`'s, on predicted step seconds (move_cost_s(n): seconds
+    on the same clock)."""
+    from megatron_hetermoe.planner.expert_load import ExpertLoad
+    from megatron_hetermoe.planner.load_placement import place_for_load
+
+    if not any(t for row in tokens for t in row):
+        return Proposal(None, reason="no tokens measured")
+    got = place_for_load(plan, cost, cluster, global_batch, ExpertLoad.of(tokens))
+    now, new = got.uniform_step_s, got.load_aware_step_s
+    moved = moves(plan, got.plan)
+    if got.chosen != "load-aware" or not moved:
+        return Proposal(None, [], now, new, 0.0, "no placement predicted faster")
+    check_same_roles(plan, got.plan)
+    c = move_cost_s(len(moved))
+    saving = (now - new) * next_steps
+    if new > now * (1 - cfg.min_gain):
+        return Proposal(None, moved, now, new, c, f"simulated gain {1 - new / now:.1%} below min_gain {cfg.min_gain:.0%}")
+    if saving <= cfg.margin * c:
+        return Proposal(None, moved, now, new, c,
+                        f"simulated saving {saving:.3g} s over {next_steps} steps <= {cfg.margin:g} x move cost {c:.3g} s")
+    return Proposal(got.plan, moved, now, new, c,
+                    f"simulated step {now:.3f} -> {new:.3f} s, saving {saving:.3g} s over {next_steps} steps")

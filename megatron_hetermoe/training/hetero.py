@@ -189,7 +189,8 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
                                                                new.scheduler, pools.expert).state
                 return new
 
-            parts.after_step = Replanner(hs, run, hooks.replan, loads, role, parts, rebuild)
+            parts.after_step = Replanner(hs, run, hooks.replan, loads, role, parts, rebuild,
+                                         emulator.replan(run.replan_margin) if emulator is not None else None)
         reset_peak_memory(hs.device)  # the GPU peak counts from here (model and optimizer already allocated)
         res = train_loop(parts, role)
         model, module = role.model, role.module  # the last plan's, after live moves

@@ -53,8 +53,11 @@ class Replanner:
     RankBuild; `moves`: a record per move made (MoveStats plus the decision), every rank alike."""
 
     def __init__(self, hs, run, hook: Callable[[int, HeteroPlan], HeteroPlan | None] | None, loads, role, parts,
-                 rebuild: Callable[[dict], object]):
+                 rebuild: Callable[[dict], object], simulated: Callable[..., Proposal] | None = None):
         self.hs, self.hook, self.loads, self.role, self.parts, self.rebuild = hs, hook, loads, role, parts, rebuild
+        # An emulated run decides through the simulator on its emulated cluster
+        # (Emulator.replan: (plan, tokens, next steps) -> Proposal); else the measured-time rule.
+        self.simulated = simulated
         self.K, self.schedule = run.replan_interval, run.schedule or hs.plan.schedule
         self.cfg = RebalanceConfig(margin=run.replan_margin)
         self.capacity = holdings(hs.plan)  # memory: no rank holds more experts than the starting plan gave it
@@ -115,8 +118,9 @@ class Replanner:
             check_same_roles(plan, new)
             prop = Proposal(new, moves(plan, new), reason="forced (RunHooks.replan)")
         else:
-            prop = propose(plan, tokens, seconds, steps, self.K, self._cost(step_s), self.schedule,
-                           self.capacity, self.frozen, self.cfg)
+            prop = self.simulated(plan, tokens, self.K) if self.simulated is not None else propose(
+                plan, tokens, seconds, steps, self.K, self._cost(step_s), self.schedule, self.capacity, self.frozen,
+                self.cfg)
             if prop.plan is None:
                 return None
         note = {"iteration": iteration, "moved": [list(m) for m in prop.moved], "reason": prop.reason,

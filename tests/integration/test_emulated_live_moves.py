@@ -101,3 +101,47 @@ def test_emulated_task_times_follow_a_live_move(tmp_path):
     assert [p["from_iteration"] for p in rep["phases"]] == [0, 1]
     assert [p["predicted_step_s"] for p in rep["phases"]] == pytest.approx(preds)
     assert [s["predicted_step_s"] for s in rep["steps"]] == pytest.approx([preds[0], preds[1], preds[1]])
+
+
+def _rank_decided(rank, world, cfg, plan, init_state):
+    from megatron_hetermoe.config import HeteroRunConfig
+    from megatron_hetermoe.training.hetero import train_hetero
+    from megatron_hetermoe.training.run_hooks import RunHooks
+
+    res = train_hetero(cfg, plan, HeteroRunConfig(schedule="zebra", replan_interval=2, replan_margin=0.0),
+                       RunHooks(init_state=init_state))
+    return res.moves, res.plan, res.emulation
+
+
+@pytest.mark.slow
+def test_an_emulated_run_decides_its_moves_through_the_simulator(tmp_path):
+    """No hook: the decision is propose_simulated's on the emulated cluster; the planted hot pair
+    (experts 0 and 1 on rank 1) is split, and the simulator predicted the new step faster."""
+    from routing import force_routing, initial_state
+
+    from megatron_hetermoe.config import ParallelConfig, TrainConfig
+    from megatron_hetermoe.emulation.emulator import emulation_real_model
+    from megatron_hetermoe.parallel.launcher import launch
+    from megatron_hetermoe.planner.expert_load import ExpertLoad
+    from megatron_hetermoe.planner.simulator import simulate_plan
+
+    (tmp_path / "cluster.yaml").write_text(CLUSTER)
+    (tmp_path / "model.yaml").write_text(MODEL)
+    spec = EmulationSpec(str(tmp_path / "cluster.yaml"), str(tmp_path / "model.yaml"), SEQ, GB, scale=1e-3)
+    real = emulation_real_model(ModelConfig.load(spec.model))
+    plan = _plan()
+    state = force_routing(initial_state(real), [0, 1], real.num_layers)
+    cfg = TrainConfig(real, ParallelConfig(), micro_batch_size=1, global_batch_size=2, train_iters=3, quiet=True,
+                      log_interval=1, emulate=spec)
+    moves, final, rep = launch(_rank_decided, plan.world_size, cfg, plan, state, timeout_s=600)[0]
+    assert [m["iteration"] for m in moves] == [2] and moves[0]["reason"].startswith("simulated step"), moves
+    final = HeteroPlan.from_dict(final)
+    for l in range(2):
+        holders = [r for r, es in final.groups[0].placement[l].items() if {0, 1} & set(es)]
+        assert len(holders) == 2, final.groups[0].placement  # the hot pair split
+    em = Emulator(spec)
+    load = ExpertLoad.of([[1.0, 1.0, 0.0, 0.0]] * 2)
+    before = simulate_plan(plan, em.cost, em.cluster, GB, expert_load=load).step_time_s
+    after = simulate_plan(final, em.cost, em.cluster, GB, expert_load=load).step_time_s
+    assert moves[0]["predicted_s_now"] == pytest.approx(before) and after < before
+    assert [p["from_iteration"] for p in rep["phases"]] == [0, 2]
