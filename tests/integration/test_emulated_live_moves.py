@@ -10,7 +10,7 @@ time."""
 from __future__ import annotations
 
 import pytest
-from test_expert_load_emulation import CLUSTER, GB, MODEL, SEQ
+from emulated_small import CLUSTER, GB, MODEL, SEQ
 
 from megatron_hetermoe.config import EmulationSpec, ModelConfig
 from megatron_hetermoe.emulation.emulator import Emulator
@@ -51,13 +51,13 @@ def _rank(rank, world, cfg, plan, init_state):
     return res.losses, res.moves, res.emulation, seen
 
 
-@pytest.mark.slow
-def test_emulated_task_times_follow_a_live_move(tmp_path):
+def _emulated_job(tmp_path):
+    """(EmulationSpec, plan, initial state with every token routed to experts 0 and 1, TrainConfig):
+    3 emulated steps of 2 sequences on 1 A40 + 2 V100 (tests/emulated_small.py)."""
     from routing import force_routing, initial_state
 
     from megatron_hetermoe.config import ParallelConfig, TrainConfig
     from megatron_hetermoe.emulation.emulator import emulation_real_model
-    from megatron_hetermoe.parallel.launcher import launch
 
     (tmp_path / "cluster.yaml").write_text(CLUSTER)
     (tmp_path / "model.yaml").write_text(MODEL)
@@ -67,6 +67,14 @@ def test_emulated_task_times_follow_a_live_move(tmp_path):
     state = force_routing(initial_state(real), [0, 1], real.num_layers)
     cfg = TrainConfig(real, ParallelConfig(), micro_batch_size=1, global_batch_size=2, train_iters=3, quiet=True,
                       log_interval=1, emulate=spec)
+    return spec, plan, state, cfg
+
+
+@pytest.mark.slow
+def test_emulated_task_times_follow_a_live_move(tmp_path):
+    from megatron_hetermoe.parallel.launcher import launch
+
+    spec, plan, state, cfg = _emulated_job(tmp_path)
     out = launch(_rank, plan.world_size, cfg, plan, state, timeout_s=600)
     losses, moves, rep, _ = out[0]
     assert len(losses) == 3 and [m["iteration"] for m in moves] == [1] and all(o[1] == moves for o in out)
@@ -117,22 +125,11 @@ def _rank_decided(rank, world, cfg, plan, init_state):
 def test_an_emulated_run_decides_its_moves_through_the_simulator(tmp_path):
     """No hook: the decision is propose_simulated's on the emulated cluster; the planted hot pair
     (experts 0 and 1 on rank 1) is split, and the simulator predicted the new step faster."""
-    from routing import force_routing, initial_state
-
-    from megatron_hetermoe.config import ParallelConfig, TrainConfig
-    from megatron_hetermoe.emulation.emulator import emulation_real_model
     from megatron_hetermoe.parallel.launcher import launch
     from megatron_hetermoe.planner.expert_load import ExpertLoad
     from megatron_hetermoe.planner.simulator import simulate_plan
 
-    (tmp_path / "cluster.yaml").write_text(CLUSTER)
-    (tmp_path / "model.yaml").write_text(MODEL)
-    spec = EmulationSpec(str(tmp_path / "cluster.yaml"), str(tmp_path / "model.yaml"), SEQ, GB, scale=1e-3)
-    real = emulation_real_model(ModelConfig.load(spec.model))
-    plan = _plan()
-    state = force_routing(initial_state(real), [0, 1], real.num_layers)
-    cfg = TrainConfig(real, ParallelConfig(), micro_batch_size=1, global_batch_size=2, train_iters=3, quiet=True,
-                      log_interval=1, emulate=spec)
+    spec, plan, state, cfg = _emulated_job(tmp_path)
     moves, final, rep = launch(_rank_decided, plan.world_size, cfg, plan, state, timeout_s=600)[0]
     assert [m["iteration"] for m in moves] == [2] and moves[0]["reason"].startswith("simulated step"), moves
     final = HeteroPlan.from_dict(final)

@@ -13,24 +13,8 @@ from megatron_hetermoe.planner.expert_load import ExpertLoad
 from megatron_hetermoe.planner.rebalance import RebalanceConfig, check_same_roles, propose_simulated
 from megatron_hetermoe.planner.simulator import simulate_plan
 
-CLUSTER = """name: a40-2v100
-node_groups:
-  - {gpu: A40, nodes: 1, gpus_per_node: 1, nic_gbps_per_gpu: 100}
-  - {gpu: V100-16GB, nodes: 1, gpus_per_node: 2, nic_gbps_per_gpu: 100}
-network_latency_us: 10
-"""
-MODEL = """name: small-moe-4e
-num_layers: 2
-hidden_size: 1024
-num_attention_heads: 8
-ffn_hidden_size: 3584
-moe_ffn_hidden_size: 3584
-num_experts: 4
-moe_router_topk: 2
-vocab_size: 32000
-seq_length: 1024
-"""
-SEQ, GB = 1024, 4
+from emulated_small import CLUSTER, GB, MODEL, SEQ
+
 HOT = [[4.0, 4.0, 0.0, 0.0], [4.0, 4.0, 0.0, 0.0]]
 
 
