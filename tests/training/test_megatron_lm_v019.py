@@ -225,11 +225,11 @@ def test_hetermoe_pretrain_without_a_checkout_equals_the_checkout(mlm19, data, t
     through `hetermoe pretrain` on megatron-core 0.19's megatron.training with the plugin's providers
     (no checkout on the path), and through the checkout's patched pretrain_gpt.py: the same losses.
     Plain: Megatron EP 2 (the model built by Megatron from the flags); HeterMoE: 2 x (1+1) zebra."""
-    from test_megatron_lm_recipes import EVAL_OFF, RECIPES, recipe_flags, shrunk
+    from test_megatron_lm_recipes import CONF, EVAL_OFF, recipe_flags, shrunk
 
     from megatron_hetermoe.planner.cli_plan import main as plan_main
 
-    flags = [*shrunk(recipe_flags(mlm19, RECIPES["qwen3-30b-a3b"])), *DATA, *CPU, *EVAL_OFF, "--data-path", data,
+    flags = [*shrunk(recipe_flags(mlm19, f"{CONF}/Qwen/Qwen3-30B-A3B.sh")), *DATA, *CPU, *EVAL_OFF, "--data-path", data,
              "--train-iters", "3"]
     if schedule is None:
         nproc, extra = 2, ["--expert-model-parallel-size", "2"]
