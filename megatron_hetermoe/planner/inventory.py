@@ -68,8 +68,12 @@ class Inventory:
                 types.append(item)
         if not types:
             raise InventoryError(f"--hetero-gpus {spec!r} names no GPU")
-        cluster = Cluster.from_gpu_types("given", types)
-        return cls(tuple(cluster.gpu_types()), tuple(cluster.node_of()))
+        return cls.from_types(types)
+
+    @classmethod
+    def from_types(cls, types: list[str]) -> "Inventory":
+        """GPU types in rank order (a spec's, or a plan's): a node per run of one type (at most 8)."""
+        return cls.from_cluster(Cluster.from_gpu_types("given", list(types)))
 
     @classmethod
     def from_ranks(cls, ranks: list[tuple[str, str]]) -> "Inventory":

@@ -317,22 +317,12 @@ def _auto_plan_at_start(a: argparse.Namespace, cfg: TrainConfig, hetero: HeteroR
     """--hetero-plan auto under torchrun: the planner's pick for every rank's GPU (gathered), the
     same on every rank (the search is deterministic); checked as a given plan is. A restarted
     elastic job (torchrun --nnodes MIN:MAX --max-restarts) plans again for the world it got."""
-    from megatron_hetermoe.errors import UserError
-    from megatron_hetermoe.planner.inventory import auto_plan
-    from megatron_hetermoe.training.elastic import describe_plan, gather_inventory
+    from megatron_hetermoe.training.elastic import gather_inventory
     from megatron_hetermoe.training.validation import validate_job
 
     inventory = gather_inventory(device)
-    plan, kept = auto_plan(plan_run_of(cfg, a), inventory)
-    if len(kept) != inventory.size:
-        idle = [r for r in range(inventory.size) if r not in kept]
-        raise UserError(f"--hetero-plan auto: the best plan for this job's {inventory.describe()} leaves rank(s) "
-                        f"{idle} idle (the batch does not split over the attention ranks the others give); start "
-                        f"the job without them, or change the batch")
+    plan = _auto_plan(a, cfg, inventory)
     validate_job(cfg, inventory.size, plan, a.hetero_schedule, hetero)
-    if int(os.environ["RANK"]) == 0:
-        print(f" --hetero-plan auto: {describe_plan(plan)} (for this job's {inventory.describe()}; the planner's "
-              f"search)", flush=True)
     return plan
 
 
@@ -417,7 +407,7 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
     if a.elastic_restarts and not (a.save and a.save_interval):
         p.error(f"--elastic-restarts {a.elastic_restarts} needs --save DIR and --save-interval N: a restart "
                 f"continues from the latest checkpoint, and a job loses the iterations since it")
-    if a.elastic_restarts and "RANK" in os.environ and a.nproc is None:
+    if a.elastic_restarts and joining_torchrun(a):
         p.error(f"--elastic-restarts {a.elastic_restarts} restarts the ranks this command forks; under torchrun "
                 f"its elastic agent restarts them (torchrun --nnodes MIN:MAX --max-restarts N) and each start "
                 f"plans for the world it got with --hetero-plan auto (--load and --hetero-ckpt-reshard continue "
@@ -432,16 +422,14 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
             if a.hetero_plan == "auto" and joining_torchrun(a) and not a.hetero_gpus:
                 plan = AUTO  # planned at start, from every rank's GPU (_run_joined)
             elif a.hetero_plan == "auto":
-                plan = _auto_plan(p, a, cfg)
+                plan = _auto_plan(a, cfg, inventory_of(p, a))
             else:
                 plan = HeteroPlan.load(a.hetero_plan)
         except (ValueError, OSError) as e:
             p.error(f"--hetero-plan: {e}")
         # TP and PP with a plan (its attention_tp and pipeline_stages) and EP (replaced by the plan) are
         # validation.check_hetero's to judge, in validate_job below.
-        if plan is AUTO:
-            pass
-        elif a.nproc not in (None, plan.world_size):
+        if plan is not AUTO and a.nproc not in (None, plan.world_size):
             raise SystemExit(f"--nproc {a.nproc} but the plan has {plan.world_size} ranks; drop --nproc")
         if "RANK" not in os.environ:  # under torchrun, join its ranks instead of forking more
             a.nproc = plan.world_size
@@ -478,9 +466,7 @@ def inventory_of(p: argparse.ArgumentParser, a: argparse.Namespace, plan=None):
     if plan is None:
         p.error("--hetero-plan auto needs --hetero-gpus on CPU ranks (the GPUs to plan for: a cluster config, or "
                 "GPU types like 4xA40,4xV100-16GB)")
-    from megatron_hetermoe.planner.cluster import Cluster
-
-    return Inventory.from_cluster(Cluster.from_gpu_types("plan", list(plan.gpu_types)))
+    return Inventory.from_types(plan.gpu_types)
 
 
 def plan_run_of(cfg: TrainConfig, a: argparse.Namespace):
@@ -491,20 +477,22 @@ def plan_run_of(cfg: TrainConfig, a: argparse.Namespace):
                        cfg.parallel.tp, cfg.parallel.pp, cfg.use_distributed_optimizer, a.hetero_schedule)
 
 
-def _auto_plan(p: argparse.ArgumentParser, a: argparse.Namespace, cfg: TrainConfig):
-    """--hetero-plan auto: the planner's pick for the GPUs (--hetero-gpus), printed."""
-    from megatron_hetermoe.planner.inventory import auto_plan
+def _auto_plan(a: argparse.Namespace, cfg: TrainConfig, inventory):
+    """--hetero-plan auto: the planner's pick for `inventory`, printed by the first rank. Under
+    torchrun (a rank on every GPU) a pick that leaves GPUs idle is refused (InventoryError); forked
+    ranks run only the GPUs it keeps."""
+    from megatron_hetermoe.planner.inventory import InventoryError, auto_plan
     from megatron_hetermoe.training.elastic import describe_plan
 
-    inventory = inventory_of(p, a)
     plan, kept = auto_plan(plan_run_of(cfg, a), inventory)
     idle = [i for i in range(inventory.size) if i not in kept]
-    if idle and "RANK" in os.environ and a.nproc is None:  # torchrun's world has a rank on every GPU
-        p.error(f"--hetero-plan auto: the best plan for {inventory.describe()} leaves GPU(s) {idle} idle (the batch "
-                f"does not split over the attention ranks the others give); start the job without them, or change "
-                f"the batch")
+    if idle and joining_torchrun(a):
+        raise InventoryError(f"the best plan for {inventory.describe()} leaves rank(s) {idle} idle (the batch does "
+                             f"not split over the attention ranks the others give); start the job without them, or "
+                             f"change the batch")
     if int(os.environ.get("RANK", "0")) == 0:
-        print(f" --hetero-plan auto: {describe_plan(plan)} (for {inventory.describe()}; the planner's search)"
+        print(f" --hetero-plan auto: {describe_plan(plan)} (for this job's {inventory.describe()}; the planner's "
+              f"search)"
               + (f"; GPU(s) {idle} of the inventory idle: the batch does not split over the attention ranks with "
                  f"them" if idle else ""), flush=True)
     return plan

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
+from megatron_hetermoe.checkpoint.format import read_tracker
 from megatron_hetermoe.config import TrainConfig
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.planner.inventory import (
@@ -35,9 +36,6 @@ from megatron_hetermoe.planner.inventory import (
 )
 from megatron_hetermoe.reliability.faults import ATTEMPT_ENV
 from megatron_hetermoe.training.result import TrainResult
-
-TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's tracker file in --save
-
 
 def describe_plan(plan: HeteroPlan) -> str:
     """One line: the ZP groups (attention + expert ranks and their GPU types), R and the schedule."""
@@ -126,7 +124,7 @@ def run_elastic(cfg: TrainConfig, plan: HeteroPlan, inventory: Inventory, plan_r
                     gone = {on_gpu[r] for r in lost}
                     alive = alive.without(sorted(gone))
                     plan, on_gpu = auto_plan(plan_run, alive)
-                resumed = _latest_checkpoint(cfg.save)
+                resumed = read_tracker(cfg.save) or 0
                 run_cfg = replace(run_cfg, load=cfg.save if resumed else cfg.load, ckpt_reshard=True,
                                   ckpt_step=None)
                 check(run_cfg, plan)
@@ -157,11 +155,6 @@ def run_elastic(cfg: TrainConfig, plan: HeteroPlan, inventory: Inventory, plan_r
         else:
             os.environ[ATTEMPT_ENV] = old_attempt
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _latest_checkpoint(save: str) -> int:
-    tracker = Path(save) / TRACKER
-    return int(tracker.read_text().strip()) if tracker.exists() else 0
 
 
 def gather_inventory(device) -> Inventory:

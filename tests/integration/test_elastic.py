@@ -5,10 +5,9 @@ $HETERMOE_INJECT_FAULT mode=kill at the start of an iteration): an expert rank, 
 rank of the re-planned job, then two ranks at once. Each time the job re-plans for the GPUs left
 (the planner's search) and continues from the latest checkpoint; the losses of each start after a
 failure equal, bitwise, those of a fresh run from that checkpoint on that plan."""
-import json
-
 import pytest
 
+from megatron_hetermoe.checkpoint.format import locate
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
 from megatron_hetermoe.planner.inventory import AutoPlanRun, Inventory, auto_plan
 from megatron_hetermoe.training import args as train_args
@@ -61,8 +60,7 @@ def test_lose_an_expert_then_an_attention_rank_then_two_at_once(tiny, tmp_path, 
     assert sorted(elastic) == list(range(1, 8)), elastic
     # Each start after a failure = a fresh run from the checkpoint it loaded, on its plan.
     for k, (plan, start, end) in enumerate(((plan1, 2, 4), (plan2, 4, 5), (plan3, 5, 7)), 1):
-        saved = HeteroPlan.from_dict(json.loads((ck / f"iter_{end:07d}" / "manifest.json").read_text())
-                                     ["layout"]["plan"])
+        saved = HeteroPlan.from_dict(locate(ck, end)[1]["layout"]["plan"])
         assert saved.to_dict()["groups"] == plan.to_dict()["groups"], f"restart {k} ran another plan"
         plan.save(tmp_path / f"plan{k}.json")
         _train([*FLAGS, "--train-iters", "7", "--hetero-plan", str(tmp_path / f"plan{k}.json"), "--load",
@@ -144,8 +142,7 @@ def test_torchrun_loses_a_node_and_replans_for_the_survivors(tiny, tmp_path):
     resumed = int(re.findall(r"loaded checkpoint \S+ at iteration (\d+)", out)[-1])
     after = read_golden(tmp_path / "A40.json")
     assert sorted(after) == list(range(resumed + 1, 9)), (resumed, after)
-    manifest = json.loads((ck / "iter_0000008" / "manifest.json").read_text())
-    plan = HeteroPlan.from_dict(manifest["layout"]["plan"])
+    plan = HeteroPlan.from_dict(locate(ck, 8)[1]["layout"]["plan"])
     assert plan.world_size == 2 and set(plan.gpu_types) == {"A40"}
     plan.save(tmp_path / "picked.json")
     ref = tmp_path / "ref.json"
