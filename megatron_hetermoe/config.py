@@ -11,17 +11,14 @@ import math
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from pathlib import Path
-from typing import Literal
 
 from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.limits import MODEL_LIMITS
 from megatron_hetermoe.paths import read_yaml_mapping, resolve_config
 from megatron_hetermoe import layer_pattern as moe_layers  # layer 0: no torch, no megatron
+from megatron_hetermoe.vocabulary import Role
 
-# A rank's part in a run: HeterMoE's attention or expert rank (read from the plan), or a rank of
-# plain Megatron EP (the reference). Logs, timelines, NaN reports and checkpoints name it.
-Role = Literal["attention", "expert", "megatron"]
-MEGATRON_ROLE: Role = "megatron"
+MEGATRON_ROLE = Role.MEGATRON  # a rank of plain Megatron EP (the reference)
 
 TOKENIZER_TYPES = ("HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 
@@ -774,7 +771,7 @@ class PoolPrecision:
         return self.expert
 
     def of(self, role: str) -> str:
-        return self.attention if role == "attention" else self.expert
+        return self.attention if role == Role.ATTENTION else self.expert
 
     def dynamic_scale(self, loss_scale: float | None) -> bool:
         """Whether the world's loss scale is dynamic (fp16 somewhere, no --loss-scale)."""

@@ -124,7 +124,8 @@ def _module_level(path: Path, target: str) -> bool:
 # The packages in ARCHITECTURE.md's order, bottom first: a module may import modules of its own
 # layer and of layers below it, never above (function-level and TYPE_CHECKING imports included).
 LAYERS: list[set[str]] = [
-    {"", "_csim", "errors", "limits", "paths", "outputs", "compat", "help_format", "config", "layer_pattern"},
+    {"", "_csim", "errors", "limits", "paths", "outputs", "compat", "help_format", "config", "layer_pattern",
+     "vocabulary"},
     {"reliability"},
     {"plan"},
     {"planner"},
@@ -167,3 +168,45 @@ def test_the_layering_check_finds_a_planted_upward_import(tmp_path):
     graph = import_graph()
     graph[f"{NAME}.plan.layout"] = _imports(f"{NAME}.plan.layout", planted, modules)
     assert upward_imports(graph) == [f"{NAME}.plan.layout (layer 2) imports {NAME}.training.loop (layer 10)"]
+
+
+# Roles, schedule names and task kinds are closed vocabularies (megatron_hetermoe/vocabulary.py):
+# code compares against the enum members, never a bare string (a typo there would be silently false).
+def _vocabulary() -> dict[str, str]:
+    from megatron_hetermoe.vocabulary import Role, ScheduleName, TaskKind
+
+    return {m.value: f"{type(m).__name__}.{m.name}" for e in (Role, ScheduleName, TaskKind) for m in e}
+
+
+def vocabulary_string_comparisons(path: Path, source: str | None = None) -> list[str]:
+    """`x == "zebra"`, `role != "expert"`, `kind in ("D_F", "C_B")`: each with the member to use."""
+    words = _vocabulary()
+    tree = ast.parse(source if source is not None else path.read_text(), str(path))
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Compare) or not all(
+                isinstance(op, (ast.Eq, ast.NotEq, ast.In, ast.NotIn)) for op in node.ops):
+            continue
+        for side in (node.left, *node.comparators):
+            elts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+            for e in elts:
+                if isinstance(e, ast.Constant) and isinstance(e.value, str) and e.value in words:
+                    out.append(f"{path.name}:{node.lineno}: {e.value!r} (use {words[e.value]})")
+    return out
+
+
+def test_no_string_comparison_of_a_role_schedule_or_task_kind():
+    found = [hit for m, p in sorted(_modules().items()) if m != f"{NAME}.vocabulary"
+             for hit in vocabulary_string_comparisons(p)]
+    assert not found, "compare with megatron_hetermoe.vocabulary's members:\n  " + "\n  ".join(found)
+
+
+def test_the_vocabulary_check_finds_planted_comparisons():
+    path = _modules()[f"{NAME}.plan.tasks"]
+    planted = path.read_text() + ('\n\ndef _planted(t, plan, role):\n'
+                                  '    return t.kind in ("D_F", "C_B") or plan.schedule != "zebra" or "expert" == role\n')
+    found = vocabulary_string_comparisons(path, planted)
+    assert [f.split(": ", 1)[1] for f in found] == [
+        "'D_F' (use TaskKind.D_F)", "'C_B' (use TaskKind.C_B)", "'zebra' (use ScheduleName.ZEBRA)",
+        "'expert' (use Role.EXPERT)"]
+    assert vocabulary_string_comparisons(path) == []

@@ -10,6 +10,7 @@ import torch
 from megatron_hetermoe.emulation.clock import EmulationClock, sleep_until
 from megatron_hetermoe.emulation.emulator import Emulator
 from megatron_hetermoe.parallel.device import rank_device
+from megatron_hetermoe.vocabulary import TaskKind
 
 
 def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[int], tokens_per_microbatch: float,
@@ -100,14 +101,14 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
 
     def bwd_call(layer: int, dispatch: bool):  # gradient of an all-to-all's output is ready
         if dispatch:
-            close("compute", "E_B", layer, st["bseg"], experts_budget(layer, True) * scale())
+            close("compute", TaskKind.E_B, layer, st["bseg"], experts_budget(layer, True) * scale())
         else:
-            close("compute", "A_B", layer + 1, st["bseg"], stage[True][layer + 1] * scale())
+            close("compute", TaskKind.A_B, layer + 1, st["bseg"], stage[True][layer + 1] * scale())
         st["bstart"] = (layer, dispatch, synced(st["last"]))
 
     def bwd_return():  # the reverse all-to-all produced the input's gradient
         layer, dispatch, start = st["bstart"]
-        st["bseg"] = close("combine" if dispatch else "dispatch", "D_B" if dispatch else "C_B", layer, start,
+        st["bseg"] = close("combine" if dispatch else "dispatch", TaskKind.D_B if dispatch else TaskKind.C_B, layer, start,
                            a2a * scale())
 
     orig = td.all_to_all
@@ -119,35 +120,35 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
             out = orig(group, input_, output_split_sizes, input_split_sizes, **kw)
             if st["pending"] is not None:
                 layer, start = st["pending"]
-                st.update(pending=None, seg=close("dispatch", "D_F", layer, start, a2a * scale()))
+                st.update(pending=None, seg=close("dispatch", TaskKind.D_F, layer, start, a2a * scale()))
             return out
         k = st["calls"]
         st["calls"] = k + 1
         layer, dispatch = k // 2, k % 2 == 0
         if dispatch:
-            close("compute", "A_F", layer, st["seg"], stage[False][layer] * scale())
+            close("compute", TaskKind.A_F, layer, st["seg"], stage[False][layer] * scale())
         else:
-            close("compute", "E_F", layer, st["seg"], experts_budget(layer, False) * scale())
+            close("compute", TaskKind.E_F, layer, st["seg"], experts_budget(layer, False) * scale())
         start = synced(st["last"])
         x = _Mark.apply(input_, bwd_return) if input_.requires_grad else input_
         out = orig(group, x, output_split_sizes, input_split_sizes, **kw)
         if dispatch:
             st["pending"] = (layer, start)
         else:
-            st["seg"] = close("combine", "C_F", layer, start, a2a * scale())
+            st["seg"] = close("combine", TaskKind.C_F, layer, start, a2a * scale())
         return _Mark.apply(out, lambda: bwd_call(layer, dispatch)) if out.requires_grad else out
 
     def backward_start():  # the loss's gradient reached the head; the loss ran in this window
         st["bseg"] = synced(st["last"])
 
     def head_done(mod, args, out):
-        close("compute", "A_F", L, st["seg"], stage[False][L] * scale())
+        close("compute", TaskKind.A_F, L, st["seg"], stage[False][L] * scale())
         first = out[0] if isinstance(out, tuple) else out
         first = _Mark.apply(first, backward_start)
         return (first,) + tuple(out[1:]) if isinstance(out, tuple) else first
 
     def embedding_done(mod, args, out):
-        return _Mark.apply(out, lambda: close("compute", "A_B", 0, st["bseg"], stage[True][0] * scale()))
+        return _Mark.apply(out, lambda: close("compute", TaskKind.A_B, 0, st["bseg"], stage[True][0] * scale()))
 
     handles = [gpt.embedding.register_forward_pre_hook(mb_start),
                gpt.embedding.register_forward_pre_hook(count_tokens, with_kwargs=True),

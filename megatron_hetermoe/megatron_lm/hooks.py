@@ -36,6 +36,7 @@ from megatron_hetermoe.training.validation import (
     check_hetero_virtual_stages,
     check_plan_for_job,
 )
+from megatron_hetermoe.vocabulary import Role, ScheduleName
 
 
 @dataclasses.dataclass
@@ -173,8 +174,8 @@ class HeteroPretrain:
         issuer = resolve_issuer(get_args().hetero_zebra_issuer, self.hs.device, emulated=False,
                                 backend=self.hs.transport.backend)
         print(f"> HeterMoE rank {self.hs.rank} ({self.hs.role}, ZP group {self.hs.group_index}"
-              + (f", experts {experts}" if self.hs.role == "expert" else "")
-              + (f", zebra issuer {issuer}" if self.schedule == "zebra" else "") + ")", flush=True)
+              + (f", experts {experts}" if self.hs.role == Role.EXPERT else "")
+              + (f", zebra issuer {issuer}" if self.schedule == ScheduleName.ZEBRA else "") + ")", flush=True)
 
     def _choose_kernels(self, args) -> None:
         """Each pool's kernels from every rank's GPU (models.builder.megatron_lm_kernels: the
@@ -206,7 +207,7 @@ class HeteroPretrain:
             over = {"transformer_impl": choice.transformer_impl, "moe_grouped_gemm": choice.moe_grouped_gemm}
         fusions = choose_fusions(self.envs[hs.rank], choice.name, hs.role, args.normalization,
                                  {f: bool(getattr(config, f.value)) for f in Fusion})
-        first = hs.rank == (self.plan.attention_ranks if hs.role == "attention" else self.plan.expert_ranks)[0]
+        first = hs.rank == (self.plan.attention_ranks if hs.role == Role.ATTENTION else self.plan.expert_ranks)[0]
         if first and not self._fusions_told:
             for line in fusions.lines():
                 print(f"> HeterMoE rank {hs.rank} ({hs.role} ranks' first): {line}", flush=True)
@@ -293,7 +294,7 @@ class HeteroPretrain:
             chunk = model[0] if isinstance(model, list) else model
             per_token = get_model_config(chunk).calculate_per_token_loss
             self.assembly.finish_gradients(chunk, tot[1] if per_token else None)
-        if hs.role == "attention":
+        if hs.role == Role.ATTENTION:
             return reported
         return [{"lm loss": tot / dist.get_world_size(hs.replica_group)}]
 
@@ -304,7 +305,7 @@ class HeteroPretrain:
         stage's chunks, so an expert rank builds as many times (it reads no data: the first
         result is kept)."""
         V = self.plan.virtual_stages
-        if self.hs.role != "expert" or V == 1:
+        if self.hs.role != Role.EXPERT or V == 1:
             return build(provider)
         return [build(provider) for _ in range(V)][0]
 

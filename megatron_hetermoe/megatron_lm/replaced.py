@@ -4,6 +4,7 @@ so that Megatron's own checks of them (validate_args, TransformerConfig) see tha
 from __future__ import annotations
 
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+from megatron_hetermoe.vocabulary import ScheduleName
 
 
 def given_flags(argv: list[str]) -> set[str]:
@@ -102,7 +103,7 @@ def recompute_choice(args, schedule: str) -> tuple[bool, list[str], list[str]]:
         if bad:
             return False, [], [f"--recompute-modules {' '.join(bad)}: not a module Megatron recomputes inside one "
                                 f"rank; keep {sorted(_SELECTIVE_LOCAL | {'moe'})}"]
-        if schedule == "zebra" and "layernorm" in modules:
+        if schedule == ScheduleName.ZEBRA and "layernorm" in modules:
             # Megatron registers the pre-MLP norm's recomputation on the MLP's output (_forward_mlp),
             # which zebra's stages do not call; megatron-core 0.16.1's norm recomputation also needs
             # transformer-engine, so it cannot be tried on CPU ranks.
@@ -111,7 +112,7 @@ def recompute_choice(args, schedule: str) -> tuple[bool, list[str], list[str]]:
         return False, notes, []
     if granularity != "full":
         return False, [], []
-    if schedule != "zebra":
+    if schedule != ScheduleName.ZEBRA:
         return False, [], [f"--recompute-granularity full with the {schedule} schedule: Megatron's recomputation "
                            f"would replay the dispatch collectives, which expert ranks do not mirror; use "
                            f"--hetero-schedule zebra (it recomputes each attention stage) or --recompute-granularity "

@@ -30,9 +30,10 @@ from typing import Callable, Mapping, NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
-from megatron_hetermoe.config import ModelConfig, ParallelConfig, Role
+from megatron_hetermoe.config import ModelConfig, ParallelConfig
 from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.plan import expert_names
+from megatron_hetermoe.vocabulary import Role
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -380,7 +381,7 @@ def _persist(env: RankEnv, kernels: str, role, norm: str) -> str | None:
 def _wgrad(env: RankEnv, kernels: str, role, norm: str) -> str | None:
     if env.apex_wgrad:
         return None
-    if role == "expert" and kernels in TE_KERNELS:  # only TE's linears, which fuse it themselves
+    if role == Role.EXPERT and kernels in TE_KERNELS:  # only TE's linears, which fuse it themselves
         return None
     # tensor_parallel/layers.py: ColumnParallelLinear raises at build without it (GPTModel's output
     # layer is one in every spec; the local spec's linears are all megatron-core's).

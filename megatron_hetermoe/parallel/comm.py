@@ -32,6 +32,7 @@ import torch
 
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.parallel.transport import Transport
+from megatron_hetermoe.vocabulary import StreamName
 
 # A transfer's issue: (x, out_splits, in_splits, direction) -> what Transport.move returns; zebra
 # wraps the transport's to time it (emulation) or to issue it asynchronously.
@@ -137,12 +138,12 @@ class TokenRoute:
         """Attention -> experts, "dispatch" (forward dispatch, gradient of combine). Returns what
         `move` returns (default the transport's synchronous move: the received tensor)."""
         return (move or self.transport.move)(self._wire(x, "to_experts"), list(self.recv_splits),
-                                             list(self.send_splits), "dispatch")
+                                             list(self.send_splits), StreamName.DISPATCH)
 
     def to_attention(self, x: torch.Tensor | None, move: Move | None = None):
         """Experts -> attention, "combine" (forward combine, gradient of dispatch)."""
         return (move or self.transport.move)(self._wire(x, "to_attention"), list(self.send_splits),
-                                             list(self.recv_splits), "combine")
+                                             list(self.recv_splits), StreamName.COMBINE)
 
     # ---- autograd transfers (DistEP) ----------------------------------------------------------
     def dispatch(self, x: torch.Tensor) -> torch.Tensor:

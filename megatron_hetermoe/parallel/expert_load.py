@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetermoe.planner.expert_load import LoadStats
+from megatron_hetermoe.vocabulary import TaskKind
 
-COMPUTE_KINDS = ("A_F", "A_B", "X_F", "X_B", "E_F", "E_B")  # plan/tasks.py's compute task kinds
+COMPUTE_KINDS = (TaskKind.A_F, TaskKind.A_B, TaskKind.X_F, TaskKind.X_B, TaskKind.E_F, TaskKind.E_B)  # plan/tasks.py's compute task kinds
 
 
 class ExpertLoadMeter:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_hetermoe.config import Role
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+from megatron_hetermoe.vocabulary import Role
 
 # Group kinds: "zp" (the members of a ZP group: the dispatch, combine and counts communicators),
 # "tp" (an attention member's tensor-parallel ranks; the rank alone elsewhere or at attention_tp 1),
@@ -122,7 +122,7 @@ class RankLayout:
     @property
     def tp_rank(self) -> int:
         """Position in its attention member's tensor-parallel group (0 on an expert rank)."""
-        if self.role != "attention":
+        if self.role != Role.ATTENTION:
             return 0
         return self.plan.attention_ranks.index(self.rank) % self.plan.attention_tp
 
@@ -130,7 +130,7 @@ class RankLayout:
     def attention_dp_rank(self) -> int | None:
         """Data-parallel rank: which attention member, over all ZP groups, this rank is part of
         (every rank of a member reads the same data); None on an expert rank."""
-        if self.role != "attention":
+        if self.role != Role.ATTENTION:
             return None
         plan = self.plan
         members = len(plan.groups[self.group_index].attention_ranks) // (plan.attention_tp * plan.pipeline_stages)
@@ -158,18 +158,18 @@ class RankLayout:
         if kind == "zp":
             return sorted(plan.stage_members(self.group_index, self.stage))
         if kind == "tp":
-            if self.role != "attention":
+            if self.role != Role.ATTENTION:
                 return [self.rank]
             i = attention.index(self.rank) // t
             return sorted(attention[i * t:(i + 1) * t])
         if kind == "attention_dp":
-            return sorted(attention[self.tp_rank::t]) if self.role == "attention" else None
+            return sorted(attention[self.tp_rank::t]) if self.role == Role.ATTENTION else None
         if kind == "attention_tp_dp":
-            return sorted(attention) if self.role == "attention" else None
+            return sorted(attention) if self.role == Role.ATTENTION else None
         if kind == "replica":
             return sorted(g.members[self.member_index] for g in plan.groups)
         if kind in ("pp", "embd", "tp_pp"):
-            if self.role != "attention":
+            if self.role != Role.ATTENTION:
                 return [self.rank]
             pipelines = plan.attention_pipelines(self.group_index)
             pos = self.stage_position

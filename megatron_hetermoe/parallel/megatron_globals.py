@@ -11,6 +11,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from megatron_hetermoe.parallel.state import HeteroParallelState
+from megatron_hetermoe.vocabulary import Role
 
 
 @contextmanager
@@ -77,7 +78,7 @@ def install_parallel_state(hs: HeteroParallelState) -> None:
     # Virtual pipeline stages are the attention ranks' (Megatron-LM's get_model builds a model
     # chunk per virtual stage there); an expert rank, outside Megatron's pipeline, builds one module.
     V = hs.plan.virtual_stages
-    ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = V if V > 1 and hs.role == "attention" else None
+    ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = V if V > 1 and hs.role == Role.ATTENTION else None
     ps._set_global_memory_buffer()
 
 

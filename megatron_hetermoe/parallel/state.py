@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from megatron_hetermoe.config import Role
 from megatron_hetermoe.parallel.layout import (
     COLLECTION_DIMS,
     RankLayout,
@@ -38,6 +37,7 @@ from megatron_hetermoe.parallel.layout import (
     staged_name,
 )
 from megatron_hetermoe.plan.hetero_plan import RUNTIME_EXPERT_RECOMPUTE, HeteroPlan, PlanError, ZPGroup
+from megatron_hetermoe.vocabulary import Role
 
 if TYPE_CHECKING:
     from megatron_hetermoe.parallel.expert_load import ExpertLoadMeter
@@ -290,7 +290,7 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | N
     k, P = layout.member_index, plan.pipeline_stages
     unit = layout.group_index * P + layout.stage  # the dispatch unit: this stage of the ZP group
     tp = plan.attention_tp
-    attention = layout.role == "attention"
+    attention = layout.role == Role.ATTENTION
     gi = layout.group_index
     if attention:
         pos = layout.stage_position  # this rank's pipeline within the ZP group (pp[gi.pos])

@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetermoe.reliability import faults
+from megatron_hetermoe.vocabulary import StreamName
 
-DIRECTIONS = ("dispatch", "combine")
+DIRECTIONS = (StreamName.DISPATCH, StreamName.COMBINE)
 
 
 class Transport(Protocol):

@@ -35,7 +35,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
 
-from megatron_hetermoe.config import Role
 from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.limits import (
     MAX_MICROBATCHES,
@@ -44,6 +43,7 @@ from megatron_hetermoe.limits import (
     MODEL_LIMITS,
 )
 from megatron_hetermoe.plan.tasks import SCHEDULES, ZEBRA_WAVE_ORDERS
+from megatron_hetermoe.vocabulary import Role, ScheduleName
 
 PLAN_VERSION = 1
 
@@ -262,9 +262,9 @@ class HeteroPlan:
     def role(self, rank: int) -> Role:
         for g in self.groups:
             if rank in g.attention_ranks:
-                return "attention"
+                return Role.ATTENTION
             if rank in g.expert_ranks:
-                return "expert"
+                return Role.EXPERT
         raise PlanError(f"rank {rank} is in no ZP group of the plan (world size {self.world_size})")
 
     def group_of(self, rank: int) -> int:
@@ -441,7 +441,7 @@ class HeteroPlan:
         if type(W) is not int or W < 1 or self.num_microbatches % W:
             raise PlanError(f"plan zebra_waves={W!r} must be a positive divisor of num_microbatches="
                             f"{self.num_microbatches}; 1 runs Theorem 1 over all of them")
-        if W > 1 and (P == 1 or self.schedule != "zebra"):
+        if W > 1 and (P == 1 or self.schedule != ScheduleName.ZEBRA):
             raise PlanError(f"plan zebra_waves={W} needs schedule 'zebra' and pipeline stages (it has schedule "
                             f"{self.schedule!r}, pipeline_stages={P}): waves let a stage pass outputs on early, which "
                             f"one stage, or DistEP, has no use for; set zebra_waves to 1")
@@ -490,7 +490,7 @@ class HeteroPlan:
             raise PlanError(f"pipeline stage(s) {empty} of {P} hold no MoE layer (dense_layers={self.dense_layers}); "
                             f"their expert ranks would idle: use fewer stages")
         dense_chunks = [(s, v) for s in range(P) for v in range(V) if V > 1 and not self.chunk_moe_layers(s, v)]
-        if dense_chunks and self.schedule == "zebra":
+        if dense_chunks and self.schedule == ScheduleName.ZEBRA:
             raise PlanError(f"model chunk(s) (pipeline stage, chunk) {dense_chunks} hold no MoE layer "
                             f"(dense_layers={self.dense_layers}) and zebra cuts a chunk's stages at its MoE layers; "
                             f"use fewer virtual stages, or schedule 'distep'")

@@ -53,6 +53,7 @@ from megatron_hetermoe.plan.tasks import (
     stage_transfers,
     task_layers,
 )
+from megatron_hetermoe.vocabulary import TaskKind
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,9 @@ def stage_messages(tasks: list[Task], stage: int, stages: int, num_layers: Layer
         k += 1
         recv, send = stage_transfers(t, stage, stages, num_layers)
         if recv is not None:
-            out.append((k - 0.5, PipeMessage(recv, False, -1 if recv.kind == "P_F" else 1)))
+            out.append((k - 0.5, PipeMessage(recv, False, -1 if recv.kind == TaskKind.P_F else 1)))
         if send is not None:
-            out.append((k + 0.5, PipeMessage(send, True, 1 if send.kind == "P_F" else -1)))
+            out.append((k + 0.5, PipeMessage(send, True, 1 if send.kind == TaskKind.P_F else -1)))
     return out
 
 
@@ -337,7 +338,7 @@ class _StageSim:
         moved = False
         while isinstance(m.head(), Task) and m.head().is_comm:
             t = m.head()
-            ops = [Counts(t.layer, t.microbatch), t] if t.kind == "D_F" else [t]
+            ops = [Counts(t.layer, t.microbatch), t] if t.kind == TaskKind.D_F else [t]
             for op in ops:
                 self.reached[op] = self.reached.get(op, 0) + 1
                 if m is self.members[0]:  # ties go in a list's order (each communicator's FIFO)
@@ -378,7 +379,7 @@ class _StageSim:
                 self.ready_at.setdefault(op, rnd)
             # A D_F's payload goes a round after its counts (the host enqueues compute meanwhile),
             # unless nothing else can move.
-            lagged = [op for op in ready if isinstance(op, Task) and op.kind == "D_F"
+            lagged = [op for op in ready if isinstance(op, Task) and op.kind == TaskKind.D_F
                       and self.issued.get(Counts(op.layer, op.microbatch), rnd) >= rnd]
             go = [op for op in ready if op not in lagged and not self._payload_before_counts(op)]
             if not go and not moved:
@@ -397,7 +398,7 @@ class _StageSim:
             rnd += 1
 
     def _payload_before_counts(self, op) -> bool:
-        return isinstance(op, Task) and op.kind == "D_F" and Counts(op.layer, op.microbatch) not in self.issued
+        return isinstance(op, Task) and op.kind == TaskKind.D_F and Counts(op.layer, op.microbatch) not in self.issued
 
 
 def stage_sequences(lists: dict[int, list[Task]], attention: set[int], calls: list[tuple[float, PipeCall]],

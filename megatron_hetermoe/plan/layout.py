@@ -21,6 +21,7 @@ import torch
 
 from megatron_hetermoe.plan import expert_names
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+from megatron_hetermoe.vocabulary import Role
 
 # an expert of decoder layer L or of MTP layer k (expert_names.model_layer_of_prefix numbers both)
 _EXPERT = re.compile(r"^(?P<pre>(?:decoder\.layers\.\d+|mtp\.layers\.\d+\.transformer_layer)\.mlp\.experts\.)"
@@ -72,19 +73,19 @@ def megatron_to_hetero(state: dict[str, torch.Tensor], plan: HeteroPlan, rank: i
     attention rank of a pipeline stage: its stage's layers, numbered from 0 as GPTModel numbers
     them; an expert rank names its experts by model layer)."""
     role = plan.role(rank)
-    stage = plan.stage_of(rank) if role == "attention" else 0
+    stage = plan.stage_of(rank) if role == Role.ATTENTION else 0
     out = {}
     for name, t in state.items():
         x = _expert(name, plan)
         if x is None:
-            if role == "attention" and (local := _to_stage(name, plan, stage)) is not None:
+            if role == Role.ATTENTION and (local := _to_stage(name, plan, stage)) is not None:
                 out[local] = t
             continue
         pre, layer, e, rest = x
         mine = plan.local_experts_at(rank, layer)  # names carry model layer indices
         if e in mine:
             local = f"{pre}local_experts.{mine.index(e)}.{rest}"
-            out[local if role == "expert" else _to_stage(local, plan, stage)] = t
+            out[local if role == Role.EXPERT else _to_stage(local, plan, stage)] = t
     return out
 
 
@@ -96,7 +97,7 @@ def hetero_to_megatron(per_rank: list[dict[str, torch.Tensor]], plan: HeteroPlan
         raise ValueError(f"got states of {len(per_rank)} ranks for a plan of {plan.world_size}")
     out: dict[str, torch.Tensor] = {}
     for rank, state in enumerate(per_rank):
-        if plan.pipeline_stages > 1 and plan.role(rank) == "attention":  # a stage's local layer numbers
+        if plan.pipeline_stages > 1 and plan.role(rank) == Role.ATTENTION:  # a stage's local layer numbers
             state = {_from_stage(n, plan, plan.stage_of(rank)): t for n, t in state.items()}
         state = expert_names.to_sequential(state, lambda pre, rank=rank: len(plan.local_experts_at(
             rank, expert_names.model_layer_of_prefix(pre, plan.decoder_layers))))

@@ -51,18 +51,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-COMPUTE_KINDS = ("A_F", "A_B", "X_F", "X_B", "E_F", "E_B")
-COMM_KINDS = ("D_F", "C_F", "C_B", "D_B")
-ATTENTION_KINDS = ("A_F", "A_B")  # the attention pieces (may hold collectives among attention ranks)
+from megatron_hetermoe.vocabulary import Role, StreamName, TaskKind
+
+COMPUTE_KINDS = (TaskKind.A_F, TaskKind.A_B, TaskKind.X_F, TaskKind.X_B, TaskKind.E_F, TaskKind.E_B)
+COMM_KINDS = (TaskKind.D_F, TaskKind.C_F, TaskKind.C_B, TaskKind.D_B)
+ATTENTION_KINDS = (TaskKind.A_F, TaskKind.A_B)  # the attention pieces (may hold collectives among attention ranks)
 STREAM = {
-    "A_F": "compute", "A_B": "compute", "X_F": "compute", "X_B": "compute", "E_F": "compute", "E_B": "compute",
-    "D_F": "dispatch", "C_B": "dispatch", "C_F": "combine", "D_B": "combine",
+    **{k: StreamName.COMPUTE for k in COMPUTE_KINDS},
+    TaskKind.D_F: StreamName.DISPATCH, TaskKind.C_B: StreamName.DISPATCH, TaskKind.C_F: StreamName.COMBINE, TaskKind.D_B: StreamName.COMBINE,
 }
 
 
 @dataclass(frozen=True)
 class Task:
-    kind: str
+    kind: TaskKind
     layer: int  # attention stage (A_*, within its chunk) or expert layer (all other kinds, the rank's)
     microbatch: int
     chunk: int = 0  # A_*: the model chunk (virtual pipeline stage) it runs; 0 without virtual stages
@@ -71,7 +73,7 @@ class Task:
         return f"{self.kind}({self.layer},{self.microbatch}" + (f",c{self.chunk})" if self.chunk else ")")
 
     @property
-    def stream(self) -> str:
+    def stream(self) -> StreamName:
         return STREAM[self.kind]
 
     @property
@@ -88,7 +90,7 @@ class PipeTask:
     and receiver both issue it (a send waits for its receive). With virtual stages `layer` is
     the sending virtual stage u = chunk * P + stage; the next of stage P - 1 is stage 0."""
 
-    kind: str
+    kind: TaskKind
     layer: int  # the sending (virtual) pipeline stage
     microbatch: int
     is_comm = True
@@ -97,8 +99,8 @@ class PipeTask:
         return f"{self.kind}({self.layer},{self.microbatch})"
 
     @property
-    def stream(self) -> str:
-        return "pipeline"
+    def stream(self) -> StreamName:
+        return StreamName.PIPELINE
 
 
 Layers = int | Sequence[int]  # a rank's MoE layers: per model chunk, or an int for one chunk
@@ -122,16 +124,16 @@ def stage_transfers(task: Task, stage: int, stages: int, num_layers: Layers) -> 
     counts = chunk_counts(num_layers)
     u, last, end = task.chunk * stages + stage, stages * len(counts) - 1, counts[task.chunk]
     recv = send = None
-    if k == "A_F":
+    if k == TaskKind.A_F:
         if u > 0 and l == 0:
-            recv = PipeTask("P_F", u - 1, j)
+            recv = PipeTask(TaskKind.P_F, u - 1, j)
         if u < last and l == end:
-            send = PipeTask("P_F", u, j)
+            send = PipeTask(TaskKind.P_F, u, j)
     else:
         if u < last and l == end:
-            recv = PipeTask("P_B", u + 1, j)
+            recv = PipeTask(TaskKind.P_B, u + 1, j)
         if u > 0 and l == 0:
-            send = PipeTask("P_B", u, j)
+            send = PipeTask(TaskKind.P_B, u, j)
     return recv, send
 
 
@@ -139,32 +141,32 @@ def inputs(task: Task, num_layers: Layers) -> Task | None:
     """The comm task whose result a compute task waits for (None: only local inputs);
     `num_layers`: the rank's MoE layers (per model chunk with virtual stages)."""
     k, l, j = task.kind, task.layer, task.microbatch
-    if k == "A_F":
+    if k == TaskKind.A_F:
         if l == 0:
             return None
-        return Task("C_F", l - 1 + (sum(chunk_counts(num_layers)[:task.chunk]) if task.chunk else 0), j)
-    if k == "A_B":
+        return Task(TaskKind.C_F, l - 1 + (sum(chunk_counts(num_layers)[:task.chunk]) if task.chunk else 0), j)
+    if k == TaskKind.A_B:
         counts = chunk_counts(num_layers)
         if l == counts[task.chunk]:
             return None
-        return Task("D_B", l + (sum(counts[:task.chunk]) if task.chunk else 0), j)
-    if k in ("X_F", "E_F"):
-        return Task("D_F", l, j)
-    if k in ("X_B", "E_B"):
-        return Task("C_B", l, j)
+        return Task(TaskKind.D_B, l + (sum(counts[:task.chunk]) if task.chunk else 0), j)
+    if k in (TaskKind.X_F, TaskKind.E_F):
+        return Task(TaskKind.D_F, l, j)
+    if k in (TaskKind.X_B, TaskKind.E_B):
+        return Task(TaskKind.C_B, l, j)
     return None
 
 
-def _check(num_layers: int, R: int, role: str, offloaded_layers: Iterable[int]) -> set[int]:
+def _check(num_layers: int, R: int, role: Role, offloaded_layers: Iterable[int]) -> set[int]:
     if num_layers < 1 or R < 1:
         raise ValueError(f"task list needs num_layers >= 1 and R >= 1, got {num_layers}, {R}")
-    if role not in ("attention", "expert"):
+    if role not in (Role.ATTENTION, Role.EXPERT):
         raise ValueError(f"role {role!r} is not 'attention' or 'expert'")
     off = set(offloaded_layers)
     bad = sorted(l for l in off if not 0 <= l < num_layers)
     if bad:
         raise ValueError(f"offloaded layers {bad} outside 0..{num_layers - 1}")
-    if off and role == "expert":
+    if off and role == Role.EXPERT:
         raise ValueError("offloaded_layers is for attention ranks; expert ranks hold their experts already")
     return off
 
@@ -173,7 +175,7 @@ def _expert_next_recv(l: int, j: int, L: int) -> Task:
     """An expert rank posts the receive of microbatch j's next input as soon as it has sent the
     current output: that input cannot exist earlier, and posting then keeps the transfer off the
     expert's critical path."""
-    return Task("D_F", l + 1, j) if l + 1 < L else Task("C_B", L - 1, j)
+    return Task(TaskKind.D_F, l + 1, j) if l + 1 < L else Task(TaskKind.C_B, L - 1, j)
 
 
 ZEBRA_WAVE_ORDERS = ("gpipe", "1f1b")  # plan.zebra_wave_order
@@ -189,7 +191,7 @@ def wave_warmup(order: str, waves: int, stages: int, stage: int) -> int:
     return waves if order == "gpipe" else min(waves, stages - stage)
 
 
-def zebra_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: Iterable[int] = (),
+def zebra_tasks_for_role(num_layers: int, R: int, role: Role, offloaded_layers: Iterable[int] = (),
                          last_pipeline_stage: bool = True, waves: int = 1, warmup: int | None = None) -> list[Task]:
     """Theorem 1's order for one rank. `offloaded_layers`: expert layers in which this attention
     rank holds experts (Asym-EA). With pipeline stages, an attention rank of a stage before the
@@ -216,9 +218,9 @@ def zebra_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: I
     warmup = waves if warmup is None else warmup
     if type(warmup) is not int or not 1 <= warmup <= waves:
         raise ValueError(f"zebra warm-up groups={warmup!r} must be between 1 and the {waves} waves")
-    if role == "expert":
-        attention = zebra_tasks_for_role(L, R, "attention", (), last_pipeline_stage, waves, warmup)
-        return _expert_list([t for t in attention if t.stream == "dispatch"], R // waves)
+    if role == Role.EXPERT:
+        attention = zebra_tasks_for_role(L, R, Role.ATTENTION, (), last_pipeline_stage, waves, warmup)
+        return _expert_list([t for t in attention if t.stream == StreamName.DISPATCH], R // waves)
     # each group's backward, then the next group's forward
     items = [("F", 0, w) for w in range(warmup)]
     for w in range(waves):
@@ -245,32 +247,32 @@ def _zebra_attention(counts: tuple[int, ...], off: set[int], holds_loss: int | N
             for s in range(L):
                 k = o + s
                 for j in mbs:
-                    out.extend([T("A_F", s, j, c), T("D_F", k, j)])
+                    out.extend([T(TaskKind.A_F, s, j, c), T(TaskKind.D_F, k, j)])
                     if k not in off:
-                        out.append(T("C_F", k, j))  # receive only: post at once
+                        out.append(T(TaskKind.C_F, k, j))  # receive only: post at once
                 if k in off:
                     for j in mbs:
-                        out.extend([T("X_F", k, j), T("C_F", k, j)])
+                        out.extend([T(TaskKind.X_F, k, j), T(TaskKind.C_F, k, j)])
             if c != holds_loss:
-                out.extend(T("A_F", L, j, c) for j in mbs)
+                out.extend(T(TaskKind.A_F, L, j, c) for j in mbs)
             continue
         for j in mbs:
             if c == holds_loss:
-                out.append(T("A_F", L, j, c))
-            out += [T("A_B", L, j, c), T("C_B", o + L - 1, j)]
+                out.append(T(TaskKind.A_F, L, j, c))
+            out += [T(TaskKind.A_B, L, j, c), T(TaskKind.C_B, o + L - 1, j)]
             if o + L - 1 not in off:
-                out.append(T("D_B", o + L - 1, j))
+                out.append(T(TaskKind.D_B, o + L - 1, j))
         for s in reversed(range(L)):
             k = o + s
             if k in off:  # mirror of the forward: offloaded experts' backward before the stage's
                 for j in mbs:
-                    out += [T("X_B", k, j), T("D_B", k, j)]
+                    out += [T(TaskKind.X_B, k, j), T(TaskKind.D_B, k, j)]
             for j in mbs:
-                out.append(T("A_B", s, j, c))
+                out.append(T(TaskKind.A_B, s, j, c))
                 if s > 0:
-                    out.append(T("C_B", k - 1, j))
+                    out.append(T(TaskKind.C_B, k - 1, j))
                     if k - 1 not in off:
-                        out.append(T("D_B", k - 1, j))
+                        out.append(T(TaskKind.D_B, k - 1, j))
     return out
 
 
@@ -297,7 +299,7 @@ def zebra_interleaved_items(order: str, waves: int, stages: int, stage: int, chu
     return items + bwd[total - warmup:]
 
 
-def zebra_chunk_tasks(chunk_layers: Sequence[int], R: int, role: str, offloaded_layers: Iterable[int] = (),
+def zebra_chunk_tasks(chunk_layers: Sequence[int], R: int, role: Role, offloaded_layers: Iterable[int] = (),
                       stage: int = 0, stages: int = 1, waves: int = 1, order: str = "gpipe") -> list[Task]:
     """The zebra list of a rank of pipeline stage `stage` of `stages` whose model chunks hold
     `chunk_layers` MoE layers each (virtual stage c * stages + stage for chunk c; one chunk:
@@ -319,9 +321,9 @@ def zebra_chunk_tasks(chunk_layers: Sequence[int], R: int, role: str, offloaded_
     off = _check(sum(counts), R, role, offloaded_layers)
     if type(waves) is not int or waves < 1 or R % waves:
         raise ValueError(f"zebra waves={waves!r} must be a positive divisor of the R={R} microbatches")
-    if role == "expert":
-        attention = zebra_chunk_tasks(counts, R, "attention", (), stage, stages, waves, order)
-        return _expert_list([t for t in attention if t.stream == "dispatch"], R // waves)
+    if role == Role.EXPERT:
+        attention = zebra_chunk_tasks(counts, R, Role.ATTENTION, (), stage, stages, waves, order)
+        return _expert_list([t for t in attention if t.stream == StreamName.DISPATCH], R // waves)
     holds_loss = len(counts) - 1 if stage == stages - 1 else None
     return _zebra_attention(counts, off, holds_loss, R // waves,
                             zebra_interleaved_items(order, waves, stages, stage, len(counts)))
@@ -337,17 +339,17 @@ def _expert_list(dispatch: list[Task], window: int) -> list[Task]:
     out = list(dispatch[:window])
     nxt = window
     for x in dispatch:
-        if x.kind == "D_F":
-            out += [T("E_F", x.layer, x.microbatch), T("C_F", x.layer, x.microbatch)]
+        if x.kind == TaskKind.D_F:
+            out += [T(TaskKind.E_F, x.layer, x.microbatch), T(TaskKind.C_F, x.layer, x.microbatch)]
         else:
-            out += [T("E_B", x.layer, x.microbatch), T("D_B", x.layer, x.microbatch)]
+            out += [T(TaskKind.E_B, x.layer, x.microbatch), T(TaskKind.D_B, x.layer, x.microbatch)]
         if nxt < len(dispatch):
             out.append(dispatch[nxt])
             nxt += 1
     return out
 
 
-def distep_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: Iterable[int] = ()) -> list[Task]:
+def distep_tasks_for_role(num_layers: int, R: int, role: Role, offloaded_layers: Iterable[int] = ()) -> list[Task]:
     """The non-overlapped order: each microbatch's whole forward then its whole backward, the
     other side waiting (Megatron's gradient-accumulation loop with remote experts)."""
     L = num_layers
@@ -355,23 +357,23 @@ def distep_tasks_for_role(num_layers: int, R: int, role: str, offloaded_layers: 
     T = Task
     out: list[Task] = []
     for j in range(R):
-        if role == "expert":
-            out.append(T("D_F", 0, j))
+        if role == Role.EXPERT:
+            out.append(T(TaskKind.D_F, 0, j))
             for l in range(L):
-                out += [T("E_F", l, j), T("C_F", l, j), _expert_next_recv(l, j, L)]
+                out += [T(TaskKind.E_F, l, j), T(TaskKind.C_F, l, j), _expert_next_recv(l, j, L)]
             for l in reversed(range(L)):
-                out += [T("E_B", l, j), T("D_B", l, j)]
+                out += [T(TaskKind.E_B, l, j), T(TaskKind.D_B, l, j)]
                 if l > 0:
-                    out.append(T("C_B", l - 1, j))
+                    out.append(T(TaskKind.C_B, l - 1, j))
             continue
         for s in range(L):
-            out += [T("A_F", s, j), T("D_F", s, j)]
-            out += [T("X_F", s, j), T("C_F", s, j)] if s in off else [T("C_F", s, j)]
-        out += [T("A_F", L, j), T("A_B", L, j)]
+            out += [T(TaskKind.A_F, s, j), T(TaskKind.D_F, s, j)]
+            out += [T(TaskKind.X_F, s, j), T(TaskKind.C_F, s, j)] if s in off else [T(TaskKind.C_F, s, j)]
+        out += [T(TaskKind.A_F, L, j), T(TaskKind.A_B, L, j)]
         for s in reversed(range(L)):
-            out.append(T("C_B", s, j))
-            out += [T("X_B", s, j), T("D_B", s, j)] if s in off else [T("D_B", s, j)]
-            out.append(T("A_B", s, j))
+            out.append(T(TaskKind.C_B, s, j))
+            out += [T(TaskKind.X_B, s, j), T(TaskKind.D_B, s, j)] if s in off else [T(TaskKind.D_B, s, j)]
+            out.append(T(TaskKind.A_B, s, j))
     return out
 
 
@@ -397,7 +399,7 @@ def zebra_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[Ta
     plan.stage_moe_layers), in the plan's zebra_waves groups of microbatches, in its
     zebra_wave_order; with virtual stages, per model chunk (zebra_chunk_tasks)."""
     role = plan.role(rank)
-    off = offloaded_layers_of(plan, rank) if role == "attention" else set()
+    off = offloaded_layers_of(plan, rank) if role == Role.ATTENTION else set()
     stage = plan.stage_of(rank)
     R = num_microbatches or plan.num_microbatches
     if R % plan.zebra_waves:
@@ -414,7 +416,7 @@ def distep_tasks(plan, rank: int, num_microbatches: int | None = None) -> list[T
         raise NotImplementedError(f"the DistEP task list with {plan.pipeline_stages} pipeline stages is not built "
                                   f"(DistEP runs Megatron's 1F1B there, untimed); drop --emulate")
     role = plan.role(rank)
-    off = offloaded_layers_of(plan, rank) if role == "attention" else set()
+    off = offloaded_layers_of(plan, rank) if role == Role.ATTENTION else set()
     return distep_tasks_for_role(plan.num_layers, num_microbatches or plan.num_microbatches, role, off)
 
 
@@ -450,7 +452,7 @@ def tasks_for_rank(plan, rank: int) -> list[Task]:
     return schedule(plan.schedule).tasks(plan, rank)
 
 
-def stream_order(tasks: list[Task], stream: str) -> list[Task]:
+def stream_order(tasks: list[Task], stream: StreamName) -> list[Task]:
     return [t for t in tasks if t.stream == stream]
 
 
@@ -458,7 +460,7 @@ def check_stream_order(lists: dict[int, list[Task]]) -> None:
     """Raise ValueError if the ranks of one ZP group do not issue the same collectives in the same
     order on the dispatch and on the combine stream (that would deadlock the runtime)."""
     ranks = sorted(lists)
-    for stream in ("dispatch", "combine"):
+    for stream in (StreamName.DISPATCH, StreamName.COMBINE):
         ref = stream_order(lists[ranks[0]], stream)
         for r in ranks[1:]:
             got = stream_order(lists[r], stream)

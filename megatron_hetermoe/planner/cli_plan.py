@@ -68,6 +68,7 @@ from megatron_hetermoe.planner.megatron_flags import RunFlags, model_from_flags
 from megatron_hetermoe.planner.pipeline import PIPELINE_STAGES
 from megatron_hetermoe.planner.profiles import known_gpu_types, load_profiles
 from megatron_hetermoe.planner.search import ATTENTION_TP, SearchResult, search
+from megatron_hetermoe.vocabulary import ScheduleName
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -477,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
                 if t not in known:
                     print(f"hetermoe plan: {flag} {t!r} is not a known GPU type; use one of {known}", file=sys.stderr)
                     return 2
-            if run is not None and run.recompute.full and args.schedule != "zebra":
+            if run is not None and run.recompute.full and args.schedule != ScheduleName.ZEBRA:
                 print("hetermoe plan: note: the run's --recompute-granularity full runs under zebra only (DistEP "
                       "would replay the dispatch); train with --hetero-schedule zebra, or plan --schedule zebra",
                       file=sys.stderr)

@@ -52,8 +52,9 @@ from megatron_hetermoe.planner.cluster import Cluster
 from megatron_hetermoe.planner.cost_model import CostModel
 from megatron_hetermoe.planner.expert_load import ExpertLoad, LoadStats
 from megatron_hetermoe.planner.simulator import simulate_plan
+from megatron_hetermoe.vocabulary import ScheduleName, TaskKind
 
-EXPERT_KINDS = ("X_F", "X_B", "E_F", "E_B")  # the task kinds that run experts (plan/tasks.py)
+EXPERT_KINDS = (TaskKind.X_F, TaskKind.X_B, TaskKind.E_F, TaskKind.E_B)  # the task kinds that run experts (plan/tasks.py)
 MAX_PASSES = 200  # local-search passes over the layers (each pass takes every improving step it finds)
 
 
@@ -399,7 +400,7 @@ def holds_on_attention(plan: HeteroPlan) -> bool:
     """Whether the load-aware placement may put experts on attention ranks (Asym-EA): under zebra
     without attention TP (the planner builds no Asym-EA on TP members), or where the plan already
     does."""
-    return (plan.schedule == "zebra" and plan.attention_tp == 1) or plan.experts_on_attention_ranks_any()
+    return (plan.schedule == ScheduleName.ZEBRA and plan.attention_tp == 1) or plan.experts_on_attention_ranks_any()
 
 
 def _layout(plan: HeteroPlan) -> pipeline.PipelineLayout:
@@ -417,7 +418,7 @@ def problem_of_plan(plan: HeteroPlan, cost: CostModel, global_batch: int, load: 
     schedule = schedule or plan.schedule
     E = plan.num_experts
     load.check(plan.num_layers, E, "the expert load")
-    if plan.pipeline_stages > 1 and schedule != "zebra":
+    if plan.pipeline_stages > 1 and schedule != ScheduleName.ZEBRA:
         raise PlanError(f"plan has pipeline_stages={plan.pipeline_stages} under {schedule!r}: its step is Megatron's "
                         f"1F1B model, which takes no expert load; plan zebra, or one stage, with --expert-load")
     lay = _layout(plan)
@@ -446,7 +447,7 @@ def problem_of_plan(plan: HeteroPlan, cost: CostModel, global_batch: int, load: 
         return price[key]
 
     for i in range(lay.P):
-        if schedule == "zebra":
+        if schedule == ScheduleName.ZEBRA:
             alive = lay.R // plan.zebra_waves * wave_warmup(plan.zebra_wave_order, plan.zebra_waves, lay.P, i)
         else:
             alive = pipeline.live_microbatches(lay.P, i, lay.R)
@@ -478,7 +479,7 @@ def problem_of_plan(plan: HeteroPlan, cost: CostModel, global_batch: int, load: 
         for r, es in g0.placement[l].items():
             for e in es:
                 owner[l][e] = index[r]
-    prob = PlacementProblem(members, E, stage, holders, base, costs, schedule == "zebra", capacity, ebytes, work,
+    prob = PlacementProblem(members, E, stage, holders, base, costs, schedule == ScheduleName.ZEBRA, capacity, ebytes, work,
                             frozenset(index[r] for r in n_att))
     return prob, Placement(owner)
 

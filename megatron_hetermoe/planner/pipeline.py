@@ -56,6 +56,7 @@ from megatron_hetermoe.planner.cluster import (
     transfer_time,
 )
 from megatron_hetermoe.planner.cost_model import CostModel
+from megatron_hetermoe.vocabulary import Role, ScheduleName, TaskKind
 
 PIPELINE_STAGES = (1, 2, 4, 8)  # the pipeline sizes the search tries
 
@@ -257,7 +258,7 @@ def layer_collectives(cost: CostModel, cluster: Cluster, members: list[int], n_a
             d_f = rank1_collective_time(links, s_tok, w, tb)  # D_F (and C_B)
             c_f = rank1_collective_time(links, w, s_tok, tb)  # C_F (and D_B: transposed)
             c_b = rank1_collective_time(links, s_tok, w, 2 * tb) if resend else d_f
-            seen[h] = {"D_F": d_f, "C_F": c_f, "C_B": c_b, "D_B": c_f}
+            seen[h] = {TaskKind.D_F: d_f, TaskKind.C_F: c_f, TaskKind.C_B: c_b, TaskKind.D_B: c_f}
     return [seen[h] for h in held]
 
 
@@ -287,7 +288,7 @@ def stage_times(lay: PipelineLayout, cost: CostModel, cluster: Cluster, global_b
         for held, c in zip(lay.held[i], colls[i]):
             if held not in seen:
                 x = [[n * cost.expert_time(g, tpe, b) if n else 0.0 for n, g in zip(held, types)] for b in (False, True)]
-                seen[held] = (c["D_F"] + max(x[0]) + c["C_F"], c["C_B"] + max(x[1]) + c["D_B"],
+                seen[held] = (c[TaskKind.D_F] + max(x[0]) + c[TaskKind.C_F], c[TaskKind.C_B] + max(x[1]) + c[TaskKind.D_B],
                               [a + b for a, b in zip(*x)], [0])
             f, b, x_busy, uses = seen[held]
             fwd += f
@@ -362,7 +363,7 @@ def pipeline_memory(lay: PipelineLayout, cost: CostModel, global_batch: int, zeb
         members = lay.members(0, i)
         for (role, gpu, n), j in kinds.items():
             r = members[j]
-            need = (base if role == "attention" else 0.0) + (n * per + work if n else 0.0)
+            need = (base if role == Role.ATTENTION else 0.0) + (n * per + work if n else 0.0)
             usable = cost.profile(gpu).usable_memory_bytes
             if role not in worst or need - usable > worst[role][0]:
                 worst[role] = (need - usable, {"rank": r, "gpu": gpu, "bytes": need, "usable": usable,
@@ -384,7 +385,7 @@ def memory_shortfall(lay: PipelineLayout, cost: CostModel, global_batch: int, ze
             over = (x["bytes"] - x["usable"]) / 2**30
             if worst is None or over > worst[0]:
                 what = (f"{x['experts']} experts and the routed tokens of {row['alive']} live microbatch(es)"
-                        if role == "expert" else f"its layers and {row['alive']} live microbatch(es) of activations")
+                        if role == Role.EXPERT else f"its layers and {row['alive']} live microbatch(es) of activations")
                 worst = (over, f"pipeline stage {row['stage']} of {lay.P}: an {role} rank ({x['gpu']}) needs "
                                f"{x['bytes'] / 2**30:.1f} GiB > {x['usable'] / 2**30:.1f} GiB usable for {what} "
                                f"(expert recompute {cost.settings.expert_recompute!r})")
@@ -431,7 +432,7 @@ def zebra_bound_terms(cost: CostModel, cluster: Cluster, a_gpus: set[str], x_gpu
     `streams` False: without the streams' load (a cheaper, weaker bound; so is attention_only)."""
     P = lay.P
     if attention_only or not streams:
-        colls = [[{"D_F": 0.0, "C_F": 0.0, "C_B": 0.0, "D_B": 0.0} for _ in h] for h in lay.held]
+        colls = [[{TaskKind.D_F: 0.0, TaskKind.C_F: 0.0, TaskKind.C_B: 0.0, TaskKind.D_B: 0.0} for _ in h] for h in lay.held]
     elif colls is None:
         colls = stage_collectives(lay, cost, cluster, t)
 
@@ -450,13 +451,13 @@ def zebra_bound_terms(cost: CostModel, cluster: Cluster, a_gpus: set[str], x_gpu
     def stream_load(i: int, backward: bool) -> float:  # a stage's phase: its layers but the last (backward: the first)
         layers = colls[i][1:] if backward else colls[i][:-1]
         if backward:
-            return max(sum(c["C_B"] for c in layers), sum(c["D_B"] for c in layers))
-        return max(sum(c["D_F"] for c in layers), sum(c["C_F"] for c in layers))
+            return max(sum(c[TaskKind.C_B] for c in layers), sum(c[TaskKind.D_B] for c in layers))
+        return max(sum(c[TaskKind.D_F] for c in layers), sum(c[TaskKind.C_F] for c in layers))
 
     before = sum(max(attention(i, b), experts(i, b), stream_load(i, b)) for i in range(P - 1) for b in (False, True))
     last = P - 1
-    dispatch = sum(c["D_F"] + c["C_B"] for c in colls[last])  # every collective of the last stage, per stream
-    combine = sum(c["C_F"] + c["D_B"] for c in colls[last])
+    dispatch = sum(c[TaskKind.D_F] + c[TaskKind.C_B] for c in colls[last])  # every collective of the last stage, per stream
+    combine = sum(c[TaskKind.C_F] + c[TaskKind.D_B] for c in colls[last])
     return before, max(attention(last, False) + attention(last, True), experts(last, False) + experts(last, True),
                        dispatch, combine)
 
@@ -507,7 +508,7 @@ def simulate_pipelined(plan: HeteroPlan, cost: CostModel, cluster: Cluster, glob
     times, which the event simulator's DistEP makespan equals). DistEP only: zebra inside
     stages has task lists, which simulator.simulate_plan runs."""
     schedule = schedule or plan.schedule
-    if schedule != "distep":
+    if schedule != ScheduleName.DISTEP:
         raise PlanError(f"schedule {schedule!r} with pipeline_stages={plan.pipeline_stages}: the 1F1B model prices "
                         f"DistEP inside pipeline stages; price zebra with simulator.simulate_plan")
     check_plan_matches(plan, cluster, cost.model)

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
+from megatron_hetermoe.vocabulary import ScheduleName, TaskKind
 
-EXPERT_KINDS = ("E_F", "E_B", "X_F", "X_B")  # the compute task kinds that run experts (plan/tasks.py)
+EXPERT_KINDS = (TaskKind.E_F, TaskKind.E_B, TaskKind.X_F, TaskKind.X_B)  # the compute task kinds that run experts (plan/tasks.py)
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def predicted_seconds(plan: HeteroPlan, placement: list[dict[int, list[int]]], p
     """Expert compute seconds per step of group 0's `placement` (module docstring): per_step[l][e]
     is a ZP group's tokens of expert e per step, spt each rank's seconds per token."""
     busy = [{r: sum(per_step[l][e] for e in es) * spt[r] for r, es in pl.items()} for l, pl in enumerate(placement)]
-    if schedule == "zebra":
+    if schedule == ScheduleName.ZEBRA:
         per_rank: dict[int, float] = {}
         for by in busy:
             for r, s in by.items():

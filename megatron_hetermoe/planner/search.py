@@ -79,6 +79,7 @@ from megatron_hetermoe.planner.load_placement import ExpertSpeeds, LoadPlacement
 from megatron_hetermoe.planner.pipeline import PIPELINE_STAGES, pipeline_sizes
 from megatron_hetermoe.planner.profiles import load_profiles
 from megatron_hetermoe.planner.simulator import simulate_plan
+from megatron_hetermoe.vocabulary import ScheduleName
 
 PICK = "HeterMoE (planner's pick)"
 ZEBRA = "Zebra + Asym-EA (optimal)"
@@ -295,7 +296,7 @@ def _build_pipelined_plan(model: ModelConfig, gpu_types: list[str], attn: list[i
     if any(k) and attention_tp > 1:
         raise PlanError(f"experts on attention ranks (Asym-EA, {list(k)}) with attention_tp={attention_tp}: the planner "
                         f"builds TP attention members without Asym-EA; use k all 0")
-    if schedule not in ("distep", "zebra"):
+    if schedule not in (ScheduleName.DISTEP, ScheduleName.ZEBRA):
         raise PlanError(f"schedule {schedule!r} is unknown; use 'zebra' or 'distep'")
     if len(attn) % (G * P) or len(expert) % (G * P):
         raise PlanError(f"{len(attn)} attention and {len(expert)} expert ranks do not split into {G} ZP groups of {P} "
@@ -447,7 +448,7 @@ def compute_lower_bound(cost: CostModel, gpu_types: list[str], cand: Candidate, 
                 else fwd
             lb = max(lb, cand.R * L * (fwd + c_b), cand.R * L * (2 * bwd))
             chain = attn + experts + L * (fwd + c_b + 2 * bwd)
-            lb = max(lb, cand.R * chain if schedule == "distep" else chain)
+            lb = max(lb, cand.R * chain if schedule == ScheduleName.DISTEP else chain)
     return lb * (1 - 1e-9)
 
 
@@ -622,7 +623,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                               skeleton=True, attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=W,
                               zebra_wave_order=order)
             res = simulate_plan(plan, c, cluster, global_batch, engine=engine)
-            if expert_load is not None and "zebra" in allowed:
+            if expert_load is not None and ScheduleName.ZEBRA in allowed:
                 tried.append((res.step_time_s, cand, list(k), "zebra", level, (W, order)))
             if ZEBRA_PP not in best or res.step_time_s < best[ZEBRA_PP][0]:
                 best[ZEBRA_PP] = (res.step_time_s, res, cand, k, "zebra", level)
@@ -847,7 +848,7 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
                       f"{', in 1F1B order' if order == '1f1b' else ''}), {ea}")
         lay = pipeline.layout_of_plan(plan, validate=False)
         memory = {}  # role -> its most loaded rank over the stages: GPU type, GiB and usable GiB
-        for row in pipeline.pipeline_memory(lay, costs[level], global_batch, schedule == "zebra", *waves[PICK]):
+        for row in pipeline.pipeline_memory(lay, costs[level], global_batch, schedule == ScheduleName.ZEBRA, *waves[PICK]):
             for role in ("attention", "expert"):
                 if role in row and (role not in memory or row[role]["bytes"] > memory[role]["GiB"] * 2**30):
                     memory[role] = {"gpu": row[role]["gpu"], "GiB": row[role]["bytes"] / 2**30,

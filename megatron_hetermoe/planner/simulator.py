@@ -55,8 +55,9 @@ from megatron_hetermoe.planner.pipeline import (
     post_step,
     simulate_pipelined,
 )
+from megatron_hetermoe.vocabulary import Role, ScheduleName, TaskKind
 
-STREAM_ID = {"dispatch": 0, "combine": 1, "P_F": 2, "P_B": 3}  # per pipeline stage: stage * 4 + this
+STREAM_ID = {"dispatch": 0, "combine": 1, TaskKind.P_F: 2, TaskKind.P_B: 3}  # per pipeline stage: stage * 4 + this
 CSIM_ABI = 2  # the _csim.run arguments this module passes (csrc/simulator.cpp's ABI)
 
 
@@ -301,7 +302,7 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     lister = {"zebra": zebra_tasks, "distep": distep_tasks}.get(schedule)
     if lister is None:
         raise PlanError(f"schedule {schedule!r} is unknown; use 'zebra' or 'distep'")
-    if P > 1 and schedule != "zebra":
+    if P > 1 and schedule != ScheduleName.ZEBRA:
         raise PlanError(f"schedule {schedule!r} with pipeline_stages={P} has no task lists (DistEP runs Megatron's "
                         f"1F1B there); simulate_plan prices it with the 1F1B step model (planner/pipeline.py)")
     m = cost.model
@@ -367,7 +368,7 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
             prob.coll_members.append(0)
             if isinstance(t, PipeTask):  # keyed by the sending (virtual) stage, streamed by its pipeline stage
                 prob.coll_stream.append(4 * (t.layer % P) + STREAM_ID[t.kind])
-                back = t.kind == "P_B"
+                back = t.kind == TaskKind.P_B
                 prob.coll_dur.append(p2p[((t.layer - back) % P, back)])
             else:
                 prob.coll_stream.append(4 * i + STREAM_ID[t.stream])
@@ -396,7 +397,7 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
                                                plan.attention_tp)
             elif t.layer < len(pieces):  # the (chunk's) piece t.layer (its last only on the last virtual stage)
                 s, d = pieces[t.layer]
-                cache[key] = cost.stage_time(plan.gpu_types[r], s, t_mb, t.kind == "A_B", plan.attention_tp, dense=d)
+                cache[key] = cost.stage_time(plan.gpu_types[r], s, t_mb, t.kind == TaskKind.A_B, plan.attention_tp, dense=d)
             else:  # a stage's last piece before the last stage: only the send of its output
                 cache[key] = 0.0
         return cache[key]
@@ -407,7 +408,7 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
         received: dict[int, PipeTask] = {}  # list index of a compute task -> the transfer it waits for
         for t in lister(plan, r):
             recv = send = None
-            if lay is not None and role[r] == "attention":
+            if lay is not None and role[r] == Role.ATTENTION:
                 recv, send = stage_transfers(t, i, P, n_local)
             if recv is not None:
                 tl.append(recv)
@@ -449,7 +450,7 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
         n_exp = sum(counts[r])
         params = m.expert_params() * n_exp
         t = 0.0
-        if role[r] == "attention":
+        if role[r] == Role.ATTENTION:
             pos = g.attention_ranks.index(r) % tp  # the rank's place in its member
             dp_group = attn_all[pos::tp]
             t += allreduce_time(Links.for_ranks(cluster, dp_group, cost.profiles), dense_params * grad_bytes)
@@ -484,7 +485,7 @@ def simulate_plan(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     is priced by planner/pipeline.py's model (Megatron's 1F1B across the stages; a
     PipelineResult, which has no trace: keep_trace is refused). `expert_load`: measured loads
     (build_problem)."""
-    if plan.pipeline_stages != 1 and (schedule or plan.schedule) == "distep":
+    if plan.pipeline_stages != 1 and (schedule or plan.schedule) == ScheduleName.DISTEP:
         if expert_load is not None:
             raise PlanError(f"plan has pipeline_stages={plan.pipeline_stages} under DistEP, priced by the 1F1B step "
                             f"model, which takes no expert load yet; simulate zebra, or drop the expert load")

@@ -92,6 +92,7 @@ from megatron_hetermoe.plan.tasks import Layers, Task, inputs
 from megatron_hetermoe.reliability import faults
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.schedules.timing import TaskTiming
+from megatron_hetermoe.vocabulary import StreamName
 
 OnDone = Callable[[str, Task, float], None]
 
@@ -379,7 +380,7 @@ StreamFactory = Callable[[str, "TimelineRecorder | None", Future, OnDone], Strea
 class TaskExecutor:
     """Runs one task list: compute on this thread, transfers on the streams."""
 
-    STREAMS = ("dispatch", "combine")
+    STREAMS = (StreamName.DISPATCH, StreamName.COMBINE)
 
     def __init__(self, num_layers: Layers, recorder: TimelineRecorder | None, task_timing: TaskTiming | None = None,
                  make_stream: StreamFactory | None = None, device: torch.device = torch.device("cpu"),

@@ -57,6 +57,7 @@ from megatron_hetermoe.schedules.executor import (
 )
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.schedules.timing import TaskTiming
+from megatron_hetermoe.vocabulary import TaskKind
 
 WAKE_TIMEOUT_S = 0.05  # a host wait rechecks at least this often (see `until`)
 
@@ -191,7 +192,7 @@ def fills(tasks: list[Task]) -> dict[Task | None, list[Task | Counts]]:
         if not t.is_comm:
             last = t
             continue
-        out.setdefault(last, []).extend([Counts(t.layer, t.microbatch), t] if t.kind == "D_F" else [t])
+        out.setdefault(last, []).extend([Counts(t.layer, t.microbatch), t] if t.kind == TaskKind.D_F else [t])
     return out
 
 
@@ -266,7 +267,7 @@ class IssueExecutor:
                     stage_io.issue(item)
                     self.issued_order.append(item)
                 elif item.is_comm:
-                    if item.kind == "D_F":
+                    if item.kind == TaskKind.D_F:
                         c = Counts(item.layer, item.microbatch)
                         until(counts[c].arrived)
                         counts[c].consume()  # a CPU rank: re-raises a failed counts exchange

@@ -23,6 +23,7 @@ from megatron_hetermoe.schedules.distep import expert_distep
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.schedules.timing import TaskTiming
 from megatron_hetermoe.schedules.zebra import AttentionZebra, ExpertZebra, ZebraRank
+from megatron_hetermoe.vocabulary import Role, ScheduleName
 
 
 class ExecutedSteps(collections.deque):
@@ -228,10 +229,10 @@ def get_forward_backward_func(hs: HeteroParallelState, run: HeteroRunConfig | No
     name = schedule_named(run.schedule or hs.plan.schedule).name
     kw = dict(hetero_state=hs, run=run, schedule=name, recorder=recorder, executed=executed, task_timing=task_timing,
               built=Built())
-    if hs.role == "expert":
+    if hs.role == Role.EXPERT:
         return partial(expert_forward_backward, **kw)
     if runs_task_list(name, task_timing):
-        if hs.plan.pipeline_stages > 1 and name != "zebra":
+        if hs.plan.pipeline_stages > 1 and name != ScheduleName.ZEBRA:
             raise NotImplementedError(f"{name} inside {hs.plan.pipeline_stages} pipeline stages has no task lists to "
                                       f"time (it runs Megatron's 1F1B across the stages); emulate zebra")
         return partial(forward_backward_zebra, **kw)

@@ -39,6 +39,7 @@ from megatron_hetermoe.schedules.executor import CUDA, StageIO
 from megatron_hetermoe.schedules.issuer import IssueExecutor, make_executor
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.schedules.timing import LoadedTiming, ReceivedTokens, TaskTiming
+from megatron_hetermoe.vocabulary import Role, TaskKind
 
 
 def _recomputed(fn, *args):
@@ -67,7 +68,7 @@ def _recomputed(fn, *args):
 
 
 # The slot field a transfer's received tensor goes to, per transfer kind.
-_RECEIVED = {"D_F": "recv_tokens", "C_F": "recv_combined", "C_B": "recv_grad", "D_B": "grad_permuted"}
+_RECEIVED = {TaskKind.D_F: "recv_tokens", TaskKind.C_F: "recv_combined", TaskKind.C_B: "recv_grad", TaskKind.D_B: "grad_permuted"}
 
 
 def _release(t: torch.Tensor, stream) -> None:
@@ -126,7 +127,7 @@ class ZebraRank:
         self.config = config
         self.task_timing, self.schedule = task_timing, schedule
         self.experts_of_layer = experts_of_layer
-        self.is_attention = hs.role == "attention"
+        self.is_attention = hs.role == Role.ATTENTION
         # The task lists' layer k is this rank's pipeline stage's k-th MoE layer (every MoE layer
         # without pipeline stages): the plan's layer index for placement and routes.
         self.layer_ids = hs.plan.stage_moe_layers(hs.stage)
@@ -190,11 +191,11 @@ class ZebraRank:
     def _send(self, task: Task, st: Slot) -> torch.Tensor | None:
         """What this rank sends in transfer `task` (None: nothing, an empty send)."""
         k, l = task.kind, task.layer
-        if k == "D_F":
+        if k == TaskKind.D_F:
             return st.permuted.detach() if self.is_attention else None
-        if k == "C_F":
+        if k == TaskKind.C_F:
             return st.expert_out.detach() if self.holds(l) else None
-        if k == "C_B":
+        if k == TaskKind.C_B:
             return st.grad_combined if self.is_attention else None
         return st.grad_recv if self.holds(l) else None  # D_B
 
@@ -222,7 +223,7 @@ class ZebraRank:
             self._received(task, st, st.route.to_attention(self._send(task, st), self._timed(task)))
             self._sent(task, st)
 
-        return {"D_F": d_f, "C_F": c_f, "C_B": c_b, "D_B": d_b}[task.kind]
+        return {TaskKind.D_F: d_f, TaskKind.C_F: c_f, TaskKind.C_B: c_b, TaskKind.D_B: d_b}[task.kind]
 
     # ---- the single issuer's operations (schedules/issuer.py IssueOps) ----------------------
     def counts(self, c: Counts):
@@ -240,7 +241,7 @@ class ZebraRank:
         right away (`_sent`: kept for the side stream that reads it)."""
         st = self.slot(task.layer, task.microbatch)
         send = self._send(task, st)
-        if task.kind in ("D_F", "C_B"):
+        if task.kind in (TaskKind.D_F, TaskKind.C_B):
             out, work = st.route.to_experts(send, self._async)
         else:
             out, work = st.route.to_attention(send, self._async)
@@ -254,17 +255,17 @@ class ZebraRank:
         E task, an attention rank's X task where it holds experts) or an attention piece (C_F,
         D_B); any other member received an empty tensor and has none."""
         expert_side = not self.is_attention or self.holds(task.layer)
-        if expert_side if task.kind in ("D_F", "C_B") else self.is_attention:
+        if expert_side if task.kind in (TaskKind.D_F, TaskKind.C_B) else self.is_attention:
             setattr(st, _RECEIVED[task.kind], out)
 
     def _sent(self, task: Task, st: Slot) -> None:
         """A gradient's send buffer has no consumer after its transfer was issued (C_B: the
         combined output's gradient on an attention rank; D_B: the expert input's on a holder):
         drop the slot's reference, the block kept for the side stream that reads it."""
-        if task.kind == "C_B" and st.grad_combined is not None:
+        if task.kind == TaskKind.C_B and st.grad_combined is not None:
             _release(st.grad_combined, self._side(task))
             st.grad_combined = None
-        elif task.kind == "D_B" and st.grad_recv is not None:
+        elif task.kind == TaskKind.D_B and st.grad_recv is not None:
             _release(st.grad_recv, self._side(task))
             st.grad_recv = None
 
@@ -434,10 +435,10 @@ class AttentionZebra(ZebraRank):
 
         def compute(t: Task) -> None:
             s, j = t.layer, t.microbatch
-            if t.kind in ("A_F", "A_B"):
+            if t.kind in (TaskKind.A_F, TaskKind.A_B):
                 c = t.chunk
                 L, k = self.chunks[c].num_layers, self.offsets[c] + s  # k: the rank's MoE layer s of chunk c
-            if t.kind == "A_F":
+            if t.kind == TaskKind.A_F:
                 lv = leaves_for(c, s, j)
                 if s < L:
                     fn = _in_device_scope(lambda *a: self._stage(c, s, j, batches[c][j], a))
@@ -458,7 +459,7 @@ class AttentionZebra(ZebraRank):
                     else:
                         losses[j] = loss / torch.clamp(num_tokens, min=1) / R
                     reported[j] = rep
-            elif t.kind == "A_B":
+            elif t.kind == TaskKind.A_B:
                 if s == L and c != self.loss_chunk:  # the next stage's gradient of this chunk's output
                     torch.autograd.backward(pipe.outputs.pop((c, j)), pipe.grads.pop((c, j)))
                 elif s == L:
@@ -481,9 +482,9 @@ class AttentionZebra(ZebraRank):
                     g = prev.leaves["combined"].grad
                     prev.grad_combined = g if g is not None else torch.zeros_like(prev.leaves["combined"])
                 # on a (virtual) stage after the first, pipe.send sends the received input's gradient back
-            elif t.kind == "X_F":
+            elif t.kind == TaskKind.X_F:
                 self.expert_forward(s, j)
-            elif t.kind == "X_B":
+            elif t.kind == TaskKind.X_B:
                 self.expert_backward(s, j)
             else:
                 raise ValueError(f"attention rank cannot run task {t}")
@@ -591,7 +592,7 @@ class _PipelineNeighbours:
                 keep.append(x)
                 continue
             out = self.outputs.get(self._key(m.task, sent=False))  # a P_B's: the output it is the gradient of
-            if m.task.kind == "P_F" or out is None:  # (posted before it exists with virtual stages)
+            if m.task.kind == TaskKind.P_F or out is None:  # (posted before it exists with virtual stages)
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.hs.device)
             else:
                 buf = torch.empty_like(out)
@@ -609,7 +610,7 @@ class _PipelineNeighbours:
     def _key(self, m: PipeTask, sent: bool) -> tuple[int, int]:
         """(model chunk, microbatch) of message `m` on this rank: the chunk that sends it or, for
         a receive, the virtual stage after (P_F) or before (P_B) the sending one."""
-        u = m.layer if sent else m.layer + (1 if m.kind == "P_F" else -1)
+        u = m.layer if sent else m.layer + (1 if m.kind == TaskKind.P_F else -1)
         return u // self.stages, m.microbatch
 
     def _tag(self, m: PipeTask) -> int:
@@ -618,7 +619,7 @@ class _PipelineNeighbours:
         Odd tags: the emulated send times ahead of them."""
         if not self.ring:
             return 2 * m.microbatch
-        return 2 * ((m.microbatch * self.stages * self.hs.plan.virtual_stages + m.layer) * 2 + (m.kind == "P_B"))
+        return 2 * ((m.microbatch * self.stages * self.hs.plan.virtual_stages + m.layer) * 2 + (m.kind == TaskKind.P_B))
 
     def _issue_after(self, a: int) -> None:
         for call in self.calls_after.pop(a, []):
@@ -638,7 +639,7 @@ class _PipelineNeighbours:
             end = self.timing.transfer(recv, start, time.perf_counter())
             self.lane_end[recv.kind] = end
         key = (task.chunk, task.microbatch)
-        if recv.kind == "P_F":
+        if recv.kind == TaskKind.P_F:
             self.inputs[key] = buf.requires_grad_()
         else:
             self.grads[key] = buf
@@ -648,7 +649,7 @@ class _PipelineNeighbours:
         _, send = stage_transfers(task, self.stage, self.stages, self.L)
         if send is not None:
             key = (task.chunk, task.microbatch)
-            if send.kind == "P_F":
+            if send.kind == TaskKind.P_F:
                 x = self.outputs[key].detach()
             else:
                 inp = self.inputs.pop(key)
@@ -685,9 +686,9 @@ class ExpertZebra(ZebraRank):
 
     def run(self, tasks: list[Task]) -> None:
         def compute(t: Task) -> None:
-            if t.kind == "E_F":
+            if t.kind == TaskKind.E_F:
                 self.expert_forward(t.layer, t.microbatch)
-            elif t.kind == "E_B":
+            elif t.kind == TaskKind.E_B:
                 self.expert_backward(t.layer, t.microbatch)
             else:
                 raise ValueError(f"expert rank cannot run task {t}")

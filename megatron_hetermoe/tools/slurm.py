@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+from megatron_hetermoe.vocabulary import ScheduleName
 
 ENTRIES = ("plugin", "megatron-lm", "megatron-core")
 DEFAULT_MAX_CONNECTIONS = 8  # CUDA's default
@@ -314,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         comps = components(plan, gpn)
         partitions = type_map(a.partition, "--partition", plan.gpu_types)
         constraints = type_map(a.constraint, "--constraint", plan.gpu_types)
-        if a.cuda_device_max_connections == 1 and schedule_of(plan, train_args) == "zebra":
+        if a.cuda_device_max_connections == 1 and schedule_of(plan, train_args) == ScheduleName.ZEBRA:
             raise ValueError("--cuda-device-max-connections 1 with the zebra schedule: one hardware queue serialises "
                              "the streams zebra overlaps attention and expert work on; leave it at 8 (CUDA's default)")
         if plan.attention_tp > 1 and a.entry in ("megatron-lm", "megatron-core") and a.cuda_device_max_connections != 1:

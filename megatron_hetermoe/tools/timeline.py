@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from megatron_hetermoe.schedules.timeline import CLOCKS, Event, load_events
+from megatron_hetermoe.vocabulary import TaskKind
 
 LANES = ("compute", "dispatch", "combine")
 
@@ -48,8 +49,8 @@ def chrome_trace(events: list[Event]) -> dict:
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 
-_COLORS = {"A_F": "#1f77b4", "A_B": "#aec7e8", "X_F": "#9467bd", "X_B": "#c5b0d5", "E_F": "#d62728",
-           "E_B": "#ff9896", "D_F": "#2ca02c", "C_B": "#98df8a", "C_F": "#ff7f0e", "D_B": "#ffbb78"}
+_COLORS = {TaskKind.A_F: "#1f77b4", TaskKind.A_B: "#aec7e8", TaskKind.X_F: "#9467bd", TaskKind.X_B: "#c5b0d5", TaskKind.E_F: "#d62728",
+           TaskKind.E_B: "#ff9896", TaskKind.D_F: "#2ca02c", TaskKind.C_B: "#98df8a", TaskKind.C_F: "#ff7f0e", TaskKind.D_B: "#ffbb78"}
 
 
 def draw_png(events: list[Event], path: str | Path, step: int | None = None, title: str = "") -> None:

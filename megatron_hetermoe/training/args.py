@@ -29,6 +29,7 @@ from megatron_hetermoe.parallel.watchdog import DEFAULT_PROGRESS_TIMEOUT_S
 from megatron_hetermoe.training.hetero_args import add_hetero_args, hetero_run_config
 from megatron_hetermoe.training.result import TrainResult
 from megatron_hetermoe.training.run_hooks import RunHooks
+from megatron_hetermoe.vocabulary import ScheduleName
 
 # Forked CPU ranks share one host: more than this is a typo, not a job (each rank holds ~400 MB).
 MAX_FORKED_RANKS = 1024
@@ -433,7 +434,7 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
             raise SystemExit(f"--nproc {a.nproc} but the plan has {plan.world_size} ranks; drop --nproc")
         if "RANK" not in os.environ:  # under torchrun, join its ranks instead of forking more
             a.nproc = plan.world_size
-    if a.recompute_granularity == "full" and (not a.hetero_plan or (a.hetero_schedule or plan.schedule) != "zebra") \
+    if a.recompute_granularity == "full" and (not a.hetero_plan or (a.hetero_schedule or plan.schedule) != ScheduleName.ZEBRA) \
             and plan is not AUTO:
         p.error("--recompute-granularity full: this trainer recomputes only under the zebra schedule (--hetero-plan, "
                 "--hetero-schedule zebra or a zebra plan); here it would do nothing; drop it, or run zebra")
@@ -532,7 +533,7 @@ def run_from_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
     if result.peak_rss_mib is not None and int(os.environ.get("RANK", "0")) == 0:
         for r, (role, rss) in enumerate(result.peak_rss_mib):
             print(f" rank {r} ({role}): peak RSS {rss:.0f} MiB")
-        if result.schedule == "zebra":
+        if result.schedule == ScheduleName.ZEBRA:
             print(f" rank 0 peak activation memory (saved for backward): {result.peak_activation_mib:.2f} MiB")
     if result.peak_gpu_mib is not None and int(os.environ.get("RANK", "0")) == 0:  # CUDA ranks (both trainers)
         for r, (role, mib) in enumerate(result.peak_gpu_mib):

@@ -20,6 +20,7 @@ import torch
 from megatron_hetermoe.config import HeteroRunConfig, PoolPrecision
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.training.world_stats import counts_here, world_count_zeros
+from megatron_hetermoe.vocabulary import Role
 
 
 def model_config(config, hs: HeteroParallelState | None = None, **overrides):
@@ -31,7 +32,7 @@ def model_config(config, hs: HeteroParallelState | None = None, **overrides):
     an expert rank (it holds its stage's experts whole, for all of the stage's model chunks, in one
     module); experts are never tensor-parallel here."""
     if hs is not None:
-        attention = hs.role == "attention"
+        attention = hs.role == Role.ATTENTION
         t = hs.plan.attention_tp if attention else 1
         V = hs.plan.virtual_stages
         overrides = {"tensor_model_parallel_size": t, "sequence_parallel": t > 1, "expert_tensor_parallel_size": 1,
@@ -136,13 +137,13 @@ class RoleAssembly:
         P, V = hs.plan.pipeline_stages, hs.plan.virtual_stages
         # Megatron builds the MTP block on the last (virtual) pipeline stage only; an expert rank of
         # a pipelined plan holds its stage's MTP experts in its ExpertRuntime whatever it is given.
-        if P == 1 or (hs.role == "attention" and hs.stage == P - 1 and vp_stage in (None, V - 1)):
+        if P == 1 or (hs.role == Role.ATTENTION and hs.stage == P - 1 and vp_stage in (None, V - 1)):
             if (mtp is not None) != bool(hs.plan.mtp_layers):
                 raise ValueError(f"the model has {len(mtp.layer_specs) if mtp is not None else 0} MTP layers but the "
                                  f"plan {hs.plan.mtp_layers}; remake the plan for this model's --mtp-num-layers")
-        elif hs.role == "attention" and mtp is not None:
+        elif hs.role == Role.ATTENTION and mtp is not None:
             raise ValueError(f"pipeline stage {hs.stage} was given the MTP block; Megatron builds it on the last stage")
-        if hs.role == "attention":
+        if hs.role == Role.ATTENTION:
             if mtp is not None:
                 gpt_kwargs = {**gpt_kwargs, "mtp_block_spec": hetero_mtp_block_spec(mtp, hs, pgc)}
             # This rank's pipeline stage: the embedding on the first, the head and loss on the last.
@@ -170,7 +171,7 @@ class RoleAssembly:
         from megatron_hetermoe.plan.layout import megatron_to_hetero
 
         local = megatron_to_hetero(state, self.hs.plan, self.hs.rank)
-        if self.hs.role == "attention" and self.hs.plan.attention_tp > 1:
+        if self.hs.role == Role.ATTENTION and self.hs.plan.attention_tp > 1:
             from megatron_hetermoe.models import tp_shards
 
             glu = bool(getattr(config if config is not None else module.config, "gated_linear_unit", False))
@@ -234,7 +235,7 @@ class RoleAssembly:
         --calculate-per-token-loss (`num_tokens`: the step's tokens over the world) the losses are
         token sums, DDP summed, and Megatron divides every gradient by the step's tokens, as
         finalize_model_grads does on the attention ranks."""
-        if self.hs.role != "expert":
+        if self.hs.role != Role.EXPERT:
             return
         from megatron_hetermoe.models.builder import unwrap
 

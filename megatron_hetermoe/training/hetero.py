@@ -56,6 +56,7 @@ from megatron_hetermoe.training.nan_check import NanGuard
 from megatron_hetermoe.training.result import TrainResult
 from megatron_hetermoe.training.run_hooks import RunHooks
 from megatron_hetermoe.training.step import batch_to, forward_step, loss_scale_of
+from megatron_hetermoe.vocabulary import Role
 
 
 class HeteroStep:
@@ -82,7 +83,7 @@ class HeteroStep:
     def forward_backward(self, it: int):
         cfg, nmb, hs = self.cfg, self.nmb, self.hs
         tot = torch.zeros(2, device=hs.device)
-        if hs.role == "attention":
+        if hs.role == Role.ATTENTION:
             d = hs.attention_dp_rank
             batches = iter([batch_to(self.data.microbatch(it, d * nmb + m, cfg.micro_batch_size,
                                                           cfg.global_batch_size), hs.device)
@@ -288,7 +289,7 @@ def build_rank(cfg: TrainConfig, hooks: RunHooks, assembly: RoleAssembly, kernel
             if scalers and getattr(o, "grad_scaler", None) is not None:
                 o.grad_scaler.load_state_dict(scalers[0].state_dict())  # one loss scale for the world
         guard.skipped, guard.iteration = carry.guard.skipped, carry.guard.iteration
-    if hs.role == "attention":
+    if hs.role == Role.ATTENTION:
         config.finalize_model_grads_func = lambda m, n=None, pg_collection=None, force_all_reduce=False: \
             finalize_model_grads(m, n, pg_collection=pgc, force_all_reduce=force_all_reduce)
         config.grad_scale_func = optimizer.scale_loss

@@ -16,6 +16,7 @@ from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.limits import MAX_GLOBAL_BATCH
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
 from megatron_hetermoe.plan.tasks import SCHEDULES
+from megatron_hetermoe.vocabulary import Role, ScheduleName
 
 if TYPE_CHECKING:
     from megatron_hetermoe.config import HeteroRunConfig, TrainConfig
@@ -156,7 +157,7 @@ def check_pools(pools, plan, what: str = "the plan") -> None:
     for role, ranks in (("attention", plan.attention_ranks), ("expert", plan.expert_ranks)):
         if pools.of(role) == "bf16":
             check_bf16_gpus(True, [plan.gpu_types[r] for r in ranks], f"{what}'s {role} pool", list(ranks),
-                            "--bf16" if role == "attention" else "--hetero-expert-precision bf16")
+                            "--bf16" if role == Role.ATTENTION else "--hetero-expert-precision bf16")
 
 
 def check_bf16_gpus(bf16: bool, gpu_types: list[str], what: str, ranks: list[int] | None = None,
@@ -308,13 +309,13 @@ def check_hetero_pp(plan: HeteroPlan, pp: int, schedule: str | None, emulated: b
     if pp != P:
         raise ConfigError(f"--pipeline-model-parallel-size {pp}: the plan has pipeline_stages={P}; pass "
                           f"--pipeline-model-parallel-size {P}, or remake the plan with {pp} stages")
-    if plan.zebra_waves > 1 and (schedule or plan.schedule) != "zebra":
+    if plan.zebra_waves > 1 and (schedule or plan.schedule) != ScheduleName.ZEBRA:
         raise ConfigError(f"--hetero-schedule {schedule}: the plan runs zebra in zebra_waves={plan.zebra_waves} groups "
                           f"of microbatches, which DistEP has no use for; run zebra, or remake the plan with "
                           f"zebra_waves 1")
     if P == 1:
         return
-    if emulated and (schedule or plan.schedule) != "zebra":
+    if emulated and (schedule or plan.schedule) != ScheduleName.ZEBRA:
         raise ConfigError(f"--emulate with {P} pipeline stages under {schedule or plan.schedule}: the emulator times "
                           f"task lists, and DistEP runs Megatron's 1F1B across the stages; emulate zebra "
                           f"(--hetero-schedule zebra) or one stage")
@@ -350,7 +351,7 @@ def check_hetero_virtual_stages(plan: HeteroPlan, virtual_stages: int | None, sc
                           + f", or remake the plan with virtual_stages {V}")
     P = plan.pipeline_stages
     dense = [(s, v) for s in range(P) for v in range(V) if V > 1 and not plan.chunk_moe_layers(s, v)]
-    if dense and (schedule or plan.schedule) == "zebra":
+    if dense and (schedule or plan.schedule) == ScheduleName.ZEBRA:
         raise ConfigError(f"--hetero-schedule zebra: model chunk(s) (pipeline stage, chunk) {dense} of the plan's "
                           f"{P} x {V} virtual stages hold no MoE layer, and zebra cuts a chunk's stages at its MoE "
                           f"layers; run distep, or use fewer virtual stages")
