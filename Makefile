@@ -104,6 +104,28 @@ compat: $(COMPAT_STAMP)
 	@$(COMPAT_VENV)/bin/python -c "import sys, torch, megatron.core as m; print('compat: Python', sys.version.split()[0], '| torch', torch.__version__, '| megatron-core', m.__version__)" 2>/dev/null
 	OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -rs $(COMPAT_TESTS)
 
+# ---- canary: Megatron-LM main (megatron-core 0.20.0 in development; issue 45). Not in CI's required line. ----
+# `make canary-main` extracts the main snapshot kept beside the repository (../shared/megatron-lm/, or
+# CANARY_DIR=/path/to/a Megatron-LM main tree), installs its megatron-core from that tree into .venv-canary
+# (Python 3.12, the registry's torch), this package without its megatron-core<0.20 pin, and runs the
+# core_v0.19.0 line's pretrain() tests against it (HETERMOE_CANARY_MAIN=1: the tests take release line
+# 0.20 and patches/megatron-lm-core_v0.20.0-pretrain_gpt.patch). What broke and why: docs/compatibility.md.
+CANARY_VENV := .venv-canary
+CANARY_TARBALL ?= $(firstword $(wildcard ../shared/megatron-lm/Megatron-LM-main-*.tar.gz))
+CANARY_DIR ?= $(if $(CANARY_TARBALL),.ci-work/$(patsubst %.tar.gz,%,$(notdir $(CANARY_TARBALL))))
+CANARY_DEPS := einops numpy psutil pyyaml tokenizers matplotlib tensorboard pytest hypothesis pytest-timeout six regex pydantic
+.PHONY: canary-main
+canary-main:
+	@test -n "$(COMPAT_PY)" || { echo "make canary-main: no Python 3.12 found (pyenv prefix 3.12, python3.12); set COMPAT_PY" >&2; exit 2; }
+	@test -n "$(CANARY_DIR)" || { echo "make canary-main: no ../shared/megatron-lm/Megatron-LM-main-*.tar.gz; set CANARY_DIR to a Megatron-LM main tree" >&2; exit 2; }
+	test -d $(CANARY_DIR) || { mkdir -p .ci-work && tar -xzf $(CANARY_TARBALL) -C .ci-work; }
+	test -d $(CANARY_VENV) || $(COMPAT_PY) -m venv $(CANARY_VENV)
+	$(CANARY_VENV)/bin/pip install -q pybind11 setuptools wheel
+	$(CANARY_VENV)/bin/pip install -q -e $(CANARY_DIR) $(CANARY_DEPS)
+	$(CANARY_VENV)/bin/pip install -q --no-build-isolation --no-deps -e .
+	PATH="$(abspath $(CANARY_VENV))/bin:$$PATH" HETERMOE_CANARY_MAIN=1 MEGATRON_LM_DIR="$(abspath $(CANARY_DIR))" \
+		OMP_NUM_THREADS=1 $(CANARY_VENV)/bin/python -m pytest -q -rs -W ignore $(V019_TESTS)
+
 # ---- the one-GPU check's wheels (issue 43): what scripts/gpu_check.sh needs on a GPU machine that has
 # Python 3.12 and torch but no megatron-core and no package registry (docs/gpu-check.md). Downloads, never
 # installs: megatron-core's cp312 manylinux wheel and pydantic with what it needs (Megatron-LM's training

@@ -86,7 +86,8 @@ What changed, and what the plugin does about it
    dist_checkpointing.save/load/load_common_state_dict as called (0.19 drops the
    `common_strategy` argument, not used here); GPTModel.sharded_state_dict and
    DistributedOptimizer.sharded_state_dict; TransformerLayer._forward_attention /
-   _forward_pre_mlp_layernorm / _forward_post_mlp and GPTModel._postprocess (zebra's stage cuts).
+   _forward_pre_mlp_layernorm / _forward_post_mlp and GPTModel._postprocess (zebra's stage cuts;
+   Megatron-LM main renames _forward_post_mlp to _apply_mlp_bda_step: `mlp_bias_dropout_add`).
    0.19 logs "GPTModel IS DEPRECATED" (critical fixes only; HybridModel is its successor).
 8. Megatron-LM's pretrain_gpt.py: core_v0.19.0 parses its arguments itself
    (`parse_and_validate_args(extra_args_provider=...)`) before `pretrain(full_config, ...)`, so
@@ -223,6 +224,27 @@ def build_experts(experts_spec, num_local: int, config, pg_collection):
     if isinstance(experts_spec, (ModuleSpec, type)):
         return build_module(experts_spec, num_local, config, pg_collection=pg_collection)
     return experts_spec(num_local, config, pg_collection=pg_collection)
+
+
+# --- zebra's cut of a TransformerLayer around its MLP --------------------------------------------
+def pre_mlp_layernorm(layer, hidden):
+    """The layer's pre-MLP norm of `hidden` (the MLP's input); `hidden` stays the residual. Megatron-LM
+    main (0.20 dev) lets a norm return the residual too (`returns_residual`, a fused norm-add): zebra
+    does not cut such a layer, so it is refused by name rather than given the wrong residual."""
+    if getattr(layer, "_pre_mlp_layernorm_returns_residual", False):
+        raise NotImplementedError(f"{type(layer.pre_mlp_layernorm).__name__} returns the residual (a fused norm-add): "
+                                  f"HeterMoE's stage cut takes a pre-MLP norm that returns its output alone; use "
+                                  f"Megatron's local or TE layer norm")
+    return layer._forward_pre_mlp_layernorm(hidden)
+
+
+def mlp_bias_dropout_add(layer, output_with_bias, residual):
+    """The layer's steps after its MLP (bias-dropout-add onto the residual, viewless output):
+    TransformerLayer._forward_post_mlp through 0.19; renamed _apply_mlp_bda_step in Megatron-LM main
+    (0.20 dev), with an mlp_state that the base layer ignores (() here)."""
+    if hasattr(layer, "_apply_mlp_bda_step"):
+        return layer._apply_mlp_bda_step(output_with_bias, residual)
+    return layer._forward_post_mlp(output_with_bias, residual)
 
 
 # --- MoE token permutation ----------------------------------------------------------------------

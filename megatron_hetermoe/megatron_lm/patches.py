@@ -10,6 +10,8 @@ from pathlib import Path
 PATCHES = {
     (0, 16): "megatron-lm-core_v0.16.1-pretrain_gpt.patch",
     (0, 19): "megatron-lm-core_v0.19.0-pretrain_gpt.patch",
+    # Megatron-LM main d98e8a6 (megatron-core 0.20.0 in development): the canary, make canary-main
+    (0, 20): "megatron-lm-core_v0.20.0-pretrain_gpt.patch",
 }
 
 

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_hetermoe import compat
+
 
 @dataclass(frozen=True)
 class StageContext:
@@ -168,7 +170,7 @@ class AttentionStages:
         hidden, carry = self._walk(self.before[layer], hidden, carry, batch, ctx)
         tl = self.layers[layer]
         hidden, _ = tl._forward_attention(hidden, **ctx.layer_kwargs())
-        pre = tl._forward_pre_mlp_layernorm(hidden)
+        pre = compat.pre_mlp_layernorm(tl, hidden)
         probs, routing_map = tl.mlp.route(pre)
         meta, permuted = tl.mlp.token_dispatcher.preprocess(pre, routing_map, probs)
         return meta, permuted, hidden, meta.probs, tl.mlp.shared_experts_compute(pre), carry
@@ -181,7 +183,7 @@ class AttentionStages:
         out = tl.mlp.token_dispatcher.postprocess(meta, combined, probs)
         if shared is not None:
             out = out + shared
-        return tl._forward_post_mlp((out, None), residual)
+        return compat.mlp_bias_dropout_add(tl, (out, None), residual)
 
     def head(self, hidden: torch.Tensor, batch: dict, ctx: StageContext, carry: tuple = ()) -> torch.Tensor:
         """The last piece: the steps after the last MoE layer (dense layers, the final norm, what

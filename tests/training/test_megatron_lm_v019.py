@@ -13,6 +13,7 @@ What differs from core_v0.16.1 for these runs (docs/compatibility.md):
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -37,6 +38,9 @@ from megatron_lm_run import (
 
 from megatron_hetermoe import compat, megatron_lm
 
+# The release line these tests run: core_v0.19.0, or with HETERMOE_CANARY_MAIN=1 (make canary-main) a
+# snapshot of Megatron-LM main (megatron-core 0.20.0 in development) on its own megatron-core.
+LINE = (0, 20) if os.environ.get("HETERMOE_CANARY_MAIN") else (0, 19)
 # megatron_lm_run.DATA with core_v0.19.0's NullTokenizer size for the same token ids.
 DATA = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "257", "--split", "90,5,5"]
 
@@ -46,18 +50,18 @@ def mlm19(tmp_path_factory) -> Path:
     """The core_v0.19.0 checkout, linked entry by entry, with the patched pretrain_gpt.py and a copy
     of megatron/ (Megatron-LM compiles its dataset helpers into megatron/core/datasets/, which
     must not be the checkout's)."""
-    import os
-
     # CI's core_v0.19.0 line (make test-v019) sets HETERMOE_REQUIRE_V019: there a missing piece fails.
     skip = pytest.fail if os.environ.get("HETERMOE_REQUIRE_V019") else pytest.skip
     src = os.environ.get("MEGATRON_LM_DIR")
     if not src:
         skip("set MEGATRON_LM_DIR to a Megatron-LM core_v0.19.0 work tree to run its pretrain() with HeterMoE")
     checkout = Path(src)
-    if megatron_lm.checkout_version(checkout)[:2] != (0, 19):
-        skip(f"{checkout} is not core_v0.19.x (core_v0.16.1: test_megatron_lm_pretrain.py)")
-    if compat.mcore_version()[:2] != (0, 19):
-        skip("the core_v0.19.0 checkout needs megatron-core 0.19's environment (make compat: .venv-compat)")
+    if megatron_lm.checkout_version(checkout)[:2] != LINE:
+        skip(f"{checkout} is not core_v{LINE[0]}.{LINE[1]}.x (core_v0.16.1: test_megatron_lm_pretrain.py; "
+             f"Megatron-LM main: HETERMOE_CANARY_MAIN=1, make canary-main)")
+    if compat.mcore_version()[:2] != LINE:
+        skip(f"the core_v{LINE[0]}.{LINE[1]} checkout needs megatron-core {LINE[0]}.{LINE[1]}'s environment "
+             f"(make compat: .venv-compat; make canary-main: .venv-canary)")
     for name in ("six", "regex", "pydantic", "tensorboard"):
         try:
             importlib.import_module(name)
@@ -200,7 +204,7 @@ def test_core_v019_refuses_by_name(mlm19, tmp_path):
 
 
 def _hetermoe_pretrain(nproc: int, flags: list[str], tb: Path, cwd: Path) -> dict[int, float]:
-    """`hetermoe pretrain` with no checkout anywhere: megatron-core 0.19's own megatron.training."""
+    """`hetermoe pretrain` with no checkout anywhere: megatron-core 0.19's (canary: 0.20's) own megatron.training."""
     import sys
 
     from megatron_lm_run import env
@@ -214,7 +218,9 @@ def _hetermoe_pretrain(nproc: int, flags: list[str], tb: Path, cwd: Path) -> dic
     import megatron.training
 
     where = Path(megatron.training.__file__).parent
-    assert "site-packages" in str(where) and "megatron-core 0.19" in log and f"pretrain() ({where})" in log, log[:2000]
+    # The installed megatron-core's own megatron.training (the canary installs main's tree editable: it is there).
+    installed = "site-packages" in str(where) or bool(os.environ.get("HETERMOE_CANARY_MAIN"))
+    assert installed and f"megatron-core {LINE[0]}.{LINE[1]}" in log and f"pretrain() ({where})" in log, log[:2000]
     return tb_losses(tb)
 
 

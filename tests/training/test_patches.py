@@ -49,8 +49,8 @@ def test_patch_touches_only_pretrain_gpt_and_calls_real_hooks(patch):
     assert "pretrain, builder = hetero_pretrain(pretrain, sys.argv[1:])" in added
     assert "pretrain = megatron_on_cpu(pretrain)" in added
     assert "partial(model_provider, builder)" in added
-    if "core_v0.19" in patch.name:
-        # core_v0.19.0 parses and validates the flags before pretrain(): with validate_args' hook.
+    if "core_v0.16" not in patch.name:
+        # core_v0.19.0 (and main, 0.20 dev) parses and validates the flags before pretrain(): with validate_args' hook.
         assert "parse_and_validate_args = pretrain.parse_with_hooks(parse_and_validate_args)" in added
         assert text.index("parse_with_hooks") < text.index("args = parse_and_validate_args(")
 
@@ -73,12 +73,13 @@ def test_hetero_flags_same_on_both_sides():
 def test_patch_for_reads_the_checkout_version(tmp_path):
     info = tmp_path / "megatron" / "core"
     info.mkdir(parents=True)
-    for version, want in (((0, 16, 1), "core_v0.16.1"), ((0, 19, 1), "core_v0.19.0"), ((0, 19, 2), "core_v0.19.0")):
+    for version, want in (((0, 16, 1), "core_v0.16.1"), ((0, 19, 1), "core_v0.19.0"), ((0, 19, 2), "core_v0.19.0"),
+                          ((0, 20, 0), "core_v0.20.0")):
         (info / "package_info.py").write_text("MAJOR = {}\nMINOR = {}\nPATCH = {}\nPRE_RELEASE = ''\n".format(*version))
         assert megatron_lm.checkout_version(tmp_path) == version
         assert want in megatron_lm.patch_for(tmp_path)
     (info / "package_info.py").write_text("MAJOR = 0\nMINOR = 14\nPATCH = 0\n")
-    with pytest.raises(ValueError, match=r"no patch for Megatron-LM core_v0\.14\.0 .* core_v0\.16\.x, core_v0\.19\.x"):
+    with pytest.raises(ValueError, match=r"no patch for Megatron-LM core_v0\.14\.0 .* core_v0\.16\.x, core_v0\.19\.x, core_v0\.20\.x"):
         megatron_lm.patch_for(tmp_path)
     with pytest.raises(ValueError, match="no megatron/core/package_info.py"):
         megatron_lm.patch_for(tmp_path / "nowhere")
@@ -118,7 +119,10 @@ def test_patch_applies_and_compiles(tmp_path):
     r = subprocess.run(["bash", str(PATCH_DIR / "check_patch.sh"), str(checkout)], capture_output=True, text=True)
     assert r.returncode == 0 and f"applies: {name}" in r.stdout and f"use: {name}" in r.stdout, r.stdout + r.stderr
     others = [p.name for p in PATCH_FILES if p.name != name]
-    assert all(f"does not apply: {o}" in r.stdout for o in others), r.stdout  # each release line has its own
+    # core_v0.16.x has its own patch; core_v0.19.0's and main's (0.20 dev) differ by context offsets only (main
+    # moved its warning filters above the hunks), so each of those two also applies to the other's tree.
+    may_cross = set() if "core_v0.16" in name else {o for o in others if "core_v0.16" not in o}
+    assert all(f"does not apply: {o}" in r.stdout for o in others if o not in may_cross), r.stdout
     work = tmp_path / "mlm"
     work.mkdir()
     shutil.copy(checkout / "pretrain_gpt.py", work / "pretrain_gpt.py")
