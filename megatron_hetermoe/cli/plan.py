@@ -12,7 +12,7 @@ from megatron_hetermoe.plan.tasks import SCHEDULES, ZEBRA_WAVE_ORDERS
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
-    """`p.even_only`: the dests of the \"even plan\" flags, which a search refuses."""
+    """`p.even_only`: the dests of the "even plan" flags, which a search refuses (planner/cli_plan.py)."""
     p = argparse.ArgumentParser(prog="hetermoe plan", description=description, formatter_class=HelpFormatter)
     p.add_argument("--model", help="model config: a path or a name in configs/models/ (tiny, d1, ...); or, "
                    "instead, the run's pretrain_gpt.py flags after a literal --")
