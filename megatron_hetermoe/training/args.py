@@ -18,14 +18,14 @@ import os
 import sys
 import traceback
 
+from megatron_hetermoe.cli import train as train_cli
+from megatron_hetermoe.cli.train import MAX_FORKED_RANKS
 from megatron_hetermoe.config import (
     HeteroRunConfig,
     ModelConfig,
     ParallelConfig,
     TrainConfig,
 )
-from megatron_hetermoe.cli import train as train_cli
-from megatron_hetermoe.cli.train import MAX_FORKED_RANKS, add_megatron_args  # noqa: F401 - the trainer's flags, re-exported
 from megatron_hetermoe.data.dataset import data_config_from_args
 from megatron_hetermoe.parallel.watchdog import DEFAULT_PROGRESS_TIMEOUT_S
 from megatron_hetermoe.training.hetero_args import hetero_run_config

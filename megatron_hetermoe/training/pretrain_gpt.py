@@ -41,10 +41,10 @@ from pathlib import Path
 
 import yaml
 
-from megatron_hetermoe.config import ModelConfig
-from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.cli import train_gpt as train_gpt_cli
 from megatron_hetermoe.cli.train_gpt import RECIPE_FLAGS
+from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.parallel.watchdog import DEFAULT_PROGRESS_TIMEOUT_S
 from megatron_hetermoe.training import args as train_args
 
