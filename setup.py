@@ -109,7 +109,7 @@ setup(
         # checkout. NGC PyTorch containers ship them; triton is a GPU torch's own dependency.
         "megatron-lm": ["six", "regex", "pydantic", "triton"],
     },
-    entry_points={"console_scripts": ["hetermoe=megatron_hetermoe.cli:main"]},
+    entry_points={"console_scripts": ["hetermoe=megatron_hetermoe.commands:main"]},
     ext_modules=csim_extensions(),
     cmdclass={"build_ext": OptionalBuildExt},
     zip_safe=False,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetermoe import cli
-from megatron_hetermoe.training.hetero_args import add_hetero_args
+from megatron_hetermoe import commands as cli
+from megatron_hetermoe.cli.hetero import add_hetero_args
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

@@ -97,7 +97,9 @@ def test_config_and_planner_import_no_torch():
     # renderer): follow their imports transitively and look for torch or megatron at module level.
     graph = import_graph()
     modules = _modules()
-    for start in (f"{NAME}.config", f"{NAME}.planner.search", f"{NAME}.plan.hetero_plan"):
+    # Every parser too: `hetermoe plan`, `--help` and the SLURM renderer's checks build them.
+    cli = sorted(m for m in modules if m.startswith(f"{NAME}.cli"))
+    for start in (f"{NAME}.config", f"{NAME}.planner.search", f"{NAME}.plan.hetero_plan", *cli):
         seen, todo = set(), [start]
         while todo:
             m = todo.pop()
@@ -124,10 +126,10 @@ def _module_level(path: Path, target: str) -> bool:
 # The packages in ARCHITECTURE.md's order, bottom first: a module may import modules of its own
 # layer and of layers below it, never above (function-level and TYPE_CHECKING imports included).
 LAYERS: list[set[str]] = [
-    {"", "_csim", "errors", "limits", "paths", "outputs", "compat", "help_format", "config", "layer_pattern",
-     "vocabulary"},
+    {"", "_csim", "errors", "limits", "paths", "outputs", "compat", "config", "layer_pattern", "vocabulary"},
     {"reliability"},
     {"plan"},
+    {"cli"},
     {"planner"},
     {"parallel"},
     {"models"},
@@ -137,11 +139,13 @@ LAYERS: list[set[str]] = [
     {"checkpoint"},
     {"training"},
     {"megatron_lm"},
-    {"tools", "cli"},
+    {"tools", "commands"},
 ]
 
 
 def layer_of(module: str) -> int:
+    if module.endswith(".__main__"):  # `python -m` runs it and nothing imports it: an entry point, on top
+        return len(LAYERS) - 1
     part = module.split(".")[1] if module.count(".") else ""
     for i, names in enumerate(LAYERS):
         if part in names:
@@ -167,7 +171,7 @@ def test_the_layering_check_finds_a_planted_upward_import(tmp_path):
                        + "\n\ndef _planted():\n    from megatron_hetermoe.training import loop  # noqa\n")
     graph = import_graph()
     graph[f"{NAME}.plan.layout"] = _imports(f"{NAME}.plan.layout", planted, modules)
-    assert upward_imports(graph) == [f"{NAME}.plan.layout (layer 2) imports {NAME}.training.loop (layer 10)"]
+    assert upward_imports(graph) == [f"{NAME}.plan.layout (layer 2) imports {NAME}.training.loop (layer 11)"]
 
 
 # Roles, schedule names and task kinds are closed vocabularies (megatron_hetermoe/vocabulary.py):
@@ -210,3 +214,45 @@ def test_the_vocabulary_check_finds_planted_comparisons():
         "'D_F' (use TaskKind.D_F)", "'C_B' (use TaskKind.C_B)", "'zebra' (use ScheduleName.ZEBRA)",
         "'expert' (use Role.EXPERT)"]
     assert vocabulary_string_comparisons(path) == []
+
+
+# Every argparse parser of the package is built in cli/ (one module per command): these calls
+# anywhere else are a parser outside it. Namespace as a type, or reading parsed args, is not.
+PARSER_CALLS = {"ArgumentParser", "add_argument", "add_argument_group", "add_mutually_exclusive_group",
+                "add_subparsers", "add_parser"}
+
+
+def parser_calls(mod: str, path: Path) -> list[str]:
+    """`mod:line name` of each parser-building call in the module's source."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+            if name in PARSER_CALLS:
+                found.append(f"{mod}:{node.lineno} {name}")
+    return found
+
+
+def parsers_outside_cli(modules: dict[str, Path]) -> list[str]:
+    return [c for m, p in sorted(modules.items()) if m != f"{NAME}.cli" and not m.startswith(f"{NAME}.cli.")
+            for c in parser_calls(m, p)]
+
+
+def test_no_parser_outside_cli():
+    found = parsers_outside_cli(_modules())
+    assert not found, "argparse parsers built outside megatron_hetermoe/cli/ (move them there):\n  " + \
+        "\n  ".join(found)
+
+
+def test_the_parser_check_finds_a_planted_parser(tmp_path):
+    """A parser planted in a copy of tools/timeline.py's source, and a flag added to a parser there."""
+    modules = _modules()
+    planted = tmp_path / "timeline.py"
+    planted.write_text(modules[f"{NAME}.tools.timeline"].read_text()
+                       + "\n\ndef _planted(p):\n    import argparse\n\n    argparse.ArgumentParser()\n"
+                       + "    p.add_argument('--x')\n")
+    modules[f"{NAME}.tools.timeline"] = planted
+    found = parsers_outside_cli(modules)
+    assert [f.split(":")[0] for f in found] == [f"{NAME}.tools.timeline"] * 2
+    assert sorted(f.split()[-1] for f in found) == ["ArgumentParser", "add_argument"]

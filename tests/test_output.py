@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 import megatron_hetermoe
-from megatron_hetermoe import cli, paths
+from megatron_hetermoe import commands as cli
+from megatron_hetermoe import paths
+from megatron_hetermoe.cli.formatter import HelpFormatter
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -53,7 +55,7 @@ def test_top_level_usage_and_unknown_command():
 
 
 def test_help_formatter_states_every_default():
-    p = argparse.ArgumentParser(prog="x", formatter_class=cli.HelpFormatter)
+    p = argparse.ArgumentParser(prog="x", formatter_class=HelpFormatter)
     p.add_argument("--steps", type=int, default=5, help="steps to run")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--seq-length", type=int, default=None, help="tokens per sample")

@@ -7,10 +7,11 @@ path a Megatron user runs on their own corpus: text -> loose JSON -> tokenizer -
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+from megatron_hetermoe.cli.corpus import build_parser
 
 DOCS_NAME = "python-docs"
 
@@ -58,13 +59,7 @@ def build_text_dataset(out_dir: str | Path, vocab_size: int = 1024, workers: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_hetermoe.data.corpus",
-                                description="make a Megatron dataset of Python's installed documentation")
-    p.add_argument("--out-dir", required=True)
-    p.add_argument("--vocab-size", type=int, default=1024)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--jsonl-only", action="store_true", help="only write the loose-JSON text file")
-    a = p.parse_args(argv)
+    a = build_parser().parse_args(argv)
     if a.jsonl_only:
         print(write_jsonl(python_docs(), Path(a.out_dir) / f"{DOCS_NAME}.jsonl"))
         return 0

@@ -15,12 +15,12 @@ module (and the trainer, which imports it through data.py) does not import megat
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Iterable
 
+from megatron_hetermoe.cli.tokenizer import build_parser
 from megatron_hetermoe.config import TOKENIZER_TYPES
 from megatron_hetermoe.errors import UserError
 
@@ -171,13 +171,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, output: str | Path) -> BPET
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_hetermoe.data.tokenizer",
-                                description="train a byte-level BPE tokenizer on a loose-JSON text file")
-    p.add_argument("--input", required=True, help="JSON lines file, one document per line (Megatron's format)")
-    p.add_argument("--json-keys", nargs="+", default=["text"], help="keys of the text in each JSON line")
-    p.add_argument("--vocab-size", type=int, default=1024, help="total vocabulary size, EOD included")
-    p.add_argument("--output", required=True, help="where to write tokenizer.json (vocab.json, merges.txt beside it)")
-    a = p.parse_args(argv)
+    a = build_parser().parse_args(argv)
 
     def texts():
         with open(a.input, encoding="utf-8") as f:

@@ -50,16 +50,15 @@ Modules: `pretrain` (`hetermoe pretrain`: a patched checkout's pretrain_gpt.py, 
 and hetero_pretrain), `refusals` (the flags refused by name), `replaced` (the flags accepted with a
 line naming what replaces them, and recomputation), `cpu_layer` (pretrain() on CPU ranks, and
 megatron_on_cpu for a plain Megatron run), `patches` (which patch fits a checkout). The --hetero-*
-flags are training/hetero_args.py's, the plugin trainer's too.
+flags are cli/hetero.py's, the plugin trainer's too.
 """
 from __future__ import annotations
 
-import argparse
-
+from megatron_hetermoe.cli.hetero import add_hetero_args
+from megatron_hetermoe.cli.pretrain import hetero_plan_parser
 from megatron_hetermoe.megatron_lm.cpu_layer import megatron_on_cpu
 from megatron_hetermoe.megatron_lm.hooks import hetero_pretrain
 from megatron_hetermoe.megatron_lm.patches import PATCHES, checkout_version, patch_for
-from megatron_hetermoe.training.hetero_args import add_hetero_args
 
 __all__ = ["add_hetero_args", "hetero_pretrain", "megatron_on_cpu", "hetero_requested", "patch_for",
            "checkout_version", "PATCHES"]
@@ -67,9 +66,7 @@ __all__ = ["add_hetero_args", "hetero_pretrain", "megatron_on_cpu", "hetero_requ
 
 def hetero_plan_path(argv: list[str]) -> str | None:
     """The --hetero-plan this command line gives (None: a plain Megatron run)."""
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument("--hetero-plan", default=None)
-    known, _ = p.parse_known_args(argv)
+    known, _ = hetero_plan_parser().parse_known_args(argv)
     return known.hetero_plan
 
 

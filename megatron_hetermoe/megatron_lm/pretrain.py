@@ -347,18 +347,10 @@ def run_rank(argv: list[str]) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """This command's own flags; every other flag is Megatron-LM's (its parser's --help lists them)."""
-    from megatron_hetermoe.help_format import HelpFormatter
+    """`hetermoe pretrain`'s own flags (cli/pretrain.py), described by this module's first paragraph."""
+    from megatron_hetermoe.cli.pretrain import build_parser
 
-    p = argparse.ArgumentParser(prog="hetermoe pretrain", add_help=False, allow_abbrev=False,
-                                formatter_class=HelpFormatter, description=__doc__.split("\n\n")[0],
-                                usage="hetermoe pretrain [--nproc N] <Megatron-LM pretrain_gpt.py flags> "
-                                      "[--hetero-plan plan.json]")
-    p.add_argument("-h", "--help", action="store_true", help="show this help, then Megatron-LM's flags, and exit (default: off)")
-    p.add_argument("--nproc", type=int, default=None, metavar="N",
-                   help="ranks to start on this host with torch.distributed.run, outside torchrun only "
-                        "(default: the --hetero-plan's world size, else 1)")
-    return p
+    return build_parser(__doc__.split("\n\n")[0])
 
 
 def _take_nproc(argv: list[str]) -> tuple[int | None, bool, list[str]]:

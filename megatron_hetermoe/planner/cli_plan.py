@@ -58,10 +58,9 @@ from megatron_hetermoe.limits import (
     MODEL_LIMITS,
 )
 from megatron_hetermoe.plan.hetero_plan import RUNTIME_EXPERT_RECOMPUTE, HeteroPlan, PlanError, even_plan
-from megatron_hetermoe.plan.tasks import SCHEDULES, ZEBRA_WAVE_ORDERS
 from megatron_hetermoe.planner.baselines import NETWORK_FLOOR, ROOFLINE
 from megatron_hetermoe.planner.cluster import Cluster
-from megatron_hetermoe.planner.cost_model import EXPERT_RECOMPUTE, SELECTIVE_PRICED, CostModel, TrainSettings
+from megatron_hetermoe.planner.cost_model import SELECTIVE_PRICED, CostModel, TrainSettings
 from megatron_hetermoe.planner.expert_load import ExpertLoad, LoadStats, describe_skew, load_expert_load
 from megatron_hetermoe.planner.load_placement import ExpertSpeeds, LoadPlacement, measured_speeds, place_for_load
 from megatron_hetermoe.planner.megatron_flags import RunFlags, model_from_flags
@@ -72,91 +71,10 @@ from megatron_hetermoe.vocabulary import ScheduleName
 
 
 def _parser() -> argparse.ArgumentParser:
-    from megatron_hetermoe.help_format import HelpFormatter
+    """`hetermoe plan`'s parser (cli/plan.py), described by this module's docstring."""
+    from megatron_hetermoe.cli.plan import build_parser
 
-    p = argparse.ArgumentParser(prog="hetermoe plan", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--model", help="model config: a path or a name in configs/models/ (tiny, d1, ...); or, "
-                   "instead, the run's pretrain_gpt.py flags after a literal --")
-    p.add_argument("-o", "--output", help="write the plan JSON here (default: print it)")
-    even = p.add_argument_group("even plan")
-    even.add_argument("--even", action="store_true", help="experts split evenly; no search")
-    # The group's other flags lay out an even plan; a search picks these itself (main refuses them there).
-    even_only: list[str] = []
-
-    def even_flag(*names: str, **kw) -> None:
-        even_only.append(even.add_argument(*names, **kw).dest)
-
-    even_flag("--attention-ranks", type=int, help="M: attention ranks per ZP group (required with --even)")
-    even_flag("--expert-ranks", type=int, help="N: expert ranks per ZP group (required with --even, unless the "
-              "run's flags after -- give --expert-model-parallel-size: then N is it)")
-    even_flag("--groups", type=int, default=1, help="G: number of ZP groups")
-    even_flag("--microbatches", type=int, default=None,
-              help="R: microbatches per step (default 1; with the run's flags after --: its --global-batch-size / "
-              "(--micro-batch-size x attention members))")
-    even_flag("--schedule", choices=list(SCHEDULES), default="distep",
-              help="the plan's schedule: DistEP (Megatron's schedule) or zebra (overlapped)")
-    even_flag("--zebra-waves", type=int, default=1,
-              help="W: with --schedule zebra and --pipeline-stages P > 1, Theorem 1 over W groups of R / W "
-              "microbatches, so a stage passes one group's outputs on while it runs the next (default 1)")
-    even_flag("--zebra-wave-order", choices=list(ZEBRA_WAVE_ORDERS), default="gpipe",
-              help="with --zebra-waves W > 1: gpipe, every group's forward before the first backward (every "
-              "stage keeps all R microbatches alive), or 1f1b, Megatron's 1F1B over the groups (stage i of P "
-              "keeps R / W x min(W, P - i)) (default gpipe)")
-    even_flag("--virtual-stages", type=int, default=None,
-              help="V: with --pipeline-stages P > 1, each stage holds V model chunks (Megatron's "
-              "--num-virtual-stages-per-pipeline-rank V; DistEP runs Megatron's interleaved 1F1B, zebra its "
-              "order over the waves, docs/virtual-stages.md; Megatron-LM's pretrain() only) (default 1)")
-    even_flag("--attention-gpu", default="cpu", help="GPU type of attention ranks (a configs/gpus/ name)")
-    even_flag("--expert-gpu", default="cpu", help="GPU type of expert ranks (a configs/gpus/ name)")
-    p.add_argument("--attention-tp", type=int, default=None,
-                   help="tensor-parallel size of each attention member (Megatron's --tensor-model-parallel-size with "
-                   "--sequence-parallel; M must be a multiple of it; no experts on attention ranks with TP > 1). With "
-                   "--even: the plan's attention_tp (default 1); with --cluster: search only this size (default: "
-                   "1, 2, 4 and 8 where they divide the heads and fit in a node)")
-    p.add_argument("--pipeline-stages", type=int, default=None,
-                   help="P: pipeline stages of each ZP group (Megatron's --pipeline-model-parallel-size; the decoder "
-                   "layers split evenly; each stage its own attention and expert ranks; with --cluster DistEP or zebra inside "
-                   "the stages, as the search picks). "
-                   "With --even: the plan's P (default 1; --attention-ranks and --expert-ranks are then per stage); "
-                   "with --cluster: search only this P (default: 1, 2, 4 and 8 where they divide the layers and "
-                   "the ZP group)")
-    srch = p.add_argument_group("search")
-    srch.add_argument("--cluster", help="cluster config: a path or a name in the config directory's clusters/ (o1, c1-200g, ...; "
-                      "required for a search)")
-    srch.add_argument("--seq-len", type=int, help="tokens per sequence (required for a search)")
-    srch.add_argument("--global-batch", type=int, help="sequences per step (required for a search)")
-    srch.add_argument("--asym", choices=["optimal", "greedy", "none"], default="optimal",
-                      help="expert assignment solver for the plan (default: optimal)")
-    srch.add_argument("--engine", choices=["auto", "python", "cpp"], default="auto", help="simulator core (auto: the C++ core when built)")
-    srch.add_argument("--max-microbatches", type=int, default=32, help="largest R the search tries")
-    srch.add_argument("--expert-recompute", choices=["auto", *EXPERT_RECOMPUTE], default="auto",
-                      help="what expert ranks keep for the expert backward: off (inputs and intermediates), "
-                      "keep-inputs (backward re-runs the expert forward), resend-inputs (nothing kept: the "
-                      "attention ranks send the tokens again with the gradient); auto: keep-inputs, and "
-                      "resend-inputs for shapes whose expert ranks cannot hold their experts otherwise. "
-                      "The plan carries the level; training runs off and keep-inputs and refuses "
-                      "resend-inputs, which is priced only (default: auto)")
-    srch.add_argument("--distributed-optimizer", action="store_true",
-                      help="price Megatron's --use-distributed-optimizer: fp32 master weights and Adam moments "
-                      "sharded over each parameter's replicas (attention members; an expert's ZP groups); "
-                      "train the plan with --use-distributed-optimizer")
-    srch.add_argument("--json", action="store_true", help="print the predictions as JSON instead of a table")
-    loads = p.add_argument_group("measured expert loads (docs/expert-load.md)")
-    loads.add_argument("--expert-load", metavar="STATS",
-                       help="place experts for the loads a run measured (its --hetero-expert-load-stats file): "
-                       "Asym-EA and the expert-to-rank assignment balance load x time per token of each rank's GPU "
-                       "within its memory; prints the predicted step of the uniform and the load-aware placement "
-                       "under these loads and writes the load-aware one where it is faster. With --even: "
-                       "placement only (needs --seq-len and --global-batch, or the run's flags after --)")
-    loads.add_argument("--expert-load-intervals", type=int, default=None, metavar="K",
-                       help="with --expert-load: the loads of the stats file's last K log intervals (recent "
-                       "routing; default: the whole run)")
-    loads.add_argument("--expert-load-plan", metavar="RUN_PLAN",
-                       help="with --expert-load: the plan the measured run trained on; each GPU type's expert speed "
-                       "is then its ranks' measured expert task seconds over the cost model's for the same tokens "
-                       "(relative between the measured types; default: the GPU profiles)")
-    p.even_only = tuple(even_only)  # the dests of the "even plan" flags, for main's refusal in a search
-    return p
+    return build_parser(__doc__)
 
 
 def _finite(x):

@@ -47,7 +47,6 @@ from pathlib import Path
 
 from megatron_hetermoe.config import ModelConfig, ModelConfigError
 from megatron_hetermoe.errors import UserError
-from megatron_hetermoe.layer_pattern import LayerPatternError, parse_moe_layer_freq
 
 # Megatron-LM core_v0.16.1's flag names (the list training/pretrain_gpt.py checks against too).
 MEGATRON_FLAGS_FILE = Path(__file__).resolve().parent.parent / "training" / "megatron_lm_flags.txt"
@@ -145,63 +144,15 @@ def megatron_flag_names() -> frozenset[str]:
     return frozenset(line.strip() for line in MEGATRON_FLAGS_FILE.read_text().splitlines() if line.startswith("--"))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # a bad value: the planner's one-line error, not this parser's usage
-        raise MegatronFlagsError(f"after --: {message}")
-
-
-def _window(text: str) -> tuple[int, ...]:
-    """Megatron's tuple_type: "128,0" or "(128,0)" -> (128, 0)."""
-    try:
-        return tuple(int(i) for i in text.strip("()").split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not comma-separated integers, e.g. 128,0") from None
-
-
-def _pattern(text: str) -> int | list[int]:
-    """Megatron's moe_freq_type (--window-attn-skip-freq): an int, or a list expression."""
-    try:
-        return parse_moe_layer_freq(text)
-    except LayerPatternError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+def _refuse(message: str):
+    """A bad value: the planner's one-line error, not the parser's usage."""
+    raise MegatronFlagsError(f"after --: {message}")
 
 
 def _parser() -> argparse.ArgumentParser:
-    # allow_abbrev=False: Megatron's names only (--num-layers must not match --num-layers-per-...)
-    p = _Parser(prog="hetermoe plan ... --", add_help=False, allow_abbrev=False)
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--ffn-hidden-size", "--moe-ffn-hidden-size",
-                 "--num-experts", "--moe-router-topk", "--seq-length", "--encoder-seq-length", "--vocab-size",
-                 "--padded-vocab-size", "--global-batch-size", "--moe-shared-expert-intermediate-size",
-                 "--kv-channels", "--num-query-groups", "--mtp-num-layers", "--q-lora-rank",
-                 "--moe-router-num-groups", "--moe-router-group-topk", "--max-position-embeddings",
-                 "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
-                 "--recompute-num-layers", "--decoder-first-pipeline-num-layers",
-                 "--decoder-last-pipeline-num-layers"):
-        p.add_argument(flag, type=int, default=None)
-    for flag, default in (("--kv-lora-rank", 32), ("--qk-head-dim", 128), ("--qk-pos-emb-head-dim", 64),
-                          ("--v-head-dim", 128), ("--make-vocab-size-divisible-by", 128),
-                          ("--tensor-model-parallel-size", 1), ("--pipeline-model-parallel-size", 1),
-                          ("--expert-model-parallel-size", 1), ("--micro-batch-size", 1)):
-        p.add_argument(flag, type=int, default=default)
-    p.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=None)
-    p.add_argument("--moe-layer-freq", default=None)  # int or list expression: ModelConfig reads it
-    p.add_argument("--window-size", type=_window, default=None)
-    p.add_argument("--window-attn-skip-freq", type=_pattern, default=None)
-    p.add_argument("--softmax-type", choices=["vanilla", "off-by-one", "learnable"], default="vanilla")
-    p.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    p.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "mrope", "relative", "none"],
-                   default="learned_absolute")
-    p.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    p.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    p.add_argument("--recompute-modules", nargs="*", choices=RECOMPUTE_MODULES, default=None)
-    for flag in ("--swiglu", "--quick-geglu", "--squared-relu", "--group-query-attention",
-                 "--untie-embeddings-and-output-weights", "--qk-layernorm", "--attention-output-gate",
-                 "--multi-latent-attention", "--add-qkv-bias", "--moe-shared-expert-gate", "--sequence-parallel",
-                 "--use-distributed-optimizer", "--recompute-activations", "--moe-layer-recompute"):
-        p.add_argument(flag, action="store_true")
-    p.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
-    p.add_argument("--tokenizer-type", default=None)
-    return p
+    from megatron_hetermoe.cli.plan import megatron_flags_parser
+
+    return megatron_flags_parser(RECOMPUTE_MODULES, _refuse)
 
 
 def _check_flags(rest: list[str]) -> None:

@@ -15,7 +15,6 @@ instead (the Zebra + Asym-EA step takes N real seconds, the others the same scal
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field, replace
@@ -248,44 +247,15 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def _step_seconds(s: str) -> float | None:
-    if s == "auto":
-        return None
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{s!r}: give seconds or 'auto'") from None
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"{s!r}: must be > 0")
-    return v
-
-
 def main(argv: list[str] | None = None) -> int:
-    from megatron_hetermoe.help_format import HelpFormatter
+    from megatron_hetermoe.cli.bench import build_parser
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--layer" in argv:  # one MoE layer, HeterMoE's against Megatron's (tools/layer_bench.py)
         from megatron_hetermoe.tools import layer_bench
 
         return layer_bench.main([a for a in argv if a != "--layer"])
-    p = argparse.ArgumentParser(prog="hetermoe bench", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--layer", action="store_true",
-                   help="time one MoE layer, HeteroMoELayer against megatron's MoELayer (`hetermoe bench --layer -h`)")
-    p.add_argument("--cluster", required=True, help="the emulated cluster: configs/clusters/NAME.yaml or a path")
-    p.add_argument("--model", required=True, help="the emulated model shape (e.g. d1)")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence of the emulated model")
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 4 per GPU)")
-    p.add_argument("--steps", type=int, default=3, help="measured steps per strategy (after warm-up and calibration)")
-    p.add_argument("--step-seconds", type=_step_seconds, default=None, metavar="auto|SECONDS",
-                   help="'auto' (default): each run picks its scale from a calibration step so that the emulation "
-                        "holds; SECONDS: real seconds of the Zebra+Asym-EA step (one scale for all)")
-    p.add_argument("--max-step-seconds", type=float, default=30.0,
-                   help="auto: the longest real step a run may stretch to")
-    p.add_argument("--max-overrun", type=float, default=0.03,
-                   help="a run whose real work and host delays add more than this fraction of its step is invalid")
-    p.add_argument("--only", default=",".join(STRATEGIES), help="comma-separated subset of " + ", ".join(STRATEGIES))
-    p.add_argument("--timeline-dir", default=None, help="write each HeterMoE run's timeline here")
-    p.add_argument("--json", action="store_true", help="print the report as JSON (valid, invalid_reason, ...)")
+    p = build_parser(__doc__, STRATEGIES)
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error(f"--steps {a.steps}: measure at least 1 step")

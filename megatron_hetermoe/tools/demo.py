@@ -18,7 +18,6 @@ invalid, with the fix, and no measured speedup is printed as a result.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -165,15 +164,9 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_hetermoe.help_format import HelpFormatter
+    from megatron_hetermoe.cli.demo import build_parser
 
-    p = argparse.ArgumentParser(prog="demo", description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    p.add_argument("--out-dir", default="demo-out", help="where timeline.png, plan.json and summary.json go")
-    p.add_argument("--steps", type=int, default=150, help="HeterMoE training steps")
-    p.add_argument("--measure-steps", type=int, default=3,
-                   help="timed steps at the end of each run (after a calibration step)")
-    p.add_argument("--max-step-seconds", type=float, default=30.0,
-                   help="the longest real step the calibration may stretch a timed step to")
+    p = build_parser(__doc__.split("\n\n")[0])
     a = p.parse_args(argv)
     if a.steps <= DEMO_WARMUP_ITERS:  # megatron-core's scheduler would assert on every rank, minutes in
         p.error(f"--steps {a.steps}: must be above the demo's LR warm-up of {DEMO_WARMUP_ITERS} steps; "

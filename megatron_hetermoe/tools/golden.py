@@ -29,23 +29,9 @@ def main(argv: list[str] | None = None) -> int:
         own, trainer_argv = argv[:i], argv[i + 1:]
     else:
         own, trainer_argv = argv, []
-    from megatron_hetermoe.help_format import HelpFormatter
+    from megatron_hetermoe.cli.regress import build_parser, build_trainer_parser
 
-    p = argparse.ArgumentParser(prog="hetermoe regress", formatter_class=HelpFormatter,
-                                usage="hetermoe regress --golden FILE [--rtol R] [--update] -- <trainer args>\n"
-                                      "       hetermoe regress --golden FILE --tensorboard DIR [--rtol R] "
-                                      "[--num-zeros-rtol R] [--time-rtol R] [--update]")
-    p.add_argument("--golden", required=True, help="golden values JSON (Megatron's layout)")
-    p.add_argument("--rtol", type=float, default=DEFAULT_RTOL,
-                   help="relative tolerance per step of lm loss (Megatron's); exact with --deterministic-mode")
-    p.add_argument("--update", action="store_true", help="write the run's values as the new golden values")
-    p.add_argument("--tensorboard", metavar="DIR", default=None,
-                   help="no training: compare the pretrain() run that wrote this --tensorboard-dir (lm loss, "
-                        "num-zeros, iteration-time, as the golden values have them)")
-    p.add_argument("--num-zeros-rtol", type=float, default=DEFAULT_METRIC_RTOL["num-zeros"],
-                   help="with --tensorboard: relative tolerance of num-zeros")
-    p.add_argument("--time-rtol", type=float, default=None,
-                   help="with --tensorboard: relative tolerance of iteration-time (not compared without it)")
+    p = build_parser(DEFAULT_RTOL, DEFAULT_METRIC_RTOL["num-zeros"])
     a = p.parse_args(own)
     if a.tensorboard is not None:
         if trainer_argv:
@@ -55,9 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_hetermoe.outputs import writable_file
     from megatron_hetermoe.training import args as train_args
 
-    tp = argparse.ArgumentParser(prog="hetermoe regress -- (trainer args)")
-    train_args.add_megatron_args(tp)
-    tp.add_argument("--nproc", type=int, default=4, help="CPU ranks to start")
+    tp = build_trainer_parser()
     ta = tp.parse_args(trainer_argv)
     if not 1 <= ta.nproc <= train_args.MAX_FORKED_RANKS:
         tp.error(f"--nproc {ta.nproc}: start 1 to {train_args.MAX_FORKED_RANKS} CPU ranks")

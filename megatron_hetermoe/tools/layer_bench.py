@@ -17,7 +17,6 @@ its one synchronize): the count is the reads that follow device work.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -233,13 +232,9 @@ def time_pair(pair: LayerPair, tokens: int, repeats: int = 20, warmup: int = 3) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_hetermoe.help_format import HelpFormatter
+    from megatron_hetermoe.cli.bench import build_layer_parser
 
-    p = argparse.ArgumentParser(prog="hetermoe bench --layer", description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--model", default="d1", help="the model whose MoE layer is timed (configs/models/NAME.yaml)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens in the microbatch")
-    p.add_argument("--repeats", type=int, default=20, help="timed pairs of passes")
-    p.add_argument("--precision", choices=("fp32", "bf16", "fp16"), default="fp32")
+    p = build_layer_parser(__doc__)
     a = p.parse_args(argv)
     if a.tokens < 1 or a.repeats < 2:
         p.error(f"--tokens {a.tokens} must be >= 1 and --repeats {a.repeats} >= 2")

@@ -8,7 +8,6 @@ final weights are exported back (layout.hetero_to_megatron) for comparison.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -18,14 +17,12 @@ from dataclasses import dataclass
 import torch
 
 from megatron_hetermoe.config import (
-    ISSUERS,
     HeteroRunConfig,
     ModelConfig,
     ParallelConfig,
     TrainConfig,
 )
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
-from megatron_hetermoe.plan.tasks import SCHEDULES
 
 # Tolerances at identical parameters (both sides' gradients of step i are taken at the
 # reference's parameters before step i), from measurement: the worst case over the test matrix
@@ -181,28 +178,9 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_hetermoe.help_format import HelpFormatter
+    from megatron_hetermoe.cli.parity import build_parser
 
-    p = argparse.ArgumentParser(prog="hetermoe parity", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    p.add_argument("--plan", required=True, help="plan JSON (hetermoe plan --even ... -o plan.json)")
-    p.add_argument("--model", default="tiny", help="model config (a models/ name or a YAML path); the plan's shape")
-    p.add_argument("--steps", type=int, default=5, help="training steps compared")
-    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per microbatch per attention rank")
-    p.add_argument("--seed", type=int, default=1234, help="seed of weights and data (both runs)")
-    p.add_argument("--schedule", choices=list(SCHEDULES), default=None, help="override the plan's schedule (default: the plan's)")
-    p.add_argument("--recompute", action="store_true", help="zebra: recompute attention stages in backward")
-    p.add_argument("--zebra-issuer", choices=list(ISSUERS), default="auto",
-                   help="zebra: who issues the transfers (--hetero-zebra-issuer's meaning; default: auto)")
-    p.add_argument("--loss-tol", type=float, default=LOSS_TOL, help="bound on max_rel_loss_diff (identical parameters)")
-    p.add_argument("--grad-tol", type=float, default=GRAD_TOL, help="bound on max_rel_grad_diff (identical parameters)")
-    p.add_argument("--free-run-tol", type=float, default=FREE_RUN_PARAM_TOL,
-                   help="bound on max_rel_param_diff_free_run (final weights of the free-running trajectories)")
-    p.add_argument("--free-run-loss-tol", type=float, default=FREE_RUN_LOSS_TOL,
-                   help="bound on max_rel_loss_diff_free_run (losses of the free-running trajectories)")
-    p.add_argument("--no-free-run", dest="free_run", action="store_false",
-                   help="skip the free-running HeterMoE run (its final-weights difference is then not reported)")
-    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p = build_parser(__doc__.split("\n\n")[0], LOSS_TOL, GRAD_TOL, FREE_RUN_PARAM_TOL, FREE_RUN_LOSS_TOL)
     a = p.parse_args(argv)
     import megatron.core  # noqa: F401  - import once, then fork ranks
 

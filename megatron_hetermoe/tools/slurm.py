@@ -30,7 +30,6 @@ RANK inside each task.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shlex
@@ -141,12 +140,12 @@ def check_megatron_core(train_args: list[str]) -> None:
         raise ValueError(f"--entry megatron-core: this host's megatron-core {found} has no megatron.training to check "
                          f"the flags with (0.19 and later ship it); render the job where the training environment is "
                          f"installed, or use --entry megatron-lm --megatron-lm-dir DIR")
-    from megatron_hetermoe.training.hetero_args import add_hetero_args
+    from megatron_hetermoe.cli.slurm import megatron_core_parser
 
     class Refused(Exception):
         pass
 
-    parser = add_hetero_args(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    parser = megatron_core_parser(add_megatron_arguments)
 
     def refuse(message: str):
         raise Refused(message)
@@ -165,7 +164,7 @@ def check_megatron_core(train_args: list[str]) -> None:
 def check_megatron_lm(checkout: str, train_args: list[str]) -> None:
     """A patched Megatron-LM checkout, and flags its parser has (by name: its values are checked
     by Megatron-LM itself on the nodes, whose training-side packages the login node may lack)."""
-    from megatron_hetermoe.training.hetero_args import HETERO_FLAGS
+    from megatron_hetermoe.cli.hetero import HETERO_FLAGS
     from megatron_hetermoe.training.pretrain_gpt import MEGATRON_REF, megatron_flags
 
     script = Path(checkout) / "pretrain_gpt.py"
@@ -266,32 +265,9 @@ def task_commands(comps: list[Component], train_args: list[str], plan_path: str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatron_hetermoe.tools.slurm",
-                                description="render the sbatch script (and per-task commands) for a plan")
-    p.add_argument("--plan", required=True, help="the plan; a relative path is relative to --workdir")
-    p.add_argument("--gpus-per-node", action="append", default=[], metavar="[TYPE=]N",
-                   help="GPUs per node, per GPU type (a40=4) or for all types (8); repeatable")
-    p.add_argument("--partition", action="append", default=[], metavar="[TYPE=]NAME")
-    p.add_argument("--constraint", action="append", default=[], metavar="[TYPE=]FEATURE",
-                   help="node feature of each GPU type (default: the type name)")
-    p.add_argument("--account", default=None)
-    p.add_argument("--time", default=None)
-    p.add_argument("--job-name", default="hetermoe")
-    p.add_argument("--master-port", type=int, default=29500, help="rendezvous port on rank 0's node, 1..65535")
-    p.add_argument("--repo", default=str(Path(__file__).resolve().parents[2]),
-                   help="this repository's path on the nodes (the plugin and scripts/slurm/rank.sh)")
-    p.add_argument("--workdir", default=None, help="directory the tasks run in (default: the current one)")
-    p.add_argument("--python", default=os.environ.get("PYTHON") or sys.executable,
-                   help="the tasks' interpreter (default: $PYTHON, else this one); $PYTHON at run time wins")
-    p.add_argument("--entry", choices=ENTRIES, default="plugin",
-                   help="plugin: this plugin's trainer; megatron-lm: Megatron-LM's patched pretrain_gpt.py "
-                        "(--megatron-lm-dir); megatron-core: megatron-core >= 0.19's own pretrain(), no checkout")
-    p.add_argument("--megatron-lm-dir", default=None, help="the Megatron-LM checkout, with --entry megatron-lm")
-    p.add_argument("--cuda-device-max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
-                   help="CUDA_DEVICE_MAX_CONNECTIONS of every task (1 serialises zebra's streams: refused with zebra)")
-    p.add_argument("--tasks", action="store_true", help="print each task's command instead of the script")
-    p.add_argument("--with-tasks", action="store_true", help="print the script, then each task's command (dry run)")
-    p.add_argument("train_args", nargs=argparse.REMAINDER, help="-- then pretrain_gpt flags")
+    from megatron_hetermoe.cli.slurm import build_parser
+
+    p = build_parser(ENTRIES, DEFAULT_MAX_CONNECTIONS)
     a = p.parse_args(argv)
     train_args = a.train_args[1:] if a.train_args[:1] == ["--"] else a.train_args
     if "--hetero-plan" in train_args:

@@ -8,7 +8,6 @@ expert's tokens over the layer's mean, and each rank's compute seconds per task 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -102,13 +101,9 @@ def load_table(stats) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_hetermoe.help_format import HelpFormatter
+    from megatron_hetermoe.cli.timeline import build_parser
 
-    p = argparse.ArgumentParser(prog="hetermoe timeline", description="draw a run's timeline",
-                                formatter_class=HelpFormatter)
-    p.add_argument("run_dir", help="a --timeline-dir of hetermoe train / bench (timeline.rank*.json)")
-    p.add_argument("-o", "--output", default=None, help="PNG path (default RUN_DIR/timeline.png)")
-    p.add_argument("--step", type=int, default=None, help="draw one step only (default: the last)")
+    p = build_parser()
     a = p.parse_args(argv)
     run_dir = Path(a.run_dir)
     if not run_dir.is_dir():

@@ -1,6 +1,6 @@
 """Training: args.py (`hetermoe train` flags -> TrainConfig, ranks), pretrain_gpt.py (`hetermoe
-train-gpt`: Megatron-LM's pretrain_gpt.py flags for the subset the plugin's trainer builds),
-hetero_args.py (the --hetero-* flags, defined once for both hostings), validation.py (every input
+train-gpt`: Megatron-LM's pretrain_gpt.py flags for the subset the plugin's trainer builds; their
+parsers are cli/'s), hetero_args.py (the parsed --hetero-* flags -> HeteroRunConfig), validation.py (every input
 checked before any process group exists), assembly.py (RoleAssembly: a HeterMoE rank put together
 for both hostings), megatron_ep.py and hetero.py (the two trainers), loop.py (the one loop both
 run), step.py (forward_step, loss, optimizer, one loss scale), world_stats.py (params norm and

@@ -41,8 +41,11 @@ from pathlib import Path
 
 import yaml
 
+from megatron_hetermoe.cli import train_gpt as train_gpt_cli
+from megatron_hetermoe.cli.train_gpt import RECIPE_FLAGS
 from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.errors import UserError
+from megatron_hetermoe.parallel.watchdog import DEFAULT_PROGRESS_TIMEOUT_S
 from megatron_hetermoe.training import args as train_args
 
 MEGATRON_FLAGS_FILE = Path(__file__).with_name("megatron_lm_flags.txt")
@@ -59,20 +62,6 @@ EXTENSION_FLAGS = frozenset({
     "--check-for-nan-in-loss-and-grad",
 })
 
-# What this trainer always builds and trains, as Megatron-LM flags: dest -> (flag, the value it
-# must have (True: a switch), what Megatron-LM builds or trains without the flag).
-RECIPE_FLAGS: dict[str, tuple[str, object, str]] = {
-    "swiglu": ("--swiglu", True, "GeLU MLPs"),
-    "normalization": ("--normalization", "RMSNorm", "LayerNorm"),
-    "position_embedding_type": ("--position-embedding-type", "rope", "learned absolute position embeddings"),
-    "disable_bias_linear": ("--disable-bias-linear", True, "biased linear layers"),
-    "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights", True,
-                                            "tied input and output embeddings"),
-    "hidden_dropout": ("--hidden-dropout", 0.0, "hidden dropout 0.1"),
-    "attention_dropout": ("--attention-dropout", 0.0, "attention dropout 0.1"),
-    "adam_beta2": ("--adam-beta2", 0.95, "Adam beta2 0.999"),
-    "lr_decay_style": ("--lr-decay-style", "cosine", "linear LR decay"),
-}
 MEGATRON_PRETRAIN = ("`hetermoe pretrain` (Megatron's own pretrain(), which builds what the flags say; needs "
                      "megatron-core >= 0.19, or a Megatron-LM checkout in MEGATRON_LM_DIR)")
 
@@ -94,61 +83,9 @@ def megatron_flags() -> frozenset[str]:
     return frozenset(line.strip() for line in MEGATRON_FLAGS_FILE.read_text().splitlines() if line.startswith("--"))
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """Megatron-LM's model-shape and related flags that `hetermoe train` takes from a model YAML."""
-    g = p.add_argument_group("model (Megatron-LM flags)")
-    g.add_argument("--num-layers", type=int, default=None, help="transformer layers (default: --model's)")
-    g.add_argument("--hidden-size", type=int, default=None, help="model width (default: --model's)")
-    g.add_argument("--num-attention-heads", type=int, default=None,
-                   help="attention heads; hidden size / heads must be even (default: --model's)")
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size (Megatron's)")
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="per-expert size; default: --ffn-hidden-size")
-    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: --model's)")
-    g.add_argument("--moe-router-topk", type=int, default=None, help="default: 2 (Megatron's)")
-    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss"], default="aux_loss",
-                   help="router load balancing (only Megatron's aux_loss)")
-    g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="must be >= --seq-length (RoPE: no learned table; default: --seq-length)")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer's vocab before EOD; without --tokenizer-type, mock data's vocab "
-                        "(default: --model's, else the tokenizer's)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocab to a multiple of this x TP, as Megatron does")
-    req = "required: the model is always Mixtral-style"
-    g.add_argument("--normalization", choices=["RMSNorm"], default=None, help=f"only RMSNorm ({req})")
-    g.add_argument("--position-embedding-type", choices=["rope"], default=None, help=f"only rope ({req})")
-    for dest in ("swiglu", "disable_bias_linear", "untie_embeddings_and_output_weights"):
-        flag, _, instead = RECIPE_FLAGS[dest]
-        g.add_argument(flag, dest=dest, action="store_true", help=f"{req}; Megatron-LM builds {instead} without it")
-    for dest in ("hidden_dropout", "attention_dropout"):
-        g.add_argument(RECIPE_FLAGS[dest][0], dest=dest, type=float, choices=[0.0], default=None,
-                       help="only 0 (required: the model has no dropout; Megatron-LM's default is 0.1)")
-    g = p.add_argument_group("schedule and evaluation (Megatron-LM flags)")
-    g.add_argument("--adam-beta2", type=float, choices=[0.95], default=None,
-                   help="only 0.95 (required: Megatron-LM's default is 0.999)")
-    g.add_argument("--lr-decay-style", choices=["cosine"], default=None,
-                   help="LR decay after warm-up: only cosine (required: Megatron-LM's default is linear)")
-    g.add_argument("--eval-iters", type=int, default=None,
-                   help="only 0: evaluation is not implemented (default: not set; Megatron-LM's is 100)")
-    g.add_argument("--eval-interval", type=int, default=None,
-                   help="only with --eval-iters 0, where it has no effect (default: not set)")
-
-
-def _set_help(p: argparse.ArgumentParser, dest: str, text: str) -> None:
-    next(a for a in p._actions if a.dest == dest).help = text
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = train_args.build_parser(prog="python -m megatron_hetermoe.training.pretrain_gpt")
-    p.description = __doc__.split("\n\n")[0]
-    p.allow_abbrev = False  # Megatron's names only: "--lr-decay" must not silently mean something
-    p.set_defaults(model=None)  # the shape comes from the flags (or a --model YAML to start from)
-    add_model_args(p)
-    # Megatron-LM's defaults where `hetermoe train`'s differ: min LR 0; no fixed global batch.
-    p.set_defaults(min_lr=0.0, global_batch_size=None)
-    _set_help(p, "global_batch_size", "sequences per step; a multiple of --micro-batch-size x data-parallel size "
-              "(required: Megatron-LM's default, micro batch x data-parallel size, is not taken here)")
-    return p
+    """`hetermoe train-gpt`'s parser (cli/train_gpt.py), described by this module's first paragraph."""
+    return train_gpt_cli.build_parser(__doc__.split("\n\n")[0], DEFAULT_PROGRESS_TIMEOUT_S)
 
 
 def reject_unknown(p: argparse.ArgumentParser, rest: list[str]) -> None:

@@ -205,7 +205,7 @@ def test_wrong_model_shape_is_refused(distep, tiny):
 # ---- export to a plain Megatron dist checkpoint and back ----------------------------------------
 @pytest.mark.slow
 def test_export_import_identity_and_resume(distep):
-    from megatron_hetermoe.cli import main as cli
+    from megatron_hetermoe.commands import main as cli
 
     root = distep["root"]
     plan_file = root / "plan.json"

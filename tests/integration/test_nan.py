@@ -8,10 +8,11 @@ import math
 import pytest
 import torch
 
+from megatron_hetermoe.cli.train import add_megatron_args
 from megatron_hetermoe.config import ParallelConfig, TrainConfig
 from megatron_hetermoe.parallel.launcher import LaunchError
 from megatron_hetermoe.plan.hetero_plan import even_plan
-from megatron_hetermoe.training.args import add_megatron_args, config_from_args, run
+from megatron_hetermoe.training.args import config_from_args, run
 from megatron_hetermoe.training.nan_check import NanGuard, NanInjection, layer_of
 from megatron_hetermoe.training.run_hooks import RunHooks
 

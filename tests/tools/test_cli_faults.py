@@ -24,7 +24,7 @@ import numpy as np
 import psutil
 import pytest
 
-from megatron_hetermoe import cli
+from megatron_hetermoe import commands as cli
 from megatron_hetermoe.plan.hetero_plan import even_plan
 from megatron_hetermoe.training.pretrain_gpt import recipe_args
 

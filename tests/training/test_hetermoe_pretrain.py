@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from megatron_lm_run import BATCH, CPU, DATA, ITERATION, MODEL, RECIPE, ROOT, env
 
-from megatron_hetermoe import cli, compat
+from megatron_hetermoe import commands as cli
+from megatron_hetermoe import compat
 
 
 def _run(argv: list[str], capfd, **environ: str | None) -> tuple[int, str]:

@@ -31,7 +31,7 @@ EP = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allto
 
 @pytest.mark.slow
 def test_pretrain_golden_values_and_megatron_ep_of_the_same_run(mlm, data, tmp_path):
-    from megatron_hetermoe import cli
+    from megatron_hetermoe import commands as cli
     from megatron_hetermoe.plan.hetero_plan import even_plan
 
     flags = [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, *FLAGS]

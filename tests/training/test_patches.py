@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_hetermoe import compat, megatron_lm
-from megatron_hetermoe.training.hetero_args import HETERO_FLAGS
+from megatron_hetermoe.cli.hetero import HETERO_FLAGS
 from megatron_hetermoe.training.pretrain_gpt import (
     EXTENSION_FLAGS,
     build_parser,

@@ -151,7 +151,7 @@ def test_megatron_flag_list_matches_checkout():
 
 
 def test_cli_registers_pretrain():
-    from megatron_hetermoe.cli import SUBCOMMANDS
+    from megatron_hetermoe.commands import SUBCOMMANDS
 
     assert SUBCOMMANDS["train-gpt"][0] == f"{pretrain_gpt.__name__}:main"
 

@@ -1,5 +1,4 @@
-"""The help formatter of every hetermoe command's parser (a leaf: the commands live in packages
-below cli.py, which only dispatches to them)."""
+"""The help formatter of every hetermoe command's parser."""
 from __future__ import annotations
 
 import argparse

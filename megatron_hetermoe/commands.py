@@ -1,4 +1,5 @@
-"""`hetermoe` console script. Each subcommand lives in the module named for its idea and is
+"""`hetermoe` console script (`python -m megatron_hetermoe.cli`: cli/__main__.py). Its parsers are in
+cli/. Each subcommand lives in the module named for its idea and is
 imported only when used (planning needs no torch).
 
 A command ends in one line `hetermoe COMMAND: error: ...` (exit code 1) on a user's error, a
@@ -11,11 +12,10 @@ $HETERMOE_CONFIG_DIR). `--config-dir` is also taken after the command (before a 
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 
-from megatron_hetermoe.help_format import HelpFormatter
+from megatron_hetermoe.cli.hetermoe import build_parser
 
 # name -> (module:function taking argv and returning an exit code, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -61,22 +61,6 @@ def versions() -> str:
             f"Python {py}, C++ simulator {csim})")
 
 
-def _top_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="hetermoe", formatter_class=HelpFormatter, add_help=False,
-        description="HeterMoE (arXiv 2504.03871) as a Megatron-Core plugin. "
-                    "`hetermoe COMMAND --help` describes each command's flags.",
-        epilog="commands:\n" + "\n".join(f"  {n:<11} {doc}" for n, (_, doc) in SUBCOMMANDS.items()))
-    p.add_argument("-h", "--help", action="store_true", help="show this message and exit")
-    p.add_argument("--version", action="store_true", help="print the version of this package, torch and "
-                   "megatron-core, and whether the C++ simulator is built, then exit")
-    p.add_argument("--config-dir", metavar="DIR", default=None,
-                   help="look up bare config names (--model tiny, --cluster o1, GPU types) in DIR/models, "
-                        "DIR/gpus, DIR/clusters (default: $HETERMOE_CONFIG_DIR, else the repository's "
-                        "configs/ in a checkout, else the configs shipped in the package)")
-    return p
-
-
 def _take_config_dir(rest: list[str]) -> tuple[str | None, list[str]]:
     """Pull `--config-dir DIR` / `--config-dir=DIR` out of a command's own arguments (up to `--`)."""
     out, found, i = [], None, 0
@@ -111,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cut = i
             break
-    parser = _top_parser()
+    parser = build_parser(SUBCOMMANDS)
     top, unknown = parser.parse_known_args(argv[:cut])
     if unknown or (cut < len(argv) and argv[cut] not in SUBCOMMANDS):
         what = f"option {unknown[0]!r}" if unknown else f"command {argv[cut]!r}"

@@ -1,0 +1,143 @@
+"""`hetermoe train`'s parser: the subset of Megatron-LM's pretrain_gpt.py flags the plugin's
+trainer takes, its own launch flags and the --hetero-* flags (behaviour: training/args.py)."""
+from __future__ import annotations
+
+import argparse
+
+from megatron_hetermoe.cli.data import add_data_args
+from megatron_hetermoe.cli.formatter import HelpFormatter
+from megatron_hetermoe.cli.hetero import add_hetero_args
+
+# Forked CPU ranks share one host: more than this is a typo, not a job (each rank holds ~400 MB).
+MAX_FORKED_RANKS = 1024
+
+
+def add_megatron_args(p: argparse.ArgumentParser) -> None:
+    """The subset of Megatron-LM pretrain_gpt.py flags the baseline trainer takes."""
+    p.add_argument("--model", default="tiny", help="model config: a name in the config directory's models/ "
+                   "(hetermoe --config-dir) or a path to a YAML file")
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                   help="TP size; above 1 needs --sequence-parallel (MoE, as Megatron-LM requires) and divides the "
+                        "attention heads, the vocab and --seq-length; experts are not tensor-parallel (expert TP 1); "
+                        "with --hetero-plan: the plan's attention_tp (its attention members' TP size)")
+    p.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism over the TP group (required with TP > 1; turned off at TP 1, "
+                        "as Megatron-LM does)")
+    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="expert TP size; only 1 runs here (experts are whole). Megatron's default is the TP size, so "
+                        "with --tensor-model-parallel-size > 1 give 1 explicitly")
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
+                   help="PP size (1F1B); must divide the model's layers; with --hetero-plan: the plan's "
+                        "pipeline_stages (each stage its own attention and expert ranks; distep)")
+    p.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="EP size; must divide the model's experts and the world size / PP")
+    p.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["alltoall", "allgather"],
+                   help="Megatron's MoE token dispatcher (flex needs DeepEP on GPUs)")
+    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per microbatch per rank")
+    p.add_argument("--global-batch-size", type=int, default=8,
+                   help="sequences per step; a multiple of --micro-batch-size x data-parallel size")
+    p.add_argument("--seq-length", type=int, default=None, help="tokens per sequence (default: the model config's)")
+    p.add_argument("--train-iters", type=int, default=5, help="optimizer steps to train (the LR schedule's length)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (Adam; cosine decay to --min-lr)")
+    p.add_argument("--min-lr", type=float, default=1e-4, help="learning rate at the end of the cosine decay")
+    p.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="linear warm-up steps from 0 to --lr; fewer than --train-iters")
+    p.add_argument("--weight-decay", type=float, default=0.01, help="Adam weight decay")
+    p.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
+    p.add_argument("--seed", type=int, default=1234, help="seed of weights and data order, in [0, 2^32)")
+    p.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard optimizer state over data-parallel ranks (Megatron's: with --hetero-plan over the "
+                        "attention DP group and each expert replica group)")
+    g = p.add_argument_group("mixed precision (Megatron-LM flags)")
+    prec = g.add_mutually_exclusive_group()
+    prec.add_argument("--bf16", action="store_true",
+                      help="bf16 parameters and activations, fp32 main parameters and gradients (Megatron's "
+                           "mixed-precision optimizer); needs native bf16 on every GPU (not V100/T4: use --fp16)")
+    prec.add_argument("--fp16", action="store_true",
+                      help="fp16 parameters and activations, fp32 main parameters and gradients, loss scaling "
+                           "(dynamic unless --loss-scale)")
+    g.add_argument("--loss-scale", type=float, default=None,
+                   help="constant loss scale for --fp16/--bf16 (a positive power of 2 helps fp16; default: dynamic "
+                        "for --fp16, none for --bf16)")
+    g.add_argument("--initial-loss-scale", type=float, default=2**32, help="initial dynamic loss scale")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="minimum dynamic loss scale")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="steps without overflow before the dynamic loss scale doubles")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="overflowing steps in a row before the dynamic loss scale halves")
+    g = p.add_argument_group("kernels (Megatron-LM flags; default: chosen for the ranks' device)")
+    g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default=None,
+                   help="Megatron-LM's layer spec: transformer_engine (TE layers; needs transformer-engine and CUDA "
+                        "ranks of compute capability 8.0+ (Ampere or newer), on every rank) or local (megatron-core's "
+                        "own). Default: chosen automatically (unlike Megatron-LM, whose default is "
+                        "transformer_engine) per pool (attention ranks, expert ranks): TE where it runs on every GPU "
+                        "of the pool, else local; the choice is printed (kernels: ...)")
+    g.add_argument("--moe-grouped-gemm", action="store_true", default=None,
+                   help="Megatron-LM's grouped GEMM for experts: TEGroupedMLP with transformer_engine, the legacy "
+                        "GroupedMLP (grouped_gemm package, CUDA, --bf16) with local (default: with TE when chosen "
+                        "automatically, else off)")
+    p.add_argument("--deterministic-mode", action="store_true",
+                   help="bitwise reproducible runs (deterministic kernels; regress compares exactly)")
+    p.add_argument("--log-interval", type=int, default=1, help="print an iteration line every this many steps")
+    p.add_argument("--tensorboard-dir", default=None, help="write TensorBoard scalars here (first rank; default: none)")
+    p.add_argument("--moe-aux-loss-coeff", type=float, default=None,
+                   help="load-balancing loss weight (default: the model config's)")
+    add_data_args(p)
+    p.add_argument("--save", default=None, help="directory to save checkpoints to (default: no checkpoints)")
+    p.add_argument("--load", default=None, help="directory to load a checkpoint from (latest_checkpointed_iteration.txt; "
+                   "default: start from scratch)")
+    p.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoint saves (default: only at the end)")
+    p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration (default: the latest)")
+    p.add_argument("--check-for-nan-in-loss-and-grad", nargs="?", const="stop", default="stop",
+                   choices=["stop", "skip"],
+                   help="on a non-finite loss or gradient: stop the run (Megatron's meaning, the default) "
+                        "or skip the step on every rank")
+    p.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                   action="store_const", const="off",
+                   help="do not check (default: check, see --check-for-nan-in-loss-and-grad)")
+    g = p.add_argument_group("emulation of a mixed cluster on CPU ranks (HeterMoE's own flags)")
+    g.add_argument("--emulate", default=None, metavar="CLUSTER",
+                   help="time every rank as the GPU of its position in this cluster (a clusters/ name or a "
+                        "path; default: no emulation)")
+    g.add_argument("--emulated-model", default=None, help="model shape whose cost is emulated (default: --model)")
+    g.add_argument("--emulated-seq-length", type=int, default=None, help="its sequence length (default: 4096)")
+    g.add_argument("--emulated-global-batch-size", type=int, default=None,
+                   help="its sequences per step (default: 4 per emulated GPU)")
+    g.add_argument("--emulation-scale", default="1.0",
+                   help="real seconds per emulated second, or 'auto': picked from a calibration step (the "
+                        "second) so that the real work fits inside the emulated times")
+
+
+def build_parser(progress_timeout_s: float, prog: str = "hetermoe train") -> argparse.ArgumentParser:
+    """`hetermoe train`'s flags (`progress_timeout_s`: --progress-timeout's default, the launcher's);
+    train-gpt adds Megatron's model-shape flags to these (cli/train_gpt.py)."""
+    p = argparse.ArgumentParser(prog=prog, description="Train the Megatron MoE baseline (plain Megatron-Core TP/PP/EP/DP), or HeterMoE with --hetero-plan.", formatter_class=HelpFormatter)
+    add_megatron_args(p)
+    p.add_argument("--nproc", type=int, default=None,
+                   help=f"CPU ranks to start, 1..{MAX_FORKED_RANKS} (default: join a torchrun job if RANK is set, "
+                        f"else 4)")
+    p.add_argument("--elastic-restarts", type=int, default=0, metavar="N",
+                   help="HeterMoE on forked ranks: when ranks are lost (a process killed, its GPU gone), re-plan "
+                        "for the GPUs left (--hetero-gpus, or the plan's) and continue from the latest checkpoint "
+                        "(--save, --save-interval), up to N times (default: 0, a lost rank ends the job)")
+    p.add_argument("--progress-timeout", type=float, default=progress_timeout_s, metavar="SECONDS",
+                   help="forked CPU ranks: end the job, naming the rank furthest behind, when no rank finishes a "
+                        "step (or a checkpoint save) for this long; 0: never. A run has no other time limit "
+                        "(under torchrun the collective timeouts apply)")
+    p.add_argument("--golden-values-out", default=None, help="write per-step lm loss as Megatron golden values JSON (default: none)")
+    p.add_argument("--recompute-granularity", choices=["full"], default=None,
+                   help="zebra only (refused otherwise): recompute attention stages in backward (Megatron's "
+                        "'full' meaning, per stage; default: keep activations)")
+    p.add_argument("--timeline-dir", default=None, help="HeterMoE: write each rank's timeline here (default: none)")
+    p.add_argument("--hetero-replan-interval", type=int, default=0, metavar="K",
+                   help="HeterMoE: every K steps, place the experts anew for the expert loads and per-rank times "
+                        "measured since the last decision (same ranks and roles, no rank holding more experts than "
+                        "the plan gave it) and move them live, between steps, when the predicted saving pays for the "
+                        "move; losses stay bitwise those of a run without moves (docs/expert-load.md#live-moves; "
+                        "default: 0, never)")
+    p.add_argument("--hetero-replan-margin", type=float, default=2.0, metavar="X",
+                   help="--hetero-replan-interval: move only when the predicted saving over the next K steps exceeds "
+                        "X times the move's estimated cost (the last move's measured one; before any, one step), and "
+                        "the experts' predicted time drops by 5%% or more (default: 2.0)")
+    add_hetero_args(p)
+    return p
