@@ -21,6 +21,11 @@ class ScheduleName(StrEnum):
     DISTEP = "distep"  # each microbatch's whole forward then backward, no overlap of the roles
     ZEBRA = "zebra"  # Theorem 1's order: attention and experts overlap
 
+    def __repr__(self) -> str:
+        # the plain string's: a message that quotes a plan's schedule with !r reads the same whether
+        # the plan came from a file (a str) or from the planner (a member)
+        return repr(self.value)
+
 
 class TaskKind(StrEnum):
     """What one entry of a rank's task list does (plan/tasks.py's docstring has the full notation)."""

@@ -78,7 +78,7 @@ from megatron_hetermoe.planner.expert_load import ExpertLoad
 from megatron_hetermoe.planner.load_placement import ExpertSpeeds, LoadPlacement, place_for_load
 from megatron_hetermoe.planner.pipeline import PIPELINE_STAGES, pipeline_sizes
 from megatron_hetermoe.planner.profiles import load_profiles
-from megatron_hetermoe.planner.simulator import simulate_plan
+from megatron_hetermoe.planner.simulator import SimResult, simulate_plan
 from megatron_hetermoe.vocabulary import ScheduleName
 
 PICK = "HeterMoE (planner's pick)"
@@ -96,8 +96,8 @@ LOAD_CANDIDATES = 6  # the fastest simulated candidates (balanced routing) re-pl
 # The rows that are bounds, not strategies: the compute-only physical limit, the network floor of
 # disaggregated layouts and their roofline (baselines.py).
 LIMIT_ROWS = ("Physical limit", "Network + compute floor (layouts)", "Roofline (compute + network)")
-SCHEDULE_OF = {ZEBRA: "zebra", ZEBRA_GREEDY: "zebra", ZEBRA_NO_EA: "zebra", ZEBRA_PP: "zebra", DISTEP: "distep",
-               DISTEP_PP: "distep"}
+SCHEDULE_OF = {ZEBRA: ScheduleName.ZEBRA, ZEBRA_GREEDY: ScheduleName.ZEBRA, ZEBRA_NO_EA: ScheduleName.ZEBRA,
+               ZEBRA_PP: ScheduleName.ZEBRA, DISTEP: ScheduleName.DISTEP, DISTEP_PP: ScheduleName.DISTEP}
 
 
 @dataclass
@@ -260,7 +260,7 @@ def _asym_with_experts(cost: CostModel, a_gpus: list[str], x_gpus: list[str], M:
 
 
 def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int, R: int,
-               k: list[int], schedule: str = "zebra", validate: bool = True, skeleton: bool = False,
+               k: list[int], schedule: str = ScheduleName.ZEBRA, validate: bool = True, skeleton: bool = False,
                attention_tp: int = 1, pipeline_stages: int = 1, zebra_waves: int = 1,
                zebra_wave_order: str = "gpipe") -> HeteroPlan:
     """G groups of M attention + N expert ranks (consecutive in `attn` / `expert`), experts placed
@@ -396,7 +396,8 @@ def _even_holding(E: int, M: int, N: int) -> dict:
 
 
 def compute_lower_bound(cost: CostModel, gpu_types: list[str], cand: Candidate, global_batch: int,
-                        k: list[int], cluster: Cluster | None = None, schedule: str = "zebra") -> float:
+                        k: list[int], cluster: Cluster | None = None,
+                        schedule: str = ScheduleName.ZEBRA) -> float:
     """A lower bound on the simulated step of a candidate, from the simulator's own durations
     (simulator.build_problem): a rank runs its compute tasks one at a time, so the step is at
     least the compute of its busiest attention rank (R microbatches of every attention stage,
@@ -501,6 +502,426 @@ def _cyclic_gc_paused(fn):
     return paused
 
 
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One simulated way to run the step: a candidate shape, the experts of each MoE layer on its
+    attention ranks (Asym-EA's k; all 0 without it), the schedule, what expert holders keep for
+    backward (cost_model.EXPERT_RECOMPUTE) and, for zebra in pipeline stages, its (zebra_waves,
+    zebra_wave_order); with its predicted step."""
+    step_s: float
+    result: SimResult | pipeline.PipelineResult | None  # None in the options kept for expert loads (their step only)
+    candidate: Candidate
+    experts_on_attention: list[int]
+    schedule: ScheduleName
+    expert_recompute: str
+    waves: tuple[int, str] = ONE_WAVE
+
+
+# The strategies search() prices; PICK is the fastest of those whose schedule the pick may take
+VARIANTS = (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP, DISTEP_PP, ZEBRA_PP)
+
+
+@dataclass(slots=True)
+class _Search:
+    """What search()'s steps share: its inputs, the cost model at each expert-recompute level it
+    prices, and its bookkeeping: each strategy's fastest option, the layouts each fits, why each did
+    not fit the others (layout -> (shortfall, reason)) and, with expert loads, every option the
+    pick could take."""
+    model: ModelConfig
+    cluster: Cluster
+    seq_len: int
+    global_batch: int
+    asym: str
+    engine: str
+    distributed_optimizer: bool
+    allowed: set[str]  # the schedules the pick may take
+    p_try: tuple[int, ...]
+    tp_try: tuple[int, ...]
+    types: list[str]
+    cost: CostModel  # at the settings' default expert-recompute level
+    levels: tuple[str, ...]  # the expert-recompute levels priced, lightest first
+    costs: dict[str, CostModel]  # level -> its cost model
+    keep_tried: bool  # expert loads given: fill `tried`
+    best: dict[str, Option] = field(default_factory=dict)
+    fitted: dict[str, set[str]] = field(default_factory=lambda: {n: set() for n in VARIANTS})
+    fit_layouts: dict[tuple, tuple] = field(default_factory=dict)  # (attention, expert ranks, G, P): the network floor's
+    why: dict[str, dict[str, tuple[float, str]]] = field(default_factory=lambda: {n: {} for n in VARIANTS})
+    tried: list[Option] = field(default_factory=list)
+    names: dict[tuple, str] = field(default_factory=dict)  # layout names, made once per role split
+
+    def layout_of(self, cand: Candidate) -> str:
+        key = (id(cand.attention_ranks), id(cand.expert_ranks), cand.P)  # the rank lists _role_splits made
+        if key not in self.names:
+            self.names[key] = layout_name(self.types, cand.attention_ranks, cand.expert_ranks, cand.P)
+        return self.names[key]
+
+    def fits(self, name: str, cand: Candidate) -> None:
+        """`cand` fits in memory for strategy `name`: its layout is not excluded there."""
+        self.fitted[name].add(self.layout_of(cand))
+        self.fit_layouts.setdefault((id(cand.attention_ranks), id(cand.expert_ranks), cand.G, cand.P),
+                                    (cand.attention_ranks, cand.expert_ranks, cand.G, cand.P))
+
+    def best_step(self) -> float | None:
+        """The fastest step of any strategy so far (None before the first)."""
+        steps = [self.best[n].step_s for n in VARIANTS if n in self.best]
+        return min(steps) if steps else None
+
+    def keep(self, name: str, option: Option) -> None:
+        if name not in self.best or option.step_s < self.best[name].step_s:
+            self.best[name] = option
+
+    def refuse(self, names: tuple[str, ...], cand: Candidate, reason: tuple[float, str]) -> None:
+        # a layout's reason is its candidate closest to fitting (smallest shortfall; first on ties)
+        key = self.layout_of(cand)
+        tp = f", attention_tp={cand.tp}" if cand.tp > 1 else ""
+        for n in names:
+            if key not in self.why[n] or reason[0] < self.why[n][key][0]:
+                self.why[n][key] = (reason[0], f"G={cand.G}, R={cand.R}{tp}: {reason[1]}")
+
+    def excluded(self, name: str, picks: tuple[str, ...]) -> dict[str, str]:
+        """Layouts this strategy could not use at this batch (a named reason for any jump)."""
+        if name == PICK:  # excluded only where no zebra variant nor DistEP fits (Asym-EA's reason, last, is the
+            # telling one), and a pipelined layout where DistEP does not fit in P stages
+            zs = tuple(n for n in (DISTEP, ZEBRA_NO_EA, ZEBRA_GREEDY, ZEBRA, DISTEP_PP, ZEBRA_PP) if n in picks)
+            reasons = {k: v[1] for n in zs for k, v in self.why[n].items()}
+            return {k: v for k, v in sorted(reasons.items()) if not any(k in self.fitted[n] for n in zs)}
+        return {k: v[1] for k, v in sorted(self.why[name].items()) if k not in self.fitted[name]}
+
+
+def _start(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, asym: str, engine: str,
+           activation_checkpointing: bool, expert_recompute: str, attention_tp: tuple[int, ...] | None,
+           distributed_optimizer: bool, pipeline_stages: tuple[int, ...] | None, recompute_modules: frozenset[str],
+           pick_schedules: tuple[str, ...] | None, keep_tried: bool) -> _Search:
+    """search()'s arguments checked, and its cost model at each expert-recompute level it prices."""
+    if asym not in ("optimal", "greedy", "none"):
+        raise ValueError(f"asym={asym!r}; use 'optimal', 'greedy' or 'none'")
+    if expert_recompute != "auto" and expert_recompute not in EXPERT_RECOMPUTE:
+        raise ValueError(f"expert_recompute={expert_recompute!r}; use 'auto' or one of {EXPERT_RECOMPUTE}")
+    allowed = set(pick_schedules or (ScheduleName.ZEBRA, ScheduleName.DISTEP))
+    if not allowed:
+        raise ValueError(f"model {model.name!r}: pick_schedules={list(pick_schedules or ())} names no schedule; "
+                         f"give zebra, distep or both")
+    p_try = tuple(pipeline_stages or PIPELINE_STAGES)
+    bad_p = [P for P in p_try if P not in PIPELINE_STAGES]
+    if bad_p:
+        raise ValueError(f"pipeline_stages={bad_p}: the search tries {list(PIPELINE_STAGES)}")
+    profiles = load_profiles(set(cluster.gpu_types()))
+    cost = CostModel(model.replace(seq_length=seq_len), profiles,
+                     TrainSettings(seq_len, activation_checkpointing, distributed_optimizer=distributed_optimizer,
+                                   recompute_modules=recompute_modules))
+    levels = (heavier_expert_recompute(cost.settings.expert_recompute) if expert_recompute == "auto"
+              else (expert_recompute,))
+    costs = {lv: cost if lv == cost.settings.expert_recompute else
+             CostModel(cost.model, profiles, dataclasses.replace(cost.settings, expert_recompute=lv)) for lv in levels}
+    return _Search(model, cluster, seq_len, global_batch, asym, engine, distributed_optimizer, allowed, p_try,
+                   tuple(attention_tp or ATTENTION_TP), cluster.gpu_types(), cost, levels, costs, keep_tried)
+
+
+def _refuse_indivisible_batches(s: _Search) -> None:
+    """Every strategy's reason for a role split whose attention members (at every usable TP size)
+    cannot each get whole sequences of the global batch."""
+    for attn, expert in _role_splits(s.cluster):
+        ok = [tp for tp, w in tp_sizes(s.cluster, s.model, s.seq_len, attn).items() if not w and tp in s.tp_try]
+        if ok and all(s.global_batch % (len(attn) // tp) for tp in ok):
+            fewest = len(attn) // max(ok)  # attention members at the largest usable TP size
+            nor = f" nor of the {fewest} members of attention_tp {max(ok)}" if max(ok) > 1 else ""
+            for n in VARIANTS:
+                s.why[n][layout_name(s.types, attn, expert)] = (0.0,
+                    f"global batch {s.global_batch} is not a multiple of the {len(attn)} attention ranks (each "
+                    f"gets whole sequences){nor}; use a multiple of {fewest}")
+
+
+def _price_pipelined(s: _Search, cand: Candidate) -> None:
+    """A candidate with P > 1 stages: DistEP and zebra in its even layout (no Asym-EA), each at the
+    lightest level at which every rank fits, then zebra with Asym-EA inside each stage."""
+    lay = pipeline.even_layout(s.cost.model, s.types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.P,
+                               cand.R, cand.tp)
+    for level in s.levels:
+        short = pipeline.memory_shortfall(lay, s.costs[level], s.global_batch)
+        if short is None:
+            _price_distep_pipelined(s, cand, lay, level)
+            break
+        s.refuse((DISTEP_PP,), cand, short)
+    left = zebra_configs(cand.R)  # each (waves, order) at the lightest level at which it fits
+    for level in s.levels:
+        fits = _zebra_fits(s, cand, lay, level, left)
+        if fits:
+            _price_zebra_pipelined(s, cand, lay, level, fits)
+            priced = {W for W, _ in fits}
+            left = [wo for wo in left if wo[0] not in priced]
+        if not left:
+            break
+    if cand.tp == 1 and s.asym != "none" and not _cannot_beat(s, cand, lay):
+        for level in s.levels:  # zebra with Asym-EA inside each stage (optimal per stage)
+            try:
+                k = [x for i in range(cand.P)
+                     for x in asym_ea.optimal(stage_asym_problem(s.costs[level], lay, i, s.global_batch))]
+            except PlanError as e:
+                s.refuse((ZEBRA_PP,), cand, (math.inf, f"Asym-EA inside the stages: {e} (expert recompute {level!r})"))
+                continue
+            if not any(k):
+                break  # the even layout above, already priced
+            plan = build_plan(s.model, s.types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k,
+                              ScheduleName.ZEBRA, skeleton=True, pipeline_stages=cand.P)
+            lay_ea = pipeline.layout_of_plan(plan, validate=False)
+            fits = _zebra_fits(s, cand, lay_ea, level, zebra_configs(cand.R))
+            if fits:
+                _price_zebra_pipelined(s, cand, lay_ea, level, fits, k)
+                break
+
+
+def _price_distep_pipelined(s: _Search, cand: Candidate, lay: pipeline.PipelineLayout, level: str) -> None:
+    """DistEP in P > 1 stages that fit: priced unless its bound cannot beat the best step of any
+    strategy the pick takes (all candidates with one stage come before)."""
+    s.fits(DISTEP_PP, cand)
+    c, model = s.costs[level], s.model
+    M, N = cand.stage_shape
+    t = s.global_batch * c.settings.seq_len / (cand.G * M * cand.R)
+    a_gpus = {s.types[r] for r in cand.attention_ranks[:M]}
+    x_gpus = {s.types[r] for r in cand.expert_ranks[:N]}
+    lb = pipeline.lower_bound(c, a_gpus, x_gpus, t, M * t * model.moe_router_topk / model.num_experts,
+                              model.planned_num_moe_layers * math.ceil(model.num_experts / N), cand.P, cand.R, cand.tp)
+    bar = s.best_step()
+    if bar is not None and lb >= bar:
+        return  # cannot beat the pick so far
+    res = pipeline.price(lay, c, s.cluster, s.global_batch)
+    s.keep(DISTEP_PP, Option(res.step_time_s, res, cand, [0] * model.planned_num_moe_layers, ScheduleName.DISTEP,
+                             level))
+
+
+def _price_zebra_pipelined(s: _Search, cand: Candidate, lay: pipeline.PipelineLayout, level: str,
+                           configs: list[tuple[int, str]], k: list[int] | None = None) -> None:
+    """Zebra inside P > 1 stages (Asym-EA inside each stage where `k` places experts on the
+    attention ranks; `lay` is then the plan's) in each of `configs` (zebra_waves, order), which
+    fit: its task lists simulated unless its bound cannot beat the best step of any strategy
+    the pick takes (the bound holds in either order: a stage's first group's forward comes
+    first and its last group's backward last in both)."""
+    s.fits(ZEBRA_PP, cand)
+    c, model, cluster = s.costs[level], s.model, s.cluster
+    M, N = cand.stage_shape
+    t = s.global_batch * c.settings.seq_len / (cand.G * M * cand.R)
+    a_gpus, x_gpus = {s.types[r] for r in cand.attention_ranks[:M]}, {s.types[r] for r in cand.expert_ranks[:N]}
+    tpe = M * t * model.moe_router_topk / model.num_experts
+    k = k or [0] * model.planned_num_moe_layers
+    cheap = pipeline.zebra_bound_terms(c, cluster, a_gpus, x_gpus, t, tpe, lay, streams=False)
+    full = None  # with them: only for a candidate the cheaper bound keeps
+    for W, order in configs:  # groups of microbatches (plan.zebra_waves) and their order
+        bar = s.best_step()
+        bound = (c, cluster, a_gpus, x_gpus, t, tpe, lay, W)  # pipeline.zebra_lower_bound's arguments
+        if bar is not None and pipeline.zebra_lower_bound(*bound, terms=cheap) >= bar:
+            continue
+        full = full or pipeline.zebra_bound_terms(c, cluster, a_gpus, x_gpus, t, tpe, lay)
+        if bar is not None and pipeline.zebra_lower_bound(*bound, terms=full) >= bar:
+            continue
+        plan = build_plan(model, s.types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k,
+                          ScheduleName.ZEBRA, skeleton=True, attention_tp=cand.tp, pipeline_stages=cand.P,
+                          zebra_waves=W, zebra_wave_order=order)
+        res = simulate_plan(plan, c, cluster, s.global_batch, engine=s.engine)
+        if s.keep_tried and ScheduleName.ZEBRA in s.allowed:
+            s.tried.append(Option(res.step_time_s, None, cand, list(k), ScheduleName.ZEBRA, level, (W, order)))
+        s.keep(ZEBRA_PP, Option(res.step_time_s, res, cand, k, ScheduleName.ZEBRA, level, (W, order)))
+
+
+def _zebra_fits(s: _Search, cand: Candidate, lay: pipeline.PipelineLayout, level: str,
+                configs: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The (zebra_waves, order) of `configs` to price at `level`: those whose stages fit in
+    memory there, a W in 1F1B's order only where GPipe's does not fit (the orders' steps differ
+    by a few percent; 1F1B's is there for memory). Where none fits, the lightest one's shortfall
+    is the layout's reason."""
+    c = s.costs[level]
+    fits = [wo for wo in configs if pipeline.memory_shortfall(lay, c, s.global_batch, True, *wo) is None]
+    fits = [(W, o) for W, o in fits if o == "gpipe" or (W, "gpipe") not in fits]
+    if not fits:
+        lightest = min(configs, key=lambda wo: cand.R // wo[0] * wave_warmup(wo[1], wo[0], cand.P, 0))
+        s.refuse((ZEBRA_PP,), cand, pipeline.memory_shortfall(lay, c, s.global_batch, True, *lightest))
+    return fits
+
+
+def _cannot_beat(s: _Search, cand: Candidate, lay: pipeline.PipelineLayout) -> bool:
+    """No zebra plan in these stages, whatever its experts' placement and waves, beats the best
+    step so far: the bound of its attention pieces alone, in groups of one microbatch."""
+    bar = s.best_step()
+    if bar is None:
+        return False
+    M = cand.stage_shape[0]
+    t = s.global_batch * s.cost.settings.seq_len / (cand.G * M * cand.R)
+    a_gpus = {s.types[r] for r in cand.attention_ranks[:M]}
+    return pipeline.zebra_lower_bound(s.cost, s.cluster, a_gpus, set(), t, 0.0, lay, cand.R,
+                                      attention_only=True) >= bar
+
+
+def _price_one_stage(s: _Search, cand: Candidate) -> None:
+    """A candidate with one stage: DistEP, zebra without Asym-EA and (no TP) with it, optimal and
+    the paper's greedy, each at the lightest level at which it fits, heavier levels only where
+    memory binds."""
+    model, types, gb = s.model, s.types, s.global_batch
+    M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
+    grp_a, grp_x = cand.attention_ranks[:M], cand.expert_ranks[:N]
+    a_gpu, x_gpu = types[grp_a[0]], types[grp_x[0]]
+    zero = [0] * model.planned_num_moe_layers
+    distep_fits = False
+    for level in s.levels:  # lightest first; a heavier level only where memory binds at this one
+        c = s.costs[level]
+        full = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, gb, forward_only=False, tp=cand.tp)
+        # DistEP keeps one microbatch alive, so it is checked on its own memory rule
+        one = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, gb, forward_only=False,
+                           microbatches_alive=1, tp=cand.tp)
+        if not distep_fits:
+            if asym_ea.memory_ok(one, zero):
+                _price(s, DISTEP, cand, zero, ScheduleName.DISTEP, level)
+                distep_fits = True
+            else:
+                s.refuse((DISTEP,), cand, _memory_reason(one, zero, a_gpu, x_gpu, 1, level))
+        if full.n_max < 0:
+            s.refuse((ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA), cand, _memory_reason(full, zero, a_gpu, x_gpu, cand.R, level))
+            break  # attention ranks cannot hold the non-expert model and activations; heavier levels add to them
+        no_ea_fits = asym_ea.memory_ok(full, zero)
+        if no_ea_fits:
+            _price(s, ZEBRA_NO_EA, cand, zero, ScheduleName.ZEBRA, level)
+        else:
+            s.refuse((ZEBRA_NO_EA,), cand, _memory_reason(full, zero, a_gpu, x_gpu, cand.R, level))
+        if cand.tp > 1:  # the search tries no Asym-EA on TP members (the runtime runs it; the 1,024-GPU
+            # search spent 3 s more simulating such candidates, none of which won)
+            if no_ea_fits:
+                break
+            continue
+        if s.asym != "none":
+            try:
+                _price(s, ZEBRA, cand, asym_ea.optimal(full) if s.asym == "optimal" else asym_ea.gather_squeeze(
+                    asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, gb, forward_only=True)),
+                    ScheduleName.ZEBRA, level)
+            except PlanError as e:
+                s.refuse((ZEBRA,), cand, (math.inf, f"{e} (expert recompute {level!r})"))
+        if s.asym == "optimal" and (N % M == 0 or M % N == 0):
+            try:
+                fwd = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, gb, forward_only=True)
+                _price(s, ZEBRA_GREEDY, cand, asym_ea.gather_squeeze(fwd), ScheduleName.ZEBRA, level)
+            except PlanError as e:
+                s.refuse((ZEBRA_GREEDY,), cand, (math.inf, f"{e} (expert recompute {level!r})"))
+        if no_ea_fits:
+            break  # memory does not bind: keeping less would only cost time
+
+
+def _price(s: _Search, name: str, cand: Candidate, k: list[int], schedule: ScheduleName, level: str) -> None:
+    """A one-stage candidate that fits for strategy `name`: simulated unless its busiest rank's
+    compute alone cannot beat the strategy's best so far."""
+    s.fits(name, cand)
+    c = s.costs[level]
+    if name in s.best and compute_lower_bound(c, s.types, cand, s.global_batch, k, s.cluster,
+                                              schedule) >= s.best[name].step_s:
+        return
+    plan = build_plan(s.model, s.types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
+                      skeleton=True, attention_tp=cand.tp)  # the chosen plan is rebuilt in full (_chosen_plan)
+    res = simulate_plan(plan, c, s.cluster, s.global_batch, engine=s.engine)
+    if s.keep_tried and schedule in s.allowed:
+        s.tried.append(Option(res.step_time_s, None, cand, list(k), schedule, level))
+    s.keep(name, Option(res.step_time_s, res, cand, k, schedule, level))
+
+
+def _pick(s: _Search) -> tuple[str, ...]:
+    """The planner keeps the fastest option of the strategies the pick may take (any zebra
+    assignment, or DistEP at any pipeline size) as best[PICK]; returns those strategies."""
+    picks = tuple(n for n in VARIANTS if SCHEDULE_OF[n] in s.allowed)
+    options = [s.best[n] for n in picks if n in s.best]
+    if options:
+        s.best[PICK] = min(options, key=lambda o: o.step_s)
+    return picks
+
+
+def _strategy_rows(s: _Search, picks: tuple[str, ...], roof: BaselineResult, cands: list[Candidate]) -> list[Prediction]:
+    """The rows of HeterMoE's strategies: each one's fastest option, or why it has none."""
+    rows = []
+    for name in (PICK, ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP):
+        opt = s.best.get(name)
+        if opt is not None:
+            cand, res = opt.candidate, opt.result
+            M, N = cand.stage_shape
+            extra = dict(res.detail) if isinstance(res, pipeline.PipelineResult) else {}
+            rows.append(_pred(name, res, roof.tokens_per_s, {
+                **extra,
+                "M": M, "N": N, "groups": cand.G, "microbatches": cand.R, "expert_recompute": opt.expert_recompute,
+                "attention_tp": cand.tp, "pipeline_stages": cand.P, "zebra_waves": opt.waves[0],
+                "zebra_wave_order": opt.waves[1],
+                "attention_gpu": s.types[cand.attention_ranks[0]],
+                "experts_on_attention_per_layer": list(opt.experts_on_attention),
+                "attention_ranks": list(cand.attention_ranks), "expert_ranks": list(cand.expert_ranks),
+                "schedule": opt.schedule, "layout": s.layout_of(cand),
+                "post_step_s": res.step_time_s - res.makespan_s, "excluded_layouts": s.excluded(name, picks)}))
+            continue
+        skipped = (name == ZEBRA and s.asym == "none") or (name == ZEBRA_GREEDY and s.asym != "optimal")
+        reason = f"not searched with asym={s.asym!r}" if skipped else "no candidate fits in memory"
+        if name != PICK and 1 not in s.p_try:
+            reason = f"not searched with pipeline_stages={list(s.p_try)}: this strategy runs one stage"
+        elif name == PICK and not any(not w for w in pipeline_sizes(s.model, s.p_try).values()):
+            reason = "no pipeline size can split this model: " + "; ".join(
+                f"{P}: {w}" for P, w in pipeline_sizes(s.model, s.p_try).items())
+        elif not cands:
+            reason = (f"no ZP group shape with pipeline_stages in {list(s.p_try)} and attention_tp in "
+                      f"{list(s.tp_try)} gives every attention member whole sequences of the global batch "
+                      f"{s.global_batch}")
+        rows.append(Prediction(name, float("inf"), 0.0, {}, 0.0, False,
+                               {"reason": reason, "excluded_layouts": s.excluded(name, picks)}))
+    return rows
+
+
+def _baseline_rows(s: _Search, limit: BaselineResult) -> list[Prediction]:
+    """The baselines on the same GPUs: Megatron EP (simulated, ideal, at its best TP x PP, and on
+    the newest GPUs alone) and heterogeneous pipeline parallelism, against the compute-only limit."""
+    cost, cluster, gb = s.cost, s.cluster, s.global_batch
+    rows = [_pred(res.name, res, limit.tokens_per_s)
+            for res in (simulate_ep(cost, cluster, gb), simulate_ep_ideal(cost, cluster, gb),
+                        simulate_hetero_pp(cost, cluster, gb))]
+    megatron = [best_megatron_ep(cost, cluster, gb)]
+    if len(cluster.counts()) > 1:
+        new = newest_gpu(cost, cluster)
+        megatron.append(best_megatron_ep(cost, cluster, gb, cluster.ranks_of(new),
+                                         f"Megatron EP on {new} alone (best TP/PP)"))
+    return rows + [_pred(res.name, res, limit.tokens_per_s) for res in megatron]
+
+
+def _bound_rows(limit: BaselineResult, net: BaselineResult, roof: BaselineResult) -> list[Prediction]:
+    """The bounds' rows: "vs limit" is each one's share of the roofline."""
+    return [Prediction(bound.name, bound.step_time_s, bound.tokens_per_s, {},
+                       bound.step_time_s / roof.step_time_s if roof.step_time_s > 0 else 0.0, True,
+                       dict(bound.detail)) for bound in (limit, net, roof)]
+
+
+def _chosen_plan(s: _Search, picks: tuple[str, ...], preds: list[Prediction]) -> HeteroPlan:
+    """best[PICK]'s plan in full, with what its expert holders keep, and its meta: how it was chosen,
+    each role's most loaded rank's memory (also the pick's row's detail["memory"]) and every row's
+    predicted step."""
+    pick = s.best[PICK]
+    cand, level, (W, order) = pick.candidate, pick.expert_recompute, pick.waves
+    plan = build_plan(s.model, s.types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R,
+                      pick.experts_on_attention, pick.schedule, attention_tp=cand.tp, pipeline_stages=cand.P,
+                      zebra_waves=W, zebra_wave_order=order)
+    plan.expert_recompute = level  # what its expert holders keep for backward, as priced
+    source = next(n for n in picks if s.best.get(n) is pick)
+    if source == DISTEP_PP:
+        source = f"DistEP in {cand.P} pipeline stages (1F1B), no Asym-EA"
+    elif source == ZEBRA_PP:
+        ea = "Asym-EA (optimal) inside each stage" if any(pick.experts_on_attention) else "no Asym-EA"
+        source = (f"zebra in {cand.P} pipeline stages ({W} wave(s) of microbatches"
+                  f"{', in 1F1B order' if order == '1f1b' else ''}), {ea}")
+    lay = pipeline.layout_of_plan(plan, validate=False)
+    memory = {}  # role -> its most loaded rank over the stages: GPU type, GiB and usable GiB
+    for row in pipeline.pipeline_memory(lay, s.costs[level], s.global_batch, pick.schedule == ScheduleName.ZEBRA,
+                                        W, order):
+        for role in ("attention", "expert"):
+            if role in row and (role not in memory or row[role]["bytes"] > memory[role]["GiB"] * 2**30):
+                memory[role] = {"gpu": row[role]["gpu"], "GiB": row[role]["bytes"] / 2**30,
+                                "usable_GiB": row[role]["usable"] / 2**30}
+    next(p for p in preds if p.name == PICK).detail["memory"] = memory
+    plan.meta = {
+        "model": s.model.name, "cluster": s.cluster.name, "seq_len": s.seq_len, "global_batch": s.global_batch,
+        "distributed_optimizer": s.distributed_optimizer, "memory_per_rank": memory,
+        "assignment": source, "experts_on_attention_per_layer": list(pick.experts_on_attention),
+        "predicted": {p.name: {"step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s}
+                      for p in preds if p.fits},
+    }
+    return plan
+
+
 @_cyclic_gc_paused
 def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, asym: str = "optimal",
            engine: str = "auto", max_microbatches: int = 32, baselines: bool = True,
@@ -531,372 +952,62 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     loads, where that beats the pick's own placement under them (rows LOAD_UNIFORM and LOAD_AWARE,
     SearchResult.expert_load). DistEP in pipeline stages is not priced under loads (its 1F1B model
     takes none): such a pick stays as it is."""
-    if asym not in ("optimal", "greedy", "none"):
-        raise ValueError(f"asym={asym!r}; use 'optimal', 'greedy' or 'none'")
-    if expert_recompute != "auto" and expert_recompute not in EXPERT_RECOMPUTE:
-        raise ValueError(f"expert_recompute={expert_recompute!r}; use 'auto' or one of {EXPERT_RECOMPUTE}")
-    allowed = set(pick_schedules or ("zebra", "distep"))
-    if not allowed:
-        raise ValueError(f"model {model.name!r}: pick_schedules={list(pick_schedules or ())} names no schedule; "
-                         f"give zebra, distep or both")
-    p_try = tuple(pipeline_stages or PIPELINE_STAGES)
-    bad_p = [P for P in p_try if P not in PIPELINE_STAGES]
-    if bad_p:
-        raise ValueError(f"pipeline_stages={bad_p}: the search tries {list(PIPELINE_STAGES)}")
     t0 = time.perf_counter()
-    profiles = load_profiles(set(cluster.gpu_types()))
-    cost = CostModel(model.replace(seq_length=seq_len), profiles,
-                     TrainSettings(seq_len, activation_checkpointing, distributed_optimizer=distributed_optimizer,
-                                   recompute_modules=recompute_modules))
-    levels = (heavier_expert_recompute(cost.settings.expert_recompute) if expert_recompute == "auto"
-              else (expert_recompute,))
-    costs = {lv: cost if lv == cost.settings.expert_recompute else
-             CostModel(cost.model, profiles, dataclasses.replace(cost.settings, expert_recompute=lv)) for lv in levels}
-    types = cluster.gpu_types()
-    limit = physical_limit(cost, cluster, global_batch)
-    best: dict[str, tuple] = {}  # strategy -> (step, result, candidate, k, schedule, expert recompute level)
-    names: dict[tuple, str] = {}  # layout names, made once per role split (the rank lists _role_splits made)
-
-    def layout_of(cand: Candidate) -> str:
-        key = (id(cand.attention_ranks), id(cand.expert_ranks), cand.P)
-        if key not in names:
-            names[key] = layout_name(types, cand.attention_ranks, cand.expert_ranks, cand.P)
-        return names[key]
-
-    variants = (ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP, DISTEP_PP, ZEBRA_PP)
-    fitted: dict[str, set[str]] = {n: set() for n in variants}  # layouts with a candidate that fits
-    fit_layouts: dict[tuple, tuple] = {}  # (attention ranks, expert ranks, G, P) that fit: the network floor's
-
-    def mark_fit(cand: Candidate) -> None:
-        fit_layouts.setdefault((id(cand.attention_ranks), id(cand.expert_ranks), cand.G, cand.P),
-                               (cand.attention_ranks, cand.expert_ranks, cand.G, cand.P))
-    waves: dict[str, tuple[int, str]] = {}  # strategy -> (zebra_waves, zebra_wave_order) of its best (zebra in stages)
-    # with expert loads: every simulated candidate the pick could take, (step, cand, k, schedule, level, waves)
-    tried: list[tuple] = []
-    why: dict[str, dict[str, tuple[float, str]]] = {n: {} for n in variants}  # layout -> (shortfall, why)
-
-    def consider_pipelined(cand: Candidate, lay: pipeline.PipelineLayout, level: str) -> None:
-        """A candidate with P > 1 stages that fits: priced unless its bound cannot beat the best
-        step of any strategy the pick takes (all candidates with one stage come before)."""
-        fitted[DISTEP_PP].add(layout_of(cand))
-        mark_fit(cand)
-        c = costs[level]
-        M, N = cand.stage_shape
-        t = global_batch * c.settings.seq_len / (cand.G * M * cand.R)
-        a_gpus = {types[r] for r in cand.attention_ranks[:M]}
-        x_gpus = {types[r] for r in cand.expert_ranks[:N]}
-        lb = pipeline.lower_bound(c, a_gpus, x_gpus, t, M * t * model.moe_router_topk / model.num_experts,
-                                  model.planned_num_moe_layers * math.ceil(model.num_experts / N), cand.P, cand.R, cand.tp)
-        steps = [best[n][0] for n in variants if n in best]
-        if steps and lb >= min(steps):
-            return  # cannot beat the pick so far
-        res = pipeline.price(lay, c, cluster, global_batch)
-        if DISTEP_PP not in best or res.step_time_s < best[DISTEP_PP][0]:
-            best[DISTEP_PP] = (res.step_time_s, res, cand, [0] * model.planned_num_moe_layers, "distep", level)
-
-    def consider_zebra_pipelined(cand: Candidate, lay: pipeline.PipelineLayout, level: str,
-                                 configs: list[tuple[int, str]], k: list[int] | None = None) -> None:
-        """Zebra inside P > 1 stages (Asym-EA inside each stage where `k` places experts on the
-        attention ranks; `lay` is then the plan's) in each of `configs` (zebra_waves, order), which
-        fit: its task lists simulated unless its bound cannot beat the best step of any strategy
-        the pick takes (the bound holds in either order: a stage's first group's forward comes
-        first and its last group's backward last in both)."""
-        fitted[ZEBRA_PP].add(layout_of(cand))
-        mark_fit(cand)
-        c = costs[level]
-        M, N = cand.stage_shape
-        t = global_batch * c.settings.seq_len / (cand.G * M * cand.R)
-        a_gpus, x_gpus = {types[r] for r in cand.attention_ranks[:M]}, {types[r] for r in cand.expert_ranks[:N]}
-        tpe = M * t * model.moe_router_topk / model.num_experts
-        k = k or [0] * model.planned_num_moe_layers
-        cheap = pipeline.zebra_bound_terms(c, cluster, a_gpus, x_gpus, t, tpe, lay, streams=False)
-        full = None  # with them: only for a candidate the cheaper bound keeps
-        for W, order in configs:  # groups of microbatches (plan.zebra_waves) and their order
-            steps = [best[n][0] for n in variants if n in best]
-            bound = lambda terms: pipeline.zebra_lower_bound(c, cluster, a_gpus, x_gpus, t, tpe, lay, W, terms=terms)
-            if steps and bound(cheap) >= min(steps):
-                continue
-            full = full or pipeline.zebra_bound_terms(c, cluster, a_gpus, x_gpus, t, tpe, lay)
-            if steps and bound(full) >= min(steps):
-                continue
-            plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, "zebra",
-                              skeleton=True, attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=W,
-                              zebra_wave_order=order)
-            res = simulate_plan(plan, c, cluster, global_batch, engine=engine)
-            if expert_load is not None and ScheduleName.ZEBRA in allowed:
-                tried.append((res.step_time_s, cand, list(k), "zebra", level, (W, order)))
-            if ZEBRA_PP not in best or res.step_time_s < best[ZEBRA_PP][0]:
-                best[ZEBRA_PP] = (res.step_time_s, res, cand, k, "zebra", level)
-                waves[ZEBRA_PP] = (W, order)
-
-    def zebra_fits(cand: Candidate, lay: pipeline.PipelineLayout, level: str,
-                   configs: list[tuple[int, str]]) -> list[tuple[int, str]]:
-        """The (zebra_waves, order) of `configs` to price at `level`: those whose stages fit in
-        memory there, a W in 1F1B's order only where GPipe's does not fit (the orders' steps differ
-        by a few percent; 1F1B's is there for memory). Where none fits, the lightest one's shortfall
-        is the layout's reason."""
-        fits = [wo for wo in configs if pipeline.memory_shortfall(lay, costs[level], global_batch, True, *wo) is None]
-        fits = [(W, o) for W, o in fits if o == "gpipe" or (W, "gpipe") not in fits]
-        if not fits:
-            lightest = min(configs, key=lambda wo: cand.R // wo[0] * wave_warmup(wo[1], wo[0], cand.P, 0))
-            refuse((ZEBRA_PP,), cand, pipeline.memory_shortfall(lay, costs[level], global_batch, True, *lightest))
-        return fits
-
-    def _cannot_beat(cand: Candidate, lay: pipeline.PipelineLayout) -> bool:
-        """No zebra plan in these stages, whatever its experts' placement and waves, beats the best
-        step so far: the bound of its attention pieces alone, in groups of one microbatch."""
-        steps = [best[n][0] for n in variants if n in best]
-        if not steps:
-            return False
-        M = cand.stage_shape[0]
-        t = global_batch * cost.settings.seq_len / (cand.G * M * cand.R)
-        a_gpus = {types[r] for r in cand.attention_ranks[:M]}
-        return pipeline.zebra_lower_bound(cost, cluster, a_gpus, set(), t, 0.0, lay, cand.R,
-                                          attention_only=True) >= min(steps)
-
-    def consider(name: str, cand: Candidate, k: list[int], schedule: str, level: str) -> None:
-        fitted[name].add(layout_of(cand))
-        mark_fit(cand)
-        if name in best and compute_lower_bound(costs[level], types, cand, global_batch, k, cluster, schedule) >= best[name][0]:
-            return  # cannot beat the best simulated so far: its busiest rank's compute alone is longer
-        plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
-                          skeleton=True, attention_tp=cand.tp)  # the chosen plan is rebuilt in full below
-        res = simulate_plan(plan, costs[level], cluster, global_batch, engine=engine)
-        if expert_load is not None and schedule in allowed:
-            tried.append((res.step_time_s, cand, list(k), schedule, level, ONE_WAVE))
-        if name not in best or res.step_time_s < best[name][0]:
-            best[name] = (res.step_time_s, res, cand, k, schedule, level)
-
-    def refuse(names: tuple[str, ...], cand: Candidate, reason: tuple[float, str]) -> None:
-        # a layout's reason is its candidate closest to fitting (smallest shortfall; first on ties)
-        key = layout_of(cand)
-        tp = f", attention_tp={cand.tp}" if cand.tp > 1 else ""
-        for n in names:
-            if key not in why[n] or reason[0] < why[n][key][0]:
-                why[n][key] = (reason[0], f"G={cand.G}, R={cand.R}{tp}: {reason[1]}")
-
-    tp_try = tuple(attention_tp or ATTENTION_TP)
-    for attn, expert in _role_splits(cluster):
-        ok = [tp for tp, w in tp_sizes(cluster, model, seq_len, attn).items() if not w and tp in tp_try]
-        if ok and all(global_batch % (len(attn) // tp) for tp in ok):
-            fewest = len(attn) // max(ok)  # attention members at the largest usable TP size
-            nor = f" nor of the {fewest} members of attention_tp {max(ok)}" if max(ok) > 1 else ""
-            for n in variants:
-                why[n][layout_name(types, attn, expert)] = (0.0,
-                    f"global batch {global_batch} is not a multiple of the {len(attn)} attention ranks (each "
-                    f"gets whole sequences){nor}; use a multiple of {fewest}")
-    cands = candidates(cluster, model, global_batch, max_microbatches, seq_len, tp_try, p_try, micro_batch_size)
+    s = _start(model, cluster, seq_len, global_batch, asym, engine, activation_checkpointing, expert_recompute,
+               attention_tp, distributed_optimizer, pipeline_stages, recompute_modules, pick_schedules,
+               keep_tried=expert_load is not None)
+    limit = physical_limit(s.cost, cluster, global_batch)
+    _refuse_indivisible_batches(s)
+    cands = candidates(cluster, model, global_batch, max_microbatches, seq_len, s.tp_try, s.p_try, micro_batch_size)
     for cand in cands:
-        if cand.P > 1:  # DistEP and zebra in P stages, no Asym-EA: each at the lightest level at which every rank fits
-            lay = pipeline.even_layout(cost.model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.P,
-                                       cand.R, cand.tp)
-            for level in levels:
-                short = pipeline.memory_shortfall(lay, costs[level], global_batch)
-                if short is None:
-                    consider_pipelined(cand, lay, level)
-                    break
-                refuse((DISTEP_PP,), cand, short)
-            left = zebra_configs(cand.R)  # each (waves, order) at the lightest level at which it fits
-            for level in levels:
-                fits = zebra_fits(cand, lay, level, left)
-                if fits:
-                    consider_zebra_pipelined(cand, lay, level, fits)
-                    priced = {W for W, _ in fits}
-                    left = [wo for wo in left if wo[0] not in priced]
-                if not left:
-                    break
-            if cand.tp == 1 and asym != "none" and not _cannot_beat(cand, lay):
-                for level in levels:  # zebra with Asym-EA inside each stage (optimal per stage)
-                    try:
-                        k = [x for i in range(cand.P)
-                             for x in asym_ea.optimal(stage_asym_problem(costs[level], lay, i, global_batch))]
-                    except PlanError as e:
-                        refuse((ZEBRA_PP,), cand, (math.inf, f"Asym-EA inside the stages: {e} (expert recompute {level!r})"))
-                        continue
-                    if not any(k):
-                        break  # the even layout above, already priced
-                    plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, "zebra",
-                                      skeleton=True, pipeline_stages=cand.P)
-                    lay_ea = pipeline.layout_of_plan(plan, validate=False)
-                    fits = zebra_fits(cand, lay_ea, level, zebra_configs(cand.R))
-                    if fits:
-                        consider_zebra_pipelined(cand, lay_ea, level, fits, k)
-                        break
-            continue
-        M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
-        grp_a, grp_x = cand.attention_ranks[:M], cand.expert_ranks[:N]
-        a_gpu, x_gpu = types[grp_a[0]], types[grp_x[0]]
-        zero = [0] * model.planned_num_moe_layers
-        distep_fits = False
-        for level in levels:  # lightest first; a heavier level only where memory binds at this one
-            c = costs[level]
-            full = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=False, tp=cand.tp)
-            # DistEP keeps one microbatch alive, so it is checked on its own memory rule
-            one = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=False,
-                               microbatches_alive=1, tp=cand.tp)
-            if not distep_fits:
-                if asym_ea.memory_ok(one, zero):
-                    consider(DISTEP, cand, zero, "distep", level)
-                    distep_fits = True
-                else:
-                    refuse((DISTEP,), cand, _memory_reason(one, zero, a_gpu, x_gpu, 1, level))
-            if full.n_max < 0:
-                refuse((ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA), cand, _memory_reason(full, zero, a_gpu, x_gpu, cand.R, level))
-                break  # attention ranks cannot hold the non-expert model and activations; heavier levels add to them
-            no_ea_fits = asym_ea.memory_ok(full, zero)
-            if no_ea_fits:
-                consider(ZEBRA_NO_EA, cand, zero, "zebra", level)
-            else:
-                refuse((ZEBRA_NO_EA,), cand, _memory_reason(full, zero, a_gpu, x_gpu, cand.R, level))
-            if cand.tp > 1:  # the search tries no Asym-EA on TP members (the runtime runs it; the 1,024-GPU
-                # search spent 3 s more simulating such candidates, none of which won)
-                if no_ea_fits:
-                    break
-                continue
-            if asym != "none":
-                try:
-                    consider(ZEBRA, cand, asym_ea.optimal(full) if asym == "optimal" else asym_ea.gather_squeeze(
-                        asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=True)),
-                        "zebra", level)
-                except PlanError as e:
-                    refuse((ZEBRA,), cand, (math.inf, f"{e} (expert recompute {level!r})"))
-            if asym == "optimal" and (N % M == 0 or M % N == 0):
-                try:
-                    fwd = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, global_batch, forward_only=True)
-                    consider(ZEBRA_GREEDY, cand, asym_ea.gather_squeeze(fwd), "zebra", level)
-                except PlanError as e:
-                    refuse((ZEBRA_GREEDY,), cand, (math.inf, f"{e} (expert recompute {level!r})"))
-            if no_ea_fits:
-                break  # memory does not bind: keeping less would only cost time
-    picks = tuple(n for n in variants if SCHEDULE_OF[n] in allowed)
-    options = [best[n] for n in picks if n in best]
-    if options:  # the planner keeps the fastest plan: any zebra assignment, or DistEP at any pipeline size
-        best[PICK] = min(options, key=lambda b: b[0])
-        waves[PICK] = next((waves.get(n, ONE_WAVE) for n in picks if best.get(n) is best[PICK]), ONE_WAVE)
-
-    def excluded(name: str) -> dict[str, str]:
-        """Layouts this strategy could not use at this batch (a named reason for any jump)."""
-        if name == PICK:  # excluded only where no zebra variant nor DistEP fits (Asym-EA's reason, last, is the
-            # telling one), and a pipelined layout where DistEP does not fit in P stages
-            zs = tuple(n for n in (DISTEP, ZEBRA_NO_EA, ZEBRA_GREEDY, ZEBRA, DISTEP_PP, ZEBRA_PP) if n in picks)
-            reasons = {k: v[1] for n in zs for k, v in why[n].items()}
-            return {k: v for k, v in sorted(reasons.items()) if not any(k in fitted[n] for n in zs)}
-        return {k: v[1] for k, v in sorted(why[name].items()) if k not in fitted[name]}
-
-    net = network_limit(cost, cluster, global_batch, list(fit_layouts.values()), limit)
-    roof = roofline(limit, net)  # what HeterMoE's disaggregated layouts can reach; baselines: compute only
-    one_stage = 1 in p_try
-    preds: list[Prediction] = []
-    for name in (PICK, ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP):
-        if name in best:
-            step, res, cand, k, plan, level = best[name]
-            M, N = cand.stage_shape
-            extra = dict(res.detail) if isinstance(res, pipeline.PipelineResult) else {}
-            preds.append(_pred(name, res, roof.tokens_per_s, {
-                **extra,
-                "M": M, "N": N, "groups": cand.G, "microbatches": cand.R, "expert_recompute": level,
-                "attention_tp": cand.tp, "pipeline_stages": cand.P, "zebra_waves": waves.get(name, ONE_WAVE)[0],
-                "zebra_wave_order": waves.get(name, ONE_WAVE)[1],
-                "attention_gpu": types[cand.attention_ranks[0]], "experts_on_attention_per_layer": list(k),
-                "attention_ranks": list(cand.attention_ranks), "expert_ranks": list(cand.expert_ranks),
-                "schedule": plan, "layout": layout_of(cand),
-                "post_step_s": res.step_time_s - res.makespan_s, "excluded_layouts": excluded(name)}))
+        if cand.P > 1:
+            _price_pipelined(s, cand)
         else:
-            skipped = (name == ZEBRA and asym == "none") or (name == ZEBRA_GREEDY and asym != "optimal")
-            reason = f"not searched with asym={asym!r}" if skipped else "no candidate fits in memory"
-            if name != PICK and not one_stage:
-                reason = f"not searched with pipeline_stages={list(p_try)}: this strategy runs one stage"
-            elif name == PICK and not any(not w for w in pipeline_sizes(model, p_try).values()):
-                reason = "no pipeline size can split this model: " + "; ".join(
-                    f"{P}: {w}" for P, w in pipeline_sizes(model, p_try).items())
-            elif not cands:
-                reason = (f"no ZP group shape with pipeline_stages in {list(p_try)} and attention_tp in {list(tp_try)} "
-                          f"gives every attention member whole sequences of the global batch {global_batch}")
-            preds.append(Prediction(name, float("inf"), 0.0, {}, 0.0, False,
-                                    {"reason": reason, "excluded_layouts": excluded(name)}))
-    if baselines:
-        for res in (simulate_ep(cost, cluster, global_batch), simulate_ep_ideal(cost, cluster, global_batch),
-                    simulate_hetero_pp(cost, cluster, global_batch)):
-            preds.append(_pred(res.name, res, limit.tokens_per_s))
-        # Megatron EP at its best TP x PP on the same GPUs, and on the newest GPUs alone (same batch)
-        megatron = [best_megatron_ep(cost, cluster, global_batch)]
-        if len(cluster.counts()) > 1:
-            new = newest_gpu(cost, cluster)
-            megatron.append(best_megatron_ep(cost, cluster, global_batch, cluster.ranks_of(new),
-                                             f"Megatron EP on {new} alone (best TP/PP)"))
-        for res in megatron:
-            preds.append(_pred(res.name, res, limit.tokens_per_s))
-    for bound in (limit, net, roof):  # the bounds: "vs limit" is each one's share of the roofline
-        preds.append(Prediction(bound.name, bound.step_time_s, bound.tokens_per_s, {},
-                                bound.step_time_s / roof.step_time_s if roof.step_time_s > 0 else 0.0, True,
-                                dict(bound.detail)))
-
-    plan = None
-    if PICK in best:
-        _, _, cand, k, schedule, level = best[PICK]
-        plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
-                          attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=waves[PICK][0],
-                          zebra_wave_order=waves[PICK][1])
-        plan.expert_recompute = level  # what its expert holders keep for backward, as priced
-        source = next(n for n in picks if best.get(n) is best[PICK])
-        if source == DISTEP_PP:
-            source = f"DistEP in {cand.P} pipeline stages (1F1B), no Asym-EA"
-        elif source == ZEBRA_PP:
-            ea = "Asym-EA (optimal) inside each stage" if any(best[PICK][3]) else "no Asym-EA"
-            W, order = waves[PICK]
-            source = (f"zebra in {cand.P} pipeline stages ({W} wave(s) of microbatches"
-                      f"{', in 1F1B order' if order == '1f1b' else ''}), {ea}")
-        lay = pipeline.layout_of_plan(plan, validate=False)
-        memory = {}  # role -> its most loaded rank over the stages: GPU type, GiB and usable GiB
-        for row in pipeline.pipeline_memory(lay, costs[level], global_batch, schedule == ScheduleName.ZEBRA, *waves[PICK]):
-            for role in ("attention", "expert"):
-                if role in row and (role not in memory or row[role]["bytes"] > memory[role]["GiB"] * 2**30):
-                    memory[role] = {"gpu": row[role]["gpu"], "GiB": row[role]["bytes"] / 2**30,
-                                    "usable_GiB": row[role]["usable"] / 2**30}
-        next(p for p in preds if p.name == PICK).detail["memory"] = memory
-        plan.meta = {
-            "model": model.name, "cluster": cluster.name, "seq_len": seq_len, "global_batch": global_batch,
-            "distributed_optimizer": distributed_optimizer, "memory_per_rank": memory,
-            "assignment": source, "experts_on_attention_per_layer": list(best[PICK][3]),
-            "predicted": {p.name: {"step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s}
-                          for p in preds if p.fits},
-        }
+            _price_one_stage(s, cand)
+    picks = _pick(s)
+    net = network_limit(s.cost, cluster, global_batch, list(s.fit_layouts.values()), limit)
+    roof = roofline(limit, net)  # what HeterMoE's disaggregated layouts can reach; baselines: compute only
+    preds = _strategy_rows(s, picks, roof, cands) + (_baseline_rows(s, limit) if baselines else [])
+    preds += _bound_rows(limit, net, roof)
+    plan = _chosen_plan(s, picks, preds) if PICK in s.best else None
     report = None
     if expert_load is not None and plan is not None:
-        plan, report = _replan_for_load(model, types, cluster, costs, global_batch, plan, best[PICK], tried, preds,
-                                        roof.tokens_per_s, expert_load, expert_speeds, engine)
+        plan, report = _replan_for_load(model, s.types, cluster, s.costs, global_batch, plan, s.best[PICK], s.tried,
+                                        preds, roof.tokens_per_s, expert_load, expert_speeds, engine)
     return SearchResult(plan, preds, len(cands), time.perf_counter() - t0, report)
 
 
 def _replan_for_load(model: ModelConfig, types: list[str], cluster: Cluster, costs: dict[str, CostModel],
-                     global_batch: int, pick: HeteroPlan, pick_entry: tuple, tried: list[tuple],
+                     global_batch: int, pick: HeteroPlan, pick_option: Option, tried: list[Option],
                      preds: list[Prediction], roof_tps: float, load: ExpertLoad, speeds: ExpertSpeeds | None,
                      engine: str) -> tuple[HeteroPlan, dict]:
     """search()'s step with measured loads (its docstring): the plan to write and the report. Adds
     the rows LOAD_UNIFORM and LOAD_AWARE after the HeterMoE strategies' rows."""
-    level = pick_entry[5]
+    level = pick_option.expert_recompute
     try:
         own = place_for_load(pick, costs[level], cluster, global_batch, load, speeds, engine)
     except PlanError as e:  # DistEP in pipeline stages: no step model with loads
         report = {"placement": "uniform", "not_priced": str(e)}
         pick.meta["expert_load"] = report
         return pick, report
-    seen = {(id(pick_entry[2]), tuple(pick_entry[3]), pick_entry[4], level, (pick.zebra_waves, pick.zebra_wave_order))}
-    found: list[tuple[LoadPlacement, tuple]] = [(own, pick_entry)]
+    seen = {(id(pick_option.candidate), tuple(pick_option.experts_on_attention), pick_option.schedule, level,
+             (pick.zebra_waves, pick.zebra_wave_order))}
+    found: list[tuple[LoadPlacement, Option]] = [(own, pick_option)]
     runs = level in RUNTIME_EXPERT_RECOMPUTE  # a pick that trains is replaced only by a plan that trains
-    for step, cand, k, schedule, lv, wo in sorted(tried, key=lambda t: t[0]):
+    for opt in sorted(tried, key=lambda o: o.step_s):
         if len(seen) >= LOAD_CANDIDATES:
             break
-        key = (id(cand), tuple(k), schedule, lv, wo)
+        cand, lv = opt.candidate, opt.expert_recompute
+        key = (id(cand), tuple(opt.experts_on_attention), opt.schedule, lv, opt.waves)
         if key in seen or (runs and lv not in RUNTIME_EXPERT_RECOMPUTE):
             continue
         seen.add(key)
-        plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
-                          attention_tp=cand.tp, pipeline_stages=cand.P, zebra_waves=wo[0], zebra_wave_order=wo[1])
+        plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R,
+                          opt.experts_on_attention, opt.schedule, attention_tp=cand.tp, pipeline_stages=cand.P,
+                          zebra_waves=opt.waves[0], zebra_wave_order=opt.waves[1])
         plan.expert_recompute = lv
-        found.append((place_for_load(plan, costs[lv], cluster, global_batch, load, speeds, engine),
-                      (step, None, cand, k, schedule, lv)))
-    best, entry = min(found, key=lambda f: min(f[0].uniform_step_s, f[0].load_aware_step_s))
+        found.append((place_for_load(plan, costs[lv], cluster, global_batch, load, speeds, engine), opt))
+    best, chosen = min(found, key=lambda f: min(f[0].uniform_step_s, f[0].load_aware_step_s))
     step = min(best.uniform_step_s, best.load_aware_step_s)
     take = step < own.uniform_step_s
     plan = best.plan if take else pick
@@ -906,7 +1017,7 @@ def _replan_for_load(model: ModelConfig, types: list[str], cluster: Cluster, cos
               "load_aware_shape": {"M": len(g0.attention_ranks) // plan.pipeline_stages,
                                    "N": len(g0.expert_ranks) // plan.pipeline_stages, "groups": len(plan.groups),
                                    "microbatches": plan.num_microbatches, "schedule": plan.schedule,
-                                   "pipeline_stages": plan.pipeline_stages, "expert_recompute": entry[5]},
+                                   "pipeline_stages": plan.pipeline_stages, "expert_recompute": chosen.expert_recompute},
               "experts_on_attention_per_layer": plan.experts_on_attention_per_layer(),
               "same_shape_as_pick": best is own}
     tokens = best.tokens_per_step
@@ -928,7 +1039,7 @@ def _replan_for_load(model: ModelConfig, types: list[str], cluster: Cluster, cos
                 f"{k} {v}" for k, v in report["load_aware_shape"].items()) + ")"
             meta.pop("memory_per_rank", None)  # the pick's; this shape's is the load-aware problem's
         plan.meta = meta
-        plan.expert_recompute = entry[5]
+        plan.expert_recompute = chosen.expert_recompute
     plan.meta["expert_load"] = report
     plan.meta.setdefault("predicted", {}).update(
         {p.name: {"step_time_s": p.step_time_s, "tokens_per_s": p.tokens_per_s} for p in rows})
