@@ -8,7 +8,16 @@ from __future__ import annotations
 from enum import StrEnum
 
 
-class Role(StrEnum):
+class Word(StrEnum):
+    """A member of a closed vocabulary: equal to, hashed and printed as its value."""
+
+    def __repr__(self) -> str:
+        # the plain string's: a message that quotes a role, schedule or kind with !r reads the same
+        # whether the value came from a file (a str) or from the code (a member)
+        return repr(self.value)
+
+
+class Role(Word):
     """A rank's part in a run: HeterMoE's attention or expert rank (read from the plan), or a rank of
     plain Megatron EP (the reference). Logs, timelines, NaN reports and checkpoints name it."""
     ATTENTION = "attention"
@@ -16,18 +25,13 @@ class Role(StrEnum):
     MEGATRON = "megatron"
 
 
-class ScheduleName(StrEnum):
+class ScheduleName(Word):
     """A HeterMoE schedule's name; plan.tasks.SCHEDULES maps each to its task lists."""
     DISTEP = "distep"  # each microbatch's whole forward then backward, no overlap of the roles
     ZEBRA = "zebra"  # Theorem 1's order: attention and experts overlap
 
-    def __repr__(self) -> str:
-        # the plain string's: a message that quotes a plan's schedule with !r reads the same whether
-        # the plan came from a file (a str) or from the planner (a member)
-        return repr(self.value)
 
-
-class TaskKind(StrEnum):
+class TaskKind(Word):
     """What one entry of a rank's task list does (plan/tasks.py's docstring has the full notation)."""
     A_F = "A_F"  # attention stage forward (attention rank)
     A_B = "A_B"  # attention stage backward
@@ -43,7 +47,7 @@ class TaskKind(StrEnum):
     P_B = "P_B"  # pipeline: the gradient of a stage's input to the previous stage
 
 
-class StreamName(StrEnum):
+class StreamName(Word):
     """Where a task runs: the compute stream, or one of the transfer streams."""
     COMPUTE = "compute"
     DISPATCH = "dispatch"  # attention -> expert direction (D_F, C_B)

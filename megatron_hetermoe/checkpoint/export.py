@@ -198,7 +198,7 @@ def import_checkpoint(load_dir: str, plan, out: str, model: ModelConfig | None =
     for r in range(plan.world_size):
         local_names = megatron_to_hetero({c: c for c in src["params"]}, plan, r)  # local -> canonical
         payloads.append({
-            "iteration": iteration, "rank": r, "role": plan.role(r),
+            "iteration": iteration, "rank": r, "role": str(plan.role(r)),
             "model": {n: src["params"][c] for n, c in local_names.items()},
             "names": local_names,
             "optimizer": None, "optimizer_param_names": [],

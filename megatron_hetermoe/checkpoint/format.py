@@ -136,7 +136,7 @@ def rank_payload(state: RankState, iteration: int) -> dict:
     payload = {
         "iteration": iteration,
         "rank": state.rank,
-        "role": state.role,
+        "role": str(state.role),  # the plain string: a payload pickles no class of ours
         # Host copies: a copy on the rank's device would double the model's memory there at the
         # first --save-interval (the likeliest out-of-memory point on a small expert GPU).
         "model": {n: p.detach().to("cpu", copy=True) for n, p in state.module.named_parameters()},
