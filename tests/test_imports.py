@@ -174,7 +174,8 @@ def test_the_layering_check_finds_a_planted_upward_import(tmp_path):
 # ---- every runtime patch of megatron-core, Megatron-LM or torch lives in shims/ ------------------
 # (ARCHITECTURE.md "Where new things plug in"). A patch here is an assignment, setattr/delattr or
 # `del` of an attribute of something imported from these packages (or a name bound from such a
-# thing: `cls = mod.Class; cls.__init__ = ...`), or an instance patch: replacing a method that
+# thing: `cls = mod.Class; cls.__init__ = ...`), a row `(module, "name", new)` of a replacement
+# table that a helper setattr()s, or an instance patch: replacing a method that
 # megatron-core's or torch's classes define (MEGATRON_METHODS) on an object that is not the
 # module's own `self`, with a lambda, a functools.partial, a function the module defines, or what a
 # function of the module returns when it returns a function it defines (a closure factory:
@@ -278,6 +279,11 @@ def patches_in(source: str, filename: str = "<src>") -> list[str]:
               and n.args and _root(n.args[0]) in ext):
             out.append(f"{n.lineno}: {ast.unparse(n)}")
             continue
+        elif (isinstance(n, ast.Tuple) and len(n.elts) == 3 and _root(n.elts[0]) in ext
+              and isinstance(n.elts[1], ast.Constant) and isinstance(n.elts[1].value, str)):
+            # a replacement table's row, (module, "name", new), for a helper that setattr()s it
+            out.append(f"{n.lineno}: {ast.unparse(n)[:80]}")
+            continue
         else:
             continue
         for t in targets:
@@ -311,9 +317,9 @@ def test_the_patch_check_finds_a_planted_patch():
                      "    from megatron.core.transformer import torch_norm\n\n"
                      "    torch.cuda.Stream = object\n    setattr(ps, '_TENSOR_MODEL_PARALLEL_GROUP', None)\n"
                      "    cls = torch_norm.WrappedTorchNorm\n    cls.__new__ = None\n"
-                     "    optimizer.step = lambda: None\n\n"
+                     "    optimizer.step = lambda: None\n    table = [(torch.cuda, 'synchronize', print)]\n\n"
                      "    def count():\n        return 0\n\n    optimizer.count_zeros = count\n")
     n = len(src.splitlines()) + 1
     assert patches_in(planted) == [f"{n + 7}: torch.cuda.Stream", f"{n + 8}: setattr(ps, '_TENSOR_MODEL_PARALLEL_GROUP', None)",
                                    f"{n + 10}: cls.__new__", f"{n + 11}: optimizer.step",
-                                   f"{n + 16}: optimizer.count_zeros"]
+                                   f"{n + 12}: (torch.cuda, 'synchronize', print)", f"{n + 17}: optimizer.count_zeros"]

@@ -1,6 +1,6 @@
 """Every runtime patch the package makes to megatron-core, Megatron-LM or torch, one module per
 patched thing, named for it: what is replaced, why (the failure or the missing hook), which
-releases need it, and how it is undone. Nothing outside this package assigns to, setattr()s or
+releases need it, and how it is undone (a patch made for good says so). Nothing outside this package assigns to, setattr()s or
 deletes an attribute of those packages, nor replaces a method of one of their objects
 (tests/test_imports.py test_no_patch_outside_shims).
 
@@ -22,4 +22,5 @@ reliability/ (ARCHITECTURE.md), so every layer that patches can call it.
 - pipeline_schedules: the schedules' output deallocation on CPU ranks
 - datasets_utils: the dataset helpers' build step with a wheel's prebuilt helpers
 - megatron_training: Megatron-LM's megatron.training (pretrain()'s hooks, its CPU ranks)
+- pretrain_gpt: Megatron-LM's pretrain_gpt.py, patched in its files (patches/): which patch fits
 """
