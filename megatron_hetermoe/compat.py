@@ -51,7 +51,7 @@ What changed, and what the plugin does about it
    `tensor_parallel.all_to_all(group, input, out_splits, in_splits, use_nccl_stream=...)` on
    0.19 (a new keyword): the EP emulation's hook on it (emulation/emulator.py) passes keywords through.
 5. Without transformer-engine, 0.13-0.16 leave `moe_utils.te_general_gemm` unbound (NameError in
-   the router on any device); 0.17 binds it to None. `bind_missing_te_general_gemm` does it here
+   the router on any device); 0.17 binds it to None. `shims.moe_utils.bind_missing_te_general_gemm` does it
    (tests/test_compat.py shows the upstream state). CPU backend (cpu_backend.py chooses its
    patches by version, NEEDED_IN): cuda_streams, current_device, rng,
    split_sizes_to_cpu and cuda_device_literals are still needed on 0.19 (canaries, same sites:
@@ -256,17 +256,6 @@ def permute(tokens, routing_map, probs=None, num_out_tokens=None, fused: bool = 
 
     out = _permute(tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens, fused=fused)
     return out[0], out[1], out[2]
-
-
-def bind_missing_te_general_gemm() -> None:
-    """megatron-core 0.13-0.16 import transformer-engine's general_gemm inside a try block and
-    test `te_general_gemm is not None` in the router's gating, but never bind the name when the
-    import fails: without transformer-engine the router raises NameError, on CPU and GPU alike
-    (seen on an H200 with 0.16.1). Bind it to None, as 0.17 does. Idempotent."""
-    from megatron.core.transformer.moe import moe_utils
-
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
 
 
 # --- Megatron-LM's training side (megatron/training, a checkout's; megatron_lm/) ----------------

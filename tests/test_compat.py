@@ -101,10 +101,10 @@ def test_build_experts_and_permute(tiny):
 
 def test_router_without_transformer_engine_gets_te_general_gemm_bound():
     # megatron-core < 0.17 leaves te_general_gemm unbound without transformer-engine (NameError in
-    # the router, on CPU and GPU: seen on an H200); compat binds it. The subprocess shows the
+    # the router, on CPU and GPU: seen on an H200); shims/moe_utils.py binds it. The subprocess shows the
     # upstream state first, so a release that fixes it is noticed.
     code = ("from megatron.core.transformer.moe import moe_utils as m; before = hasattr(m, 'te_general_gemm'); "
-            "from megatron_hetermoe.compat import bind_missing_te_general_gemm as f, mcore_version as v; f(); "
+            "from megatron_hetermoe.compat import mcore_version as v; from megatron_hetermoe.shims.moe_utils import bind_missing_te_general_gemm as f; f(); "
             "print(before, m.te_general_gemm is None or callable(m.te_general_gemm), v() >= (0, 17, 0))")
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
     before, bound, fixed_upstream = out.stdout.split()

@@ -3,6 +3,7 @@ TYPE_CHECKING imports included) a module that imports it back."""
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import megatron_hetermoe
@@ -128,6 +129,7 @@ def _module_level(path: Path, target: str) -> bool:
 LAYERS: list[set[str]] = [
     {"", "_csim", "errors", "limits", "paths", "outputs", "compat", "config", "layer_pattern", "vocabulary"},
     {"reliability"},
+    {"shims"},
     {"plan"},
     {"cli"},
     {"planner"},
@@ -171,7 +173,7 @@ def test_the_layering_check_finds_a_planted_upward_import(tmp_path):
                        + "\n\ndef _planted():\n    from megatron_hetermoe.training import loop  # noqa\n")
     graph = import_graph()
     graph[f"{NAME}.plan.layout"] = _imports(f"{NAME}.plan.layout", planted, modules)
-    assert upward_imports(graph) == [f"{NAME}.plan.layout (layer 2) imports {NAME}.training.loop (layer 11)"]
+    assert upward_imports(graph) == [f"{NAME}.plan.layout (layer 3) imports {NAME}.training.loop (layer 12)"]
 
 
 # Roles, schedule names and task kinds are closed vocabularies (megatron_hetermoe/vocabulary.py):
@@ -256,3 +258,157 @@ def test_the_parser_check_finds_a_planted_parser(tmp_path):
     found = parsers_outside_cli(modules)
     assert [f.split(":")[0] for f in found] == [f"{NAME}.tools.timeline"] * 2
     assert sorted(f.split()[-1] for f in found) == ["ArgumentParser", "add_argument"]
+
+
+# ---- every runtime patch of megatron-core, Megatron-LM or torch lives in shims/ ------------------
+# (ARCHITECTURE.md "Where new things plug in"). A patch here is an assignment, setattr/delattr or
+# `del` of an attribute of something imported from these packages (or a name bound from such a
+# thing: `cls = mod.Class; cls.__init__ = ...`), a row `(module, "name", new)` of a replacement
+# table that a helper setattr()s, or an instance patch: replacing a method that
+# megatron-core's or torch's classes define (MEGATRON_METHODS) on an object that is not the
+# module's own `self`, with a lambda, a functools.partial, a function the module defines, or what a
+# function of the module returns when it returns a function it defines (a closure factory:
+# `optimizer.count_zeros = world_count_zeros(...)`). Only such method names count: setting our own
+# callback slots (EmulatedClock.on_step_begin), a hook field of Megatron's config
+# (finalize_model_grads_func, which Megatron-LM sets the same way) or argparse's `error` is not a
+# patch; nor is plain data set on an object (`opt.grad_stats_parallel_group = group`).
+EXTERNAL = ("megatron", "torch", "transformer_engine", "apex")
+
+
+@functools.cache
+def _megatron_methods() -> frozenset[str]:
+    """Every method name of the Megatron and torch classes whose instances the package holds:
+    optimizers (chained, distributed, mixed precision), DDP and its bucket groups, the LR
+    scheduler, torch's Module and Optimizer."""
+    import inspect
+
+    import torch
+    from megatron.core import optimizer as mopt
+    from megatron.core.distributed import DistributedDataParallel, param_and_grad_buffer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    classes = [c for _, c in inspect.getmembers(mopt, inspect.isclass) if c.__module__.startswith("megatron")]
+    classes += [DistributedDataParallel, OptimizerParamScheduler, torch.nn.Module, torch.optim.Optimizer,
+                *(c for _, c in inspect.getmembers(param_and_grad_buffer, inspect.isclass))]
+    return frozenset(n for c in classes for n, v in inspect.getmembers(c) if callable(v))
+
+
+def _external_names(tree: ast.AST) -> set[str]:
+    """Names bound by imports from EXTERNAL, then names assigned from expressions rooted at one."""
+    names = set()
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in n.names if a.name.split(".")[0] in EXTERNAL}
+        elif isinstance(n, ast.ImportFrom) and n.level == 0 and (n.module or "").split(".")[0] in EXTERNAL:
+            names |= {a.asname or a.name for a in n.names}
+    changed = True
+    while changed:  # `cls = dot_product_attention.DotProductAttention`, `orig = cls.__init__`
+        changed = False
+        for n in ast.walk(tree):
+            if isinstance(n, ast.Assign) and _root(n.value) in names:
+                for t in n.targets:
+                    if isinstance(t, ast.Name) and t.id not in names:
+                        names.add(t.id)
+                        changed = True
+    return names
+
+
+def _root(e: ast.AST) -> str | None:
+    while isinstance(e, (ast.Attribute, ast.Subscript)):
+        e = e.value
+    return e.id if isinstance(e, ast.Name) else None
+
+
+def _function_makers(tree: ast.AST) -> tuple[set[str], set[str]]:
+    """(names of the functions the module defines, those of them that return a function they define)."""
+    defs, makers = set(), set()
+    for f in ast.walk(tree):
+        if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            defs.add(f.name)
+            inner = {g.name for g in ast.walk(f) if isinstance(g, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     and g is not f}
+            for r in ast.walk(f):
+                if isinstance(r, ast.Return) and (isinstance(r.value, ast.Lambda)
+                                                  or isinstance(r.value, ast.Name) and r.value.id in inner):
+                    makers.add(f.name)
+    return defs, makers
+
+
+def _callee(call: ast.Call) -> str | None:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else None
+
+
+def _is_method_patch(value: ast.AST, defs: set[str], makers: set[str]) -> bool:
+    if isinstance(value, ast.Lambda):
+        return True
+    if isinstance(value, ast.Name):
+        return value.id in defs
+    if isinstance(value, ast.Call):
+        name = _callee(value)
+        return name in ("partial", "staticmethod", "classmethod", "MethodType") or name in makers
+    return False
+
+
+def patches_in(source: str, filename: str = "<src>") -> list[str]:
+    """Every patch (see above) in a module's source, as 'line: code'."""
+    tree = ast.parse(source, filename)
+    ext = _external_names(tree)
+    defs, makers = _function_makers(tree)
+    methods = _megatron_methods()
+    out = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Assign):
+            targets, value = n.targets, n.value
+        elif isinstance(n, (ast.AugAssign, ast.AnnAssign)):
+            targets, value = [n.target], n.value
+        elif isinstance(n, ast.Delete):
+            targets, value = n.targets, None
+        elif (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("setattr", "delattr")
+              and n.args and _root(n.args[0]) in ext):
+            out.append(f"{n.lineno}: {ast.unparse(n)}")
+            continue
+        elif (isinstance(n, ast.Tuple) and len(n.elts) == 3 and _root(n.elts[0]) in ext
+              and isinstance(n.elts[1], ast.Constant) and isinstance(n.elts[1].value, str)):
+            # a replacement table's row, (module, "name", new), for a helper that setattr()s it
+            out.append(f"{n.lineno}: {ast.unparse(n)[:80]}")
+            continue
+        else:
+            continue
+        for t in targets:
+            if not isinstance(t, ast.Attribute):
+                continue
+            if _root(t) in ext:
+                out.append(f"{n.lineno}: {ast.unparse(t)}")
+            elif t.attr in methods and _root(t) != "self" and (
+                    value is None or _is_method_patch(value, defs, makers)):  # `del obj.method` undoes one
+                out.append(f"{n.lineno}: {ast.unparse(t)}")
+    return sorted(set(out), key=lambda s: int(s.split(":")[0]))
+
+
+def patches_outside_shims() -> dict[str, list[str]]:
+    return {m: found for m, p in sorted(_modules().items())
+            if not m.startswith(f"{NAME}.shims") and (found := patches_in(p.read_text(), str(p)))}
+
+
+def test_no_patch_outside_shims():
+    found = patches_outside_shims()
+    assert not found, ("runtime patches of megatron-core, Megatron-LM or torch outside megatron_hetermoe/shims/ "
+                       "(move each into the shim module named for what it patches):\n  " + "\n  ".join(
+                           f"{m}:{p}" for m, ps in found.items() for p in ps))
+
+
+def test_the_patch_check_finds_a_planted_patch():
+    """Module, class and instance patches, planted in a copy of training/loop.py's source."""
+    src = _modules()[f"{NAME}.training.loop"].read_text()
+    assert patches_in(src) == []
+    planted = src + ("\n\ndef _planted(optimizer):\n    import torch\n    from megatron.core import parallel_state as ps\n"
+                     "    from megatron.core.transformer import torch_norm\n\n"
+                     "    torch.cuda.Stream = object\n    setattr(ps, '_TENSOR_MODEL_PARALLEL_GROUP', None)\n"
+                     "    cls = torch_norm.WrappedTorchNorm\n    cls.__new__ = None\n"
+                     "    optimizer.step = lambda: None\n    table = [(torch.cuda, 'synchronize', print)]\n\n"
+                     "    def count():\n        return 0\n\n    optimizer.count_zeros = count\n")
+    n = len(src.splitlines()) + 1
+    assert patches_in(planted) == [f"{n + 7}: torch.cuda.Stream", f"{n + 8}: setattr(ps, '_TENSOR_MODEL_PARALLEL_GROUP', None)",
+                                   f"{n + 10}: cls.__new__", f"{n + 11}: optimizer.step",
+                                   f"{n + 12}: (torch.cuda, 'synchronize', print)", f"{n + 17}: optimizer.count_zeros"]

@@ -23,6 +23,8 @@ its members instead, and the chain prefix is dropped (the index says dense or ex
 """
 from __future__ import annotations
 
+from megatron_hetermoe.shims import megatron_optimizer as shim
+
 _MARK = "__hetero_sharded_leaf__"
 
 
@@ -135,5 +137,4 @@ def per_rank_optimizer_state(optimizer, rank: int, world_size: int) -> None:
     def load_state_dict(state_dict: dict):
         return load(_fill(state_dict["structure"], state_dict["sharded"]))
 
-    optimizer.sharded_state_dict = sharded_state_dict
-    optimizer.load_state_dict = load_state_dict
+    shim.replace_state_dict_io(optimizer, sharded_state_dict, load_state_dict)

@@ -34,9 +34,9 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
     ranks), each expert's tokens over the layer's mean (the EP group's tokens x top-k / experts)
     times the balanced share, as HeterMoE's emulated expert tasks (Emulator.expert_task_time)."""
     import torch.distributed as dist
-    from megatron.core.transformer.moe import token_dispatcher as td
 
     from megatron_hetermoe.planner.baselines import ep_a2a_time
+    from megatron_hetermoe.shims import token_dispatcher
 
     m, gpu, cost = emulator.model, emulator.gpu(rank), emulator.cost
     scale = (lambda: clock.scale) if clock is not None else (lambda: emulator.spec.scale)
@@ -111,7 +111,7 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
         st["bseg"] = close("combine" if dispatch else "dispatch", TaskKind.D_B if dispatch else TaskKind.C_B, layer, start,
                            a2a * scale())
 
-    orig = td.all_to_all
+    orig = token_dispatcher.all_to_all()
 
     def timed_all_to_all(group, input_, output_split_sizes=None, input_split_sizes=None, **kw):
         # kw: megatron-core 0.19 also passes use_nccl_stream= (compat.py)
@@ -156,10 +156,10 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
                gpt.output_layer.register_forward_hook(head_done)]
     handles += [layer.mlp.experts.register_forward_pre_hook(experts_received(i))
                 for i, layer in enumerate(gpt.decoder.layers)]
-    td.all_to_all = timed_all_to_all
+    restore = token_dispatcher.replace_all_to_all(timed_all_to_all)
 
     def undo():
-        td.all_to_all = orig
+        restore()
         for h in handles:
             h.remove()
         if clock is not None:

@@ -17,7 +17,9 @@ pretrain_gpt.py's parse_and_validate_args through the hooks (`parse_with_hooks`:
 runs there, before pretrain()), passes model_provider with the plugin's builder, and pretrain()
 drops the config container's model so Megatron builds it with that model_provider. What else
 differs between the releases is decided in compat.py (megatron_lm_* rules) or by the object at hand
-(hooks.py: the "with GTP_remat" groups, the MoE and MTP metric trackers; cpu_layer.py).
+(shims/megatron_training.py, shims/parallel_state.py: the "with GTP_remat" groups, the MoE and MTP
+metric trackers). Every replacement of Megatron-LM's functions is made by shims/ (the hooks pass
+their behaviour in: shims/megatron_training.py PretrainHooks).
 
 Inside pretrain() (hooks.py):
 Every rank, attention and expert alike, runs Megatron-LM's pretrain(): initialize_megatron,
@@ -32,7 +34,7 @@ entered by every rank by construction. HeterMoE changes five things, each throug
    parse_and_validate_args, before pretrain()).
 2. Model parallel state: megatron's initialize_model_parallel is replaced by the plan's groups
    (parallel/state.py), installed into megatron-core's parallel_state
-   (parallel/megatron_globals.py install_parallel_state).
+   (parallel/megatron_globals.py install_parallel_state, written by shims/parallel_state.py).
 3. The model: `HeteroPretrain.builder`, a Megatron-LM model builder (pretrain_gpt.py's
    model_provider calls it): Megatron's config and layer spec from the flags, with HeteroMoELayer
    on attention ranks and the expert-only ExpertRuntime on expert ranks.
@@ -49,8 +51,8 @@ Modules: `pretrain` (`hetermoe pretrain`: a patched checkout's pretrain_gpt.py, 
 >= 0.19's own pretrain() with this package's GPT providers and no checkout), `hooks` (HeteroPretrain
 and hetero_pretrain), `refusals` (the flags refused by name), `replaced` (the flags accepted with a
 line naming what replaces them, and recomputation), `cpu_layer` (pretrain() on CPU ranks, and
-megatron_on_cpu for a plain Megatron run), `patches` (which patch fits a checkout). The --hetero-*
-flags are cli/hetero.py's, the plugin trainer's too.
+megatron_on_cpu for a plain Megatron run); which patch fits a checkout is shims/pretrain_gpt.py's
+(re-exported here). The --hetero-* flags are cli/hetero.py's, the plugin trainer's too.
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ from megatron_hetermoe.cli.hetero import add_hetero_args
 from megatron_hetermoe.cli.pretrain import hetero_plan_parser
 from megatron_hetermoe.megatron_lm.cpu_layer import megatron_on_cpu
 from megatron_hetermoe.megatron_lm.hooks import hetero_pretrain
-from megatron_hetermoe.megatron_lm.patches import PATCHES, checkout_version, patch_for
+from megatron_hetermoe.shims.pretrain_gpt import PATCHES, checkout_version, patch_for
 
 __all__ = ["add_hetero_args", "hetero_pretrain", "megatron_on_cpu", "hetero_requested", "patch_for",
            "checkout_version", "PATCHES"]

@@ -12,13 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_hetermoe.config import PoolPrecision
-from megatron_hetermoe.megatron_lm.cpu_layer import (
-    _cpu_replacements,
-    _no_cuda_arch,
-    _replaced,
-    _wrap,
-    torch_adam_replacements,
-)
+from megatron_hetermoe.megatron_lm.cpu_layer import cpu_layer
 from megatron_hetermoe.megatron_lm.refusals import refusals, schedule_refusals
 from megatron_hetermoe.megatron_lm.replaced import (
     given_flags,
@@ -28,6 +22,7 @@ from megatron_hetermoe.megatron_lm.replaced import (
 from megatron_hetermoe.models.builder import KernelChoice, RankEnv
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+from megatron_hetermoe.shims import distrib_optimizer, megatron_training, parallel_state, torch_distributed
 from megatron_hetermoe.training.assembly import RoleAssembly
 from megatron_hetermoe.training.validation import (
     check_hetero_pp,
@@ -135,15 +130,9 @@ class HeteroPretrain:
     def initialize_distributed(self, initialize, *a, **k):
         """Megatron's _initialize_distributed (torch.distributed, the device), with the plan's
         groups in place of initialize_model_parallel (on CPU ranks the CPU layer makes Megatron
-        call it too: _as_if_one_device)."""
-        from megatron.core import parallel_state as ps
-
-        original = ps.initialize_model_parallel
-        ps.initialize_model_parallel = lambda *x, **y: self._setup_groups()
-        try:
+        call it too: shims/megatron_training.py _as_if_one_device)."""
+        with parallel_state.initialize_model_parallel_replaced(self._setup_groups):
             initialize(*a, **k)
-        finally:
-            ps.initialize_model_parallel = original
 
     def _setup_groups(self) -> None:
         from megatron.training import get_args
@@ -152,14 +141,13 @@ class HeteroPretrain:
         from megatron_hetermoe.parallel.device import rank_device
         from megatron_hetermoe.parallel.megatron_globals import install_parallel_state
         from megatron_hetermoe.parallel.state import initialize_hetero_parallel
-        from megatron_hetermoe.reliability import collective_trace
 
-        collective_trace.install()  # $HETERMOE_TRACE_COLLECTIVES: every collective's order, to check
+        torch_distributed.trace_collectives()  # $HETERMOE_TRACE_COLLECTIVES: every collective's order, to check
         timeout = datetime.timedelta(minutes=get_args().distributed_timeout_minutes)
         self.hs = initialize_hetero_parallel(self.plan, timeout=timeout, device=rank_device(),
                                              wire_dtype=precision_dtype(self.pools.wire))
         install_parallel_state(self.hs)
-        _alias_gtp_remat_groups()
+        parallel_state.alias_gtp_remat_groups()
         self.assembly = RoleAssembly(self.hs, self.pools)
         from megatron_hetermoe.training.expert_load_log import ExpertLoadLog
 
@@ -425,61 +413,33 @@ class HeteroPretrain:
     def installed(self):
         """The hooks for one pretrain() call. Where pretrain_gpt.py parses and validates the flags
         before pretrain() (core_v0.19.0), validate_args' hook is `parsing`'s instead."""
-        import megatron.core.transformer.moe.moe_utils as moe_utils
-        import megatron.training.checkpointing as checkpointing
-        from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
-        import megatron.training.initialize as initialize
-        import megatron.training.training as training
-
-        from megatron_hetermoe.compat import (
-            megatron_lm_moe_metrics_tracker,
-            megatron_lm_mtp_reduce,
-            megatron_lm_parses_in_pretrain,
-        )
-
         with contextlib.ExitStack() as stack:
             if not torch.cuda.is_available():
-                stack.enter_context(_replaced(_cpu_replacements()))
+                stack.enter_context(cpu_layer())
             else:  # a GPU rank without apex or transformer-engine runs torch's Adam too
-                stack.enter_context(_replaced(torch_adam_replacements()))
-            # Read after the CPU layer is in: these wrap it.
-            hooks = [
-                (initialize, "_initialize_distributed",
-                 _wrap(initialize._initialize_distributed, self.initialize_distributed)),
-                (training, "get_forward_backward_func", self.get_forward_backward_func),
-                (training, "get_megatron_optimizer",
-                 _wrap(training.get_megatron_optimizer, self.get_megatron_optimizer)),
-                (checkpointing, "get_rng_state", _wrap(checkpointing.get_rng_state, self.get_rng_state)),
-                (checkpointing, "FullyParallelSaveStrategyWrapper", _save_wrapper_for_roles()),
-                (training, "calc_params_l2_norm", self.params_norm),
-                (training, "build_train_valid_test_data_iterators",
-                 _wrap(training.build_train_valid_test_data_iterators, self.data_iterators)),
-            ]
-            if megatron_lm_parses_in_pretrain():
-                hooks.append((initialize, "validate_args", _wrap(initialize.validate_args, self.validate_args)))
-            if hasattr(training, "track_moe_metrics"):  # core_v0.16.1's training_log (0.19: not yet)
-                hooks.append((training, "track_moe_metrics", _wrap(training.track_moe_metrics, self.track_moe_metrics)))
-            tracker = megatron_lm_moe_metrics_tracker()
-            if tracker is None:
-                hooks.append((moe_utils, "reduce_aux_losses_tracker_across_ranks",
-                              _wrap(moe_utils.reduce_aux_losses_tracker_across_ranks, self.reduce_aux_losses)))
-            else:
-                hooks.append((tracker, "_sync_metrics", _wrap(tracker._sync_metrics, self.sync_moe_metrics)))
-            mtp, _ = megatron_lm_mtp_reduce()
-            hooks.append((MTPLossLoggingHelper, mtp,
-                          staticmethod(_wrap(getattr(MTPLossLoggingHelper, mtp), self.reduce_mtp_losses))))
-            stack.enter_context(_replaced(hooks))
-            stack.callback(_unalias_gtp_remat_groups)
+                stack.enter_context(distrib_optimizer.torch_adam_state_dict())
+            # Entered after the CPU layer: these wrap it.
+            stack.enter_context(megatron_training.pretrain_hooks(megatron_training.PretrainHooks(
+                initialize_distributed=self.initialize_distributed,
+                get_forward_backward_func=self.get_forward_backward_func,
+                get_megatron_optimizer=self.get_megatron_optimizer,
+                get_rng_state=self.get_rng_state,
+                save_strategy_wrapper=_save_wrapper_for_roles(),
+                calc_params_l2_norm=self.params_norm,
+                data_iterators=self.data_iterators,
+                validate_args=self.validate_args,
+                track_moe_metrics=self.track_moe_metrics,
+                reduce_aux_losses=self.reduce_aux_losses,
+                sync_moe_metrics=self.sync_moe_metrics,
+                reduce_mtp_losses=self.reduce_mtp_losses,
+            )))
             yield self
 
     @contextlib.contextmanager
     def parsing(self):
         """core_v0.19.0: pretrain_gpt.py parses and validates the flags before pretrain()
         (arguments.parse_and_validate_args): validate_args' hook, for that call."""
-        import megatron.training.arguments as arguments
-
-        cpu = [] if torch.cuda.is_available() else _no_cuda_arch()
-        with _replaced([(arguments, "validate_args", _wrap(arguments.validate_args, self.validate_args)), *cpu]):
+        with megatron_training.validate_args_hook(self.validate_args, cpu=not torch.cuda.is_available()):
             yield self
 
     def pretrain(self, pretrain: Callable, *a, **k):
@@ -493,38 +453,6 @@ class HeteroPretrain:
             a = (cfg, *a[1:])
         with self.installed():
             return pretrain(*a, **k)
-
-
-# core_v0.19.0's parallel_state: the data-parallel groups "with GTP_remat" (GTP weight
-# rematerialization, an axis over DP) are its defaults (ProcessGroupCollection.use_mpu_process_groups,
-# which its pretrain() calls, reads them), and the optimizer's setup reads the expert
-# tensor-model-pipeline group "with EGTP". Without GTP_remat (size 1) each is the group without it.
-_GTP_REMAT_ALIASES = {
-    "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "_DATA_PARALLEL_GROUP",
-    "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": "_DATA_PARALLEL_GROUP_WITH_CP",
-    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT": "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
-    "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "_EXPERT_DATA_PARALLEL_GROUP",
-    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT": "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP",
-    "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP": "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP",
-}
-
-
-def _alias_gtp_remat_groups() -> None:
-    """After install_parallel_state: core_v0.19.0's "with GTP_remat" data-parallel groups are the
-    plan's groups without it (a release without them, core_v0.16.1: nothing to do)."""
-    from megatron.core import parallel_state as ps
-
-    for name, base in _GTP_REMAT_ALIASES.items():
-        if hasattr(ps, name):
-            setattr(ps, name, getattr(ps, base))
-
-
-def _unalias_gtp_remat_groups() -> None:
-    from megatron.core import parallel_state as ps
-
-    for name in _GTP_REMAT_ALIASES:
-        if hasattr(ps, name):
-            setattr(ps, name, None)
 
 
 def _no_role_barriers(a: tuple, k: dict) -> tuple[tuple, dict]:

@@ -29,12 +29,12 @@ import socket
 import subprocess
 import sys
 import time
-from contextlib import contextmanager
 from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any, Callable
 
 from megatron_hetermoe.errors import UserError
+from megatron_hetermoe.shims import datasets_utils
 
 _PROGRAM_START = time.time()
 
@@ -62,7 +62,7 @@ def training_source() -> tuple[str, Path | None]:
     megatron.training; raises a user error naming both options otherwise."""
     src = os.environ.get("MEGATRON_LM_DIR")
     if src:
-        from megatron_hetermoe.megatron_lm.patches import checkout_version, patch_for
+        from megatron_hetermoe.shims.pretrain_gpt import checkout_version, patch_for
 
         checkout = Path(src)
         try:
@@ -290,25 +290,6 @@ def refuse_not_provided(args: argparse.Namespace) -> None:
                           "pretrain_gpt.py (set MEGATRON_LM_DIR to a patched checkout), or drop the flag")
 
 
-@contextmanager
-def _prebuilt_dataset_helpers():
-    """megatron-core's wheel ships its dataset index helpers built (helpers_cpp) but not their
-    Makefile, and megatron.training's initialize still runs `make` in that directory on rank 0,
-    which fails there. With the built module present, that step has nothing to do."""
-    import megatron.core.datasets.utils as utils
-
-    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None or \
-            (Path(utils.__file__).parent / "Makefile").is_file():
-        yield  # a tree that builds them (a checkout): Megatron's own step
-        return
-    original = utils.compile_helpers
-    utils.compile_helpers = lambda: None
-    try:
-        yield
-    finally:
-        utils.compile_helpers = original
-
-
 def run_rank(argv: list[str]) -> None:
     """One rank (under torchrun): pretrain() as pretrain_gpt.py calls it, with this module's providers."""
     from megatron.core.enums import ModelType
@@ -341,7 +322,7 @@ def run_rank(argv: list[str]) -> None:
     args = parse(extra_args_provider=add_hetero_args, args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     refuse_not_provided(args)
     container = pretrain_cfg_container_from_args(args, gpt_config_from_args(args))
-    with _prebuilt_dataset_helpers():
+    with datasets_utils.prebuilt_helpers():
         run(container, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step, store=store,
             get_embedding_ranks=get_embedding_ranks, **extra)
 

@@ -540,14 +540,14 @@ def layer_spec(model: ModelConfig, kernels: str = "local"):
     from megatron.core.models.gpt import gpt_layer_specs
 
     from megatron_hetermoe.compat import (
-        bind_missing_te_general_gemm,
         moe_experts_spec,
         normalize_layer_spec,
     )
+    from megatron_hetermoe.shims.moe_utils import bind_missing_te_general_gemm
 
     if kernels not in KERNELS:
         raise ValueError(f"kernels {kernels!r} is unknown; use one of {list(KERNELS)}")
-    bind_missing_te_general_gemm()  # the router needs it without transformer-engine (compat.py)
+    bind_missing_te_general_gemm()  # the router needs it without transformer-engine (shims/moe_utils.py)
     if kernels == "local":
         spec = gpt_layer_specs.get_gpt_layer_local_spec(num_experts=model.num_experts, normalization="RMSNorm")
     elif kernels == "grouped":

@@ -1,8 +1,8 @@
 """Run megatron-core 0.16.1 .. 0.19.x on CPU over gloo.
 
 megatron-core assumes CUDA in a handful of places. Each assumption is bridged by one named
-patch below; `apply()` installs the ones the installed megatron-core needs (`patches_for`,
-`NEEDED_IN`) once and is a no-op when CUDA is available, so the same code runs unchanged on GPU
+patch, its body in the shim named for what it patches (shims/); `apply()` installs the ones
+the installed megatron-core needs (`patches_for`, `NEEDED_IN`) once and is a no-op when CUDA is available, so the same code runs unchanged on GPU
 ranks; `apply(force=True)` makes a CPU rank even on a GPU host (the fork launcher's children).
 Three patches are not about CPUs but about megatron-core's local spec on any device
 (LOCAL_SPEC_PATCHES: torch norms under sequence parallelism, multi-latent attention's core and its
@@ -15,137 +15,32 @@ canary showing the fix (compat.py records which release changed what).
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_hetermoe.shims import (
+    dot_product_attention,
+    moe_utils,
+    multi_latent_attention,
+    tensor_parallel_random,
+    torch_cuda,
+    torch_norm,
+)
+
 _applied: set[str] = set()
 
 
-# --- 1. CUDA streams and events ---------------------------------------------------------
-class _CpuStream:
-    """Stands in for torch.cuda.Stream: CPU ops are synchronous, so waits are no-ops."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def wait_stream(self, other) -> None:
-        pass
-
-    def wait_event(self, event) -> None:
-        pass
-
-    def record_event(self, event=None) -> "_CpuEvent":
-        return event if event is not None else _CpuEvent()
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-class _CpuEvent:
-    """Stands in for torch.cuda.Event; elapsed_time is not meaningful on CPU."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def record(self, stream=None) -> None:
-        pass
-
-    def wait(self, stream=None) -> None:
-        pass
-
-    def synchronize(self) -> None:
-        pass
-
-    def query(self) -> bool:
-        return True
-
-
-_CPU_STREAM = _CpuStream()
-
-
-def patch_cuda_streams() -> None:
-    """Fake torch.cuda.Stream/current_stream/stream/Event/synchronize.
-
-    Why: the alltoall dispatcher copies split sizes on a side stream
-    (`torch.cuda.Stream()`), DDP creates a communication stream, and both record events.
-    """
-    torch.cuda.Stream = _CpuStream
-    torch.cuda.Event = _CpuEvent
-    torch.cuda.current_stream = lambda device=None: _CPU_STREAM
-    torch.cuda.default_stream = lambda device=None: _CPU_STREAM
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
-    torch.cuda.synchronize = lambda device=None: None
-    torch.Tensor.record_stream = lambda self, stream: None
-
-
-# --- 2. current device ------------------------------------------------------------------
-def patch_current_device() -> None:
-    """Make torch.cuda.current_device() name the CPU.
-
-    Why: megatron allocates its global memory buffer, router buffers, all_to_all outputs and
-    p2p shape tensors with `device=torch.cuda.current_device()`.
-    """
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.set_device = lambda device: None
-    torch.cuda.device_count = lambda: 0
-
-
-# --- 3. RNG -----------------------------------------------------------------------------
+# --- RNG -------------------------------------------------------------------------------
 def patch_rng() -> None:
-    """Give megatron's CUDA RNG tracker the CPU generator.
-
-    Why: `model_parallel_cuda_manual_seed` and `CudaRNGStatesTracker.add/fork` call
-    torch.cuda.manual_seed / get_rng_state / set_rng_state, which fail without CUDA. Forks
-    (tensor-parallel and expert-parallel init regions) keep their own CPU generator states so
-    a forked region does not disturb the default stream of random numbers, as on GPU.
-    """
-    from megatron.core.tensor_parallel import random as mrandom
-
-    def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
-        torch.set_rng_state(new_state)
-
-    mrandom._set_cuda_rng_state = _set_cuda_rng_state
-    torch.cuda.random.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    # On CPU the "CUDA" generator is the CPU one, so the tracker's check that a fork left the
-    # CPU state alone always fires; it carries no information here.
-    logging.getLogger(mrandom.__name__).addFilter(
-        lambda rec: "CPU RNG state changed" not in rec.getMessage()
-    )
-    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
-    torch.cuda.set_rng_state = lambda state, device="cuda": torch.set_rng_state(state)
-    # torch.manual_seed itself calls torch.cuda.manual_seed_all, so seed the generator directly.
-    torch.cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
-    torch.cuda.initial_seed = lambda: torch.initial_seed()
+    """torch.cuda's RNG and megatron's CUDA RNG tracker on the CPU generator (both halves)."""
+    torch_cuda.rng_on_cpu()
+    tensor_parallel_random.set_rng_state_on_cpu()
 
 
-# --- 5. split sizes ---------------------------------------------------------------------
-def patch_split_sizes_to_cpu() -> None:
-    """Make `maybe_move_tensor_to_cpu` convert CPU tensors too (to numpy when asked).
-
-    Why: it only converts when `tensor.is_cuda`; on CPU the alltoall dispatcher then hands
-    split-size *tensors* to all_to_all_single, which wants Python lists (numpy's tolist()).
-    """
-    from megatron.core.transformer.moe import moe_utils, token_dispatcher
-
-    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
-        if torch.is_tensor(tensor):
-            tensor = tensor.cpu()
-            if as_numpy:
-                tensor = tensor.numpy()
-        return tensor
-
-    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-
-
-# --- 6. device="cuda" sites -------------------------------------------------------------
+# --- device="cuda" sites ---------------------------------------------------------------
 def _is_cuda_device(device) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
@@ -202,110 +97,16 @@ def device_scope():
     return contextlib.nullcontext()
 
 
-# --- 7. torch norms under sequence parallelism ----------------------------------------------
-def patch_torch_norm_sequence_parallel() -> None:
-    """Let megatron-core's WrappedTorchNorm (the local spec's LayerNorm/RMSNorm without apex or
-    TE) build under sequence parallelism, marking its parameters `sequence_parallel` as
-    megatron-core's FusedLayerNorm and TE's norms do.
-
-    Why: WrappedTorchNorm asserts "sequence parallel not supported by torch LayerNorm", so TP > 1
-    with --sequence-parallel (which Megatron requires for MoE) cannot build on CPU. A norm is
-    pointwise over the hidden dimension, so it is correct on a sequence shard; its gradient is
-    then partial per TP rank, and finalize_model_grads sums it over the TP group for parameters
-    marked `sequence_parallel` (as it does for the fused norms).
-    """
-    import copy
-
-    from megatron.core.transformer import torch_norm
-
-    orig = torch_norm.WrappedTorchNorm.__new__
-    if getattr(orig, "_hetermoe_sp", False):
-        return
-
-    def __new__(cls, config, *args, **kwargs):
-        sp = bool(config.sequence_parallel)
-        if sp:
-            config = copy.copy(config)
-            config.sequence_parallel = False
-        norm = orig(cls, config, *args, **kwargs)
-        for p in norm.parameters():
-            setattr(p, "sequence_parallel", sp)
-        return norm
-
-    __new__._hetermoe_sp = True
-    torch_norm.WrappedTorchNorm.__new__ = staticmethod(__new__)
-
-
-# --- 8. separate key and value head widths in the local attention core ---------------------
-def patch_core_attention_kv_channels() -> None:
-    """Let megatron-core's DotProductAttention (the local spec's attention core) take `k_channels`
-    and `v_channels`, the per-head widths of queries/keys and of values, as transformer-engine's
-    core takes them. Without the two keywords it is megatron-core's class unchanged.
-
-    Why: multi-latent attention builds its core with k_channels = qk_head_dim +
-    qk_pos_emb_head_dim and v_channels = v_head_dim (every release 0.16.1 .. 0.19 and main), which
-    only TEDotProductAttention takes: "DotProductAttention.__init__() got an unexpected keyword
-    argument 'k_channels'", so MLA cannot build on the local spec (every CPU rank). The core's
-    forward takes every width from its inputs but its output's, hidden_size_per_partition
-    (kv_channels x heads / TP), which v_channels sets here (v_channels x heads / TP). Scores
-    are scaled by the softmax_scale MLA passes (yarn's mscale^2 / sqrt(q head dim)); without one,
-    by 1 / sqrt(k_channels), as transformer-engine's core (then / layer number where
-    apply_query_key_layer_scaling, in megatron-core's own __init__).
-    """
-    import functools
-    import math
-
-    from megatron.core.transformer import dot_product_attention
-
-    cls = dot_product_attention.DotProductAttention
-    orig = cls.__init__
-    if getattr(orig, "_hetermoe_kv", False):
-        return
-
-    @functools.wraps(orig)
-    def __init__(self, *args, k_channels: int | None = None, v_channels: int | None = None, **kwargs):
-        if k_channels is None and v_channels is None:
-            return orig(self, *args, **kwargs)
-        # softmax_scale is the 6th parameter (config, layer_number, attn_mask_type,
-        # attention_type, attention_dropout, softmax_scale, ...) in every release
-        if len(args) < 6 and kwargs.get("softmax_scale") is None and k_channels is not None:
-            kwargs["softmax_scale"] = 1.0 / math.sqrt(k_channels)
-        orig(self, *args, **kwargs)
-        if k_channels is not None:
-            self.hidden_size_per_attention_head = k_channels
-        if v_channels is not None:
-            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition
-
-    __init__._hetermoe_kv = True
-    cls.__init__ = __init__
-
-
-# --- 9. MLA's transformer-engine check without transformer-engine ---------------------------
-def patch_mla_have_te() -> None:
-    """Make multi_latent_attention.HAVE_TE say whether transformer-engine is there
-    (megatron.core.extensions.transformer_engine.HAVE_TE), as megatron-core 0.17+ read it.
-
-    Why: 0.16.1's multi_latent_attention sets HAVE_TE when it can import the extension's TELinear,
-    which imports without transformer-engine too (as a MagicMock stand-in), so every MLA layer's
-    __init__ calls isinstance(linear_proj, TELinear) and fails: "isinstance() arg 2 must be a
-    type, a tuple of types, or a union". With HAVE_TE False that fp8/fp4 branch is skipped, as
-    on a GPU without transformer-engine it should be.
-    """
-    from megatron.core.extensions import transformer_engine
-    from megatron.core.transformer import multi_latent_attention
-
-    multi_latent_attention.HAVE_TE = transformer_engine.HAVE_TE
-
-
+# Each patch's body is in the shim named for what it patches (shims/).
 PATCHES: dict[str, Callable[[], None]] = {
-    "cuda_streams": patch_cuda_streams,
-    "current_device": patch_current_device,
+    "cuda_streams": torch_cuda.stand_in_streams,
+    "current_device": torch_cuda.current_device_is_cpu,
     "rng": patch_rng,
-    "split_sizes_to_cpu": patch_split_sizes_to_cpu,
+    "split_sizes_to_cpu": moe_utils.split_sizes_to_cpu,
     "cuda_device_literals": patch_cuda_device_literals,
-    "torch_norm_sequence_parallel": patch_torch_norm_sequence_parallel,
-    "core_attention_kv_channels": patch_core_attention_kv_channels,
-    "mla_have_te": patch_mla_have_te,
+    "torch_norm_sequence_parallel": torch_norm.sequence_parallel,
+    "core_attention_kv_channels": dot_product_attention.kv_channels,
+    "mla_have_te": multi_latent_attention.have_te_from_the_extension,
 }
 
 
@@ -320,7 +121,7 @@ NEEDED_IN: dict[str, tuple[tuple[int, int, int], tuple[int, int, int] | None]] =
     "cuda_device_literals": _ALWAYS,
     "torch_norm_sequence_parallel": _ALWAYS,
     "core_attention_kv_channels": _ALWAYS,  # read in every tag 0.16.1 .. 0.19.0 and main d98e8a6
-    "mla_have_te": ((0, 16, 1), (0, 17, 0)),  # 0.17.0 imports HAVE_TE from the extension
+    "mla_have_te": multi_latent_attention.RELEASES,
 }
 
 
@@ -346,9 +147,7 @@ def apply(skip: tuple[str, ...] = (), force: bool = False) -> list[str]:
     if not force and torch.cuda.is_available():
         return []
     if force:
-        # This process is a CPU rank: a GPU host's answer (cached by torch from before a fork)
-        # must not steer code onto CUDA.
-        torch.cuda.is_available = lambda: False
+        torch_cuda.answer_no_cuda()
     skip = tuple(skip) + tuple(s for s in os.environ.get("HETERMOE_CPU_PATCHES_SKIP", "").split(",") if s)
     unknown = set(skip) - set(PATCHES)
     if unknown:

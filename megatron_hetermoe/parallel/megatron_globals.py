@@ -1,4 +1,5 @@
-"""megatron-core's globals on a HeterMoE rank.
+"""megatron-core's globals on a HeterMoE rank: which of the plan's groups serves which
+parallel_state global (shims/parallel_state.py writes them).
 
 `megatron_globals`: for the plugin's own trainer, the few globals that have no explicit-process-group
 path (the global memory buffer, the RNG tracker, the tensor-parallel group that vocab-parallel
@@ -11,24 +12,20 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from megatron_hetermoe.parallel.state import HeteroParallelState
+from megatron_hetermoe.shims import parallel_state
 from megatron_hetermoe.vocabulary import Role
 
 
 @contextmanager
 def megatron_globals(hs: HeteroParallelState, seed: int):
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
-    ps._set_global_memory_buffer()
-    ps._TENSOR_MODEL_PARALLEL_GROUP = hs.megatron_group("tp")
-    mrandom.initialize_rng_tracker(force_reset=True)
-    # Megatron seeds the tensor-parallel RNG stream by TP rank (dropout inside TP regions differs per shard).
-    mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=hs.tp_rank, ep_rank=0, etp_rank=0, force_reset_rng=True)
-    try:
+    with parallel_state.tensor_parallel_group(hs.megatron_group("tp")):
+        mrandom.initialize_rng_tracker(force_reset=True)
+        # Megatron seeds the tensor-parallel RNG stream by TP rank (dropout inside TP regions differs per shard).
+        mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=hs.tp_rank, ep_rank=0, etp_rank=0,
+                                                force_reset_rng=True)
         yield
-    finally:
-        ps._TENSOR_MODEL_PARALLEL_GROUP = None
-        ps.destroy_global_memory_buffer()
 
 
 # megatron-core parallel_state globals -> the megatron-core dimension each one is
@@ -55,37 +52,31 @@ _PARALLEL_STATE_RANKS = {
 }
 
 
-def install_parallel_state(hs: HeteroParallelState) -> None:
-    """Make megatron-core's parallel_state name this rank's HeterMoE groups, for Megatron-LM's
-    training loop (which reads the globals), from the same table as hs.pg_collection()
-    (layout.MEGATRON_DIMS), so `ProcessGroupCollection.use_mpu_process_groups()` equals it.
-    Gloo twins, hierarchical CP and the inter-instance distributed-optimizer groups stay unset: a
-    read of one fails in megatron-core instead of using a wrong group."""
-    from megatron.core import parallel_state as ps
-
-    if ps.model_parallel_is_initialized():
-        raise RuntimeError("megatron-core's model parallel state is already initialized; HeterMoE sets it from "
-                           "the plan, so nothing may call initialize_model_parallel before it")
-    for name, dim in _PARALLEL_STATE_GROUPS.items():
-        setattr(ps, name, hs.megatron_group(dim))
-    for name, dim in _PARALLEL_STATE_RANKS.items():
-        setattr(ps, name, hs.layout.ranks(hs.layout.megatron_kind(dim)))
+def parallel_state_globals(hs: HeteroParallelState) -> dict[str, object]:
+    """megatron-core's parallel_state globals -> this rank's value, for Megatron-LM's training loop
+    (which reads the globals), from the same table as hs.pg_collection() (layout.MEGATRON_DIMS),
+    so `ProcessGroupCollection.use_mpu_process_groups()` equals it. Gloo twins, hierarchical CP
+    and the inter-instance distributed-optimizer groups stay unset: a read of one fails in
+    megatron-core instead of using a wrong group."""
+    values: dict[str, object] = {name: hs.megatron_group(dim) for name, dim in _PARALLEL_STATE_GROUPS.items()}
+    values.update({name: hs.layout.ranks(hs.layout.megatron_kind(dim)) for name, dim in _PARALLEL_STATE_RANKS.items()})
     # How many data-parallel ranks the job has is a question about the data (Megatron-LM counts
     # consumed samples, hence batch-size ramp-up and sample-based schedules, and sizes its data
     # samplers by it): the attention members, which consume distinct data, on every rank. An expert
     # rank's data-parallel group stays its replica group (gradients are reduced over that).
-    ps._MPU_DATA_PARALLEL_WORLD_SIZE = hs.plan.num_attention_members
+    values["_MPU_DATA_PARALLEL_WORLD_SIZE"] = hs.plan.num_attention_members
     # Virtual pipeline stages are the attention ranks' (Megatron-LM's get_model builds a model
     # chunk per virtual stage there); an expert rank, outside Megatron's pipeline, builds one module.
     V = hs.plan.virtual_stages
-    ps._VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE = V if V > 1 and hs.role == Role.ATTENTION else None
-    ps._set_global_memory_buffer()
+    values["_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE"] = V if V > 1 and hs.role == Role.ATTENTION else None
+    return values
+
+
+def install_parallel_state(hs: HeteroParallelState) -> None:
+    """Make megatron-core's parallel_state name this rank's HeterMoE groups (parallel_state_globals)."""
+    parallel_state.install(parallel_state_globals(hs))
 
 
 def uninstall_parallel_state() -> None:
-    from megatron.core import parallel_state as ps
-
-    for name in (*_PARALLEL_STATE_GROUPS, *_PARALLEL_STATE_RANKS, "_MPU_DATA_PARALLEL_WORLD_SIZE",
-                 "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE"):
-        setattr(ps, name, None)
-    ps.destroy_global_memory_buffer()
+    parallel_state.uninstall((*_PARALLEL_STATE_GROUPS, *_PARALLEL_STATE_RANKS, "_MPU_DATA_PARALLEL_WORLD_SIZE",
+                              "_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE"))

@@ -4,9 +4,9 @@ at a time. That is what makes a job free of collective-order hangs; a violation 
 the first (group, position) where two members disagree, in any run, not only in the rare run
 whose timing turns it into a hang.
 
-$HETERMOE_TRACE_COLLECTIVES=DIR makes `install()` (called by both trainers at rank start) wrap
-torch.distributed's collectives in this process; each rank writes DIR/collectives.rank<R>.jsonl,
-one line per outermost collective call: the group's name (torch names every group alike on all
+$HETERMOE_TRACE_COLLECTIVES=DIR makes shims/torch_distributed.py `trace_collectives()` (called by
+both trainers at rank start) wrap torch.distributed's collectives in this process (`traced`);
+each rank writes DIR/collectives.rank<R>.jsonl, one line per outermost collective call: the group's name (torch names every group alike on all
 its members, in creation order), its global ranks, the op, the calling thread, start and end,
 and the innermost calling frames outside torch.
 `check(DIR)` reads the files and returns every violation:
@@ -42,51 +42,34 @@ _local = threading.local()  # depth: a collective that calls another (all_gather
 _lock = threading.Lock()
 
 
-def install(rank: int | None = None) -> Path | None:
-    """Trace this process's collectives into $HETERMOE_TRACE_COLLECTIVES (no-op without it, and
-    when already installed). Returns the rank's trace file."""
-    global _installed
+def trace_file(rank: int | None = None) -> tuple[Path | None, bool]:
+    """(this rank's trace file, whether it is new): (None, False) without $HETERMOE_TRACE_COLLECTIVES,
+    (the file, False) when this process traces already, else a new empty file, to be made the
+    trace with `started` once the collectives are wrapped (shims/torch_distributed.py
+    trace_collectives does both)."""
     out = os.environ.get(ENV)
     if not out:
-        return None
+        return None, False
     import torch.distributed as dist
 
     if _installed is not None:
-        return _installed
+        return _installed, False
     rank = dist.get_rank() if rank is None else rank
     path = Path(out) / f"collectives.rank{rank}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("")
-    from torch.distributed import distributed_c10d
+    return path, True
 
-    traced = {}
-    for name in (*COLLECTIVES, *POINT_TO_POINT):
-        fn = getattr(dist, name, None)
-        if fn is not None and not getattr(fn, "_hetermoe_traced", False):
-            traced[fn] = _traced(fn, name, path)
-            setattr(dist, name, traced[fn])
-            if getattr(distributed_c10d, name, None) is fn:
-                # also where torch looks itself up: P2POp accepts only c10d's own isend/irecv
-                setattr(distributed_c10d, name, traced[fn])
-    _trace_aliases(traced)
+
+def started(path: Path) -> None:
+    """This process's collectives are wrapped (`traced`) and write into `path`."""
+    global _installed
     _installed = path
-    return path
 
 
 # Megatron binds some collectives to module names at import (its DDP's bucket reduce-scatter and
 # all-gather with the distributed optimizer); those calls would escape a trace of torch.distributed.
-_ALIASES = {"megatron.core.distributed.param_and_grad_buffer": ("dist_reduce_scatter_func", "dist_all_gather_func")}
-
-
-def _trace_aliases(traced: dict) -> None:
-    import sys
-
-    for module, names in _ALIASES.items():
-        mod = sys.modules.get(module)
-        for name in names if mod is not None else ():
-            fn = getattr(mod, name, None)
-            if fn in traced:
-                setattr(mod, name, traced[fn])
+ALIASES = {"megatron.core.distributed.param_and_grad_buffer": ("dist_reduce_scatter_func", "dist_all_gather_func")}
 
 
 def _group_of(args: tuple, kwargs: dict, name: str):
@@ -98,7 +81,8 @@ def _group_of(args: tuple, kwargs: dict, name: str):
     return group if group is not None else dist.group.WORLD
 
 
-def _traced(fn, name: str, path: Path):
+def traced(fn, name: str, path: Path):
+    """`fn` (torch.distributed's `name`), recording each outermost call into `path`."""
     import torch.distributed as dist
 
     @functools.wraps(fn)

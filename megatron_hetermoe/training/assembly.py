@@ -19,6 +19,7 @@ import torch
 
 from megatron_hetermoe.config import HeteroRunConfig, PoolPrecision
 from megatron_hetermoe.parallel.state import HeteroParallelState
+from megatron_hetermoe.shims import distributed_data_parallel, megatron_optimizer
 from megatron_hetermoe.training.world_stats import counts_here, world_count_zeros
 from megatron_hetermoe.vocabulary import Role
 
@@ -81,18 +82,13 @@ def _one_param_sync(optimizer, chunks: list) -> None:
     step = optimizer.step_with_ready_grads
 
     def stepped() -> bool:
-        for c in chunks:
-            c.start_param_sync = lambda *a, **k: None
-        try:
+        with distributed_data_parallel.param_sync_deferred(chunks):
             ok = step()
-        finally:
-            for c in chunks:
-                del c.start_param_sync  # the class's method again
         for c in chunks:
             c.start_param_sync()
         return ok
 
-    optimizer.step_with_ready_grads = stepped
+    megatron_optimizer.replace_step_with_ready_grads(optimizer, stepped)
 
 
 @dataclasses.dataclass
@@ -114,7 +110,6 @@ class RoleAssembly:
         from megatron.core.models.gpt import GPTModel
 
         from megatron_hetermoe.compat import (
-            bind_missing_te_general_gemm,
             moe_experts_spec,
             normalize_layer_spec,
         )
@@ -129,9 +124,10 @@ class RoleAssembly:
             moe_layer_specs,
         )
         from megatron_hetermoe.plan.layout import load_params
+        from megatron_hetermoe.shims.moe_utils import bind_missing_te_general_gemm
 
         hs = self.hs
-        bind_missing_te_general_gemm()  # megatron's router needs it without transformer-engine (compat.py)
+        bind_missing_te_general_gemm()  # megatron's router needs it without transformer-engine (shims/moe_utils.py)
         pgc = hs.pg_collection()
         mtp = gpt_kwargs.get("mtp_block_spec")
         P, V = hs.plan.pipeline_stages, hs.plan.virtual_stages
@@ -206,7 +202,7 @@ class RoleAssembly:
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
             opt.grad_stats_parallel_group = hs.world_group
             if not counts_here(opt, hs):
-                opt.get_main_grads_for_grad_norm = list
+                megatron_optimizer.no_grads_for_grad_norm(opt)
         distributed = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
                        if isinstance(o, DistributedOptimizer)]
         if distributed and not distributed[0].ddp_config.overlap_param_gather:
@@ -217,7 +213,7 @@ class RoleAssembly:
         # over this rank alone, and share_loss_scale ORs the findings over the world once.
         share_loss_scale(optimizer, hs.world_group, hs.device, check_group=hs.self_group)
         # --log-num-zeros-in-grad: Megatron's count per sub-optimizer group would count every copy.
-        optimizer.count_zeros = world_count_zeros(optimizer, hs)
+        megatron_optimizer.replace_count_zeros(optimizer, world_count_zeros(optimizer, hs))
         _grad_norm_groups_once(optimizer, hs)
         return optimizer
 

@@ -45,9 +45,9 @@ from megatron_hetermoe.parallel.state import (
 )
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.plan.layout import hetero_to_megatron, load_params
-from megatron_hetermoe.reliability import collective_trace
 from megatron_hetermoe.schedules.select import ExecutedSteps
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
+from megatron_hetermoe.shims import torch_distributed
 from megatron_hetermoe.training.assembly import RoleAssembly, model_config
 from megatron_hetermoe.training.expert_load_log import ExpertLoadLog, stats_path
 from megatron_hetermoe.training.logging import StepLogger, last_step_busy
@@ -135,7 +135,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         emulator.check_real_model(cfg.model)
         emulator.check_plan(plan)
     nmb = plan.num_microbatches
-    collective_trace.install()  # $HETERMOE_TRACE_COLLECTIVES: every collective's order, to check
+    torch_distributed.trace_collectives()  # $HETERMOE_TRACE_COLLECTIVES: every collective's order, to check
     hs = initialize_hetero_parallel(plan, device=hooks.device or rank_device(), wire_dtype=precision_dtype(pools.wire))
     assembly = RoleAssembly(hs, pools)
     precision = pools.of(hs.role)  # this rank's pool's

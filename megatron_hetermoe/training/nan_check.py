@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.parallel.device import rank_device
+from megatron_hetermoe.shims import distributed_data_parallel
 
 NAN_MODES = ("stop", "skip", "off")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -116,14 +117,7 @@ class NanGuard:
         if mode == "off" and self.injection is None:
             return
         for chunk in chunks:
-            chunk.finish_grad_sync = self._wrap(chunk.finish_grad_sync)
-
-    def _wrap(self, finish):
-        def finish_grad_sync(*args, **kwargs):
-            self._scan_grads()
-            return finish(*args, **kwargs)
-
-        return finish_grad_sync
+            distributed_data_parallel.before_finish_grad_sync(chunk, self._scan_grads)
 
     def _due(self, target: str) -> bool:
         inj = self.injection

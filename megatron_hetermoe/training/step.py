@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megatron_hetermoe.config import TrainConfig
 from megatron_hetermoe.plan.expert_names import expand
+from megatron_hetermoe.shims import megatron_optimizer
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
@@ -153,7 +154,7 @@ def share_loss_scale(optimizer, group, device: torch.device, check_group=None) -
         one.scaler.update(found)
         return found
 
-    optimizer.prepare_grads = prepare_grads
+    megatron_optimizer.replace_prepare_grads(optimizer, prepare_grads)
 
 
 def loss_scale_of(optimizer) -> float:

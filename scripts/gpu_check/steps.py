@@ -504,7 +504,7 @@ def prepare_megatron_lm(ck: Check) -> tuple[Path, dict, list[str]]:
     """A private copy of the core_v0.16.1 tree (never the caller's: Megatron-LM builds into it)
     with HeterMoE's patch applied to pretrain_gpt.py, and megatron-core's prebuilt dataset helpers
     in place (so its start-up `make` has nothing to compile). Returns (tree, env, notes)."""
-    from megatron_hetermoe.megatron_lm.patches import checkout_version, patch_for
+    from megatron_hetermoe.shims.pretrain_gpt import checkout_version, patch_for
 
     src, note = megatron_lm_source()
     if src is None:

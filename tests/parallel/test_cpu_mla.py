@@ -45,7 +45,7 @@ def mla_step() -> float:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hetermoe.compat import bind_missing_te_general_gemm
+    from megatron_hetermoe.shims.moe_utils import bind_missing_te_general_gemm
 
     created = not dist.is_initialized()
     if created:

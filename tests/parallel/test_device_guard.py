@@ -16,7 +16,7 @@ from pathlib import Path
 import megatron_hetermoe
 
 PKG = Path(megatron_hetermoe.__file__).parent
-RUNTIME_PACKAGES = ("parallel", "models", "schedules", "training", "reliability", "checkpoint", "emulation")
+RUNTIME_PACKAGES = ("parallel", "models", "schedules", "training", "reliability", "checkpoint", "emulation", "shims")
 FACTORIES = frozenset({"zeros", "empty", "ones", "full", "tensor", "arange", "rand", "randn", "randint",
                        "randperm", "linspace", "logspace", "eye", "empty_strided", "scalar_tensor"})
 
@@ -31,6 +31,10 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("models/builder.py", "canonical_init"):
         "layout-invariant initial values from a CPU generator (the same numbers on every device), "
         "copied into the parameters before the model moves to its device",
+    ("shims/distrib_optimizer.py", "_state_dict_from_step_0"):
+        "torch's Adam keeps each parameter's `step` as a CPU tensor (neither capturable nor fused)",
+    ("shims/distrib_optimizer.py", "_load_at_the_saved_step"):
+        "torch's Adam keeps each parameter's `step` as a CPU tensor (neither capturable nor fused)",
 }
 
 

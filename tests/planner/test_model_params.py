@@ -38,7 +38,7 @@ def _megatron_counts(rank: int, world: int, shapes: dict) -> dict[str, int]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_hetermoe.compat import bind_missing_te_general_gemm
+    from megatron_hetermoe.shims.moe_utils import bind_missing_te_general_gemm
 
     ps.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1)

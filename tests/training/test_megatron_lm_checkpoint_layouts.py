@@ -16,7 +16,7 @@ Per layout, one chain of runs from one plain Megatron EP checkpoint (saved after
 Before the fix, the saves raised `Duplicate ShardedObject keys:
 ['optimizer.distributed.dp_group_idx_0.optimizer/shard_0_1']` (pipeline stages) and `Invalid access
 pattern: 1 ShardedObject are missing` (Asym-EA), and a resume failed in megatron-core's
-DistributedOptimizer on torch's Adam (no apex/TE; megatron_lm/cpu_layer.py torch_adam_replacements):
+DistributedOptimizer on torch's Adam (no apex/TE; shims/distrib_optimizer.py _torch_adam_replacements):
 an assertion (both formats), then a wrong Adam step from the second iteration on."""
 from __future__ import annotations
 

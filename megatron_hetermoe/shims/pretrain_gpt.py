@@ -1,6 +1,7 @@
-"""The patches in patches/ that put HeterMoE into a Megatron-LM checkout's pretrain_gpt.py, one per
-release line (pretrain_gpt.py differs between them): which one fits a checkout
-(patches/check_patch.sh does the same)."""
+"""Megatron-LM's pretrain_gpt.py: the source patches in patches/ that put HeterMoE into a checkout's
+copy, one per release line (pretrain_gpt.py differs between them), and which one fits a checkout
+(patches/check_patch.sh does the same). The only patch of Megatron-LM made to its files rather
+than at run time; it hands pretrain() to megatron_lm/ (hetero_pretrain, megatron_on_cpu)."""
 from __future__ import annotations
 
 import re
