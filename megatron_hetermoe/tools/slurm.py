@@ -24,6 +24,16 @@ RANK inside each task.
 - Paths: a relative --plan (like every relative path in the flags) means the caller's directory,
   which is where the job runs (--workdir); the plugin comes from --repo (PYTHONPATH).
 - $PYTHON is the interpreter of every task (default: the one rendering the script).
+- Elastic (`--elastic MIN_NODES`, --entry plugin): instead of a task per GPU, one task per node runs
+  torchrun's elastic agent (scripts/slurm/agent.sh: `--nnodes MIN_NODES:<allocated nodes>
+  --nproc-per-node <its GPUs> --max-restarts N`, c10d rendezvous on the first node of component 0).
+  When a node fails, the agents left restart their workers, each start plans for the world it got
+  (`--hetero-plan auto`: every rank's GPU gathered) and continues from the latest checkpoint
+  (`--save DIR --load DIR --save-interval N --hetero-ckpt-reshard`, required). `#SBATCH --no-kill` and
+  `srun --kill-on-bad-exit=0` keep the allocation and the other agents when a node goes; the node
+  hosting the rendezvous must stay (torchrun's c10d store lives there). --plan sizes the allocation
+  (its nodes per GPU type, each with the GPUs its first node gets); the flags are checked by planning
+  for every allocated GPU, as the first start will.
 - CUDA_DEVICE_MAX_CONNECTIONS is exported (--cuda-device-max-connections, default 8, CUDA's own):
   Megatron's Mixtral recipe exports 1, which serialises the CUDA streams zebra overlaps on, so 1 is
   refused for a zebra run.
@@ -76,6 +86,52 @@ def components(plan: HeteroPlan, gpus_per_node: dict[str, int]) -> list[Componen
             raise ValueError(f"--gpus-per-node {t}={gpus_per_node[t]} must be >= 1")
         out.append(Component(t, tuple(r for r, g in enumerate(plan.gpu_types) if g == t), gpus_per_node[t]))
     return out
+
+
+@dataclass(frozen=True)
+class Elastic:
+    """--elastic: torchrun's elastic agent on every node instead of a task per GPU (module doc)."""
+
+    min_nodes: int
+    max_nodes: int  # the allocation's nodes
+    max_restarts: int
+
+    @property
+    def nnodes(self) -> str:
+        return f"{self.min_nodes}:{self.max_nodes}"
+
+
+# What every elastic start needs among the job's flags: the checkpoint it continues from, resharded.
+ELASTIC_FLAGS = ("--save", "--load", "--save-interval", "--hetero-ckpt-reshard")
+
+
+def flag_value(train_args: list[str], name: str) -> str | None:
+    """The value of `name` among the flags (`--x v` or `--x=v`), None where it is absent or bare."""
+    for i, t in enumerate(train_args):
+        if t == name:
+            nxt = train_args[i + 1] if i + 1 < len(train_args) else None
+            return None if nxt is None or nxt.startswith("--") else nxt
+        if t.startswith(name + "="):
+            return t.split("=", 1)[1]
+    return None
+
+
+def check_elastic(entry: str, train_args: list[str]) -> None:
+    """--elastic's needs: this plugin's trainer, and a checkpoint every start continues from."""
+    if entry != "plugin":
+        raise ValueError(f"--elastic with --entry {entry}: Megatron-LM's pretrain() takes a plan file only "
+                         f"(--hetero-plan auto is refused there); use --entry plugin (this plugin's trainer under "
+                         f"torchrun's elastic agent), or drop --elastic")
+    names = {t.split("=", 1)[0] for t in train_args if t.startswith("--")}
+    missing = [f for f in ELASTIC_FLAGS if f not in names]
+    if missing:
+        raise ValueError(f"--elastic needs {' '.join(missing)} among the job's flags: every start continues from "
+                         f"the latest checkpoint (--save DIR --load DIR --save-interval N), resharded onto the plan "
+                         f"it makes for the GPUs left (--hetero-ckpt-reshard)")
+    save, load = flag_value(train_args, "--save"), flag_value(train_args, "--load")
+    if save != load:
+        raise ValueError(f"--elastic: --save {save} but --load {load}: a start after a failure continues from "
+                         f"what the last one saved; give both the same directory")
 
 
 def rank_map(comps: list[Component]) -> list[int]:
@@ -180,8 +236,10 @@ def check_megatron_lm(checkout: str, train_args: list[str]) -> None:
                          f"parser (or the patch's {', '.join(HETERO_FLAGS)})")
 
 
-def check_train_args(train_args: list[str], plan_path: str, entry: str, megatron_lm_dir: str | None) -> None:
-    """The job's flags, checked before the job script is written (see the module doc)."""
+def check_train_args(train_args: list[str], plan_path: str, entry: str, megatron_lm_dir: str | None,
+                     elastic_gpus: list[str] | None = None) -> None:
+    """The job's flags, checked before the job script is written (see the module doc). Elastic
+    (`elastic_gpus`: every allocated GPU's type): as every start runs them, planned for those GPUs."""
     if entry == "megatron-lm":
         check_megatron_lm(megatron_lm_dir, train_args)
         return
@@ -194,7 +252,9 @@ def check_train_args(train_args: list[str], plan_path: str, entry: str, megatron
     try:  # as the job's own launch sees them: no torchrun job around, megatron's import warnings unshown
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            check_flags([*train_args, "--hetero-plan", plan_path])
+            plan_flags = ["--hetero-plan", "auto", "--hetero-gpus", ",".join(elastic_gpus)] if elastic_gpus else [
+                "--hetero-plan", plan_path]
+            check_flags([*train_args, *plan_flags])
     except SystemExit as e:  # a few refusals of the trainer exit with their message
         raise ValueError(f"pretrain_gpt flags: {e.code}") from None
     except ValueError as e:
@@ -207,16 +267,18 @@ def render_sbatch(plan_path: str, comps: list[Component], train_args: list[str],
                   constraints: dict[str, str], account: str | None, time_limit: str | None, job_name: str,
                   master_port: int, repo: str, workdir: str | None = None, python: str = "python3",
                   entry: str = "plugin", megatron_lm_dir: str | None = None,
-                  max_connections: int = DEFAULT_MAX_CONNECTIONS) -> str:
-    """The batch script: one #SBATCH block per GPU type, then a single srun over all of them."""
+                  max_connections: int = DEFAULT_MAX_CONNECTIONS, elastic: Elastic | None = None) -> str:
+    """The batch script: one #SBATCH block per GPU type, then a single srun over all of them (a
+    task per GPU; elastic: a torchrun agent per node)."""
     lines = ["#!/usr/bin/env bash", f"# HeterMoE job for plan {plan_path}: "
              + ", ".join(f"{len(c.ranks)} x {c.gpu_type}" for c in comps)]
     for i, c in enumerate(comps):
         if i:
             lines.append("#SBATCH hetjob")
         # One option per #SBATCH line: the portable form across SLURM versions.
-        lines += [f"#SBATCH --nodes={c.nodes}", f"#SBATCH --ntasks={len(c.ranks)}",
-                  f"#SBATCH --ntasks-per-node={c.tasks_per_node}", f"#SBATCH --gpus-per-node={c.tasks_per_node}"]
+        tasks, per_node = (c.nodes, 1) if elastic else (len(c.ranks), c.tasks_per_node)
+        lines += [f"#SBATCH --nodes={c.nodes}", f"#SBATCH --ntasks={tasks}",
+                  f"#SBATCH --ntasks-per-node={per_node}", f"#SBATCH --gpus-per-node={c.tasks_per_node}"]
         lines.append(f"#SBATCH --constraint={constraints.get(c.gpu_type) or c.gpu_type}")
         if partitions.get(c.gpu_type):
             lines.append(f"#SBATCH --partition={partitions[c.gpu_type]}")
@@ -226,10 +288,13 @@ def render_sbatch(plan_path: str, comps: list[Component], train_args: list[str],
                 lines.append(f"#SBATCH --account={account}")
             if time_limit:
                 lines.append(f"#SBATCH --time={time_limit}")
+            if elastic:  # a failed node ends neither the allocation nor the other nodes' agents
+                lines.append("#SBATCH --no-kill")
     first_nodes = "SLURM_JOB_NODELIST_HET_GROUP_0" if len(comps) > 1 else "SLURM_JOB_NODELIST"
     groups = f" --het-group=0-{len(comps) - 1}" if len(comps) > 1 else ""
-    cmd = [*entry_command(entry, megatron_lm_dir), *train_args, "--hetero-plan", plan_path]
+    cmd = [*entry_command(entry, megatron_lm_dir), *train_args, "--hetero-plan", "auto" if elastic else plan_path]
     rank_sh = shlex.quote(str(Path(repo) / "scripts" / "slurm" / "rank.sh"))
+    agent_sh = shlex.quote(str(Path(repo) / "scripts" / "slurm" / "agent.sh"))
     lines += [
         "set -euo pipefail",
         f"cd {shlex.quote(workdir or os.getcwd())}  # relative paths in the flags mean this directory",
@@ -237,6 +302,19 @@ def render_sbatch(plan_path: str, comps: list[Component], train_args: list[str],
         f"PYTHON=${{PYTHON:-{shlex.quote(python)}}}",
         "# Streams zebra overlaps on need more than one hardware queue (Megatron's Mixtral recipe exports 1).",
         f"export CUDA_DEVICE_MAX_CONNECTIONS={max_connections}",
+    ]
+    if elastic:
+        lines += [
+            "# torchrun's c10d rendezvous on the first node of component 0 (it must stay up).",
+            f'MASTER_ADDR=$(scontrol show hostnames "${first_nodes}" | head -n 1)',
+            f"export MASTER_ADDR MASTER_PORT={master_port}",
+            f"export HETERMOE_NNODES={elastic.nnodes} HETERMOE_MAX_RESTARTS={elastic.max_restarts}",
+            "# One elastic agent per node with all its GPUs (agent.sh); a node that fails is left out of the",
+            "# next start, whose ranks plan for the GPUs they got and continue from the latest checkpoint.",
+            f'srun{groups} --gpu-bind=none --kill-on-bad-exit=0 {agent_sh} "${{PYTHON}}" ' + shlex.join(cmd),
+        ]
+        return "\n".join(lines) + "\n"
+    lines += [
         "# Plan rank 0 is task 0 (on the first node of component 0): it hosts the rendezvous store.",
         f'MASTER_ADDR=$(scontrol show hostnames "${first_nodes}" | head -n 1)',
         f"export MASTER_ADDR MASTER_PORT={master_port} WORLD_SIZE={len(rank_map(comps))}",
@@ -248,8 +326,21 @@ def render_sbatch(plan_path: str, comps: list[Component], train_args: list[str],
 
 
 def task_commands(comps: list[Component], train_args: list[str], plan_path: str, master_port: int,
-                  python: str = "python3", entry: str = "plugin", megatron_lm_dir: str | None = None) -> list[str]:
-    """What each task runs, as rank.sh resolves it: for --dry-run."""
+                  python: str = "python3", entry: str = "plugin", megatron_lm_dir: str | None = None,
+                  elastic: Elastic | None = None) -> list[str]:
+    """What each task runs, as rank.sh (agent.sh) resolves it: for --dry-run."""
+    if elastic:
+        cmd = shlex.join(["-m", "torch.distributed.run", "--nnodes", elastic.nnodes, "--nproc-per-node", "GPUS_ON_NODE",
+                          "--max-restarts", str(elastic.max_restarts), "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                          f"<first {comps[0].gpu_type} node>:{master_port}", "--rdzv-id", "<job id>",
+                          *entry_command(entry, megatron_lm_dir), *train_args, "--hetero-plan", "auto"])
+        out, procid = [], 0
+        for ci, c in enumerate(comps):
+            for node in range(c.nodes):  # every node of the type gets tasks_per_node GPUs (#SBATCH)
+                out.append(f"[task {procid}: het group {ci}, {c.gpu_type} node {node}, {c.tasks_per_node} GPU(s)] "
+                           f"{shlex.quote(python)} " + cmd.replace("GPUS_ON_NODE", str(c.tasks_per_node)))
+                procid += 1
+        return out
     world = len(rank_map(comps))
     cmd = shlex.join([python, *entry_command(entry, megatron_lm_dir), *train_args, "--hetero-plan", plan_path])
     out, procid = [], 0
@@ -276,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--master-port {a.master_port}: a TCP port is 1..65535")
     if (a.entry == "megatron-lm") != (a.megatron_lm_dir is not None):
         p.error("--entry megatron-lm and --megatron-lm-dir DIR go together")
+    if a.max_restarts < 0:
+        p.error(f"--max-restarts {a.max_restarts}: give the number of restarts, >= 0")
     if not 1 <= a.cuda_device_max_connections <= 32:
         p.error(f"--cuda-device-max-connections {a.cuda_device_max_connections}: CUDA takes 1..32")
     workdir = Path(a.workdir or os.getcwd()).resolve()
@@ -289,6 +382,15 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             raise ValueError(f"--gpus-per-node {a.gpus_per_node}: give whole numbers, e.g. 8 or A40=4") from None
         comps = components(plan, gpn)
+        elastic = None
+        if a.elastic is not None:
+            nodes = sum(c.nodes for c in comps)
+            if not 1 <= a.elastic <= nodes:
+                have = ", ".join(f"{c.nodes} x {c.gpu_type}" for c in comps)
+                raise ValueError(f"--elastic {a.elastic}: the job's {nodes} node(s) ({have}) must keep going on at "
+                                 f"least 1 and at most all of them; pass --elastic 1..{nodes}")
+            check_elastic(a.entry, train_args)
+            elastic = Elastic(a.elastic, nodes, a.max_restarts)
         partitions = type_map(a.partition, "--partition", plan.gpu_types)
         constraints = type_map(a.constraint, "--constraint", plan.gpu_types)
         if a.cuda_device_max_connections == 1 and schedule_of(plan, train_args) == ScheduleName.ZEBRA:
@@ -300,20 +402,23 @@ def main(argv: list[str] | None = None) -> int:
                              f"CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism on GPUs before Blackwell; pass "
                              f"--cuda-device-max-connections 1 (with the distep schedule: one queue serialises zebra's "
                              f"streams), or use --entry plugin")
-        check_train_args(train_args, plan_path, a.entry, megatron_lm_dir)
+        # elastic: every start plans for the GPUs it finds; at first, all the allocation's
+        allocated = [c.gpu_type for c in comps for _ in range(c.nodes * c.tasks_per_node)]
+        check_train_args(train_args, plan_path, a.entry, megatron_lm_dir, allocated if elastic else None)
         if a.tasks:
             print("\n".join(task_commands(comps, train_args, plan_path, a.master_port, a.python, a.entry,
-                                          megatron_lm_dir)))
+                                          megatron_lm_dir, elastic)))
         else:
             print(render_sbatch(plan_path, comps, train_args, partitions=partitions, constraints=constraints,
                                 account=a.account, time_limit=a.time, job_name=a.job_name,
                                 master_port=a.master_port, repo=a.repo, workdir=str(workdir), python=a.python,
                                 entry=a.entry, megatron_lm_dir=megatron_lm_dir,
-                                max_connections=a.cuda_device_max_connections), end="")
+                                max_connections=a.cuda_device_max_connections, elastic=elastic), end="")
             if a.with_tasks:
-                print("# ---- what each task runs (rank.sh resolves RANK from SLURM_PROCID)")
+                print("# ---- what each task runs " + ("(agent.sh: one torchrun agent per node)" if elastic else
+                                                       "(rank.sh resolves RANK from SLURM_PROCID)"))
                 print("\n".join(task_commands(comps, train_args, plan_path, a.master_port, a.python, a.entry,
-                                              megatron_lm_dir)))
+                                              megatron_lm_dir, elastic)))
     except (ValueError, OSError) as e:  # named: one line, without the usage text
         print(f"{p.prog}: error: {e}", file=sys.stderr)
         return 2

@@ -252,3 +252,88 @@ def test_tensor_parallel_plan_needs_one_hardware_queue_under_megatron_lm(tmp_pat
     assert "asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism" in capsys.readouterr().err
     assert slurm.main([*base, "--cuda-device-max-connections", "1", *flags]) == 0
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in capsys.readouterr().out
+
+
+ELASTIC_FLAGS = ["--save", "ck", "--load", "ck", "--save-interval", "1", "--hetero-ckpt-reshard"]
+
+
+def test_elastic_runs_a_torchrun_agent_per_node(mixed_plan, tmp_path):
+    """--elastic MIN_NODES: one task per node running agent.sh (torchrun's elastic agent with the node's
+    GPUs), --hetero-plan auto on every start, the allocation kept when a node fails; the rendered
+    script passes shellcheck."""
+    r = _launch(["--dry-run", "--plan", str(mixed_plan), "--gpus-per-node", "2", "--elastic", "2", "--max-restarts",
+                 "5", "--", "--model", "tiny", *RECIPE, "--global-batch-size", "6", *ELASTIC_FLAGS], tmp_path)
+    assert r.returncode == 0, r.stderr
+    script = _script(r.stdout)
+    # 3 A40 ranks on 2 nodes of 2 GPUs, 6 V100 ranks on 3: one agent per node
+    assert "#SBATCH --nodes=2\n#SBATCH --ntasks=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --gpus-per-node=2" in script
+    assert "#SBATCH --nodes=3\n#SBATCH --ntasks=3\n#SBATCH --ntasks-per-node=1\n#SBATCH --gpus-per-node=2" in script
+    assert "#SBATCH --no-kill" in script and "HETERMOE_NNODES=2:5 HETERMOE_MAX_RESTARTS=5" in script
+    srun = next(line for line in script.splitlines() if line.startswith("srun"))
+    assert "--kill-on-bad-exit=0" in srun and "scripts/slurm/agent.sh" in srun and "rank.sh" not in srun
+    assert srun.endswith("--hetero-plan auto") and "HETERMOE_RANK_MAP" not in script
+    tasks = r.stdout.split("# ---- what each task runs")[1].splitlines()[1:]
+    # every node of a type gets the GPUs #SBATCH asks (the plan's 3 A40 ranks: 2 nodes of 2); auto plans for all
+    assert len(tasks) == 5 and "A40 node 1, 2 GPU(s)" in tasks[1] and "V100-32GB node 2, 2 GPU(s)" in tasks[4]
+    assert "--nnodes 2:5 --nproc-per-node 2 --max-restarts 5 --rdzv-backend c10d" in tasks[1]
+    (tmp_path / "elastic.sbatch").write_text(script + "\n")
+    c = subprocess.run([_shellcheck(), "--severity=style", str(tmp_path / "elastic.sbatch")], capture_output=True,
+                       text=True)
+    assert c.returncode == 0, c.stdout + c.stderr
+
+
+@pytest.mark.parametrize("extra,flags,says", [
+    (["--elastic", "0"], ELASTIC_FLAGS, "--elastic 0: the job's 5 node(s) (2 x A40, 3 x V100-32GB) must keep going"),
+    (["--elastic", "6"], ELASTIC_FLAGS, "pass --elastic 1..5"),
+    (["--elastic", "1"], ELASTIC_FLAGS[:4], "--elastic needs --save-interval --hetero-ckpt-reshard among the job's"),
+    (["--elastic", "1"], ["--save", "a", "--load", "b", *ELASTIC_FLAGS[4:]], "--save a but --load b"),
+    (["--elastic", "1", "--entry", "megatron-core"], ELASTIC_FLAGS, "--elastic with --entry megatron-core: "),
+], ids=["zero", "more-than-allocated", "no-checkpoint", "save-not-load", "pretrain-entry"])
+def test_elastic_refusals_name_what_to_change(mixed_plan, capsys, extra, flags, says):
+    from megatron_hetermoe.tools import slurm
+
+    assert slurm.main(["--plan", str(mixed_plan), "--gpus-per-node", "2", *extra, "--", "--model", "tiny", *RECIPE,
+                       "--global-batch-size", "6", *flags]) == 2
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_elastic_agents_train_through_agent_sh(tmp_path):
+    """The srun line of an --elastic script, run as SLURM would on two nodes (one agent.sh each, this
+    host; the A40 node hosts the rendezvous): every start plans for the GPUs it found and the job
+    trains, saving checkpoints. Losing a node under torchrun's agent: tests/integration/test_elastic.py."""
+    plan_path = tmp_path / "plan.json"
+    even_plan(2, 4, 1, 1, groups=2, attention_gpu="A40", expert_gpu="V100-16GB").save(plan_path)
+    ck = tmp_path / "ck"
+    r = subprocess.run([sys.executable, "-m", "megatron_hetermoe.tools.slurm", "--plan", str(plan_path),
+                        "--gpus-per-node", "2", "--elastic", "1", "--max-restarts", "1", "--", "--model", "tiny",
+                        *RECIPE, "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "2",
+                        "--save", str(ck), "--load", str(ck), "--save-interval", "1", "--hetero-ckpt-reshard"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"HETERMOE_NNODES=1:2 HETERMOE_MAX_RESTARTS=1", r.stdout)
+    cmd = shlex.split(re.search(r"^srun .*?scripts/slurm/agent\.sh (.*)$", r.stdout, re.M)[1])
+    cmd[0] = sys.executable
+    port = _free_port()
+    procs = []
+    for gpu, host in (("A40", 1), ("V100-16GB", 0)):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "HETERMOE_GPUS_ON_NODE": "2", "HETERMOE_GPU_TYPE": gpu,
+               "HETERMOE_NNODES": "1:2", "HETERMOE_MAX_RESTARTS": "1", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "SLURM_JOB_ID": "4242", "PYTHONWARNINGS": "ignore",
+               # two "nodes" on one host: say which hosts the store; both join the first round
+               "HETERMOE_RDZV_CONF": f"is_host={host},last_call_timeout=30,join_timeout=180"}
+        procs.append(subprocess.Popen(["bash", str(SLURM / "agent.sh"), *cmd], cwd=tmp_path, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      start_new_session=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                os.killpg(q.pid, 9)
+            raise
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    log = "\n".join(outs)
+    assert "for this job's 2 A40 + 2 V100-16GB" in log, log[-3000:]
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
