@@ -196,7 +196,7 @@ def _move_experts(plan, move) -> None:
     for layer, member in move:  # one expert of `layer` onto attention member `member` in every group
         layer %= plan.num_layers
         for g in plan.groups:
-            stage = plan.stage_of_layer(plan.moe_layer_ids[layer])
+            stage = plan.stage_of_layer(layer)  # layer: an MoE layer, as placement[layer]
             a, x = plan.stage_ranks(plan.groups.index(g), stage)
             place = g.placement[layer]
             donor = next((r for r in x if place.get(r)), None)
