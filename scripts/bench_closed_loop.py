@@ -79,10 +79,9 @@ def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int
     from megatron_hetermoe.parallel.launcher import launch
     from megatron_hetermoe.plan.hetero_plan import HeteroPlan
     from megatron_hetermoe.planner.cluster import Cluster
-    from megatron_hetermoe.planner.cost_model import default_expert_recompute
     from megatron_hetermoe.planner.rebalance import moves as plan_moves
-    from megatron_hetermoe.planner.search import search
     from megatron_hetermoe.planner.simulator import simulate_plan
+    from megatron_hetermoe.tools.demo import plan_for_emulation
     from megatron_hetermoe.training.args import run
 
     t_start = time.perf_counter()
@@ -107,10 +106,7 @@ def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int
         ("seq_length", seq_len))))
     shape = ModelConfig.load(model_path)
     cl = Cluster.load(cluster)
-    res = search(shape, cl, seq_len, global_batch, max_microbatches=4,
-                 expert_recompute=default_expert_recompute(True), attention_tp=(1,), pipeline_stages=(1,))
-    plan = res.plan
-    plan.save(out / "plan.json")
+    plan = plan_for_emulation(shape, cl, seq_len, global_batch, out / "plan.json")
     g = plan.groups[0]
     print(f"plan for {shape.name} ({num_experts} experts, top-{topk}, aux loss {aux_loss:g}) at {seq_len} tokens, "
           f"global batch {global_batch}, on {cl.name}: attention ranks {g.attention_ranks}, expert ranks "

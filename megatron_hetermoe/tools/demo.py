@@ -35,6 +35,19 @@ def _hetero_rank(rank, world, cfg, plan, run_dir):
     return train_hetero(cfg, plan, HeteroRunConfig(schedule="zebra", timeline_dir=run_dir))
 
 
+def plan_for_emulation(shape, cluster, seq_len: int, global_batch: int, path: Path):
+    """The planner's pick for an emulated run (saved to `path`): the emulator times what the runtime
+    does (no resent inputs: the default expert recompute level only) and attention members of one
+    rank (no tensor parallelism), in one pipeline stage, with at most 4 microbatches (CPU ranks)."""
+    from megatron_hetermoe.planner.cost_model import default_expert_recompute
+    from megatron_hetermoe.planner.search import search
+
+    plan = search(shape, cluster, seq_len, global_batch, max_microbatches=4,
+                  expert_recompute=default_expert_recompute(True), attention_tp=(1,), pipeline_stages=(1,)).plan
+    plan.save(path)
+    return plan
+
+
 def _measured_skew(stats_path: Path, plan, em, global_batch: int) -> dict:
     """The expert loads the HeterMoE run measured (its stats file) and what re-placing the experts for
     them is predicted to gain on the emulated cluster (the load-aware placement the closed loop uses)."""
@@ -64,8 +77,6 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
     from megatron_hetermoe.emulation.validity import validity_line
     from megatron_hetermoe.parallel.launcher import launch
     from megatron_hetermoe.planner.cluster import Cluster
-    from megatron_hetermoe.planner.cost_model import default_expert_recompute
-    from megatron_hetermoe.planner.search import search
     from megatron_hetermoe.schedules.timeline import load_events
     from megatron_hetermoe.tools.timeline import draw_png
     from megatron_hetermoe.training.args import run
@@ -85,12 +96,7 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
     print(f"[2/4] planning {emulated.upper()} at {seq_len} tokens on emulated cluster {cluster}", flush=True)
     cl = Cluster.load(cluster)
     shape = ModelConfig.load(emulated)
-    # The emulated run times what the runtime does (no resent inputs): the emulator's level only;
-    # the emulator times attention members of one rank (no tensor parallelism).
-    res = search(shape, cl, seq_len, global_batch, max_microbatches=4,
-                 expert_recompute=default_expert_recompute(True), attention_tp=(1,), pipeline_stages=(1,))
-    plan = res.plan
-    plan.save(out / "plan.json")
+    plan = plan_for_emulation(shape, cl, seq_len, global_batch, out / "plan.json")
     g = plan.groups[0]
     print(f"      attention: ranks {g.attention_ranks} ({plan.gpu_types[g.attention_ranks[0]]}), experts: ranks "
           f"{g.expert_ranks} ({plan.gpu_types[g.expert_ranks[0]]}), R={plan.num_microbatches}, experts moved to "
