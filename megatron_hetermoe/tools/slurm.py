@@ -106,11 +106,10 @@ ELASTIC_FLAGS = ("--save", "--load", "--save-interval", "--hetero-ckpt-reshard")
 
 
 def flag_value(train_args: list[str], name: str) -> str | None:
-    """The value of `name` among the flags (`--x v` or `--x=v`), None where it is absent or bare."""
+    """The value of `name` among the flags (`--x v`, the token after it, or `--x=v`); None where absent."""
     for i, t in enumerate(train_args):
-        if t == name:
-            nxt = train_args[i + 1] if i + 1 < len(train_args) else None
-            return None if nxt is None or nxt.startswith("--") else nxt
+        if t == name and i + 1 < len(train_args):
+            return train_args[i + 1]
         if t.startswith(name + "="):
             return t.split("=", 1)[1]
     return None
@@ -165,12 +164,8 @@ def type_map(items: list[str], flag: str, plan_types: list[str]) -> dict[str, st
 
 def schedule_of(plan: HeteroPlan, train_args: list[str]) -> str:
     """The schedule the job runs: --hetero-schedule among its flags, else the plan's."""
-    for i, t in enumerate(train_args):
-        if t == "--hetero-schedule" and i + 1 < len(train_args):
-            return train_args[i + 1]
-        if t.startswith("--hetero-schedule="):
-            return t.split("=", 1)[1]
-    return plan.schedule
+    given = flag_value(train_args, "--hetero-schedule")
+    return plan.schedule if given is None else given
 
 
 def entry_command(entry: str, megatron_lm_dir: str | None) -> list[str]:
