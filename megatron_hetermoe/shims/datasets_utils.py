@@ -6,6 +6,8 @@ import importlib.util
 from pathlib import Path
 from typing import Iterator
 
+from megatron_hetermoe.shims._replace import replaced
+
 
 @contextlib.contextmanager
 def prebuilt_helpers() -> Iterator[None]:
@@ -18,9 +20,5 @@ def prebuilt_helpers() -> Iterator[None]:
             (Path(utils.__file__).parent / "Makefile").is_file():
         yield  # a tree that builds them (a checkout): Megatron's own step
         return
-    original = utils.compile_helpers
-    utils.compile_helpers = lambda: None
-    try:
+    with replaced([(utils, "compile_helpers", lambda: None)]):
         yield
-    finally:
-        utils.compile_helpers = original

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, Iterable, Iterator, Mapping
 
+from megatron_hetermoe.shims._replace import replaced
+
 
 @contextlib.contextmanager
 def tensor_parallel_group(group) -> Iterator[None]:
@@ -55,12 +57,8 @@ def initialize_model_parallel_replaced(setup: Callable[[], None]) -> Iterator[No
     arguments) instead: Megatron-LM's _initialize_distributed then builds the plan's groups."""
     from megatron.core import parallel_state as ps
 
-    original = ps.initialize_model_parallel
-    ps.initialize_model_parallel = lambda *x, **y: setup()
-    try:
+    with replaced([(ps, "initialize_model_parallel", lambda *x, **y: setup())]):
         yield
-    finally:
-        ps.initialize_model_parallel = original
 
 
 # core_v0.19.0's parallel_state: the data-parallel groups "with GTP_remat" (GTP weight
