@@ -602,6 +602,18 @@ class DataConfig:
                                  f"(one of {', '.join(TOKENIZER_TYPES)}) to know the EOD token and vocab size")
 
 
+@dataclass(frozen=True)
+class LocalCheckpointConfig:
+    """Megatron's non-persistent local checkpoints (checkpoint/local.py): every `interval` iterations
+    (--non-persistent-save-interval) each rank's state in host memory of its node, under `directory`
+    (--non-persistent-local-ckpt-dir, a tmpfs such as /dev/shm), and with --replication of the
+    `replication_factor - 1` ranks `replication_jump` apart (--replication-jump, -factor)."""
+    directory: str
+    interval: int | None  # None: none saved (--non-persistent-save-interval not given); still loaded
+    replication_jump: int | None = None  # None: no replication (--replication not given)
+    replication_factor: int = 2
+
+
 @dataclass
 class TrainConfig:
     model: ModelConfig
@@ -635,6 +647,8 @@ class TrainConfig:
     save_interval: int | None = None
     ckpt_step: int | None = None
     ckpt_reshard: bool = False
+    # Megatron's --non-persistent-ckpt-type local and its flags; None: no local checkpoints.
+    local_ckpt: LocalCheckpointConfig | None = None
     # Megatron's --bf16/--fp16: 16-bit parameters and activations, fp32 main parameters and
     # gradients. Loss scaling as Megatron's: --loss-scale (None: dynamic for fp16, none for
     # bf16), --initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis.

@@ -88,6 +88,21 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
                    "default: start from scratch)")
     p.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoint saves (default: only at the end)")
     p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration (default: the latest)")
+    g = p.add_argument_group("non-persistent local checkpoints (Megatron-LM flags; checkpoint/local.py)")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="iterations between local checkpoints (default: none)")
+    g.add_argument("--non-persistent-ckpt-type", choices=["global", "local", "in_memory"], default=None,
+                   help="'local': each rank's state in host memory of its node (--non-persistent-local-ckpt-dir); "
+                        "'global' and 'in_memory' are refused (not built)")
+    g.add_argument("--non-persistent-local-ckpt-dir", default=None,
+                   help="the nodes' local directory for them, e.g. /dev/shm/ckpt (a tmpfs: host memory)")
+    g.add_argument("--replication", action="store_true",
+                   help="copy each rank's local checkpoint to --replication-factor - 1 other ranks")
+    g.add_argument("--replication-jump", type=int, default=None,
+                   help="J: rank n's copies go to ranks n+J, n+2J, ... (modulo the world; the GPUs per node "
+                        "puts them on other nodes)")
+    g.add_argument("--replication-factor", type=int, default=2,
+                   help="ranks holding each rank's local checkpoint, its own included (default: 2)")
     p.add_argument("--check-for-nan-in-loss-and-grad", nargs="?", const="stop", default="stop",
                    choices=["stop", "skip"],
                    help="on a non-finite loss or gradient: stop the run (Megatron's meaning, the default) "

@@ -22,6 +22,7 @@ from megatron_hetermoe.cli import train as train_cli
 from megatron_hetermoe.cli.train import MAX_FORKED_RANKS
 from megatron_hetermoe.config import (
     HeteroRunConfig,
+    LocalCheckpointConfig,
     ModelConfig,
     ParallelConfig,
     TrainConfig,
@@ -55,6 +56,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir, check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
         save=a.save, load=a.load, save_interval=a.save_interval, ckpt_step=a.ckpt_step,
         ckpt_reshard=getattr(a, "hetero_ckpt_reshard", False),  # a parser without the --hetero-* flags
+        local_ckpt=local_ckpt_from_args(a),
         emulate=emulation_from_args(a),
         data=data_config_from_args(a, model),
         bf16=a.bf16, fp16=a.fp16, loss_scale=a.loss_scale, initial_loss_scale=a.initial_loss_scale,
@@ -167,13 +169,45 @@ def _run_elastic(p: argparse.ArgumentParser, a: argparse.Namespace, cfg: TrainCo
     for rec in er.recoveries:
         took = f"{rec.recovery_s:.1f} s" if rec.recovery_s is not None else "no step completed"
         print(f" elastic restart {rec.attempt}: lost {list(rec.lost_gpus) or 'no GPU'}; {rec.plan_before} -> "
-              f"{rec.plan_after}; resumed from iteration {rec.resumed_from}, {rec.steps_lost} step(s) run again; "
+              f"{rec.plan_after}; resumed from {'the local checkpoint of ' if rec.local else ''}iteration "
+              f"{rec.resumed_from}, {rec.steps_lost} step(s) run again; "
               f"failure to next completed step {took}")
     res = er.result
     first = min(er.losses, default=res.start_iteration + 1)
     res.losses = [er.losses[i] for i in sorted(er.losses)]
     res.start_iteration = first - 1
     return res
+
+
+def local_ckpt_from_args(a: argparse.Namespace) -> LocalCheckpointConfig | None:
+    """Megatron's non-persistent local checkpoint flags, with Megatron's checks."""
+    kind, interval = a.non_persistent_ckpt_type, a.non_persistent_save_interval
+    if kind in ("global", "in_memory"):
+        raise ValueError(f"--non-persistent-ckpt-type {kind}: not built here; use 'local' (each rank's state in "
+                         f"host memory of its node, --non-persistent-local-ckpt-dir) or persistent --save")
+    if interval is not None and interval < 1:
+        raise ValueError(f"--non-persistent-save-interval {interval} must be a positive number of iterations")
+    if kind is None:
+        if interval is not None:
+            raise ValueError(f"--non-persistent-save-interval {interval} needs --non-persistent-ckpt-type local")
+        if a.replication:
+            raise ValueError("--replication needs --non-persistent-ckpt-type local (Megatron's rule)")
+        return None
+    if not a.non_persistent_local_ckpt_dir:
+        raise ValueError("--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir DIR (a node-local "
+                         "directory; a tmpfs such as /dev/shm/ckpt keeps it in host memory)")
+    jump = None
+    if a.replication:
+        if a.replication_jump is None or a.replication_jump < 1:
+            raise ValueError(f"--replication needs --replication-jump J >= 1 (got {a.replication_jump}): rank n's "
+                             f"copies go to n+J, n+2J, ...; J = the GPUs per node puts them on other nodes")
+        if a.replication_factor < 2:
+            raise ValueError(f"--replication-factor {a.replication_factor}: give 2 or more (ranks holding each "
+                             f"rank's local checkpoint, its own included)")
+        jump = a.replication_jump
+    elif a.replication_jump is not None:
+        print("WARNING: --replication-jump was specified despite not using replication. Ignoring.", flush=True)
+    return LocalCheckpointConfig(a.non_persistent_local_ckpt_dir, interval, jump, a.replication_factor)
 
 
 def check_launch_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:

@@ -10,8 +10,14 @@ plan. A rank that failed with a Python error (not lost) restarts on the same GPU
 user's error (a bad input) ends the job. Steps completed after the last save are run again: what
 a start loses is the iterations since its last checkpoint (--save-interval).
 
-Not built: in-memory copies of a rank's state on its peers (a restart reads the checkpoint), and
-growing back when a GPU returns (the inventory only shrinks within a job).
+With Megatron's non-persistent local checkpoints (--non-persistent-ckpt-type local, checkpoint/
+local.py) a restart continues from the newest complete local checkpoint where it is newer than the
+persistent one: each rank's state in host memory of its node and, with --replication, of its
+peers'. The forked ranks stand for the inventory's nodes ($HETERMOE_RANK_NODES); a node whose every
+rank was lost is taken as a lost machine, its store removed before the restart, so the copies on
+other nodes are what the restart reads.
+
+Not built: growing back when a GPU returns (the inventory only shrinks within a job).
 """
 from __future__ import annotations
 
@@ -20,11 +26,13 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 from megatron_hetermoe.checkpoint.format import read_tracker
+from megatron_hetermoe.checkpoint.local import JOB_ENV, NODES_ENV, job_store, newest_complete, scan
 from megatron_hetermoe.config import TrainConfig
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.planner.inventory import (
@@ -61,6 +69,8 @@ class Recovery:
     plan: dict = field(compare=False)  # the next start's plan (HeteroPlan.to_dict())
     failed_at: float = 0.0  # time.time() when the launcher had ended the failed start
     recovery_s: float | None = None  # failed_at -> the first step completed after it
+    local: bool = False  # resumed from a local (in-memory) checkpoint, not the persistent one
+    lost_nodes: tuple[int, ...] = ()  # nodes whose every rank was lost: their local stores removed
 
     @property
     def steps_lost(self) -> int:
@@ -103,13 +113,19 @@ def run_elastic(cfg: TrainConfig, plan: HeteroPlan, inventory: Inventory, plan_r
     tmp = Path(tempfile.mkdtemp(prefix="hetermoe-elastic-"))
     loss_log = tmp / "losses.jsonl"
     recoveries: list[Recovery] = []
-    old_attempt = os.environ.get(ATTEMPT_ENV)
+    saved_env = {k: os.environ.get(k) for k in (ATTEMPT_ENV, NODES_ENV, JOB_ENV)}
     alive = inventory  # plan rank i runs on alive rank on_gpu[i]
     on_gpu = list(range(inventory.size))
     run_cfg = replace(cfg, loss_log=str(loss_log))
+    store = None
+    if cfg.local_ckpt is not None:  # this job's local checkpoints, apart from any other job's
+        os.environ[JOB_ENV] = f"elastic-{uuid.uuid4().hex[:12]}"
+        store = job_store(cfg.local_ckpt)
     try:
         for attempt in range(max_restarts + 1):
             os.environ[ATTEMPT_ENV] = str(attempt)  # forked ranks inherit it (faults.py aims at a start)
+            nodes = [alive.nodes[on_gpu[r]] for r in range(plan.world_size)]
+            os.environ[NODES_ENV] = ",".join(map(str, nodes))
             try:
                 result = start(run_cfg, plan)
             except LaunchError as e:
@@ -120,24 +136,34 @@ def run_elastic(cfg: TrainConfig, plan: HeteroPlan, inventory: Inventory, plan_r
                 done = [it for it, _, t in _read_losses(loss_log) if t <= failed_at]
                 before = describe_plan(plan)
                 lost_gpus = tuple(plan.gpu_types[r] for r in lost)
+                lost_nodes = tuple(sorted(n for n in set(nodes) if all(r in lost for r, m in enumerate(nodes)
+                                                                        if m == n)))
                 if lost:
                     gone = {on_gpu[r] for r in lost}
                     alive = alive.without(sorted(gone))
                     plan, on_gpu = auto_plan(plan_run, alive)
-                resumed = read_tracker(cfg.save) or 0
-                run_cfg = replace(run_cfg, load=cfg.save if resumed else cfg.load, ckpt_reshard=True,
-                                  ckpt_step=None)
+                resumed, local = read_tracker(cfg.save) or 0, False
+                if store is not None:
+                    for n in lost_nodes:  # a lost machine's memory is gone with it
+                        shutil.rmtree(store / f"node{n}", ignore_errors=True)
+                    best = newest_complete({d.name: scan(d) for d in store.glob("node*")})
+                    if best is not None and best[1] > resumed:
+                        resumed, local = best[1], True
+                run_cfg = replace(run_cfg, load=cfg.save if resumed or store is not None else cfg.load,
+                                  ckpt_reshard=True, ckpt_step=None)
                 check(run_cfg, plan)
                 rec = Recovery(attempt + 1, tuple(lost), lost_gpus, str(e).split("\n", 1)[0][:300],
                                max(done, default=0), resumed, before, describe_plan(plan), plan.to_dict(),
-                               failed_at)
+                               failed_at, local=local, lost_nodes=lost_nodes if store is not None else ())
                 recoveries.append(rec)
                 what = (f"lost rank(s) {list(lost)} ({', '.join(lost_gpus)})" if lost
                         else f"rank {e.rank} failed (no GPU lost)")
+                kind = "local checkpoint" if local else "checkpoint"
                 log(f"elastic: {what} after iteration {rec.last_completed}; restart {attempt + 1} of "
                     f"{max_restarts} on {describe_plan(plan)}"
                     + (f"; idle GPUs: {plan.meta.get('idle_gpus')}" if plan.meta.get("idle_gpus") else "")
-                    + (f", from the checkpoint of iteration {resumed}" if resumed else ", from the start"))
+                    + (f"; node(s) {list(rec.lost_nodes)} lost with their memory" if rec.lost_nodes else "")
+                    + (f", from the {kind} of iteration {resumed}" if resumed else ", from the start"))
                 continue
             break
         logged = _read_losses(loss_log)
@@ -150,11 +176,14 @@ def run_elastic(cfg: TrainConfig, plan: HeteroPlan, inventory: Inventory, plan_r
                 recoveries[i] = replace(rec, recovery_s=min(after) - rec.failed_at)
         return ElasticResult(result, losses, recoveries)
     finally:
-        if old_attempt is None:
-            os.environ.pop(ATTEMPT_ENV, None)
-        else:
-            os.environ[ATTEMPT_ENV] = old_attempt
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         shutil.rmtree(tmp, ignore_errors=True)
+        if store is not None:  # the job's memory: nothing else reads it
+            shutil.rmtree(store, ignore_errors=True)
 
 
 def gather_inventory(device) -> Inventory:

@@ -17,7 +17,7 @@ import resource
 import torch
 import torch.distributed as dist
 
-from megatron_hetermoe.checkpoint.hooks import hetero_checkpointer
+from megatron_hetermoe.checkpoint.hooks import hetero_checkpointer, hetero_rank_state
 from megatron_hetermoe.config import HeteroRunConfig, ParallelConfig, TrainConfig
 from megatron_hetermoe.data.dataset import make_data
 from megatron_hetermoe.models.builder import (
@@ -186,8 +186,8 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
                 role.adopt(new, assembly.schedule(run, recorder, executed, timing))
                 parts.model, parts.optimizer, parts.scheduler, parts.guard = (new.model, new.optimizer,
                                                                               new.scheduler, new.guard)
-                parts.checkpointer.state = hetero_checkpointer(cfg, hs, new.module, new.names, new.optimizer,
-                                                               new.scheduler, pools.expert).state
+                parts.checkpointer.state = hetero_rank_state(cfg, hs, new.module, new.names, new.optimizer,
+                                                             new.scheduler, pools.expert)
                 return new
 
             parts.after_step = Replanner(hs, run, hooks.replan, loads, role, parts, rebuild,
