@@ -46,8 +46,10 @@ from megatron_hetermoe.checkpoint.format import (
 from megatron_hetermoe.config import LocalCheckpointConfig
 
 # The node of every rank, comma-separated in rank order: set by the forked launcher from its
-# inventory (the ranks of one host stand for several nodes there); default: the host name.
+# inventory (the ranks of one host stand for several nodes there). NODE_ENV: this process's node
+# (several torchrun agents on one host). Default: the host name.
 NODES_ENV = "HETERMOE_RANK_NODES"
+NODE_ENV = "HETERMOE_NODE"
 # The job a store belongs to: a fresh id per elastic job of the forked launcher; else torchrun's
 # run id (--rdzv-id), else SLURM's job id, else "default".
 JOB_ENV = "HETERMOE_LOCAL_CKPT_JOB"
@@ -55,6 +57,8 @@ KEEP = 2  # snapshots of its own generation a rank keeps: the newest may be inco
 
 
 def node_of(rank: int) -> str:
+    if os.environ.get(NODE_ENV):
+        return os.environ[NODE_ENV]
     nodes = [x.strip() for x in os.environ.get(NODES_ENV, "").split(",") if x.strip()]
     if not nodes:
         return socket.gethostname()
@@ -206,6 +210,13 @@ class LocalCheckpoints:
         dist.all_gather_object(got, (self.node, scan(self.node_dir)), group=self.group)
         self.tags = [t for t, _ in got]
         stores = {t: listing for t, listing in got}
+        if self.rank == 0 and self.cfg.replication_jump is not None:
+            alone = [r for r in range(self.world)
+                     if all(self.tags[h] == self.tags[r] for h in replica_holders(r, self.world, self.cfg))]
+            if alone:
+                print(f" WARNING: --replication-jump {self.cfg.replication_jump} in a world of {self.world}: the "
+                      f"local checkpoints of rank(s) {alone} have no copy on another node (a lost node loses "
+                      f"them); give the GPUs per node as the jump", flush=True)
         self.generation = 1 + max((g for listing in stores.values() for g, _ in listing), default=0)
         best = newest_complete(stores) if restore else None
         if best is None or (persistent is not None and best[1] <= persistent):

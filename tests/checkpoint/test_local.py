@@ -81,10 +81,14 @@ def test_bytes_travel_as_uint8_tensors():
 
 
 def test_nodes_come_from_the_launcher_or_the_host(monkeypatch):
+    monkeypatch.delenv(local.NODE_ENV, raising=False)
     monkeypatch.setenv(local.NODES_ENV, "0,0,1,1")
     assert [local.node_of(r) for r in range(4)] == ["node0", "node0", "node1", "node1"]
     with pytest.raises(ValueError, match="none for rank 4"):
         local.node_of(4)
+    monkeypatch.setenv(local.NODE_ENV, "v100-node")  # this process's node wins
+    assert local.node_of(0) == "v100-node"
+    monkeypatch.delenv(local.NODE_ENV)
     monkeypatch.delenv(local.NODES_ENV)
     import socket
 

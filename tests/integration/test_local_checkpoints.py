@@ -92,3 +92,86 @@ def test_a_lost_node_is_rebuilt_from_its_peers_copies(tiny, tmp_path, monkeypatc
     lines, out = job("nocopy", replication=False)
     assert "resumed from iteration 3, 2 step(s) run again" in lines[1], lines
     assert read_golden(tmp_path / "nocopy.json") == elastic
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL a process and everything under it (a node: torchrun's agent and its workers)."""
+    import os
+    import signal
+    import subprocess
+
+    kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    os.kill(pid, signal.SIGSTOP)  # no new children while the tree is walked
+    for k in kids:
+        _kill_tree(int(k))
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_torchrun_node_lost_continues_from_copies(tiny, tmp_path, request_cleanup):
+    """Under torchrun's elastic agent (two agents on this host, --nnodes 1:2, each its own node by
+    $HETERMOE_NODE, 2 A40 and 2 V100 by $HETERMOE_GPU_TYPE; --hetero-plan auto): local checkpoints
+    every iteration copied to the other node; the V100 node is killed (agent and workers) and its
+    store removed, as a lost machine's memory; the A40 node's workers restart in a world of 2, plan
+    for 2 A40 and continue from the local checkpoint, the V100 ranks' state from their copies on the
+    A40 node (no persistent checkpoint exists: --save-interval is past the run)."""
+    import os
+    import re
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ck, store, run_id = tmp_path / "ck", f"/dev/shm/hetermoe-test-tr-{os.getpid()}", f"lost-{os.getpid()}"
+    request_cleanup(store)
+    iters = 12
+
+    def node(gpu: str, log: str, host: bool):
+        cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node",
+               "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+               "--max-restarts", "2", "--rdzv-conf", f"is_host={int(host)},last_call_timeout=20,join_timeout=180",
+               "--monitor-interval", "0.5", "-m", "megatron_hetermoe.training.args", *FLAGS[:-2], "--train-iters",
+               str(iters), "--hetero-plan", "auto", "--save", str(ck), "--load", str(ck), "--save-interval", "100",
+               "--hetero-ckpt-reshard", "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir",
+               store, "--non-persistent-save-interval", "1", "--replication", "--replication-jump", "2",
+               "--golden-values-out", str(tmp_path / f"{gpu}.json")]
+        env = {**os.environ, "HETERMOE_GPU_TYPE": gpu, "HETERMOE_NODE": gpu, "OMP_NUM_THREADS": "1",
+               "HETERMOE_COLLECTIVE_TIMEOUT_S": "60"}
+        for k in ("HETERMOE_ELASTIC_ATTEMPT", "HETERMOE_INJECT_FAULT", "HETERMOE_RANK_NODES"):
+            env.pop(k, None)
+        return subprocess.Popen(cmd, stdout=open(tmp_path / log, "w"), stderr=subprocess.STDOUT, env=env,
+                                cwd=tmp_path, start_new_session=True)
+
+    a40 = node("A40", "a40.log", host=True)
+    v100 = node("V100-16GB", "v100.log", host=False)
+    try:
+        logs = lambda: (tmp_path / "a40.log").read_text() + (tmp_path / "v100.log").read_text()  # noqa: E731
+        deadline = time.monotonic() + 300
+        while " iteration        4/" not in logs():
+            assert time.monotonic() < deadline and a40.poll() is None and v100.poll() is None, logs()[-3000:]
+            time.sleep(0.1)
+        _kill_tree(v100.pid)
+        shutil.rmtree(f"{store}/{run_id}/V100-16GB", ignore_errors=True)  # the machine's memory, gone with it
+        assert a40.wait(timeout=400) == 0, (tmp_path / "a40.log").read_text()[-4000:]
+    finally:
+        for p in (a40, v100):
+            if p.poll() is None:
+                _kill_tree(p.pid)
+    out = (tmp_path / "a40.log").read_text()
+    picks = [line for line in out.splitlines() if "--hetero-plan auto:" in line]
+    assert "for this job's 2 A40 + 2 V100-16GB" in picks[0] and "for this job's 2 A40;" in picks[-1], picks
+    m = re.findall(r"loaded checkpoint (\S+) at iteration (\d+)", out)
+    assert len(m) == 1 and m[0][0].endswith(f"{run_id}/A40/restore"), m  # the local one, from this node's store
+    # after the loss both ranks are on one node: rank n+2 is rank n again, and the job says so
+    assert "local checkpoints of rank(s) [0, 1] have no copy on another node" in out
+    resumed = int(m[0][1])
+    assert resumed >= 3, resumed  # iteration 4 had started before the kill: 3 was complete (or 4)
+    assert sorted(read_golden(tmp_path / "A40.json")) == list(range(resumed + 1, iters + 1))
+    from megatron_hetermoe.checkpoint.format import locate
+    from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+
+    final = HeteroPlan.from_dict(locate(ck, iters)[1]["layout"]["plan"])
+    assert final.world_size == 2 and set(final.gpu_types) == {"A40"}
