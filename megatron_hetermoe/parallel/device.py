@@ -99,14 +99,15 @@ def _restart_store() -> dict:
     env:// a restarted gloo worker found the failed start's addresses in the agent's store and
     timed out connecting to them ("Gloo connectFullMesh failed ... Connection refused", torch 2.13,
     even for a bare init_process_group + new_group script); the prefix gives each start fresh keys.
-    {} for a first start (env:// as before)."""
+    {} for a first start, and where the agents do not share their store with the workers
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: each round's rank 0 hosts a fresh store at a fresh
+    port, so env:// finds no stale keys, and the agents' restart counts, which differ when a node
+    joined later, must not split the workers into two prefixes)."""
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if not restart:
+    if not restart or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"  # else rank 0 hosts it, as env:// does
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                         is_master=not agent and rank == 0)
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
     return {"store": dist.PrefixStore(f"/hetermoe/restart_{restart}/", base), "rank": rank, "world_size": world}
 
 

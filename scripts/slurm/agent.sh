@@ -14,6 +14,10 @@ rdzv_conf=()
 if [[ -n "${HETERMOE_RDZV_CONF:-}" ]]; then
     rdzv_conf=(--rdzv-conf "${HETERMOE_RDZV_CONF}")
 fi
+# A node that comes back joins a later rendezvous round; with the agents' shared store (torch's default)
+# it waits for a MASTER_ADDR the first round's rank 0 never publishes again (seen with torch 2.13), so
+# each round gets its own store.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE="${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}"
 # SLURM_GPUS_ON_NODE: this node's GPUs (the batch script asks --gpus-per-node per GPU type).
 gpus="${HETERMOE_GPUS_ON_NODE:-${SLURM_GPUS_ON_NODE:?agent.sh runs under srun with --gpus-per-node}}"
 exec "${python}" -m torch.distributed.run --nnodes "${HETERMOE_NNODES}" --nproc-per-node "${gpus}" \

@@ -2,7 +2,6 @@
 local checkpoint a restart takes, the persistent format assembled from a store, Megatron's flag
 rules. The training runs that use them are in tests/integration/test_local_checkpoints.py."""
 import hashlib
-import json
 
 import pytest
 import torch

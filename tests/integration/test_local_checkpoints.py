@@ -107,13 +107,15 @@ def _kill_tree(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
 
 
-def test_torchrun_node_lost_continues_from_copies(tiny, tmp_path, request_cleanup):
+def test_torchrun_node_lost_then_back(tiny, tmp_path, request_cleanup):
     """Under torchrun's elastic agent (two agents on this host, --nnodes 1:2, each its own node by
     $HETERMOE_NODE, 2 A40 and 2 V100 by $HETERMOE_GPU_TYPE; --hetero-plan auto): local checkpoints
     every iteration copied to the other node; the V100 node is killed (agent and workers) and its
     store removed, as a lost machine's memory; the A40 node's workers restart in a world of 2, plan
     for 2 A40 and continue from the local checkpoint, the V100 ranks' state from their copies on the
-    A40 node (no persistent checkpoint exists: --save-interval is past the run)."""
+    A40 node (no persistent checkpoint exists: --save-interval is past the run). Then a V100 node
+    starts again: the agent restarts its workers in a world of 4 (grow), which plan for 2 A40 + 2
+    V100 and continue from the latest local checkpoint, its files brought to the new node."""
     import os
     import re
     import shutil
@@ -127,7 +129,7 @@ def test_torchrun_node_lost_continues_from_copies(tiny, tmp_path, request_cleanu
         port = s.getsockname()[1]
     ck, store, run_id = tmp_path / "ck", f"/dev/shm/hetermoe-test-tr-{os.getpid()}", f"lost-{os.getpid()}"
     request_cleanup(store)
-    iters = 12
+    iters = 150
 
     def node(gpu: str, log: str, host: bool):
         cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node",
@@ -138,15 +140,28 @@ def test_torchrun_node_lost_continues_from_copies(tiny, tmp_path, request_cleanu
                "--hetero-ckpt-reshard", "--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir",
                store, "--non-persistent-save-interval", "1", "--replication", "--replication-jump", "2",
                "--golden-values-out", str(tmp_path / f"{gpu}.json")]
+        # torch's opt-out of the shared TCP store: with it, a node joining a later round waits for a
+        # MASTER_ADDR the first round's rank 0 never publishes again (torch 2.13, scale-up).
         env = {**os.environ, "HETERMOE_GPU_TYPE": gpu, "HETERMOE_NODE": gpu, "OMP_NUM_THREADS": "1",
-               "HETERMOE_COLLECTIVE_TIMEOUT_S": "60"}
+               "HETERMOE_COLLECTIVE_TIMEOUT_S": "60", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         for k in ("HETERMOE_ELASTIC_ATTEMPT", "HETERMOE_INJECT_FAULT", "HETERMOE_RANK_NODES"):
             env.pop(k, None)
         return subprocess.Popen(cmd, stdout=open(tmp_path / log, "w"), stderr=subprocess.STDOUT, env=env,
                                 cwd=tmp_path, start_new_session=True)
 
+    def wait_for(pattern: str, log: str, procs, after: int = 0) -> re.Match:
+        deadline = time.monotonic() + 300
+        while True:
+            m = re.search(pattern, (tmp_path / log).read_text()[after:])
+            if m:
+                return m
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), \
+                (tmp_path / log).read_text()[-3000:]
+            time.sleep(0.1)
+
     a40 = node("A40", "a40.log", host=True)
     v100 = node("V100-16GB", "v100.log", host=False)
+    back = None
     try:
         logs = lambda: (tmp_path / "a40.log").read_text() + (tmp_path / "v100.log").read_text()  # noqa: E731
         deadline = time.monotonic() + 300
@@ -155,23 +170,32 @@ def test_torchrun_node_lost_continues_from_copies(tiny, tmp_path, request_cleanu
             time.sleep(0.1)
         _kill_tree(v100.pid)
         shutil.rmtree(f"{store}/{run_id}/V100-16GB", ignore_errors=True)  # the machine's memory, gone with it
+        m = wait_for(r"loaded checkpoint (\S+) at iteration (\d+)", "a40.log", [a40])
+        shrunk = (m.group(1), int(m.group(2)))
+        seen = m.end()
+        wait_for(rf" iteration +{shrunk[1] + 3}/", "a40.log", [a40], seen)
+        seen = len((tmp_path / "a40.log").read_text())
+        back = node("V100-16GB", "v100b.log", host=False)  # the node comes back
+        m = wait_for(r"loaded checkpoint (\S+) at iteration (\d+)", "a40.log", [a40, back], seen)
+        grown = (m.group(1), int(m.group(2)))
         assert a40.wait(timeout=400) == 0, (tmp_path / "a40.log").read_text()[-4000:]
+        assert back.wait(timeout=60) == 0, (tmp_path / "v100b.log").read_text()[-4000:]
     finally:
-        for p in (a40, v100):
-            if p.poll() is None:
+        for p in (a40, v100, back):
+            if p is not None and p.poll() is None:
                 _kill_tree(p.pid)
     out = (tmp_path / "a40.log").read_text()
     picks = [line for line in out.splitlines() if "--hetero-plan auto:" in line]
-    assert "for this job's 2 A40 + 2 V100-16GB" in picks[0] and "for this job's 2 A40;" in picks[-1], picks
-    m = re.findall(r"loaded checkpoint (\S+) at iteration (\d+)", out)
-    assert len(m) == 1 and m[0][0].endswith(f"{run_id}/A40/restore"), m  # the local one, from this node's store
+    assert "for this job's 2 A40 + 2 V100-16GB" in picks[0], picks
+    assert "for this job's 2 A40;" in picks[1] and "for this job's 2 A40 + 2 V100-16GB" in picks[-1], picks
+    # each start after a change loads a local checkpoint from its node's store (no persistent one exists)
+    assert shrunk[0].endswith(f"{run_id}/A40/restore") and grown[0].endswith("/restore"), (shrunk, grown)
     # after the loss both ranks are on one node: rank n+2 is rank n again, and the job says so
     assert "local checkpoints of rank(s) [0, 1] have no copy on another node" in out
-    resumed = int(m[0][1])
-    assert resumed >= 3, resumed  # iteration 4 had started before the kill: 3 was complete (or 4)
-    assert sorted(read_golden(tmp_path / "A40.json")) == list(range(resumed + 1, iters + 1))
+    assert shrunk[1] >= 3 and grown[1] >= shrunk[1] + 3, (shrunk, grown)  # iteration 4 had started at the kill
+    assert sorted(read_golden(tmp_path / "A40.json")) == list(range(grown[1] + 1, iters + 1))
     from megatron_hetermoe.checkpoint.format import locate
     from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
     final = HeteroPlan.from_dict(locate(ck, iters)[1]["layout"]["plan"])
-    assert final.world_size == 2 and set(final.gpu_types) == {"A40"}
+    assert final.world_size == 4 and sorted(set(final.gpu_types)) == ["A40", "V100-16GB"]
