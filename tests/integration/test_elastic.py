@@ -6,6 +6,7 @@ rank of the re-planned job, then two ranks at once. Each time the job re-plans f
 (the planner's search) and continues from the latest checkpoint; the losses of each start after a
 failure equal, bitwise, those of a fresh run from that checkpoint on that plan."""
 import pytest
+from elastic_runs import kill_tree, train
 
 from megatron_hetermoe.checkpoint.format import locate
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
@@ -16,14 +17,6 @@ from megatron_hetermoe.training.golden_values import read_golden
 pytestmark = pytest.mark.slow
 FLAGS = ["--model", "tiny", "--micro-batch-size", "1", "--global-batch-size", "8", "--lr-warmup-iters", "1",
          "--deterministic-mode"]
-
-
-def _train(argv, monkeypatch, fault=None):
-    if fault:
-        monkeypatch.setenv("HETERMOE_INJECT_FAULT", fault)
-    else:
-        monkeypatch.delenv("HETERMOE_INJECT_FAULT", raising=False)
-    assert train_args.main(argv) == 0
 
 
 def test_lose_an_expert_then_an_attention_rank_then_two_at_once(tiny, tmp_path, monkeypatch, capfd):
@@ -46,7 +39,7 @@ def test_lose_an_expert_then_an_attention_rank_then_two_at_once(tiny, tmp_path, 
                       f"rank={a1},site=iteration,at=4,mode=kill,attempt=1",
                       *(f"rank={r},site=iteration,at=5,mode=kill,attempt=2" for r in two)])
     ck = tmp_path / "ck"
-    _train([*FLAGS, "--train-iters", "7", "--hetero-plan", str(tmp_path / "plan0.json"), "--save", str(ck),
+    train([*FLAGS, "--train-iters", "7", "--hetero-plan", str(tmp_path / "plan0.json"), "--save", str(ck),
             "--save-interval", "1", "--elastic-restarts", "3", "--golden-values-out", str(tmp_path / "el.json")],
            monkeypatch, fault)
     out = capfd.readouterr().out
@@ -63,7 +56,7 @@ def test_lose_an_expert_then_an_attention_rank_then_two_at_once(tiny, tmp_path, 
         saved = HeteroPlan.from_dict(locate(ck, end)[1]["layout"]["plan"])
         assert saved.to_dict()["groups"] == plan.to_dict()["groups"], f"restart {k} ran another plan"
         plan.save(tmp_path / f"plan{k}.json")
-        _train([*FLAGS, "--train-iters", "7", "--hetero-plan", str(tmp_path / f"plan{k}.json"), "--load",
+        train([*FLAGS, "--train-iters", "7", "--hetero-plan", str(tmp_path / f"plan{k}.json"), "--load",
                 str(ck), "--ckpt-step", str(start), "--hetero-ckpt-reshard", "--golden-values-out",
                 str(tmp_path / f"fresh{k}.json")], monkeypatch)
         fresh = read_golden(tmp_path / f"fresh{k}.json")
@@ -71,19 +64,6 @@ def test_lose_an_expert_then_an_attention_rank_then_two_at_once(tiny, tmp_path, 
         assert {i: fresh[i] for i in range(start + 1, end + 1)} == \
             {i: elastic[i] for i in range(start + 1, end + 1)}, (k, fresh, elastic)
 
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and everything under it (a node: torchrun's agent and its workers)."""
-    import os
-    import signal
-    import subprocess
-
-    kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
-    os.kill(pid, signal.SIGSTOP)  # no new children while the tree is walked
-    for k in kids:
-        _kill_tree(int(k))
-    os.kill(pid, signal.SIGKILL)
 
 
 def test_torchrun_loses_a_node_and_replans_for_the_survivors(tiny, tmp_path):
@@ -130,12 +110,12 @@ def test_torchrun_loses_a_node_and_replans_for_the_survivors(tiny, tmp_path):
             assert time.monotonic() < deadline and a40.poll() is None and v100.poll() is None, \
                 (tmp_path / "a40.log").read_text()[-3000:]
             time.sleep(0.1)
-        _kill_tree(v100.pid)
+        kill_tree(v100.pid)
         assert a40.wait(timeout=400) == 0, (tmp_path / "a40.log").read_text()[-4000:]
     finally:
         for p in (a40, v100):
             if p.poll() is None:
-                _kill_tree(p.pid)
+                kill_tree(p.pid)
     out = (tmp_path / "a40.log").read_text()
     picks = [line for line in out.splitlines() if "--hetero-plan auto:" in line]
     assert "for this job's 2 A40 + 2 V100-16GB" in picks[0] and "for this job's 2 A40;" in picks[-1], picks

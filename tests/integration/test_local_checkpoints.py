@@ -11,25 +11,17 @@ node 2 hold; the iterations after it equal, bitwise, a fresh run from a persiste
 iteration 5 on the new plan. Without --replication the same loss falls back to the persistent
 checkpoint of iteration 3."""
 import pytest
+from elastic_runs import kill_tree, train
 
 from megatron_hetermoe.plan.hetero_plan import even_plan
 from megatron_hetermoe.plan.tasks import zebra_tasks_for_role
 from megatron_hetermoe.planner.inventory import AutoPlanRun, Inventory, auto_plan
-from megatron_hetermoe.training import args as train_args
 from megatron_hetermoe.training.golden_values import read_golden
 from megatron_hetermoe.vocabulary import Role, TaskKind
 
 pytestmark = pytest.mark.slow
 FLAGS = ["--model", "tiny", "--micro-batch-size", "1", "--global-batch-size", "8", "--lr-warmup-iters", "1",
          "--deterministic-mode", "--train-iters", "7"]
-
-
-def _train(argv, monkeypatch, fault=None):
-    if fault:
-        monkeypatch.setenv("HETERMOE_INJECT_FAULT", fault)
-    else:
-        monkeypatch.delenv("HETERMOE_INJECT_FAULT", raising=False)
-    assert train_args.main(argv) == 0
 
 
 @pytest.fixture
@@ -59,7 +51,7 @@ def test_a_lost_node_is_rebuilt_from_its_peers_copies(tiny, tmp_path, monkeypatc
     request_cleanup(store)
 
     def job(name, replication):
-        _train([*FLAGS, "--hetero-plan", str(tmp_path / "plan0.json"), "--save", str(tmp_path / name),
+        train([*FLAGS, "--hetero-plan", str(tmp_path / "plan0.json"), "--save", str(tmp_path / name),
                 "--save-interval", "3", "--elastic-restarts", "1", "--non-persistent-ckpt-type", "local",
                 "--non-persistent-local-ckpt-dir", store, "--non-persistent-save-interval", "1",
                 *(["--replication", "--replication-jump", "2"] if replication else []),
@@ -76,11 +68,11 @@ def test_a_lost_node_is_rebuilt_from_its_peers_copies(tiny, tmp_path, monkeypatc
     assert not os.listdir(store), "the job's store outlived it"
 
     # The reference: the same job without faults saves a persistent checkpoint of iteration 5 ...
-    _train([*FLAGS, "--hetero-plan", str(tmp_path / "plan0.json"), "--save", str(tmp_path / "ref"),
+    train([*FLAGS, "--hetero-plan", str(tmp_path / "plan0.json"), "--save", str(tmp_path / "ref"),
             "--save-interval", "1", "--golden-values-out", str(tmp_path / "ref.json")], monkeypatch)
     # ... from which a fresh run on the survivors' plan runs what the job ran after the loss.
     survivors.save(tmp_path / "plan1.json")
-    _train([*FLAGS, "--hetero-plan", str(tmp_path / "plan1.json"), "--load", str(tmp_path / "ref"), "--ckpt-step",
+    train([*FLAGS, "--hetero-plan", str(tmp_path / "plan1.json"), "--load", str(tmp_path / "ref"), "--ckpt-step",
             "5", "--hetero-ckpt-reshard", "--golden-values-out", str(tmp_path / "fresh.json")], monkeypatch)
     capfd.readouterr()
     elastic, ref, fresh = (read_golden(tmp_path / f"{n}.json") for n in ("el", "ref", "fresh"))
@@ -92,19 +84,6 @@ def test_a_lost_node_is_rebuilt_from_its_peers_copies(tiny, tmp_path, monkeypatc
     lines, out = job("nocopy", replication=False)
     assert "resumed from iteration 3, 2 step(s) run again" in lines[1], lines
     assert read_golden(tmp_path / "nocopy.json") == elastic
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL a process and everything under it (a node: torchrun's agent and its workers)."""
-    import os
-    import signal
-    import subprocess
-
-    kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
-    os.kill(pid, signal.SIGSTOP)  # no new children while the tree is walked
-    for k in kids:
-        _kill_tree(int(k))
-    os.kill(pid, signal.SIGKILL)
 
 
 def test_torchrun_node_lost_then_back(tiny, tmp_path, request_cleanup):
@@ -168,7 +147,7 @@ def test_torchrun_node_lost_then_back(tiny, tmp_path, request_cleanup):
         while " iteration        4/" not in logs():
             assert time.monotonic() < deadline and a40.poll() is None and v100.poll() is None, logs()[-3000:]
             time.sleep(0.1)
-        _kill_tree(v100.pid)
+        kill_tree(v100.pid)
         shutil.rmtree(f"{store}/{run_id}/V100-16GB", ignore_errors=True)  # the machine's memory, gone with it
         m = wait_for(r"loaded checkpoint (\S+) at iteration (\d+)", "a40.log", [a40])
         shrunk = (m.group(1), int(m.group(2)))
@@ -183,7 +162,7 @@ def test_torchrun_node_lost_then_back(tiny, tmp_path, request_cleanup):
     finally:
         for p in (a40, v100, back):
             if p is not None and p.poll() is None:
-                _kill_tree(p.pid)
+                kill_tree(p.pid)
     out = (tmp_path / "a40.log").read_text()
     picks = [line for line in out.splitlines() if "--hetero-plan auto:" in line]
     assert "for this job's 2 A40 + 2 V100-16GB" in picks[0], picks
