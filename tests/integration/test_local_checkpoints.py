@@ -10,6 +10,9 @@ re-plans for the 6 GPUs left and continues from iteration 5, whose node-1 files 
 node 2 hold; the iterations after it equal, bitwise, a fresh run from a persistent checkpoint of
 iteration 5 on the new plan. Without --replication the same loss falls back to the persistent
 checkpoint of iteration 3."""
+import os
+import shutil
+
 import pytest
 from elastic_runs import kill_tree, train
 
@@ -178,3 +181,48 @@ def test_torchrun_node_lost_then_back(tiny, tmp_path, request_cleanup):
 
     final = HeteroPlan.from_dict(locate(ck, iters)[1]["layout"]["plan"])
     assert final.world_size == 4 and sorted(set(final.gpu_types)) == ["A40", "V100-16GB"]
+
+
+@pytest.mark.parametrize("trainer", ["megatron-ep", "hetero-bf16-distopt"])
+def test_a_restart_resumes_from_the_local_checkpoint_bitwise(trainer, tiny, tmp_path, monkeypatch, capfd):
+    """Without the elastic launcher: a run saving local checkpoints every iteration (persistent ones
+    every 3) loses a rank (kill -9) at the start of iteration 6 and ends; run again with --load on
+    the same layout, it continues from the newest complete local checkpoint (RNG included), and its
+    iterations equal an uninterrupted run's, bitwise. Megatron EP's own trainer (EP 2 over 4 ranks),
+    and HeterMoE's DistEP plan (2 x (1 attention + 2 expert ranks)) with bf16 and the distributed
+    optimizer."""
+    import re
+
+    from megatron_hetermoe.checkpoint.local import JOB_ENV
+    from megatron_hetermoe.parallel.launcher import LaunchError
+    from megatron_hetermoe.training import args as train_args
+
+    store = f"/dev/shm/hetermoe-test-rs-{os.getpid()}-{trainer}"
+    monkeypatch.setenv(JOB_ENV, "restart-test")
+    if trainer == "megatron-ep":
+        layout = ["--nproc", "4", "--expert-model-parallel-size", "2"]
+    else:
+        plan = even_plan(tiny.num_layers, tiny.num_experts, 1, 2, 2, attention_gpu="A40", expert_gpu="A40",
+                         num_microbatches=4, schedule="distep")
+        plan.save(tmp_path / "plan.json")
+        layout = ["--hetero-plan", str(tmp_path / "plan.json"), "--bf16", "--use-distributed-optimizer"]
+    local = ["--non-persistent-ckpt-type", "local", "--non-persistent-local-ckpt-dir", store,
+             "--non-persistent-save-interval", "1"]
+    try:
+        train([*FLAGS, *layout, "--golden-values-out", str(tmp_path / "ref.json")], monkeypatch)
+        run = [*FLAGS, *layout, *local, "--save", str(tmp_path / "ck"), "--save-interval", "3"]
+        monkeypatch.setenv("HETERMOE_INJECT_FAULT", "rank=1,site=iteration,at=5,mode=kill")
+        with pytest.raises(LaunchError, match="rank 1 of [46] failed: exited with signal 9"):
+            train_args.main([*run, "--golden-values-out", str(tmp_path / "a.json")])
+        monkeypatch.delenv("HETERMOE_INJECT_FAULT")
+        capfd.readouterr()
+        train([*run, "--load", str(tmp_path / "ck"), "--golden-values-out", str(tmp_path / "b.json")], monkeypatch)
+        out = capfd.readouterr().out
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    m = re.search(r"loaded checkpoint (\S+) at iteration (\d+)", out)
+    assert m and m.group(1).endswith("/restore") and "resharded" not in out, out[-3000:]
+    resumed = int(m.group(2))
+    assert resumed in (4, 5), resumed  # 5, or 4 where the kill came while 5's copy was being written
+    ref, after = read_golden(tmp_path / "ref.json"), read_golden(tmp_path / "b.json")
+    assert sorted(after) == list(range(resumed + 1, 8)) and after == {i: ref[i] for i in after}, (ref, after)
