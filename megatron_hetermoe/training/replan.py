@@ -65,6 +65,7 @@ class Replanner:
         self.last = 0  # the iteration of the last decision
         self.t_last = time.perf_counter()
         self.moves: list[dict] = []
+        self.stays: list[dict] = []  # the first rank's decisions not to move, with the reason
         self.measured: MoveStats | None = None
         for name in role.names.values():
             expert_of(name, hs.plan)  # refuses packed experts (GroupedMLP) before the first step
@@ -122,6 +123,10 @@ class Replanner:
                 plan, tokens, seconds, steps, self.K, self._cost(step_s), self.schedule, self.capacity, self.frozen,
                 self.cfg)
             if prop.plan is None:
+                self.stays.append({"iteration": iteration, "reason": prop.reason,
+                                   "predicted_s_now": prop.seconds_now, "predicted_s_new": prop.seconds_new})
+                if not self.parts.cfg.quiet:
+                    print(f" live placement at iteration {iteration}: stays ({prop.reason})", flush=True)
                 return None
         note = {"iteration": iteration, "moved": [list(m) for m in prop.moved], "reason": prop.reason,
                 "predicted_s_now": prop.seconds_now, "predicted_s_new": prop.seconds_new,

@@ -34,4 +34,5 @@ class TrainResult:
     grad_norms: list = field(default_factory=list)  # Megatron's optimizer's grad norm per step (None: skipped)
     # --hetero-replan-interval: each live move (training/replan.py MoveRecord.as_dict) and the plan run last.
     moves: list[dict] = field(default_factory=list)
+    stays: list[dict] = field(default_factory=list)  # ... and each decision not to move, with its reason (first rank)
     plan: dict | None = None

@@ -118,7 +118,7 @@ def _rank_decided(rank, world, cfg, plan, init_state):
 
     res = train_hetero(cfg, plan, HeteroRunConfig(schedule="zebra", replan_interval=2, replan_margin=0.0),
                        RunHooks(init_state=init_state))
-    return res.moves, res.plan, res.emulation
+    return res.moves, res.plan, res.emulation, res.stays
 
 
 @pytest.mark.slow
@@ -129,9 +129,14 @@ def test_an_emulated_run_decides_its_moves_through_the_simulator(tmp_path):
     from megatron_hetermoe.planner.expert_load import ExpertLoad
     from megatron_hetermoe.planner.simulator import simulate_plan
 
+    import dataclasses
+
     spec, plan, state, cfg = _emulated_job(tmp_path)
-    moves, final, rep = launch(_rank_decided, plan.world_size, cfg, plan, state, timeout_s=600)[0]
+    cfg = dataclasses.replace(cfg, train_iters=4)  # a second decision, on the moved placement
+    moves, final, rep, stays = launch(_rank_decided, plan.world_size, cfg, plan, state, timeout_s=600)[0]
     assert [m["iteration"] for m in moves] == [2] and moves[0]["reason"].startswith("simulated step"), moves
+    # the hot pair already split: the decision at 4 stays, and says why
+    assert [s["iteration"] for s in stays] == [4] and stays[0]["reason"], stays
     final = HeteroPlan.from_dict(final)
     for l in range(2):
         holders = [r for r, es in final.groups[0].placement[l].items() if {0, 1} & set(es)]
@@ -141,4 +146,4 @@ def test_an_emulated_run_decides_its_moves_through_the_simulator(tmp_path):
     before = simulate_plan(plan, em.cost, em.cluster, GB, expert_load=load).step_time_s
     after = simulate_plan(final, em.cost, em.cluster, GB, expert_load=load).step_time_s
     assert moves[0]["predicted_s_now"] == pytest.approx(before) and after < before
-    assert [p["from_iteration"] for p in rep["phases"]] == [0, 2]
+    assert [p["from_iteration"] for p in rep["phases"]] == [0, 2]  # one move: two phases
