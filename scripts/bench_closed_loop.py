@@ -68,7 +68,8 @@ def _fmt(xs) -> str:
 
 def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int, replan_margin: float,
               cluster: str, emulated: str, num_experts: int, topk: int, moe_ffn: int | None, aux_loss: float,
-              seq_len: int, global_batch: int, max_step_seconds: float, expert_bias: bool = False) -> dict:
+              seq_len: int, global_batch: int, max_step_seconds: float, expert_bias: bool = False,
+              target_overrun: float | None = None, work_margin: float | None = None) -> dict:
     from megatron_hetermoe.config import (
         DataConfig,
         EmulationSpec,
@@ -124,8 +125,11 @@ def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int
           f"{plan.experts_on_attention_per_layer()}", flush=True)
     base = EmulationSpec(cluster, str(model_path), seq_len, global_batch)
     em = Emulator(base)
+    # Slack for a loaded machine: a lower target or a larger margin makes the calibration pick a longer
+    # real step, so the same host delays are a smaller part of it (the validity limit stays).
+    slack = {k: v for k, v in (("target_overrun", target_overrun), ("work_margin", work_margin)) if v is not None}
     spec = replace(base, scale=0.01, auto_scale=True, calibrate_step=steps - measure_steps - 1,
-                   max_step_seconds=max_step_seconds)
+                   max_step_seconds=max_step_seconds, **slack)
     real = emulation_real_model(shape, hidden=64, seq_length=64).replace(vocab_size=1024)
     n_attn = len(plan.attention_ranks)
     mbs = 2
@@ -202,7 +206,8 @@ def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int
                    "score_function": shape.moe_router_score_function,
                    "expert_bias_update_rate": shape.moe_router_bias_update_rate if expert_bias else None},
         "seq_len": seq_len, "global_batch": global_batch, "steps": steps,
-        "timed_steps": measure_steps, "replan_interval": replan_interval, "replan_margin": replan_margin,
+        "timed_steps": measure_steps, "emulation_slack": slack, "max_step_seconds": max_step_seconds,
+        "replan_interval": replan_interval, "replan_margin": replan_margin,
         "plan": {"attention_ranks": plan.attention_ranks, "expert_ranks": plan.expert_ranks,
                  "R": plan.num_microbatches, "schedule": plan.schedule},
         "skew_timed": {n: runs[n]["timed_load"].max_over_mean() for n in ("static", "closed loop")},
@@ -267,13 +272,19 @@ def main(argv: list[str] | None = None) -> int:
                         "expert bias at Megatron's update rate (1e-3)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--max-step-seconds", type=float, default=30.0)
+    p.add_argument("--max-step-seconds", type=float, default=30.0,
+                   help="the longest real step the calibration may stretch the emulated step to")
+    p.add_argument("--target-overrun", type=float, default=None,
+                   help="what the calibration aims the delays at, a fraction of the step (default: the "
+                        "emulation's 1 %%; lower gives a loaded machine slack; the validity limit stays 3 %%)")
+    p.add_argument("--work-margin", type=float, default=None,
+                   help="the calibration plans for real work this much longer than measured (default: 1.5)")
     a = p.parse_args(argv)
     if not 1 <= a.measure_steps <= a.steps - 2 or a.replan_interval < 1:
         p.error(f"--measure-steps {a.measure_steps} must be in 1..steps - 2 and --replan-interval >= 1")
     run_bench(a.out_dir, a.steps, a.measure_steps, a.replan_interval, a.replan_margin, a.cluster, a.model,
               a.num_experts, a.topk, a.moe_ffn, a.aux_loss, a.seq_len, a.global_batch, a.max_step_seconds,
-              a.expert_bias)
+              a.expert_bias, a.target_overrun, a.work_margin)
     return 0
 
 
