@@ -55,6 +55,30 @@ class SoftmaxType(str, Enum):
     LEARNABLE = "learnable"
 
 
+class LoadBalancing(str, Enum):
+    """Megatron's --moe-router-load-balancing-type this plugin trains: the GShard/Switch
+    load-balancing loss per microbatch (aux_loss), DeepSeek-V2's per sequence (seq_aux_loss), or
+    none (aux-loss-free balancing: none with moe_router_enable_expert_bias). Megatron's
+    global_aux_loss and sinkhorn are refused (REFUSED_LOAD_BALANCING)."""
+    AUX_LOSS = "aux_loss"
+    SEQ_AUX_LOSS = "seq_aux_loss"
+    NONE = "none"
+
+
+# Megatron's other load-balancing types, and why they are refused.
+REFUSED_LOAD_BALANCING = {
+    "global_aux_loss": "its tokens-per-expert tracker is reduced over Megatron's data-parallel groups, which "
+                       "HeterMoE's attention ranks do not form",
+    "sinkhorn": "Sinkhorn routing is not built here",
+}
+
+
+class RouterScore(str, Enum):
+    """Megatron's --moe-router-score-function."""
+    SOFTMAX = "softmax"
+    SIGMOID = "sigmoid"
+
+
 class PositionEmbedding(str, Enum):
     """Megatron's --position-embedding-type of a GPT model (learned_absolute holds a table of
     max_position_embeddings x hidden; rope and none hold nothing)."""
@@ -71,9 +95,11 @@ _COUNTS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size"
 _OPTIONAL_COUNTS = ("moe_shared_expert_intermediate_size", "mtp_num_layers", "kv_channels", "num_query_groups",
                     "q_lora_rank", "max_position_embeddings", "moe_router_num_groups", "moe_router_group_topk")
 _FLAGS = ("qk_layernorm", "multi_latent_attention", "add_bias_linear", "add_qkv_bias",
-          "untie_embeddings_and_output_weights", "attention_output_gate", "moe_shared_expert_gate")
+          "untie_embeddings_and_output_weights", "attention_output_gate", "moe_shared_expert_gate",
+          "moe_router_enable_expert_bias")
 _VOCABULARIES = {"mlp_activation": MlpActivation, "normalization": Normalization, "softmax_type": SoftmaxType,
-                 "position_embedding_type": PositionEmbedding}
+                 "position_embedding_type": PositionEmbedding, "moe_router_load_balancing_type": LoadBalancing,
+                 "moe_router_score_function": RouterScore}
 # Widths without a bound of their own in limits.py are bounded by hidden_size's.
 _WIDTH_LIMIT = ("kv_channels", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
 
@@ -117,7 +143,11 @@ class ModelConfig:
     `qk_pos_emb_head_dim` (the RoPE part), `v_head_dim`, Megatron's defaults). MLPs:
     `mlp_activation`; `add_bias_linear` / `add_qkv_bias` biases; `normalization`;
     `moe_shared_expert_gate`. Routing: `moe_router_num_groups` / `moe_router_group_topk`
-    (group-limited routing: a token's experts lie in group_topk of num_groups groups).
+    (group-limited routing: a token's experts lie in group_topk of num_groups groups);
+    `moe_router_load_balancing_type` (LoadBalancing), `moe_router_score_function` (RouterScore),
+    `moe_router_enable_expert_bias` with `moe_router_bias_update_rate` (aux-loss-free balancing:
+    a per-expert bias added to the scores for the top-k choice, moved by the rate towards balance
+    after every step; Megatron takes it with sigmoid scores only), Megatron's defaults.
     Embeddings: `untie_embeddings_and_output_weights`, `position_embedding_type`,
     `max_position_embeddings` (None: seq_length; Megatron-LM requires the flag, a YAML may leave it out)."""
 
@@ -163,6 +193,10 @@ class ModelConfig:
     moe_shared_expert_gate: bool = False
     moe_router_num_groups: int | None = None
     moe_router_group_topk: int | None = None
+    moe_router_load_balancing_type: str = LoadBalancing.AUX_LOSS.value
+    moe_router_score_function: str = RouterScore.SOFTMAX.value
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
     untie_embeddings_and_output_weights: bool = True
     position_embedding_type: str = PositionEmbedding.ROPE.value
     max_position_embeddings: int | None = None
@@ -185,6 +219,10 @@ class ModelConfig:
         for f in _FLAGS:
             if type(getattr(self, f)) is not bool:
                 raise ModelConfigError(f"model {self.name!r}: {f}={getattr(self, f)!r} must be true or false")
+        lb = self.moe_router_load_balancing_type
+        if isinstance(lb, str) and lb in REFUSED_LOAD_BALANCING:
+            raise ModelConfigError(f"model {self.name!r}: moe_router_load_balancing_type={lb!r} is not supported "
+                                   f"({REFUSED_LOAD_BALANCING[lb]}); use one of {[x.value for x in LoadBalancing]}")
         for f, vocab in _VOCABULARIES.items():
             v = getattr(self, f)
             try:
@@ -196,6 +234,7 @@ class ModelConfig:
         if type(c) not in (int, float) or not math.isfinite(c) or c < 0:
             raise ModelConfigError(f"model {self.name!r}: moe_aux_loss_coeff={c!r} must be a finite number >= 0 "
                                    f"(Megatron's default is 0.01; 0 disables the load-balancing loss)")
+        self._check_router_balancing()
         self._check_moe_layer_freq()
         self._check_attention()
         self._check_window()
@@ -261,6 +300,17 @@ class ModelConfig:
                                    f"N-th layer full attention) or a list of 0/1 per layer ({self.num_layers} decoder "
                                    f"layers{f', {n} with the MTP layers' if n > self.num_layers else ''}; 1 = "
                                    f"windowed)")
+
+    def _check_router_balancing(self) -> None:
+        r = self.moe_router_bias_update_rate
+        if type(r) not in (int, float) or not math.isfinite(r) or r < 0:
+            raise ModelConfigError(f"model {self.name!r}: moe_router_bias_update_rate={r!r} must be a finite number "
+                                   f">= 0 (Megatron's default is 1e-3)")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != RouterScore.SIGMOID:
+            raise ModelConfigError(f"model {self.name!r}: moe_router_enable_expert_bias with "
+                                   f"moe_router_score_function={self.moe_router_score_function!r}: Megatron takes the "
+                                   f"expert bias with sigmoid scores only; set moe_router_score_function: sigmoid "
+                                   f"(--moe-router-score-function sigmoid)")
 
     def _check_router_groups(self) -> None:
         n, k = self.moe_router_num_groups, self.moe_router_group_topk

@@ -23,6 +23,10 @@ the gains, the moves (experts, bytes, measured seconds on the CPU ranks) and the
 prediction for each HeterMoE plan under the timed steps' loads (Megatron EP's: balanced; the
 simulator takes no load for it). A summary goes to OUT/closed_loop.json.
 
+The router is Megatron's with the load-balancing loss (`--aux-loss`), or with `--expert-bias`
+aux-loss-free balancing (load balancing none, sigmoid scores, the expert bias at Megatron's update
+rate, 1e-3: DeepSeek-V3's recipe), in every strategy alike.
+
     .venv/bin/python scripts/bench_closed_loop.py --out-dir /tmp/cl --steps 60 --replan-interval 20
 """
 from __future__ import annotations
@@ -64,7 +68,8 @@ def _fmt(xs) -> str:
 
 def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int, replan_margin: float,
               cluster: str, emulated: str, num_experts: int, topk: int, moe_ffn: int | None, aux_loss: float,
-              seq_len: int, global_batch: int, max_step_seconds: float) -> dict:
+              seq_len: int, global_batch: int, max_step_seconds: float, expert_bias: bool = False,
+              target_overrun: float | None = None, work_margin: float | None = None) -> dict:
     from megatron_hetermoe.config import (
         DataConfig,
         EmulationSpec,
@@ -94,6 +99,10 @@ def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int
     # Fine-grained experts (DeepSeek's, Qwen's): by default the shape's expert parameters split over
     # num_experts (W1: 12 x 7168 -> 32 x 2688), so Megatron EP's replicas fit the V100s too.
     moe_ffn = moe_ffn or base_shape.moe_ffn_hidden_size * base_shape.num_experts // num_experts
+    # Aux-loss-free: Megatron's load balancing "none" takes no loss whatever the coefficient; 0 says so.
+    aux_loss = 0.0 if expert_bias else aux_loss
+    router = (("moe_router_load_balancing_type", "none"), ("moe_router_score_function", "sigmoid"),
+              ("moe_router_enable_expert_bias", "true")) if expert_bias else ()
     shape = base_shape.replace(name=f"{base_shape.name}-{num_experts}e-top{topk}-ffn{moe_ffn}",
                                num_experts=num_experts, moe_router_topk=topk, moe_aux_loss_coeff=aux_loss,
                                moe_ffn_hidden_size=moe_ffn)
@@ -103,19 +112,24 @@ def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int
         ("num_attention_heads", shape.num_attention_heads), ("ffn_hidden_size", shape.ffn_hidden_size),
         ("moe_ffn_hidden_size", shape.moe_ffn_hidden_size), ("num_experts", num_experts),
         ("moe_router_topk", topk), ("moe_aux_loss_coeff", aux_loss), ("vocab_size", shape.vocab_size),
-        ("seq_length", seq_len))))
+        ("seq_length", seq_len), *router)))
     shape = ModelConfig.load(model_path)
+    balancing = (f"aux-loss-free expert bias, update rate {shape.moe_router_bias_update_rate:g}" if expert_bias
+                 else f"aux loss {aux_loss:g}")
     cl = Cluster.load(cluster)
     plan = plan_for_emulation(shape, cl, seq_len, global_batch, out / "plan.json")
     g = plan.groups[0]
-    print(f"plan for {shape.name} ({num_experts} experts, top-{topk}, aux loss {aux_loss:g}) at {seq_len} tokens, "
+    print(f"plan for {shape.name} ({num_experts} experts, top-{topk}, {balancing}) at {seq_len} tokens, "
           f"global batch {global_batch}, on {cl.name}: attention ranks {g.attention_ranks}, expert ranks "
           f"{g.expert_ranks}, R={plan.num_microbatches}, {plan.schedule}, experts on attention ranks per layer "
           f"{plan.experts_on_attention_per_layer()}", flush=True)
     base = EmulationSpec(cluster, str(model_path), seq_len, global_batch)
     em = Emulator(base)
+    # Slack for a loaded machine: a lower target or a larger margin makes the calibration pick a longer
+    # real step, so the same host delays are a smaller part of it (the validity limit stays).
+    slack = {k: v for k, v in (("target_overrun", target_overrun), ("work_margin", work_margin)) if v is not None}
     spec = replace(base, scale=0.01, auto_scale=True, calibrate_step=steps - measure_steps - 1,
-                   max_step_seconds=max_step_seconds)
+                   max_step_seconds=max_step_seconds, **slack)
     real = emulation_real_model(shape, hidden=64, seq_length=64).replace(vocab_size=1024)
     n_attn = len(plan.attention_ranks)
     mbs = 2
@@ -124,6 +138,11 @@ def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int
                       min_lr=3e-4, lr_warmup_iters=min(10, steps // 4), log_interval=1, emulate=spec, data=data,
                       quiet=True)
     first_timed = steps - measure_steps + 1  # 1-based iteration of the first timed step
+    ep_pred = em.predict_ep()
+    ep_fits = "ep_size" in ep_pred.detail
+    if not ep_fits:  # before the HeterMoE runs: say so now, then compare static and closed loop alone
+        print(f"Megatron EP cannot run {shape.name} on {cl.name} ({ep_pred.reason}); not run (a smaller --moe-ffn "
+              f"would fit it)", flush=True)
     runs = {}
     for name, k in (("static", 0), ("closed loop", replan_interval)):
         t0 = time.perf_counter()
@@ -143,17 +162,16 @@ def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int
         print(f"  {validity_line(name, r.emulation)}; {len(r.moves)} move(s); {time.perf_counter() - t0:.0f} s",
               flush=True)
 
-    ep_pred = em.predict_ep()
-    if "ep_size" not in ep_pred.detail:
-        raise SystemExit(f"Megatron EP cannot run {shape.name} on {cl.name}: {ep_pred}; pick a smaller --moe-ffn")
-    d, r_mb = ep_pred.detail["ep_size"], ep_pred.detail["microbatches"]
-    print(f"Megatron EP (EP={d}, {r_mb} microbatch(es)): {steps} steps", flush=True)
-    t0 = time.perf_counter()
-    ep_cfg = replace(cfg, parallel=ParallelConfig(ep=d), micro_batch_size=1, global_batch_size=r_mb * cl.world_size)
-    ep = run(ep_cfg, cl.world_size, timeout_s=3600)
-    runs["Megatron EP"] = {"emulation": ep.emulation, "predicted_step_s": ep_pred.step_time_s,
-                           "wall_s": time.perf_counter() - t0}
-    print(f"  {validity_line('Megatron EP', ep.emulation)}; {time.perf_counter() - t0:.0f} s", flush=True)
+    if ep_fits:
+        d, r_mb = ep_pred.detail["ep_size"], ep_pred.detail["microbatches"]
+        print(f"Megatron EP (EP={d}, {r_mb} microbatch(es)): {steps} steps", flush=True)
+        t0 = time.perf_counter()
+        ep_cfg = replace(cfg, parallel=ParallelConfig(ep=d), micro_batch_size=1,
+                         global_batch_size=r_mb * cl.world_size)
+        ep = run(ep_cfg, cl.world_size, timeout_s=3600)
+        runs["Megatron EP"] = {"emulation": ep.emulation, "predicted_step_s": ep_pred.step_time_s,
+                               "wall_s": time.perf_counter() - t0}
+        print(f"  {validity_line('Megatron EP', ep.emulation)}; {time.perf_counter() - t0:.0f} s", flush=True)
 
     tokens = global_batch * seq_len
     rows = []
@@ -169,6 +187,8 @@ def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int
     by = {r["strategy"]: r for r in rows}
 
     def gain(a: str, b: str, key: str = "tokens_per_s"):
+        if a not in by or b not in by:
+            return None
         x, y = by[a][key], by[b][key]
         return x / y if x and y else None
 
@@ -181,8 +201,13 @@ def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int
         m["emulated_estimate_s"] = em.move_seconds(m["experts"] * len(plan.groups))
     summary = {
         "cluster": cluster, "emulated_model": shape.name, "num_experts": num_experts, "topk": topk,
-        "aux_loss": aux_loss, "seq_len": seq_len, "global_batch": global_batch, "steps": steps,
-        "timed_steps": measure_steps, "replan_interval": replan_interval, "replan_margin": replan_margin,
+        "aux_loss": None if expert_bias else aux_loss, "expert_bias": expert_bias,
+        "router": {"load_balancing": shape.moe_router_load_balancing_type,
+                   "score_function": shape.moe_router_score_function,
+                   "expert_bias_update_rate": shape.moe_router_bias_update_rate if expert_bias else None},
+        "seq_len": seq_len, "global_batch": global_batch, "steps": steps,
+        "timed_steps": measure_steps, "emulation_slack": slack, "max_step_seconds": max_step_seconds,
+        "replan_interval": replan_interval, "replan_margin": replan_margin,
         "plan": {"attention_ranks": plan.attention_ranks, "expert_ranks": plan.expert_ranks,
                  "R": plan.num_microbatches, "schedule": plan.schedule},
         "skew_timed": {n: runs[n]["timed_load"].max_over_mean() for n in ("static", "closed loop")},
@@ -241,15 +266,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topk", type=int, default=4)
     p.add_argument("--moe-ffn", type=int, default=None,
                    help="the emulated experts' FFN width (default: the shape's expert parameters split over them)")
-    p.add_argument("--aux-loss", type=float, default=1e-3)
+    p.add_argument("--aux-loss", type=float, default=1e-3, help="the load-balancing loss's coefficient")
+    p.add_argument("--expert-bias", action="store_true",
+                   help="aux-loss-free balancing instead of the loss: load balancing none, sigmoid scores, the "
+                        "expert bias at Megatron's update rate (1e-3)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--max-step-seconds", type=float, default=30.0)
+    p.add_argument("--max-step-seconds", type=float, default=30.0,
+                   help="the longest real step the calibration may stretch the emulated step to")
+    p.add_argument("--target-overrun", type=float, default=None,
+                   help="what the calibration aims the delays at, a fraction of the step (default: the "
+                        "emulation's 1 %%; lower gives a loaded machine slack; the validity limit stays 3 %%)")
+    p.add_argument("--work-margin", type=float, default=None,
+                   help="the calibration plans for real work this much longer than measured (default: 1.5)")
     a = p.parse_args(argv)
     if not 1 <= a.measure_steps <= a.steps - 2 or a.replan_interval < 1:
         p.error(f"--measure-steps {a.measure_steps} must be in 1..steps - 2 and --replan-interval >= 1")
     run_bench(a.out_dir, a.steps, a.measure_steps, a.replan_interval, a.replan_margin, a.cluster, a.model,
-              a.num_experts, a.topk, a.moe_ffn, a.aux_loss, a.seq_len, a.global_batch, a.max_step_seconds)
+              a.num_experts, a.topk, a.moe_ffn, a.aux_loss, a.seq_len, a.global_batch, a.max_step_seconds,
+              a.expert_bias, a.target_overrun, a.work_margin)
     return 0
 
 

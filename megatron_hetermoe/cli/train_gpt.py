@@ -33,8 +33,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="per-expert size; default: --ffn-hidden-size")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: --model's)")
     g.add_argument("--moe-router-topk", type=int, default=None, help="default: 2 (Megatron's)")
-    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss"], default="aux_loss",
-                   help="router load balancing (only Megatron's aux_loss)")
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default=None,
+                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
+                   help="router load balancing, one of aux_loss, seq_aux_loss, none (aux-loss-free: none with "
+                        "--moe-router-enable-expert-bias); global_aux_loss, sinkhorn and combinations are refused "
+                        "(default: --model's, else Megatron's aux_loss)")
+    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default=None,
+                   help="router scores (default: --model's, else Megatron's softmax)")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=None,
+                   help="aux-loss-free balancing: a per-expert bias on the scores for the top-k choice, updated "
+                        "after every step from the token counts of every routing rank (sigmoid scores only)")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=None,
+                   help="the expert bias's step per update (default: --model's, else Megatron's 1e-3)")
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="must be >= --seq-length (RoPE: no learned table; default: --seq-length)")
     g.add_argument("--vocab-size", type=int, default=None,

@@ -498,7 +498,10 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, precision: str =
         # Megatron refuses top-1 with softmax after top-k (the gate would get no gradient).
         moe_router_pre_softmax=model.moe_router_topk == 1,
         moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-        moe_router_load_balancing_type="aux_loss",
+        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
+        moe_router_score_function=model.moe_router_score_function,
+        moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+        moe_router_bias_update_rate=model.moe_router_bias_update_rate,
         moe_token_dispatcher_type=par.dispatcher,
         normalization="RMSNorm",
         gated_linear_unit=True,  # SwiGLU
@@ -688,6 +691,20 @@ def canonical_names(model: torch.nn.Module) -> dict[str, str]:
         if m and int(m.group(1)) in mtp_experts:
             canon = expert_names.canonical_name(canon, lambda pre, k=int(m.group(1)): mtp_experts[k])
         out[name] = canon
+    return out
+
+
+def router_expert_bias(module: torch.nn.Module, names: dict[str, str]) -> dict[str, list[float]]:
+    """This rank's routers' aux-loss-free expert bias (Megatron's `expert_bias` buffer), keyed by
+    canonical name (the router weight's, `weight` -> `expert_bias`); empty without expert bias or
+    without routers (HeterMoE's expert ranks)."""
+    params = dict(module.named_parameters())
+    out = {}
+    for n, b in module.named_buffers():
+        if n.endswith("router.expert_bias") and b is not None:
+            w = n[: -len("expert_bias")] + "weight"
+            if w in params:
+                out[names[w][: -len("weight")] + "expert_bias"] = b.detach().float().cpu().tolist()
     return out
 
 

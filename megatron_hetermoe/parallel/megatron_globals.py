@@ -3,7 +3,8 @@ parallel_state global (shims/parallel_state.py writes them).
 
 `megatron_globals`: for the plugin's own trainer, the few globals that have no explicit-process-group
 path (the global memory buffer, the RNG tracker, the tensor-parallel group that vocab-parallel
-cross-entropy reads); everything else gets HeteroParallelState's groups explicitly.
+cross-entropy reads, the tensor x data group the expert bias update reads); everything else gets
+HeteroParallelState's groups explicitly.
 `install_parallel_state`: for Megatron-LM's own pretrain(), which reads parallel_state throughout,
 every group global set to the rank's HeterMoE group (megatron_lm/hooks.py).
 """
@@ -20,7 +21,12 @@ from megatron_hetermoe.vocabulary import Role
 def megatron_globals(hs: HeteroParallelState, seed: int):
     from megatron.core.tensor_parallel import random as mrandom
 
-    with parallel_state.tensor_parallel_group(hs.megatron_group("tp")):
+    # The routers live on attention ranks: their aux-loss-free bias update sums the token counts over
+    # every attention rank of the stage (Megatron's tp x dp x cp), so every replica's bias stays the
+    # same. Expert ranks have no router: the global stays unset there, a read of it fails loudly.
+    tp_dp = hs.megatron_group("tp_dp_cp") if hs.role == Role.ATTENTION else None
+    with parallel_state.tensor_parallel_group(hs.megatron_group("tp")), \
+            parallel_state.tensor_and_data_parallel_group(tp_dp):
         mrandom.initialize_rng_tracker(force_reset=True)
         # Megatron seeds the tensor-parallel RNG stream by TP rank (dropout inside TP regions differs per shard).
         mrandom.model_parallel_cuda_manual_seed(seed, tp_rank=hs.tp_rank, ep_rank=0, etp_rank=0,

@@ -28,6 +28,21 @@ def tensor_parallel_group(group) -> Iterator[None]:
         ps.destroy_global_memory_buffer()
 
 
+@contextlib.contextmanager
+def tensor_and_data_parallel_group(group) -> Iterator[None]:
+    """For the block, megatron-core's tensor x data x context parallel group global set to `group`.
+    Why: megatron-core 0.16.1 .. 0.19's get_updated_expert_bias (the aux-loss-free expert bias
+    update, from finalize_model_grads) all-reduces the routers' token counts over that global and
+    has no explicit-process-group path."""
+    from megatron.core import parallel_state as ps
+
+    ps._TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = group
+    try:
+        yield
+    finally:
+        ps._TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = None
+
+
 def install(values: Mapping[str, object]) -> None:
     """Set each parallel_state global named in `values` (groups, rank lists, sizes) and the global
     memory buffer, for Megatron-LM's pretrain(). Refuses when megatron-core's own model parallel

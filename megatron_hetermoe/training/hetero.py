@@ -29,6 +29,7 @@ from megatron_hetermoe.models.builder import (
     gather_rank_envs,
     gpt_kwargs,
     precision_dtype,
+    router_expert_bias,
     transformer_config,
     wrap_precision,
 )
@@ -214,7 +215,8 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
             peak_activation_mib=max((m for _, _, m in executed if m is not None), default=0) / 2**20,
             peak_rss_mib=peak, moves=parts.after_step.moves if parts.after_step is not None else [],
             stays=parts.after_step.stays if parts.after_step is not None else [],
-            plan=hs.plan.to_dict() if run.replan_interval else None)
+            plan=hs.plan.to_dict() if run.replan_interval else None,
+            router_expert_bias=router_expert_bias(module, role.names))
 
 
 @torch.no_grad()

@@ -20,6 +20,7 @@ from megatron_hetermoe.models.builder import (
     choose_kernels,
     gather_rank_envs,
     init_layout_invariant,
+    router_expert_bias,
     transformer_config,
     wrap_precision,
     wrapped_names,
@@ -192,7 +193,8 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
             param_dtypes=sorted({str(p.dtype) for p in module.parameters()}), kernels=kernels.name,
             kernels_reason=kernels.reason, busy_s=last_step_busy(recorder, cfg.train_iters - 1, dist.group.WORLD),
             emulation=emulation, peak_gpu_mib=gpu, params=params, grads=role.grads, step_params=role.step_params,
-            initial_params=role.step_params[0] if role.step_params else params, grad_norms=res.grad_norms)
+            initial_params=role.step_params[0] if role.step_params else params, grad_norms=res.grad_norms,
+            router_expert_bias=router_expert_bias(module, names))
     finally:
         if emu_undo is not None:
             emu_undo()

@@ -117,7 +117,15 @@ def model_from_args(a: argparse.Namespace) -> ModelConfig:
     base = asdict(ModelConfig.load(a.model)) if a.model else {"name": "pretrain_gpt", "moe_aux_loss_coeff": 0.0}
     given = {f: getattr(a, f) for f in ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
                                          "moe_ffn_hidden_size", "num_experts", "moe_router_topk", "seq_length",
-                                         "moe_aux_loss_coeff") if getattr(a, f) is not None}
+                                         "moe_aux_loss_coeff", "moe_router_score_function",
+                                         "moe_router_enable_expert_bias", "moe_router_bias_update_rate")
+             if getattr(a, f) is not None}
+    lb = getattr(a, "moe_router_load_balancing_type", None)
+    if lb is not None:
+        if len(lb) != 1:  # Megatron sums the losses of a list of types, each with its own coefficient
+            raise ValueError(f"--moe-router-load-balancing-type {' '.join(lb)}: combined load-balancing types are not "
+                             f"supported here; give one")
+        given["moe_router_load_balancing_type"] = lb[0]
     m = {**base, **given}
     missing = [f for f in SHAPE_FIELDS if f not in m]
     if missing:

@@ -1,4 +1,4 @@
-"""What a training run returns (rank 0's view; both trainers)."""
+"""What a training run returns (rank 0's view, router_expert_bias each rank's own; both trainers)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -32,6 +32,9 @@ class TrainResult:
     step_params: list[dict] = field(default_factory=list)
     initial_params: dict | None = None
     grad_norms: list = field(default_factory=list)  # Megatron's optimizer's grad norm per step (None: skipped)
+    # This rank's routers' aux-loss-free expert bias at the end (canonical name -> one value per
+    # expert; models.builder.router_expert_bias): empty without it, and on HeterMoE's expert ranks.
+    router_expert_bias: dict = field(default_factory=dict)
     # --hetero-replan-interval: each live move (training/replan.py MoveRecord.as_dict) and the plan run last.
     moves: list[dict] = field(default_factory=list)
     stays: list[dict] = field(default_factory=list)  # ... and each decision not to move, with its reason (first rank)

@@ -64,6 +64,31 @@ def test_ffn_default_is_megatrons():
     assert model_from_args(p.parse_args([*shape, "--swiglu", "--ffn-hidden-size", "100"])).ffn_hidden_size == 100
 
 
+def test_router_balancing_flags_keep_megatron_meaning():
+    p = build_parser()
+    m = model_from_args(p.parse_args(["--model", "tiny"]))
+    # Megatron's defaults: aux_loss, softmax scores, no expert bias, update rate 1e-3.
+    assert (m.moe_router_load_balancing_type, m.moe_router_score_function, m.moe_router_enable_expert_bias,
+            m.moe_router_bias_update_rate) == ("aux_loss", "softmax", False, 1e-3)
+    m = model_from_args(p.parse_args(["--model", "tiny", "--moe-router-load-balancing-type", "none",
+                                      "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                                      "--moe-router-bias-update-rate", "0.01"]))
+    assert (m.moe_router_load_balancing_type, m.moe_router_score_function, m.moe_router_enable_expert_bias,
+            m.moe_router_bias_update_rate) == ("none", "sigmoid", True, 0.01)
+    from megatron_hetermoe.models.builder import transformer_config
+    from megatron_hetermoe.config import ParallelConfig
+
+    c = transformer_config(m, ParallelConfig())
+    assert (c.moe_router_load_balancing_type, c.moe_router_score_function, c.moe_router_enable_expert_bias,
+            c.moe_router_bias_update_rate) == ("none", "sigmoid", True, 0.01)
+    for flags, want in ((["--moe-router-load-balancing-type", "sinkhorn"], "'sinkhorn' is not supported"),
+                        (["--moe-router-load-balancing-type", "aux_loss", "seq_aux_loss"],
+                         "combined load-balancing types are not supported here"),
+                        (["--moe-router-enable-expert-bias"], "sigmoid scores only")):
+        with pytest.raises(ValueError, match=want):
+            model_from_args(p.parse_args(["--model", "tiny", *flags]))
+
+
 def test_unsupported_and_unknown_flags_are_named():
     r = _run(TINY_FLAGS + ["--use-flash-attn", "--moe-use-legacy-grouped-gemm", "--not-a-flag", "3"])
     assert r.returncode == 2

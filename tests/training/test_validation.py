@@ -194,6 +194,12 @@ CASES = [
      "PATH: model 'tiny': moe_router_topk=5 must be in [1, num_experts=4]"),
     ("model config", "moe_aux_loss_coeff", model(edit(TINY, moe_aux_loss_coeff=-0.1)), ModelConfigError,
      "PATH: model 'tiny': moe_aux_loss_coeff=-0.1 must be a finite number >= 0"),
+    ("model config", "moe_router_load_balancing_type",
+     model(edit(TINY, moe_router_load_balancing_type="global_aux_loss")), ModelConfigError,
+     "PATH: model 'tiny': moe_router_load_balancing_type='global_aux_loss' is not supported"),
+    ("model config", "moe_router_enable_expert_bias", model(edit(TINY, moe_router_enable_expert_bias=True)),
+     ModelConfigError, "PATH: model 'tiny': moe_router_enable_expert_bias with moe_router_score_function='softmax': "
+     "Megatron takes the expert bias with sigmoid scores only; set moe_router_score_function: sigmoid"),
     # ---- plan JSON (--hetero-plan, hetermoe plan -o)
     ("plan", "(file)", plan("{not json"), PlanError, "PATH: not valid JSON"),
     ("plan", "(field names)", plan(edit(PLAN, ranks=3)), PlanError, "plan has unknown field(s) ['ranks']; known:"),
