@@ -39,14 +39,14 @@ class Checkpointer:
         """Load if --load was given (the newer of the persistent checkpoint there and the local
         ones, as Megatron loads; --ckpt-step: that persistent one); return the iteration to
         continue from."""
-        source = self.load_dir
+        source, step = self.load_dir, self.ckpt_step
         if self.local is not None:
             persistent = read_tracker(self.load_dir) if self.load_dir else None
             found = self.local.begin(persistent, restore=bool(self.load_dir) and self.ckpt_step is None)
             if found is not None:
-                source = found
+                source, step = found, None  # the assembled directory holds that one iteration
         if source:
-            self.start = load(self.state, source, None if source != self.load_dir else self.ckpt_step, self.reshard)
+            self.start = load(self.state, source, step, self.reshard)
             self.last_saved = self.start
         return self.start
 

@@ -300,25 +300,22 @@ class LocalCheckpoints:
             _write(d, self.rank, data, meta)
             if self.holders or self.sources:
                 mine = json.dumps(meta).encode()
-                head = torch.tensor([len(data), len(mine)], dtype=torch.int64, device="cpu")
+
+                def swap(out: torch.Tensor, into: dict[int, torch.Tensor]) -> None:
+                    # one message each way per peer and phase: gloo matches them in order
+                    reqs = [dist.isend(out, h, group=self.group) for h in self.holders]
+                    reqs += [dist.irecv(t, s, group=self.group) for s, t in into.items()]
+                    for r in reqs:
+                        r.wait()
+
                 heads = {s: torch.empty(2, dtype=torch.int64, device="cpu") for s in self.sources}
-                reqs = [dist.isend(head, h, group=self.group) for h in self.holders]
-                reqs += [dist.irecv(heads[s], s, group=self.group) for s in self.sources]
-                for r in reqs:
-                    r.wait()
-                body, note = _bytes_tensor(data), _bytes_tensor(mine)
-                got = {s: (torch.empty(int(heads[s][0]), dtype=torch.uint8, device="cpu"),
-                           torch.empty(int(heads[s][1]), dtype=torch.uint8, device="cpu")) for s in self.sources}
-                reqs = [dist.isend(body, h, group=self.group) for h in self.holders]
-                reqs += [dist.irecv(got[s][0], s, group=self.group) for s in self.sources]
-                for r in reqs:
-                    r.wait()
-                reqs = [dist.isend(note, h, group=self.group) for h in self.holders]
-                reqs += [dist.irecv(got[s][1], s, group=self.group) for s in self.sources]
-                for r in reqs:
-                    r.wait()
-                for s, (b, m) in got.items():
-                    _write(d, s, b.numpy().tobytes(), json.loads(m.numpy().tobytes()))
+                swap(torch.tensor([len(data), len(mine)], dtype=torch.int64, device="cpu"), heads)
+                bodies = {s: torch.empty(int(h[0]), dtype=torch.uint8, device="cpu") for s, h in heads.items()}
+                notes = {s: torch.empty(int(h[1]), dtype=torch.uint8, device="cpu") for s, h in heads.items()}
+                swap(_bytes_tensor(data), bodies)
+                swap(_bytes_tensor(mine), notes)
+                for s in self.sources:
+                    _write(d, s, bodies[s].numpy().tobytes(), json.loads(notes[s].numpy().tobytes()))
             self._written.append(iteration)
             self._prune()
             self.stats.background_s += time.perf_counter() - t0

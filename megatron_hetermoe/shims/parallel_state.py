@@ -20,11 +20,10 @@ def tensor_parallel_group(group) -> Iterator[None]:
     from megatron.core import parallel_state as ps
 
     ps._set_global_memory_buffer()
-    ps._TENSOR_MODEL_PARALLEL_GROUP = group
     try:
-        yield
+        with replaced([(ps, "_TENSOR_MODEL_PARALLEL_GROUP", group)]):
+            yield
     finally:
-        ps._TENSOR_MODEL_PARALLEL_GROUP = None
         ps.destroy_global_memory_buffer()
 
 
@@ -36,11 +35,8 @@ def tensor_and_data_parallel_group(group) -> Iterator[None]:
     has no explicit-process-group path."""
     from megatron.core import parallel_state as ps
 
-    ps._TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = group
-    try:
+    with replaced([(ps, "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP", group)]):
         yield
-    finally:
-        ps._TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP = None
 
 
 def install(values: Mapping[str, object]) -> None:

@@ -136,8 +136,8 @@ def run_elastic(cfg: TrainConfig, plan: HeteroPlan, inventory: Inventory, plan_r
                 done = [it for it, _, t in _read_losses(loss_log) if t <= failed_at]
                 before = describe_plan(plan)
                 lost_gpus = tuple(plan.gpu_types[r] for r in lost)
-                lost_nodes = tuple(sorted(n for n in set(nodes) if all(r in lost for r, m in enumerate(nodes)
-                                                                        if m == n)))
+                kept_nodes = {m for r, m in enumerate(nodes) if r not in lost}
+                lost_nodes = tuple(sorted(set(nodes) - kept_nodes))  # none of their ranks survived
                 if lost:
                     gone = {on_gpu[r] for r in lost}
                     alive = alive.without(sorted(gone))

@@ -29,8 +29,6 @@ FLAGS = ["--model", "tiny", "--micro-batch-size", "1", "--global-batch-size", "8
 
 @pytest.fixture
 def request_cleanup():
-    import shutil
-
     made = []
     yield made.append
     for d in made:
@@ -38,8 +36,6 @@ def request_cleanup():
 
 
 def test_a_lost_node_is_rebuilt_from_its_peers_copies(tiny, tmp_path, monkeypatch, capfd, request_cleanup):
-    import os
-
     plan0 = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, 2, attention_gpu="A40", expert_gpu="V100-16GB",
                       num_microbatches=2, schedule="zebra")
     plan0.save(tmp_path / "plan0.json")
@@ -98,9 +94,7 @@ def test_torchrun_node_lost_then_back(tiny, tmp_path, request_cleanup):
     A40 node (no persistent checkpoint exists: --save-interval is past the run). Then a V100 node
     starts again: the agent restarts its workers in a world of 4 (grow), which plan for 2 A40 + 2
     V100 and continue from the latest local checkpoint, its files brought to the new node."""
-    import os
     import re
-    import shutil
     import socket
     import subprocess
     import sys
