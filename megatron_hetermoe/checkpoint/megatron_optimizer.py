@@ -7,7 +7,8 @@ parameters (and offloaded experts under Asym-EA), an expert rank's holds experts
 param_groups differ in number. `per_rank_optimizer_state` keeps Megatron's sharded optimizer state
 as it is (Adam's moments under their layout-free keys, `optimizer.state.exp_avg.<param>`) and moves
 the rest, with its structure, into one ShardedObject shard per rank. Resuming with the same plan
-restores everything; loading into another layout needs --no-load-optim (as the structure differs).
+restores everything; loading into another plan (`reshard`) keeps the rank's own structure and loads
+the rest by parameter name, with the step and loss scaler from one object every layout can read.
 
 The distributed optimizer's state is sharded over its data-parallel group and saved under keys
 that name the group: `optimizer.distributed.dp_group_idx_<i>.*` (its param_groups and bucket
@@ -117,11 +118,62 @@ def own_step_tensors(torch_optimizer) -> None:
             st["step"] = st["step"].clone()
 
 
-def per_rank_optimizer_state(optimizer, rank: int, world_size: int) -> None:
+_COMMON_KEYS = ("common_step", "grad_scaler")
+
+
+def _common_state(skeleton) -> dict:
+    """What every rank's optimizer holds alike, found in a rank's skeleton: Adam's step (megatron-core
+    keeps one step for all parameters, `state.common_step`) and the loss scaler's state (one loss
+    scale for the world). Only the first of each is kept: every rank steps and scales together."""
+    found: dict = {}
+
+    def walk(x):
+        if isinstance(x, dict):
+            for k in _COMMON_KEYS:
+                if k in x and k not in found:
+                    found[k] = x[k]
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(skeleton)
+    return found
+
+
+def _put_common_state(skeleton, common: dict) -> None:
+    """Write the saved step and loss scaler into this rank's own skeleton: the step into each torch
+    optimizer's state (a dict with `state` and `param_groups`), the scaler wherever the skeleton has
+    one."""
+    def walk(x):
+        if isinstance(x, dict):
+            if "state" in x and "param_groups" in x and common.get("common_step") is not None:
+                x["state"]["common_step"] = common["common_step"]
+            if "grad_scaler" in x and common.get("grad_scaler") is not None:
+                x["grad_scaler"] = common["grad_scaler"]
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+
+    walk(skeleton)
+
+
+def per_rank_optimizer_state(optimizer, rank: int, world_size: int, reshard: bool = False) -> None:
     """Wrap `optimizer`'s sharded_state_dict / load_state_dict (the pair Megatron-LM's checkpointing
     calls) so its non-sharded state is one shard of this rank and its distributed optimizers'
-    data-parallel state is keyed by group (module docstring)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    data-parallel state is keyed by group (module docstring).
+
+    Every save also writes what all ranks hold alike (`_common_state`) once, as an object any rank
+    of any layout can read. `reshard`: the checkpoint to load was saved on another plan, so this
+    rank's shard of the non-sharded state is not there (or is another role's): the rank keeps its
+    own optimizer's structure and hyperparameters (the LR schedule sets the rates), loads Adam's
+    moments and fp32 main parameters by parameter name, and the step and loss scaler from that
+    object. (The distributed optimizer's state is keyed by group: megatron_lm/checkpoints.py
+    refuses it across plans.)"""
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
 
     name_dp_groups(optimizer, world_size)
     save, load = optimizer.sharded_state_dict, optimizer.load_state_dict
@@ -131,10 +183,20 @@ def per_rank_optimizer_state(optimizer, rank: int, world_size: int) -> None:
         state = save(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
         _drop_chain_prefixes(state, optimizer)
         skeleton = _flatten(state, "", flat)
-        return {"sharded": flat, "structure": ShardedObject("optimizer.hetero_per_rank_structure", skeleton,
-                                                             (world_size,), (rank,), replica_id=0)}
+        common = ShardedObject("optimizer.hetero_common", _common_state(skeleton), (1,), (0,), replica_id=rank)
+        if is_loading and reshard:
+            return {"sharded": flat, "common": common, "skeleton": LocalNonpersistentObject(skeleton)}
+        out = {"sharded": flat, "structure": ShardedObject("optimizer.hetero_per_rank_structure", skeleton,
+                                                            (world_size,), (rank,), replica_id=0)}
+        if not is_loading:  # checkpoints saved before the common object existed still load
+            out["common"] = common
+        return out
 
     def load_state_dict(state_dict: dict):
+        if "skeleton" in state_dict:
+            skeleton = state_dict["skeleton"]
+            _put_common_state(skeleton, state_dict["common"])
+            return load(_fill(skeleton, state_dict["sharded"]))
         return load(_fill(state_dict["structure"], state_dict["sharded"]))
 
     shim.replace_state_dict_io(optimizer, sharded_state_dict, load_state_dict)

@@ -18,10 +18,10 @@ def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group(title="HeterMoE (megatron-hetermoe)")
     g.add_argument("--hetero-plan", default=None,
                    help="train with HeterMoE on this plan (hetermoe plan -o plan.json; default: plain Megatron); "
-                        "'auto' (hetermoe train): the planner's search picks the plan for the job's GPUs "
-                        "(--hetero-gpus, or each rank's CUDA device under torchrun) and the run's model and batch")
+                        "'auto': the planner's search picks the plan for the job's GPUs (--hetero-gpus, or each "
+                        "rank's CUDA device under torchrun) and the run's model and batch, at every start")
     g.add_argument("--hetero-gpus", default=None, metavar="CLUSTER|TYPES",
-                   help="the job's GPUs for --hetero-plan auto and --elastic-restarts (hetermoe train): a cluster "
+                   help="the job's GPUs for --hetero-plan auto (and hetermoe train's --elastic-restarts): a cluster "
                         "config (as hetermoe plan --cluster) or GPU types in rank order, e.g. 4xA40,4xV100-16GB "
                         "(default: the plan's GPU types; under torchrun, each rank's CUDA device)")
     g.add_argument("--hetero-schedule", choices=list(SCHEDULES), default=None,

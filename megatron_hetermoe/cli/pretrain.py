@@ -22,7 +22,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 
 
 def hetero_plan_parser() -> argparse.ArgumentParser:
-    """--hetero-plan alone, among Megatron-LM's flags (parse_known_args)."""
+    """--hetero-plan and --hetero-gpus alone, among Megatron-LM's flags (parse_known_args)."""
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     p.add_argument("--hetero-plan", default=None)
+    p.add_argument("--hetero-gpus", default=None)
     return p

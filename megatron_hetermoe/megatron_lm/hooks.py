@@ -49,13 +49,20 @@ class HeteroPretrain:
     _fwd_bwd: Callable | None = None
     loads: object | None = None  # training/expert_load_log.ExpertLoadLog, made with the groups
     _fusions_told: bool = False
+    reshard: bool = False  # the checkpoint to load was saved on another plan (checkpoints.py)
 
     # ---- 1. arguments ---------------------------------------------------------------------
     def validate_args(self, validate, args, defaults=None):
         bad = refusals(args)
         if bad:
             raise SystemExit("--hetero-plan: Megatron-LM flag(s) this run cannot honour:\n  " + "\n  ".join(bad))
-        self.plan = HeteroPlan.load(args.hetero_plan)
+        if args.hetero_plan == "auto":
+            from megatron_hetermoe.megatron_lm.auto_plan import plan_for_job
+
+            with _one_line_errors():
+                self.plan = plan_for_job(args, self.argv)
+        else:
+            self.plan = HeteroPlan.load(args.hetero_plan)
         self.schedule = args.hetero_schedule or self.plan.schedule
         self.recompute, recompute_notes, bad = recompute_choice(args, self.schedule)
         bad += schedule_refusals(args, self.schedule)
@@ -87,6 +94,11 @@ class HeteroPretrain:
             validate(args, defaults or {})
         finally:
             args.world_size = world
+        from megatron_hetermoe.megatron_lm.checkpoints import PLAN_ARG, resume_plan
+
+        with _one_line_errors():
+            self.reshard = resume_plan(args, self.plan)
+        setattr(args, PLAN_ARG, self.plan.to_json())  # saved with the flags in every checkpoint
         # Megatron's validate_args derives the virtual pipeline size from either of its flags.
         check_hetero_virtual_stages(self.plan, getattr(args, "virtual_pipeline_model_parallel_size", None),
                                     self.schedule)
@@ -310,7 +322,7 @@ class HeteroPretrain:
         hs = self.hs
         optimizer = self.assembly.configure_optimizer(optimizer, a[0] if a else k["config"])
         # Its checkpoint keys: each data-parallel group named once in the job (name_dp_groups there).
-        per_rank_optimizer_state(optimizer, hs.rank, dist.get_world_size())
+        per_rank_optimizer_state(optimizer, hs.rank, dist.get_world_size(), reshard=self.reshard)
         return optimizer
 
     # ---- 6. checkpoints: the RNG states, one shard per rank ------------------------------------
@@ -453,6 +465,18 @@ class HeteroPretrain:
             a = (cfg, *a[1:])
         with self.installed():
             return pretrain(*a, **k)
+
+
+@contextlib.contextmanager
+def _one_line_errors():
+    """A user's error (a bad inventory, a checkpoint that cannot load here) ends the rank with its
+    message, as the refusals do, not a traceback."""
+    from megatron_hetermoe.errors import UserError
+
+    try:
+        yield
+    except UserError as e:
+        raise SystemExit(f"--hetero-plan: {e}") from None
 
 
 def _no_role_barriers(a: tuple, k: dict) -> tuple[tuple, dict]:

@@ -349,10 +349,15 @@ def _plan_world(argv: list[str]) -> int | None:
         return None
     from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
-    if path == "auto":
-        raise PretrainError("--hetero-plan auto: inside Megatron-LM's pretrain() a run does not plan itself yet; make "
-                            "the plan with `hetermoe plan --cluster ... -- <flags>` and pass its path, or train with "
-                            "the plugin's trainer (hetermoe train --hetero-plan auto)")
+    if path == "auto":  # the job's GPUs: --hetero-gpus (CPU ranks), else --nproc
+        from megatron_hetermoe.cli.pretrain import hetero_plan_parser
+        from megatron_hetermoe.planner.inventory import Inventory
+
+        gpus = hetero_plan_parser().parse_known_args(argv)[0].hetero_gpus
+        if gpus is None:
+            raise PretrainError("--hetero-plan auto outside torchrun: give --nproc N (the ranks to start on this "
+                                "host) or --hetero-gpus (the GPUs to plan for, one per rank)")
+        return Inventory.from_spec(gpus).size
     return HeteroPlan.load(path).world_size
 
 

@@ -46,10 +46,9 @@ def refusals(args) -> list[str]:
     the reason (empty: the run may go on)."""
     out = [f"{flag} {getattr(args, _dest(flag))!r}: {why}" for why, flags in _REFUSED.items()
            for flag, keep in flags.items() if getattr(args, _dest(flag), keep[0]) not in keep]
-    if getattr(args, "hetero_plan", None) == "auto" or getattr(args, "hetero_gpus", None):
-        out.append("--hetero-plan auto / --hetero-gpus: inside Megatron-LM's pretrain() a run does not plan itself "
-                   "yet; make the plan for your GPUs with `hetermoe plan --cluster ... -- <these flags>` and pass its "
-                   "path, or train with the plugin's trainer (hetermoe train --hetero-plan auto)")
+    if getattr(args, "hetero_gpus", None) and getattr(args, "hetero_plan", None) != "auto":
+        out.append(f"--hetero-gpus {args.hetero_gpus}: the GPUs to plan for, with --hetero-plan auto only (a plan "
+                   f"file names its GPUs)")
     if not getattr(args, "num_experts", None):
         out.append("--num-experts: HeterMoE trains MoE models; give --num-experts")
     if args.transformer_impl == "transformer_engine":

@@ -67,13 +67,15 @@ def local_cuda_device() -> torch.device:
     return torch.device("cuda", int(local) % n)
 
 
-def init_distributed(backend: str | None = None) -> torch.device:
+def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None) -> torch.device:
     """Join the surrounding job (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT and, on GPUs,
     LOCAL_RANK in the environment); return this rank's device.
 
     backend: "nccl" or "gloo"; default: nccl when CUDA is available. With NCCL the rank's GPU
     becomes the current device first, so megatron-core's torch.cuda.current_device() and
-    all_gather_object find it. With gloo the ranks are CPU ranks (cpu_backend's patches)."""
+    all_gather_object find it. With gloo the ranks are CPU ranks (cpu_backend's patches).
+    timeout: the default group's (Megatron-LM's --distributed-timeout-minutes when it hosts the
+    run); default: this plugin's per-backend timeouts."""
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     store = _restart_store()
@@ -81,7 +83,7 @@ def init_distributed(backend: str | None = None) -> torch.device:
         from megatron_hetermoe.parallel import cpu_backend
 
         cpu_backend.apply(force=True)
-        dist.init_process_group("gloo", timeout=group_timeout("gloo"), **store)
+        dist.init_process_group("gloo", timeout=timeout or group_timeout("gloo"), **store)
         return torch.device("cpu")
     if backend != "nccl":
         raise ValueError(f"backend={backend!r}; use 'nccl' (GPUs) or 'gloo' (CPUs)")
@@ -89,7 +91,7 @@ def init_distributed(backend: str | None = None) -> torch.device:
     torch.cuda.set_device(device)
     # device_id (torch >= 2.3) binds the default group to this GPU at once.
     kw = {"device_id": device} if "device_id" in inspect.signature(dist.init_process_group).parameters else {}
-    dist.init_process_group("nccl", timeout=NCCL_TIMEOUT, **kw, **store)
+    dist.init_process_group("nccl", timeout=timeout or NCCL_TIMEOUT, **kw, **store)
     return device
 
 

@@ -155,15 +155,16 @@ def _parser() -> argparse.ArgumentParser:
     return megatron_flags_parser(RECOMPUTE_MODULES, _refuse)
 
 
-def _check_flags(rest: list[str]) -> None:
-    """Refuse the flags left over that change the model or layout (FLAG_REFUSALS) or that Megatron-LM lacks."""
+def _check_flags(rest: list[str], megatron_parsed: bool = False) -> None:
+    """Refuse the flags left over that change the model or layout (FLAG_REFUSALS) or that Megatron-LM lacks
+    (not checked where Megatron-LM's own parser has read the line: its release may have newer flags)."""
     names = list(dict.fromkeys(t.split("=", 1)[0] for t in rest if t.startswith("--")))
     refused = [f"{n} ({FLAG_REFUSALS[n]})" for n in names if n in FLAG_REFUSALS]
     if refused:
         raise MegatronFlagsError(f"refused Megatron-LM flag(s) after --: {'; '.join(refused)}; plan without them, "
                                  f"or give the model as --model CONFIG for the model you mean to price")
     known = megatron_flag_names()
-    unknown = [n for n in names if n not in known and not n.startswith("--hetero-")]
+    unknown = [n for n in names if n not in known and not n.startswith("--hetero-") and not megatron_parsed]
     if unknown:
         raise MegatronFlagsError(f"flag(s) after -- that Megatron-LM core_v0.16.1 does not have: {' '.join(unknown)}; "
                                  f"after -- go pretrain_gpt.py's flags (hetermoe plan's own go before --)")
@@ -263,13 +264,14 @@ def _vocab(a: argparse.Namespace, notes: list[str]) -> int:
     return padded_vocab_size(raw, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
 
 
-def model_from_flags(argv: list[str], name: str = "pretrain_gpt-flags") -> FlagModel:
-    """The model, the run and the search defaults a pretrain_gpt.py command line gives (module docstring)."""
+def model_from_flags(argv: list[str], name: str = "pretrain_gpt-flags", megatron_parsed: bool = False) -> FlagModel:
+    """The model, the run and the search defaults a pretrain_gpt.py command line gives (module docstring);
+    `megatron_parsed`: Megatron-LM's parser has accepted the line (--hetero-plan auto in pretrain())."""
     if "--model" in (t.split("=", 1)[0] for t in argv):
         raise MegatronFlagsError("--model after --: give the model either as --model CONFIG (before --) or as "
                                  "Megatron-LM flags after --, not both")
     a, rest = _parser().parse_known_args(argv)
-    _check_flags(rest)
+    _check_flags(rest, megatron_parsed)
     missing = [f for f, v in (("--num-layers", a.num_layers), ("--hidden-size", a.hidden_size),
                               ("--num-attention-heads", a.num_attention_heads)) if v is None]
     if missing:

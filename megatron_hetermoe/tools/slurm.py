@@ -118,9 +118,10 @@ def flag_value(train_args: list[str], name: str) -> str | None:
 def check_elastic(entry: str, train_args: list[str]) -> None:
     """--elastic's needs: this plugin's trainer, and a checkpoint every start continues from."""
     if entry != "plugin":
-        raise ValueError(f"--elastic with --entry {entry}: Megatron-LM's pretrain() takes a plan file only "
-                         f"(--hetero-plan auto is refused there); use --entry plugin (this plugin's trainer under "
-                         f"torchrun's elastic agent), or drop --elastic")
+        raise ValueError(f"--elastic with --entry {entry}: this renderer writes the elastic job for this plugin's "
+                         f"trainer only (Megatron-LM's pretrain() re-plans under torchrun's elastic agent, "
+                         f"docs/elastic.md, but its SLURM job is not written yet); use --entry plugin, or drop "
+                         f"--elastic")
     names = {t.split("=", 1)[0] for t in train_args if t.startswith("--")}
     missing = [f for f in ELASTIC_FLAGS if f not in names]
     if missing:

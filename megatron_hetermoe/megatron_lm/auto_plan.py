@@ -1,0 +1,106 @@
+"""`--hetero-plan auto` inside Megatron-LM's pretrain(): the run plans itself for the GPUs it finds.
+
+The inventory is every rank's GPU, gathered over torch.distributed (which this joins early, in
+validate_args: Megatron-LM's own initialization then finds it joined and keeps it), or
+`--hetero-gpus` (a cluster config or GPU types, one per rank: CPU ranks have no GPU to ask, or set
+$HETERMOE_GPU_TYPE). The model, batch and layout are the command line's, read as `hetermoe plan ...
+-- <flags>` reads them (planner/megatron_flags.py), so the plan is the one that command would make
+for these GPUs; the search is planner/inventory.auto_plan, the plugin trainer's. Every rank plans
+alike (the search is deterministic). Under torchrun's elastic agent each start plans again for the
+world it got, and a checkpoint saved on another plan loads resharded (megatron_lm/checkpoints.py).
+"""
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+from megatron_hetermoe.planner.inventory import AutoPlanRun, Inventory, InventoryError, auto_plan
+from megatron_hetermoe.planner.megatron_flags import model_from_flags
+from megatron_hetermoe.vocabulary import ScheduleName
+
+
+def _padded_vocab(args) -> int | None:
+    """The vocabulary Megatron-LM will pad the tokenizer's to (its own build_tokenizer, on a copy
+    of the flags), for a tokenizer the planner does not read; None for NullTokenizer or when
+    --padded-vocab-size is given (the planner reads those flags itself)."""
+    if args.tokenizer_type in (None, "NullTokenizer") or getattr(args, "padded_vocab_size", None):
+        return None
+    try:
+        from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer  # megatron-core >= 0.19
+    except ImportError:
+        from megatron.training.tokenizer import build_tokenizer
+    probe = copy.copy(args)
+    build_tokenizer(probe)
+    return probe.padded_vocab_size
+
+
+def _run(args, argv: list[str], schedule: str | None) -> AutoPlanRun:
+    flags = [t for t in argv if not t.startswith("--hetero-")]
+    vocab = _padded_vocab(args)
+    if vocab is not None:
+        flags += ["--padded-vocab-size", str(vocab)]
+    fm = model_from_flags(flags, megatron_parsed=True)
+    run = fm.run
+    if run.virtual_stages > 1:
+        raise InventoryError(f"--hetero-plan auto with virtual pipeline size {run.virtual_stages}: the planner's "
+                             f"search does not price virtual stages; make the plan with `hetermoe plan --even ... "
+                             f"-- <these flags>` and pass its path")
+    if run.first_stage_layers is not None or run.last_stage_layers is not None:
+        raise InventoryError("--hetero-plan auto with --decoder-first/last-pipeline-num-layers: the search prices "
+                             "Megatron's even pipeline split only; make the plan with `hetermoe plan --even ... -- "
+                             "<these flags>` and pass its path")
+    if run.recompute.full:
+        if schedule not in (None, ScheduleName.ZEBRA):
+            raise InventoryError(f"--hetero-schedule {schedule} with --recompute-granularity full: only zebra "
+                                 f"recomputes (per attention stage); drop one")
+        schedule = ScheduleName.ZEBRA
+    return AutoPlanRun(fm.model, fm.seq_length or fm.model.seq_length, args.global_batch_size,
+                       args.micro_batch_size, run.tensor_model_parallel_size, run.pipeline_model_parallel_size,
+                       run.distributed_optimizer, schedule)
+
+
+def _inventory(args) -> Inventory:
+    if getattr(args, "hetero_gpus", None):
+        inventory = Inventory.from_spec(args.hetero_gpus)
+        if inventory.size != args.world_size:
+            raise InventoryError(f"--hetero-gpus {args.hetero_gpus} gives {inventory.size} GPUs but the job has "
+                                 f"{args.world_size} ranks; give one GPU type per rank")
+        return inventory
+    import torch.distributed as dist
+
+    from megatron_hetermoe.parallel.device import init_distributed
+    from megatron_hetermoe.training.elastic import gather_inventory
+
+    if not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+        init_distributed(args.distributed_backend, timeout=timeout)
+    return gather_inventory(_device())
+
+
+def _device():
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def plan_for_job(args, argv: list[str]) -> HeteroPlan:
+    """The planner's pick for this job's GPUs and these flags; a pick that leaves a GPU idle is
+    refused (under torchrun every rank is a GPU that must have work)."""
+    run = _run(args, argv, getattr(args, "hetero_schedule", None))
+    inventory = _inventory(args)
+    plan, kept = auto_plan(run, inventory)
+    idle = [i for i in range(inventory.size) if i not in kept]
+    if idle:
+        raise InventoryError(f"--hetero-plan auto: the best plan for {inventory.describe()} leaves rank(s) {idle} "
+                             f"idle (the global batch {run.global_batch_size} does not split over the attention "
+                             f"ranks the others give); start the job without them, or change the batch")
+    if int(os.environ.get("RANK", args.rank)) == 0:
+        from megatron_hetermoe.training.elastic import describe_plan
+
+        print(f"> HeterMoE: --hetero-plan auto: {describe_plan(plan)} (the planner's search for this job's "
+              f"{inventory.describe()})", flush=True)
+    return plan

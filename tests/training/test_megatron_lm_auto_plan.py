@@ -1,0 +1,149 @@
+"""`--hetero-plan auto` in Megatron-LM's own pretrain() (core_v0.16.1 checkout, MEGATRON_LM_DIR), and a
+checkpoint of one plan resumed on another (issue 44: re-plan onto the survivors and continue).
+
+CPU ranks have no GPU to ask: each names the GPU its node emulates ($HETERMOE_GPU_TYPE, one type per
+local rank), gathered over torch.distributed as a GPU rank's device would be. 2 A40 + 2 V100 train
+4 iterations, saving after 2; a V100 "lost", the 3 left plan again and resume from it."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from margins import within
+from megatron_lm_run import hetero_run
+
+pytestmark = pytest.mark.slow
+NO_EVAL = ["--eval-interval", "100", "--eval-iters", "0"]
+GPUS_ENV = "HETERMOE_GPU_TYPE"
+
+
+def _run(mlm, data, tmp_path, monkeypatch, name: str, gpus: str, extra: list[str]) -> tuple[str, dict[int, float]]:
+    monkeypatch.setenv(GPUS_ENV, gpus)
+    return hetero_run(mlm, "auto", data, tmp_path / name, extra, nproc=len(gpus.split(",")), evaluation=NO_EVAL)
+
+
+def _plan_line(log: str) -> str:
+    return next(line for line in log.splitlines() if "--hetero-plan auto:" in line)
+
+
+def test_a_run_plans_itself_and_resumes_on_the_plan_of_the_gpus_left(mlm, data, tmp_path, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    save = ["--save", str(ckpt), "--save-interval", "2", "--train-iters", "4"]
+    log4, full = _run(mlm, data, tmp_path, monkeypatch, "four", "A40,A40,V100-16GB,V100-16GB", save)
+    assert "4 ranks: (2 V100-16GB attention | 2 A40 expert)" in _plan_line(log4), _plan_line(log4)
+    assert sorted(full) == [1, 2, 3, 4]
+    saved = json.loads((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert saved == 4
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")  # resume from iteration 2's
+
+    # A V100 lost: the three GPUs left plan again and load iteration 2's checkpoint resharded.
+    load = ["--load", str(ckpt), "--train-iters", "4"]
+    log3, resumed = _run(mlm, data, tmp_path, monkeypatch, "three", "A40,A40,V100-16GB", load)
+    assert "3 ranks: (2 A40 attention | 1 V100-16GB expert)" in _plan_line(log3), _plan_line(log3)
+    assert "the checkpoint was saved on another plan (4 ranks: 2 attention + 2 expert)" in log3, log3[-3000:]
+    assert sorted(resumed) == [3, 4]
+    # The same weights and data: iteration 3 differs from the uninterrupted run's only in the order
+    # of sums (other ranks, other placements); iteration 4 follows Adam's step 3 with the loaded
+    # moments and step.
+    _, cold = _run(mlm, data, tmp_path, monkeypatch, "cold", "A40,A40,V100-16GB", [*load, "--no-load-optim"])
+    near = max(abs(resumed[i] - full[i]) for i in (3, 4))
+    without_optimizer = abs(cold[4] - full[4])
+    within("resumed on another plan vs uninterrupted (lm loss, iterations 3-4)", near, 1e-5)
+    assert without_optimizer > 20 * max(near, 1e-7), (resumed, cold, full)
+
+
+def test_the_distributed_optimizer_does_not_load_across_plans(mlm, data, tmp_path, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    dist = ["--use-distributed-optimizer"]
+    _run(mlm, data, tmp_path, monkeypatch, "four", "A40,A40,V100-16GB,V100-16GB",
+         [*dist, "--save", str(ckpt), "--save-interval", "2", "--train-iters", "2"])
+    monkeypatch.setenv(GPUS_ENV, "A40,A40,V100-16GB")
+    with pytest.raises(AssertionError, match="distributed optimizer's state is keyed by data-parallel group"):
+        hetero_run(mlm, "auto", data, tmp_path / "three", [*dist, "--load", str(ckpt), "--train-iters", "4"],
+                   nproc=3, evaluation=NO_EVAL)
+    _, losses = _run(mlm, data, tmp_path, monkeypatch, "three-cold", "A40,A40,V100-16GB",
+                     [*dist, "--load", str(ckpt), "--train-iters", "4", "--no-load-optim"])
+    assert sorted(losses) == [3, 4]
+
+
+def test_auto_needs_a_gpu_type_on_cpu_ranks(mlm, data, tmp_path, monkeypatch):
+    monkeypatch.delenv(GPUS_ENV, raising=False)
+    with pytest.raises(AssertionError, match=f"set \\${GPUS_ENV}"):
+        hetero_run(mlm, "auto", data, tmp_path / "none", [], nproc=2, evaluation=NO_EVAL)
+
+
+def test_torchrun_loses_a_node_and_the_survivors_continue_on_their_plan(mlm, data, tmp_path):
+    """Megatron-LM's pretrain_gpt.py under torchrun's elastic agent: two agents on this host as two
+    nodes (--nnodes 1:2, c10d rendezvous), one of 2 A40 and one of 2 V100 ($HETERMOE_GPU_TYPE), a
+    persistent checkpoint every iteration. The V100 node is killed (agent and workers) mid-run; the
+    A40 agent restarts its workers in a world of 2, which plan for 2 A40 and load the latest
+    checkpoint resharded, and train to the end. Their iterations are bitwise those of a fresh run
+    of the 2 A40 from that checkpoint."""
+    import re
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from elastic_runs import kill_tree
+    from megatron_lm_run import BATCH, CPU, DATA, MODEL, RECIPE, env, tb_losses
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ck, tb, iters = tmp_path / "ck", tmp_path / "tb", 10
+    flags = [*MODEL, *BATCH[:-4], *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1", *NO_EVAL,
+             "--lr", "1e-3", "--distributed-timeout-minutes", "2", "--hetero-plan", "auto"]
+
+    def node(gpu: str, host: bool) -> subprocess.Popen:
+        cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node",
+               "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mlm-{port}",
+               "--max-restarts", "2", "--rdzv-conf", f"is_host={int(host)},last_call_timeout=20,join_timeout=180",
+               "--monitor-interval", "0.5", "pretrain_gpt.py", *flags, "--train-iters", str(iters), "--save", str(ck),
+               "--load", str(ck), "--save-interval", "1", "--tensorboard-dir", str(tb)]
+        # scripts/slurm/agent.sh's setting: each rendezvous round's rank 0 hosts a fresh store.
+        environ = {**env(), GPUS_ENV: gpu, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        return subprocess.Popen(cmd, stdout=open(tmp_path / f"{gpu}.log", "w"), stderr=subprocess.STDOUT,
+                                env=environ, cwd=mlm, start_new_session=True)
+
+    a40, v100 = node("A40", host=True), node("V100-16GB", host=False)
+    log = lambda name: (tmp_path / f"{name}.log").read_text()  # noqa: E731
+    try:
+        deadline = time.monotonic() + 300
+        while not re.search(r" iteration +4/", log("A40") + log("V100-16GB")):
+            assert time.monotonic() < deadline and a40.poll() is None and v100.poll() is None, log("A40")[-3000:]
+            time.sleep(0.1)
+        seen = len(log("A40"))
+        kill_tree(v100.pid)
+        before = log("A40")[:seen] + log("V100-16GB")  # Megatron's last rank logs the iterations
+        killed = time.monotonic()
+        while not re.search(r"at iteration (\d+)[\s\S]* iteration +\d+/", log("A40")[seen:]):
+            assert time.monotonic() < killed + 300 and a40.poll() is None, log("A40")[-3000:]
+            time.sleep(0.1)
+        recovered_s = time.monotonic() - killed
+        assert a40.wait(timeout=400) == 0, log("A40")[-4000:]
+    finally:
+        for p in (a40, v100):
+            if p.poll() is None:
+                kill_tree(p.pid)
+    out = log("A40")
+    picks = [line for line in out.splitlines() if "--hetero-plan auto:" in line]
+    assert "this job's 2 A40 + 2 V100-16GB" in picks[0] or "this job's 2 V100-16GB + 2 A40" in picks[0], picks
+    assert "2 ranks: (1 A40 attention | 1 A40 expert)" in picks[-1] and "this job's 2 A40)" in picks[-1], picks
+    assert "the checkpoint was saved on another plan (4 ranks: 2 attention + 2 expert)" in out, out[-3000:]
+    loaded = [int(m) for m in re.findall(r"successfully loaded checkpoint from \S+ .*?at iteration (\d+)", out)]
+    assert loaded and 3 <= loaded[-1] < iters, (loaded, out[-3000:])
+    resumed_at = loaded[-1]
+    done = max(int(i) for i in re.findall(r" iteration +(\d+)/", before))
+    print(f"recovery: killed during iteration {done + 1}, resumed from {resumed_at} ({done - resumed_at} completed "
+          f"step(s) run again), failure -> next completed step {recovered_s:.1f} s")
+    assert recovered_s < 120, recovered_s  # the issue's target is 60 s; bounded loosely on a loaded host
+    elastic = tb_losses(tb)
+    assert sorted(elastic) == list(range(1, iters + 1)), elastic
+
+    # The reference: a fresh run of the 2 A40 from the checkpoint the survivors loaded.
+    _, fresh = hetero_run(mlm, "auto", data, tmp_path / "fresh",
+                          [*flags[flags.index("--lr"):-2], "--train-iters", str(iters), "--load", str(ck),
+                           "--ckpt-step", str(resumed_at), "--hetero-gpus", "2xA40"], nproc=2, evaluation=NO_EVAL)
+    assert sorted(fresh) == list(range(resumed_at + 1, iters + 1))
+    assert {i: elastic[i] for i in fresh} == fresh, (elastic, fresh)
