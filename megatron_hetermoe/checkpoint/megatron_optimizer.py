@@ -123,8 +123,9 @@ _COMMON_KEYS = ("common_step", "grad_scaler")
 
 def _common_state(skeleton) -> dict:
     """What every rank's optimizer holds alike, found in a rank's skeleton: Adam's step (megatron-core
-    keeps one step for all parameters, `state.common_step`) and the loss scaler's state (one loss
-    scale for the world). Only the first of each is kept: every rank steps and scales together."""
+    keeps one step for all parameters: `state.common_step`, or on torch's Adam under the distributed
+    optimizer each param group's `step`) and the loss scaler's state (one loss scale for the world).
+    Only the first of each is kept: every rank steps and scales together."""
     found: dict = {}
 
     def walk(x):
@@ -132,6 +133,9 @@ def _common_state(skeleton) -> dict:
             for k in _COMMON_KEYS:
                 if k in x and k not in found:
                     found[k] = x[k]
+            for g in x.get("param_groups", ()) if isinstance(x.get("param_groups"), list) else ():
+                if isinstance(g, dict) and "step" in g:
+                    found.setdefault("param_group_step", g["step"])
             for v in x.values():
                 walk(v)
         elif isinstance(x, list):
@@ -144,14 +148,18 @@ def _common_state(skeleton) -> dict:
 
 def _put_common_state(skeleton, common: dict) -> None:
     """Write the saved step and loss scaler into this rank's own skeleton: the step into each torch
-    optimizer's state (a dict with `state` and `param_groups`), the scaler wherever the skeleton has
-    one."""
+    optimizer's state (a dict with `state` and `param_groups`) or its param groups, the scaler
+    wherever the skeleton has one."""
     def walk(x):
         if isinstance(x, dict):
             if "state" in x and "param_groups" in x and common.get("common_step") is not None:
                 x["state"]["common_step"] = common["common_step"]
             if "grad_scaler" in x and common.get("grad_scaler") is not None:
                 x["grad_scaler"] = common["grad_scaler"]
+            if isinstance(x.get("param_groups"), list) and common.get("param_group_step") is not None:
+                for g in x["param_groups"]:
+                    if isinstance(g, dict) and "step" in g:
+                        g["step"] = common["param_group_step"]
             for v in x.values():
                 walk(v)
         elif isinstance(x, list):
@@ -171,8 +179,8 @@ def per_rank_optimizer_state(optimizer, rank: int, world_size: int, reshard: boo
     rank's shard of the non-sharded state is not there (or is another role's): the rank keeps its
     own optimizer's structure and hyperparameters (the LR schedule sets the rates), loads Adam's
     moments and fp32 main parameters by parameter name, and the step and loss scaler from that
-    object. (The distributed optimizer's state is keyed by group: megatron_lm/checkpoints.py
-    refuses it across plans.)"""
+    object. (The distributed optimizer's default format keys its state by group:
+    megatron_lm/checkpoints.py refuses it across plans; its fully reshardable format loads.)"""
     from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
 
     name_dp_groups(optimizer, world_size)

@@ -9,8 +9,10 @@ parameter name (canonical expert ids: any placement), the LR schedule, iteration
 samples as saved, the optimizer's step and loss scaler from the object every layout can read
 (checkpoint/megatron_optimizer.py); the per-rank RNG states are not loaded (a rank of one plan has
 no counterpart in another: Megatron ignores the RNG state likewise when TP or PP change), with a
-line that says so. The distributed optimizer's default format keys its state by data-parallel
-group, which another plan does not have: refused with the way out.
+line that says so. The distributed optimizer loads across plans from Megatron's fully reshardable
+format (--dist-ckpt-optim-fully-reshardable: each parameter's state whole); its default format
+(dp_reshardable) keys the state by data-parallel group, which another plan does not have: refused
+with the way out.
 """
 from __future__ import annotations
 
@@ -47,15 +49,20 @@ def _checkpoint_dir(args) -> Path | None:
     return path if path.is_dir() else None
 
 
-def saved_plan(args) -> HeteroPlan | None:
-    """The plan the checkpoint to load was saved on; None where there is none to load, or it was
-    saved without a plan (Megatron EP's, or a HeterMoE one from before plans were kept)."""
+def _saved_args(args):
+    """The flags the checkpoint to load was saved with (None: no checkpoint to load)."""
     path = _checkpoint_dir(args)
     if path is None or not (path / "common.pt").is_file():
         return None
     from megatron.core import dist_checkpointing
 
-    saved = getattr(dist_checkpointing.load_common_state_dict(str(path)).get("args"), PLAN_ARG, None)
+    return dist_checkpointing.load_common_state_dict(str(path)).get("args")
+
+
+def _plan_of(saved_args) -> HeteroPlan | None:
+    """The plan a checkpoint was saved on; None where it was saved without one (Megatron EP's, or a
+    HeterMoE one from before plans were kept)."""
+    saved = getattr(saved_args, PLAN_ARG, None)
     return None if saved is None else HeteroPlan.from_dict(json.loads(saved))
 
 
@@ -63,17 +70,20 @@ def resume_plan(args, plan: HeteroPlan) -> bool:
     """Whether the checkpoint to load was saved on another plan than `plan`; if so, set the flags
     for loading it there (no RNG state) and say so on the first rank. ResumeError where it cannot
     load there."""
-    old = saved_plan(args)
+    saved = _saved_args(args)
+    old = _plan_of(saved)
     if old is None or old.to_dict() == plan.to_dict():
         return False
     loads_optimizer = not args.no_load_optim
-    if loads_optimizer and args.use_distributed_optimizer:
+    if loads_optimizer and args.use_distributed_optimizer and not getattr(saved, "dist_ckpt_optim_fully_reshardable",
+                                                                          False):
         ckpt = _checkpoint_dir(args)
         raise ResumeError(
             f"{ckpt} was saved on another plan ({old.world_size} ranks: {_roles(old)}) than this run's "
             f"({plan.world_size} ranks: {_roles(plan)}); the distributed optimizer's state is keyed by "
-            f"data-parallel group, which differ between the plans, so it does not load here: pass --no-load-optim "
-            f"(weights, LR schedule and samples still load), or train without --use-distributed-optimizer")
+            f"data-parallel group in Megatron's default format (dp_reshardable), and the groups differ between "
+            f"the plans, so it does not load here: pass --no-load-optim (weights, LR schedule and samples still "
+            f"load); save with --dist-ckpt-optim-fully-reshardable to keep it loadable across plans")
     if not args.no_load_rng:
         args.no_load_rng = True
     if int(os.environ.get("RANK", args.rank)) == 0:

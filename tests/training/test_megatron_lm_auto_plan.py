@@ -52,6 +52,21 @@ def test_a_run_plans_itself_and_resumes_on_the_plan_of_the_gpus_left(mlm, data, 
     assert without_optimizer > 20 * max(near, 1e-7), (resumed, cold, full)
 
 
+def test_the_fully_reshardable_distributed_optimizer_loads_across_plans(mlm, data, tmp_path, monkeypatch):
+    ckpt = tmp_path / "ckpt"
+    dist = ["--use-distributed-optimizer", "--dist-ckpt-optim-fully-reshardable"]
+    _, full = _run(mlm, data, tmp_path, monkeypatch, "four", "A40,A40,V100-16GB,V100-16GB",
+                   [*dist, "--save", str(ckpt), "--save-interval", "2", "--train-iters", "4"])
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    load = [*dist, "--load", str(ckpt), "--train-iters", "4"]
+    log, resumed = _run(mlm, data, tmp_path, monkeypatch, "three", "A40,A40,V100-16GB", load)
+    assert "loading its weights, Adam's moments and step" in log, log[-3000:]
+    _, cold = _run(mlm, data, tmp_path, monkeypatch, "cold", "A40,A40,V100-16GB", [*load, "--no-load-optim"])
+    near = max(abs(resumed[i] - full[i]) for i in (3, 4))
+    within("distributed optimizer resumed on another plan vs uninterrupted (lm loss)", near, 1e-5)
+    assert abs(cold[4] - full[4]) > 20 * max(near, 1e-7), (resumed, cold, full)
+
+
 def test_the_distributed_optimizer_does_not_load_across_plans(mlm, data, tmp_path, monkeypatch):
     ckpt = tmp_path / "ckpt"
     dist = ["--use-distributed-optimizer"]
