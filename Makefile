@@ -38,7 +38,8 @@ test-all: $(STAMP)
 	if [ -n "$$MEGATRON_LM_DIR" ]; then $(PIP_INSTALL) --no-build-isolation -e '.[megatron-lm]'; fi
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30 tests
 
-# pyflakes' checks (unused names, undefined names) and syntax errors; settings in pyproject.toml.
+# pycodestyle errors and warnings at 120 columns, pyflakes' checks (unused names, undefined names) and
+# syntax errors; settings in pyproject.toml.
 lint: $(STAMP)
 	$(BIN)/ruff check megatron_hetermoe tests scripts
 

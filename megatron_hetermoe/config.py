@@ -332,7 +332,8 @@ class ModelConfig:
         shown = repr(v) if len(repr(v)) <= 80 else repr(v)[:60] + "..."
         n = self.num_layers
         fix = (f"use an int N >= 1 (layer i is MoE when i % N == 0; 1: every layer) or a list of num_layers={n} "
-               f"entries, 0 = dense and 1 = MoE" + (f", e.g. '([0]+[1]*{n - 1})' for a dense first layer" if n > 1 else ""))
+               f"entries, 0 = dense and 1 = MoE"
+               + (f", e.g. '([0]+[1]*{n - 1})' for a dense first layer" if n > 1 else ""))
         if type(v) not in (int, str, list) or (isinstance(v, list) and any(type(x) is not int for x in v)):
             raise ModelConfigError(f"model {self.name!r}: moe_layer_freq={shown} is not an int, a list of 0/1 nor a "
                                    f"list expression; {fix}")
@@ -345,7 +346,8 @@ class ModelConfig:
         object.__setattr__(self, "moe_layer_freq", freq)  # a fresh int or list: never the caller's list
 
     def __hash__(self) -> int:  # frozen, but moe_layer_freq may be a list (Megatron's type)
-        return hash(tuple(tuple(v) if isinstance(v, list) else v for v in (getattr(self, f.name) for f in fields(self))))
+        return hash(tuple(tuple(v) if isinstance(v, list) else v
+                          for v in (getattr(self, f.name) for f in fields(self))))
 
     @classmethod
     def load(cls, path_or_name: str | Path) -> "ModelConfig":
@@ -354,7 +356,8 @@ class ModelConfig:
         names = {f.name for f in fields(cls)}
         unknown = set(raw) - names
         if unknown:
-            raise ModelConfigError(f"{path}: unknown model field(s) {sorted(map(str, unknown))}; known: {sorted(names)}")
+            raise ModelConfigError(f"{path}: unknown model field(s) {sorted(map(str, unknown))}; "
+                                   f"known: {sorted(names)}")
         missing = {f.name for f in fields(cls) if f.default is dataclasses.MISSING} - set(raw)
         if missing:
             raise ModelConfigError(f"{path}: missing model field(s) {sorted(missing)}")
@@ -424,7 +427,8 @@ class ModelConfig:
         if self.multi_latent_attention:
             n += h if self.add_bias_linear else 0
             if self.qk_layernorm:
-                n += self.norm_params(self.kv_lora_rank) + (self.norm_params(self.q_lora_rank) if self.q_lora_rank else 0)
+                n += (self.norm_params(self.kv_lora_rank)
+                      + (self.norm_params(self.q_lora_rank) if self.q_lora_rank else 0))
         else:
             qkv_out = self.attention_linear_shapes()[0][1]
             n += (qkv_out if self.add_bias_linear or self.add_qkv_bias else 0) + (h if self.add_bias_linear else 0)
@@ -506,7 +510,8 @@ class ModelConfig:
         if self.dense_layers:
             out.append(f"dense layers {self.dense_layers} (moe_layer_freq {self.moe_layer_freq!r})")
         if self.moe_shared_expert_intermediate_size:
-            out.append(f"shared experts (moe_shared_expert_intermediate_size {self.moe_shared_expert_intermediate_size})")
+            out.append(f"shared experts (moe_shared_expert_intermediate_size "
+                       f"{self.moe_shared_expert_intermediate_size})")
         if self.mtp_num_layers:
             out.append(f"multi-token prediction layers (mtp_num_layers {self.mtp_num_layers})")
         mha = self.hidden_size // self.num_attention_heads
@@ -516,7 +521,8 @@ class ModelConfig:
                           ("attention_output_gate", (False,)), ("multi_latent_attention", (False,)),
                           ("softmax_type", (SoftmaxType.VANILLA,)), ("window_size", (None,)),
                           ("mlp_activation", (MlpActivation.SWIGLU,)), ("normalization", (Normalization.RMSNORM,)),
-                          ("add_bias_linear", (False,)), ("add_qkv_bias", (False,)), ("moe_shared_expert_gate", (False,)),
+                          ("add_bias_linear", (False,)), ("add_qkv_bias", (False,)),
+                          ("moe_shared_expert_gate", (False,)),
                           ("moe_router_num_groups", (None,)), ("untie_embeddings_and_output_weights", (True,)),
                           ("position_embedding_type", (PositionEmbedding.ROPE,))):
             v = getattr(self, f)

@@ -78,7 +78,8 @@ def dense_layers(moe_layer_freq: int | str | list[int], num_layers: int) -> list
     return [i for i, v in enumerate(pattern) if not v]
 
 
-def model_dense_layers(moe_layer_freq: int | str | list[int], num_layers: int, mtp_num_layers: int | None = None) -> list[int]:
+def model_dense_layers(moe_layer_freq: int | str | list[int], num_layers: int,
+                       mtp_num_layers: int | None = None) -> list[int]:
     """dense_layers of a model with `num_layers` decoder layers and `mtp_num_layers` MTP layers
     after them (model layers num_layers + k): Megatron builds each MTP layer from the decoder's
     last layer spec, so an MTP layer is dense exactly when the last decoder layer is."""

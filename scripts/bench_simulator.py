@@ -41,7 +41,8 @@ def cases():
         plan = build_plan(m, types, a, x, G, R, k, skeleton=True)
         p = build_problem(plan, cost, cl, B, dedup=dedup)
         tasks = sum(len(t) for t in p.tasks)
-        out.append((f"{model} on {cluster}: {G} group(s) of {M}:{N}, R={R}, {len(p.tasks)} ranks simulated, {tasks} tasks", p))
+        out.append((f"{model} on {cluster}: {G} group(s) of {M}:{N}, R={R}, {len(p.tasks)} ranks simulated, "
+                    f"{tasks} tasks", p))
     return out
 
 

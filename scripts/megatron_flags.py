@@ -21,7 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-HEADER = "# Flags of Megatron-LM's megatron/training/arguments.py (add_megatron_arguments) at {ref}; made by scripts/megatron_flags.py"
+HEADER = ("# Flags of Megatron-LM's megatron/training/arguments.py (add_megatron_arguments) at {ref}; "
+          "made by scripts/megatron_flags.py")
 
 
 def parser_flags(checkout: Path) -> list[str]:

@@ -151,9 +151,9 @@ FLAGSHIPS = (
                  "global batch 384 (a multiple of the 192 GPUs Megatron EP splits it over)"),
     Flagship("GPT-OSS-120b", f"{CONF}/openai/gpt-oss-120b.sh", "mixed-h100-a100", 384,
              ("--position-embedding-type", "rope"), drop={"--enable-gpt-oss": 0, "--export-force-local-attention": 0},
-             why="--enable-gpt-oss and --export-force-local-attention are the modelopt script's, not pretrain_gpt.py's; "
-                 "--enable-gpt-oss sets YaRN RoPE, which pretrain_gpt.py's --position-embedding-type does not offer: "
-                 "rope (the same parameters and FLOPs)"),
+             why="--enable-gpt-oss and --export-force-local-attention are the modelopt script's, "
+                 "not pretrain_gpt.py's; --enable-gpt-oss sets YaRN RoPE, which pretrain_gpt.py's "
+                 "--position-embedding-type does not offer: rope (the same parameters and FLOPs)"),
 )
 
 
@@ -243,8 +243,8 @@ def flagship_row(f: Flagship, tree: Path) -> dict:
 FLAGSHIP_HEAD = ("model", "cluster", "batch", "pick", "memory", "step", "megatron", "speedup", "limits", "vs roofline",
                  "bound", "search_s")
 FLAGSHIP_TITLES = ("model", "cluster", "global batch (x seq)", "HeterMoE pick", "memory per rank (peak/usable)",
-                   "step s", "Megatron EP best (TP, PP, EP)", "vs Megatron", "compute-only / layouts' floor / roofline s",
-                   "vs roofline", "bound by", "search s")
+                   "step s", "Megatron EP best (TP, PP, EP)", "vs Megatron",
+                   "compute-only / layouts' floor / roofline s", "vs roofline", "bound by", "search s")
 
 
 def megatron_lm_tree(arg: str | None) -> Path:

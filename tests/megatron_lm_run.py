@@ -117,7 +117,8 @@ def _zygote(work: Path, environ: dict) -> str:
     while not os.path.exists(path):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise RuntimeError(f"fork_torchrun's zygote for {work} did not start:\n{Path(path + '.log').read_text()[-3000:]}")
+            raise RuntimeError(f"fork_torchrun's zygote for {work} did not start:\n"
+                               f"{Path(path + '.log').read_text()[-3000:]}")
         time.sleep(0.05)
     _ZYGOTES[key] = (proc, path)
     return path
@@ -296,7 +297,8 @@ def continues_as_plain(work: Path, tmp_path: Path, plain_nproc: int, plain_flags
     assert "Number of virtual stages per pipeline stage: 2" in log
     assert sorted(plain) == sorted(het) == [2, 3]
     assert [het[i] for i in (2, 3)] == pytest.approx([plain[i] for i in (2, 3)], abs=3e-6), (het, plain)
-    v_plain, v_het = tb_losses(tmp_path / "tb1", "lm loss validation"), tb_losses(tmp_path / "tb2", "lm loss validation")
+    v_plain, v_het = (tb_losses(tmp_path / "tb1", "lm loss validation"),
+                      tb_losses(tmp_path / "tb2", "lm loss validation"))
     assert sorted(v_het) == sorted(v_plain) == [2, 3]
     assert [v_het[i] for i in (2, 3)] == pytest.approx([v_plain[i] for i in (2, 3)], abs=3e-6), (v_het, v_plain)
 

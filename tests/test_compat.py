@@ -39,8 +39,8 @@ def test_builders_become_module_specs():
 
     base = get_gpt_layer_local_spec(num_experts=4, normalization="RMSNorm")
     native = base.submodules.mlp
-    experts_sub = native.keywords["submodules"].experts.keywords["submodules"] if isinstance(native, functools.partial) \
-        else native.submodules.experts.submodules
+    experts_sub = (native.keywords["submodules"].experts.keywords["submodules"]
+                   if isinstance(native, functools.partial) else native.submodules.experts.submodules)
     router = native.keywords["submodules"].router if isinstance(native, functools.partial) else native.submodules.router
     base.submodules.mlp = functools.partial(MoELayer, submodules=MoESubmodules(
         router=router, experts=functools.partial(SequentialMLP, submodules=experts_sub)))
@@ -104,9 +104,11 @@ def test_router_without_transformer_engine_gets_te_general_gemm_bound():
     # the router, on CPU and GPU: seen on an H200); shims/moe_utils.py binds it. The subprocess shows the
     # upstream state first, so a release that fixes it is noticed.
     code = ("from megatron.core.transformer.moe import moe_utils as m; before = hasattr(m, 'te_general_gemm'); "
-            "from megatron_hetermoe.compat import mcore_version as v; from megatron_hetermoe.shims.moe_utils import bind_missing_te_general_gemm as f; f(); "
+            "from megatron_hetermoe.compat import mcore_version as v; "
+            "from megatron_hetermoe.shims.moe_utils import bind_missing_te_general_gemm as f; f(); "
             "print(before, m.te_general_gemm is None or callable(m.te_general_gemm), v() >= (0, 17, 0))")
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
     before, bound, fixed_upstream = out.stdout.split()
     assert bound == "True", out.stderr[-2000:]
-    assert before == fixed_upstream, f"upstream binding {before} on a release where it is {'' if fixed_upstream == 'True' else 'not '}expected"
+    assert before == fixed_upstream, (f"upstream binding {before} on a release where it is "
+                                      f"{'' if fixed_upstream == 'True' else 'not '}expected")

@@ -113,7 +113,7 @@ def test_config_and_planner_import_no_torch():
                     names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
                     assert not any(n.split(".")[0] in ("torch", "megatron") for n in names), f"{m} imports {names}"
             todo.extend(n for n in graph[m] if _module_level(modules[m], n))
-    
+
 
 def _module_level(path: Path, target: str) -> bool:
     for node in ast.parse(path.read_text()).body:
@@ -210,7 +210,8 @@ def test_no_string_comparison_of_a_role_schedule_or_task_kind():
 def test_the_vocabulary_check_finds_planted_comparisons():
     path = _modules()[f"{NAME}.plan.tasks"]
     planted = path.read_text() + ('\n\ndef _planted(t, plan, role):\n'
-                                  '    return t.kind in ("D_F", "C_B") or plan.schedule != "zebra" or "expert" == role\n')
+                                  '    return t.kind in ("D_F", "C_B") or plan.schedule != "zebra" '
+                                  'or "expert" == role\n')
     found = vocabulary_string_comparisons(path, planted)
     assert [f.split(": ", 1)[1] for f in found] == [
         "'D_F' (use TaskKind.D_F)", "'C_B' (use TaskKind.C_B)", "'zebra' (use ScheduleName.ZEBRA)",
@@ -402,13 +403,15 @@ def test_the_patch_check_finds_a_planted_patch():
     """Module, class and instance patches, planted in a copy of training/loop.py's source."""
     src = _modules()[f"{NAME}.training.loop"].read_text()
     assert patches_in(src) == []
-    planted = src + ("\n\ndef _planted(optimizer):\n    import torch\n    from megatron.core import parallel_state as ps\n"
+    planted = src + ("\n\ndef _planted(optimizer):\n    import torch\n"
+                     "    from megatron.core import parallel_state as ps\n"
                      "    from megatron.core.transformer import torch_norm\n\n"
                      "    torch.cuda.Stream = object\n    setattr(ps, '_TENSOR_MODEL_PARALLEL_GROUP', None)\n"
                      "    cls = torch_norm.WrappedTorchNorm\n    cls.__new__ = None\n"
                      "    optimizer.step = lambda: None\n    table = [(torch.cuda, 'synchronize', print)]\n\n"
                      "    def count():\n        return 0\n\n    optimizer.count_zeros = count\n")
     n = len(src.splitlines()) + 1
-    assert patches_in(planted) == [f"{n + 7}: torch.cuda.Stream", f"{n + 8}: setattr(ps, '_TENSOR_MODEL_PARALLEL_GROUP', None)",
+    assert patches_in(planted) == [f"{n + 7}: torch.cuda.Stream",
+                                   f"{n + 8}: setattr(ps, '_TENSOR_MODEL_PARALLEL_GROUP', None)",
                                    f"{n + 10}: cls.__new__", f"{n + 11}: optimizer.step",
                                    f"{n + 12}: (torch.cuda, 'synchronize', print)", f"{n + 17}: optimizer.count_zeros"]

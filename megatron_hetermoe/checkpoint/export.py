@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"in {time.perf_counter() - t0:.1f} s")
         else:
             d = import_checkpoint(a.load, plan, a.out, ModelConfig.load(a.model) if a.model else None)
-            print(f"imported {a.load} for a plan of {plan.world_size} ranks into {d} in {time.perf_counter() - t0:.1f} s")
+            print(f"imported {a.load} for a plan of {plan.world_size} ranks into {d} "
+                  f"in {time.perf_counter() - t0:.1f} s")
     except (CheckpointError, PlanError, LaunchError) as err:
         print(f"hetermoe checkpoint {a.cmd}: {err}", flush=True)
         return 1

@@ -19,7 +19,8 @@ def build_parser(description: str, loss_tol: float, grad_tol: float, free_run_to
     p.add_argument("--steps", type=int, default=5, help="training steps compared")
     p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per microbatch per attention rank")
     p.add_argument("--seed", type=int, default=1234, help="seed of weights and data (both runs)")
-    p.add_argument("--schedule", choices=list(SCHEDULES), default=None, help="override the plan's schedule (default: the plan's)")
+    p.add_argument("--schedule", choices=list(SCHEDULES), default=None,
+                   help="override the plan's schedule (default: the plan's)")
     p.add_argument("--recompute", action="store_true", help="zebra: recompute attention stages in backward")
     p.add_argument("--zebra-issuer", choices=list(ISSUERS), default="auto",
                    help="zebra: who issues the transfers (--hetero-zebra-issuer's meaning; default: auto)")

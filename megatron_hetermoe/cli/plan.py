@@ -54,19 +54,20 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    "1, 2, 4 and 8 where they divide the heads and fit in a node)")
     p.add_argument("--pipeline-stages", type=int, default=None,
                    help="P: pipeline stages of each ZP group (Megatron's --pipeline-model-parallel-size; the decoder "
-                   "layers split evenly; each stage its own attention and expert ranks; with --cluster DistEP or zebra inside "
-                   "the stages, as the search picks). "
+                   "layers split evenly; each stage its own attention and expert ranks; with --cluster DistEP or zebra "
+                   "inside the stages, as the search picks). "
                    "With --even: the plan's P (default 1; --attention-ranks and --expert-ranks are then per stage); "
                    "with --cluster: search only this P (default: 1, 2, 4 and 8 where they divide the layers and "
                    "the ZP group)")
     srch = p.add_argument_group("search")
-    srch.add_argument("--cluster", help="cluster config: a path or a name in the config directory's clusters/ (o1, c1-200g, ...; "
-                      "required for a search)")
+    srch.add_argument("--cluster", help="cluster config: a path or a name in the config directory's clusters/ "
+                      "(o1, c1-200g, ...; required for a search)")
     srch.add_argument("--seq-len", type=int, help="tokens per sequence (required for a search)")
     srch.add_argument("--global-batch", type=int, help="sequences per step (required for a search)")
     srch.add_argument("--asym", choices=["optimal", "greedy", "none"], default="optimal",
                       help="expert assignment solver for the plan (default: optimal)")
-    srch.add_argument("--engine", choices=["auto", "python", "cpp"], default="auto", help="simulator core (auto: the C++ core when built)")
+    srch.add_argument("--engine", choices=["auto", "python", "cpp"], default="auto",
+                      help="simulator core (auto: the C++ core when built)")
     srch.add_argument("--max-microbatches", type=int, default=32, help="largest R the search tries")
     srch.add_argument("--expert-recompute", choices=["auto", *EXPERT_RECOMPUTE], default="auto",
                       help="what expert ranks keep for the expert backward: off (inputs and intermediates), "
@@ -114,7 +115,8 @@ def _pattern(text: str) -> int | list[int]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def megatron_flags_parser(recompute_modules: tuple[str, ...], error: Callable[[str], NoReturn]) -> argparse.ArgumentParser:
+def megatron_flags_parser(recompute_modules: tuple[str, ...],
+                          error: Callable[[str], NoReturn]) -> argparse.ArgumentParser:
     """The pretrain_gpt.py flags after `hetermoe plan ... --` that give the model and the run
     (behaviour: planner/megatron_flags.py); `error` ends a bad value (the planner's one-line error
     instead of this parser's usage); `recompute_modules`: --recompute-modules' choices."""

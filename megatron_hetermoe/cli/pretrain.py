@@ -14,7 +14,8 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter, description=description,
                                 usage="hetermoe pretrain [--nproc N] <Megatron-LM pretrain_gpt.py flags> "
                                       "[--hetero-plan plan.json]")
-    p.add_argument("-h", "--help", action="store_true", help="show this help, then Megatron-LM's flags, and exit (default: off)")
+    p.add_argument("-h", "--help", action="store_true",
+                   help="show this help, then Megatron-LM's flags, and exit (default: off)")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="ranks to start on this host with torch.distributed.run, outside torchrun only "
                         "(default: the --hetero-plan's world size, else 1)")

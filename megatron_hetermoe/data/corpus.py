@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         print(write_jsonl(python_docs(), Path(a.out_dir) / f"{DOCS_NAME}.jsonl"))
         return 0
     r = build_text_dataset(a.out_dir, a.vocab_size, a.workers)
-    print(f"--data-path {r['data_path']} --tokenizer-type HuggingFaceTokenizer --tokenizer-model {r['tokenizer_model']}")
+    print(f"--data-path {r['data_path']} --tokenizer-type HuggingFaceTokenizer "
+          f"--tokenizer-model {r['tokenizer_model']}")
     return 0
 
 

@@ -135,7 +135,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
         return BPETokenizer(Tokenizer.from_file(str(path)), str(path), {"tokenizer_model": str(path.resolve())})
     if tokenizer_type == "GPT2BPETokenizer":
         if not (vocab_file and merge_file):
-            raise TokenizerError("--tokenizer-type GPT2BPETokenizer needs --vocab-file vocab.json and --merge-file merges.txt")
+            raise TokenizerError("--tokenizer-type GPT2BPETokenizer needs --vocab-file vocab.json and "
+                                 "--merge-file merges.txt")
         for f in (vocab_file, merge_file):
             if not Path(f).is_file():
                 raise TokenizerError(f"GPT2BPETokenizer: {f} does not exist")
@@ -146,7 +147,8 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
         tok.decoder = decoders.ByteLevel()
         return BPETokenizer(tok, vocab_file, {"vocab_file": str(Path(vocab_file).resolve()),
                                               "merge_file": str(Path(merge_file).resolve())})
-    raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not supported here; use one of {', '.join(TOKENIZER_TYPES)}")
+    raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not supported here; "
+                         f"use one of {', '.join(TOKENIZER_TYPES)}")
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, output: str | Path) -> BPETokenizer:

@@ -58,7 +58,8 @@ class Emulator:
         self.cluster = Cluster.load(spec.cluster)
         self.model = ModelConfig.load(spec.model).replace(seq_length=spec.seq_len)
         if self.model.beyond_every_layer_moe:  # emulated runs train on the plugin's own trainer
-            raise ValueError(f"emulated model {self.model.name!r} has {' and '.join(self.model.beyond_every_layer_moe)}: "
+            raise ValueError(f"emulated model {self.model.name!r} has "
+                             f"{' and '.join(self.model.beyond_every_layer_moe)}: "
                              f"emulated runs train on the plugin's own trainer, which builds every layer as an MoE "
                              f"layer without shared experts; `hetermoe plan` prices such a model")
         self.profiles = load_profiles(set(self.cluster.gpu_types()))
@@ -73,7 +74,8 @@ class Emulator:
 
     def check_real_model(self, real: ModelConfig) -> None:
         m = self.model
-        if (real.num_layers, real.num_experts, real.moe_router_topk) != (m.num_layers, m.num_experts, m.moe_router_topk):
+        if ((real.num_layers, real.num_experts, real.moe_router_topk)
+                != (m.num_layers, m.num_experts, m.moe_router_topk)):
             raise ValueError(
                 f"the real model {real.name!r} has {real.num_layers} layers x {real.num_experts} experts, top-"
                 f"{real.moe_router_topk}, but the emulated {m.name!r} has {m.num_layers} x {m.num_experts}, top-"

@@ -108,8 +108,8 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
 
     def bwd_return():  # the reverse all-to-all produced the input's gradient
         layer, dispatch, start = st["bstart"]
-        st["bseg"] = close("combine" if dispatch else "dispatch", TaskKind.D_B if dispatch else TaskKind.C_B, layer, start,
-                           a2a * scale())
+        st["bseg"] = close("combine" if dispatch else "dispatch", TaskKind.D_B if dispatch else TaskKind.C_B,
+                           layer, start, a2a * scale())
 
     orig = token_dispatcher.all_to_all()
 

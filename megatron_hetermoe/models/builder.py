@@ -257,28 +257,30 @@ def choose_kernels(device, precision: str = "fp32", transformer_impl: str | None
 
     def grouped_or_raise(what: str) -> KernelChoice:
         if not cuda:
-            raise KernelError(f"{what}: GroupedMLP runs on CUDA ranks only, these are CPU ranks; drop --moe-grouped-gemm")
+            raise KernelError(f"{what}: GroupedMLP runs on CUDA ranks only, these are CPU ranks; "
+                              f"drop --moe-grouped-gemm")
         if not gg:
             raise KernelError(f"{what}: {gg_why} (pip install grouped_gemm, or use transformer-engine); drop "
                               f"--moe-grouped-gemm")
         if precision != "bf16":
-            raise KernelError(f"{what}: megatron-core's GroupedMLP runs bf16 only (it asserts config.bf16), this run is "
-                              f"{precision}; add --bf16 or drop --moe-grouped-gemm")
+            raise KernelError(f"{what}: megatron-core's GroupedMLP runs bf16 only (it asserts config.bf16), "
+                              f"this run is {precision}; add --bf16 or drop --moe-grouped-gemm")
         return KernelChoice("grouped", f"{what}: local spec, GroupedMLP experts; {gg_why}")
 
     if transformer_impl == "transformer_engine":
         if not cuda:
-            raise KernelError("--transformer-impl transformer_engine: transformer-engine runs on CUDA ranks only, these "
-                              "are CPU ranks; use --transformer-impl local")
+            raise KernelError("--transformer-impl transformer_engine: transformer-engine runs on CUDA ranks only, "
+                              "these are CPU ranks; use --transformer-impl local")
         if te_blocker is not None:
             raise KernelError(f"--transformer-impl transformer_engine: {te_blocker}; install transformer-engine there, "
-                              f"or run that pool on Ampere or newer GPUs, or use --transformer-impl local, or leave the "
-                              f"flag out (each pool then runs transformer-engine where all of its GPUs can)")
+                              f"or run that pool on Ampere or newer GPUs, or use --transformer-impl local, or leave "
+                              f"the flag out (each pool then runs transformer-engine where all of its GPUs can)")
         if moe_grouped_gemm:
             if not te_grouped:
                 raise KernelError(f"--transformer-impl transformer_engine --moe-grouped-gemm: {te_why} has no grouped "
                                   f"linear layers (TEGroupedMLP needs transformer-engine >= 1.7)")
-            return KernelChoice("te", f"--transformer-impl transformer_engine --moe-grouped-gemm: TEGroupedMLP experts; {te_why}")
+            return KernelChoice("te", f"--transformer-impl transformer_engine --moe-grouped-gemm: TEGroupedMLP "
+                                      f"experts; {te_why}")
         return KernelChoice("te_sequential", f"--transformer-impl transformer_engine: TE spec, SequentialMLP experts "
                                              f"(no --moe-grouped-gemm); {te_why}")
     if transformer_impl == "local":

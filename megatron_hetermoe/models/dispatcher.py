@@ -137,7 +137,8 @@ class HeteroTokenDispatcher(MoETokenDispatcher):
                                        self.config.params_dtype)
         return dataclasses.replace(meta, route=route)
 
-    def postprocess(self, meta: DispatchMeta, combined: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+    def postprocess(self, meta: DispatchMeta, combined: torch.Tensor,
+                    probs: torch.Tensor | None = None) -> torch.Tensor:
         """Unpermute the combined expert outputs, weighted by `probs` (default: meta's; none where
         the experts weighted them)."""
         from megatron.core.transformer.moe.moe_utils import unpermute

@@ -153,7 +153,8 @@ class ExpertRuntime(_megatron_module()):
 
     def _holder(self, model_layer: int) -> torch.nn.Module:
         d = self.hs.plan.decoder_layers
-        return self.decoder.layers[model_layer] if model_layer < d else self.mtp.layers[model_layer - d].transformer_layer
+        return (self.decoder.layers[model_layer] if model_layer < d
+                else self.mtp.layers[model_layer - d].transformer_layer)
 
     def experts_of(self, layer: int):
         """The experts this rank holds in MoE layer `layer` (None: none)."""

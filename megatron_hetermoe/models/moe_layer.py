@@ -153,9 +153,9 @@ def hetero_mtp_block_spec(spec, hs: HeteroParallelState, pg_collection):
         inner = mtp_layer.submodules.transformer_layer
         moe = is_moe_layer_spec(inner)
         if moe != (hs.plan.moe_index(hs.plan.decoder_layers + k) is not None):
-            raise ValueError(f"MTP layer {k} (model layer {hs.plan.decoder_layers + k}) is {'an MoE' if moe else 'a dense'} "
-                             f"layer of the model but not of the plan (dense_layers={hs.plan.dense_layers}); remake "
-                             f"the plan for this model")
+            raise ValueError(f"MTP layer {k} (model layer {hs.plan.decoder_layers + k}) is "
+                             f"{'an MoE' if moe else 'a dense'} layer of the model but not of the plan "
+                             f"(dense_layers={hs.plan.dense_layers}); remake the plan for this model")
         mtp_layer = copy.copy(mtp_layer)
         mtp_layer.submodules = copy.copy(mtp_layer.submodules)
         if moe:

@@ -57,8 +57,8 @@ def _mtp_transformer_layer(mtp_layer):
     """An MTP layer's transformer layer: `transformer_layer` in megatron-core 0.16-0.18,
     `mtp_model_layer` from 0.19 (a hybrid MTP layer pattern is refused)."""
     if getattr(mtp_layer, "mtp_layer_pattern", None) is not None:
-        raise NotImplementedError("zebra cuts GPT MTP layers; a hybrid MTP layer pattern (--mtp-hybrid-override-pattern) "
-                                  "has no stages; use --hetero-schedule distep")
+        raise NotImplementedError("zebra cuts GPT MTP layers; a hybrid MTP layer pattern "
+                                  "(--mtp-hybrid-override-pattern) has no stages; use --hetero-schedule distep")
     return getattr(mtp_layer, "transformer_layer", None) or mtp_layer.mtp_model_layer
 
 

@@ -3,7 +3,8 @@ plan arithmetic, no process group), state.py (HeteroParallelState: the "hetero" 
 a plan, and the rank's device), transport.py (the Transport every token transfer of a ZP group
 goes through: all-to-all, or loopback in a one-rank group), comm.py (TokenRoute: one layer's
 tokens of one microbatch), megatron_globals.py (which of the plan's groups serves each of
-megatron-core's parallel_state globals; shims/parallel_state.py writes them), expert_load.py (tokens each expert received and compute seconds per task kind,
-measured during training), device.py (a rank's device and group timeouts; torchrun ranks join with
-init_distributed, GPU first), launcher.py and watchdog.py (N CPU ranks on gloo, even on a GPU
-host, and the progress watchdog), cpu_backend.py (megatron-core on CPU: which shims a CPU rank needs)."""
+megatron-core's parallel_state globals; shims/parallel_state.py writes them), expert_load.py
+(tokens each expert received and compute seconds per task kind, measured during training),
+device.py (a rank's device and group timeouts; torchrun ranks join with init_distributed, GPU
+first), launcher.py and watchdog.py (N CPU ranks on gloo, even on a GPU host, and the progress
+watchdog), cpu_backend.py (megatron-core on CPU: which shims a CPU rank needs)."""

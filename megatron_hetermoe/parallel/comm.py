@@ -86,7 +86,8 @@ class TokenRoute:
         return cls.from_counts(hs, layer, allc, width, dtype), got
 
     @staticmethod
-    def start_exchange(hs: HeteroParallelState, layer: int, per_expert: torch.Tensor | None) -> tuple[torch.Tensor, object]:
+    def start_exchange(hs: HeteroParallelState, layer: int,
+                       per_expert: torch.Tensor | None) -> tuple[torch.Tensor, object]:
         """The counts exchange of `layer`, issued asynchronously on the counts communicator (the
         single issuer's: its split sizes travel ahead of the payloads queued in the dispatch
         direction). Returns (received counts, Work); `from_counts` makes the route once they arrived."""

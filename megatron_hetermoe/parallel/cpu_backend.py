@@ -2,8 +2,9 @@
 
 megatron-core assumes CUDA in a handful of places. Each assumption is bridged by one named
 patch, its body in the shim named for what it patches (shims/); `apply()` installs the ones
-the installed megatron-core needs (`patches_for`, `NEEDED_IN`) once and is a no-op when CUDA is available, so the same code runs unchanged on GPU
-ranks; `apply(force=True)` makes a CPU rank even on a GPU host (the fork launcher's children).
+the installed megatron-core needs (`patches_for`, `NEEDED_IN`) once and is a no-op when CUDA is
+available, so the same code runs unchanged on GPU ranks; `apply(force=True)` makes a CPU rank
+even on a GPU host (the fork launcher's children).
 Three patches are not about CPUs but about megatron-core's local spec on any device
 (LOCAL_SPEC_PATCHES: torch norms under sequence parallelism, multi-latent attention's core and its
 transformer-engine check); `apply_for_spec` installs them on CUDA ranks that build that spec

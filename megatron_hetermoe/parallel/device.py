@@ -216,7 +216,8 @@ def arch_error(device_name: str, capability: tuple[int, int], arch_list: list[st
            f"or a container whose torch lists sm_{major}{minor}" if fix else
            f"install a torch build whose torch.cuda.get_arch_list() covers sm_{major}{minor}")
     return (f"this rank's GPU, {device_name} (compute capability {major}.{minor}, sm_{major}{minor}), has no kernels "
-            f"in the installed torch {torch_version} (CUDA {cuda_version}), built for {' '.join(arch_list) or 'no GPU'}; "
+            f"in the installed torch {torch_version} (CUDA {cuda_version}), "
+            f"built for {' '.join(arch_list) or 'no GPU'}; "
             f"its first kernel would fail with 'no kernel image is available'. {how} (docs/gpus.md)")
 
 

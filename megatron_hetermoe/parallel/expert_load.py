@@ -26,7 +26,8 @@ import torch.distributed as dist
 from megatron_hetermoe.planner.expert_load import LoadStats
 from megatron_hetermoe.vocabulary import TaskKind
 
-COMPUTE_KINDS = (TaskKind.A_F, TaskKind.A_B, TaskKind.X_F, TaskKind.X_B, TaskKind.E_F, TaskKind.E_B)  # plan/tasks.py's compute task kinds
+# plan/tasks.py's compute task kinds
+COMPUTE_KINDS = (TaskKind.A_F, TaskKind.A_B, TaskKind.X_F, TaskKind.X_B, TaskKind.E_F, TaskKind.E_B)
 
 
 class ExpertLoadMeter:

@@ -200,12 +200,13 @@ def staged_name(name: str, stage: int, stages: int) -> str:
 def group_plan(plan: HeteroPlan) -> list[tuple[str, list[int]]]:
     """Every process group of the job as (name, ranks), in the order every rank creates those of
     two or more ranks (torch's new_group is collective over the world; a group of one rank is
-    that rank's one-rank group, made without the world: parallel/state.py OneRankGroups): per ZP group (per stage of it, with
-    pipeline stages) its dispatch, combine and counts communicators; the attention DP group (with
-    attention_tp > 1: one TP group per attention member, one DP group per TP position, and all
-    attention ranks; with pipeline stages, those of each stage); with pipeline stages, each
-    pipeline's pp and embedding groups (and, with attention_tp > 1, its members' tp_pp groups);
-    one replica group per member position; one group per rank; and the world."""
+    that rank's one-rank group, made without the world: parallel/state.py OneRankGroups): per ZP
+    group (per stage of it, with pipeline stages) its dispatch, combine and counts communicators;
+    the attention DP group (with attention_tp > 1: one TP group per attention member, one DP group
+    per TP position, and all attention ranks; with pipeline stages, those of each stage); with
+    pipeline stages, each pipeline's pp and embedding groups (and, with attention_tp > 1, its
+    members' tp_pp groups); one replica group per member position; one group per rank; and the
+    world."""
     out: list[tuple[str, list[int]]] = []
     P = plan.pipeline_stages
     for gi in range(len(plan.groups)):  # one dispatch unit per stage (unit gi * P + stage)

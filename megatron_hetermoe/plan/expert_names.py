@@ -120,7 +120,8 @@ def split_grouped(t: torch.Tensor, which: int, n: int) -> list[torch.Tensor]:
     """GroupedMLP's weight1 (which=1, [H, n*2F]) or weight2 (which=2, [n*F, H]), or any tensor of
     that shape, as n canonical tensors: fc1 [2F, H], fc2 [H, F] (contiguous copies)."""
     if t.dim() != 2 or n < 1:
-        raise ExpertNameError(f"GroupedMLP weight{which}: expected a 2-D tensor and n >= 1, got {tuple(t.shape)}, n={n}")
+        raise ExpertNameError(f"GroupedMLP weight{which}: expected a 2-D tensor and n >= 1, "
+                              f"got {tuple(t.shape)}, n={n}")
     if which == 1:
         h, cols = t.shape
         if cols % n:

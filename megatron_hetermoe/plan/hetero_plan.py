@@ -505,9 +505,10 @@ class HeteroPlan:
                                 f"pipeline_stages={P}; give each stage the same number of expert ranks")
             for pipeline in self.attention_pipelines(gi):
                 if pipeline != sorted(pipeline):
-                    raise PlanError(f"ZP group {gi}: the pipeline of attention ranks {pipeline} (stage 0 to {P - 1}) does "
-                                    f"not ascend; a pipeline's ranks must ascend with its stages (Megatron numbers "
-                                    f"pipeline stages by rank): list each stage's ranks after the previous stage's")
+                    raise PlanError(f"ZP group {gi}: the pipeline of attention ranks {pipeline} (stage 0 to {P - 1}) "
+                                    f"does not ascend; a pipeline's ranks must ascend with its stages "
+                                    f"(Megatron numbers pipeline stages by rank): list each stage's ranks after the "
+                                    f"previous stage's")
             for l, pl in enumerate(g.placement):
                 if l >= self.num_layers:
                     break

@@ -127,5 +127,6 @@ def load_params(module: torch.nn.Module, local_state: dict[str, torch.Tensor]) -
         raise ValueError(f"state does not fit this rank's module: missing {missing[:5]}, unexpected {unexpected[:5]}")
     for name, p in params.items():
         if p.shape != local_state[name].shape:
-            raise ValueError(f"{name}: shape {tuple(local_state[name].shape)} in the state, {tuple(p.shape)} in the model")
+            raise ValueError(f"{name}: shape {tuple(local_state[name].shape)} in the state, "
+                             f"{tuple(p.shape)} in the model")
         p.copy_(local_state[name])

@@ -58,7 +58,8 @@ COMM_KINDS = (TaskKind.D_F, TaskKind.C_F, TaskKind.C_B, TaskKind.D_B)
 ATTENTION_KINDS = (TaskKind.A_F, TaskKind.A_B)  # the attention pieces (may hold collectives among attention ranks)
 STREAM = {
     **{k: StreamName.COMPUTE for k in COMPUTE_KINDS},
-    TaskKind.D_F: StreamName.DISPATCH, TaskKind.C_B: StreamName.DISPATCH, TaskKind.C_F: StreamName.COMBINE, TaskKind.D_B: StreamName.COMBINE,
+    TaskKind.D_F: StreamName.DISPATCH, TaskKind.C_B: StreamName.DISPATCH,
+    TaskKind.C_F: StreamName.COMBINE, TaskKind.D_B: StreamName.COMBINE,
 }
 
 

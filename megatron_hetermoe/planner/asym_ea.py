@@ -266,10 +266,12 @@ def _lagrangian(prob: AsymProblem, opts: list[tuple[int, int, int]], U: int, V: 
     picks, v = _dp_u(prob, opts, U, 0.0)
     if v > V:
         # a price above any possible saving of J makes the DP minimise sum q alone
-        worst = sum(max(t + a * prob.t_exp_on_attn, q * prob.t_exp) for t in prob.t_attn for a, q, _ in opts[-1:] + opts[:1])
+        worst = sum(max(t + a * prob.t_exp_on_attn, q * prob.t_exp)
+                    for t in prob.t_attn for a, q, _ in opts[-1:] + opts[:1])
         if _dp_u(prob, opts, U, 2 * worst + 1.0)[1] > V:
             raise PlanError(f"no expert assignment fits: expert ranks can hold {prob.cap_x} experts and attention "
-                            f"ranks {prob.n_max} in all; use more microbatches, more ZP groups, or GPUs with more memory")
+                            f"ranks {prob.n_max} in all; use more microbatches, more ZP groups, "
+                            f"or GPUs with more memory")
         lo, hi = 0.0, max(prob.t_exp, prob.t_exp_on_attn, 1e-9)
         while _dp_u(prob, opts, U, hi)[1] > V and hi < 1e9:
             hi *= 2
@@ -318,7 +320,8 @@ def _split_rotating(ids: list[int], holders: list[int], start: int) -> tuple[dic
     return out, (start + extra) % h
 
 
-def placement(k: list[int], num_experts: int, attention_ranks: list[int], expert_ranks: list[int]) -> list[dict[int, list[int]]]:
+def placement(k: list[int], num_experts: int, attention_ranks: list[int],
+              expert_ranks: list[int]) -> list[dict[int, list[int]]]:
     """placement[l] = {rank: expert ids}: experts 0..E-k_l-1 on the expert ranks, the last k_l on the
     attention ranks, each side as even as possible with the remainders rotating over layers."""
     out = []

@@ -92,7 +92,8 @@ def ep_a2a_time(cost: CostModel, cluster: Cluster, ranks: list[int], t: float) -
     return rank1_collective_time(links, [t] * n, [1.0 / n] * n, cost.model.moe_router_topk * cost.token_bytes())
 
 
-def _ep_group_mb_time(cost: CostModel, cluster: Cluster, ranks: list[int], gpus: list[str], d: int, t: float) -> tuple[float, dict[int, float]]:
+def _ep_group_mb_time(cost: CostModel, cluster: Cluster, ranks: list[int], gpus: list[str], d: int,
+                      t: float) -> tuple[float, dict[int, float]]:
     """Forward+backward of one microbatch of t tokens per rank through an EP group (bulk
     synchronous per layer); also each rank's busy compute time."""
     m = cost.model
@@ -130,7 +131,8 @@ def simulate_ep(cost: CostModel, cluster: Cluster, global_batch: int, ranks: lis
     for r_mb in _divisors(spr):  # fewest microbatches that fit
         t = spr // r_mb * S
         per_expert_tokens = d * t * m.moe_router_topk / m.num_experts
-        need = (cost.attention_rank_bytes(t, 1, layer_checkpoints=True) + per_rank_experts * cost.per_expert_bytes(per_expert_tokens, 1)
+        need = (cost.attention_rank_bytes(t, 1, layer_checkpoints=True)
+                + per_rank_experts * cost.per_expert_bytes(per_expert_tokens, 1)
                 + cost.expert_working_bytes(per_expert_tokens))
         if all(need <= cost.profile(types[r]).usable_memory_bytes for r in ranks):
             break
@@ -153,7 +155,8 @@ def simulate_ep(cost: CostModel, cluster: Cluster, global_batch: int, ranks: lis
     if W // d > 1:
         post += allreduce_time(Links.for_ranks(cluster, ranks[::d], cost.profiles),
                                per_rank_experts * m.expert_params() * cost.settings.dtype_bytes)
-    post += max(cost.optimizer_time(types[r], m.non_expert_params() + per_rank_experts * m.expert_params()) for r in ranks)
+    post += max(cost.optimizer_time(types[r], m.non_expert_params() + per_rank_experts * m.expert_params())
+                for r in ranks)
     step = r_mb * worst + post
     util: dict[str, list[float]] = {}
     for r in ranks:
@@ -195,7 +198,8 @@ def _a2a(cost: CostModel, cluster: Cluster, ranks: tuple[int, ...], t: float) ->
             _A2A.clear()
         n = len(ranks)
         links = Links.for_ranks(cluster, list(ranks), cost.profiles)
-        _A2A[key] = rank1_collective_time(links, [t] * n, [1.0 / n] * n, cost.model.moe_router_topk * cost.token_bytes()) if n > 1 else 0.0
+        _A2A[key] = rank1_collective_time(links, [t] * n, [1.0 / n] * n,
+                                          cost.model.moe_router_topk * cost.token_bytes()) if n > 1 else 0.0
     return _A2A[key]
 
 

@@ -84,7 +84,8 @@ def _finite(x):
 def format_table(res: SearchResult, title: str) -> str:
     types = sorted({g for p in res.predictions for g in p.utilization})
     w = max([36] + [len(p.name) + 2 for p in res.predictions])
-    head = f"{'strategy':<{w}}{'step (s)':>10}{'tokens/s':>12}{'vs limit':>9}" + "".join(f"{'util ' + g:>16}" for g in types)
+    head = (f"{'strategy':<{w}}{'step (s)':>10}{'tokens/s':>12}{'vs limit':>9}"
+            + "".join(f"{'util ' + g:>16}" for g in types))
     lines = [title, head, "-" * len(head)]
     for p in res.predictions:
         if not p.fits:
@@ -496,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
             out["expert_load"] = res.expert_load
         print(json.dumps(out, indent=1, default=str))
     else:
-        print(format_table(res, f"{model.name} on {cluster.name}, seq {args.seq_len}, global batch {args.global_batch}"))
+        print(format_table(res, f"{model.name} on {cluster.name}, seq {args.seq_len}, "
+                                f"global batch {args.global_batch}"))
     if res.plan is None:
         print("hetermoe plan: no HeterMoE plan fits this cluster and batch; see the table", file=sys.stderr)
         return 1

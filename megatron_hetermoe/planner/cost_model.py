@@ -65,7 +65,8 @@ from megatron_hetermoe.planner.gpu_profile import GpuProfile, MeasuredTables
 # Estimates (documented here once; the profile files carry the per-GPU numbers).
 BYTES_PER_PARAM_STATE = 18.0  # estimate: fp16 weight 2 + fp32 main grad 4 + fp32 master 4 + Adam m, v 8
 BYTES_PER_PARAM_STATE_FP32 = 16.0  # fp32 weight 4 + fp32 main grad 4 + Adam m, v 8 (no master copy)
-UNFUSED_SCORE_PASSES = 4.0  # estimate: unfused attention writes the scores, softmax reads and writes them, PV reads them
+# estimate: unfused attention writes the scores, softmax reads and writes them, PV reads them
+UNFUSED_SCORE_PASSES = 4.0
 ELEMENTWISE_BYTES_PER_HIDDEN = 24.0  # estimate: norms, RoPE, residual, router softmax traffic per token per hidden unit
 MEMBW_EFFICIENCY = 0.8  # estimate: fraction of datasheet bandwidth that streaming kernels reach
 ATTN_KERNELS, EXPERT_KERNELS, HEAD_KERNELS = 14, 5, 4  # estimate: kernel launches per forward call
@@ -426,7 +427,8 @@ class CostModel:
         if p.measured is not None:
             t = _measured_attention(p.measured, self.model, tokens, s, backward, router)
             h = self.model.hidden_size
-            t += (2 if backward else 1) * tokens * h * ELEMENTWISE_BYTES_PER_HIDDEN / (p.memory_bandwidth_gbs * 1e9 * MEMBW_EFFICIENCY)
+            t += ((2 if backward else 1) * tokens * h * ELEMENTWISE_BYTES_PER_HIDDEN
+                  / (p.memory_bandwidth_gbs * 1e9 * MEMBW_EFFICIENCY))
         else:
             t = _analytic_attention(p, self.model, tokens, s, backward, self.program, router)
         if backward and self.settings.activation_checkpointing:
@@ -535,7 +537,8 @@ class CostModel:
             rate = _interp_log([e[0] for e in exp], [e[2 if backward else 1] for e in exp], tokens)
             t = mult * head_flops(m, tokens) / rate
         else:
-            t = _roofline(p, mult * head_flops(m, tokens), mult * m.vocab_size * m.hidden_size * self.settings.dtype_bytes,
+            t = _roofline(p, mult * head_flops(m, tokens),
+                          mult * m.vocab_size * m.hidden_size * self.settings.dtype_bytes,
                           p.gemm_efficiency, int(HEAD_KERNELS * mult))
         t += loss_bytes / (p.memory_bandwidth_gbs * 1e9 * MEMBW_EFFICIENCY)
         if backward and self.settings.activation_checkpointing:
@@ -648,7 +651,8 @@ class CostModel:
         m = self.model
         self.stage_kind(stage)  # range check
         moe = m.moe_layer_non_expert_params() if stage < self.num_layers else 0
-        return moe + self.dense_in_stage[stage] * m.dense_layer_params() + self.mtp_in_stage[stage] * m.mtp_extra_params()
+        return (moe + self.dense_in_stage[stage] * m.dense_layer_params()
+                + self.mtp_in_stage[stage] * m.mtp_extra_params())
 
     def optimizer_time(self, gpu: str, params: float) -> float:
         return self.elementwise_time(gpu, params * OPTIMIZER_BYTES_PER_PARAM)
@@ -902,5 +906,8 @@ def calibrate_attention_efficiency(prof: GpuProfile, ref: GpuProfile, time_ratio
 def attention_time_ratio(slow: GpuProfile, fast: GpuProfile, seq_len: int) -> float:
     """time(slow)/time(fast) of one Mixtral-shaped attention layer fwd+bwd on one sequence."""
     m = mixtral_8x7b_attention_shape()
-    f = lambda p: _analytic_attention(p, m, seq_len, seq_len, False) + _analytic_attention(p, m, seq_len, seq_len, True)
+
+    def f(p: GpuProfile) -> float:
+        return _analytic_attention(p, m, seq_len, seq_len, False) + _analytic_attention(p, m, seq_len, seq_len, True)
+
     return f(slow) / f(fast)

@@ -54,7 +54,8 @@ from megatron_hetermoe.planner.expert_load import ExpertLoad, LoadStats
 from megatron_hetermoe.planner.simulator import simulate_plan
 from megatron_hetermoe.vocabulary import ScheduleName, TaskKind
 
-EXPERT_KINDS = (TaskKind.X_F, TaskKind.X_B, TaskKind.E_F, TaskKind.E_B)  # the task kinds that run experts (plan/tasks.py)
+# the task kinds that run experts (plan/tasks.py)
+EXPERT_KINDS = (TaskKind.X_F, TaskKind.X_B, TaskKind.E_F, TaskKind.E_B)
 MAX_PASSES = 200  # local-search passes over the layers (each pass takes every improving step it finds)
 
 
@@ -255,7 +256,8 @@ class _State:
             dused[b] = dused.get(b, 0.0) + p.expert_bytes[l][e]
             dcount[a] = dcount.get(a, 0) - 1
             dcount[b] = dcount.get(b, 0) + 1
-        d_over = sum(self.over(j, self.used[j] + du, self.count[j] + dcount[j]) - self.over(j) for j, du in dused.items())
+        d_over = sum(self.over(j, self.used[j] + du, self.count[j] + dcount[j]) - self.over(j)
+                     for j, du in dused.items())
         return d_over, p.layer_time(l, X) - self.t[l], p.layer_sq(l, X) - self.s[l], X
 
     def apply(self, l: int, changes: list[tuple[int, int, int]], X: list[float]) -> None:
@@ -479,8 +481,8 @@ def problem_of_plan(plan: HeteroPlan, cost: CostModel, global_batch: int, load: 
         for r, es in g0.placement[l].items():
             for e in es:
                 owner[l][e] = index[r]
-    prob = PlacementProblem(members, E, stage, holders, base, costs, schedule == ScheduleName.ZEBRA, capacity, ebytes, work,
-                            frozenset(index[r] for r in n_att))
+    prob = PlacementProblem(members, E, stage, holders, base, costs, schedule == ScheduleName.ZEBRA, capacity,
+                            ebytes, work, frozenset(index[r] for r in n_att))
     return prob, Placement(owner)
 
 

@@ -110,7 +110,8 @@ def stage_pieces(moe_ids: list[int], model_layers: int, P: int,
 
 def model_pieces(model: ModelConfig, P: int) -> tuple[list[list[int]], list[list[tuple[int, int]]]]:
     """stage_pieces of a model config (its decoder layers split evenly, its MTP layers the last stage's)."""
-    return stage_pieces(model.planned_moe_layer_ids, model.num_layers, P, model.num_layers + (model.mtp_num_layers or 0))
+    return stage_pieces(model.planned_moe_layer_ids, model.num_layers, P,
+                        model.num_layers + (model.mtp_num_layers or 0))
 
 
 @dataclass
@@ -287,8 +288,10 @@ def stage_times(lay: PipelineLayout, cost: CostModel, cluster: Cluster, global_b
         bwd = max(attn[True].values())
         for held, c in zip(lay.held[i], colls[i]):
             if held not in seen:
-                x = [[n * cost.expert_time(g, tpe, b) if n else 0.0 for n, g in zip(held, types)] for b in (False, True)]
-                seen[held] = (c[TaskKind.D_F] + max(x[0]) + c[TaskKind.C_F], c[TaskKind.C_B] + max(x[1]) + c[TaskKind.D_B],
+                x = [[n * cost.expert_time(g, tpe, b) if n else 0.0 for n, g in zip(held, types)]
+                     for b in (False, True)]
+                seen[held] = (c[TaskKind.D_F] + max(x[0]) + c[TaskKind.C_F],
+                              c[TaskKind.C_B] + max(x[1]) + c[TaskKind.D_B],
                               [a + b for a, b in zip(*x)], [0])
             f, b, x_busy, uses = seen[held]
             fwd += f
@@ -432,7 +435,8 @@ def zebra_bound_terms(cost: CostModel, cluster: Cluster, a_gpus: set[str], x_gpu
     `streams` False: without the streams' load (a cheaper, weaker bound; so is attention_only)."""
     P = lay.P
     if attention_only or not streams:
-        colls = [[{TaskKind.D_F: 0.0, TaskKind.C_F: 0.0, TaskKind.C_B: 0.0, TaskKind.D_B: 0.0} for _ in h] for h in lay.held]
+        colls = [[{TaskKind.D_F: 0.0, TaskKind.C_F: 0.0, TaskKind.C_B: 0.0, TaskKind.D_B: 0.0} for _ in h]
+                 for h in lay.held]
     elif colls is None:
         colls = stage_collectives(lay, cost, cluster, t)
 
@@ -456,7 +460,8 @@ def zebra_bound_terms(cost: CostModel, cluster: Cluster, a_gpus: set[str], x_gpu
 
     before = sum(max(attention(i, b), experts(i, b), stream_load(i, b)) for i in range(P - 1) for b in (False, True))
     last = P - 1
-    dispatch = sum(c[TaskKind.D_F] + c[TaskKind.C_B] for c in colls[last])  # every collective of the last stage, per stream
+    # every collective of the last stage, per stream
+    dispatch = sum(c[TaskKind.D_F] + c[TaskKind.C_B] for c in colls[last])
     combine = sum(c[TaskKind.C_F] + c[TaskKind.D_B] for c in colls[last])
     return before, max(attention(last, False) + attention(last, True), experts(last, False) + experts(last, True),
                        dispatch, combine)
@@ -498,8 +503,8 @@ def check_plan_matches(plan: HeteroPlan, cluster: Cluster, model: ModelConfig) -
         def shape(n: int, dense: list[int], e: int) -> str:
             return f"{n} MoE layers x {e} experts" + (f", dense layers {dense}" if dense else "")
         raise PlanError(f"plan is for {shape(*have)} but model {model.name!r} has "
-                        f"{shape(model.planned_num_moe_layers, model.planned_dense_layers, model.num_experts)}; plan for "
-                        f"this model")
+                        f"{shape(model.planned_num_moe_layers, model.planned_dense_layers, model.num_experts)}; "
+                        f"plan for this model")
 
 
 def simulate_pipelined(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,

@@ -229,7 +229,8 @@ def _resolve_ratios(prof: GpuProfile, ratios: dict, where: str, chain: tuple[str
                 raise ProfileError(f"{where}: {e}") from None
             prof = dataclasses.replace(prof, attention_core_efficiency=eff)
             field_name = "attention_core_efficiency"
-        prof.sources[field_name] = f"{src} (solved: {field_name}={eff:.4f} so that {ref.name} / {prof.name} time = {ratio})"
+        prof.sources[field_name] = (f"{src} (solved: {field_name}={eff:.4f} so that {ref.name} / {prof.name} "
+                                    f"time = {ratio})")
     return prof
 
 

@@ -31,7 +31,8 @@ from typing import Callable
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
 from megatron_hetermoe.vocabulary import ScheduleName, TaskKind
 
-EXPERT_KINDS = (TaskKind.E_F, TaskKind.E_B, TaskKind.X_F, TaskKind.X_B)  # the compute task kinds that run experts (plan/tasks.py)
+# the compute task kinds that run experts (plan/tasks.py)
+EXPERT_KINDS = (TaskKind.E_F, TaskKind.E_B, TaskKind.X_F, TaskKind.X_B)
 
 
 @dataclass(frozen=True)
@@ -253,9 +254,11 @@ def propose_simulated(plan: HeteroPlan, tokens: list[list[float]], next_steps: i
     c = move_cost_s(len(moved))
     saving = (now - new) * next_steps
     if new > now * (1 - cfg.min_gain):
-        return Proposal(None, moved, now, new, c, f"simulated gain {1 - new / now:.1%} below min_gain {cfg.min_gain:.0%}")
+        return Proposal(None, moved, now, new, c,
+                        f"simulated gain {1 - new / now:.1%} below min_gain {cfg.min_gain:.0%}")
     if saving <= cfg.margin * c:
         return Proposal(None, moved, now, new, c,
-                        f"simulated saving {saving:.3g} s over {next_steps} steps <= {cfg.margin:g} x move cost {c:.3g} s")
+                        f"simulated saving {saving:.3g} s over {next_steps} steps <= {cfg.margin:g} x move cost "
+                        f"{c:.3g} s")
     return Proposal(got.plan, moved, now, new, c,
                     f"simulated step {now:.3f} -> {new:.3f} s, saving {saving:.3g} s over {next_steps} steps")

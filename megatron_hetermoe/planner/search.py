@@ -223,7 +223,8 @@ def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert:
     if not 1 <= alive <= R:
         raise ValueError(f"microbatches_alive={alive} must be in 1..R={R} (zebra: R, DistEP: 1)")
     m = cost.model
-    L, E, k = m.planned_num_moe_layers, m.num_experts, m.moe_router_topk  # stage l < L: MoE layer l (+ its dense layers)
+    # stage l < L: MoE layer l (+ its dense layers)
+    L, E, k = m.planned_num_moe_layers, m.num_experts, m.moe_router_topk
     M, N = len(attn), len(expert)
     t_mb = global_batch * cost.settings.seq_len / (G * M * R)
     tpe = M * t_mb * k / E
@@ -294,8 +295,8 @@ def _build_pipelined_plan(model: ModelConfig, gpu_types: list[str], attn: list[i
                           R: int, k: list[int], schedule: str, validate: bool, skeleton: bool, attention_tp: int,
                           P: int, W: int = 1, order: str = "gpipe") -> HeteroPlan:
     if any(k) and attention_tp > 1:
-        raise PlanError(f"experts on attention ranks (Asym-EA, {list(k)}) with attention_tp={attention_tp}: the planner "
-                        f"builds TP attention members without Asym-EA; use k all 0")
+        raise PlanError(f"experts on attention ranks (Asym-EA, {list(k)}) with attention_tp={attention_tp}: "
+                        f"the planner builds TP attention members without Asym-EA; use k all 0")
     if schedule not in (ScheduleName.DISTEP, ScheduleName.ZEBRA):
         raise PlanError(f"schedule {schedule!r} is unknown; use 'zebra' or 'distep'")
     if len(attn) % (G * P) or len(expert) % (G * P):
@@ -378,7 +379,8 @@ def candidates(cluster: Cluster, model: ModelConfig, global_batch: int, max_micr
                         if spr % micro_batch_size == 0:
                             out.append(Candidate(attn, expert, G, spr // micro_batch_size, tp, P))
                         continue
-                    for R in reversed(_divisors(spr)):  # most microbatches first: zebra's best, so the bound prunes more
+                    # most microbatches first: zebra's best, so the bound prunes more
+                    for R in reversed(_divisors(spr)):
                         if R <= max_microbatches:
                             out.append(Candidate(attn, expert, G, R, tp, P))
     return out
@@ -421,7 +423,10 @@ def compute_lower_bound(cost: CostModel, gpu_types: list[str], cand: Candidate, 
     if any(k) and len(k) == L:  # Asym-EA: an attention rank also runs its experts, an expert rank its share
         tpe = M * t_mb * k_top / E
         x_gpus = {gpu_types[r] for r in cand.expert_ranks[:N]}
-        both = lambda g: cost.expert_time(g, tpe, False) + cost.expert_time(g, tpe, True)
+
+        def both(g: str) -> float:
+            return cost.expert_time(g, tpe, False) + cost.expert_time(g, tpe, True)
+
         lb = max(cand.R * (attn + sum(asym_ea.attention_max(x, M) for x in k) * min(map(both, a_gpus))),
                  cand.R * sum(asym_ea.expert_max(x, E, N) for x in k) * min(map(both, x_gpus)))
     if not any(k):
@@ -544,7 +549,8 @@ class _Search:
     keep_tried: bool  # expert loads given: fill `tried`
     best: dict[str, Option] = field(default_factory=dict)
     fitted: dict[str, set[str]] = field(default_factory=lambda: {n: set() for n in VARIANTS})
-    fit_layouts: dict[tuple, tuple] = field(default_factory=dict)  # (attention, expert ranks, G, P): the network floor's
+    # (attention, expert ranks, G, P): the network floor's
+    fit_layouts: dict[tuple, tuple] = field(default_factory=dict)
     why: dict[str, dict[str, tuple[float, str]]] = field(default_factory=lambda: {n: {} for n in VARIANTS})
     tried: list[Option] = field(default_factory=list)
     names: dict[tuple, str] = field(default_factory=dict)  # layout names, made once per role split
@@ -828,7 +834,8 @@ def _pick(s: _Search) -> tuple[str, ...]:
     return picks
 
 
-def _strategy_rows(s: _Search, picks: tuple[str, ...], roof: BaselineResult, cands: list[Candidate]) -> list[Prediction]:
+def _strategy_rows(s: _Search, picks: tuple[str, ...], roof: BaselineResult,
+                   cands: list[Candidate]) -> list[Prediction]:
     """The rows of HeterMoE's strategies: each one's fastest option, or why it has none."""
     rows = []
     for name in (PICK, ZEBRA, ZEBRA_GREEDY, ZEBRA_NO_EA, DISTEP):
@@ -1017,7 +1024,8 @@ def _replan_for_load(model: ModelConfig, types: list[str], cluster: Cluster, cos
               "load_aware_shape": {"M": len(g0.attention_ranks) // plan.pipeline_stages,
                                    "N": len(g0.expert_ranks) // plan.pipeline_stages, "groups": len(plan.groups),
                                    "microbatches": plan.num_microbatches, "schedule": plan.schedule,
-                                   "pipeline_stages": plan.pipeline_stages, "expert_recompute": chosen.expert_recompute},
+                                   "pipeline_stages": plan.pipeline_stages,
+                                   "expert_recompute": chosen.expert_recompute},
               "experts_on_attention_per_layer": plan.experts_on_attention_per_layer(),
               "same_shape_as_pick": best is own}
     tokens = best.tokens_per_step

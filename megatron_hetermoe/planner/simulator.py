@@ -169,7 +169,10 @@ def flat_arrays(p: SimProblem) -> tuple:
 
         offsets = np.zeros(len(p.tasks) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum([len(t) for t in p.tasks])
-        cat = lambda rows, dt: np.array(list(chain.from_iterable(rows)), dtype=dt)
+
+        def cat(rows, dt):
+            return np.array(list(chain.from_iterable(rows)), dtype=dt)
+
         p._flat = (offsets, cat(p.is_comm, np.int64), cat(p.dur, np.float64), cat(p.ref, np.int64),
                    np.asarray(p.coll_stream, dtype=np.int64), np.asarray(p.coll_dur, dtype=np.float64),
                    np.asarray(p.coll_members or [len(p.tasks)] * len(p.coll_dur), dtype=np.int64))
@@ -343,8 +346,9 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     reps: list[int] = []
     mult: list[int] = []
     for r in g.members:
-        key = (stage[r], role[r], plan.gpu_types[r], tuple(weight[r] if load_mult is None else
-                                                            [tuple(g.placement[l].get(r, [])) for l in layers[stage[r]]]))
+        key = (stage[r], role[r], plan.gpu_types[r],
+               tuple(weight[r] if load_mult is None else
+                     [tuple(g.placement[l].get(r, [])) for l in layers[stage[r]]]))
         key = key if dedup else (r,)
         if key in keys:
             mult[keys[key]] += 1
@@ -385,7 +389,8 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
             l = layers[i][t.layer]
             key = (plan.gpu_types[r], t.kind, l, tuple(g.placement[l].get(r, [])))
             if key not in cache:
-                cache[key] = experts_time(cost, plan.gpu_types[r], [per_expert_tokens * load_mult[l][e] for e in key[3]],
+                cache[key] = experts_time(cost, plan.gpu_types[r],
+                                          [per_expert_tokens * load_mult[l][e] for e in key[3]],
                                           t.kind.endswith("_B"))
             return cache[key]
         held = counts[r][t.layer] if t.kind[0] in "XE" else 0
@@ -397,7 +402,8 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
                                                plan.attention_tp)
             elif t.layer < len(pieces):  # the (chunk's) piece t.layer (its last only on the last virtual stage)
                 s, d = pieces[t.layer]
-                cache[key] = cost.stage_time(plan.gpu_types[r], s, t_mb, t.kind == TaskKind.A_B, plan.attention_tp, dense=d)
+                cache[key] = cost.stage_time(plan.gpu_types[r], s, t_mb, t.kind == TaskKind.A_B, plan.attention_tp,
+                                             dense=d)
             else:  # a stage's last piece before the last stage: only the send of its output
                 cache[key] = 0.0
         return cache[key]
@@ -458,7 +464,8 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
         if G > 1 and n_exp:
             k_in_group = members.index(r)
             replicas = [plan.groups[gi].members[k_in_group] for gi in range(G)]
-            t += allreduce_time(Links.for_ranks(cluster, replicas, cost.profiles), m.expert_params() * n_exp * grad_bytes)
+            t += allreduce_time(Links.for_ranks(cluster, replicas, cost.profiles),
+                                m.expert_params() * n_exp * grad_bytes)
         t += cost.optimizer_time(plan.gpu_types[r], params)
         prob.post_step.append(t)
     return prob

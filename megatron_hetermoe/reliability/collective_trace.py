@@ -6,9 +6,9 @@ whose timing turns it into a hang.
 
 $HETERMOE_TRACE_COLLECTIVES=DIR makes shims/torch_distributed.py `trace_collectives()` (called by
 both trainers at rank start) wrap torch.distributed's collectives in this process (`traced`);
-each rank writes DIR/collectives.rank<R>.jsonl, one line per outermost collective call: the group's name (torch names every group alike on all
-its members, in creation order), its global ranks, the op, the calling thread, start and end,
-and the innermost calling frames outside torch.
+each rank writes DIR/collectives.rank<R>.jsonl, one line per outermost collective call: the
+group's name (torch names every group alike on all its members, in creation order), its global
+ranks, the op, the calling thread, start and end, and the innermost calling frames outside torch.
 `check(DIR)` reads the files and returns every violation:
 - order: for a group, the members' sequences of ops differ (the first differing position);
 - threads: two threads of one rank were inside collectives of one group at once (the order

@@ -11,8 +11,8 @@ MODE "raise" raises FaultInjected (a Python error), "exit" ends the process at o
 like a crash or an OOM kill), "kill" sends the process SIGKILL (kill -9: a lost GPU or node).
 Several faults are separated by ";". `attempt=K` (default 0) aims a fault at the K-th start of
 an elastic job (training/elastic.py numbers its starts in $HETERMOE_ELASTIC_ATTEMPT, torchrun in
-$TORCHELASTIC_RESTART_COUNT), so a test can lose one rank, then another rank of the re-planned job. Read once per process; costs a pid
-and a None check per site otherwise.
+$TORCHELASTIC_RESTART_COUNT), so a test can lose one rank, then another rank of the re-planned
+job. Read once per process; costs a pid and a None check per site otherwise.
 The launching process checks the variable against the job's world size first (`check_env`): a
 malformed value, or a rank the job does not have, is refused before any rank starts.
 """

@@ -202,10 +202,10 @@ class ThreadStream:
 class CudaApi:
     """The torch.cuda calls a CudaStream (and the single issuer's CudaTransport) makes, in one
     place so that tests can pass fake streams and events (`stream_type(device=...)`,
-    `event_type()`; a stream has wait_event(event), an event record(stream) and query()). Side streams are made once per (device, name)
-    and kept: a process may make several executors (a run makes one, kept over its steps;
-    tests make many), and a fresh pool stream each time could be shared with other users of
-    torch's stream pool."""
+    `event_type()`; a stream has wait_event(event), an event record(stream) and query()). Side
+    streams are made once per (device, name) and kept: a process may make several executors (a
+    run makes one, kept over its steps; tests make many), and a fresh pool stream each time could
+    be shared with other users of torch's stream pool."""
 
     def __init__(self, stream_type: Callable[..., Any] | None = None, event_type: Callable[[], Any] | None = None,
                  current_stream: Callable[[torch.device], Any] | None = None,
@@ -439,7 +439,8 @@ class TaskExecutor:
                 failure.result()
             fut.result()
 
-        last_end = task_timing.origin() if task_timing is not None else time.perf_counter()  # the previous compute's end
+        # the previous compute's end
+        last_end = task_timing.origin() if task_timing is not None else time.perf_counter()
         try:
             self.meter.__enter__()
             for t in tasks:

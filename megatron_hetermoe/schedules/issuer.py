@@ -323,8 +323,8 @@ def resolve_issuer(issuer: str, device, emulated: bool, backend: str) -> str:
                          "stream, and NCCL does not allow several threads to issue to communicators of one device at "
                          "once; drop the flag (NCCL ranks use the single issuer)")
     if nccl and emulated:
-        raise ValueError("an emulated cluster on NCCL ranks: emulation needs the threaded executor, which NCCL does not "
-                         "allow (several issuing threads); emulate on CPU ranks (gloo)")
+        raise ValueError("an emulated cluster on NCCL ranks: emulation needs the threaded executor, which NCCL "
+                         "does not allow (several issuing threads); emulate on CPU ranks (gloo)")
     if issuer != "auto":
         return issuer
     return "single" if cuda and nccl else "threads"

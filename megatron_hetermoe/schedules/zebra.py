@@ -68,7 +68,8 @@ def _recomputed(fn, *args):
 
 
 # The slot field a transfer's received tensor goes to, per transfer kind.
-_RECEIVED = {TaskKind.D_F: "recv_tokens", TaskKind.C_F: "recv_combined", TaskKind.C_B: "recv_grad", TaskKind.D_B: "grad_permuted"}
+_RECEIVED = {TaskKind.D_F: "recv_tokens", TaskKind.C_F: "recv_combined", TaskKind.C_B: "recv_grad",
+             TaskKind.D_B: "grad_permuted"}
 
 
 def _release(t: torch.Tensor, stream) -> None:

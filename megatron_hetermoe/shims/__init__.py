@@ -1,8 +1,8 @@
 """Every runtime patch the package makes to megatron-core, Megatron-LM or torch, one module per
 patched thing, named for it: what is replaced, why (the failure or the missing hook), which
-releases need it, and how it is undone (a patch made for good says so). Nothing outside this package assigns to, setattr()s or
-deletes an attribute of those packages, nor replaces a method of one of their objects
-(tests/test_imports.py test_no_patch_outside_shims).
+releases need it, and how it is undone (a patch made for good says so). Nothing outside this
+package assigns to, setattr()s or deletes an attribute of those packages, nor replaces a method
+of one of their objects (tests/test_imports.py test_no_patch_outside_shims).
 
 Where the replacement's behaviour is HeterMoE's (the world-wide grad norm, the optimizer state's
 resharding, the plan's process groups), the caller passes it in and the shim owns the act:

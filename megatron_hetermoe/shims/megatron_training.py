@@ -157,7 +157,8 @@ def pretrain_hooks(h: PretrainHooks) -> Iterator[None]:
     else:
         hooks.append((tracker, "_sync_metrics", wrap(tracker._sync_metrics, h.sync_moe_metrics)))
     mtp, _ = megatron_lm_mtp_reduce()
-    hooks.append((MTPLossLoggingHelper, mtp, staticmethod(wrap(getattr(MTPLossLoggingHelper, mtp), h.reduce_mtp_losses))))
+    hooks.append((MTPLossLoggingHelper, mtp,
+                  staticmethod(wrap(getattr(MTPLossLoggingHelper, mtp), h.reduce_mtp_losses))))
     with replaced(hooks):
         try:
             yield

@@ -34,5 +34,6 @@ def patch_for(checkout) -> str:
     name = PATCHES.get(v[:2])
     if name is None:
         made = ", ".join(f"core_v{a}.{b}.x" for a, b in sorted(PATCHES))
-        raise ValueError(f"no patch for Megatron-LM core_v{'.'.join(map(str, v))} ({checkout}); patches exist for {made}")
+        raise ValueError(f"no patch for Megatron-LM core_v{'.'.join(map(str, v))} ({checkout}); "
+                         f"patches exist for {made}")
     return name

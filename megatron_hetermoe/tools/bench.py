@@ -108,7 +108,8 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
                  expert_recompute=default_expert_recompute(True), attention_tp=(1,), pipeline_stages=(1,))
     preds = res.by_name()
     plans = {}
-    for name, key, schedule in ((HETERMOE, ZEBRA, "zebra"), ("Zebra", ZEBRA_NO_EA, "zebra"), ("DistEP", DISTEP, "distep")):
+    for name, key, schedule in ((HETERMOE, ZEBRA, "zebra"), ("Zebra", ZEBRA_NO_EA, "zebra"),
+                                ("DistEP", DISTEP, "distep")):
         p = preds.get(key)
         if p is None or not p.fits:
             raise SystemExit(f"the planner found no feasible {key} plan for {model} on {cluster} at seq {seq_len}, "
@@ -138,7 +139,8 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
             pred = em.predict_hetero(plan, schedule).step_time_s
             spec = _spec_for(base, pred, fixed, max_step_seconds, max_overrun)
             n_attn = len(plan.attention_ranks)
-            cfg = TrainConfig(real, ParallelConfig(), micro_batch_size=1, global_batch_size=plan.num_microbatches * n_attn,
+            cfg = TrainConfig(real, ParallelConfig(), micro_batch_size=1,
+                              global_batch_size=plan.num_microbatches * n_attn,
                               train_iters=iters, quiet=True, emulate=spec)
             run_dir = f"{timeline_dir}/{name.replace(' ', '_').replace('+', 'plus')}" if timeline_dir else None
             out = launch(_hetero_rank, W, cfg, plan, schedule, run_dir, timeout_s=timeout_s)[0]
@@ -169,7 +171,8 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
                     det[gpu] = pred.reason
                     continue
                 d, r_mb = pred.detail["ep_size"], pred.detail["microbatches"]
-                sub = replace(_spec_for(base, pred.step_time_s, fixed, max_step_seconds, max_overrun), ranks=tuple(ranks))
+                sub = replace(_spec_for(base, pred.step_time_s, fixed, max_step_seconds, max_overrun),
+                              ranks=tuple(ranks))
                 cfg = TrainConfig(real, ParallelConfig(ep=d), micro_batch_size=1, global_batch_size=r_mb * len(ranks),
                                   train_iters=iters, quiet=True, emulate=sub)
                 rep = run(cfg, len(ranks), timeout_s=timeout_s).emulation
@@ -206,7 +209,8 @@ def run_bench(cluster: str, model: str, seq_len: int, global_batch: int, steps: 
             "scale": "auto" if fixed is None else fixed, "steps": steps, "world_size": W, "real_model": asdict(real),
             "max_overrun": max_overrun, "programs": em.programs(),
             "strategies": {r.name: {"measured_step_s": r.measured_step_s, "predicted_step_s": r.predicted_step_s,
-                                    "tokens_per_s": r.tokens_per_s, "predicted_tokens_per_s": tokens / r.predicted_step_s,
+                                    "tokens_per_s": r.tokens_per_s,
+                                    "predicted_tokens_per_s": tokens / r.predicted_step_s,
                                     "prediction_error": r.error, "utilization": r.utilization, "valid": r.valid,
                                     "invalid_reason": r.invalid_reason, "overrun": r.overrun, "scale": r.scale,
                                     "detail": r.detail} for r in rows},
@@ -222,7 +226,8 @@ def format_report(rep: dict) -> str:
              f"{rep['real_model']['num_layers']} layers x {rep['real_model']['num_experts']} experts; "
              f"median of {rep['steps']} measured steps per strategy, each at its own scale (real s per emulated s)"]
     if pr:
-        lines.append("predicted program (cost model): " + "; ".join(f"{g}: {d}" for g, d in pr["predicted_program"].items()))
+        lines.append("predicted program (cost model): "
+                     + "; ".join(f"{g}: {d}" for g, d in pr["predicted_program"].items()))
         lines.append(f"the CPU ranks run: {pr['runtime_program']}, and are timed as the predicted program")
     lines.append(f"{'strategy':<18} {'measured s':>10} {'predicted s':>11} {'error':>7} {'tokens/s':>10} "
                  f"{'overrun':>8} {'scale':>6}  emulation  utilization")
@@ -237,7 +242,8 @@ def format_report(rep: dict) -> str:
         lines.append(f"{name:<18} does not fit: {why}")
     for name, x in rep["hetermoe_speedup"].items():
         lines.append(f"{HETERMOE} / {name}: {x:.2f}x tokens/s measured (simulator: "
-                     f"{rep['predicted_speedup'][name]:.2f}x, difference {x / rep['predicted_speedup'][name] - 1:+.1%})")
+                     f"{rep['predicted_speedup'][name]:.2f}x, "
+                     f"difference {x / rep['predicted_speedup'][name] - 1:+.1%})")
     for name, why in rep.get("speedup_not_reported", {}).items():
         lines.append(f"{HETERMOE} / {name}: not reported, the emulation was invalid (simulator: "
                      f"{rep['predicted_speedup'][name]:.2f}x)")

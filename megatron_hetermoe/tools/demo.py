@@ -114,7 +114,8 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
     real = emulation_real_model(shape, hidden=64, seq_length=64).replace(vocab_size=1024)
     n_attn = len(plan.attention_ranks)
     mbs = 2
-    cfg = TrainConfig(real, ParallelConfig(), micro_batch_size=mbs, global_batch_size=mbs * plan.num_microbatches * n_attn,
+    cfg = TrainConfig(real, ParallelConfig(), micro_batch_size=mbs,
+                      global_batch_size=mbs * plan.num_microbatches * n_attn,
                       train_iters=steps, lr=3e-3, min_lr=3e-4, lr_warmup_iters=DEMO_WARMUP_ITERS, log_interval=10,
                       emulate=spec, data=data, progress_bar=True)
 
@@ -173,7 +174,8 @@ def run_demo(out_dir: str = "demo-out", steps: int = 150, measure_steps: int = 3
     print(" " + validity_line("Megatron EP run", e_rep))
     if valid:
         print(f"HeterMoE / Megatron EP: {measured:.2f}x tokens/s measured in emulation, {predicted:.2f}x simulated, "
-              f"difference {measured / predicted - 1:+.1%} (HeterMoE {h_tps:,.0f} vs Megatron EP {e_tps:,.0f} tokens/s)")
+              f"difference {measured / predicted - 1:+.1%} "
+              f"(HeterMoE {h_tps:,.0f} vs Megatron EP {e_tps:,.0f} tokens/s)")
     else:
         print(f"HeterMoE / Megatron EP: no measured speedup (the emulation was not valid on this machine, see "
               f"above); {predicted:.2f}x simulated")

@@ -208,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{i:>4} {x:>18.10f} {y:>18.10f} {abs(x - y) / abs(x):>9.2e} "
                   + " ".join(f"{g[c]:>16.2e}" for c in cats))
         name, d = r.worst_tensor_grad_diff
-        print(f"gradients: max |diff| / max |reference| per category; worst tensor against its own max: {d:.2e} ({name})")
+        print(f"gradients: max |diff| / max |reference| per category; worst tensor against its own max: "
+              f"{d:.2e} ({name})")
         if r.max_rel_param_diff_free_run is not None:
             print(f"free-running trajectories: final weights max rel diff {r.max_rel_param_diff_free_run:.2e} "
                   f"(bound {a.free_run_tol:.0e}), losses max rel diff {r.max_rel_loss_diff_free_run:.2e} "

@@ -232,7 +232,8 @@ def measure(model: ModelConfig, seq_lens: list[int], seqs: list[int], expert_tok
         "flash_attention": flash,
         "memory_gib": {"value": round(mem_gib, 2), "source": f"{src}: total device memory"},
         "peak_fp16_tflops": {"value": round(peak_tflops, 4),
-                             "source": f"{src}: best square matmul of a size sweep ({n}^3) in {dtype_name} (an achieved peak, not a datasheet one)"},
+                             "source": f"{src}: best square matmul of a size sweep ({n}^3) in {dtype_name} "
+                                       f"(an achieved peak, not a datasheet one)"},
         "memory_bandwidth_gbs": {"value": round(membw, 2), "source": f"{src}: 256 MiB clone"},
         "gemm_efficiency": {"value": round(min(1.0, gemm_rate / peak_tflops), 4),
                             "source": f"{src}: expert forward FLOP rate at {large['tokens']} tokens / matmul peak"},

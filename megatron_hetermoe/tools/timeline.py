@@ -48,8 +48,9 @@ def chrome_trace(events: list[Event]) -> dict:
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 
-_COLORS = {TaskKind.A_F: "#1f77b4", TaskKind.A_B: "#aec7e8", TaskKind.X_F: "#9467bd", TaskKind.X_B: "#c5b0d5", TaskKind.E_F: "#d62728",
-           TaskKind.E_B: "#ff9896", TaskKind.D_F: "#2ca02c", TaskKind.C_B: "#98df8a", TaskKind.C_F: "#ff7f0e", TaskKind.D_B: "#ffbb78"}
+_COLORS = {TaskKind.A_F: "#1f77b4", TaskKind.A_B: "#aec7e8", TaskKind.X_F: "#9467bd", TaskKind.X_B: "#c5b0d5",
+           TaskKind.E_F: "#d62728", TaskKind.E_B: "#ff9896", TaskKind.D_F: "#2ca02c", TaskKind.C_B: "#98df8a",
+           TaskKind.C_F: "#ff7f0e", TaskKind.D_B: "#ffbb78"}
 
 
 def draw_png(events: list[Event], path: str | Path, step: int | None = None, title: str = "") -> None:

@@ -85,7 +85,8 @@ def compare(golden: dict[int, float], losses: list[float], rtol: float, exact: b
     problems = []
     last = start_step + len(losses) - 1
     if last < max(golden) or start_step > min(golden):
-        problems.append(f"run has steps {start_step}..{last} but golden values cover steps {min(golden)}..{max(golden)}")
+        problems.append(f"run has steps {start_step}..{last} but golden values cover steps "
+                        f"{min(golden)}..{max(golden)}")
     for step, want in sorted(golden.items()):
         if not start_step <= step <= last:
             continue
@@ -111,7 +112,8 @@ PRETRAIN_METRICS = ("lm loss", "num-zeros", "iteration-time")
 DEFAULT_METRIC_RTOL = {"lm loss": DEFAULT_RTOL, "num-zeros": DEFAULT_RTOL}
 
 
-def scalars_from_tensorboard(tb_dir: str | Path, metrics: tuple[str, ...] = PRETRAIN_METRICS) -> dict[str, dict[int, float]]:
+def scalars_from_tensorboard(tb_dir: str | Path,
+                             metrics: tuple[str, ...] = PRETRAIN_METRICS) -> dict[str, dict[int, float]]:
     """{metric: {iteration: value}} from the tensorboard events Megatron's training_log wrote (float32
     values, unlike its 7-digit log lines); a metric the run did not log is left out."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

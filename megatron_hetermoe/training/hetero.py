@@ -113,7 +113,8 @@ class HeteroStep:
         if self.hooks.collect_grads:
             # Before Megatron's optimizer unscales and clips: the unscaled gradients, as Megatron
             # EP's trainer reports them.
-            self.grads.append(export_megatron(self.hs, self.model, "main_grad", scale=1.0 / loss_scale_of(self.optimizer)))
+            self.grads.append(export_megatron(self.hs, self.model, "main_grad",
+                                              scale=1.0 / loss_scale_of(self.optimizer)))
         return None  # the norm is Megatron's optimizer's (over the world)
 
 

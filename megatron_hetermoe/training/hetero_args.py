@@ -6,7 +6,8 @@ import argparse
 from megatron_hetermoe.config import HeteroRunConfig
 
 
-def hetero_run_config(args: argparse.Namespace, recompute: bool = False, timeline_dir: str | None = None) -> HeteroRunConfig:
+def hetero_run_config(args: argparse.Namespace, recompute: bool = False,
+                      timeline_dir: str | None = None) -> HeteroRunConfig:
     """The run's HeteroRunConfig from the parsed --hetero-* flags (and the plugin trainer's own
     --recompute-granularity full and --timeline-dir)."""
     return HeteroRunConfig(args.hetero_schedule, recompute, timeline_dir, args.hetero_expert_precision,

@@ -186,7 +186,8 @@ def train(cfg: TrainConfig, hooks: RunHooks | None = None) -> TrainResult:
         res = train_loop(parts, role)
         gpu = peak_gpu_mib(MEGATRON_ROLE, device, dist.group.WORLD)  # before the exports below; None on CPU ranks
         emulation = clock.report() if clock is not None else None
-        params = gather_canonical([model], [role.model_names], "data", tp_group=tp_group) if hooks.collect_grads else None
+        params = (gather_canonical([model], [role.model_names], "data", tp_group=tp_group)
+                  if hooks.collect_grads else None)
         return TrainResult(
             losses=res.losses, step_times=res.step_times, start_iteration=res.start_iteration, num_microbatches=nmb,
             dp=dp, skipped=guard.skipped, loss_scales=res.loss_scales, overflow_skipped=res.overflow_skipped,

@@ -170,7 +170,8 @@ class NanGuard:
         findings = [f for per_rank in world for f in per_rank]
         head = (f"non-finite loss or gradient at iteration {iteration + 1} "
                 f"(--check-for-nan-in-loss-and-grad {self.mode}): ")
-        detail = "; ".join(str(f) for f in findings[:8]) + (f"; ... {len(findings) - 8} more" if len(findings) > 8 else "")
+        detail = ("; ".join(str(f) for f in findings[:8])
+                  + (f"; ... {len(findings) - 8} more" if len(findings) > 8 else ""))
         if self.mode == "stop":
             raise NonFiniteError(head + detail + ". Lower --lr, check the data, or pass "
                                  "--check-for-nan-in-loss-and-grad skip to drop such steps")

@@ -191,7 +191,8 @@ def check_megatron_layout(cfg: "TrainConfig", world: int) -> None:
                           f"of {par.tp * par.pp} ranks (--nproc) or change --pipeline-model-parallel-size")
     if world % (par.ep * par.pp):
         raise ConfigError(f"world size {world} is not divisible by EP {par.ep} x PP {par.pp} (Megatron's expert "
-                          f"layout); launch a multiple of {par.ep * par.pp} ranks or change --expert-model-parallel-size")
+                          f"layout); launch a multiple of {par.ep * par.pp} ranks or change "
+                          f"--expert-model-parallel-size")
     if m.num_experts % par.ep:
         raise _bad("ep", par.ep, f"does not divide num_experts={m.num_experts} of model {m.name!r}",
                    "pick an expert-parallel size that divides the expert count")
@@ -210,7 +211,8 @@ def check_megatron_layout(cfg: "TrainConfig", world: int) -> None:
     try:  # megatron-core's own config checks, run here with no process group
         transformer_config(m, par, cfg.precision)
     except (ValueError, AssertionError) as e:
-        raise ConfigError(f"megatron-core refuses model {m.name!r} with TP={par.tp} PP={par.pp} EP={par.ep}: {e}") from None
+        raise ConfigError(f"megatron-core refuses model {m.name!r} with TP={par.tp} PP={par.pp} EP={par.ep}: "
+                          f"{e}") from None
 
 
 def check_megatron_tp(cfg: "TrainConfig") -> None:
@@ -252,7 +254,8 @@ def check_plan_model(plan: HeteroPlan, num_layers: int, num_experts: int, moe_la
     have = (plan.decoder_layers, plan.mtp_layers, sorted(plan.dense_layers), plan.num_experts)
     if have != (num_layers, mtp, dense, num_experts):
         def shape(layers: int, m: int, d: list[int], experts: int) -> str:
-            return f"{layers} layers{f' + {m} MTP layers' if m else ''}{f' (dense: {d})' if d else ''} x {experts} experts"
+            return (f"{layers} layers{f' + {m} MTP layers' if m else ''}{f' (dense: {d})' if d else ''} "
+                    f"x {experts} experts")
         raise PlanError(f"plan is for {shape(*have)} but {model} has {shape(num_layers, mtp, dense, num_experts)}; "
                         f"{remake}")
 

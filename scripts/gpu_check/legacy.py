@@ -97,7 +97,9 @@ def step_1rank(ck: Check, r: StepResult) -> None:
         r.status, r.summary = Status.FAIL, "; ".join(fails)
     else:
         r.status = Status.PASS
-        r.summary = ("; ".join(parts) if ck.gpu else "CPU references only (ep, distep, zebra, zebra-threads, zebra-bf16, zebra-fp16 ran; GPU part SKIP)")
+        r.summary = ("; ".join(parts) if ck.gpu
+                     else "CPU references only (ep, distep, zebra, zebra-threads, zebra-bf16, zebra-fp16 ran; "
+                          "GPU part SKIP)")
 
 
 def _gpu_and_cpu(ck: "Check", tag: str, cmd, outs: dict, on_gpu: bool, threads: int, timeout: float):
@@ -149,7 +151,8 @@ def step_gloo2(ck: Check, r: StepResult) -> None:
         ck.log(f"  {probe_note}")
     fails, parts, got, impossible = [], [], {}, []
     # zebra-pools: bf16 on the attention rank, fp16 on the expert rank (per-pool precision).
-    runs = {"distep": (plans["distep"], []), "zebra": (plans["zebra"], []), "zebra-pools": (plans["zebra"], ["--pools"])}
+    runs = {"distep": (plans["distep"], []), "zebra": (plans["zebra"], []),
+            "zebra-pools": (plans["zebra"], ["--pools"])}
     for sched, (plan, extra) in runs.items():
         if ck.left() < 25:
             fails.append(f"{sched}: out of time budget")
@@ -171,9 +174,10 @@ def step_gloo2(ck: Check, r: StepResult) -> None:
     if fails:
         r.status, r.summary = Status.FAIL, "; ".join(fails) + (f" | {probe_note}" if ck.gpu else "")
     elif impossible:
-        r.status, r.summary = Status.SKIP, (f"{', '.join(impossible)} on CUDA over gloo: not possible (Megatron DDP's grad sync "
-                                       f"needs allreduce_coalesced, which gloo has only for CPU tensors; seen on an H200); "
-                                       f"multi-rank HeterMoE on GPUs needs NCCL and >= 2 GPUs | {probe_note}; CPU references ran")
+        r.status, r.summary = Status.SKIP, (f"{', '.join(impossible)} on CUDA over gloo: not possible "
+                                            f"(Megatron DDP's grad sync needs allreduce_coalesced, which gloo has "
+                                            f"only for CPU tensors; seen on an H200); multi-rank HeterMoE on GPUs "
+                                            f"needs NCCL and >= 2 GPUs | {probe_note}; CPU references ran")
     elif ck.gpu and not gloo_cuda:
         r.status, r.summary = Status.SKIP, f"{probe_note}; CPU references ran"
     else:
@@ -282,8 +286,9 @@ def step_profile(ck: Check, r: StepResult) -> None:
         r.data = {k: v(k) for k in ("peak_fp16_tflops", "memory_bandwidth_gbs", "gemm_efficiency",
                                     "launch_overhead_us", "intra_node_gbs", "memory_gib")}
         dtype = d.get("measured", {}).get("info", {}).get("dtype", "?")
-        r.summary = (f"{dtype}: matmul {r.data['peak_fp16_tflops']:.1f} TFLOP/s, copy {r.data['memory_bandwidth_gbs']:.0f} "
-                     f"GB/s, expert GEMM efficiency {r.data['gemm_efficiency']:.2f}, launch "
+        r.summary = (f"{dtype}: matmul {r.data['peak_fp16_tflops']:.1f} TFLOP/s, "
+                     f"copy {r.data['memory_bandwidth_gbs']:.0f} GB/s, "
+                     f"expert GEMM efficiency {r.data['gemm_efficiency']:.2f}, launch "
                      f"{r.data['launch_overhead_us']:.1f} us; wrote {out.name}")
     except Exception as e:  # noqa: BLE001 - the profile was written; its numbers are a bonus
         r.summary = f"wrote {out.name} (could not read it back: {e})"
@@ -300,7 +305,8 @@ def step_grouped_ckpt(ck: Check, r: StepResult) -> None:
         r.status, r.summary = Status.SKIP, "pytest is not installed here"
         return
     p = ck.run("s7_grouped_ckpt", ck.py("-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                                        "tests/checkpoint/test_grouped_experts.py"), ck.env(), timeout=min(120, ck.left()))
+                                        "tests/checkpoint/test_grouped_experts.py"),
+               ck.env(), timeout=min(120, ck.left()))
     tail = [ln for ln in p.output.splitlines() if " passed" in ln or " failed" in ln or " skipped" in ln]
     r.status = Status.PASS if p.ok else Status.FAIL
     r.summary = (tail[-1].strip() if tail else p.why())[:300]

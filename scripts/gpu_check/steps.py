@@ -643,7 +643,8 @@ def step_te(ck: Check, r: StepResult) -> None:
     local = _losses(ck.runs.get("zebra", (None, None))[0])
     for name, flags in (("te", ("--transformer-impl", "transformer_engine")),
                         ("te-grouped", ("--transformer-impl", "transformer_engine", "--moe-grouped-gemm"))):
-        dev, _ = ck.pair(f"zebra_{name}", lambda side, f=flags: train_entry(plan, "--hetero-zebra-issuer", "single", *f),
+        dev, _ = ck.pair(f"zebra_{name}",
+                         lambda side, f=flags: train_entry(plan, "--hetero-zebra-issuer", "single", *f),
                          RUN_TIMEOUT_S, cpu=False)
         got = _losses(dev)
         if got is None:
@@ -673,8 +674,8 @@ def step_pp_1f1b(ck: Check, r: StepResult) -> None:
     gbs = shape["micro_batch"] * MICROBATCHES
     budget = max(1.0, min(PP_TIMEOUT_S, ck.left_total()))
     flags = ("--hetero-zebra-issuer", "single", "--pipeline-model-parallel-size", "2")
-    dev, ref = ck.pair("pp2_1f1b", lambda side: train_entry(plan, *flags, iters=shape["iters"], gbs=gbs, model=str(model),
-                                                            mbs=shape["micro_batch"]), budget)
+    dev, ref = ck.pair("pp2_1f1b", lambda side: train_entry(plan, *flags, iters=shape["iters"], gbs=gbs,
+                                                            model=str(model), mbs=shape["micro_batch"]), budget)
     size = (f"stage message {msg / 1e6:.1f} MB ({'above' if msg > NCCL_BUFFER else 'below'} NCCL's "
             f"{NCCL_BUFFER // 2**20} MiB buffer)")
     fails, parts = [], []

@@ -152,7 +152,8 @@ def _three_communicators(hs, device) -> str:
     members = sorted(dist.get_process_group_ranks(hs.dispatch_group))
     me = members.index(hs.rank)
     works, checks = [], []
-    for salt, comm, dtype in ((0, "dispatch", torch.float32), (1, "combine", torch.float32), (2, "counts", torch.int64)):
+    for salt, comm, dtype in ((0, "dispatch", torch.float32), (1, "combine", torch.float32),
+                              (2, "counts", torch.int64)):
         g = getattr(hs, f"{comm}_group")
         width = 1 if dtype == torch.int64 else A2A_ROW
         send = _splits(me, members, salt)
@@ -408,7 +409,8 @@ def worker_hetero_train(a) -> int:
     plan = HeteroPlan.load(a.plan)
     tiny = ModelConfig.load("tiny")
     # --pools: bf16 attention ranks, fp16 expert ranks (tokens cross in fp16), one fp16 loss scale.
-    cfg = TrainConfig(model=tiny, micro_batch_size=1, global_batch_size=plan.num_microbatches * len(plan.attention_ranks),
+    cfg = TrainConfig(model=tiny, micro_batch_size=1,
+                      global_batch_size=plan.num_microbatches * len(plan.attention_ranks),
                       train_iters=a.iters, deterministic=True,  # quiet must agree on every rank (collective logging)
                       bf16=a.pools, initial_loss_scale=4096.0 if a.pools else 2.0**32)
     # The trainer puts a rank on the GPU only under NCCL (rank_device): this GPU, over gloo.

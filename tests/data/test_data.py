@@ -148,7 +148,8 @@ def test_hetermoe_train_refuses_bad_data_before_launch(docs_dataset, capsys):
              "--tokenizer-model", docs_dataset["tokenizer_model"]]
     with pytest.raises(SystemExit) as e:
         main(["--model", "tiny", *flags])
-    assert e.value.code == 2 and "the tokenizer has 1024 tokens but model 'tiny' has vocab_size=256" in capsys.readouterr().err
+    assert e.value.code == 2 and ("the tokenizer has 1024 tokens but model 'tiny' has vocab_size=256"
+                                  in capsys.readouterr().err)
     with pytest.raises(SystemExit):
         main(["--model", "tiny-text", "--mock-data", *flags])
     assert "--mock-data and --data-path both given" in capsys.readouterr().err

@@ -41,7 +41,8 @@ def test_layout_roundtrip(tiny):
     for layer in range(2):
         state[f"decoder.layers.{layer}.mlp.router.weight"] = torch.randn(8, 2)
         for e in range(8):
-            state[f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.full((2,), float(e))
+            state[f"decoder.layers.{layer}.mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.full(
+                (2,), float(e))
     per_rank = [megatron_to_hetero(state, plan, r) for r in range(4)]
     assert "decoder.layers.1.mlp.router.weight" in per_rank[0]
     assert not any(".experts." in k for k in per_rank[0])
@@ -90,8 +91,9 @@ def test_parity_cli(tmp_path):
     last = text.stdout.strip().splitlines()[-1]
     assert last.startswith("PASS max_rel_loss_diff=") and "max_rel_grad_diff=" in last
     # An impossible tolerance must fail the command.
-    strict = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.cli", "parity", "--plan", str(plan),
-                             "--steps", "3", "--grad-tol", "0"], capture_output=True, text=True, timeout=300)
+    strict = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.cli", "parity",
+                             "--plan", str(plan), "--steps", "3", "--grad-tol", "0"],
+                            capture_output=True, text=True, timeout=300)
     assert strict.returncode == 1 and "FAIL" in strict.stdout
 
 

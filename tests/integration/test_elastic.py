@@ -88,10 +88,10 @@ def test_torchrun_loses_a_node_and_replans_for_the_survivors(tiny, tmp_path):
     def node(gpu: str, log: str, host: bool):
         cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node",
                "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
-               "--max-restarts", "2", "--rdzv-conf", f"is_host={int(host)},last_call_timeout=30,join_timeout=180", "--monitor-interval",
-               "0.5", "-m", "megatron_hetermoe.training.args", *FLAGS, "--train-iters", "8", "--hetero-plan", "auto",
-               "--save", str(ck), "--load", str(ck), "--save-interval", "1", "--hetero-ckpt-reshard",
-               "--golden-values-out", str(tmp_path / f"{gpu}.json")]
+               "--max-restarts", "2", "--rdzv-conf", f"is_host={int(host)},last_call_timeout=30,join_timeout=180",
+               "--monitor-interval", "0.5", "-m", "megatron_hetermoe.training.args", *FLAGS, "--train-iters", "8",
+               "--hetero-plan", "auto", "--save", str(ck), "--load", str(ck), "--save-interval", "1",
+               "--hetero-ckpt-reshard", "--golden-values-out", str(tmp_path / f"{gpu}.json")]
         env = {**os.environ, "HETERMOE_GPU_TYPE": gpu, "OMP_NUM_THREADS": "1", "HETERMOE_COLLECTIVE_TIMEOUT_S": "60"}
         for k in ("HETERMOE_ELASTIC_ATTEMPT", "HETERMOE_INJECT_FAULT"):
             env.pop(k, None)

@@ -190,7 +190,8 @@ def test_fuzz_cluster_file(doc):
 
 
 # ---------------------------------------------------------------- GPU profiles
-PROFILE_DOCS = [yaml.safe_load(p.read_text()) for p in sorted((Path(__file__).resolve().parents[2] / "configs/gpus").glob("*.yaml"))
+PROFILE_DOCS = [yaml.safe_load(p.read_text())
+                for p in sorted((Path(__file__).resolve().parents[2] / "configs/gpus").glob("*.yaml"))
                 if p.stem in ("a40", "v100-16gb", "cpu")]
 
 
@@ -228,7 +229,8 @@ def _mostly(valid, invalid):
 @FAST
 @given(mbs=_mostly(st.integers(1, 2), st.integers(-1, 0)), gbs=st.sampled_from([4, 8, 16]) | st.integers(-1, 17),
        iters=_mostly(st.integers(0, 3), st.just(-1)), lr=_mostly(st.just(1e-3), st.floats(-1, 1) | st.just(math.nan)),
-       min_lr=_mostly(st.just(1e-4), st.floats(-1, 1)), clip=_mostly(st.floats(0, 2), st.just(math.inf) | st.just(-1.0)),
+       min_lr=_mostly(st.just(1e-4), st.floats(-1, 1)),
+       clip=_mostly(st.floats(0, 2), st.just(math.inf) | st.just(-1.0)),
        seed=_mostly(st.integers(0, 2**32 - 1), st.sampled_from([-1, 2**32, 2**40])),
        ep=_mostly(st.sampled_from([1, 2, 4]), st.integers(0, 5)), pp=st.integers(1, 3), world=st.integers(1, 9))
 def test_fuzz_baseline_job(mbs, gbs, iters, lr, min_lr, clip, seed, ep, pp, world):

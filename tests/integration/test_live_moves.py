@@ -83,7 +83,8 @@ def test_forced_moves_change_no_loss(tiny, tmp_path, case, monkeypatch):
     back = dataclasses.replace(cfg, load=str(tmp_path / "ck"), ckpt_step=4)
     again = run(back, 4, plan=on, hetero=HeteroRunConfig(schedule=schedule))
     assert again.start_iteration == 4 and again.losses == static.losses[4:]
-    resharded = run(dataclasses.replace(back, ckpt_reshard=True), 4, plan=plan, hetero=HeteroRunConfig(schedule=schedule))
+    resharded = run(dataclasses.replace(back, ckpt_reshard=True), 4, plan=plan,
+                    hetero=HeteroRunConfig(schedule=schedule))
     assert resharded.losses == static.losses[4:]
 
 

@@ -90,7 +90,8 @@ def test_glu_fc1_is_gate_i_then_up_i():
     assert r1.flatten().tolist() == [12.0, 13.0, 22.0, 23.0]
     assert torch.equal(tp_shards.merge({0: r0, 1: r1}, spec), full)
     # not gated: a plain contiguous chunk
-    assert tp_shards.shard_spec(_param((4, 1)), "decoder.layers.0.mlp.linear_fc1.weight", 0, 2, glu=False).kind == "chunk"
+    assert tp_shards.shard_spec(_param((4, 1)), "decoder.layers.0.mlp.linear_fc1.weight", 0, 2,
+                                glu=False).kind == "chunk"
     with pytest.raises(ValueError, match="does not split into 2 TP shards of"):
         tp_shards.shard(torch.zeros(6, 1), spec)
 

@@ -136,7 +136,8 @@ def test_pipeline_refusals(tiny):
         check_hetero(dataclasses.replace(ok, parallel=ParallelConfig(pp=2, ep=2)), plan, 6)
     # Virtual stages: Megatron-LM's pretrain() only (tests/training/test_megatron_lm_pp.py), checked both ways.
     vpp = even_plan(4, tiny.num_experts, 2, 1, num_microbatches=2, pipeline_stages=2, virtual_stages=2)
-    with pytest.raises(ConfigError, match="plan virtual_stages=2: the plugin's trainer builds one model chunk per rank"):
+    with pytest.raises(ConfigError,
+                       match="plan virtual_stages=2: the plugin's trainer builds one model chunk per rank"):
         check_hetero(ok, vpp, 6)
     check_hetero_virtual_stages(vpp, 2, None)
     with pytest.raises(ConfigError, match="--num-virtual-stages-per-pipeline-rank 1 .* the plan has virtual_stages=2; "

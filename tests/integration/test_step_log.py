@@ -24,7 +24,8 @@ def test_tensorboard_scalars_and_role_utilization(tiny, tmp_path, capfd):
     assert len(lines) == 2 and all("utilization: attention" in line and "expert" in line for line in lines), out
     ea = EventAccumulator(str(tmp_path))
     ea.Reload()
-    assert {"lm loss", "learning-rate", "grad-norm", "utilization/attention", "utilization/expert"} <= set(ea.Tags()["scalars"])
+    assert ({"lm loss", "learning-rate", "grad-norm", "utilization/attention", "utilization/expert"}
+            <= set(ea.Tags()["scalars"]))
     logged = {e.step: e.value for e in ea.Scalars("lm loss")}
     assert logged == pytest.approx({2: res.losses[1], 4: res.losses[3]})
     assert res.peak_gpu_mib is None and len(res.peak_rss_mib) == 2  # CPU ranks: no GPU memory report

@@ -145,7 +145,8 @@ def test_megatron_lm_rank_config_follows_its_pool_and_its_gpu():
     run.hs = types.SimpleNamespace(role="expert", rank=1)
     over = run._rank_config(args, megatron_lm)
     assert (over["transformer_impl"], over["moe_grouped_gemm"]) == ("local", False)
-    assert not over["apply_rope_fusion"] and over["gradient_accumulation_fusion"] and over["bias_dropout_fusion"] is False
+    assert (not over["apply_rope_fusion"] and over["gradient_accumulation_fusion"]
+            and over["bias_dropout_fusion"] is False)
     run.hs, run._fusions_told = types.SimpleNamespace(role="attention", rank=0), False
     over = run._rank_config(args, megatron_lm)
     assert "transformer_impl" not in over and over["apply_rope_fusion"] and over["gradient_accumulation_fusion"]

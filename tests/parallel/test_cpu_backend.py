@@ -107,7 +107,8 @@ def test_patch_still_needed(patch):
 @pytest.mark.parametrize("patch", sorted(UPSTREAM_FIXES))
 def test_patch_not_needed(patch):
     if patch in NEEDED:
-        pytest.skip(f"{patch} is needed on megatron-core {'.'.join(map(str, VERSION))}; test_patch_still_needed checks it")
+        pytest.skip(f"{patch} is needed on megatron-core {'.'.join(map(str, VERSION))}; "
+                    f"test_patch_still_needed checks it")
     assert UPSTREAM_FIXES[patch](), f"{patch}: megatron-core {VERSION} no longer has the fix; re-enable the patch"
 
 

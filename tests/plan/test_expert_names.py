@@ -32,8 +32,10 @@ def _canonical_experts(n: int, h: int, f: int, pre: str = PRE, ids=None, base: f
     ids = list(range(n)) if ids is None else ids
     out = {}
     for k, e in enumerate(ids):
-        out[f"{pre}local_experts.{e}.linear_fc1.weight"] = base + 1000 * e + torch.arange(2 * f * h, dtype=torch.float64).view(2 * f, h)
-        out[f"{pre}local_experts.{e}.linear_fc2.weight"] = base + 1000 * e + 500 + torch.arange(h * f, dtype=torch.float64).view(h, f)
+        out[f"{pre}local_experts.{e}.linear_fc1.weight"] = (
+            base + 1000 * e + torch.arange(2 * f * h, dtype=torch.float64).view(2 * f, h))
+        out[f"{pre}local_experts.{e}.linear_fc2.weight"] = (
+            base + 1000 * e + 500 + torch.arange(h * f, dtype=torch.float64).view(h, f))
     return out
 
 

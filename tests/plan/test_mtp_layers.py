@@ -56,7 +56,8 @@ def test_mtp_experts_are_sliced_and_merged_by_the_plan():
     state = {}
     for e in range(4):
         state[f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.full((2, 2), 10.0 + e)
-        state[f"mtp.layers.0.transformer_layer.mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.full((2, 2), 20.0 + e)
+        state[f"mtp.layers.0.transformer_layer.mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.full(
+            (2, 2), 20.0 + e)
     state["mtp.layers.0.eh_proj.weight"] = torch.zeros(2, 4)
     per_rank = [megatron_to_hetero(state, plan, r) for r in range(3)]
     assert set(per_rank[0]) == {"mtp.layers.0.transformer_layer.mlp.experts.local_experts.0.linear_fc1.weight",

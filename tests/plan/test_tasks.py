@@ -31,7 +31,8 @@ def test_theorem1_attention_order():
 
 def test_theorem1_expert_order():
     L, R = 3, 2
-    want = [("E_F", l, j) for l in range(L) for j in range(R)] + [("E_B", l, j) for l in reversed(range(L)) for j in range(R)]
+    want = ([("E_F", l, j) for l in range(L) for j in range(R)]
+            + [("E_B", l, j) for l in reversed(range(L)) for j in range(R)])
     assert compute(zebra_tasks_for_role(L, R, "expert")) == want
 
 

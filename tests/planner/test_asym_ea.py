@@ -76,7 +76,8 @@ def brute_force(p: AsymProblem):
 
 
 problems = st.builds(
-    lambda L, E, M, N, ta, te, tx, nmax, capx, first: AsymProblem(L, E, M, N, (ta * first,) + (ta,) * (L - 1), te, tx, nmax, capx),
+    lambda L, E, M, N, ta, te, tx, nmax, capx, first: AsymProblem(
+        L, E, M, N, (ta * first,) + (ta,) * (L - 1), te, tx, nmax, capx),
     st.integers(1, 3), st.integers(1, 7), st.integers(1, 3), st.integers(1, 4),
     st.floats(0.1, 4), st.floats(0.1, 2), st.floats(0.05, 2), st.integers(0, 12), st.integers(0, 20), st.floats(1, 1.5))
 

@@ -140,7 +140,8 @@ def test_mixtral_plan_on_h100_v100_fits_with_attention_tp():
     tpe = M * t_mb * 2 / 8
     held = max(len(plan.groups[0].placement[l].get(r, [])) for l in range(plan.num_layers)
                for r in plan.groups[0].expert_ranks) * plan.num_layers
-    assert held * c.per_expert_bytes(tpe, alive, G) + c.expert_working_bytes(tpe) <= c.profile(x_gpu).usable_memory_bytes
+    assert (held * c.per_expert_bytes(tpe, alive, G) + c.expert_working_bytes(tpe)
+            <= c.profile(x_gpu).usable_memory_bytes)
     # without TP no zebra plan fits (the dense model on one V100-32GB with 18 B/param... and its
     # activations): TP is what makes this batch plannable for zebra (one-stage DistEP, one microbatch
     # alive, fits without it, slower)

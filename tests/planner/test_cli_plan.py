@@ -94,7 +94,8 @@ def test_search_table_and_missing_args(capsys):
 
 
 def test_console_script_dispatch():
-    r = subprocess.run([sys.executable, "-m", "megatron_hetermoe.cli", "plan", "--help"], capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "megatron_hetermoe.cli", "plan", "--help"],
+                       capture_output=True, text=True)
     assert r.returncode == 0 and "--global-batch" in r.stdout
 
 

@@ -30,7 +30,8 @@ def test_checkpointing_adds_one_forward_to_backward():
     on, off = cm(ckpt=True), cm(ckpt=False)
     for g in ("A40", "V100-16GB"):
         assert on.expert_time(g, 5000, True) == pytest.approx(off.expert_time(g, 5000, True) + off.expert_time(g, 5000))
-        assert on.attention_time(g, 8192, True) == pytest.approx(off.attention_time(g, 8192, True) + off.attention_time(g, 8192))
+        assert on.attention_time(g, 8192, True) == pytest.approx(off.attention_time(g, 8192, True)
+                                                                 + off.attention_time(g, 8192))
 
 
 def test_times_grow_with_tokens_and_seq_len():

@@ -117,7 +117,8 @@ def test_dense_layer_priced_by_hand():
         assert diff == pytest.approx(TOKENS * flops / 1e12, rel=1e-6)
         assert with_dense.dense_layer_time("A40", TOKENS, bwd) == pytest.approx(TOKENS * flops / 1e12, rel=1e-6)
         for s in (1, 2):
-            assert with_dense.stage_time("A40", s, TOKENS, bwd) == pytest.approx(without.stage_time("A40", s, TOKENS, bwd))
+            assert with_dense.stage_time("A40", s, TOKENS, bwd) == pytest.approx(
+                without.stage_time("A40", s, TOKENS, bwd))
     # with activation checkpointing the backward re-runs the forward: 272384 + 135168 per token
     ck, ck0 = flop_cost(tiny_dense(), ckpt=True), flop_cost(tiny_dense().replace(num_layers=2, moe_layer_freq=1), True)
     diff = ck.stage_time("A40", 0, TOKENS, True) - ck0.stage_time("A40", 0, TOKENS, True)
@@ -150,7 +151,8 @@ def test_shared_expert_priced_by_hand():
 
 def test_memory_counts_dense_and_shared_parameters():
     m = tiny_dense()
-    c, plain = flop_cost(m), flop_cost(m.replace(num_layers=2, moe_layer_freq=1, moe_shared_expert_intermediate_size=None))
+    c, plain = flop_cost(m), flop_cost(m.replace(num_layers=2, moe_layer_freq=1,
+                                                 moe_shared_expert_intermediate_size=None))
     extra = 65664 + 2 * 3 * 64 * 128  # the dense layer, and two shared experts
     assert c.non_expert_state_bytes() - plain.non_expert_state_bytes() == pytest.approx(extra * BYTES_PER_PARAM_STATE)
     # and activations: more than the parameters alone (the dense layer's working set when its stage is recomputed)
@@ -165,7 +167,8 @@ def test_megatron_ep_and_pp_price_dense_layers_and_shared_experts():
     layer's and the shared experts' forward + backward; PP's stage holds their parameters."""
     cl = Cluster.load("a40x12")
     m = tiny_dense()
-    c, plain = flop_cost(m), flop_cost(m.replace(num_layers=2, moe_layer_freq=1, moe_shared_expert_intermediate_size=None))
+    c, plain = flop_cost(m), flop_cost(m.replace(num_layers=2, moe_layer_freq=1,
+                                                 moe_shared_expert_intermediate_size=None))
     ranks, t = [0, 1], float(TOKENS)
     extra = TOKENS * (135168 + 272384 + 2 * (49152 + 98304)) / 1e12  # dense layer + 2 shared experts, fwd + bwd
     ep, ep0 = (_ep_group_mb_time(x, cl, ranks, ["A40"] * 2, 2, t)[0] for x in (c, plain))

@@ -114,8 +114,9 @@ def problems(draw):
     loads = {l: [draw(st.floats(0.0, 10.0)) for _ in range(E)] for l in range(L)}
     base = {l: [draw(st.floats(0.0, 5.0))] + [0.0] * (n - 1) for l in range(L)}
     cap = [draw(st.one_of(st.just(INF), st.floats(0.0, 2.0 * L * E))) for _ in range(n)]
-    p = PlacementProblem(list(range(n)), E, {l: list(range(n)) for l in range(L)}, {l: list(range(n)) for l in range(L)},
-                         base, {l: {j: [x * speed[j] + 0.01 for x in loads[l]] for j in range(n)} for l in range(L)},
+    p = PlacementProblem(list(range(n)), E, {l: list(range(n)) for l in range(L)},
+                         {l: list(range(n)) for l in range(L)}, base,
+                         {l: {j: [x * speed[j] + 0.01 for x in loads[l]] for j in range(n)} for l in range(L)},
                          draw(st.booleans()), cap, {l: [1.0 + 0.1 * x for x in loads[l]] for l in range(L)}, 0.5)
     start = Placement({l: [e % n for e in range(E)] for l in range(L)})
     return p, start
@@ -147,7 +148,8 @@ def small_model(E: int = 8, k: int = 2, layers: int = 2) -> ModelConfig:
 
 
 def cost_for(model: ModelConfig, types, seq: int = 1024, level: str = "off") -> CostModel:
-    return CostModel(model.replace(seq_length=seq), load_profiles(set(types)), TrainSettings(seq, expert_recompute=level))
+    return CostModel(model.replace(seq_length=seq), load_profiles(set(types)),
+                     TrainSettings(seq, expert_recompute=level))
 
 
 def test_the_hot_expert_goes_to_the_fast_gpu():
@@ -164,9 +166,9 @@ def test_the_hot_expert_goes_to_the_fast_gpu():
                          expert_load=load).step_time_s == got.load_aware_step_s
 
 
-plans = st.tuples(st.sampled_from(["zebra", "distep"]), st.integers(1, 2), st.integers(1, 3), st.sampled_from([4, 6, 8]),
-                  st.sampled_from([1, 2, 4]), st.sampled_from(["A40", "H100"]), st.sampled_from(["V100-16GB", "T4"]),
-                  st.integers(1, 2))
+plans = st.tuples(st.sampled_from(["zebra", "distep"]), st.integers(1, 2), st.integers(1, 3),
+                  st.sampled_from([4, 6, 8]), st.sampled_from([1, 2, 4]), st.sampled_from(["A40", "H100"]),
+                  st.sampled_from(["V100-16GB", "T4"]), st.integers(1, 2))
 
 
 @settings(max_examples=25, deadline=None)

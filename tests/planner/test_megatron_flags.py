@@ -38,7 +38,8 @@ def test_megatron_defaults():
     hidden / heads channels: each priced as Megatron builds it, not as the plugin's trainer does."""
     m = model_from_flags([*SHAPE, "--swiglu", "--vocab-size", "1000"]).model
     assert (m.ffn_hidden_size, m.moe_ffn_hidden_size, m.moe_router_topk, m.moe_aux_loss_coeff) == (256, 256, 2, 0.0)
-    assert (m.moe_layer_freq, m.dense_layers, m.moe_shared_expert_intermediate_size, m.vocab_size) == (1, [], None, 1024)
+    assert ((m.moe_layer_freq, m.dense_layers, m.moe_shared_expert_intermediate_size, m.vocab_size)
+            == (1, [], None, 1024))
     fm = model_from_flags([*SHAPE, "--tensor-model-parallel-size", "3"])  # no --swiglu, no vocab
     assert (fm.model.ffn_hidden_size, fm.model.vocab_size) == (384, 32256)  # 4 h; 32000 up to a multiple of 384
     assert any("vocabulary of 32000" in n for n in fm.notes)
@@ -47,7 +48,8 @@ def test_megatron_defaults():
             d.position_embedding_type, d.head_dim, d.query_groups) == ("gelu", "LayerNorm", True, False,
                                                                              "learned_absolute", 16, 6)
     # NullTokenizer: --vocab-size ids and the EOD after them (1001), padded
-    assert model_from_flags([*SHAPE, "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]).model.vocab_size == 1024
+    assert model_from_flags([*SHAPE, "--tokenizer-type", "NullTokenizer",
+                             "--vocab-size", "1000"]).model.vocab_size == 1024
     assert model_from_flags([*SHAPE, "--padded-vocab-size", "777"]).model.vocab_size == 777
     assert model_from_flags([*SHAPE, "--moe-layer-freq", "2"]).model.dense_layers == [1, 3]
     assert model_from_flags([*SHAPE, "--encoder-seq-length", "512"]).seq_length == 512
@@ -63,7 +65,8 @@ def test_megatron_defaults():
     (["--swiglu", "--quick-geglu"], "--swiglu and --quick-geglu after --: Megatron-LM takes one MLP activation"),
     (["--multi-latent-attention", "--group-query-attention"], "Megatron-LM refuses the pair"),
     (["--moe-layer-recompute", "--recompute-granularity", "full"], "Do not set --moe-layer-recompute with full"),
-    (["--moe-shared-expert-intermediate-size", "32"], "SharedExpertMLP refuses biases; drop one (--disable-bias-linear)"),
+    (["--moe-shared-expert-intermediate-size", "32"],
+     "SharedExpertMLP refuses biases; drop one (--disable-bias-linear)"),
     (["--num-layerz", "4"], "does not have: --num-layerz"),
     (["--moe-layer-freq", "([0]*4)"], "--moe-layer-freq='([0]*4)' is not a valid layer pattern"),
     (["--moe-layer-freq", "[0,1]"], "need 4 entries"),
@@ -103,7 +106,8 @@ def _plan_without_meta(path) -> dict:
 # The run's flags decide what the YAML leaves to hetermoe plan's flags: the even plan's R is the run's
 # --global-batch-size 8 / (--micro-batch-size 2 x 1 attention rank); the search prices the run's
 # recomputation (full here: the paper's program, which a search from a YAML prices) and its micro batch.
-WITHOUT_MICRO_BATCH = [t for i, t in enumerate(TINY_DENSE) if "--micro-batch-size" not in TINY_DENSE[max(0, i - 1):i + 1]]
+WITHOUT_MICRO_BATCH = [t for i, t in enumerate(TINY_DENSE)
+                       if "--micro-batch-size" not in TINY_DENSE[max(0, i - 1):i + 1]]
 
 
 @pytest.mark.parametrize("mode, yaml_extra, run", [

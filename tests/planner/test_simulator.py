@@ -91,7 +91,8 @@ def test_one_microbatch_zebra_is_distep():
     d = simulate_plan(plan, cost, cl, 4, schedule="distep").step_time_s
     assert z == pytest.approx(d, rel=1e-12)
     plan4, *_ = setup(2, 2, R=4)
-    assert simulate_plan(plan4, cost, cl, 8, schedule="zebra").step_time_s < simulate_plan(plan4, cost, cl, 8, schedule="distep").step_time_s
+    assert (simulate_plan(plan4, cost, cl, 8, schedule="zebra").step_time_s
+            < simulate_plan(plan4, cost, cl, 8, schedule="distep").step_time_s)
 
 
 def _cycle_problem():

@@ -264,7 +264,8 @@ def test_search_picks_zebra_in_stages_where_it_is_fastest():
     cl = Cluster.from_gpu_types("4+4", ["A40"] * 4 + ["V100-16GB"] * 4)
     res = search(SMALL, cl, S, 16, baselines=False, pipeline_stages=(2,))
     plan, pick = res.plan, res.by_name()[PICK]
-    assert plan.schedule == "zebra" and plan.pipeline_stages == 2 and "zebra in 2 pipeline stages" in plan.meta["assignment"]
+    assert (plan.schedule == "zebra" and plan.pipeline_stages == 2
+            and "zebra in 2 pipeline stages" in plan.meta["assignment"])
     assert pick.detail["zebra_waves"] == plan.zebra_waves and f"({plan.zebra_waves} wave(s)" in plan.meta["assignment"]
     plan.validate(world_size=8)
     c = CostModel(SMALL, load_profiles(set(GPUS)), TrainSettings(S, expert_recompute=plan.expert_recompute))

@@ -31,7 +31,8 @@ def test_consistent_traces_pass(tmp_path):
 
 def test_order_violation_names_group_position_and_ranks(tmp_path):
     _write(tmp_path, 0, [("0", [0, 1], "all_reduce", "MainThread", 0, 1), ("0", [0, 1], "barrier", "MainThread", 1, 2)])
-    _write(tmp_path, 1, [("0", [0, 1], "all_reduce", "MainThread", 0, 1), ("0", [0, 1], "all_gather", "MainThread", 1, 2)])
+    _write(tmp_path, 1, [("0", [0, 1], "all_reduce", "MainThread", 0, 1),
+                         ("0", [0, 1], "all_gather", "MainThread", 1, 2)])
     assert check(tmp_path) == ["order: group 0 (ranks [0, 1]): collective #1 is barrier on rank 0 but all_gather on "
                                "rank 1 (2 vs 2 in all)"]
 

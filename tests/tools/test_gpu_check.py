@@ -181,7 +181,8 @@ def test_steps_order_fallbacks_and_skips(harness):
     assert main.why_skip(ok, by["zebra"], chosen) is None
     # Preflight failed: the fallbacks run, the 4-rank steps SKIP saying why, single-process ones run.
     bad = _Ck(preflight_ok=False)
-    assert main.why_skip(bad, by["nccl-1rank"], chosen) is None and main.why_skip(bad, by["gloo-2ranks"], chosen) is None
+    assert (main.why_skip(bad, by["nccl-1rank"], chosen) is None
+            and main.why_skip(bad, by["gloo-2ranks"], chosen) is None)
     assert main.why_skip(bad, by["pretrain"], chosen).startswith("preflight failed")
     assert main.why_skip(bad, by["pp2-1f1b"], chosen).startswith("preflight failed")
     assert main.why_skip(bad, by["host-syncs"], chosen) is None
@@ -271,7 +272,8 @@ def test_a_missing_package_is_named_and_stops_what_needs_it(tmp_path):
     res = json.loads((tmp_path / "gpu_check.json").read_text())
     assert p.returncode == 1, p.stdout[-3000:]
     env_step = res["steps"]["env"]
-    assert env_step["status"] == "FAIL" and env_step["summary"].startswith("MISSING megatron-core (for plugin"), env_step
+    assert (env_step["status"] == "FAIL"
+            and env_step["summary"].startswith("MISSING megatron-core (for plugin")), env_step
     assert "make gpu-wheels" in env_step["summary"]
     for name in ("preflight", "zebra"):
         assert res["steps"][name]["status"] == "SKIP" and "does not import" in res["steps"][name]["summary"]

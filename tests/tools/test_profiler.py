@@ -14,7 +14,8 @@ def test_profile_cpu_tiny(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-m", "megatron_hetermoe.cli", "profile", "--model", "tiny", "--out", str(out),
                         "--name", "cpu-test", "--seq-lens", "16,32", "--seqs", "1,2", "--expert-tokens", "16,64",
-                        "--repeats", "2", "--a2a-bytes", "4096,65536"], capture_output=True, text=True, env=env, timeout=240)
+                        "--repeats", "2", "--a2a-bytes", "4096,65536"],
+                       capture_output=True, text=True, env=env, timeout=240)
     assert r.returncode == 0, r.stderr[-2000:]
     p = load_profile(str(out))
     assert p.name == "cpu-test" and p.measured is not None

@@ -81,7 +81,8 @@ def test_dry_run_places_every_rank_on_its_gpu_type(mixed_plan, tmp_path):
         assert shlex.split(t[11])[-2:] == ["--hetero-plan", str(mixed_plan)]
     by_type = {g: [t for t in tasks if t[3] == g] for g in gpn}
     assert [int(t[4]) for t in by_type["V100-32GB"]] == [0, 0, 0, 0, 1, 1]  # 6 V100 ranks, 4 per node
-    script = out[out.index(next(l for l in out if l.startswith("#!"))):out.index(next(l for l in out if l.startswith("# ---- what")))]
+    script = out[out.index(next(l for l in out if l.startswith("#!"))):
+                 out.index(next(l for l in out if l.startswith("# ---- what")))]
     text = "\n".join(script)
     assert text.count("#SBATCH hetjob") == 1 and "#SBATCH --partition=old" in text
     assert "#SBATCH --nodes=2" in text and "#SBATCH --ntasks=6" in text  # the V100 component
@@ -145,7 +146,8 @@ def test_megatron_lm_entry(mixed_plan, tmp_path):
     assert r.returncode == 0, r.stderr
     text = _script(r.stdout)
     assert re.search(rf'rank\.sh "\$\{{PYTHON\}}" {re.escape(str(mlm))}/pretrain_gpt\.py --num-layers 2 '
-                     rf"--use-flash-attn --hetero-schedule distep --hetero-plan {re.escape(str(mixed_plan))}$", text, re.M)
+                     rf"--use-flash-attn --hetero-schedule distep --hetero-plan {re.escape(str(mixed_plan))}$",
+                     text, re.M)
     assert f"PYTHON=${{PYTHON:-{py}}}" in text
     assert "--gpus-per-task" not in text and "--gpu-bind=none" in text  # each task sees its node's GPUs
     r = _launch([*base, "--frobnicate"], tmp_path)
@@ -204,9 +206,10 @@ def test_tasks_train_through_rank_sh(tmp_path):
     SLURM_PROCID/SLURM_LOCALID), trains: the rank map and rendezvous are right."""
     plan_path = tmp_path / "plan.json"
     even_plan(2, 4, 1, 1, groups=2, attention_gpu="A40", expert_gpu="V100-32GB").save(plan_path)  # A40 V100 A40 V100
-    r = subprocess.run([sys.executable, "-m", "megatron_hetermoe.tools.slurm", "--plan", str(plan_path), "--gpus-per-node", "1",
-                        "--", "--model", "tiny", *RECIPE, "--micro-batch-size", "2", "--global-batch-size", "4",
-                        "--train-iters", "2", "--golden-values-out", str(tmp_path / "loss.json")],
+    r = subprocess.run([sys.executable, "-m", "megatron_hetermoe.tools.slurm", "--plan", str(plan_path),
+                        "--gpus-per-node", "1", "--", "--model", "tiny", *RECIPE, "--micro-batch-size", "2",
+                        "--global-batch-size", "4", "--train-iters", "2",
+                        "--golden-values-out", str(tmp_path / "loss.json")],
                        capture_output=True, text=True, cwd=ROOT, timeout=60)
     assert r.returncode == 0, r.stderr
     script = r.stdout

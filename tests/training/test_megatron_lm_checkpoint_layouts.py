@@ -2,8 +2,9 @@
 MEGATRON_LM_DIR), with Megatron's distributed optimizer: Mixtral's flags (examples/mixtral/, shrunk as
 test_megatron_lm_recipes.py shrinks them) at pipeline size 2 under zebra and distep, at 2 x 2 virtual
 stages (zebra, distep), with an MTP layer at 2 stages under both schedules, and an Asym-EA plan whose attention
-ranks hold different numbers of optimizers; and at PP 2 with --dist-ckpt-optim-fully-reshardable. Plans are made as a user makes them
-(`hetermoe plan --even ... -- <the run's flags>`), except the Asym-EA one (a search's placement).
+ranks hold different numbers of optimizers; and at PP 2 with --dist-ckpt-optim-fully-reshardable. Plans are
+made as a user makes them (`hetermoe plan --even ... -- <the run's flags>`), except the Asym-EA one (a
+search's placement).
 
 Per layout, one chain of runs from one plain Megatron EP checkpoint (saved after iteration 1):
 - Megatron EP -> HeterMoE: plain Megatron and HeterMoE each load it (--no-load-optim --no-load-rng, as

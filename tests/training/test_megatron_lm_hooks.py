@@ -13,8 +13,9 @@ from megatron_hetermoe.training.pretrain_gpt import megatron_flags
 
 def _megatron_defaults(**given) -> argparse.Namespace:
     """The Megatron-LM core_v0.16.1 defaults of the attributes the refusals read."""
-    a = dict(tensor_model_parallel_size=1, sequence_parallel=False, pipeline_model_parallel_size=1, context_parallel_size=1,
-             expert_model_parallel_size=1, expert_tensor_parallel_size=None, num_experts=4, moe_layer_freq=1,
+    a = dict(tensor_model_parallel_size=1, sequence_parallel=False, pipeline_model_parallel_size=1,
+             context_parallel_size=1, expert_model_parallel_size=1, expert_tensor_parallel_size=None,
+             num_experts=4, moe_layer_freq=1,
              mtp_num_layers=None, use_legacy_models=False, spec=None, heterogeneous_layers_config_path=None,
              experimental_attention_variant=None, moe_shared_expert_intermediate_size=None,
              moe_expert_capacity_factor=None, moe_permute_fusion=False, moe_enable_deepep=False,
@@ -52,7 +53,8 @@ def test_megatron_defaults_are_not_refused():
                                                   "stages split the decoder layers evenly or by the first"),
     ({"num_experts": None}, "--num-experts: HeterMoE trains MoE models; give --num-experts"),
     ({"use_torch_fsdp2": True}, "--use-torch-fsdp2 True: not supported with HeterMoE"),
-    ({"ckpt_format": "torch"}, "--ckpt-format 'torch': HeterMoE checkpoints inside pretrain() are Megatron's torch_dist"),
+    ({"ckpt_format": "torch"},
+     "--ckpt-format 'torch': HeterMoE checkpoints inside pretrain() are Megatron's torch_dist"),
     ({"moe_enable_deepep": True}, "--moe-enable-deepep True: HeterMoE's dispatcher replaces"),
     ({"data_parallel_random_init": True}, "--data-parallel-random-init True: HeterMoE initializes every parameter"),
 ])
@@ -117,8 +119,8 @@ def test_transformer_engine_default_needs_transformer_engine():
     except ImportError:
         pass
     out = refusals.refusals(_megatron_defaults(transformer_impl="transformer_engine"))
-    assert out == ["--transformer-impl transformer_engine (Megatron-LM's default): transformer-engine is not installed; "
-                   "install it or pass --transformer-impl local"]
+    assert out == ["--transformer-impl transformer_engine (Megatron-LM's default): transformer-engine is not "
+                   "installed; install it or pass --transformer-impl local"]
 
 
 def test_cpu_host_needs_gloo(monkeypatch):

@@ -102,7 +102,8 @@ def test_pretrain_virtual_stages_two_attention_members_asym_ea_an_empty_expert_r
     from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup
 
     flags = ["--num-layers", "4", *MODEL[2:], "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "1e-3",
-             *DATA, *MEGATRON_DEFAULTS, *CPU, "--data-path", data, "--log-interval", "1", "--moe-aux-loss-coeff", "0.01"]
+             *DATA, *MEGATRON_DEFAULTS, *CPU, "--data-path", data, "--log-interval", "1",
+             "--moe-aux-loss-coeff", "0.01"]
     ep = ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "alltoall"]
     ckpt = tmp_path / "ckpt"
     run_losses(mlm, tmp_path, 2, [*flags, *ep, "--train-iters", "1", "--save", str(ckpt), "--save-interval", "1",

@@ -160,7 +160,8 @@ def test_resume_from_a_torch_dist_checkpoint_is_bitwise(mlm, data, tmp_path, pre
     flags = [*MODEL, *BATCH, *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1", "--eval-interval",
              "100", "--eval-iters", "0", "--hetero-plan", str(plan), "--ckpt-format", "torch_dist", *precision]
     a, b = tmp_path / "a", tmp_path / "b"
-    r = torchrun(mlm, 4, [*flags, "--save", str(a), "--save-interval", "2", "--tensorboard-dir", str(tmp_path / "tb_a")])
+    r = torchrun(mlm, 4, [*flags, "--save", str(a), "--save-interval", "2",
+                          "--tensorboard-dir", str(tmp_path / "tb_a")])
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     r2 = torchrun(mlm, 4, [*flags, "--load", str(a), "--ckpt-step", "2", "--save", str(b), "--save-interval", "3",
                             "--tensorboard-dir", str(tmp_path / "tb_b")])

@@ -79,7 +79,8 @@ def test_patch_for_reads_the_checkout_version(tmp_path):
         assert megatron_lm.checkout_version(tmp_path) == version
         assert want in megatron_lm.patch_for(tmp_path)
     (info / "package_info.py").write_text("MAJOR = 0\nMINOR = 14\nPATCH = 0\n")
-    with pytest.raises(ValueError, match=r"no patch for Megatron-LM core_v0\.14\.0 .* core_v0\.16\.x, core_v0\.19\.x, core_v0\.20\.x"):
+    with pytest.raises(ValueError, match=r"no patch for Megatron-LM core_v0\.14\.0 .* "
+                                         r"core_v0\.16\.x, core_v0\.19\.x, core_v0\.20\.x"):
         megatron_lm.patch_for(tmp_path)
     with pytest.raises(ValueError, match="no megatron/core/package_info.py"):
         megatron_lm.patch_for(tmp_path / "nowhere")

@@ -93,7 +93,8 @@ CASES = [
     ("flags", "--train-iters", flags("--train-iters", "-1"), ConfigError,
      "--train-iters -1: must be an integer >= 0; pass --train-iters 1 or more"),
     ("flags", "--lr-warmup-iters", flags("--train-iters", "5", "--lr-warmup-iters", "5"), ConfigError,
-     "--lr-warmup-iters 5: must be below --train-iters 5 (warm-up, then cosine decay); pass --lr-warmup-iters at most 4"),
+     "--lr-warmup-iters 5: must be below --train-iters 5 (warm-up, then cosine decay); "
+     "pass --lr-warmup-iters at most 4"),
     ("flags", "--lr", flags("--lr", "nan"), ConfigError,
      "--lr nan: must be a finite number >= 0; pass e.g. --lr 0.01"),
     ("flags", "--min-lr", flags("--lr", "0.001", "--min-lr", "0.01"), ConfigError,
@@ -393,7 +394,8 @@ def test_error_table_lists_every_error():
         m = re.fullmatch(r"(`+) ?(.*?) ?\1 \((\w+)\)", r[2])
         assert m, f"{ERROR_TABLE.name} row's message cell is not `MESSAGE` (Type): {r}"
         got.append((r[0], r[1].strip("`"), m.group(2), m.group(3)))
-    assert got == want, "docs/reliability.md's input error table is out of date (see CASES in tests/training/test_validation.py)"
+    assert got == want, ("docs/reliability.md's input error table is out of date "
+                         "(see CASES in tests/training/test_validation.py)")
     assert all(len(r) == 4 and r[3] for r in rows), "every row needs a fix column"
 
 
@@ -402,7 +404,8 @@ def test_parity_command_refuses_bad_inputs_before_any_rank(tmp_path, capsys):
 
     path = tmp_path / "plan.json"
     even_plan(3, 4, 1, 1).save(path)
-    for argv, message in ((["--plan", str(path)], "plan is for 3 layers x 4 experts but model 'tiny' has 2 layers x 4 experts"),
+    for argv, message in ((["--plan", str(path)],
+                           "plan is for 3 layers x 4 experts but model 'tiny' has 2 layers x 4 experts"),
                           (["--plan", str(path), "--steps", "0"], "--steps 0 and --micro-batch-size 2 must be")):
         with pytest.raises(SystemExit) as e:
             parity.main(argv)
