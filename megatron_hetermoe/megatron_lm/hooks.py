@@ -170,7 +170,8 @@ class HeteroPretrain:
         self._choose_kernels(get_args())
         from megatron_hetermoe.schedules.issuer import resolve_issuer
 
-        experts = {self.plan.moe_layer_ids[layer]: self.hs.local_experts(layer) for layer in range(self.plan.num_layers)}
+        experts = {self.plan.moe_layer_ids[layer]: self.hs.local_experts(layer)
+                   for layer in range(self.plan.num_layers)}
         issuer = resolve_issuer(get_args().hetero_zebra_issuer, self.hs.device, emulated=False,
                                 backend=self.hs.transport.backend)
         print(f"> HeterMoE rank {self.hs.rank} ({self.hs.role}, ZP group {self.hs.group_index}"

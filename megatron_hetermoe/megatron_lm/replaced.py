@@ -93,7 +93,8 @@ def recompute_choice(args, schedule: str) -> tuple[bool, list[str], list[str]]:
         granularity = "selective"
     notes: list[str] = []
     if granularity == "selective":
-        modules = set(args.recompute_modules or ([] if moe_layer else ["core_attn"])) | ({"moe"} if moe_layer else set())
+        modules = (set(args.recompute_modules or ([] if moe_layer else ["core_attn"]))
+                   | ({"moe"} if moe_layer else set()))
         if "moe" in modules:
             flag = "--moe-layer-recompute" if moe_layer else "--recompute-modules moe"
             notes.append(f"{flag}: the experts keep their inputs and recompute their forward in backward (on the "

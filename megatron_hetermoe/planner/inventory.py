@@ -129,8 +129,9 @@ def _search(run: AutoPlanRun, inventory: Inventory):
 
 def auto_plan(run: AutoPlanRun, inventory: Inventory, max_idle: int = 2) -> tuple[HeteroPlan, list[int]]:
     """The planner's pick for `inventory` with the run's model, batch and layout, and the GPUs it
-    uses: plan rank i runs on inventory rank kept[i] (the first ranks of each type, in order). Where no plan uses every GPU
-    (the batch does not split over the attention ranks they give, say 8 sequences over 3), up to
+    uses: plan rank i runs on inventory rank kept[i] (the first ranks of each type, in order).
+    Where no plan uses every GPU (the batch does not split over the attention ranks they give,
+    say 8 sequences over 3), up to
     `max_idle` GPUs are left idle, the fewest that give a plan, the fastest predicted step among
     those. InventoryError naming what is missing when nothing fits."""
     res = _search(run, inventory)

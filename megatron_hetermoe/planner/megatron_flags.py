@@ -277,7 +277,8 @@ def model_from_flags(argv: list[str], name: str = "pretrain_gpt-flags", megatron
     if missing:
         raise MegatronFlagsError(f"the flags after -- give no model shape: add {' '.join(missing)}")
     if not a.num_experts:
-        raise MegatronFlagsError("the flags after -- have no --num-experts: HeterMoE plans MoE models; add --num-experts N")
+        raise MegatronFlagsError("the flags after -- have no --num-experts: HeterMoE plans MoE models; add "
+                                 "--num-experts N")
     given = frozenset(t.split("=", 1)[0] for t in argv if t.startswith("--"))
     notes: list[str] = []
     h = a.hidden_size
@@ -301,7 +302,8 @@ def model_from_flags(argv: list[str], name: str = "pretrain_gpt-flags", megatron
     seq = a.seq_length if a.seq_length is not None else a.encoder_seq_length
     run = _run(a, given)
     kw = dict(name=name, num_layers=a.num_layers, hidden_size=h, num_attention_heads=a.num_attention_heads,
-              ffn_hidden_size=ffn, moe_ffn_hidden_size=a.moe_ffn_hidden_size if a.moe_ffn_hidden_size is not None else ffn,
+              ffn_hidden_size=ffn,
+              moe_ffn_hidden_size=a.moe_ffn_hidden_size if a.moe_ffn_hidden_size is not None else ffn,
               num_experts=a.num_experts, moe_router_topk=a.moe_router_topk if a.moe_router_topk is not None else 2,
               moe_aux_loss_coeff=coeff[0] if coeff else 0.0, vocab_size=_vocab(a, notes),
               moe_layer_freq=a.moe_layer_freq if a.moe_layer_freq is not None else 1,

@@ -99,7 +99,8 @@ def test_with_a_patched_checkout_it_runs_megatron_lms_pretrain(mlm, data, tmp_pa
     plan = tmp_path / "plan.json"
     even_plan(2, 4, 1, 1, num_microbatches=4).save(plan)  # global batch 8 = 2 x 4 microbatches x 1
     r = subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.cli", "pretrain", *MODEL, *BATCH,
-                        *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1", "--eval-interval", "100", "--eval-iters", "0",
+                        *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1", "--eval-interval", "100",
+                        "--eval-iters", "0",
                         "--hetero-plan", str(plan)],
                        cwd=tmp_path, env={**env(), "MEGATRON_LM_DIR": str(mlm)}, capture_output=True, text=True,
                        timeout=600)
