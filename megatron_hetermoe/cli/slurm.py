@@ -37,10 +37,10 @@ def build_parser(entries: tuple[str, ...], max_connections: int) -> argparse.Arg
     p.add_argument("--cuda-device-max-connections", type=int, default=max_connections,
                    help="CUDA_DEVICE_MAX_CONNECTIONS of every task (1 serialises zebra's streams: refused with zebra)")
     p.add_argument("--elastic", type=int, default=None, metavar="MIN_NODES",
-                   help="torchrun's elastic agent on every node (--entry plugin): the job goes on while at least "
-                        "MIN_NODES nodes are left, each start planning for the GPUs it got (--hetero-plan auto) and "
-                        "continuing from the latest checkpoint (--save, --load, --save-interval, --hetero-ckpt-reshard "
-                        "among the flags); --plan then sizes the allocation")
+                   help="torchrun's elastic agent on every node: the job goes on while at least MIN_NODES nodes are "
+                        "left, each start planning for the GPUs it got (--hetero-plan auto) and continuing from the "
+                        "latest checkpoint (--save, --load, --save-interval among the flags, and --hetero-ckpt-reshard "
+                        "for --entry plugin); --plan then sizes the allocation")
     p.add_argument("--max-restarts", type=int, default=3,
                    help="with --elastic: torchrun's --max-restarts (starts after a failure, over the whole job)")
     p.add_argument("--tasks", action="store_true", help="print each task's command instead of the script")

@@ -36,13 +36,19 @@ def _padded_vocab(args) -> int | None:
     return probe.padded_vocab_size
 
 
-def _run(args, argv: list[str], schedule: str | None) -> AutoPlanRun:
+def run_of_flags(argv: list[str], schedule: str | None, padded_vocab: int | None = None,
+                 megatron_parsed: bool = True) -> AutoPlanRun:
+    """What the search keeps fixed, from a pretrain_gpt.py command line: the model, batch and layout
+    (`padded_vocab`: the vocabulary Megatron pads the tokenizer's to, where the planner cannot read
+    the tokenizer). InventoryError for what the search does not price."""
     flags = [t for t in argv if not t.startswith("--hetero-")]
-    vocab = _padded_vocab(args)
-    if vocab is not None:
-        flags += ["--padded-vocab-size", str(vocab)]
-    fm = model_from_flags(flags, megatron_parsed=True)
+    if padded_vocab is not None:
+        flags += ["--padded-vocab-size", str(padded_vocab)]
+    fm = model_from_flags(flags, megatron_parsed=megatron_parsed)
     run = fm.run
+    if fm.global_batch_size is None:
+        raise InventoryError("--hetero-plan auto needs --global-batch-size: Megatron's default (micro batch x "
+                             "data-parallel size) depends on the plan the search is to pick")
     if run.virtual_stages > 1:
         raise InventoryError(f"--hetero-plan auto with virtual pipeline size {run.virtual_stages}: the planner's "
                              f"search does not price virtual stages; make the plan with `hetermoe plan --even ... "
@@ -56,9 +62,33 @@ def _run(args, argv: list[str], schedule: str | None) -> AutoPlanRun:
             raise InventoryError(f"--hetero-schedule {schedule} with --recompute-granularity full: only zebra "
                                  f"recomputes (per attention stage); drop one")
         schedule = ScheduleName.ZEBRA
-    return AutoPlanRun(fm.model, fm.seq_length or fm.model.seq_length, args.global_batch_size,
-                       args.micro_batch_size, run.tensor_model_parallel_size, run.pipeline_model_parallel_size,
-                       run.distributed_optimizer, schedule)
+    return AutoPlanRun(fm.model, fm.seq_length or fm.model.seq_length, fm.global_batch_size, run.micro_batch_size,
+                       run.tensor_model_parallel_size, run.pipeline_model_parallel_size, run.distributed_optimizer,
+                       schedule)
+
+
+def flag_value(argv: list[str], name: str) -> str | None:
+    """The last value of `name` on a command line (`--x v` or `--x=v`), as argparse takes it."""
+    out = None
+    for i, t in enumerate(argv):
+        if t == name and i + 1 < len(argv):
+            out = argv[i + 1]
+        elif t.startswith(name + "="):
+            out = t.split("=", 1)[1]
+    return out
+
+
+def pick_for(argv: list[str], inventory: Inventory) -> HeteroPlan:
+    """The plan every start of a job with these flags would pick for `inventory` (the SLURM
+    renderer's check, before anything runs); InventoryError where none uses every GPU."""
+    run = run_of_flags(argv, flag_value(argv, "--hetero-schedule"))
+    plan, kept = auto_plan(run, inventory)
+    idle = [i for i in range(inventory.size) if i not in kept]
+    if idle:
+        raise InventoryError(f"--hetero-plan auto: the best plan for {inventory.describe()} leaves GPU(s) {idle} "
+                             f"idle (the global batch {run.global_batch_size} does not split over the attention "
+                             f"ranks the others give); change the batch or the allocation")
+    return plan
 
 
 def _inventory(args) -> Inventory:
@@ -90,7 +120,7 @@ def _device():
 def plan_for_job(args, argv: list[str]) -> HeteroPlan:
     """The planner's pick for this job's GPUs and these flags; a pick that leaves a GPU idle is
     refused (under torchrun every rank is a GPU that must have work)."""
-    run = _run(args, argv, getattr(args, "hetero_schedule", None))
+    run = run_of_flags(argv, getattr(args, "hetero_schedule", None), _padded_vocab(args))
     inventory = _inventory(args)
     plan, kept = auto_plan(run, inventory)
     idle = [i for i in range(inventory.size) if i not in kept]

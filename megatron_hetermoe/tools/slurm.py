@@ -24,12 +24,14 @@ RANK inside each task.
 - Paths: a relative --plan (like every relative path in the flags) means the caller's directory,
   which is where the job runs (--workdir); the plugin comes from --repo (PYTHONPATH).
 - $PYTHON is the interpreter of every task (default: the one rendering the script).
-- Elastic (`--elastic MIN_NODES`, --entry plugin): instead of a task per GPU, one task per node runs
+- Elastic (`--elastic MIN_NODES`, every entry): instead of a task per GPU, one task per node runs
   torchrun's elastic agent (scripts/slurm/agent.sh: `--nnodes MIN_NODES:<allocated nodes>
   --nproc-per-node <its GPUs> --max-restarts N`, c10d rendezvous on the first node of component 0).
   When a node fails, the agents left restart their workers, each start plans for the world it got
   (`--hetero-plan auto`: every rank's GPU gathered) and continues from the latest checkpoint
-  (`--save DIR --load DIR --save-interval N --hetero-ckpt-reshard`, required). `#SBATCH --no-kill` and
+  (`--save DIR --load DIR --save-interval N`, required, and `--hetero-ckpt-reshard` for the plugin's
+  trainer; pretrain() reshards by itself, the distributed optimizer from
+  --dist-ckpt-optim-fully-reshardable only). `#SBATCH --no-kill` and
   `srun --kill-on-bad-exit=0` keep the allocation and the other agents when a node goes; the node
   hosting the rendezvous must stay (torchrun's c10d store lives there). --plan sizes the allocation
   (its nodes per GPU type, each with the GPUs its first node gets); the flags are checked by planning
@@ -48,6 +50,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_hetermoe.megatron_lm.auto_plan import flag_value
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.vocabulary import ScheduleName
 
@@ -101,37 +104,31 @@ class Elastic:
         return f"{self.min_nodes}:{self.max_nodes}"
 
 
-# What every elastic start needs among the job's flags: the checkpoint it continues from, resharded.
+# What every elastic start needs among the job's flags: the checkpoint it continues from, resharded
+# (inside Megatron-LM's pretrain() a checkpoint of another plan loads resharded by itself).
 ELASTIC_FLAGS = ("--save", "--load", "--save-interval", "--hetero-ckpt-reshard")
-
-
-def flag_value(train_args: list[str], name: str) -> str | None:
-    """The value of `name` among the flags (`--x v`, the token after it, or `--x=v`); None where absent."""
-    for i, t in enumerate(train_args):
-        if t == name and i + 1 < len(train_args):
-            return train_args[i + 1]
-        if t.startswith(name + "="):
-            return t.split("=", 1)[1]
-    return None
+ELASTIC_FLAGS_PRETRAIN = ("--save", "--load", "--save-interval")
 
 
 def check_elastic(entry: str, train_args: list[str]) -> None:
-    """--elastic's needs: this plugin's trainer, and a checkpoint every start continues from."""
-    if entry != "plugin":
-        raise ValueError(f"--elastic with --entry {entry}: this renderer writes the elastic job for this plugin's "
-                         f"trainer only (Megatron-LM's pretrain() re-plans under torchrun's elastic agent, "
-                         f"docs/elastic.md, but its SLURM job is not written yet); use --entry plugin, or drop "
-                         f"--elastic")
+    """--elastic's needs: a checkpoint every start continues from, loadable on another plan."""
     names = {t.split("=", 1)[0] for t in train_args if t.startswith("--")}
-    missing = [f for f in ELASTIC_FLAGS if f not in names]
+    needed = ELASTIC_FLAGS if entry == "plugin" else ELASTIC_FLAGS_PRETRAIN
+    missing = [f for f in needed if f not in names]
     if missing:
+        reshard = ", resharded onto the plan it makes for the GPUs left (--hetero-ckpt-reshard)" if (
+            entry == "plugin") else ""
         raise ValueError(f"--elastic needs {' '.join(missing)} among the job's flags: every start continues from "
-                         f"the latest checkpoint (--save DIR --load DIR --save-interval N), resharded onto the plan "
-                         f"it makes for the GPUs left (--hetero-ckpt-reshard)")
+                         f"the latest checkpoint (--save DIR --load DIR --save-interval N){reshard}")
     save, load = flag_value(train_args, "--save"), flag_value(train_args, "--load")
     if save != load:
         raise ValueError(f"--elastic: --save {save} but --load {load}: a start after a failure continues from "
                          f"what the last one saved; give both the same directory")
+    if entry != "plugin" and "--use-distributed-optimizer" in names and \
+            "--dist-ckpt-optim-fully-reshardable" not in names:
+        raise ValueError("--elastic with --use-distributed-optimizer: a start on another plan loads the distributed "
+                         "optimizer's state from Megatron's fully reshardable format only; add "
+                         "--dist-ckpt-optim-fully-reshardable")
 
 
 def rank_map(comps: list[Component]) -> list[int]:
@@ -236,11 +233,13 @@ def check_train_args(train_args: list[str], plan_path: str, entry: str, megatron
                      elastic_gpus: list[str] | None = None) -> None:
     """The job's flags, checked before the job script is written (see the module doc). Elastic
     (`elastic_gpus`: every allocated GPU's type): as every start runs them, planned for those GPUs."""
-    if entry == "megatron-lm":
-        check_megatron_lm(megatron_lm_dir, train_args)
-        return
-    if entry == "megatron-core":
-        check_megatron_core(train_args)
+    if entry in ("megatron-lm", "megatron-core"):
+        if entry == "megatron-lm":
+            check_megatron_lm(megatron_lm_dir, train_args)
+        else:
+            check_megatron_core(train_args)
+        if elastic_gpus:
+            check_pretrain_pick(train_args, elastic_gpus)
         return
     from megatron_hetermoe.training.pretrain_gpt import check_flags
 
@@ -257,6 +256,23 @@ def check_train_args(train_args: list[str], plan_path: str, entry: str, megatron
         raise ValueError(f"pretrain_gpt flags: {e}") from None
     finally:
         os.environ.update(env)
+
+
+def check_pretrain_pick(train_args: list[str], gpus: list[str]) -> None:
+    """An elastic pretrain() job's flags, planned for every allocated GPU as its first start will
+    (megatron_lm/auto_plan.py); a tokenizer the planner does not read is left to that start, and
+    said so."""
+    from megatron_hetermoe.megatron_lm.auto_plan import pick_for
+    from megatron_hetermoe.planner.inventory import Inventory
+    from megatron_hetermoe.planner.megatron_flags import MegatronFlagsError
+
+    try:
+        pick_for(train_args, Inventory.from_types(gpus))
+    except MegatronFlagsError as e:
+        if "--padded-vocab-size" not in str(e):
+            raise ValueError(f"pretrain_gpt.py flags: {e}") from None
+        print(f"warning: the flags were not planned for the {len(gpus)} allocated GPUs here ({e}); every start "
+              f"plans with Megatron's tokenizer", file=sys.stderr)
 
 
 def render_sbatch(plan_path: str, comps: list[Component], train_args: list[str], *, partitions: dict[str, str],

@@ -290,13 +290,51 @@ def test_elastic_runs_a_torchrun_agent_per_node(mixed_plan, tmp_path):
     (["--elastic", "6"], ELASTIC_FLAGS, "pass --elastic 1..5"),
     (["--elastic", "1"], ELASTIC_FLAGS[:4], "--elastic needs --save-interval --hetero-ckpt-reshard among the job's"),
     (["--elastic", "1"], ["--save", "a", "--load", "b", *ELASTIC_FLAGS[4:]], "--save a but --load b"),
-    (["--elastic", "1", "--entry", "megatron-core"], ELASTIC_FLAGS, "--elastic with --entry megatron-core: "),
-], ids=["zero", "more-than-allocated", "no-checkpoint", "save-not-load", "pretrain-entry"])
+], ids=["zero", "more-than-allocated", "no-checkpoint", "save-not-load"])
 def test_elastic_refusals_name_what_to_change(mixed_plan, capsys, extra, flags, says):
     from megatron_hetermoe.tools import slurm
 
     assert slurm.main(["--plan", str(mixed_plan), "--gpus-per-node", "2", *extra, "--", "--model", "tiny", *RECIPE,
                        "--global-batch-size", "6", *flags]) == 2
+    assert says in capsys.readouterr().err
+
+
+# The tiny recipe as Megatron-LM's flags (what a pretrain() job's every start plans for).
+PRETRAIN_FLAGS = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "4",
+                  "--seq-length", "32", "--max-position-embeddings", "32", "--micro-batch-size", "2",
+                  "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", *RECIPE]
+
+
+def test_elastic_pretrain_entry_plans_for_every_gpu(mixed_plan, tmp_path):
+    """--elastic with --entry megatron-lm: agent.sh runs Megatron-LM's pretrain_gpt.py with --hetero-plan
+    auto (pretrain() plans at every start and loads a checkpoint of another plan resharded); the flags
+    are planned for every allocated GPU first: a batch that splits over no plan of them is refused."""
+    mlm = _fake_megatron_lm(tmp_path)
+    base = ["--dry-run", "--plan", str(mixed_plan), "--gpus-per-node", "2", "--elastic", "2", "--entry",
+            "megatron-lm", "--megatron-lm-dir", str(mlm), "--", *PRETRAIN_FLAGS, "--save", "ck", "--load", "ck",
+            "--save-interval", "1"]
+    r = _launch([*base, "--global-batch-size", "16"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    srun = next(line for line in _script(r.stdout).splitlines() if line.startswith("srun"))
+    assert "scripts/slurm/agent.sh" in srun and f"{mlm}/pretrain_gpt.py --num-layers 2" in srun, srun
+    assert srun.endswith("--save-interval 1 --global-batch-size 16 --hetero-plan auto"), srun
+    # 10 GPUs (2 A40 nodes, 3 V100 nodes of 2): 20 sequences leave one idle in the best plan
+    r = _launch([*base, "--global-batch-size", "20"], tmp_path)
+    assert r.returncode == 2 and "leaves GPU(s) [9] idle (the global batch 20" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("flags,says", [
+    (["--save", "ck", "--load", "ck"], "--elastic needs --save-interval among the job's flags"),
+    (["--save", "ck", "--load", "ck", "--save-interval", "1", "--use-distributed-optimizer"],
+     "add --dist-ckpt-optim-fully-reshardable"),
+], ids=["no-interval", "distributed-optimizer"])
+def test_elastic_pretrain_refusals(mixed_plan, tmp_path, capsys, flags, says):
+    from megatron_hetermoe.tools import slurm
+
+    mlm = _fake_megatron_lm(tmp_path)
+    assert slurm.main(["--plan", str(mixed_plan), "--gpus-per-node", "2", "--elastic", "1", "--entry",
+                       "megatron-lm", "--megatron-lm-dir", str(mlm), "--", *PRETRAIN_FLAGS, "--global-batch-size",
+                       "20", *flags]) == 2
     assert says in capsys.readouterr().err
 
 
