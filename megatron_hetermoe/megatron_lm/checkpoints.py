@@ -52,10 +52,12 @@ def _checkpoint_dir(args) -> Path | None:
 def _saved_args(args):
     """The flags the checkpoint to load was saved with (None: no checkpoint to load)."""
     path = _checkpoint_dir(args)
-    if path is None or not (path / "common.pt").is_file():
+    if path is None:
         return None
     from megatron.core import dist_checkpointing
 
+    # common.pt (core_v0.16.1), or the "common_state" object in the checkpoint (core_v0.19.0): both read
+    # by dist_checkpointing, on this rank alone.
     return dist_checkpointing.load_common_state_dict(str(path)).get("args")
 
 

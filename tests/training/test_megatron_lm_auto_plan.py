@@ -6,50 +6,20 @@ local rank), gathered over torch.distributed as a GPU rank's device would be. 2 
 4 iterations, saving after 2; a V100 "lost", the 3 left plan again and resume from it."""
 from __future__ import annotations
 
-import json
 
 import pytest
 from margins import within
-from megatron_lm_run import hetero_run
+from megatron_lm_run import GPUS_ENV, NO_EVAL, auto_run, hetero_run, replans_and_resumes
 
 pytestmark = pytest.mark.slow
-NO_EVAL = ["--eval-interval", "100", "--eval-iters", "0"]
-GPUS_ENV = "HETERMOE_GPU_TYPE"
 
 
 def _run(mlm, data, tmp_path, monkeypatch, name: str, gpus: str, extra: list[str]) -> tuple[str, dict[int, float]]:
-    monkeypatch.setenv(GPUS_ENV, gpus)
-    return hetero_run(mlm, "auto", data, tmp_path / name, extra, nproc=len(gpus.split(",")), evaluation=NO_EVAL)
-
-
-def _plan_line(log: str) -> str:
-    return next(line for line in log.splitlines() if "--hetero-plan auto:" in line)
+    return auto_run(mlm, data, tmp_path / name, monkeypatch, gpus, extra)
 
 
 def test_a_run_plans_itself_and_resumes_on_the_plan_of_the_gpus_left(mlm, data, tmp_path, monkeypatch):
-    ckpt = tmp_path / "ckpt"
-    save = ["--save", str(ckpt), "--save-interval", "2", "--train-iters", "4"]
-    log4, full = _run(mlm, data, tmp_path, monkeypatch, "four", "A40,A40,V100-16GB,V100-16GB", save)
-    assert "4 ranks: (2 V100-16GB attention | 2 A40 expert)" in _plan_line(log4), _plan_line(log4)
-    assert sorted(full) == [1, 2, 3, 4]
-    saved = json.loads((ckpt / "latest_checkpointed_iteration.txt").read_text())
-    assert saved == 4
-    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")  # resume from iteration 2's
-
-    # A V100 lost: the three GPUs left plan again and load iteration 2's checkpoint resharded.
-    load = ["--load", str(ckpt), "--train-iters", "4"]
-    log3, resumed = _run(mlm, data, tmp_path, monkeypatch, "three", "A40,A40,V100-16GB", load)
-    assert "3 ranks: (2 A40 attention | 1 V100-16GB expert)" in _plan_line(log3), _plan_line(log3)
-    assert "the checkpoint was saved on another plan (4 ranks: 2 attention + 2 expert)" in log3, log3[-3000:]
-    assert sorted(resumed) == [3, 4]
-    # The same weights and data: iteration 3 differs from the uninterrupted run's only in the order
-    # of sums (other ranks, other placements); iteration 4 follows Adam's step 3 with the loaded
-    # moments and step.
-    _, cold = _run(mlm, data, tmp_path, monkeypatch, "cold", "A40,A40,V100-16GB", [*load, "--no-load-optim"])
-    near = max(abs(resumed[i] - full[i]) for i in (3, 4))
-    without_optimizer = abs(cold[4] - full[4])
-    within("resumed on another plan vs uninterrupted (lm loss, iterations 3-4)", near, 1e-5)
-    assert without_optimizer > 20 * max(near, 1e-7), (resumed, cold, full)
+    replans_and_resumes(mlm, data, tmp_path, monkeypatch)
 
 
 def test_the_fully_reshardable_distributed_optimizer_loads_across_plans(mlm, data, tmp_path, monkeypatch):

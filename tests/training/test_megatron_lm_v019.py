@@ -32,6 +32,7 @@ from megatron_lm_run import (
     ROOT,
     load_dcp,
     plugin_losses,
+    replans_and_resumes,
     tb_losses,
     torchrun,
 )
@@ -170,6 +171,13 @@ def test_core_v019_resume_from_a_torch_dist_checkpoint_is_bitwise(mlm19, data, t
     differ = [k for k in whole if not same_state(whole[k], resumed.get(k))]
     assert whole.keys() == resumed.keys() and not differ, differ
 
+
+
+@pytest.mark.slow
+def test_core_v019_plans_itself_and_resumes_on_the_gpus_left(mlm19, data, tmp_path, monkeypatch):
+    """--hetero-plan auto in core_v0.19.0's pretrain(), and a checkpoint of 4 GPUs resumed on the 3 left
+    (test_megatron_lm_auto_plan.py's case on core_v0.16.1)."""
+    replans_and_resumes(mlm19, data, tmp_path, monkeypatch, data=DATA)
 
 
 @pytest.mark.slow
