@@ -57,13 +57,14 @@ def test_auto_needs_a_gpu_type_on_cpu_ranks(mlm, data, tmp_path, monkeypatch):
         hetero_run(mlm, "auto", data, tmp_path / "none", [], nproc=2, evaluation=NO_EVAL)
 
 
-def test_torchrun_loses_a_node_and_the_survivors_continue_on_their_plan(mlm, data, tmp_path):
+def test_torchrun_loses_a_node_and_grows_back(mlm, data, tmp_path):
     """Megatron-LM's pretrain_gpt.py under torchrun's elastic agent: two agents on this host as two
     nodes (--nnodes 1:2, c10d rendezvous), one of 2 A40 and one of 2 V100 ($HETERMOE_GPU_TYPE), a
     persistent checkpoint every iteration. The V100 node is killed (agent and workers) mid-run; the
     A40 agent restarts its workers in a world of 2, which plan for 2 A40 and load the latest
-    checkpoint resharded, and train to the end. Their iterations are bitwise those of a fresh run
-    of the 2 A40 from that checkpoint."""
+    checkpoint resharded; their iterations are bitwise those of a fresh run of the 2 A40 from that
+    checkpoint. Then a V100 node starts again: the agents restart the workers in a world of 4, which
+    plan for 2 A40 + 2 V100 and load the latest checkpoint resharded back, and train to the end."""
     import re
     import socket
     import subprocess
@@ -76,11 +77,11 @@ def test_torchrun_loses_a_node_and_the_survivors_continue_on_their_plan(mlm, dat
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ck, tb, iters = tmp_path / "ck", tmp_path / "tb", 10
+    ck, tb, iters = tmp_path / "ck", tmp_path / "tb", 60
     flags = [*MODEL, *BATCH[:-4], *DATA, *RECIPE, *CPU, "--data-path", data, "--log-interval", "1", *NO_EVAL,
              "--lr", "1e-3", "--distributed-timeout-minutes", "2", "--hetero-plan", "auto"]
 
-    def node(gpu: str, host: bool) -> subprocess.Popen:
+    def node(gpu: str, host: bool, name: str) -> subprocess.Popen:
         cmd = [sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node",
                "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"mlm-{port}",
                "--max-restarts", "2", "--rdzv-conf", f"is_host={int(host)},last_call_timeout=20,join_timeout=180",
@@ -88,10 +89,11 @@ def test_torchrun_loses_a_node_and_the_survivors_continue_on_their_plan(mlm, dat
                "--load", str(ck), "--save-interval", "1", "--tensorboard-dir", str(tb)]
         # scripts/slurm/agent.sh's setting: each rendezvous round's rank 0 hosts a fresh store.
         environ = {**env(), GPUS_ENV: gpu, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        return subprocess.Popen(cmd, stdout=open(tmp_path / f"{gpu}.log", "w"), stderr=subprocess.STDOUT,
+        return subprocess.Popen(cmd, stdout=open(tmp_path / f"{name}.log", "w"), stderr=subprocess.STDOUT,
                                 env=environ, cwd=mlm, start_new_session=True)
 
-    a40, v100 = node("A40", host=True), node("V100-16GB", host=False)
+    a40, v100 = node("A40", True, "A40"), node("V100-16GB", False, "V100-16GB")
+    back = None
     log = lambda name: (tmp_path / f"{name}.log").read_text()  # noqa: E731
     try:
         deadline = time.monotonic() + 300
@@ -106,19 +108,31 @@ def test_torchrun_loses_a_node_and_the_survivors_continue_on_their_plan(mlm, dat
             assert time.monotonic() < killed + 300 and a40.poll() is None, log("A40")[-3000:]
             time.sleep(0.1)
         recovered_s = time.monotonic() - killed
+        shrunk = log("A40")
+        resumed_at = int(re.search(r"successfully loaded checkpoint from \S+ .*?at iteration (\d+)",
+                                   shrunk[seen:]).group(1))
+        while not re.search(rf" iteration +{resumed_at + 3}/", log("A40")[seen:]):
+            assert time.monotonic() < killed + 300 and a40.poll() is None, log("A40")[-3000:]
+            time.sleep(0.1)
+        grown_from = len(log("A40"))
+        back = node("V100-16GB", False, "V100-back")  # the node comes back
         assert a40.wait(timeout=400) == 0, log("A40")[-4000:]
+        assert back.wait(timeout=60) == 0, log("V100-back")[-4000:]
     finally:
-        for p in (a40, v100):
-            if p.poll() is None:
+        for p in (a40, v100, back):
+            if p is not None and p.poll() is None:
                 kill_tree(p.pid)
     out = log("A40")
     picks = [line for line in out.splitlines() if "--hetero-plan auto:" in line]
     assert "this job's 2 A40 + 2 V100-16GB" in picks[0] or "this job's 2 V100-16GB + 2 A40" in picks[0], picks
-    assert "2 ranks: (1 A40 attention | 1 A40 expert)" in picks[-1] and "this job's 2 A40)" in picks[-1], picks
+    assert "2 ranks: (1 A40 attention | 1 A40 expert)" in picks[1] and "this job's 2 A40)" in picks[1], picks
+    assert "4 ranks: (2 V100-16GB attention | 2 A40 expert)" in picks[-1], picks
     assert "the checkpoint was saved on another plan (4 ranks: 2 attention + 2 expert)" in out, out[-3000:]
-    loaded = [int(m) for m in re.findall(r"successfully loaded checkpoint from \S+ .*?at iteration (\d+)", out)]
-    assert loaded and 3 <= loaded[-1] < iters, (loaded, out[-3000:])
-    resumed_at = loaded[-1]
+    assert "the checkpoint was saved on another plan (2 ranks: 1 attention + 1 expert)" in out, out[-3000:]
+    assert 3 <= resumed_at < iters, (resumed_at, out[-3000:])
+    regrown = [int(m) for m in re.findall(r"successfully loaded checkpoint from \S+ .*?at iteration (\d+)",
+                                          out[grown_from:])]
+    assert regrown and resumed_at + 3 <= regrown[-1] < iters, (regrown, resumed_at, out[-3000:])
     done = max(int(i) for i in re.findall(r" iteration +(\d+)/", before))
     print(f"recovery: killed during iteration {done + 1}, resumed from {resumed_at} ({done - resumed_at} completed "
           f"step(s) run again), failure -> next completed step {recovered_s:.1f} s")
@@ -126,9 +140,11 @@ def test_torchrun_loses_a_node_and_the_survivors_continue_on_their_plan(mlm, dat
     elastic = tb_losses(tb)
     assert sorted(elastic) == list(range(1, iters + 1)), elastic
 
-    # The reference: a fresh run of the 2 A40 from the checkpoint the survivors loaded.
+    # The reference: a fresh run of the 2 A40 from the checkpoint the survivors loaded, up to the
+    # checkpoint the grown job loaded (its iterations after that are the 4 ranks').
     _, fresh = hetero_run(mlm, "auto", data, tmp_path / "fresh",
-                          [*flags[flags.index("--lr"):-2], "--train-iters", str(iters), "--load", str(ck),
-                           "--ckpt-step", str(resumed_at), "--hetero-gpus", "2xA40"], nproc=2, evaluation=NO_EVAL)
-    assert sorted(fresh) == list(range(resumed_at + 1, iters + 1))
+                          [*flags[flags.index("--lr"):-2], "--train-iters", str(iters), "--exit-interval",
+                           str(regrown[-1]), "--load", str(ck), "--ckpt-step", str(resumed_at), "--hetero-gpus",
+                           "2xA40"], nproc=2, evaluation=NO_EVAL)
+    assert sorted(fresh) == list(range(resumed_at + 1, regrown[-1] + 1))
     assert {i: elastic[i] for i in fresh} == fresh, (elastic, fresh)
