@@ -121,28 +121,34 @@ def own_step_tensors(torch_optimizer) -> None:
 _COMMON_KEYS = ("common_step", "grad_scaler")
 
 
+def _dicts(x):
+    """Every dict in a nested dict/list structure, outermost first."""
+    if isinstance(x, dict):
+        yield x
+        for v in x.values():
+            yield from _dicts(v)
+    elif isinstance(x, list):
+        for v in x:
+            yield from _dicts(v)
+
+
+def _param_groups(d: dict) -> list:
+    groups = d.get("param_groups")
+    return [g for g in groups if isinstance(g, dict) and "step" in g] if isinstance(groups, list) else []
+
+
 def _common_state(skeleton) -> dict:
     """What every rank's optimizer holds alike, found in a rank's skeleton: Adam's step (megatron-core
     keeps one step for all parameters: `state.common_step`, or on torch's Adam under the distributed
     optimizer each param group's `step`) and the loss scaler's state (one loss scale for the world).
     Only the first of each is kept: every rank steps and scales together."""
     found: dict = {}
-
-    def walk(x):
-        if isinstance(x, dict):
-            for k in _COMMON_KEYS:
-                if k in x and k not in found:
-                    found[k] = x[k]
-            for g in x.get("param_groups", ()) if isinstance(x.get("param_groups"), list) else ():
-                if isinstance(g, dict) and "step" in g:
-                    found.setdefault("param_group_step", g["step"])
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-
-    walk(skeleton)
+    for d in _dicts(skeleton):
+        for k in _COMMON_KEYS:
+            if k in d:
+                found.setdefault(k, d[k])
+        for g in _param_groups(d):
+            found.setdefault("param_group_step", g["step"])
     return found
 
 
@@ -150,23 +156,14 @@ def _put_common_state(skeleton, common: dict) -> None:
     """Write the saved step and loss scaler into this rank's own skeleton: the step into each torch
     optimizer's state (a dict with `state` and `param_groups`) or its param groups, the scaler
     wherever the skeleton has one."""
-    def walk(x):
-        if isinstance(x, dict):
-            if "state" in x and "param_groups" in x and common.get("common_step") is not None:
-                x["state"]["common_step"] = common["common_step"]
-            if "grad_scaler" in x and common.get("grad_scaler") is not None:
-                x["grad_scaler"] = common["grad_scaler"]
-            if isinstance(x.get("param_groups"), list) and common.get("param_group_step") is not None:
-                for g in x["param_groups"]:
-                    if isinstance(g, dict) and "step" in g:
-                        g["step"] = common["param_group_step"]
-            for v in x.values():
-                walk(v)
-        elif isinstance(x, list):
-            for v in x:
-                walk(v)
-
-    walk(skeleton)
+    for d in list(_dicts(skeleton)):
+        if "state" in d and "param_groups" in d and common.get("common_step") is not None:
+            d["state"]["common_step"] = common["common_step"]
+        if "grad_scaler" in d and common.get("grad_scaler") is not None:
+            d["grad_scaler"] = common["grad_scaler"]
+        if common.get("param_group_step") is not None:
+            for g in _param_groups(d):
+                g["step"] = common["param_group_step"]
 
 
 def per_rank_optimizer_state(optimizer, rank: int, world_size: int, reshard: bool = False) -> None:

@@ -78,17 +78,23 @@ def flag_value(argv: list[str], name: str) -> str | None:
     return out
 
 
-def pick_for(argv: list[str], inventory: Inventory) -> HeteroPlan:
-    """The plan every start of a job with these flags would pick for `inventory` (the SLURM
-    renderer's check, before anything runs); InventoryError where none uses every GPU."""
-    run = run_of_flags(argv, flag_value(argv, "--hetero-schedule"))
+def _every_gpu_used(run: AutoPlanRun, inventory: Inventory, fix: str) -> HeteroPlan:
+    """The planner's pick for `inventory`; InventoryError where it leaves a GPU idle (every rank of a
+    torchrun or SLURM job is a GPU that must have work)."""
     plan, kept = auto_plan(run, inventory)
     idle = [i for i in range(inventory.size) if i not in kept]
     if idle:
         raise InventoryError(f"--hetero-plan auto: the best plan for {inventory.describe()} leaves GPU(s) {idle} "
                              f"idle (the global batch {run.global_batch_size} does not split over the attention "
-                             f"ranks the others give); change the batch or the allocation")
+                             f"ranks the others give); {fix}")
     return plan
+
+
+def pick_for(argv: list[str], inventory: Inventory) -> HeteroPlan:
+    """The plan every start of a job with these flags would pick for `inventory` (the SLURM
+    renderer's check, before anything runs)."""
+    return _every_gpu_used(run_of_flags(argv, flag_value(argv, "--hetero-schedule")), inventory,
+                           "change the batch or the allocation")
 
 
 def _inventory(args) -> Inventory:
@@ -103,31 +109,21 @@ def _inventory(args) -> Inventory:
     from megatron_hetermoe.parallel.device import init_distributed
     from megatron_hetermoe.training.elastic import gather_inventory
 
-    if not dist.is_initialized():
+    if dist.is_initialized():
+        import torch
+
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    else:
         timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
-        init_distributed(args.distributed_backend, timeout=timeout)
-    return gather_inventory(_device())
-
-
-def _device():
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+        device = init_distributed(args.distributed_backend, timeout=timeout)
+    return gather_inventory(device)
 
 
 def plan_for_job(args, argv: list[str]) -> HeteroPlan:
-    """The planner's pick for this job's GPUs and these flags; a pick that leaves a GPU idle is
-    refused (under torchrun every rank is a GPU that must have work)."""
+    """The planner's pick for this job's GPUs and these flags (every GPU used)."""
     run = run_of_flags(argv, getattr(args, "hetero_schedule", None), _padded_vocab(args))
     inventory = _inventory(args)
-    plan, kept = auto_plan(run, inventory)
-    idle = [i for i in range(inventory.size) if i not in kept]
-    if idle:
-        raise InventoryError(f"--hetero-plan auto: the best plan for {inventory.describe()} leaves rank(s) {idle} "
-                             f"idle (the global batch {run.global_batch_size} does not split over the attention "
-                             f"ranks the others give); start the job without them, or change the batch")
+    plan = _every_gpu_used(run, inventory, "start the job without them, or change the batch")
     if int(os.environ.get("RANK", args.rank)) == 0:
         from megatron_hetermoe.training.elastic import describe_plan
 
