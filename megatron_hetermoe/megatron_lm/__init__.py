@@ -28,10 +28,12 @@ logging and exit checks, and evaluate(). Every world-wide collective of that loo
 entered by every rank by construction. HeterMoE changes five things, each through a hook that
 `HeteroPretrain.installed()` puts in place for the call and takes out after it:
 
-1. validate_args: flags this path cannot honour are refused by name (`refusals`), and Megatron's
-   data-parallel size (hence its microbatch calculator) is the plan's attention ranks
-   (core_v0.16.1: inside pretrain()'s initialize_megatron; core_v0.19.0: in pretrain_gpt.py's
-   parse_and_validate_args, before pretrain()).
+1. validate_args: flags this path cannot honour are refused by name (`refusals`), the plan is read
+   (or made for the job's GPUs: `auto_plan`), and Megatron's data-parallel size (hence its
+   microbatch calculator) is the plan's attention ranks (core_v0.16.1: inside pretrain()'s
+   initialize_megatron; core_v0.19.0: in pretrain_gpt.py's parse_and_validate_args, before
+   pretrain()); a checkpoint saved on another plan is found there and loads resharded
+   (`checkpoints`).
 2. Model parallel state: megatron's initialize_model_parallel is replaced by the plan's groups
    (parallel/state.py), installed into megatron-core's parallel_state
    (parallel/megatron_globals.py install_parallel_state, written by shims/parallel_state.py).
@@ -50,7 +52,9 @@ On a host without CUDA the CPU backend (parallel/cpu_backend.py) runs the same p
 Modules: `pretrain` (`hetermoe pretrain`: a patched checkout's pretrain_gpt.py, or megatron-core
 >= 0.19's own pretrain() with this package's GPT providers and no checkout), `hooks` (HeteroPretrain
 and hetero_pretrain), `refusals` (the flags refused by name), `replaced` (the flags accepted with a
-line naming what replaces them, and recomputation), `cpu_layer` (pretrain() on CPU ranks, and
+line naming what replaces them, and recomputation), `auto_plan` (--hetero-plan auto: the plan for
+the GPUs the job finds), `checkpoints` (the plan a checkpoint was saved on; loading it into
+another plan), `cpu_layer` (pretrain() on CPU ranks, and
 megatron_on_cpu for a plain Megatron run); which patch fits a checkout is shims/pretrain_gpt.py's
 (re-exported here). The --hetero-* flags are cli/hetero.py's, the plugin trainer's too.
 """
