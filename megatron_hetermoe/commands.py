@@ -19,11 +19,13 @@ from megatron_hetermoe.cli.hetermoe import build_parser
 
 # name -> (module:function taking argv and returning an exit code, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("megatron_hetermoe.training.args:main", "train the baseline Megatron MoE (or HeterMoE with --hetero-plan)"),
+    "train": ("megatron_hetermoe.training.command:main",
+              "train the baseline Megatron MoE (or HeterMoE with --hetero-plan); the model from --model, or from "
+              "Megatron-LM pretrain_gpt.py flags (--num-layers ...)"),
     "pretrain": ("megatron_hetermoe.megatron_lm.pretrain:main",
                  "Megatron's own pretrain() with Megatron-LM flags (megatron-core >= 0.19, or MEGATRON_LM_DIR)"),
     "train-gpt": ("megatron_hetermoe.training.pretrain_gpt:main",
-                  "the plugin's own trainer with Megatron-LM pretrain_gpt.py flags (model shape as flags)"),
+                  "alias of `hetermoe train` in its pretrain_gpt.py form, for any flags (kept for compatibility)"),
     "regress": ("megatron_hetermoe.tools.golden:main", "rerun a training and compare its loss with golden values"),
     "parity": ("megatron_hetermoe.tools.parity:main", "HeterMoE vs plain Megatron EP: per-step loss and gradient diffs"),
     "bench": ("megatron_hetermoe.tools.bench:main", "HeterMoE vs Megatron EP side by side on an emulated mixed cluster"),

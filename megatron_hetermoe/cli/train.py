@@ -1,5 +1,6 @@
-"""`hetermoe train`'s parser: the subset of Megatron-LM's pretrain_gpt.py flags the plugin's
-trainer takes, its own launch flags and the --hetero-* flags (behaviour: training/args.py)."""
+"""`hetermoe train`'s parser (its config form): the subset of Megatron-LM's pretrain_gpt.py flags the
+plugin's trainer takes, its own launch flags and the --hetero-* flags (behaviour: training/args.py). The
+pretrain_gpt.py form adds the model's shape as flags (cli/train_gpt.py; which form: cli/train_forms.py)."""
 from __future__ import annotations
 
 import argparse
@@ -125,8 +126,9 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
 
 def build_parser(progress_timeout_s: float, prog: str = "hetermoe train") -> argparse.ArgumentParser:
     """`hetermoe train`'s flags (`progress_timeout_s`: --progress-timeout's default, the launcher's);
-    train-gpt adds Megatron's model-shape flags to these (cli/train_gpt.py)."""
-    p = argparse.ArgumentParser(prog=prog, description="Train the Megatron MoE baseline (plain Megatron-Core TP/PP/EP/DP), or HeterMoE with --hetero-plan.", formatter_class=HelpFormatter)
+    the pretrain_gpt.py form adds Megatron's model-shape flags to these (cli/train_gpt.py)."""
+    p = argparse.ArgumentParser(prog=prog, description="Train the Megatron MoE baseline (plain Megatron-Core "
+                                "TP/PP/EP/DP), or HeterMoE with --hetero-plan.", formatter_class=HelpFormatter)
     add_megatron_args(p)
     p.add_argument("--nproc", type=int, default=None,
                    help=f"CPU ranks to start, 1..{MAX_FORKED_RANKS} (default: join a torchrun job if RANK is set, "

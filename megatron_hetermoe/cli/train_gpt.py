@@ -1,5 +1,6 @@
-"""`hetermoe train-gpt`'s parser: `hetermoe train`'s flags with Megatron-LM pretrain_gpt.py's
-model-shape flags and defaults (behaviour: training/pretrain_gpt.py)."""
+"""The parser of `hetermoe train`'s pretrain_gpt.py form (also `hetermoe train-gpt`): `hetermoe train`'s
+flags with Megatron-LM pretrain_gpt.py's model-shape flags and defaults (behaviour: training/pretrain_gpt.py;
+which form a command line is: cli/train_forms.py)."""
 from __future__ import annotations
 
 import argparse
@@ -76,9 +77,10 @@ def _set_help(p: argparse.ArgumentParser, dest: str, text: str) -> None:
     next(a for a in p._actions if a.dest == dest).help = text
 
 
-def build_parser(description: str, progress_timeout_s: float) -> argparse.ArgumentParser:
+def build_parser(description: str, progress_timeout_s: float,
+                 prog: str = "python -m megatron_hetermoe.training.pretrain_gpt") -> argparse.ArgumentParser:
     """`hetermoe train`'s parser (cli/train.py) with Megatron-LM's model-shape flags and defaults."""
-    p = train.build_parser(progress_timeout_s, prog="python -m megatron_hetermoe.training.pretrain_gpt")
+    p = train.build_parser(progress_timeout_s, prog=prog)
     p.description = description
     p.allow_abbrev = False  # Megatron's names only: "--lr-decay" must not silently mean something
     p.set_defaults(model=None)  # the shape comes from the flags (or a --model YAML to start from)

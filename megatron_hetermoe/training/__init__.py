@@ -1,4 +1,5 @@
-"""Training: args.py (`hetermoe train` flags -> TrainConfig, ranks), pretrain_gpt.py (`hetermoe
+"""Training: command.py (`hetermoe train`: which of its two forms a command line is), args.py (its
+config form: flags -> TrainConfig, ranks), pretrain_gpt.py (its pretrain_gpt.py form, also `hetermoe
 train-gpt`: Megatron-LM's pretrain_gpt.py flags for the subset the plugin's trainer builds; their
 parsers are cli/'s), hetero_args.py (the parsed --hetero-* flags -> HeteroRunConfig), validation.py (every input
 checked before any process group exists), assembly.py (RoleAssembly: a HeterMoE rank put together

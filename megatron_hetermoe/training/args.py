@@ -1,5 +1,9 @@
 """`hetermoe train`: Megatron-LM-style flags -> TrainConfig (+ a plan), then ranks.
 
+`hetermoe train` has two forms (training/command.py picks one): this module's main is its config form,
+the model from --model (default tiny) with this trainer's defaults; the pretrain_gpt.py form
+(training/pretrain_gpt.py) builds the model from Megatron-LM's flags and runs through run_from_args too.
+
 `main(argv)` parses the flags, validates every input (and the paths the run writes, and locks
 --save) before any process group exists, and starts CPU ranks with the launcher (or joins the
 surrounding torchrun job); each rank runs the Megatron EP trainer (training/megatron_ep.py) or,
@@ -18,7 +22,7 @@ import os
 import sys
 import traceback
 
-from megatron_hetermoe.cli import train as train_cli
+from megatron_hetermoe.cli import train_forms
 from megatron_hetermoe.cli.train import MAX_FORKED_RANKS
 from megatron_hetermoe.config import (
     HeteroRunConfig,
@@ -143,11 +147,13 @@ def check_kernels(p: argparse.ArgumentParser, cfg: TrainConfig, device, pools=No
 
 
 def build_parser(prog: str = "hetermoe train") -> argparse.ArgumentParser:
-    """`hetermoe train`'s parser (cli/train.py), --progress-timeout defaulting to the launcher's watchdog."""
-    return train_cli.build_parser(DEFAULT_PROGRESS_TIMEOUT_S, prog)
+    """`hetermoe train`'s config-form parser (cli/train.py; its help ends with the rule of the two forms,
+    cli/train_forms.py), --progress-timeout defaulting to the launcher's watchdog."""
+    return train_forms.config_form_parser(DEFAULT_PROGRESS_TIMEOUT_S, prog)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`hetermoe train`'s config form (training/command.py picks the form)."""
     p = build_parser()
     return run_from_args(p, p.parse_args(argv))
 

@@ -1,6 +1,7 @@
-"""Megatron-LM's pretrain_gpt.py command line, for the subset this plugin trains (`hetermoe train-gpt`).
+"""Megatron-LM's pretrain_gpt.py command line, for the subset this plugin trains: `hetermoe train`'s
+pretrain_gpt.py form (`hetermoe train-gpt`, its alias, and this module's main take it whatever the flags).
 
-    python -m megatron_hetermoe.training.pretrain_gpt --num-layers 2 --hidden-size 64 \
+    hetermoe train --num-layers 2 --hidden-size 64 \
         --num-attention-heads 4 --ffn-hidden-size 128 --num-experts 4 --moe-router-topk 2 \
         --seq-length 64 --max-position-embeddings 64 --micro-batch-size 2 --global-batch-size 8 \
         --swiglu --normalization RMSNorm --position-embedding-type rope --disable-bias-linear \
@@ -28,6 +29,11 @@ Megatron-LM would default to transformer_engine.
 A flag that Megatron-LM has but this trainer does not is refused by name
 (from megatron_lm_flags.txt, Megatron-LM core_v0.16.1's own parser), as is a flag neither has.
 The run itself is `hetermoe train` (train_args.run_from_args), with this model shape.
+
+`hetermoe train` takes this form when its command line has a flag only this form takes (any of
+cli/train_gpt.add_model_args', e.g. --num-layers or --swiglu), with or without --model, and otherwise
+its config form (training/command.py). `hetermoe train-gpt` and `python -m
+megatron_hetermoe.training.pretrain_gpt` run this form for any command line.
 """
 from __future__ import annotations
 
@@ -83,9 +89,12 @@ def megatron_flags() -> frozenset[str]:
     return frozenset(line.strip() for line in MEGATRON_FLAGS_FILE.read_text().splitlines() if line.startswith("--"))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """`hetermoe train-gpt`'s parser (cli/train_gpt.py), described by this module's first paragraph."""
-    return train_gpt_cli.build_parser(__doc__.split("\n\n")[0], DEFAULT_PROGRESS_TIMEOUT_S)
+PROG = "python -m megatron_hetermoe.training.pretrain_gpt"
+
+
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
+    """This form's parser (cli/train_gpt.py), described by this module's first paragraph."""
+    return train_gpt_cli.build_parser(__doc__.split("\n\n")[0], DEFAULT_PROGRESS_TIMEOUT_S, prog)
 
 
 def reject_unknown(p: argparse.ArgumentParser, rest: list[str]) -> None:
@@ -221,9 +230,20 @@ def check_flags(argv: list[str]) -> None:
         train_args.validate_run(p, a, check_outputs=False)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = build_parser()
+def main(argv: list[str] | None = None, prog: str = PROG, chosen_by: str | None = None) -> int:
+    """Run this form: `hetermoe train-gpt`, or `hetermoe train` when `chosen_by` (the flag that picked
+    this form) is given; then a refusal of the form's own checks says why the line was read this way."""
+    p = build_parser(prog)
+    refuse = p.error
+    if chosen_by is not None:
+        def error(message: str):
+            refuse(f"{message} [{prog} read these as Megatron-LM pretrain_gpt.py flags: {chosen_by} is one only "
+                   f"that form takes; without any, it takes the model from --model (default tiny) with its own "
+                   f"defaults]")
+
+        p.error = error
     with _parsed(p, argv) as a:
+        p.error = refuse  # the flags passed the form's own checks: the run's refusals need no note
         return train_args.run_from_args(p, a)
 
 

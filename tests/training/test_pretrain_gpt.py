@@ -1,5 +1,6 @@
-"""`hetermoe train-gpt` (python -m megatron_hetermoe.training.pretrain_gpt): Megatron-LM's flag names and
-meanings; a command line from which Megatron-LM would build or train another model is refused."""
+"""`hetermoe train`'s pretrain_gpt.py form (`hetermoe train-gpt`, python -m megatron_hetermoe.training.pretrain_gpt):
+Megatron-LM's flag names and meanings; a command line from which Megatron-LM would build or train another model is
+refused; the rule by which `hetermoe train` picks this form or its config form."""
 from __future__ import annotations
 
 import os
@@ -9,7 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_hetermoe.training import pretrain_gpt
+from megatron_hetermoe.cli.train_forms import model_flags
+from megatron_hetermoe.config import ModelConfig
+from megatron_hetermoe.training import args as train_args
+from megatron_hetermoe.training import command, pretrain_gpt
 from megatron_hetermoe.training.pretrain_gpt import (
     EXTENSION_FLAGS,
     build_parser,
@@ -179,6 +183,116 @@ def test_cli_registers_pretrain():
     from megatron_hetermoe.commands import SUBCOMMANDS
 
     assert SUBCOMMANDS["train-gpt"][0] == f"{pretrain_gpt.__name__}:main"
+    assert SUBCOMMANDS["train"][0] == f"{command.__name__}:main"
+
+
+# ---- `hetermoe train`: one command, two forms ----------------------------------------------------
+
+def _hetermoe(args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", "megatron_hetermoe.cli", *args],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+
+
+def test_train_with_pretrain_gpt_flags_runs_as_train_gpt_bitwise(tmp_path):
+    """`hetermoe train <pretrain_gpt.py flags>` is the pretrain_gpt.py form: the same run, loss for loss, as
+    `hetermoe train-gpt` with the same flags, with Megatron-LM's defaults (--min-lr 0, not the config form's)."""
+    import json
+
+    flags = [*RUN, "--micro-batch-size", "2", "--train-iters", "2", "--expert-model-parallel-size", "2", "--nproc", "2",
+             "--mock-data"]
+    runs = {cmd: _hetermoe([cmd, *flags, "--golden-values-out", str(tmp_path / f"{cmd}.json")])
+            for cmd in ("train", "train-gpt")}
+    for cmd, r in runs.items():
+        assert r.returncode == 0, (cmd, r.stderr[-3000:])
+        # 2 iterations of cosine decay from 1e-3: the second at the midpoint to the form's --min-lr 0
+        # (the config form's default 1e-4 would give 5.5e-4).
+        assert "learning rate: 5.000000E-04" in r.stdout, (cmd, r.stdout[-2000:])
+    a, b = (json.loads((tmp_path / f"{cmd}.json").read_text())["lm loss"]["values"] for cmd in runs)
+    assert len(a) == 2 and a == b
+
+
+def _parsed_by(monkeypatch, argv: list[str]):
+    """`hetermoe train ARGV` up to the run: the namespace run_from_args gets (nothing starts), with the
+    model's YAML (the pretrain_gpt.py form writes the shape to a file that lives only during the call)."""
+    seen = {}
+
+    def spy(p, a):
+        seen["a"], seen["model"] = a, ModelConfig.load(a.model)
+        return 0
+
+    monkeypatch.setattr(train_args, "run_from_args", spy)  # both forms run through it
+    assert command.main(argv) == 0
+    return seen["a"], seen["model"]
+
+
+def test_config_form_is_unchanged(monkeypatch):
+    """Without a flag of the pretrain_gpt.py form, `hetermoe train` parses with its own parser and defaults."""
+    config = train_args.build_parser()
+    assert {o for act in config._actions for o in act.option_strings}.isdisjoint(model_flags())
+    a, model = _parsed_by(monkeypatch, [])
+    assert (a.model, a.global_batch_size, a.lr, a.min_lr, a.train_iters) == ("tiny", 8, 1e-3, 1e-4, 5)
+    assert not hasattr(a, "num_layers") and model.name == "tiny"
+    a, _ = _parsed_by(monkeypatch, ["--model", "tiny", "--seq-length", "64", "--moe-aux-loss-coeff", "0.1"])
+    assert (a.model, a.seq_length, a.moe_aux_loss_coeff, a.min_lr) == ("tiny", 64, 0.1, 1e-4)
+
+
+def test_dispatch_rule():
+    """The pretrain_gpt.py form's own flags are exactly those the config form lacks, the recipe flags among
+    them (so every command line that form accepts picks it); a flag counts by its full name only."""
+    from megatron_hetermoe.cli.train_forms import pretrain_gpt_form_flag
+    from megatron_hetermoe.cli.train_gpt import RECIPE_FLAGS
+
+    def opts(p):
+        return {o for act in p._actions for o in act.option_strings}
+
+    assert model_flags() == opts(build_parser()) - opts(train_args.build_parser())
+    assert {flag for flag, _, _ in RECIPE_FLAGS.values()} <= model_flags()
+    assert pretrain_gpt_form_flag(RUN) == "--num-layers"
+    assert pretrain_gpt_form_flag(["--model", "tiny", "--lr", "1e-3", "--seq-length", "64"]) is None
+    assert pretrain_gpt_form_flag(["--model", "tiny", "--vocab-size=512"]) == "--vocab-size"
+    assert pretrain_gpt_form_flag(["--model", "tiny", *RECIPE]) == "--swiglu"
+    assert pretrain_gpt_form_flag(["--num-lay", "2", "-h"]) is None  # no abbreviations: the config form refuses it
+
+
+def test_model_with_pretrain_gpt_flags_is_that_form(monkeypatch, capsys):
+    """--model with a flag of the pretrain_gpt.py form: that form, starting from the YAML (as train-gpt does);
+    without the recipe flags it is refused by name, saying which flag picked the form."""
+    with pytest.raises(SystemExit) as e:
+        command.main(["--model", "tiny", "--num-experts", "8"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: hetermoe train " in err
+    assert "missing here: --swiglu (without it: GeLU MLPs)" in err
+    assert ("[hetermoe train read these as Megatron-LM pretrain_gpt.py flags: --num-experts is one only that form "
+            "takes") in err
+    # A refusal once the form's own checks passed has no note: the line is pretrain_gpt.py's beyond doubt.
+    with pytest.raises(SystemExit):
+        command.main([*RUN, "--nproc", "0"])
+    err = capsys.readouterr().err
+    assert "--nproc 0: start 1 to" in err and "read these as" not in err
+    # train-gpt is that form for any flags: without a form flag it still asks for the recipe, with no note.
+    with pytest.raises(SystemExit):
+        pretrain_gpt.main(["--model", "tiny", "--global-batch-size", "8"])
+    err = capsys.readouterr().err
+    assert "missing here: --swiglu" in err and "read these as" not in err
+    # The config form refuses a flag of neither form as before.
+    with pytest.raises(SystemExit):
+        command.main(["--model", "tiny", "--num-lay", "2"])
+    assert "unrecognized arguments: --num-lay 2" in capsys.readouterr().err
+    a, model = _parsed_by(monkeypatch, ["--model", "tiny", "--num-experts", "8", *RECIPE, "--global-batch-size", "4"])
+    assert (model.num_layers, model.hidden_size, model.num_experts, a.min_lr, a.global_batch_size) == (2, 64, 8, 0.0, 4)
+
+
+def test_train_help_lists_both_forms(capsys):
+    with pytest.raises(SystemExit):
+        command.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "pretrain_gpt.py form only:" in out and "`hetermoe train-gpt --help`" in out
+    assert all(f in out.split("pretrain_gpt.py form only:")[1].split() for f in model_flags())
+    with pytest.raises(SystemExit):
+        command.main(["--num-layers", "2", "--help"])  # the pretrain_gpt.py form's own help
+    out = capsys.readouterr().out
+    assert out.startswith("usage: hetermoe train ") and "model (Megatron-LM flags)" in out
 
 
 def _refusal(argv: list[str]) -> str:
@@ -233,7 +347,6 @@ def test_flags_megatron_would_honour_otherwise_are_refused(tmp_path):
         _refusal([*RUN, "--moe-router-topk", "1"])
     # Full recomputation outside zebra: refused by the run's validation (hetermoe train's too).
     from megatron_hetermoe.plan.hetero_plan import even_plan
-    from megatron_hetermoe.training import args as train_args
 
     with pytest.raises(ValueError, match="--recompute-granularity full: this trainer recomputes only under the zebra"):
         check_flags([*RUN, "--recompute-granularity", "full"])
