@@ -44,7 +44,8 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lr-warmup-iters", type=int, default=0,
                    help="linear warm-up steps from 0 to --lr; fewer than --train-iters")
     p.add_argument("--weight-decay", type=float, default=0.01, help="Adam weight decay")
-    p.add_argument("--clip-grad", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
+    p.add_argument("--clip-grad", type=float, default=1.0,
+                   help="clip the global gradient norm to this (0: no clipping)")
     p.add_argument("--seed", type=int, default=1234, help="seed of weights and data order, in [0, 2^32)")
     p.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard optimizer state over data-parallel ranks (Megatron's: with --hetero-plan over the "
@@ -85,9 +86,11 @@ def add_megatron_args(p: argparse.ArgumentParser) -> None:
                    help="load-balancing loss weight (default: the model config's)")
     add_data_args(p)
     p.add_argument("--save", default=None, help="directory to save checkpoints to (default: no checkpoints)")
-    p.add_argument("--load", default=None, help="directory to load a checkpoint from (latest_checkpointed_iteration.txt; "
+    p.add_argument("--load", default=None,
+                   help="directory to load a checkpoint from (latest_checkpointed_iteration.txt; "
                    "default: start from scratch)")
-    p.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoint saves (default: only at the end)")
+    p.add_argument("--save-interval", type=int, default=None,
+                   help="iterations between checkpoint saves (default: only at the end)")
     p.add_argument("--ckpt-step", type=int, default=None, help="load this iteration (default: the latest)")
     g = p.add_argument_group("non-persistent local checkpoints (Megatron-LM flags; checkpoint/local.py)")
     g.add_argument("--non-persistent-save-interval", type=int, default=None,
@@ -141,7 +144,8 @@ def build_parser(progress_timeout_s: float, prog: str = "hetermoe train") -> arg
                    help="forked CPU ranks: end the job, naming the rank furthest behind, when no rank finishes a "
                         "step (or a checkpoint save) for this long; 0: never. A run has no other time limit "
                         "(under torchrun the collective timeouts apply)")
-    p.add_argument("--golden-values-out", default=None, help="write per-step lm loss as Megatron golden values JSON (default: none)")
+    p.add_argument("--golden-values-out", default=None,
+                   help="write per-step lm loss as Megatron golden values JSON (default: none)")
     p.add_argument("--recompute-granularity", choices=["full"], default=None,
                    help="zebra only (refused otherwise): recompute attention stages in backward (Megatron's "
                         "'full' meaning, per stage; default: keep activations)")

@@ -86,7 +86,7 @@ def training_source() -> tuple[str, Path | None]:
         f"Megatron's pretrain() is not here: megatron-core {found} ships no megatron.training (0.19 and later "
         f"do; they need Python >= 3.12). Install megatron-core>=0.19, or set MEGATRON_LM_DIR to a Megatron-LM "
         f"checkout (core_v0.16.1 or core_v0.19.0) with patches/'s pretrain_gpt.py patch applied. The plugin's own "
-        f"trainer takes the same flags: hetermoe train-gpt")
+        f"trainer takes the same flags: hetermoe train")
 
 
 def _patch_path(name: str) -> str:

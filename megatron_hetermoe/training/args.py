@@ -57,7 +57,8 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         train_iters=a.train_iters, lr=a.lr, min_lr=a.min_lr, lr_warmup_iters=a.lr_warmup_iters,
         weight_decay=a.weight_decay, clip_grad=a.clip_grad, seed=a.seed,
         use_distributed_optimizer=a.use_distributed_optimizer, deterministic=a.deterministic_mode,
-        log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir, check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
+        log_interval=a.log_interval, tensorboard_dir=a.tensorboard_dir,
+        check_for_nan_in_loss_and_grad=a.check_for_nan_in_loss_and_grad,
         save=a.save, load=a.load, save_interval=a.save_interval, ckpt_step=a.ckpt_step,
         ckpt_reshard=getattr(a, "hetero_ckpt_reshard", False),  # a parser without the --hetero-* flags
         local_ckpt=local_ckpt_from_args(a),
@@ -346,8 +347,8 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
             raise SystemExit(f"--nproc {a.nproc} but the plan has {plan.world_size} ranks; drop --nproc")
         if "RANK" not in os.environ:  # under torchrun, join its ranks instead of forking more
             a.nproc = plan.world_size
-    if a.recompute_granularity == "full" and (not a.hetero_plan or (a.hetero_schedule or plan.schedule) != ScheduleName.ZEBRA) \
-            and plan is not AUTO:
+    if a.recompute_granularity == "full" and plan is not AUTO and \
+            (not a.hetero_plan or (a.hetero_schedule or plan.schedule) != ScheduleName.ZEBRA):
         p.error("--recompute-granularity full: this trainer recomputes only under the zebra schedule (--hetero-plan, "
                 "--hetero-schedule zebra or a zebra plan); here it would do nothing; drop it, or run zebra")
     joining = joining_torchrun(a)

@@ -159,7 +159,8 @@ def model_from_args(a: argparse.Namespace) -> ModelConfig:
         from megatron_hetermoe.data.tokenizer import build_tokenizer
 
         tok = build_tokenizer(a.tokenizer_type, a.tokenizer_model, a.vocab_file, a.merge_file, a.vocab_size)
-        m["vocab_size"] = padded_vocab_size(tok.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
+        m["vocab_size"] = padded_vocab_size(tok.vocab_size, a.make_vocab_size_divisible_by,
+                                            a.tensor_model_parallel_size)
     elif a.vocab_size is not None:
         m["vocab_size"] = padded_vocab_size(a.vocab_size, a.make_vocab_size_divisible_by, a.tensor_model_parallel_size)
     elif "vocab_size" not in m:

@@ -46,7 +46,8 @@ def test_flag_names_are_megatron_lm_names():
     assert len(known) > 600 and {"--num-layers", "--save", "--moe-router-topk", "--mock-data"} <= known
     ours = _flags(build_parser())
     not_megatron = ours - known
-    assert not_megatron == ours & EXTENSION_FLAGS, f"flags that look like Megatron's but are not: {sorted(not_megatron - EXTENSION_FLAGS)}"
+    assert not_megatron == ours & EXTENSION_FLAGS, \
+        f"flags that look like Megatron's but are not: {sorted(not_megatron - EXTENSION_FLAGS)}"
     assert not (EXTENSION_FLAGS & known), "an extension flag shadows a Megatron-LM flag of the same name"
     assert len(ours & known) >= 45
 
@@ -157,7 +158,8 @@ def test_megatron_flag_list_matches_checkout():
 
     src = os.environ.get("MEGATRON_LM_DIR")
     if not src:
-        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 (or core_v0.19.0) tree to check megatron_lm_flags.txt")
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM core_v0.16.1 (or core_v0.19.0) tree to check "
+                    "megatron_lm_flags.txt")
     version = checkout_version(src)
     if version[:2] != mcore_version()[:2]:
         pytest.skip(f"the checkout is megatron-core {version[0]}.{version[1]}, this environment has "
@@ -176,7 +178,8 @@ def test_megatron_flag_list_matches_checkout():
     else:
         ours = _flags(build_parser()) & megatron_flags()
         assert ours <= remade, f"Megatron-LM flags taken here that this release lacks: {sorted(ours - remade)}"
-        assert not (EXTENSION_FLAGS & remade), f"extension flags that this release defines: {sorted(EXTENSION_FLAGS & remade)}"
+        assert not (EXTENSION_FLAGS & remade), \
+            f"extension flags that this release defines: {sorted(EXTENSION_FLAGS & remade)}"
 
 
 def test_cli_registers_pretrain():
