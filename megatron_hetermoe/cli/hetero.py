@@ -1,6 +1,6 @@
 """The --hetero-* flags, defined once for both hostings: Megatron-LM's parser (the patched
-pretrain_gpt.py's extra_args_provider, through megatron_lm.add_hetero_args) and `hetermoe train` /
-`hetermoe train` (both forms)."""
+pretrain_gpt.py's extra_args_provider, through megatron_lm.add_hetero_args) and `hetermoe train`
+(both of its forms)."""
 from __future__ import annotations
 
 import argparse
