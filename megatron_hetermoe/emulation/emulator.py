@@ -11,8 +11,10 @@ measured alike, and each can be compared with the simulator's prediction for the
 Real loads. An emulated expert task (X_*, E_*) lasts the cost model's time for the tokens its
 experts really received in that microbatch, scaled to the emulated shape (each expert's tokens
 over the layer's mean, times the balanced share: `expert_task_time`), and so do Megatron EP's
-emulated experts (emulation/megatron_ep.py): an emulated step includes the router's skew. The
-transfers and the predicted step (`predict_hetero`, the clock's reference) stay balanced.
+emulated experts (emulation/megatron_ep.py): an emulated step includes the router's skew. A
+HeterMoE token transfer lasts the collective's time for the rows each member really sent each
+member (`transfer_task_time`). Megatron EP's all-to-alls and the predicted step
+(`predict_hetero`, the clock's reference) stay balanced.
 
 Validity. Emulation holds only while the real work fits inside the emulated time. Each window
 (a compute task, a transfer, the post-step, a Megatron EP segment) begins when it could, as in
@@ -126,7 +128,9 @@ class Emulator:
         times = self.task_times(plan, rank, schedule)
         scale = (lambda: clock.scale) if clock is not None else (lambda: self.spec.scale)
         expert = self.expert_task_time(plan, rank)
-        return EmulatedTiming(lambda t: times[t] * scale(), clock, lambda t, got: expert(t, got) * scale())
+        transfer = self.transfer_task_time(plan, rank)
+        return EmulatedTiming(lambda t: times[t] * scale(), clock, lambda t, got: expert(t, got) * scale(),
+                              lambda t, rows: transfer(t, rows) * scale())
 
     def expert_task_time(self, plan, rank: int):
         """(task, ReceivedTokens) -> emulated seconds of an expert task of `rank` whose experts
@@ -139,6 +143,38 @@ class Emulator:
         gpu = self.gpu(rank)
         return lambda task, got: experts_time(self.cost, gpu, [share * m for m in got.multipliers()],
                                               task.kind.endswith("_B"))
+
+    def transfer_task_time(self, plan, rank: int):
+        """(task, rows) -> emulated seconds of a token transfer (D_F, C_F, C_B, D_B) of `rank`'s ZP
+        group (its stage's members) whose members sent each other `rows` in the dispatch direction
+        (TokenRoute.pair_rows, comm order: ascending rank): the rows scaled to the emulated
+        microbatch's routed tokens (each attention rank's tokens x top-k) and priced as the
+        simulator prices a collective (planner/cluster.collective_time, the same links). Balanced
+        rows give task_times' time; a member that receives more waits longer, and so does every
+        member (the collective ends with it)."""
+        from megatron_hetermoe.planner.cluster import Links, collective_time
+        from megatron_hetermoe.planner.simulator import tokens_per_microbatch
+        from megatron_hetermoe.vocabulary import TaskKind
+
+        group, stage = plan.group_of(rank), plan.stage_of(rank)
+        members = sorted(plan.stage_members(group, stage))
+        links = Links.for_ranks(self.cluster, members, self.cost.profiles)
+        attention = len(plan.stage_ranks(group, stage)[0])
+        t_mb = tokens_per_microbatch(plan, float(self.spec.global_batch) * self.cost.settings.seq_len)
+        routed = attention * t_mb * self.model.moe_router_topk  # the emulated microbatch's rows
+        token_bytes = self.cost.token_bytes()
+        resend = 2.0 if self.cost.settings.expert_recompute == "resend-inputs" else 1.0
+
+        def price(task, rows) -> float:
+            total = sum(map(sum, rows))
+            if total <= 0:
+                return 0.0
+            per_row = routed / total * token_bytes * (resend if task.kind == TaskKind.C_B else 1.0)
+            n = len(rows)
+            to_experts = task.kind in (TaskKind.D_F, TaskKind.C_B)
+            nbytes = [[(rows[i][j] if to_experts else rows[j][i]) * per_row for j in range(n)] for i in range(n)]
+            return collective_time(links, nbytes)
+        return price
 
     def move_seconds(self, experts: int) -> float:
         """Estimated seconds of a live move of `experts` (layer, expert) copies on the emulated

@@ -62,6 +62,9 @@ class TokenRoute:
     # local_counts, the load this rank's experts got against the layer's mean (emulated expert
     # times, parallel/expert_load.py).
     layer_tokens: int = 0
+    # Rows member i sends member j in the dispatch direction (comm order), known on every member
+    # from the counts exchange: what an emulated transfer is priced for (schedules/timing.py).
+    pair_rows: tuple[tuple[int, ...], ...] = ()
 
     @property
     def local_dtype(self) -> torch.dtype:
@@ -103,15 +106,15 @@ class TokenRoute:
         load meter (hs.load_meter), if any, counts the tokens its experts receive."""
         host = all_counts.cpu()
         local = hs.received_counts(layer, host)
-        mine = host[hs.comm_order.index(hs.rank)].tolist()
-        send, start = [], 0
+        bounds, start = [], 0
         for size in hs.member_sizes(layer):
-            send.append(sum(mine[start:start + size]))
+            bounds.append((start, start + size))
             start += size
+        pairs = tuple(tuple(int(row[a:b].sum()) for a, b in bounds) for row in host)
         if hs.load_meter is not None:
             hs.load_meter.observe(layer, hs.local_experts(layer), local.sum(0).tolist())
-        return cls(tuple(send), tuple(local.sum(1).tolist()), local, hs.transport, width,
-                   hs.wire_dtype or dtype, hs.device, dtype, layer_tokens=int(host.sum()))
+        return cls(pairs[hs.comm_order.index(hs.rank)], tuple(local.sum(1).tolist()), local, hs.transport, width,
+                   hs.wire_dtype or dtype, hs.device, dtype, layer_tokens=int(host.sum()), pair_rows=pairs)
 
     def empty(self) -> torch.Tensor:
         return torch.empty(0, self.width, dtype=self.dtype, device=self.device)

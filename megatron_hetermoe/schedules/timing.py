@@ -10,7 +10,8 @@ emulation, so schedules stay below emulation in the layering.
 An expert task (X_*, E_*) is timed for the tokens its experts received in that (layer,
 microbatch) (`ReceivedTokens`, from the TokenRoute), not for the plan's balanced share: the
 zebra rank passes them with the task (`LoadedTiming`), so an emulated step includes the
-routing's skew."""
+routing's skew. A token transfer (D_*, C_*) likewise is told the rows each member sends each
+member in that (layer, microbatch) (the route's `pair_rows`, the same on every member)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -43,9 +44,12 @@ class TaskTiming(Protocol):
         wait until its emulated end, record its window; return when it ended. `tokens`: what an
         expert task's experts received (None: price the plan's balanced share)."""
 
-    def transfer(self, task: Task, start: float, real_end: float) -> float:
+    def transfer(self, task: Task, start: float, real_end: float,
+                 rows: tuple[tuple[int, ...], ...] | None = None) -> float:
         """The same for a transfer, `start` being when its last member could start it (the
-        executors exchange that with the transfer's route: TokenRoute.latest)."""
+        executors exchange that with the transfer's route: TokenRoute.latest). `rows`: a token
+        transfer's rows member i sends member j in the dispatch direction (comm order; None:
+        price the plan's balanced routing)."""
 
 
 class LoadedTiming:
@@ -61,5 +65,6 @@ class LoadedTiming:
     def compute(self, task: Task, start: float, real_end: float) -> float:
         return self.timing.compute(task, start, real_end, self.received(task))
 
-    def transfer(self, task: Task, start: float, real_end: float) -> float:
-        return self.timing.transfer(task, start, real_end)
+    def transfer(self, task: Task, start: float, real_end: float,
+                 rows: tuple[tuple[int, ...], ...] | None = None) -> float:
+        return self.timing.transfer(task, start, real_end, rows)

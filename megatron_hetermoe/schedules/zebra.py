@@ -176,7 +176,8 @@ class ZebraRank:
         def move(send: torch.Tensor, outs: list, ins: list, direction: str) -> torch.Tensor:
             begun = started if started is not None else transport.latest(self.ex.ready(task), direction)
             out = transport.move(send, outs, ins, direction)
-            timing.transfer(task, begun, time.perf_counter())
+            route = self.slot(task.layer, task.microbatch).route
+            timing.transfer(task, begun, time.perf_counter(), route.pair_rows if route is not None else None)
             return out
         return move
 

@@ -76,7 +76,7 @@ def _rank(rank, world, cfg, plan, spec, init_state):
     from megatron_hetermoe.training.run_hooks import RunHooks
 
     inner = Emulator(spec).task_timing(plan, rank, "zebra")
-    seen = []
+    seen, moved = [], []
 
     class Recording:
         def origin(self):
@@ -87,12 +87,13 @@ def _rank(rank, world, cfg, plan, spec, init_state):
                 seen.append((task, tokens, inner.expert_duration(task, tokens) / spec.scale))
             return inner.compute(task, start, real_end, tokens)
 
-        def transfer(self, task, start, real_end):
-            return inner.transfer(task, start, real_end)
+        def transfer(self, task, start, real_end, rows=None):
+            moved.append((task, rows, inner.transfer_duration(task, rows) / spec.scale if rows else None))
+            return inner.transfer(task, start, real_end, rows)
 
     res = train_hetero(cfg, plan, HeteroRunConfig(schedule="zebra", expert_load_stats=str(spec.cluster) + ".load"),
                        RunHooks(init_state=init_state, task_timing=Recording()))
-    return res.losses, seen
+    return res.losses, seen, moved
 
 
 @pytest.mark.slow
@@ -126,6 +127,79 @@ def test_emulated_expert_times_follow_a_planted_skew(spec):
     assert all(budget > balanced[task] * 1.5 for task, _, budget in hot)
     stats = json.loads(open(str(spec.cluster) + ".load").read())
     assert stats["tokens"] == [[2 * tokens, 2 * tokens, 0, 0]] * 2  # one step of 2 microbatches
+
+
+# Two attention ranks: with one, every transfer's time is its one sender's (or receiver's) whatever
+# the routing; with two, an expert rank that receives both's rows waits for more than either sends.
+CLUSTER4 = """name: 2a40-2v100
+node_groups:
+  - {gpu: A40, nodes: 2, gpus_per_node: 1, nic_gbps_per_gpu: 100}
+  - {gpu: V100-16GB, nodes: 2, gpus_per_node: 1, nic_gbps_per_gpu: 100}
+network_latency_us: 10
+"""
+
+
+def _plan4() -> HeteroPlan:
+    """2 A40 attention ranks, 2 V100 expert ranks: rank 2 holds experts 0 and 1, rank 3 holds 2 and 3."""
+    g = ZPGroup([0, 1], [2, 3], [{2: [0, 1], 3: [2, 3]}, {2: [0, 1], 3: [2, 3]}])
+    return HeteroPlan(2, 4, ["A40", "A40", "V100-16GB", "V100-16GB"], [g], num_microbatches=2, schedule="zebra")
+
+
+@pytest.fixture
+def spec4(tmp_path) -> EmulationSpec:
+    (tmp_path / "cluster4.yaml").write_text(CLUSTER4)
+    (tmp_path / "model.yaml").write_text(MODEL)
+    return EmulationSpec(str(tmp_path / "cluster4.yaml"), str(tmp_path / "model.yaml"), SEQ, GB, scale=1e-6)
+
+
+def _transfers(em, plan, rank):
+    return {t: d for t, d in em.task_times(plan, rank, "zebra").items() if t.kind in ("D_F", "C_F", "C_B", "D_B")}
+
+
+def test_balanced_rows_price_every_transfer_as_before_and_skewed_rows_longer(spec4):
+    """Each attention rank routes R rows, split over the expert ranks by their experts' share: the
+    simulator's balanced time for every D_F, C_F, C_B and D_B, on every member. All rows to rank 2
+    (experts 0 and 1) take longer (it receives twice what either attention rank sends), the same
+    on every member: the collective ends with its slowest member."""
+    em, plan = Emulator(spec4), _plan4()
+    even = ((0, 0, 50, 50), (0, 0, 50, 50), (0,) * 4, (0,) * 4)
+    hot = ((0, 0, 100, 0), (0, 0, 100, 0), (0,) * 4, (0,) * 4)
+    for r in range(4):
+        price = em.transfer_task_time(plan, r)
+        for task, t in _transfers(em, plan, r).items():
+            assert price(task, even) == pytest.approx(t, rel=1e-12)
+            assert price(task, hot) > 1.5 * t
+            assert price(task, hot) == em.transfer_task_time(plan, 0)(task, hot)
+    timing = em.task_timing(plan, 2, "zebra")
+    d_f = next(t for t in _transfers(em, plan, 2) if t.kind == "D_F")
+    assert timing.transfer_duration(d_f, hot) == em.transfer_task_time(plan, 2)(d_f, hot) * spec4.scale
+
+
+@pytest.mark.slow
+def test_emulated_transfers_follow_a_planted_skew(spec4):
+    """Every token to experts 0 and 1 (rank 2's) on 2 attention + 2 expert ranks: every transfer is
+    told the rows each member sent each (all to rank 2), every member prices it alike, and longer
+    than the balanced transfer."""
+    from routing import force_routing, initial_state
+
+    from megatron_hetermoe.config import ParallelConfig, TrainConfig
+    from megatron_hetermoe.emulation.emulator import emulation_real_model
+    from megatron_hetermoe.parallel.launcher import launch
+
+    real = emulation_real_model(ModelConfig.load(spec4.model))
+    plan = _plan4()
+    state = force_routing(initial_state(real), [0, 1], real.num_layers)
+    cfg = TrainConfig(real, ParallelConfig(), micro_batch_size=1, global_batch_size=4, train_iters=1, quiet=True,
+                      log_interval=1)
+    out = launch(_rank, plan.world_size, cfg, plan, spec4, state)
+    em = Emulator(spec4)
+    rows = real.seq_length * real.moe_router_topk  # one sequence a microbatch per attention rank, top-2
+    moves = [{task: (got, budget) for task, got, budget in out[r][2]} for r in range(4)]
+    assert all(len(m) == 4 * 2 * 2 for m in moves)  # D_F, C_F, C_B, D_B x 2 layers x 2 microbatches
+    for task, (got, budget) in moves[0].items():
+        assert got == ((0, 0, rows, 0), (0, 0, rows, 0), (0,) * 4, (0,) * 4), got
+        assert all(m[task] == (got, budget) for m in moves[1:]), [m[task] for m in moves]
+        assert budget > 1.5 * _transfers(em, plan, 0)[task]
 
 
 PAIR = """name: a40-v100
