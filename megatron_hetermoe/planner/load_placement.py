@@ -206,7 +206,10 @@ class Score:
     sq: float
 
     def key(self) -> tuple[float, float, float]:
-        return (self.over, self.J, self.sq)
+        """Lexicographic (over, J, sq), over and J to 12 significant digits: two placements whose
+        byte sums differ only by the order they were added in (3.6625 vs 3.6625000000000005) are
+        equally over, and J decides (found by hypothesis: the rounding picked a worse J)."""
+        return (float(f"{self.over:.12g}"), float(f"{self.J:.12g}"), self.sq)
 
 
 class _State:

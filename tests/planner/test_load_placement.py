@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_hetermoe.config import ModelConfig
@@ -122,8 +122,18 @@ def problems(draw):
     return p, start
 
 
+# Found by hypothesis in CI's fast suite: the start is over memory by 3.6625 bytes and the search's
+# best by 3.6625000000000005 (the same experts, summed in another order); the lexicographic key
+# took the rounding for "less over" and chose the placement with the worse J.
+_ROUNDING = (PlacementProblem(
+    [0, 1], 5, {0: [0, 1]}, {0: [0, 1]}, {0: [0.0, 0.0]},
+    {0: {0: [0.01, 0.01, 1.01, 3.01, 5.135], 1: [0.01, 0.01, 1.01, 3.01, 5.135]}}, False, [3.25, 0.0],
+    {0: [1.0, 1.0, 1.1, 1.3, 1.5125000000000002]}, 0.5, frozenset()), Placement({0: [0, 1, 0, 1, 0]}))
+
+
 @settings(max_examples=150, deadline=None)
 @given(problems())
+@example(_ROUNDING)
 def test_solve_places_every_expert_once_never_worse_and_within_memory(case):
     p, start = case
     best = solve(p, start)
