@@ -30,7 +30,7 @@ def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--hetero-ckpt-reshard", action="store_true",
                    help="--load a checkpoint saved under another layout or plan by parameter name (HeterMoE <-> "
                         "Megatron EP; RNG not restored) on the plugin's trainer; inside Megatron-LM's pretrain() "
-                        "dist_checkpointing reshards by itself (--no-load-optim --no-load-rng)")
+                        "a checkpoint of another plan loads resharded by itself")
     g.add_argument("--hetero-expert-precision", choices=["bf16", "fp16", "fp32"], default=None,
                    help="the expert ranks' precision (default: the world's, --bf16/--fp16/fp32, which the attention "
                         "ranks run), e.g. fp16 on V100 expert ranks with --bf16 attention ranks; tokens cross in "

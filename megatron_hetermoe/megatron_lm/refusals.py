@@ -32,8 +32,11 @@ _REFUSED: dict[str, dict[str, tuple]] = {
         "--data-parallel-random-init": _OFF, "--init-model-with-meta-device": _OFF},
     "HeterMoE checkpoints inside pretrain() are Megatron's torch_dist (dist_checkpointing) format": {
         "--ckpt-format": ("torch_dist",)},
-    "inside pretrain() dist_checkpointing reshards by itself: load with --no-load-optim --no-load-rng": {
+    "inside pretrain() a checkpoint of another plan loads resharded by itself (megatron_lm/checkpoints.py)": {
         "--hetero-ckpt-reshard": _OFF},
+    "Megatron's local checkpoints need the NVIDIA resiliency extension and have not run with HeterMoE's "
+    "per-rank optimizer state; the plugin's trainer (hetermoe train) takes the same flags, with copies on "
+    "peers' nodes": {"--non-persistent-ckpt-type": (None, "global")},
 }
 
 

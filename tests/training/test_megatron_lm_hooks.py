@@ -57,6 +57,7 @@ def test_megatron_defaults_are_not_refused():
      "--ckpt-format 'torch': HeterMoE checkpoints inside pretrain() are Megatron's torch_dist"),
     ({"moe_enable_deepep": True}, "--moe-enable-deepep True: HeterMoE's dispatcher replaces"),
     ({"data_parallel_random_init": True}, "--data-parallel-random-init True: HeterMoE initializes every parameter"),
+    ({"non_persistent_ckpt_type": "local"}, "--non-persistent-ckpt-type 'local': Megatron's local checkpoints need"),
 ])
 def test_each_refusal_names_flag_value_and_reason(given, expect):
     out = refusals.refusals(_megatron_defaults(**given))
