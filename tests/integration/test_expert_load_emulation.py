@@ -96,10 +96,9 @@ def _rank(rank, world, cfg, plan, spec, init_state):
     return res.losses, seen, moved
 
 
-@pytest.mark.slow
-def test_emulated_expert_times_follow_a_planted_skew(spec):
-    import json
-
+def _skewed_run(spec: EmulationSpec, plan: HeteroPlan, global_batch: int):
+    """One emulated step of `plan` (one sequence a microbatch per attention rank) with every token
+    routed to experts 0 and 1: (each rank's (losses, expert budgets, transfers), the real model)."""
     from routing import force_routing, initial_state
 
     from megatron_hetermoe.config import ParallelConfig, TrainConfig
@@ -107,11 +106,18 @@ def test_emulated_expert_times_follow_a_planted_skew(spec):
     from megatron_hetermoe.parallel.launcher import launch
 
     real = emulation_real_model(ModelConfig.load(spec.model))
-    plan = _plan()
     state = force_routing(initial_state(real), [0, 1], real.num_layers)
-    cfg = TrainConfig(real, ParallelConfig(), micro_batch_size=1, global_batch_size=2, train_iters=1, quiet=True,
-                      log_interval=1)
-    out = launch(_rank, plan.world_size, cfg, plan, spec, state)
+    cfg = TrainConfig(real, ParallelConfig(), micro_batch_size=1, global_batch_size=global_batch, train_iters=1,
+                      quiet=True, log_interval=1)
+    return launch(_rank, plan.world_size, cfg, plan, spec, state), real
+
+
+@pytest.mark.slow
+def test_emulated_expert_times_follow_a_planted_skew(spec):
+    import json
+
+    plan = _plan()
+    out, real = _skewed_run(spec, plan, 2)
     em = Emulator(spec)
     share = balanced_tokens_per_expert(plan, em.cost, GB)
     tokens = real.seq_length  # per microbatch: one sequence, every token to experts 0 and 1
@@ -180,18 +186,8 @@ def test_emulated_transfers_follow_a_planted_skew(spec4):
     """Every token to experts 0 and 1 (rank 2's) on 2 attention + 2 expert ranks: every transfer is
     told the rows each member sent each (all to rank 2), every member prices it alike, and longer
     than the balanced transfer."""
-    from routing import force_routing, initial_state
-
-    from megatron_hetermoe.config import ParallelConfig, TrainConfig
-    from megatron_hetermoe.emulation.emulator import emulation_real_model
-    from megatron_hetermoe.parallel.launcher import launch
-
-    real = emulation_real_model(ModelConfig.load(spec4.model))
     plan = _plan4()
-    state = force_routing(initial_state(real), [0, 1], real.num_layers)
-    cfg = TrainConfig(real, ParallelConfig(), micro_batch_size=1, global_batch_size=4, train_iters=1, quiet=True,
-                      log_interval=1)
-    out = launch(_rank, plan.world_size, cfg, plan, spec4, state)
+    out, real = _skewed_run(spec4, plan, 4)
     em = Emulator(spec4)
     rows = real.seq_length * real.moe_router_topk  # one sequence a microbatch per attention rank, top-2
     moves = [{task: (got, budget) for task, got, budget in out[r][2]} for r in range(4)]
