@@ -4,9 +4,9 @@ the plan it ran. 1 A40 attention rank and 2 V100 expert ranks, a router forced t
 to experts 0 and 1. Before the move the attention rank holds expert 3 (Asym-EA: its X tasks, idle)
 and both hot experts sit on expert rank 1 (twice the balanced share of two experts), rank 2 holds
 expert 2 (idle); a move forced after step 1 takes expert 3 off the attention rank (no X task from
-then on) and gives each expert rank one hot and one idle expert; every other window (attention,
-the dispatch and combine transfers, whose bytes follow where the experts sit) takes the new plan's
-time."""
+then on) and gives each expert rank one hot and one idle expert; every other window takes the new
+plan's time: attention its balanced one, the dispatch and combine transfers the rows really routed
+(all to rank 1 before, half to each expert rank after)."""
 from __future__ import annotations
 
 import pytest
@@ -85,6 +85,10 @@ def test_emulated_task_times_follow_a_live_move(tmp_path):
     def t(tokens: float, backward: bool, gpu: str = "V100-16GB") -> float:
         return em.cost.expert_time(gpu, tokens, backward)
 
+    # The attention rank's rows of a microbatch (one sequence, each token to experts 0 and 1): all to
+    # rank 1 before the move, half to each expert rank after it.
+    seq = cfg.model.seq_length
+    rows = {True: ((0, 2 * seq, 0), (0, 0, 0), (0, 0, 0)), False: ((0, seq, seq), (0, 0, 0), (0, 0, 0))}
     changed = 0
     for rank in (0, 1, 2):
         seen = out[rank][3]
@@ -95,7 +99,10 @@ def test_emulated_task_times_follow_a_live_move(tmp_path):
         assert ("X_F" in kinds[0], "X_F" in kinds[1]) == ((True, False) if rank == 0 else (False, False))
         for it, task, budget in seen:
             b = task.kind.endswith("_B")
-            if task.kind[0] not in "XE":
+            if task.kind[0] in "DC":  # a transfer: the rows really routed, as the plan of that step places them
+                price = em.transfer_task_time(plan if it == 0 else moved, rank)
+                assert budget == pytest.approx(price(task, rows[it == 0])), (rank, it, task)
+            elif task.kind[0] not in "XE":
                 assert budget == pytest.approx((before if it == 0 else after)[task]), (rank, it, task)
             elif rank == 0:  # expert 3 on the attention rank, idle
                 assert budget == pytest.approx(t(0.0, b, "A40")), (rank, it, task)
