@@ -106,13 +106,13 @@ def _inventory(args) -> Inventory:
         return inventory
     import torch.distributed as dist
 
-    from megatron_hetermoe.parallel.device import init_distributed
+    from megatron_hetermoe.parallel.device import init_distributed, rank_device
     from megatron_hetermoe.training.elastic import gather_inventory
 
     if dist.is_initialized():
         import torch
 
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = rank_device(cuda=torch.cuda.is_available())
     else:
         timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
         device = init_distributed(args.distributed_backend, timeout=timeout)

@@ -32,26 +32,28 @@ class ResumeError(UserError, ValueError):
 
 def _checkpoint_dir(args) -> Path | None:
     """The persistent checkpoint Megatron-LM's load_checkpoint will read (None: none), found as it
-    finds it: --ckpt-step, else the tracker file's iteration."""
+    finds it: --ckpt-step, else the tracker file's iteration ("release" too, which the plugin's own
+    format.read_tracker refuses)."""
+    from megatron_hetermoe.checkpoint.format import TRACKER, iter_dir_name
+
     if not args.load or getattr(args, "finetune", False):
         return None
     load = Path(args.load)
     step = getattr(args, "ckpt_step", None)
     if step is None:
-        tracker = load / "latest_checkpointed_iteration.txt"
+        tracker = load / TRACKER
         if not tracker.is_file():
             return None
         text = tracker.read_text().strip()
         if text == "release":
             return load / "release"
         step = int(text)
-    path = load / f"iter_{step:07d}"
+    path = load / iter_dir_name(step)
     return path if path.is_dir() else None
 
 
-def _saved_args(args):
-    """The flags the checkpoint to load was saved with (None: no checkpoint to load)."""
-    path = _checkpoint_dir(args)
+def _saved_args(path: Path | None):
+    """The flags the checkpoint at `path` was saved with (None: no checkpoint to load)."""
     if path is None:
         return None
     from megatron.core import dist_checkpointing
@@ -72,14 +74,14 @@ def resume_plan(args, plan: HeteroPlan) -> bool:
     """Whether the checkpoint to load was saved on another plan than `plan`; if so, set the flags
     for loading it there (no RNG state) and say so on the first rank. ResumeError where it cannot
     load there."""
-    saved = _saved_args(args)
+    ckpt = _checkpoint_dir(args)
+    saved = _saved_args(ckpt)
     old = _plan_of(saved)
     if old is None or old.to_dict() == plan.to_dict():
         return False
     loads_optimizer = not args.no_load_optim
     if loads_optimizer and args.use_distributed_optimizer and not getattr(saved, "dist_ckpt_optim_fully_reshardable",
                                                                           False):
-        ckpt = _checkpoint_dir(args)
         raise ResumeError(
             f"{ckpt} was saved on another plan ({old.world_size} ranks: {_roles(old)}) than this run's "
             f"({plan.world_size} ranks: {_roles(plan)}); the distributed optimizer's state is keyed by "
