@@ -9,7 +9,8 @@ from megatron_hetermoe.config import ISSUERS
 from megatron_hetermoe.plan.tasks import SCHEDULES
 
 HETERO_FLAGS = ("--hetero-plan", "--hetero-schedule", "--hetero-ckpt-reshard", "--hetero-zebra-issuer",
-                "--hetero-expert-precision", "--hetero-expert-load-stats", "--hetero-gpus")
+                "--hetero-expert-precision", "--hetero-expert-load-stats", "--hetero-gpus",
+                "--hetero-replan-interval", "--hetero-replan-margin")
 
 
 def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -44,5 +45,15 @@ def add_hetero_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="write the measured expert loads (tokens each expert received per MoE layer, each rank's "
                         "compute seconds per task kind) to this JSON file at every log interval, for `hetermoe plan "
                         "--expert-load` (docs/expert-load.md); the loads are logged either way")
+    g.add_argument("--hetero-replan-interval", type=int, default=0, metavar="K",
+                   help="HeterMoE: every K steps, place the experts anew for the expert loads and per-rank times "
+                        "measured since the last decision (same ranks and roles, no rank holding more experts than "
+                        "the plan gave it) and move them live, between steps, when the predicted saving pays for the "
+                        "move; losses stay bitwise those of a run without moves (docs/expert-load.md#live-moves; "
+                        "default: 0, never)")
+    g.add_argument("--hetero-replan-margin", type=float, default=2.0, metavar="X",
+                   help="--hetero-replan-interval: move only when the predicted saving over the next K steps exceeds "
+                        "X times the move's estimated cost (the last move's measured one; before any, one step), and "
+                        "the experts' predicted time drops by 5%% or more (default: 2.0)")
     return parser
 

@@ -150,15 +150,5 @@ def build_parser(progress_timeout_s: float, prog: str = "hetermoe train") -> arg
                    help="zebra only (refused otherwise): recompute attention stages in backward (Megatron's "
                         "'full' meaning, per stage; default: keep activations)")
     p.add_argument("--timeline-dir", default=None, help="HeterMoE: write each rank's timeline here (default: none)")
-    p.add_argument("--hetero-replan-interval", type=int, default=0, metavar="K",
-                   help="HeterMoE: every K steps, place the experts anew for the expert loads and per-rank times "
-                        "measured since the last decision (same ranks and roles, no rank holding more experts than "
-                        "the plan gave it) and move them live, between steps, when the predicted saving pays for the "
-                        "move; losses stay bitwise those of a run without moves (docs/expert-load.md#live-moves; "
-                        "default: 0, never)")
-    p.add_argument("--hetero-replan-margin", type=float, default=2.0, metavar="X",
-                   help="--hetero-replan-interval: move only when the predicted saving over the next K steps exceeds "
-                        "X times the move's estimated cost (the last move's measured one; before any, one step), and "
-                        "the experts' predicted time drops by 5%% or more (default: 2.0)")
     add_hetero_args(p)
     return p

@@ -50,6 +50,15 @@ class HeteroPretrain:
     loads: object | None = None  # training/expert_load_log.ExpertLoadLog, made with the groups
     _fusions_told: bool = False
     reshard: bool = False  # the checkpoint to load was saved on another plan (checkpoints.py)
+    # --hetero-replan-interval (live_moves.py): what a live move builds again with
+    names: dict[str, str] | None = None  # the builder's canonical parameter names (its last module's)
+    schedules: tuple | None = None  # (training, evaluation) step functions for the plan
+    recorder: object | None = None  # the schedule's TimelineRecorder (task seconds for the loads)
+    moves: object | None = None  # live_moves.PretrainMoves
+    _model_call: tuple | None = None  # (get_model, args, kwargs) as pretrain() called it
+    _optimizer_call: tuple | None = None  # (get_megatron_optimizer, args, kwargs) ...
+    _init_state: dict | None = None  # the builder's parameters (canonical names) during a rebuild
+    _counted: int | None = None  # the last iteration whose task seconds the expert-load log took
 
     # ---- 1. arguments ---------------------------------------------------------------------
     def validate_args(self, validate, args, defaults=None):
@@ -66,6 +75,9 @@ class HeteroPretrain:
         self.schedule = args.hetero_schedule or self.plan.schedule
         self.recompute, recompute_notes, bad = recompute_choice(args, self.schedule)
         bad += schedule_refusals(args, self.schedule)
+        from megatron_hetermoe.megatron_lm.live_moves import replan_refusals
+
+        bad += replan_refusals(args, self.plan)
         if bad:
             raise SystemExit("--hetero-plan: Megatron-LM flag(s) this run cannot honour:\n  " + "\n  ".join(bad))
         notes = replace_flags(args, self.argv, self.plan) + recompute_notes
@@ -104,6 +116,15 @@ class HeteroPretrain:
                                     self.schedule)
         nmb = self.plan.num_microbatches
         self._pool_args(args)
+        if args.hetero_replan_interval:
+            from megatron_hetermoe.megatron_lm.live_moves import PretrainMoves
+            from megatron_hetermoe.training.hetero_args import hetero_run_config
+
+            try:
+                run = hetero_run_config(args, recompute=self.recompute)
+            except ValueError as e:
+                raise SystemExit(f"--hetero-plan: {e}") from None
+            self.moves = PretrainMoves(self, dataclasses.replace(run, schedule=self.schedule))
         if args.rank == 0:
             tp, pp = self.plan.attention_tp, self.plan.pipeline_stages
             dp = self.plan.num_attention_members
@@ -254,24 +275,62 @@ class HeteroPretrain:
             # (RoleAssembly.module puts HeteroMoELayer in it).
             gpt["mtp_block_spec"] = get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=use_te,
                                                            vp_stage=vp_stage)
-        module, _ = self.assembly.module(config, block, args.seed, gpt, vp_stage=vp_stage)
+        if self._init_state is not None:  # a live move: every parameter comes from the moved states
+            config = dataclasses.replace(config, perform_initialization=False)
+        module, self.names = self.assembly.module(config, block, args.seed, gpt, self._init_state, vp_stage=vp_stage)
         return module
+
+    def get_model(self, get, *a, **k):
+        self._model_call = (get, a, k)
+        return get(*a, **k)
+
+    def rebuild_model(self, init_state: dict) -> list:
+        """The model chunks as pretrain() built them (its get_model call), with `init_state`'s
+        parameters, for hs's plan (a live move: live_moves.py)."""
+        get, a, k = self._model_call
+        self._init_state = init_state
+        try:
+            return get(*a, **k)
+        finally:
+            self._init_state = None
+
+    def rebuild_optimizer(self, chunks: list):
+        """Megatron's optimizer for `chunks`, as pretrain() built it (its get_megatron_optimizer call)."""
+        build, a, k = self._optimizer_call
+        if len(a) > 1:
+            a = (a[0], chunks, *a[2:])
+        else:
+            k = {**k, "model_chunks": chunks}
+        return self.get_megatron_optimizer(build, *a, **k)
+
+    def rebuild_schedules(self):
+        """The step functions for hs's plan (a live move); returns the training one."""
+        self.schedules = None
+        self.get_forward_backward_func()
+        return self.schedules[0]
 
     # ---- 4. the schedule --------------------------------------------------------------------
     def get_forward_backward_func(self, *args, **kwargs):
-        if self._fwd_bwd is None:
+        if self.schedules is None:
             from megatron.training import get_args
 
+            from megatron_hetermoe.schedules.timeline import TimelineRecorder
             from megatron_hetermoe.training.hetero_args import hetero_run_config
 
             run = dataclasses.replace(hetero_run_config(get_args(), recompute=self.recompute), schedule=self.schedule)
-            train = self.assembly.schedule(run)
-            evaluate = self.assembly.schedule(dataclasses.replace(run, schedule="distep"))  # forward-only passes
-            self._fwd_bwd = lambda **kw: self._step(train, evaluate, **kw)
+            if self.recorder is None:  # each step's compute seconds per task kind, for the expert loads
+                self.recorder = TimelineRecorder(self.hs.rank, self.hs.role, keep_history=False)
+                self.loads.recorder = self.recorder
+            self.schedules = (self.assembly.schedule(run, self.recorder),
+                              # forward-only passes
+                              self.assembly.schedule(dataclasses.replace(run, schedule="distep")))
+        if self._fwd_bwd is None:
+            self._fwd_bwd = lambda **kw: self._step(**kw)
         return self._fwd_bwd
 
-    def _step(self, train, evaluate, *, forward_only: bool = False, model, **kw):
+    def _step(self, *, forward_only: bool = False, model, **kw):
         hs = self.hs
+        train, evaluate = self.schedules
         if forward_only:
             hs.load_meter.enabled = False  # an evaluation's routes are no training load
             try:
@@ -279,6 +338,9 @@ class HeteroPretrain:
             finally:
                 hs.load_meter.enabled = True
         else:
+            from megatron.training import get_args
+
+            self.recorder.step = get_args().curr_iteration  # 0-based: the expert-load log reads iteration - 1
             reported = train(forward_only=False, model=model, **kw)
         # The world's [token-summed lm loss, tokens]: attention ranks keep their own reports
         # (Megatron sums them over the attention DP group); expert ranks report the world's,
@@ -319,6 +381,7 @@ class HeteroPretrain:
         # install_parallel_state makes no gloo twins of the DP groups (only the distributed
         # optimizer's checkpoints use them; on CPU ranks every group is gloo already).
         a, k = _no_role_barriers(a, k)
+        self._optimizer_call = (build, a, k)
         optimizer = build(*a, **{**k, "use_gloo_process_groups": False})
         hs = self.hs
         optimizer = self.assembly.configure_optimizer(optimizer, a[0] if a else k["config"])
@@ -373,6 +436,7 @@ class HeteroPretrain:
         track(*a, **k)
         iteration = k["iteration"] if "iteration" in k else a[1]
         self.loads.step(iteration)
+        self._counted = iteration
         args = get_args()
         if iteration % args.log_interval:
             return
@@ -409,7 +473,20 @@ class HeteroPretrain:
             last = self.plan.stage_attention_ranks(self.plan.pipeline_stages - 1)[0]
             dist.broadcast(tracker[key], src=last, group=self.hs.world_group)
 
-    # ---- 8. --log-params-norm: each parameter once over the world ---------------------------------
+    # ---- 8. the end of each step: live moves (--hetero-replan-interval) -------------------------
+    def post_training_step(self, callbacks, model, optimizer, opt_param_scheduler, iteration, *a, **k):
+        """Megatron-LM's post-step callbacks, then (every rank) the expert-load log's step where
+        training_log did not count it (core_v0.19.0 has no track_moe_metrics to hook) and the live
+        moves' decision."""
+        out = callbacks(model, optimizer, opt_param_scheduler, iteration, *a, **k)
+        if self._counted != iteration:
+            self.loads.step(iteration)
+            self._counted = iteration
+        if self.moves is not None:
+            self.moves.after_step(model, optimizer, opt_param_scheduler, iteration)
+        return out
+
+    # ---- 9. --log-params-norm: each parameter once over the world ---------------------------------
     def params_norm(self, model, force_create_fp32_copy: bool = False) -> float:
         """Megatron's calc_params_l2_norm sums each rank's dense parameters over its model-parallel
         group and its experts over its expert group; on a HeterMoE world those hold other copies
@@ -445,6 +522,8 @@ class HeteroPretrain:
                 reduce_aux_losses=self.reduce_aux_losses,
                 sync_moe_metrics=self.sync_moe_metrics,
                 reduce_mtp_losses=self.reduce_mtp_losses,
+                get_model=self.get_model,
+                post_training_step=self.post_training_step,
             )))
             yield self
 

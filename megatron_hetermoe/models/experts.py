@@ -202,13 +202,15 @@ class ExpertRuntime(_megatron_module()):
         return {name: expert_names.canonical_name(name, ids_of) for name, _ in self.named_parameters()}
 
     # ---- one layer, forward: the expert side of dispatch -> experts -> combine ---------
-    def forward_layer(self, layer: int, hidden_size: int) -> torch.Tensor:
+    def forward_layer(self, layer: int, hidden_size: int, spans=None, microbatch: int = 0) -> torch.Tensor:
         """Receive this layer's tokens, run the local experts, send the outputs back; returns the
-        (empty) result of the combine, whose backward is the gradient's return trip."""
+        (empty) result of the combine, whose backward is the gradient's return trip. `spans`
+        (schedules/distep.py ExpertSpans): time the experts' forward and backward as `microbatch`'s."""
         route, _ = TokenRoute.exchange(self.hs, layer, None, hidden_size, self.config.params_dtype)
         leaf = route.empty().requires_grad_()
         recv = route.dispatch(leaf)
-        out = run_local_experts(self.experts_of(layer), recv, route.local_counts,
-                                recompute=recomputes_experts(self.config, self.hs.plan))
+        experts = functools.partial(run_local_experts, self.experts_of(layer), counts=route.local_counts,
+                                    recompute=recomputes_experts(self.config, self.hs.plan))
+        out = experts(recv) if spans is None else spans.run(layer, microbatch, recv, experts)
         # The combined output lands on the attention ranks: nothing comes back here.
         return route.combine(out)

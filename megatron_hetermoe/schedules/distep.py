@@ -10,8 +10,14 @@ layers, in the order megatron-core's own schedule table gives."""
 from __future__ import annotations
 
 import collections
+import time
+from typing import Callable
 
 import torch
+
+from megatron_hetermoe.plan.tasks import Task
+from megatron_hetermoe.schedules.executor import CudaTiming
+from megatron_hetermoe.vocabulary import TaskKind
 
 
 def one_f_one_b(num_microbatches: int, stages: int, stage: int) -> list[tuple[str, int]]:
@@ -71,9 +77,72 @@ def pipeline_order(plan, stage: int, num_microbatches: int, group_size: int | No
     return [(step, 0) for _ in range(R) for step in ("F", "B")]
 
 
-def expert_distep(runtime, num_microbatches: int, forward_only: bool = False) -> None:
+class _Stamp(torch.autograd.Function):
+    """The identity, calling `on_backward()` when its gradient arrives (the time a backward
+    reaches this point of the graph)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, on_backward: Callable[[], None]) -> torch.Tensor:
+        ctx.on_backward = on_backward
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.on_backward()
+        return grad, None
+
+
+class ExpertSpans:
+    """The compute spans (E_F, E_B) of an expert rank's DistEP mirror, which runs no task list,
+    for the expert-load log's seconds per task kind (training/expert_load_log.py): host timers on
+    CPU ranks; on CUDA ranks timing events on the compute stream, resolved once at the step's end
+    (CudaTiming: one host wait). The backward span runs from the experts' output gradient's arrival
+    to their input gradient's (two identity autograd functions around the experts)."""
+
+    def __init__(self, recorder, device: torch.device):
+        self.recorder = recorder
+        self.cuda = CudaTiming(device) if device.type == "cuda" else None
+        self._backward_from: dict[tuple[int, int], object] = {}
+
+    def _now(self):
+        if self.cuda is None:
+            return time.perf_counter()
+        event = self.cuda.event()
+        event.record(self.cuda.api.current_stream(self.cuda.device))
+        return event
+
+    def _add(self, kind: TaskKind, layer: int, microbatch: int, start, end) -> None:
+        if self.cuda is None:
+            self.recorder.record("compute", kind, layer, microbatch, start, end)
+        else:
+            self.cuda.add("compute", Task(kind, layer, microbatch), start, end)
+
+    def run(self, layer: int, microbatch: int, recv: torch.Tensor,
+            experts: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """experts(recv), timed forward and backward."""
+        key = (layer, microbatch)
+        recv = _Stamp.apply(recv, lambda: self._backward_done(key))
+        start = self._now()
+        out = experts(recv)
+        self._add(TaskKind.E_F, layer, microbatch, start, self._now())
+        return _Stamp.apply(out, lambda: self._backward_from.__setitem__(key, self._now()))
+
+    def _backward_done(self, key: tuple[int, int]) -> None:
+        start = self._backward_from.pop(key, None)
+        if start is not None:  # None: the experts' output did not depend on their input (no expert here)
+            self._add(TaskKind.E_B, *key, start, self._now())
+
+    def resolve(self) -> None:
+        """After the step's work is enqueued: CUDA spans into the recorder."""
+        if self.cuda is not None:
+            self.cuda.resolve(self.recorder)
+
+
+def expert_distep(runtime, num_microbatches: int, forward_only: bool = False,
+                  spans: ExpertSpans | None = None) -> None:
     """`runtime`: the rank's models.experts.ExpertRuntime. forward_only: the mirror of a
-    forward-only pass (evaluation): every layer forward, no backward."""
+    forward-only pass (evaluation): every layer forward, no backward. `spans`: time the training
+    step's expert compute."""
     hs = runtime.hs
     plan = hs.plan
     H = runtime.config.hidden_size
@@ -88,9 +157,13 @@ def expert_distep(runtime, num_microbatches: int, forward_only: bool = False) ->
         return
     # each chunk's forwards' combine results, in forward order
     alive = [collections.deque() for _ in layers]
+    forwards = [0] * len(layers)  # each chunk's microbatches gone forward so far
     for step, c in order:
         if step == "F":
-            alive[c].append([runtime.forward_layer(layer, H) for layer in layers[c]])
+            mb, forwards[c] = forwards[c], forwards[c] + 1
+            alive[c].append([runtime.forward_layer(layer, H, spans, mb) for layer in layers[c]])
         else:
             for out in reversed(alive[c].popleft()):
                 torch.autograd.backward(out, torch.zeros_like(out))
+    if spans is not None:
+        spans.resolve()

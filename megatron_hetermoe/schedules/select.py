@@ -19,7 +19,7 @@ from megatron_hetermoe.models.builder import unwrap
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.tasks import Task
 from megatron_hetermoe.plan.tasks import schedule as schedule_named
-from megatron_hetermoe.schedules.distep import expert_distep
+from megatron_hetermoe.schedules.distep import ExpertSpans, expert_distep
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
 from megatron_hetermoe.schedules.timing import TaskTiming
 from megatron_hetermoe.schedules.zebra import AttentionZebra, ExpertZebra, ZebraRank
@@ -189,7 +189,8 @@ def expert_forward_backward(*, forward_step_func=None, data_iterator=None, model
                     built.close()
             _report(ez, executed)
         else:
-            expert_distep(runtime, num_microbatches)
+            spans = ExpertSpans(recorder, hs.device) if recorder is not None else None
+            expert_distep(runtime, num_microbatches, spans=spans)
         ddp.finish_grad_sync()  # the expert side of Megatron's finalize_model_grads (1/M: training/hetero.py)
     return []
 

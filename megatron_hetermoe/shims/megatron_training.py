@@ -117,6 +117,10 @@ class PretrainHooks:
     reduce_aux_losses: Callable  # hook of moe_utils.reduce_aux_losses_tracker_across_ranks (0.16.1)
     sync_moe_metrics: Callable  # hook of MoEMetricsTracker._sync_metrics (core_v0.19.0)
     reduce_mtp_losses: Callable  # hook of MTPLossLoggingHelper's tracker reduction (either name)
+    get_model: Callable | None = None  # hook of training.get_model (a live move builds the rank's model again)
+    # hook of training.post_training_step_callbacks: every rank, after each step's log and
+    # evaluation and before its checkpoint (a live move happens there)
+    post_training_step: Callable | None = None
 
 
 @contextlib.contextmanager
@@ -148,6 +152,11 @@ def pretrain_hooks(h: PretrainHooks) -> Iterator[None]:
     ]
     if megatron_lm_parses_in_pretrain():
         hooks.append((initialize, "validate_args", wrap(initialize.validate_args, h.validate_args)))
+    if h.get_model is not None:
+        hooks.append((training, "get_model", wrap(training.get_model, h.get_model)))
+    if h.post_training_step is not None:
+        hooks.append((training, "post_training_step_callbacks",
+                      wrap(training.post_training_step_callbacks, h.post_training_step)))
     if hasattr(training, "track_moe_metrics"):  # core_v0.16.1's training_log (0.19: not yet)
         hooks.append((training, "track_moe_metrics", wrap(training.track_moe_metrics, h.track_moe_metrics)))
     tracker = megatron_lm_moe_metrics_tracker()
@@ -165,3 +174,11 @@ def pretrain_hooks(h: PretrainHooks) -> Iterator[None]:
         finally:
             parallel_state.unalias_gtp_remat_groups()
 
+
+
+def adopt_in_place(held: object, new: object) -> None:
+    """`held` becomes `new` (its class and attributes) while keeping its identity: Megatron-LM's
+    train() holds its optimizer in a local variable for the whole run (and its LR scheduler holds
+    it too), so a live move's rebuilt optimizer takes the place of the object train() holds."""
+    held.__class__ = new.__class__
+    held.__dict__ = new.__dict__

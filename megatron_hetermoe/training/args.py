@@ -17,7 +17,6 @@ timeout; a clean end destroys the process group.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import traceback
@@ -300,7 +299,6 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
         cfg = config_from_args(a)
     except (ValueError, FileNotFoundError) as e:  # a bad model config, --seq-length, parallel size
         p.error(str(e))
-    hetero = hetero_run_config(a, a.recompute_granularity == "full", a.timeline_dir)
     if not a.hetero_plan and (a.hetero_schedule or a.timeline_dir or a.hetero_expert_precision
                               or a.hetero_zebra_issuer != "auto"):
         raise SystemExit("--hetero-schedule, --timeline-dir, --hetero-expert-precision and --hetero-zebra-issuer "
@@ -311,8 +309,7 @@ def validate_run(p: argparse.ArgumentParser, a: argparse.Namespace, check_output
     if a.hetero_replan_interval and not a.hetero_plan:
         p.error(f"--hetero-replan-interval {a.hetero_replan_interval} needs --hetero-plan: it moves HeterMoE's "
                 f"experts between the plan's ranks")
-    hetero = dataclasses.replace(hetero, replan_interval=a.hetero_replan_interval,
-                                 replan_margin=a.hetero_replan_margin)
+    hetero = hetero_run_config(a, a.recompute_granularity == "full", a.timeline_dir)
     if a.elastic_restarts < 0:
         p.error(f"--elastic-restarts {a.elastic_restarts}: give the number of restarts, >= 0")
     if a.elastic_restarts and not a.hetero_plan:

@@ -103,6 +103,9 @@ def test_load_rule_splits_a_planted_hot_pair(tiny):
     live = run(cfg, 4, plan=plan, hetero=HeteroRunConfig(replan_interval=2, replan_margin=0.0), hooks=hooks)
     assert [m["iteration"] for m in live.moves] == [2], live.moves
     assert live.moves[0]["predicted_s_new"] < 0.75 * live.moves[0]["predicted_s_now"], live.moves
+    # Priced in seconds the expert ranks measured (their DistEP mirror's E_F and E_B spans): a step's
+    # expert compute is part of the step.
+    assert 0 < live.moves[0]["predicted_s_now"] < live.moves[0]["step_s"], live.moves
     final = HeteroPlan.from_dict(live.plan).groups[0]
     for l in range(tiny.num_layers):
         owner = final.owner(l)
