@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_hetermoe.cli.data import add_data_args
+from megatron_hetermoe.cli.flags import FlagRows, add_flags
 from megatron_hetermoe.cli.formatter import HelpFormatter
 from megatron_hetermoe.cli.hetero import add_hetero_args
 
@@ -13,43 +14,48 @@ from megatron_hetermoe.cli.hetero import add_hetero_args
 MAX_FORKED_RANKS = 1024
 
 
+# The model, parallelism, batch and optimizer flags, first in --help.
+_RUN_FLAGS: FlagRows = (
+    ("--model", dict(default="tiny"),
+     "model config: a name in the config directory's models/ "
+"(hetermoe --config-dir) or a path to a YAML file"),
+    ("--tensor-model-parallel-size", dict(type=int, default=1),
+     "TP size; above 1 needs --sequence-parallel (MoE, as Megatron-LM requires) and divides the "
+     "attention heads, the vocab and --seq-length; experts are not tensor-parallel (expert TP 1); "
+     "with --hetero-plan: the plan's attention_tp (its attention members' TP size)"),
+    ("--sequence-parallel", dict(action="store_true"),
+     "Megatron's sequence parallelism over the TP group (required with TP > 1; turned off at TP 1, "
+     "as Megatron-LM does)"),
+    ("--expert-tensor-parallel-size", dict(type=int, default=None),
+     "expert TP size; only 1 runs here (experts are whole). Megatron's default is the TP size, so "
+     "with --tensor-model-parallel-size > 1 give 1 explicitly"),
+    ("--pipeline-model-parallel-size", dict(type=int, default=1),
+     "PP size (1F1B); must divide the model's layers; with --hetero-plan: the plan's "
+     "pipeline_stages (each stage its own attention and expert ranks; distep)"),
+    ("--expert-model-parallel-size", dict(type=int, default=1),
+     "EP size; must divide the model's experts and the world size / PP"),
+    ("--moe-token-dispatcher-type", dict(default="alltoall", choices=["alltoall", "allgather"]),
+     "Megatron's MoE token dispatcher (flex needs DeepEP on GPUs)"),
+    ("--micro-batch-size", dict(type=int, default=2), "sequences per microbatch per rank"),
+    ("--global-batch-size", dict(type=int, default=8),
+     "sequences per step; a multiple of --micro-batch-size x data-parallel size"),
+    ("--seq-length", dict(type=int, default=None), "tokens per sequence (default: the model config's)"),
+    ("--train-iters", dict(type=int, default=5), "optimizer steps to train (the LR schedule's length)"),
+    ("--lr", dict(type=float, default=1e-3), "peak learning rate (Adam; cosine decay to --min-lr)"),
+    ("--min-lr", dict(type=float, default=1e-4), "learning rate at the end of the cosine decay"),
+    ("--lr-warmup-iters", dict(type=int, default=0), "linear warm-up steps from 0 to --lr; fewer than --train-iters"),
+    ("--weight-decay", dict(type=float, default=0.01), "Adam weight decay"),
+    ("--clip-grad", dict(type=float, default=1.0), "clip the global gradient norm to this (0: no clipping)"),
+    ("--seed", dict(type=int, default=1234), "seed of weights and data order, in [0, 2^32)"),
+    ("--use-distributed-optimizer", dict(action="store_true"),
+     "shard optimizer state over data-parallel ranks (Megatron's: with --hetero-plan over the "
+     "attention DP group and each expert replica group)"),
+)
+
+
 def add_megatron_args(p: argparse.ArgumentParser) -> None:
     """The subset of Megatron-LM pretrain_gpt.py flags the baseline trainer takes."""
-    p.add_argument("--model", default="tiny", help="model config: a name in the config directory's models/ "
-                   "(hetermoe --config-dir) or a path to a YAML file")
-    p.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                   help="TP size; above 1 needs --sequence-parallel (MoE, as Megatron-LM requires) and divides the "
-                        "attention heads, the vocab and --seq-length; experts are not tensor-parallel (expert TP 1); "
-                        "with --hetero-plan: the plan's attention_tp (its attention members' TP size)")
-    p.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron's sequence parallelism over the TP group (required with TP > 1; turned off at TP 1, "
-                        "as Megatron-LM does)")
-    p.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="expert TP size; only 1 runs here (experts are whole). Megatron's default is the TP size, so "
-                        "with --tensor-model-parallel-size > 1 give 1 explicitly")
-    p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="PP size (1F1B); must divide the model's layers; with --hetero-plan: the plan's "
-                        "pipeline_stages (each stage its own attention and expert ranks; distep)")
-    p.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="EP size; must divide the model's experts and the world size / PP")
-    p.add_argument("--moe-token-dispatcher-type", default="alltoall", choices=["alltoall", "allgather"],
-                   help="Megatron's MoE token dispatcher (flex needs DeepEP on GPUs)")
-    p.add_argument("--micro-batch-size", type=int, default=2, help="sequences per microbatch per rank")
-    p.add_argument("--global-batch-size", type=int, default=8,
-                   help="sequences per step; a multiple of --micro-batch-size x data-parallel size")
-    p.add_argument("--seq-length", type=int, default=None, help="tokens per sequence (default: the model config's)")
-    p.add_argument("--train-iters", type=int, default=5, help="optimizer steps to train (the LR schedule's length)")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (Adam; cosine decay to --min-lr)")
-    p.add_argument("--min-lr", type=float, default=1e-4, help="learning rate at the end of the cosine decay")
-    p.add_argument("--lr-warmup-iters", type=int, default=0,
-                   help="linear warm-up steps from 0 to --lr; fewer than --train-iters")
-    p.add_argument("--weight-decay", type=float, default=0.01, help="Adam weight decay")
-    p.add_argument("--clip-grad", type=float, default=1.0,
-                   help="clip the global gradient norm to this (0: no clipping)")
-    p.add_argument("--seed", type=int, default=1234, help="seed of weights and data order, in [0, 2^32)")
-    p.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard optimizer state over data-parallel ranks (Megatron's: with --hetero-plan over the "
-                        "attention DP group and each expert replica group)")
+    add_flags(p, _RUN_FLAGS)
     g = p.add_argument_group("mixed precision (Megatron-LM flags)")
     prec = g.add_mutually_exclusive_group()
     prec.add_argument("--bf16", action="store_true",

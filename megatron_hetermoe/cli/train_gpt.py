@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_hetermoe.cli import train
+from megatron_hetermoe.cli.flags import FlagRows, add_flags
 
 # What this trainer always builds and trains, as Megatron-LM flags: dest -> (flag, the value it
 # must have (True: a switch), what Megatron-LM builds or trains without the flag).
@@ -23,36 +24,42 @@ RECIPE_FLAGS: dict[str, tuple[str, object, str]] = {
 }
 
 
+# Megatron-LM's model-shape, router and vocab flags, in --help order.
+_SHAPE_FLAGS: FlagRows = (
+    ("--num-layers", dict(type=int, default=None), "transformer layers (default: --model's)"),
+    ("--hidden-size", dict(type=int, default=None), "model width (default: --model's)"),
+    ("--num-attention-heads", dict(type=int, default=None),
+     "attention heads; hidden size / heads must be even (default: --model's)"),
+    ("--ffn-hidden-size", dict(type=int, default=None), "default: 4 x hidden size (Megatron's)"),
+    ("--moe-ffn-hidden-size", dict(type=int, default=None), "per-expert size; default: --ffn-hidden-size"),
+    ("--num-experts", dict(type=int, default=None), "experts per MoE layer (default: --model's)"),
+    ("--moe-router-topk", dict(type=int, default=None), "default: 2 (Megatron's)"),
+    ("--moe-router-load-balancing-type", dict(
+        nargs="+", default=None, choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"]),
+     "router load balancing, one of aux_loss, seq_aux_loss, none (aux-loss-free: none with "
+     "--moe-router-enable-expert-bias); global_aux_loss, sinkhorn and combinations are refused "
+     "(default: --model's, else Megatron's aux_loss)"),
+    ("--moe-router-score-function", dict(choices=["softmax", "sigmoid"], default=None),
+     "router scores (default: --model's, else Megatron's softmax)"),
+    ("--moe-router-enable-expert-bias", dict(action="store_true", default=None),
+     "aux-loss-free balancing: a per-expert bias on the scores for the top-k choice, updated "
+     "after every step from the token counts of every routing rank (sigmoid scores only)"),
+    ("--moe-router-bias-update-rate", dict(type=float, default=None),
+     "the expert bias's step per update (default: --model's, else Megatron's 1e-3)"),
+    ("--max-position-embeddings", dict(type=int, default=None),
+     "must be >= --seq-length (RoPE: no learned table; default: --seq-length)"),
+    ("--vocab-size", dict(type=int, default=None),
+     "NullTokenizer's vocab before EOD; without --tokenizer-type, mock data's vocab "
+     "(default: --model's, else the tokenizer's)"),
+    ("--make-vocab-size-divisible-by", dict(type=int, default=128),
+     "pad the vocab to a multiple of this x TP, as Megatron does"),
+)
+
+
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """Megatron-LM's model-shape and related flags that `hetermoe train` takes from a model YAML."""
     g = p.add_argument_group("model (Megatron-LM flags)")
-    g.add_argument("--num-layers", type=int, default=None, help="transformer layers (default: --model's)")
-    g.add_argument("--hidden-size", type=int, default=None, help="model width (default: --model's)")
-    g.add_argument("--num-attention-heads", type=int, default=None,
-                   help="attention heads; hidden size / heads must be even (default: --model's)")
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size (Megatron's)")
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="per-expert size; default: --ffn-hidden-size")
-    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: --model's)")
-    g.add_argument("--moe-router-topk", type=int, default=None, help="default: 2 (Megatron's)")
-    g.add_argument("--moe-router-load-balancing-type", nargs="+", default=None,
-                   choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"],
-                   help="router load balancing, one of aux_loss, seq_aux_loss, none (aux-loss-free: none with "
-                        "--moe-router-enable-expert-bias); global_aux_loss, sinkhorn and combinations are refused "
-                        "(default: --model's, else Megatron's aux_loss)")
-    g.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"], default=None,
-                   help="router scores (default: --model's, else Megatron's softmax)")
-    g.add_argument("--moe-router-enable-expert-bias", action="store_true", default=None,
-                   help="aux-loss-free balancing: a per-expert bias on the scores for the top-k choice, updated "
-                        "after every step from the token counts of every routing rank (sigmoid scores only)")
-    g.add_argument("--moe-router-bias-update-rate", type=float, default=None,
-                   help="the expert bias's step per update (default: --model's, else Megatron's 1e-3)")
-    g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="must be >= --seq-length (RoPE: no learned table; default: --seq-length)")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="NullTokenizer's vocab before EOD; without --tokenizer-type, mock data's vocab "
-                        "(default: --model's, else the tokenizer's)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocab to a multiple of this x TP, as Megatron does")
+    add_flags(g, _SHAPE_FLAGS)
     req = "required: the model is always Mixtral-style"
     g.add_argument("--normalization", choices=["RMSNorm"], default=None, help=f"only RMSNorm ({req})")
     g.add_argument("--position-embedding-type", choices=["rope"], default=None, help=f"only rope ({req})")

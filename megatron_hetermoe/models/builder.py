@@ -477,6 +477,12 @@ def precision_dtype(precision: str) -> torch.dtype:
         raise ValueError(f"precision {precision!r} is unknown; use one of {list(PRECISIONS)}") from None
 
 
+# The ModelConfig fields TransformerConfig takes as they are: the same name and meaning (Megatron-LM's flag).
+_CONFIG_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "moe_ffn_hidden_size",
+                  "moe_router_topk", "moe_aux_loss_coeff", "moe_router_load_balancing_type",
+                  "moe_router_score_function", "moe_router_enable_expert_bias", "moe_router_bias_update_rate")
+
+
 def transformer_config(model: ModelConfig, par: ParallelConfig, precision: str = "fp32", kernels: str = "local",
                        fusions: FusionChoice | None = None, **overrides):
     """megatron-core's TransformerConfig of `model`; `precision` sets bf16/fp16 and
@@ -490,20 +496,10 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, precision: str =
         raise ValueError(f"kernels {kernels!r} is unknown; use one of {list(KERNELS)}")
     dtype = precision_dtype(precision)
     kw = dict(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        ffn_hidden_size=model.ffn_hidden_size,
+        **{name: getattr(model, name) for name in _CONFIG_FIELDS},
         num_moe_experts=model.num_experts,
-        moe_ffn_hidden_size=model.moe_ffn_hidden_size,
-        moe_router_topk=model.moe_router_topk,
         # Megatron refuses top-1 with softmax after top-k (the gate would get no gradient).
         moe_router_pre_softmax=model.moe_router_topk == 1,
-        moe_aux_loss_coeff=model.moe_aux_loss_coeff,
-        moe_router_load_balancing_type=model.moe_router_load_balancing_type,
-        moe_router_score_function=model.moe_router_score_function,
-        moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=model.moe_router_bias_update_rate,
         moe_token_dispatcher_type=par.dispatcher,
         normalization="RMSNorm",
         gated_linear_unit=True,  # SwiGLU

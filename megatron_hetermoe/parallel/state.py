@@ -25,7 +25,7 @@ import datetime
 import enum
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,24 @@ from megatron_hetermoe.vocabulary import Role
 
 if TYPE_CHECKING:
     from megatron_hetermoe.parallel.expert_load import ExpertLoadMeter
+
+
+_T = TypeVar("_T")
+
+
+class _FromLayout(Generic[_T]):
+    """A read-only HeteroParallelState attribute that is its RankLayout's of the same name: the
+    plan arithmetic is the layout's alone (parallel/layout.py), the state only hands it on."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, state: HeteroParallelState | None, owner: type | None = None) -> _T:
+        return self if state is None else getattr(state.layout, self.name)
+
+    def __set__(self, state: HeteroParallelState, value: object) -> None:
+        raise AttributeError(f"HeteroParallelState.{self.name} is its layout's (RankLayout.{self.name}); "
+                             f"build the state from another RankLayout to change it")
 
 
 @dataclass
@@ -76,29 +94,14 @@ class HeteroParallelState:
     load_meter: "ExpertLoadMeter | None" = None
 
     # ---- the plan arithmetic, read once (RankLayout) -----------------------------------------
-    @property
-    def plan(self) -> HeteroPlan:
-        return self.layout.plan
-
-    @property
-    def rank(self) -> int:
-        return self.layout.rank
-
-    @property
-    def role(self) -> Role:
-        return self.layout.role
-
-    @property
-    def group_index(self) -> int:
-        return self.layout.group_index
-
-    @property
-    def member_index(self) -> int:
-        return self.layout.member_index
-
-    @property
-    def attention_dp_rank(self) -> int | None:
-        return self.layout.attention_dp_rank
+    plan = _FromLayout[HeteroPlan]()
+    rank = _FromLayout[int]()
+    role = _FromLayout[Role]()
+    group_index = _FromLayout[int]()
+    member_index = _FromLayout[int]()
+    attention_dp_rank = _FromLayout[int | None]()
+    stage = _FromLayout[int]()  # the pipeline stage this rank computes (0 without pipeline stages)
+    tp_rank = _FromLayout[int]()
 
     def owns_gradient(self, is_expert: bool) -> bool:
         return self.layout.owns_gradient(is_expert)
@@ -106,11 +109,6 @@ class HeteroParallelState:
     @property
     def zp(self) -> ZPGroup:
         return self.plan.groups[self.group_index]
-
-    @property
-    def stage(self) -> int:
-        """The pipeline stage this rank computes (0 without pipeline stages)."""
-        return self.layout.stage
 
     @functools.cached_property
     def stage_members(self) -> list[int]:
@@ -123,10 +121,6 @@ class HeteroParallelState:
         """Attention members of the ZP group's stage: data-parallel copies of the stage's dense
         weights, each with its own microbatches (its attention ranks / attention_tp)."""
         return len(self.plan.stage_ranks(self.group_index, self.stage)[0]) // self.plan.attention_tp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.layout.tp_rank
 
     @property
     def comm_order(self) -> list[int]:
