@@ -404,3 +404,77 @@ def replans_and_resumes(work: Path, data_path: str, tmp_path: Path, monkeypatch,
     near = max(abs(resumed[i] - full[i]) for i in (3, 4))
     within("resumed on another plan vs uninterrupted (lm loss, iterations 3-4)", near, 1e-5)
     assert abs(cold[4] - full[4]) > 20 * max(near, 1e-7), (resumed, cold, full)
+
+
+# ---- live expert moves in pretrain() (test_megatron_lm_live_moves.py; core_v0.19.0: test_megatron_lm_v019.py) ----
+def lopsided_plan(schedule: str):
+    """2 attention + 2 expert ranks, one ZP group; each MoE layer's 4 experts all on one expert rank
+    (rank 2 holds layer 0's, rank 3 layer 1's): under DistEP each layer waits for one rank doing
+    all of its experts, and a placement of 2 + 2 per layer halves the predicted expert time for
+    any routing. Each expert rank holds nothing in one layer."""
+    from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
+
+    d = even_plan(2, 4, 2, 2, groups=1, num_microbatches=2, schedule=schedule).to_dict()
+    d["groups"][0]["placement"] = [{"2": [0, 1, 2, 3]}, {"3": [0, 1, 2, 3]}]
+    return HeteroPlan.from_dict(d)
+
+
+def moves_live_and_resumes(work: Path, data_path: str, tmp_path: Path, data: tuple | list = DATA) -> None:
+    """The load rule (margin 0, every 2 steps) moves the lopsided DistEP plan's experts after
+    iteration 2; the 4 losses are bitwise the run's without moves; the checkpoint of iteration 2,
+    saved after the move, records the moved plan and resumes on the starting plan (resharded by
+    name) with iterations 3 and 4 as before."""
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    plan = tmp_path / "plan.json"
+    start = lopsided_plan("distep")
+    start.save(plan)
+    four = ["--train-iters", "4"]
+    _, still = hetero_run(work, plan, data_path, tmp_path / "still", four, data=data, evaluation=NO_EVAL)
+    ckpt = tmp_path / "ckpt"
+    log, moved = hetero_run(work, plan, data_path, tmp_path / "moved",
+                            [*four, "--hetero-replan-interval", "2", "--hetero-replan-margin", "0",
+                             "--save", str(ckpt), "--save-interval", "2"], data=data, evaluation=NO_EVAL)
+    lines = re.findall(r" live move at iteration (\d+): (\d+) expert\(s\)", log)
+    assert lines and lines[0][0] == "2" and int(lines[0][1]) >= 2, log[-3000:]
+    assert sorted(moved) == [1, 2, 3, 4]
+    assert moved == still  # bitwise: a move changes no arithmetic
+    common = load_common_state_dict(str(ckpt / "iter_0000002"))
+    saved = HeteroPlan.from_dict(json.loads(common["args"].hetero_plan_json))
+    assert saved.groups[0].placement != start.groups[0].placement
+    assert any(2 in pl and 3 in pl for pl in [{int(r) for r, es in p.items() if es}
+                                              for p in saved.groups[0].placement])
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    log, resumed = hetero_run(work, plan, data_path, tmp_path / "resumed", [*four, "--load", str(ckpt)], data=data,
+                              evaluation=NO_EVAL)
+    assert sorted(resumed) == [3, 4], log[-3000:]
+    assert [resumed[3], resumed[4]] == [still[3], still[4]]
+
+
+# The plugin trainer's forced moves (tests/integration/test_live_moves.py): from the sparse Asym-EA
+# plan to the even plan at iteration 2, on to each expert rank holding nothing in one layer at 4.
+FORCED_MOVES = {2: [{2: [0, 1], 3: [2, 3]}, {2: [0, 1], 3: [2, 3]}],
+                4: [{1: [1], 3: [0, 2, 3]}, {1: [2], 2: [0, 1, 3]}]}
+
+
+def forced_moves_change_no_loss(work: Path, data_path: str, tmp_path: Path, monkeypatch, schedule: str,
+                                flags: list[str], data: tuple | list = DATA) -> None:
+    """FORCED_MOVES in pretrain() (tests/forced_moves/sitecustomize.py makes the ranks' decisions):
+    6 losses bitwise those of the run without moves."""
+    from shared_plans import sparse_asym_ea_plan
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    plan = tmp_path / "plan.json"
+    sparse_asym_ea_plan(schedule).save(plan)
+    six = ["--train-iters", "6", *flags]
+    _, still = hetero_run(work, plan, data_path, tmp_path / "still", six, data=data, evaluation=NO_EVAL)
+    monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests" / "forced_moves"))
+    monkeypatch.setenv("HETERMOE_TEST_FORCED_MOVES", json.dumps(FORCED_MOVES))
+    log, moved = hetero_run(work, plan, data_path, tmp_path / "moved", [*six, "--hetero-replan-interval", "1"],
+                            data=data, evaluation=NO_EVAL)
+    assert re.findall(r" live move at iteration (\d+): (\d+) expert", log) == [("2", "4"), ("4", "4")], log[-3000:]
+    assert sorted(moved) == [1, 2, 3, 4, 5, 6]
+    assert moved == still  # bitwise

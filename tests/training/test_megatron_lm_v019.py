@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 from megatron_lm_run import (
     checkpoints_both_ways,
+    forced_moves_change_no_loss,
+    moves_live_and_resumes,
     PRECISIONS,
     hetero_run,
     same_state,
@@ -178,6 +180,15 @@ def test_core_v019_plans_itself_and_resumes_on_the_gpus_left(mlm19, data, tmp_pa
     """--hetero-plan auto in core_v0.19.0's pretrain(), and a checkpoint of 4 GPUs resumed on the 3 left
     (test_megatron_lm_auto_plan.py's case on core_v0.16.1)."""
     replans_and_resumes(mlm19, data, tmp_path, monkeypatch, data=DATA)
+
+
+@pytest.mark.slow
+def test_core_v019_moves_experts_live(mlm19, data, tmp_path, monkeypatch):
+    """--hetero-replan-interval in core_v0.19.0's pretrain() (test_megatron_lm_live_moves.py's cases
+    on core_v0.16.1): the load rule's move with bitwise losses and a resume from the moved
+    checkpoint, and the forced moves under zebra."""
+    moves_live_and_resumes(mlm19, data, tmp_path / "rule", data=DATA)
+    forced_moves_change_no_loss(mlm19, data, tmp_path / "forced", monkeypatch, "zebra", [], data=DATA)
 
 
 @pytest.mark.slow
