@@ -186,11 +186,13 @@ class Emulator:
 
     def replan(self, margin: float):
         """The live-move decision of an emulated run (training/replan.py): planner/rebalance's
-        propose_simulated on the emulated cluster and shape, a move costed by move_seconds."""
+        propose_simulated on the emulated cluster and shape, a move costed by move_seconds (the
+        CPU ranks' measured move says nothing of the emulated cluster's: the Replanner's cost is
+        not used)."""
         from megatron_hetermoe.planner.rebalance import RebalanceConfig, propose_simulated
 
         cfg = RebalanceConfig(margin=margin)
-        return lambda plan, tokens, next_steps: propose_simulated(
+        return lambda plan, tokens, next_steps, _measured_cost=None: propose_simulated(
             plan, tokens, next_steps, self.cost, self.cluster, self.spec.global_batch,
             lambda n: self.move_seconds(n * len(plan.groups)), cfg)
 

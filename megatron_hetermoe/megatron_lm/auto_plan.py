@@ -21,7 +21,7 @@ from megatron_hetermoe.planner.megatron_flags import model_from_flags
 from megatron_hetermoe.vocabulary import ScheduleName
 
 
-def _padded_vocab(args) -> int | None:
+def padded_vocab(args) -> int | None:
     """The vocabulary Megatron-LM will pad the tokenizer's to (its own build_tokenizer, on a copy
     of the flags), for a tokenizer the planner does not read; None for NullTokenizer or when
     --padded-vocab-size is given (the planner reads those flags itself)."""
@@ -121,7 +121,7 @@ def _inventory(args) -> Inventory:
 
 def plan_for_job(args, argv: list[str]) -> HeteroPlan:
     """The planner's pick for this job's GPUs and these flags (every GPU used)."""
-    run = run_of_flags(argv, getattr(args, "hetero_schedule", None), _padded_vocab(args))
+    run = run_of_flags(argv, getattr(args, "hetero_schedule", None), padded_vocab(args))
     inventory = _inventory(args)
     plan = _every_gpu_used(run, inventory, "start the job without them, or change the batch")
     if int(os.environ.get("RANK", args.rank)) == 0:

@@ -78,9 +78,38 @@ class PretrainMoves:
         if self.replanner is None:
             role = _Role(unwrap(model[0]), self.hp.names, self.hp.schedules[0])
             self.replanner = Replanner(self.hp.hs, self.run, None, self.hp.loads, role, _Parts(optimizer),
-                                       self._rebuild)
+                                       self._rebuild, self._pricing())
         self.replanner.parts.optimizer = optimizer
         self.replanner(iteration)
+
+    def _pricing(self):
+        """planner/rebalance.run_pricing for this run's model, batch and GPUs (the model from the
+        command line, as `hetermoe plan -- <flags>` reads it), or None: a GPU type without a
+        shipped profile (CPU ranks), or flags the planner does not read (said on the first rank)."""
+        from megatron.training import get_args
+
+        from megatron_hetermoe.errors import UserError
+        from megatron_hetermoe.megatron_lm.auto_plan import padded_vocab
+        from megatron_hetermoe.planner.megatron_flags import model_from_flags
+        from megatron_hetermoe.planner.profiles import known_gpu_types
+        from megatron_hetermoe.planner.rebalance import RebalanceConfig, run_pricing
+
+        plan, args = self.hp.plan, get_args()
+        if not set(plan.gpu_types) <= set(known_gpu_types()):
+            return None
+        flags = [t for t in self.hp.argv if not t.startswith("--hetero-")]
+        vocab = padded_vocab(args)
+        if vocab is not None:
+            flags += ["--padded-vocab-size", str(vocab)]
+        try:
+            model = model_from_flags(flags, megatron_parsed=True).model
+        except UserError as e:
+            if args.rank == 0:
+                print(f"> HeterMoE live moves: the simulator cannot price this model ({e}); the measured-time "
+                      f"rule decides", flush=True)
+            return None
+        return run_pricing(plan, model, args.seq_length, args.global_batch_size, args.use_distributed_optimizer,
+                           self.hp.recompute, RebalanceConfig(margin=self.run.replan_margin))
 
     def _rebuild(self, kept: dict) -> _Rebuilt:
         """The rank's objects for hs's (new) plan from the moved whole states (module docstring)."""

@@ -192,8 +192,15 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
                                                              new.scheduler, pools.expert)
                 return new
 
-            parts.after_step = Replanner(hs, run, hooks.replan, loads, role, parts, rebuild,
-                                         emulator.replan(run.replan_margin) if emulator is not None else None)
+            if emulator is not None:
+                decide = emulator.replan(run.replan_margin)
+            else:
+                from megatron_hetermoe.planner.rebalance import RebalanceConfig, run_pricing
+
+                decide = run_pricing(plan, cfg.model, cfg.model.seq_length, cfg.global_batch_size,
+                                     cfg.use_distributed_optimizer, run.recompute,
+                                     RebalanceConfig(margin=run.replan_margin))
+            parts.after_step = Replanner(hs, run, hooks.replan, loads, role, parts, rebuild, decide)
         reset_peak_memory(hs.device)  # the GPU peak counts from here (model and optimizer already allocated)
         res = train_loop(parts, role)
         model, module = role.model, role.module  # the last plan's, after live moves

@@ -55,8 +55,9 @@ class Replanner:
     def __init__(self, hs, run, hook: Callable[[int, HeteroPlan], HeteroPlan | None] | None, loads, role, parts,
                  rebuild: Callable[[dict], object], simulated: Callable[..., Proposal] | None = None):
         self.hs, self.hook, self.loads, self.role, self.parts, self.rebuild = hs, hook, loads, role, parts, rebuild
-        # An emulated run decides through the simulator on its emulated cluster
-        # (Emulator.replan: (plan, tokens, next steps) -> Proposal); else the measured-time rule.
+        # The simulator decides where it knows the cluster: an emulated run's (Emulator.replan), a
+        # run on GPUs with shipped profiles (planner/rebalance.run_pricing); (plan, tokens, next
+        # steps, move cost) -> Proposal. Else the measured-time rule (CPU ranks).
         self.simulated = simulated
         self.K, self.schedule = run.replan_interval, run.schedule or hs.plan.schedule
         self.cfg = RebalanceConfig(margin=run.replan_margin)
@@ -119,7 +120,7 @@ class Replanner:
             check_same_roles(plan, new)
             prop = Proposal(new, moves(plan, new), reason="forced (RunHooks.replan)")
         else:
-            prop = self.simulated(plan, tokens, self.K) if self.simulated is not None else propose(
+            prop = self.simulated(plan, tokens, self.K, self._cost(step_s)) if self.simulated is not None else propose(
                 plan, tokens, seconds, steps, self.K, self._cost(step_s), self.schedule, self.capacity, self.frozen,
                 self.cfg)
             if prop.plan is None:

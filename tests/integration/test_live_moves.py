@@ -113,3 +113,23 @@ def test_load_rule_splits_a_planted_hot_pair(tiny):
         assert not final.placement[l].get(0) and not final.placement[l].get(1)  # attention ranks: none before
     assert sum(len(es) for pl in final.placement for r, es in pl.items() if r == 2) == 4
     assert live.losses == static.losses
+
+
+def test_on_gpus_with_profiles_the_simulator_decides(tiny):
+    """Outside emulation, a plan whose GPU types have shipped profiles (A40, V100 on these CPU
+    ranks) is judged by the simulator for the run's own model (planner/rebalance.run_pricing), not
+    by the measured-time rule: DistEP with each layer's 4 experts on one expert rank moves to 2 + 2
+    after the first interval (the simulator predicting a faster step), then stays; no loss changes."""
+    d = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=2, schedule="distep").to_dict()
+    d["gpu_types"] = ["A40", "A40", "V100-16GB", "V100-16GB"]
+    d["groups"][0]["placement"] = [{"2": [0, 1, 2, 3]}, {"3": [0, 1, 2, 3]}]
+    plan = HeteroPlan.from_dict(d)
+    cfg = _cfg(tiny, train_iters=4)
+    static = run(cfg, 4, plan=plan, hetero=HeteroRunConfig())
+    live = run(cfg, 4, plan=plan, hetero=HeteroRunConfig(replan_interval=2, replan_margin=0.0))
+    assert [m["iteration"] for m in live.moves] == [2], (live.moves, live.stays)
+    move = live.moves[0]
+    assert move["reason"].startswith("simulated step") and move["predicted_s_new"] < move["predicted_s_now"]
+    final = HeteroPlan.from_dict(live.plan).groups[0]
+    assert all(len(final.placement[l].get(r, [])) == 2 for l in range(2) for r in (2, 3)), final.placement
+    assert live.losses == static.losses

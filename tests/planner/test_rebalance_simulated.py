@@ -55,3 +55,31 @@ def test_balanced_loads_and_moves_that_do_not_pay_stay(em):
     assert _propose(em, plan, [[0.0] * 4] * 2).reason == "no tokens measured"
     costly = _propose(em, plan, HOT, cost_s=1e3)
     assert costly.plan is None and "move cost" in costly.reason and costly.moved
+
+
+def test_run_pricing_prices_a_run_on_its_own_gpus_and_steps_aside_on_cpu_ranks():
+    """Outside emulation (planner/rebalance.run_pricing): the plan's GPU types with shipped profiles,
+    nodes of one type as `hetermoe plan --even` prices them, the run's own model and batch, and the
+    move cost the caller measured; None for CPU ranks (the measured-time rule decides there)."""
+    from megatron_hetermoe.config import ModelConfig
+    from megatron_hetermoe.planner.cluster import Cluster
+    from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
+    from megatron_hetermoe.planner.profiles import load_profiles
+    from megatron_hetermoe.planner.rebalance import run_pricing
+
+    model = ModelConfig.load("tiny")
+    plan = _plan()
+    cpu = HeteroPlan.from_dict({**plan.to_dict(), "gpu_types": ["cpu"] * 3})
+    assert run_pricing(cpu, model, 64, 8) is None
+    decide = run_pricing(plan, model, 64, 8, cfg=RebalanceConfig(margin=0.0))
+    prop = decide(plan, HOT, 10, lambda n: 0.0)
+    cost = CostModel(model.replace(seq_length=64), load_profiles(set(plan.gpu_types)),
+                     TrainSettings(64, activation_checkpointing=False, expert_recompute=plan.expert_recompute))
+    want = propose_simulated(plan, HOT, 10, cost, Cluster.from_gpu_types("x", plan.gpu_types), 8, lambda n: 0.0,
+                             RebalanceConfig(margin=0.0))
+    assert prop.plan is not None and prop.reason.startswith("simulated step"), prop.reason
+    assert (prop.seconds_now, prop.seconds_new) == (want.seconds_now, want.seconds_new)
+    assert prop.plan.to_dict() == want.plan.to_dict()
+    # The measured move cost is what the hysteresis weighs (the default margin, 2).
+    costly = run_pricing(plan, model, 64, 8)(plan, HOT, 10, lambda n: 1e3)
+    assert costly.plan is None and "move cost" in costly.reason, costly.reason

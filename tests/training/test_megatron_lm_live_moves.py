@@ -16,9 +16,11 @@ from megatron_lm_run import (
     CPU,
     DATA,
     MODEL,
+    NO_EVAL,
     PRECISIONS,
     RECIPE,
     forced_moves_change_no_loss,
+    hetero_run,
     lopsided_plan,
     moves_live_and_resumes,
     torchrun,
@@ -28,6 +30,25 @@ from megatron_lm_run import (
 @pytest.mark.slow
 def test_pretrain_moves_experts_live_bitwise_and_resumes_from_the_moved_checkpoint(mlm, data, tmp_path):
     moves_live_and_resumes(mlm, data, tmp_path)
+
+
+@pytest.mark.slow
+def test_pretrain_on_gpus_with_profiles_the_simulator_decides(mlm, data, tmp_path):
+    """The lopsided DistEP plan labelled 2 A40 + 2 V100 (CPU ranks all the same): the decision is
+    the simulator's for the model pretrain()'s flags give (live_moves.PretrainMoves._pricing), and
+    the losses are the unmoved run's."""
+    from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+
+    d = lopsided_plan("distep").to_dict()
+    d["gpu_types"] = ["A40", "A40", "V100-16GB", "V100-16GB"]
+    plan = tmp_path / "plan.json"
+    HeteroPlan.from_dict(d).save(plan)
+    four = ["--train-iters", "4"]
+    _, still = hetero_run(mlm, plan, data, tmp_path / "still", four, evaluation=NO_EVAL)
+    log, moved = hetero_run(mlm, plan, data, tmp_path / "moved",
+                            [*four, "--hetero-replan-interval", "2", "--hetero-replan-margin", "0"], evaluation=NO_EVAL)
+    assert " live move at iteration 2: 4 expert(s) of group 0 (simulated step " in log, log[-3000:]
+    assert moved == still
 
 
 CASES = {"zebra fp32": ("zebra", []),
