@@ -32,10 +32,15 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
     The experts' window lasts the cost model's time for the tokens this rank's experts received
     in that layer and microbatch (the experts module's tokens_per_expert, on the host on CPU
     ranks), each expert's tokens over the layer's mean (the EP group's tokens x top-k / experts)
-    times the balanced share, as HeterMoE's emulated expert tasks (Emulator.expert_task_time)."""
+    times the balanced share, as HeterMoE's emulated expert tasks (Emulator.expert_task_time).
+    Each token all-to-all lasts the collective's time for the rows each EP rank really sent each
+    (its split sizes, gathered with the call time), scaled to the emulated microbatch and priced
+    as HeterMoE's emulated transfers are (Emulator.transfer_task_time: planner/cluster's
+    collective_time on the same links); balanced rows give the simulator's EP all-to-all
+    (planner/baselines.ep_a2a_time). Its backward reverses the rows, which prices the same."""
     import torch.distributed as dist
 
-    from megatron_hetermoe.planner.baselines import ep_a2a_time
+    from megatron_hetermoe.planner.cluster import Links
     from megatron_hetermoe.shims import token_dispatcher
 
     m, gpu, cost = emulator.model, emulator.gpu(rank), emulator.cost
@@ -47,12 +52,19 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
     stage = [[cost.stage_time(gpu, i, t, b) for i in range(L + 1)] for b in (False, True)]
     expert = [n_local * cost.expert_time(gpu, per_expert, b) for b in (False, True)]  # balanced
     topk = gpt.config.moe_router_topk
-    a2a = ep_a2a_time(cost, emulator.cluster, ep_group_ranks, t) if len(ep_group_ranks) > 1 else 0.0
+    n = len(ep_group_ranks)
+    links = Links.for_ranks(emulator.cluster, sorted(ep_group_ranks), cost.profiles) if n > 1 else None
+    routed_bytes = n * t * m.moe_router_topk * cost.token_bytes()  # an emulated all-to-all's payload
+
+    def a2a_time(rows: list[list[float]]) -> float:
+        return routed_a2a_time(links, routed_bytes, rows) if links is not None else 0.0
+
     hidden = gpt.config.hidden_size
     device = rank_device()  # of the all-reduces in synced()
-    # last: when this rank's previous window closed (its next window's inputs are there)
+    # last: when this rank's previous window closed (its next window's inputs are there); a2a:
+    # each (layer, dispatch?) all-to-all's emulated seconds, for its backward
     st = {"last": time.perf_counter(), "seg": 0.0, "calls": 0, "pending": None, "bseg": 0.0, "bstart": None,
-          "mb": -1, "tokens": 0, "received": {}}
+          "mb": -1, "tokens": 0, "received": {}, "a2a": {}}
 
     def experts_budget(layer: int, bwd: bool) -> float:
         """Emulated seconds of this rank's experts of `layer` for what they received in the
@@ -92,6 +104,21 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=sync_group)
         return float(x.item())
 
+    def synced_rows(ready: float, rows: int, splits) -> tuple[float, list[list[float]]]:
+        """synced(ready), and every EP rank's split sizes of this all-to-all (the rows it sends
+        each rank; None: even splits of its `rows`), in one gather."""
+        mine = [float(x) for x in splits] if splits is not None else [rows / n] * n
+        if len(mine) != n:
+            raise RuntimeError(f"a token all-to-all split over {len(mine)} ranks in an EP group of {n}: the "
+                               f"emulation prices EP without tensor parallelism only")
+        if sync_group is None or dist.get_world_size(sync_group) == 1:
+            return ready, [mine]
+        x = torch.tensor([ready, *mine], dtype=torch.float64, device=device)
+        got = [torch.empty_like(x) for _ in range(dist.get_world_size(sync_group))]
+        dist.all_gather(got, x, group=sync_group)
+        table = torch.stack(got).tolist()
+        return max(r[0] for r in table), [r[1:] for r in table]
+
     def mb_start(mod, args):
         st.update(seg=synced(st["last"]), calls=0, pending=None, mb=st["mb"] + 1, received={})
 
@@ -109,7 +136,7 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
     def bwd_return():  # the reverse all-to-all produced the input's gradient
         layer, dispatch, start = st["bstart"]
         st["bseg"] = close("combine" if dispatch else "dispatch", TaskKind.D_B if dispatch else TaskKind.C_B,
-                           layer, start, a2a * scale())
+                           layer, start, st["a2a"][(layer, dispatch)] * scale())
 
     orig = token_dispatcher.all_to_all()
 
@@ -120,7 +147,8 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
             out = orig(group, input_, output_split_sizes, input_split_sizes, **kw)
             if st["pending"] is not None:
                 layer, start = st["pending"]
-                st.update(pending=None, seg=close("dispatch", TaskKind.D_F, layer, start, a2a * scale()))
+                st.update(pending=None, seg=close("dispatch", TaskKind.D_F, layer, start,
+                                                  st["a2a"][(layer, True)] * scale()))
             return out
         k = st["calls"]
         st["calls"] = k + 1
@@ -129,13 +157,14 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
             close("compute", TaskKind.A_F, layer, st["seg"], stage[False][layer] * scale())
         else:
             close("compute", TaskKind.E_F, layer, st["seg"], experts_budget(layer, False) * scale())
-        start = synced(st["last"])
+        start, rows = synced_rows(st["last"], input_.shape[0], input_split_sizes)
+        st["a2a"][(layer, dispatch)] = a2a_time(rows)
         x = _Mark.apply(input_, bwd_return) if input_.requires_grad else input_
         out = orig(group, x, output_split_sizes, input_split_sizes, **kw)
         if dispatch:
             st["pending"] = (layer, start)
         else:
-            st["seg"] = close("combine", TaskKind.C_F, layer, start, a2a * scale())
+            st["seg"] = close("combine", TaskKind.C_F, layer, start, st["a2a"][(layer, False)] * scale())
         return _Mark.apply(out, lambda: bwd_call(layer, dispatch)) if out.requires_grad else out
 
     def backward_start():  # the loss's gradient reached the head; the loss ran in this window
@@ -166,6 +195,20 @@ def install_ep_hooks(emulator: Emulator, gpt, rank: int, ep_group_ranks: list[in
             clock.on_step_begin = None
 
     return undo
+
+
+def routed_a2a_time(links, routed_bytes: float, rows: list[list[float]]) -> float:
+    """Seconds of an emulated token all-to-all in which EP rank i sent rows[i][j] rows to EP rank j
+    (the group's rank order, `links`' order): the rows scaled so that they carry `routed_bytes` in
+    all (the emulated microbatch's tokens x top-k), priced by planner/cluster.collective_time. Rows
+    a rank keeps cost nothing; even rows give planner/baselines.ep_a2a_time."""
+    from megatron_hetermoe.planner.cluster import collective_time
+
+    total = sum(map(sum, rows))
+    if total <= 0:
+        return 0.0
+    per_row = routed_bytes / total
+    return collective_time(links, [[r * per_row for r in row] for row in rows])
 
 
 def ep_sync_groups(ep_group_ranks: list[int]):

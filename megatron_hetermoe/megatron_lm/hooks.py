@@ -116,7 +116,7 @@ class HeteroPretrain:
                                     self.schedule)
         nmb = self.plan.num_microbatches
         self._pool_args(args)
-        if args.hetero_replan_interval:
+        if getattr(args, "hetero_replan_interval", 0):
             from megatron_hetermoe.megatron_lm.live_moves import PretrainMoves
             from megatron_hetermoe.training.hetero_args import hetero_run_config
 

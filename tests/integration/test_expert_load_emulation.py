@@ -206,8 +206,35 @@ network_latency_us: 10
 """
 
 
+def test_megatron_ep_all_to_all_is_priced_for_the_rows_each_rank_sent(spec4):
+    """emulation/megatron_ep.routed_a2a_time: even rows give the simulator's balanced EP all-to-all
+    (planner/baselines.ep_a2a_time) on every EP size of the 2 A40 + 2 V100 cluster; all rows to one
+    rank take longer; reversed rows (the backward) price the same; rows a rank keeps cost nothing."""
+    from megatron_hetermoe.emulation.megatron_ep import routed_a2a_time
+    from megatron_hetermoe.planner.baselines import ep_a2a_time
+    from megatron_hetermoe.planner.cluster import Links
+
+    em = Emulator(spec4)
+    t, k, tb = 512.0, em.model.moe_router_topk, em.cost.token_bytes()
+    for ranks in ([0, 1], [2, 3], [0, 2], [0, 1, 2, 3]):
+        n = len(ranks)
+        links = Links.for_ranks(em.cluster, ranks, em.cost.profiles)
+        even = [[7.0] * n for _ in range(n)]
+        balanced = ep_a2a_time(em.cost, em.cluster, ranks, t)
+        assert routed_a2a_time(links, n * t * k * tb, even) == pytest.approx(balanced, rel=1e-12)
+        hot = [[7.0 * n] + [0.0] * (n - 1) for _ in range(n)]  # every rank's rows to the first
+        assert routed_a2a_time(links, n * t * k * tb, hot) > balanced
+        transposed = [list(col) for col in zip(*hot)]
+        assert routed_a2a_time(links, n * t * k * tb, transposed) == routed_a2a_time(links, n * t * k * tb, hot)
+        kept = [[7.0 if i == j else 0.0 for j in range(n)] for i in range(n)]
+        assert routed_a2a_time(links, n * t * k * tb, kept) == 0.0
+
+
+TRANSFERS = ("D_F", "C_F", "C_B", "D_B")
+
+
 def _ep_rank(rank, world, cfg, init_state):
-    """Plain Megatron EP, emulated, recording its experts' windows (emulated seconds)."""
+    """Plain Megatron EP, emulated, recording its experts' and all-to-alls' windows (emulated seconds)."""
     from megatron_hetermoe.emulation import clock
     from megatron_hetermoe.training.megatron_ep import train
     from megatron_hetermoe.training.run_hooks import RunHooks
@@ -215,7 +242,7 @@ def _ep_rank(rank, world, cfg, init_state):
     seen, window = [], clock.EmulationClock.window
 
     def recording(self, lane, key, start, budget, real_end, end):
-        if key[0] in ("E_F", "E_B"):
+        if key[0] in ("E_F", "E_B", *TRANSFERS):
             seen.append((key, budget / self.cur["scale"]))
         return window(self, lane, key, start, budget, real_end, end)
 
@@ -242,10 +269,25 @@ def test_megatron_ep_emulated_experts_follow_a_planted_skew(tmp_path):
     cfg = TrainConfig(real, ParallelConfig(ep=2), micro_batch_size=1, global_batch_size=2, train_iters=1,
                       quiet=True, emulate=spec)
     hot, cold = launch(_ep_rank, 2, cfg, state, timeout_s=300)
-    cost = Emulator(spec).cost
+    em = Emulator(spec)
+    cost = em.cost
     share = 2 * SEQ * 2 / 4  # the EP group's tokens of a microbatch x top-2 / 4 experts
-    assert len(hot) == len(cold) == 4  # E_F and E_B of 2 layers, one microbatch
-    for (kind, _, _), budget in hot:
+    experts = [[(key, b) for key, b in seen if key[0] in ("E_F", "E_B")] for seen in (hot, cold)]
+    assert len(experts[0]) == len(experts[1]) == 4  # E_F and E_B of 2 layers, one microbatch
+    for (kind, _, _), budget in experts[0]:
         assert budget == pytest.approx(2 * cost.expert_time("A40", 2 * share, kind == "E_B"))
-    for (kind, _, _), budget in cold:
+    for (kind, _, _), budget in experts[1]:
         assert budget == pytest.approx(2 * cost.expert_time("V100-16GB", 0.0, kind == "E_B"))
+    # The all-to-alls: rank 1 sends its every row to rank 0 and back (rank 0 keeps its own), so each
+    # moves SEQ x top-2 tokens one way where balanced routing moves half that each way; both ranks
+    # price it alike, forward and backward.
+    from megatron_hetermoe.planner.baselines import ep_a2a_time
+    from megatron_hetermoe.planner.cluster import Links, collective_time
+
+    moved = SEQ * 2 * cost.token_bytes()
+    want = collective_time(Links.for_ranks(em.cluster, [0, 1], cost.profiles), [[0.0, 0.0], [moved, 0.0]])
+    for seen in (hot, cold):
+        a2a = [(key, b) for key, b in seen if key[0] in TRANSFERS]
+        assert sorted(key[0] for key, _ in a2a) == sorted(TRANSFERS * 2)  # 2 layers
+        assert all(b == pytest.approx(want, rel=1e-9) for _, b in a2a), a2a
+    assert want > ep_a2a_time(cost, em.cluster, [0, 1], SEQ)
