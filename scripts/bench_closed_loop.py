@@ -217,7 +217,7 @@ def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int
         "predicted_gain_closed_loop_over_static": gain("closed loop", "static", "predicted_tokens_per_s"),
         "gain_static_over_megatron_ep": gain("static", "Megatron EP"),
         "gain_closed_loop_over_megatron_ep": gain("closed loop", "Megatron EP"),
-        "moves": moves, "experts_moved_vs_start": len(moved_total),
+        "moves": moves, "stays": list(cl_run["result"].stays), "experts_moved_vs_start": len(moved_total),
         "predicted_balanced_step_s": {n: runs[n]["predicted_balanced_step_s"] for n in ("static", "closed loop")},
         "emulation": {n: {k: v for k, v in runs[n]["emulation"].items() if k != "steps"} for n in runs},
         "wall_s": time.perf_counter() - t_start,
@@ -247,6 +247,8 @@ def run_bench(out_dir: str, steps: int, measure_steps: int, replan_interval: int
               f"in {m['seconds']:.3f} s on the CPU ranks (tiny widths; on the emulated cluster about "
               f"{m['emulated_estimate_s']:.2f} s); predicted s/step {m['predicted_s_now']:.4g} -> "
               f"{m['predicted_s_new']:.4g} ({m['reason']})")
+    for st in summary["stays"]:  # the decisions that did not move, with the rule's reason
+        print(f"stayed at iteration {st['iteration']}: {st['reason']}")
     if not moves:
         print("no move made")
     print(f"bench took {summary['wall_s']:.0f} s; {out / 'closed_loop.json'}")
