@@ -79,8 +79,7 @@ class PretrainMoves:
             role = _Role(unwrap(model[0]), self.hp.names, self.hp.schedules[0])
             self.replanner = Replanner(self.hp.hs, self.run, None, self.hp.loads, role, _Parts(optimizer),
                                        self._rebuild, self._pricing())
-        self.replanner.parts.optimizer = optimizer
-        self.replanner(iteration)
+        self.replanner(iteration)  # a move rebuilds the objects in place: train() keeps the same ones
 
     def _pricing(self):
         """planner/rebalance.run_pricing for this run's model, batch and GPUs (the model from the
@@ -91,11 +90,10 @@ class PretrainMoves:
         from megatron_hetermoe.errors import UserError
         from megatron_hetermoe.megatron_lm.auto_plan import padded_vocab
         from megatron_hetermoe.planner.megatron_flags import model_from_flags
-        from megatron_hetermoe.planner.profiles import known_gpu_types
-        from megatron_hetermoe.planner.rebalance import RebalanceConfig, run_pricing
+        from megatron_hetermoe.planner.rebalance import RebalanceConfig, run_pricing, simulator_prices
 
         plan, args = self.hp.plan, get_args()
-        if not set(plan.gpu_types) <= set(known_gpu_types()):
+        if not simulator_prices(plan.gpu_types):  # before reading the model from the flags
             return None
         flags = [t for t in self.hp.argv if not t.startswith("--hetero-")]
         vocab = padded_vocab(args)
@@ -119,6 +117,7 @@ class PretrainMoves:
         from megatron_hetermoe.megatron_lm.checkpoints import PLAN_ARG
         from megatron_hetermoe.models.builder import unwrap
         from megatron_hetermoe.shims.megatron_training import adopt_in_place
+        from megatron_hetermoe.training.expert_move import carry_loss_scale
         from megatron_hetermoe.training.hetero import carry_buffers
 
         hp, role = self.hp, self.replanner.role
@@ -128,15 +127,11 @@ class PretrainMoves:
         hp.plan = hp.hs.plan
         setattr(get_args(), PLAN_ARG, hp.plan.to_json())
         old_config = get_model_config(self.model[0])
-        scalers = [o.grad_scaler.state_dict() for o in _subs(self.optimizer)
-                   if getattr(o, "grad_scaler", None) is not None]
         chunks = hp.rebuild_model({n: st.param for n, st in kept.items()})
         module = unwrap(chunks[0])
         carry_buffers(role.module, module)  # a router's expert bias lives on attention ranks
         new = hp.rebuild_optimizer(chunks)
-        for o in _subs(new):
-            if scalers and getattr(o, "grad_scaler", None) is not None:
-                o.grad_scaler.load_state_dict(scalers[0])  # one loss scale for the world
+        carry_loss_scale(self.optimizer, new)
         adopt_in_place(self.optimizer, new)
         self.model[:] = chunks
         config = get_model_config(chunks[0])
@@ -147,10 +142,6 @@ class PretrainMoves:
         train = hp.rebuild_schedules()
         role.module, role.names, role.fwd_bwd = module, hp.names, train
         return _Rebuilt(module, hp.names, self.optimizer)
-
-
-def _subs(optimizer) -> list:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def replan_refusals(args, plan) -> list[str]:

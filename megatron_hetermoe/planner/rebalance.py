@@ -264,23 +264,32 @@ def propose_simulated(plan: HeteroPlan, tokens: list[list[float]], next_steps: i
                     f"simulated step {now:.3f} -> {new:.3f} s, saving {saving:.3g} s over {next_steps} steps")
 
 
+def simulator_prices(gpu_types: list[str]) -> bool:
+    """Whether a run on these GPU types has its live moves decided by the simulator (run_pricing):
+    every type has a shipped profile, and none is "cpu" (that profile's tables are the tiny
+    model's, and CPU ranks' measured seconds are the real thing: the measured-time rule decides)."""
+    from megatron_hetermoe.planner.profiles import known_gpu_types
+
+    types = set(gpu_types)
+    return "cpu" not in {t.lower() for t in types} and types <= set(known_gpu_types())
+
+
 def run_pricing(plan: HeteroPlan, model, seq_len: int, global_batch: int, distributed_optimizer: bool = False,
                 activation_checkpointing: bool = False, cfg: RebalanceConfig = RebalanceConfig()
                 ) -> Callable[[HeteroPlan, list[list[float]], int, Callable[[int], float]], Proposal] | None:
     """The live-move decision of a run on real GPUs: propose_simulated on the plan's own GPU types
     (the planner's shipped profiles, nodes of 8 GPUs of one type as `hetermoe plan --even` prices
     them) for the run's model (`model`: a config.ModelConfig) and batch, with the move cost the
-    Replanner gives (the last move's measured cost; before any, one step). None where a GPU type of
-    the plan has no shipped profile, and on CPU ranks (type "cpu": its profile's tables are the tiny
-    model's, and the ranks' measured seconds are the real thing there): the measured-time rule,
+    Replanner gives (the last move's measured cost; before any, one step). None where the
+    simulator does not price the plan's GPU types (simulator_prices): the measured-time rule,
     `propose`, decides."""
     from megatron_hetermoe.planner.cluster import Cluster
     from megatron_hetermoe.planner.cost_model import CostModel, TrainSettings
-    from megatron_hetermoe.planner.profiles import known_gpu_types, load_profiles
+    from megatron_hetermoe.planner.profiles import load_profiles
 
-    types = set(plan.gpu_types)
-    if "cpu" in {t.lower() for t in types} or not types <= set(known_gpu_types()):
+    if not simulator_prices(plan.gpu_types):
         return None
+    types = set(plan.gpu_types)
     settings = TrainSettings(seq_len, activation_checkpointing=activation_checkpointing,
                              expert_recompute=plan.expert_recompute, distributed_optimizer=distributed_optimizer)
     cost = CostModel(model.replace(seq_length=seq_len), load_profiles(types), settings)

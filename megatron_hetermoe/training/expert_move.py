@@ -76,6 +76,17 @@ def _subs(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def carry_loss_scale(old, new) -> None:
+    """The rebuilt Megatron optimizer `new` takes `old`'s loss scaler state (one loss scale for the
+    world: every sub-optimizer with a scaler gets the first one's)."""
+    scalers = [o.grad_scaler for o in _subs(old) if getattr(o, "grad_scaler", None) is not None]
+    if not scalers:
+        return
+    for o in _subs(new):
+        if getattr(o, "grad_scaler", None) is not None:
+            o.grad_scaler.load_state_dict(scalers[0].state_dict())
+
+
 def _main_params(sub) -> list[tuple[torch.Tensor, torch.Tensor | None, int, int, dict]]:
     """(model parameter, its main parameter (None: the model parameter itself), the flattened
     range the main parameter covers, the inner param group) for every parameter `sub` steps."""

@@ -265,6 +265,7 @@ def build_rank(cfg: TrainConfig, hooks: RunHooks, assembly: RoleAssembly, kernel
     )
     from megatron.core.utils import get_pg_rank
 
+    from megatron_hetermoe.training.expert_move import carry_loss_scale
     from megatron_hetermoe.training.step import build_optimizer
 
     hs, pools = assembly.hs, assembly.pools
@@ -294,11 +295,7 @@ def build_rank(cfg: TrainConfig, hooks: RunHooks, assembly: RoleAssembly, kernel
     scheduler.optimizer = optimizer
     if carry is not None:
         scheduler.load_state_dict(carry.scheduler.state_dict())
-        scalers = [o.grad_scaler for o in getattr(carry.optimizer, "chained_optimizers", [carry.optimizer])
-                   if getattr(o, "grad_scaler", None) is not None]
-        for o in getattr(optimizer, "chained_optimizers", [optimizer]):
-            if scalers and getattr(o, "grad_scaler", None) is not None:
-                o.grad_scaler.load_state_dict(scalers[0].state_dict())  # one loss scale for the world
+        carry_loss_scale(carry.optimizer, optimizer)
         guard.skipped, guard.iteration = carry.guard.skipped, carry.guard.iteration
     if hs.role == Role.ATTENTION:
         config.finalize_model_grads_func = lambda m, n=None, pg_collection=None, force_all_reduce=False: \
