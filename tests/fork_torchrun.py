@@ -16,8 +16,11 @@ code. The tests start one zygote per checkout and environment (tests/megatron_lm
 costs its ranks' work only. The zygote leaves when its parent (the test process) is gone.
 
 What differs from a fresh process: an import-time warning shows once (in the launcher), not once
-per rank. Nothing runs in the launcher but imports (no thread, no tensor op: fork must find the
-process idle). HETERMOE_TESTS_TORCHRUN=1 makes the tests use torch.distributed.run instead.
+per rank; a process a rank spawns with multiprocessing does not import the script, and
+megatron-core's torch_dist writer gets its results queue from a forked Manager made as the rank
+starts, not a spawned one at its first save (both: below). Nothing runs in the launcher but
+imports (no thread, no tensor op: fork must find the process idle). HETERMOE_TESTS_TORCHRUN=1
+makes the tests use torch.distributed.run instead.
 """
 from __future__ import annotations
 
@@ -69,6 +72,43 @@ def _die_with_parent() -> None:
         pass
 
 
+def _spawn_without_main() -> None:
+    """Processes this rank starts with multiprocessing's "spawn" do not import the script.
+
+    megatron-core's torch_dist writer starts a spawned Manager for its results queue at a rank's first
+    save (filesystem_async._get_write_results_queue). A spawned child imports the parent's __main__,
+    here pretrain_gpt.py and with it Megatron-LM's training side: ~9 s of a 4-rank run on 2 cores,
+    once per run that saves. The Manager's server needs nothing of the script (what it unpickles
+    comes from importable modules), so a missing attribute would fail loudly, never differ."""
+    import multiprocessing.spawn as mp_spawn
+
+    prepare = mp_spawn.get_preparation_data
+
+    def preparation_data(name):
+        data = prepare(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    mp_spawn.get_preparation_data = preparation_data
+
+
+def _warm_checkpoint_queue() -> None:
+    """megatron-core's results queue of the torch_dist writer, made before the script runs, from a
+    forked Manager (this rank is single-threaded here) instead of the spawned one its first save
+    starts: that one imports torch to unpickle the writers' results, ~4 s of a 4-rank run on 2 cores.
+    The same Manager queue; only how its server process starts differs."""
+    from multiprocessing import get_context
+    from multiprocessing.managers import SyncManager
+
+    mod = sys.modules.get("megatron.core.dist_checkpointing.strategies.filesystem_async")
+    if mod is None or getattr(mod, "_results_queue", False) is not None:
+        return  # another megatron-core than this harness knows: its own way
+    manager = SyncManager(ctx=get_context("fork"))
+    manager.start(_die_with_parent)  # shut down at the rank's exit (multiprocessing's finalizer), or with it
+    mod._results_queue = manager.Queue()
+
+
 def run_rank(rank: int, world: int, port: int, script: str, argv: list[str]) -> None:
     """In the forked child: torchrun's environment, the script as __main__, then SystemExit with its
     code (the interpreter's shutdown runs: non-daemon threads joined, atexit handlers)."""
@@ -80,6 +120,8 @@ def run_rank(rank: int, world: int, port: int, script: str, argv: list[str]) -> 
     sys.stdout.reconfigure(line_buffering=True)  # torchrun starts its ranks with python -u
     sys.stderr.reconfigure(line_buffering=True)
     sys.argv = [script, *argv]
+    _spawn_without_main()
+    _warm_checkpoint_queue()
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")
