@@ -217,11 +217,13 @@ EVAL = ["--eval-interval", "2", "--eval-iters", "1"]  # validation after iterati
 
 
 def hetero_run(work: Path, plan: Path, data_path: str, tb: Path, extra: tuple | list = (), nproc: int = 4,
-               data: tuple | list = DATA, evaluation: tuple | list = EVAL) -> tuple[str, dict[int, float]]:
-    """torchrun pretrain_gpt.py of `work` with the tiny recipe on CPU ranks, `--hetero-plan plan`, its
-    own --tensorboard-dir `tb`; returns (the log, Megatron's per-iteration lm loss). Fails with the
-    log's tail. `data`: the tokenizer flags of that release (DATA is core_v0.16.1's)."""
-    r = torchrun(work, nproc, [*MODEL, *BATCH, *data, *RECIPE, *CPU, "--data-path", data_path, "--log-interval", "1",
+               data: tuple | list = DATA, evaluation: tuple | list = EVAL,
+               recipe: tuple | list = RECIPE) -> tuple[str, dict[int, float]]:
+    """torchrun pretrain_gpt.py of `work` with the tiny model on CPU ranks (`recipe`: the plugin
+    trainer's recipe, or MEGATRON_DEFAULTS), `--hetero-plan plan`, its own --tensorboard-dir `tb`;
+    returns (the log, Megatron's per-iteration lm loss). Fails with the log's tail. `data`: the
+    tokenizer flags of that release (DATA is core_v0.16.1's)."""
+    r = torchrun(work, nproc, [*MODEL, *BATCH, *data, *recipe, *CPU, "--data-path", data_path, "--log-interval", "1",
                                *evaluation, "--hetero-plan", str(plan), "--tensorboard-dir", str(tb), *extra])
     log = r.stdout + r.stderr
     assert r.returncode == 0, failure(log)
@@ -454,27 +456,46 @@ def moves_live_and_resumes(work: Path, data_path: str, tmp_path: Path, data: tup
     assert [resumed[3], resumed[4]] == [still[3], still[4]]
 
 
-# The plugin trainer's forced moves (tests/integration/test_live_moves.py): from the sparse Asym-EA
-# plan to the even plan at iteration 2, on to each expert rank holding nothing in one layer at 4.
+# The plugin trainer's forced moves (tests/integration/test_live_moves.py) on its sparse Asym-EA
+# plan: to the even plan at iteration 2, on to each expert rank holding nothing in one layer at 4.
 FORCED_MOVES = {2: [{2: [0, 1], 3: [2, 3]}, {2: [0, 1], 3: [2, 3]}],
                 4: [{1: [1], 3: [0, 2, 3]}, {1: [2], 2: [0, 1, 3]}]}
 
 
+def moved_experts(plan, forced: dict) -> list[tuple[str, str]]:
+    """The (iteration, experts moved) pairs the live-move log lines name for `forced` moves of
+    group 0 from `plan`: the (layer, expert) pairs whose holder changes at each."""
+    out, at = [], [{e: r for r, es in pl.items() for e in es} for pl in plan.groups[0].placement]
+    for it in sorted(forced):
+        new = [{e: r for r, es in pl.items() for e in es} for pl in forced[it]]
+        out.append((str(it), str(sum(a[e] != b[e] for a, b in zip(at, new) for e in b))))
+        at = new
+    return out
+
+
 def forced_moves_change_no_loss(work: Path, data_path: str, tmp_path: Path, monkeypatch, schedule: str,
-                                flags: list[str], data: tuple | list = DATA) -> None:
-    """FORCED_MOVES in pretrain() (tests/forced_moves/sitecustomize.py makes the ranks' decisions):
-    6 losses bitwise those of the run without moves."""
+                                flags: list[str], data: tuple | list = DATA, plan=None, forced: dict | None = None,
+                                recipe: tuple | list = RECIPE, nproc: int = 4,
+                                same: tuple[str, ...] = ("lm loss",)) -> None:
+    """`forced` moves of group 0 (FORCED_MOVES on the sparse Asym-EA plan by default) in pretrain()
+    (tests/forced_moves/sitecustomize.py makes the ranks' decisions): 6 iterations' tensorboard
+    scalars `same` (lm loss; the loss scale too where it is dynamic) bitwise those of the run
+    without moves."""
     from shared_plans import sparse_asym_ea_plan
 
     tmp_path.mkdir(parents=True, exist_ok=True)
-    plan = tmp_path / "plan.json"
-    sparse_asym_ea_plan(schedule).save(plan)
+    plan = sparse_asym_ea_plan(schedule) if plan is None else plan
+    forced = FORCED_MOVES if forced is None else forced
+    path = tmp_path / "plan.json"
+    plan.save(path)
     six = ["--train-iters", "6", *flags]
-    _, still = hetero_run(work, plan, data_path, tmp_path / "still", six, data=data, evaluation=NO_EVAL)
+    _, still = hetero_run(work, path, data_path, tmp_path / "still", six, nproc, data, NO_EVAL, recipe)
     monkeypatch.setenv("PYTHONPATH", str(ROOT / "tests" / "forced_moves"))
-    monkeypatch.setenv("HETERMOE_TEST_FORCED_MOVES", json.dumps(FORCED_MOVES))
-    log, moved = hetero_run(work, plan, data_path, tmp_path / "moved", [*six, "--hetero-replan-interval", "1"],
-                            data=data, evaluation=NO_EVAL)
-    assert re.findall(r" live move at iteration (\d+): (\d+) expert", log) == [("2", "4"), ("4", "4")], log[-3000:]
+    monkeypatch.setenv("HETERMOE_TEST_FORCED_MOVES", json.dumps(forced))
+    log, moved = hetero_run(work, path, data_path, tmp_path / "moved", [*six, "--hetero-replan-interval", "1"],
+                            nproc, data, NO_EVAL, recipe)
+    assert re.findall(r" live move at iteration (\d+): (\d+) expert", log) == moved_experts(plan, forced), log[-3000:]
     assert sorted(moved) == [1, 2, 3, 4, 5, 6]
     assert moved == still  # bitwise
+    for tag in same:
+        assert tb_losses(tmp_path / "moved", tag) == tb_losses(tmp_path / "still", tag), tag

@@ -24,6 +24,7 @@ from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.shims import distrib_optimizer, megatron_training, parallel_state, torch_distributed
 from megatron_hetermoe.training.assembly import RoleAssembly
+from megatron_hetermoe.training.expert_move import rebuild_config
 from megatron_hetermoe.training.validation import (
     check_hetero_pp,
     check_hetero_split,
@@ -276,7 +277,7 @@ class HeteroPretrain:
             gpt["mtp_block_spec"] = get_gpt_mtp_block_spec(config, block.layer_specs[-1], use_transformer_engine=use_te,
                                                            vp_stage=vp_stage)
         if self._init_state is not None:  # a live move: every parameter comes from the moved states
-            config = dataclasses.replace(config, perform_initialization=False)
+            config = rebuild_config(config)
         module, self.names = self.assembly.module(config, block, args.seed, gpt, self._init_state, vp_stage=vp_stage)
         return module
 

@@ -76,6 +76,26 @@ def _subs(optimizer) -> list:
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+def _as_allocated(tensor: torch.Tensor) -> torch.Tensor:
+    """An init method that draws nothing: the tensor stays as allocated."""
+    return tensor
+
+
+def rebuild_config(config):
+    """The model config a live move builds a rank's module with. Every parameter then comes from the
+    moved states, so no random initialization is needed (most of a rebuild's time), but Megatron's
+    initialization must still run: its parallel layers set a weight's tensor-parallel attributes
+    (`tensor_model_parallel`, `partition_dim`) only there, and without them the gradient norm
+    takes a TP rank's shards for duplicates of rank 0's and leaves them out. So the init methods
+    are ones that draw nothing (nor touch the RNG), instead of perform_initialization=False."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(config)}
+    kept = {n: _as_allocated for n in ("init_method", "output_layer_init_method", "embedding_init_method")
+            if n in names}
+    return dataclasses.replace(config, perform_initialization=True, **kept)
+
+
 def carry_loss_scale(old, new) -> None:
     """The rebuilt Megatron optimizer `new` takes `old`'s loss scaler state (one loss scale for the
     world: every sub-optimizer with a scaler gets the first one's)."""

@@ -265,7 +265,7 @@ def build_rank(cfg: TrainConfig, hooks: RunHooks, assembly: RoleAssembly, kernel
     )
     from megatron.core.utils import get_pg_rank
 
-    from megatron_hetermoe.training.expert_move import carry_loss_scale
+    from megatron_hetermoe.training.expert_move import carry_loss_scale, rebuild_config
     from megatron_hetermoe.training.step import build_optimizer
 
     hs, pools = assembly.hs, assembly.pools
@@ -274,9 +274,8 @@ def build_rank(cfg: TrainConfig, hooks: RunHooks, assembly: RoleAssembly, kernel
     config = model_config(transformer_config(cfg.model, ParallelConfig(), precision, kernels=kernels.name,
                                              fusions=fusions, deterministic_mode=cfg.deterministic), hs)
     spec = block_spec(cfg.model, kernels.name, config, get_pg_rank(pgc.pp), hs.device)
-    # A live move loads every parameter from the moved states: Megatron's random init would only
-    # be overwritten (most of a rebuild's time).
-    built = dataclasses.replace(config, perform_initialization=False) if carry is not None else config
+    # A live move loads every parameter from the moved states: no random init (expert_move.rebuild_config).
+    built = rebuild_config(config) if carry is not None else config
     module, names = assembly.module(built, spec, cfg.seed, gpt_kwargs(cfg.model), init_state)
     if carry is not None:
         config = built

@@ -88,6 +88,23 @@ def test_forced_moves_change_no_loss(tiny, tmp_path, case, monkeypatch):
     assert resharded.losses == static.losses[4:]
 
 
+def test_forced_moves_with_attention_tensor_parallelism(tiny):
+    """Zebra with the attention pool one TP 2 pair (ranks 0, 1; sequence parallel): moves at 2 and 4
+    between the expert ranks, each holding nothing in one layer after 4. Losses and gradient norms
+    bitwise the unmoved run's: the rebuilt TP shards keep Megatron's tensor-parallel attributes,
+    without which the norm drops TP rank 1's shards (training/expert_move.rebuild_config)."""
+    plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=4, schedule="zebra", attention_tp=2)
+    forced = {2: [{2: [0, 1, 2], 3: [3]}, {2: [0], 3: [1, 2, 3]}], 4: [{3: [0, 1, 2, 3]}, {2: [0, 1, 2, 3]}]}
+    cfg = TrainConfig(tiny, ParallelConfig(tp=2, sequence_parallel=True), micro_batch_size=1, global_batch_size=4,
+                      quiet=True, train_iters=STEPS)
+    static = run(cfg, 4, plan=plan, hetero=HeteroRunConfig(schedule="zebra"))
+    moved = run(cfg, 4, plan=plan, hetero=HeteroRunConfig(schedule="zebra", replan_interval=1),
+                hooks=RunHooks(replan=lambda it, p: None if it not in forced else with_placement(p, forced[it])))
+    assert [(m["iteration"], m["experts"]) for m in moved.moves] == [(2, 2), (4, 6)], moved.moves
+    assert moved.losses == static.losses  # bitwise
+    assert moved.grad_norms == static.grad_norms
+
+
 def test_load_rule_splits_a_planted_hot_pair(tiny):
     """Every token prefers experts 0 and 1 (top-2: they get all of them), both on expert rank 2:
     the rule (margin 0) moves one of them to expert rank 3 in every layer after the first

@@ -6,7 +6,9 @@ on its own in the first test (DistEP, each layer's experts all on one expert ran
 expert ranks' measured seconds); the others force the plugin trainer's test moves
 (tests/integration/test_live_moves.py) through tests/forced_moves/sitecustomize.py: from the
 sparse Asym-EA plan to the even plan at iteration 2 (attention rank 1 loses its experts and its
-expert sub-optimizer) and on to a plan where each expert rank holds nothing in one layer at 4.
+expert sub-optimizer) and on to a plan where each expert rank holds nothing in one layer at 4,
+also under Megatron's model defaults with fp16's dynamic loss scale; others force moves with
+pipeline stages and with attention tensor parallelism.
 core_v0.19.0: test_megatron_lm_v019.py runs the same helpers (megatron_lm_run.py)."""
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from megatron_lm_run import (
     BATCH,
     CPU,
     DATA,
+    MEGATRON_DEFAULTS,
     MODEL,
     NO_EVAL,
     PRECISIONS,
@@ -25,6 +28,9 @@ from megatron_lm_run import (
     moves_live_and_resumes,
     torchrun,
 )
+
+PP = ["--pipeline-model-parallel-size", "2"]
+TP = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-tensor-parallel-size", "1"]
 
 
 @pytest.mark.slow
@@ -60,6 +66,45 @@ CASES = {"zebra fp32": ("zebra", []),
 def test_pretrain_forced_moves_change_no_loss(mlm, data, tmp_path, monkeypatch, case):
     schedule, flags = CASES[case]
     forced_moves_change_no_loss(mlm, data, tmp_path, monkeypatch, schedule, flags)
+
+
+@pytest.mark.slow
+def test_pretrain_forced_moves_keep_fp16s_dynamic_scale_with_megatrons_defaults(mlm, data, tmp_path, monkeypatch):
+    """The sparse Asym-EA moves under Megatron's own model defaults (learned-absolute positions,
+    GeLU, LayerNorm, tied embeddings, biased linears) and fp16's dynamic loss scale, which doubles
+    after every 3 iterations without overflow: the moves come after iterations 2 and 4, mid-window,
+    so a scaler restarted by the move would double at another iteration. Losses and the logged
+    loss scale are bitwise the unmoved run's."""
+    fp16 = ["--fp16", "--initial-loss-scale", "4096", "--loss-scale-window", "3"]
+    forced_moves_change_no_loss(mlm, data, tmp_path, monkeypatch, "zebra", fp16, recipe=MEGATRON_DEFAULTS,
+                                same=("lm loss", "loss-scale"))
+
+
+@pytest.mark.slow
+def test_pretrain_forced_moves_with_pipeline_stages(mlm, data, tmp_path, monkeypatch):
+    """DistEP on 2 pipeline stages of 1 attention + 2 expert ranks (stage 0: ranks 0 | 1, 2; stage 1:
+    3 | 4, 5): each stage's experts move between its own expert ranks, at 4 so that rank 1 holds
+    nothing in layer 0 and rank 5 nothing in layer 1; losses bitwise the unmoved run's."""
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+
+    plan = even_plan(2, 4, 1, 2, groups=1, num_microbatches=4, pipeline_stages=2, schedule="distep")
+    assert plan.groups[0].placement == [{1: [0, 1], 2: [2, 3]}, {4: [0, 1], 5: [2, 3]}]
+    forced = {2: [{1: [0, 1, 2], 2: [3]}, {4: [0], 5: [1, 2, 3]}], 4: [{2: [0, 1, 2, 3]}, {4: [0, 1, 2, 3]}]}
+    forced_moves_change_no_loss(mlm, data, tmp_path, monkeypatch, "distep", PP, plan=plan, forced=forced, nproc=6)
+
+
+@pytest.mark.slow
+def test_pretrain_forced_moves_with_attention_tensor_parallelism(mlm, data, tmp_path, monkeypatch):
+    """Zebra with the attention pool one TP 2 pair (ranks 0, 1; sequence parallel) and expert ranks
+    2, 3: moves at 2 and 4, each expert rank holding nothing in one layer after 4; losses and
+    gradient norms bitwise the unmoved run's (a rebuild without Megatron's tensor-parallel
+    attributes left TP rank 1's shards out of the norm: training/expert_move.rebuild_config)."""
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+
+    plan = even_plan(2, 4, 2, 2, groups=1, num_microbatches=4, schedule="zebra", attention_tp=2)
+    forced = {2: [{2: [0, 1, 2], 3: [3]}, {2: [0], 3: [1, 2, 3]}], 4: [{3: [0, 1, 2, 3]}, {2: [0, 1, 2, 3]}]}
+    forced_moves_change_no_loss(mlm, data, tmp_path, monkeypatch, "zebra", TP, plan=plan, forced=forced,
+                                same=("lm loss", "grad-norm"))
 
 
 @pytest.mark.slow
