@@ -215,7 +215,8 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         return TrainResult(
             losses=res.losses, step_times=res.step_times, start_iteration=res.start_iteration, num_microbatches=nmb,
             dp=plan.num_attention_members, skipped=guard.skipped, loss_scales=res.loss_scales,
-            overflow_skipped=res.overflow_skipped, param_dtypes=sorted({str(p.dtype) for p in module.parameters()}),
+            overflow_skipped=res.overflow_skipped, grad_norms=res.grad_norms,
+            param_dtypes=sorted({str(p.dtype) for p in module.parameters()}),
             kernels=kernels.name, kernels_reason=kernels.reason,
             busy_s=last_step_busy(recorder, cfg.train_iters - 1, hs.world_group), emulation=emulation,
             peak_gpu_mib=gpu, params=params, grads=role.grads, schedule=schedule,

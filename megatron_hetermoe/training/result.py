@@ -18,6 +18,7 @@ class TrainResult:
     kernels: str  # models.builder.choose_kernels' choice
     kernels_reason: str
     busy_s: list  # seconds each rank spent in compute during the last step
+    grad_norms: list = field(default_factory=list)  # the grad norm each step was clipped by (None: skipped)
     emulation: dict | None = None  # the emulation clock's report (an --emulate run)
     peak_gpu_mib: list[tuple[str, float]] | None = None  # [(role, MiB)] per rank; CUDA ranks only
     # RunHooks.collect_grads: canonical parameters at the end, and every step's gradients.
@@ -31,7 +32,6 @@ class TrainResult:
     # Megatron EP only (collect_grads): the canonical parameters before every step.
     step_params: list[dict] = field(default_factory=list)
     initial_params: dict | None = None
-    grad_norms: list = field(default_factory=list)  # Megatron's optimizer's grad norm per step (None: skipped)
     # This rank's routers' aux-loss-free expert bias at the end (canonical name -> one value per
     # expert; models.builder.router_expert_bias): empty without it, and on HeterMoE's expert ranks.
     router_expert_bias: dict = field(default_factory=dict)

@@ -16,6 +16,7 @@ import dataclasses
 import json
 
 import pytest
+from margins import within
 from shared_plans import sparse_asym_ea_plan
 
 from megatron_hetermoe.checkpoint.format import MANIFEST, iter_dir_name
@@ -90,9 +91,10 @@ def test_forced_moves_change_no_loss(tiny, tmp_path, case, monkeypatch):
 
 def test_forced_moves_with_attention_tensor_parallelism(tiny):
     """Zebra with the attention pool one TP 2 pair (ranks 0, 1; sequence parallel): moves at 2 and 4
-    between the expert ranks, each holding nothing in one layer after 4. Losses and gradient norms
-    bitwise the unmoved run's: the rebuilt TP shards keep Megatron's tensor-parallel attributes,
-    without which the norm drops TP rank 1's shards (training/expert_move.rebuild_config)."""
+    between the expert ranks, each holding nothing in one layer after 4. Losses bitwise the unmoved
+    run's (clipped by the norm) and gradient norms within rel 1e-5: the rebuilt TP shards keep
+    Megatron's tensor-parallel attributes, without which the norm drops TP rank 1's shards
+    (training/expert_move.rebuild_config)."""
     plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=4, schedule="zebra", attention_tp=2)
     forced = {2: [{2: [0, 1, 2], 3: [3]}, {2: [0], 3: [1, 2, 3]}], 4: [{3: [0, 1, 2, 3]}, {2: [0, 1, 2, 3]}]}
     cfg = TrainConfig(tiny, ParallelConfig(tp=2, sequence_parallel=True), micro_batch_size=1, global_batch_size=4,
@@ -101,8 +103,11 @@ def test_forced_moves_with_attention_tensor_parallelism(tiny):
     moved = run(cfg, 4, plan=plan, hetero=HeteroRunConfig(schedule="zebra", replan_interval=1),
                 hooks=RunHooks(replan=lambda it, p: None if it not in forced else with_placement(p, forced[it])))
     assert [(m["iteration"], m["experts"]) for m in moved.moves] == [(2, 2), (4, 6)], moved.moves
-    assert moved.losses == static.losses  # bitwise
-    assert moved.grad_norms == static.grad_norms
+    assert moved.losses == static.losses  # bitwise (under ATEN_CPU_CAPABILITY default, avx2 and avx512)
+    # A move regroups the norm's partial sums, so its last bits may differ: within rel 1e-5 (the bug: 10 %).
+    assert len(static.grad_norms) == STEPS and all(n is not None and n > 0 for n in static.grad_norms)
+    within("grad norm moved vs unmoved (relative)",
+           max(abs(a - b) / b for a, b in zip(moved.grad_norms, static.grad_norms)), 1e-5)
 
 
 def test_load_rule_splits_a_planted_hot_pair(tiny):
