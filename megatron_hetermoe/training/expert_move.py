@@ -84,10 +84,11 @@ def _as_allocated(tensor: torch.Tensor) -> torch.Tensor:
 def rebuild_config(config):
     """The model config a live move builds a rank's module with. Every parameter then comes from the
     moved states, so no random initialization is needed (most of a rebuild's time), but Megatron's
-    initialization must still run: its parallel layers set a weight's tensor-parallel attributes
-    (`tensor_model_parallel`, `partition_dim`) only there, and without them the gradient norm
-    takes a TP rank's shards for duplicates of rank 0's and leaves them out. So the init methods
-    are ones that draw nothing (nor touch the RNG), instead of perform_initialization=False."""
+    initialization must still run: megatron-core 0.16's parallel layers set a weight's
+    tensor-parallel attributes (`tensor_model_parallel`, `partition_dim`) only there (0.19 sets
+    them either way), and without them the gradient norm takes a TP rank's shards for duplicates
+    of rank 0's and leaves them out. So the init methods are ones that draw nothing (nor touch the
+    RNG), instead of perform_initialization=False."""
     import dataclasses
 
     names = {f.name for f in dataclasses.fields(config)}
