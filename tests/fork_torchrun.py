@@ -16,10 +16,10 @@ code. The tests start one zygote per checkout and environment (tests/megatron_lm
 costs its ranks' work only. The zygote leaves when its parent (the test process) is gone.
 
 What differs from a fresh process: an import-time warning shows once (in the launcher), not once
-per rank; a process a rank spawns with multiprocessing does not import the script, and
-megatron-core's torch_dist writer gets its results queue from a forked Manager made as the rank
-starts, not a spawned one at its first save (both: below). Nothing runs in the launcher but
-imports (no thread, no tensor op: fork must find the process idle). HETERMOE_TESTS_TORCHRUN=1
+per rank; a process a rank spawns with multiprocessing does not import the script, and in a run
+with --save megatron-core's torch_dist writer gets its results queue from a forked Manager made as
+the rank starts, not a spawned one at its first save (both: below). Nothing runs in the launcher
+but imports (no thread, no tensor op: fork must find the process idle). HETERMOE_TESTS_TORCHRUN=1
 makes the tests use torch.distributed.run instead.
 """
 from __future__ import annotations
@@ -121,7 +121,8 @@ def run_rank(rank: int, world: int, port: int, script: str, argv: list[str]) -> 
     sys.stderr.reconfigure(line_buffering=True)
     sys.argv = [script, *argv]
     _spawn_without_main()
-    _warm_checkpoint_queue()
+    if "--save" in argv:  # only a run that saves writes checkpoints through that queue
+        _warm_checkpoint_queue()
     code = 0
     try:
         runpy.run_path(script, run_name="__main__")

@@ -476,10 +476,10 @@ def moved_experts(plan, forced: dict) -> list[tuple[str, str]]:
 def forced_moves_change_no_loss(work: Path, data_path: str, tmp_path: Path, monkeypatch, schedule: str,
                                 flags: list[str], data: tuple | list = DATA, plan=None, forced: dict | None = None,
                                 recipe: tuple | list = RECIPE, nproc: int = 4,
-                                same: tuple[str, ...] = ("lm loss",), near: tuple[str, ...] = ()) -> None:
+                                same: tuple[str, ...] = (), near: tuple[str, ...] = ()) -> None:
     """`forced` moves of group 0 (FORCED_MOVES on the sparse Asym-EA plan by default) in pretrain()
-    (tests/forced_moves/sitecustomize.py makes the ranks' decisions): 6 iterations' tensorboard
-    scalars `same` (lm loss; the loss scale too where it is dynamic) bitwise those of the run
+    (tests/forced_moves/sitecustomize.py makes the ranks' decisions): 6 iterations' lm loss, and the
+    tensorboard scalars `same` (the loss scale where it is dynamic), bitwise those of the run
     without moves, and `near` within rel 1e-5 (the gradient norm: a move regroups the ranks'
     partial sums of squares, so its last bits may differ; measured 0 to 6e-8)."""
     from margins import within

@@ -23,3 +23,13 @@ def sparse_asym_ea_plan(schedule: str = "zebra") -> HeteroPlan:
     when it moves more than E-N experts of a layer)."""
     g = ZPGroup([0, 1], [2, 3], [{1: [0], 2: [1, 2], 3: [3]}, {1: [3], 2: [0, 1, 2]}])
     return HeteroPlan(2, 4, ["cpu"] * 4, [g], num_microbatches=2, schedule=schedule)
+
+
+def attention_tp_pair_moves(schedule: str = "zebra") -> tuple[HeteroPlan, dict]:
+    """For the tiny model: the attention pool one TP 2 pair (ranks 0, 1) and expert ranks 2, 3, R=4,
+    and the live moves both hostings' tests force on it ({iteration: group 0's placement per
+    layer}): one expert each way at 2; at 4, each expert rank holds nothing in one layer."""
+    from megatron_hetermoe.plan.hetero_plan import even_plan
+
+    plan = even_plan(2, 4, 2, 2, groups=1, num_microbatches=4, schedule=schedule, attention_tp=2)
+    return plan, {2: [{2: [0, 1, 2], 3: [3]}, {2: [0], 3: [1, 2, 3]}], 4: [{3: [0, 1, 2, 3]}, {2: [0, 1, 2, 3]}]}

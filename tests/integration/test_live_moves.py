@@ -17,7 +17,7 @@ import json
 
 import pytest
 from margins import within
-from shared_plans import sparse_asym_ea_plan
+from shared_plans import attention_tp_pair_moves, sparse_asym_ea_plan
 
 from megatron_hetermoe.checkpoint.format import MANIFEST, iter_dir_name
 from megatron_hetermoe.config import HeteroRunConfig, ParallelConfig, TrainConfig
@@ -36,9 +36,15 @@ SPARSE = [{1: [1], 3: [0, 2, 3]}, {1: [2], 2: [0, 1, 3]}]
 FORCED = {2: EVEN, 4: SPARSE}
 
 
-def _forced(iteration: int, plan: HeteroPlan) -> HeteroPlan | None:
-    pl = FORCED.get(iteration)
-    return None if pl is None else with_placement(plan, pl)
+def _forcing(moves: dict):
+    """A RunHooks.replan that moves to `moves[iteration]` (group 0's placement per layer) and stays otherwise."""
+    def forced(iteration: int, plan: HeteroPlan) -> HeteroPlan | None:
+        pl = moves.get(iteration)
+        return None if pl is None else with_placement(plan, pl)
+    return forced
+
+
+_forced = _forcing(FORCED)
 
 
 def _cfg(tiny, **kw) -> TrainConfig:
@@ -95,13 +101,12 @@ def test_forced_moves_with_attention_tensor_parallelism(tiny):
     run's (clipped by the norm) and gradient norms within rel 1e-5: the rebuilt TP shards keep
     Megatron's tensor-parallel attributes, without which the norm drops TP rank 1's shards
     (training/expert_move.rebuild_config)."""
-    plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=4, schedule="zebra", attention_tp=2)
-    forced = {2: [{2: [0, 1, 2], 3: [3]}, {2: [0], 3: [1, 2, 3]}], 4: [{3: [0, 1, 2, 3]}, {2: [0, 1, 2, 3]}]}
+    plan, forced = attention_tp_pair_moves()
     cfg = TrainConfig(tiny, ParallelConfig(tp=2, sequence_parallel=True), micro_batch_size=1, global_batch_size=4,
                       quiet=True, train_iters=STEPS)
     static = run(cfg, 4, plan=plan, hetero=HeteroRunConfig(schedule="zebra"))
     moved = run(cfg, 4, plan=plan, hetero=HeteroRunConfig(schedule="zebra", replan_interval=1),
-                hooks=RunHooks(replan=lambda it, p: None if it not in forced else with_placement(p, forced[it])))
+                hooks=RunHooks(replan=_forcing(forced)))
     assert [(m["iteration"], m["experts"]) for m in moved.moves] == [(2, 2), (4, 6)], moved.moves
     assert moved.losses == static.losses  # bitwise (under ATEN_CPU_CAPABILITY default, avx2 and avx512)
     # A move regroups the norm's partial sums, so its last bits may differ: within rel 1e-5 (the bug: 10 %).
