@@ -476,13 +476,12 @@ def moved_experts(plan, forced: dict) -> list[tuple[str, str]]:
 def forced_moves_change_no_loss(work: Path, data_path: str, tmp_path: Path, monkeypatch, schedule: str,
                                 flags: list[str], data: tuple | list = DATA, plan=None, forced: dict | None = None,
                                 recipe: tuple | list = RECIPE, nproc: int = 4,
-                                same: tuple[str, ...] = (), near: tuple[str, ...] = ()) -> None:
+                                same: tuple[str, ...] = ()) -> None:
     """`forced` moves of group 0 (FORCED_MOVES on the sparse Asym-EA plan by default) in pretrain()
-    (tests/forced_moves/sitecustomize.py makes the ranks' decisions): 6 iterations' lm loss, and the
-    tensorboard scalars `same` (the loss scale where it is dynamic), bitwise those of the run
-    without moves, and `near` within rel 1e-5 (the gradient norm: a move regroups the ranks'
-    partial sums of squares, so its last bits may differ; measured 0 to 6e-8)."""
-    from margins import within
+    (tests/forced_moves/sitecustomize.py makes the ranks' decisions): 6 iterations' lm loss and
+    gradient norm (what clipping, on at Megatron's default 1.0 unless `flags` say otherwise,
+    divides by), and the tensorboard scalars `same` (the loss scale where it is dynamic), bitwise
+    those of the run without moves."""
     from shared_plans import sparse_asym_ea_plan
 
     tmp_path.mkdir(parents=True, exist_ok=True)
@@ -499,9 +498,6 @@ def forced_moves_change_no_loss(work: Path, data_path: str, tmp_path: Path, monk
     assert re.findall(r" live move at iteration (\d+): (\d+) expert", log) == moved_experts(plan, forced), log[-3000:]
     assert sorted(moved) == [1, 2, 3, 4, 5, 6]
     assert moved == still  # bitwise
-    for tag in same:
-        assert tb_losses(tmp_path / "moved", tag) == tb_losses(tmp_path / "still", tag), tag
-    for tag in near:
+    for tag in ("grad-norm", *same):
         a, b = tb_losses(tmp_path / "moved", tag), tb_losses(tmp_path / "still", tag)
-        assert sorted(a) == sorted(b), tag
-        within(f"{tag} moved vs unmoved (relative)", max(abs(a[i] - b[i]) / abs(b[i]) for i in b), 1e-5)
+        assert sorted(b) == [1, 2, 3, 4, 5, 6] and a == b, (tag, a, b)

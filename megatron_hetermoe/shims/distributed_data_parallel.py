@@ -7,18 +7,25 @@ from typing import Callable, Iterator
 
 
 @contextlib.contextmanager
-def param_sync_deferred(chunks: list) -> Iterator[None]:
-    """For the block, each chunk's `start_param_sync()` does nothing; after it, the class's method
-    again. Why: the distributed optimizer all-gathers the parameters after each of its
-    sub-optimizers steps, and ranks of one data-parallel group may hold different numbers of
-    them (training/assembly.py _one_param_sync runs the sync once, after all stepped)."""
+def param_sync_deferred(chunks: list, optimizers: list) -> Iterator[None]:
+    """For the block, each chunk's `start_param_sync()` does nothing (megatron-core 0.16's
+    distributed optimizer calls it after its step) and each of `optimizers` has megatron-core
+    0.19's `_defer_param_sync` set (0.19's syncs its own bucket groups unless it is; 0.16 never
+    reads it); after it, the class's method and no deferral again. Why: the distributed optimizer
+    all-gathers the parameters after each of its sub-optimizers steps, and ranks of one
+    data-parallel group may hold different numbers of them (training/assembly.py _one_param_sync
+    runs the sync once, after all stepped)."""
     for c in chunks:
         c.start_param_sync = lambda *a, **k: None
+    for o in optimizers:
+        o._defer_param_sync = True
     try:
         yield
     finally:
         for c in chunks:
             del c.start_param_sync  # the class's method again
+        for o in optimizers:
+            o._defer_param_sync = False
 
 
 def before_finish_grad_sync(chunk, before: Callable[[], None]) -> None:

@@ -28,11 +28,13 @@ def replace_count_zeros(optimizer, count_zeros: Callable[[], float]) -> None:
     optimizer.count_zeros = count_zeros
 
 
-def no_grads_for_grad_norm(optimizer) -> None:
-    """`optimizer.get_main_grads_for_grad_norm()` returns no gradients: this sub-optimizer's
-    gradients are counted in the world's norm by another rank (training/world_stats.py
-    counts_here), and Megatron's norm reduces over the grad-stats group all the same."""
-    optimizer.get_main_grads_for_grad_norm = list
+def replace_grad_norm(optimizer, norm: Callable[[str | None], float]) -> None:
+    """A ChainedOptimizer's gradient norms (the one its step clips by; on megatron-core 0.19 also a
+    separate grad-norm group's, `_get_grad_norm_for_group`) come from `norm(group)` instead. Why:
+    Megatron's norm reduces partial sums whose grouping follows where the experts sit; HeterMoE's
+    (training/world_stats.py world_grad_norm) does not, so moving experts leaves it bitwise equal."""
+    optimizer.get_grad_norm = lambda: norm(None)
+    optimizer._get_grad_norm_for_group = norm
 
 
 def replace_state_dict_io(optimizer, sharded_state_dict: Callable, load_state_dict: Callable) -> None:

@@ -38,6 +38,9 @@ GRAD_TOL = 1e-5
 # matrix; reported, with their own bounds.
 FREE_RUN_PARAM_TOL = 1e-2
 FREE_RUN_LOSS_TOL = 1e-5
+# The gradient norm clipping divides by, at identical parameters (Megatron's over its ranks vs
+# HeterMoE's canonical per-parameter sum, world_stats.world_grad_norm): MEASURED_NORM below.
+GRAD_NORM_TOL = 1e-6
 CATEGORIES = ("embedding/output", "attention", "router", "experts")
 
 
@@ -111,11 +114,14 @@ class ParityReport:
     worst_tensor_grad_diff: tuple[str, float]  # diagnostic, against the tensor's own scale
     max_rel_param_diff_free_run: float | None
     max_rel_loss_diff_free_run: float | None
+    max_rel_grad_norm_diff: float  # each step's gradient norm (what clipping divides by)
 
     def ok(self, loss_tol: float = LOSS_TOL, grad_tol: float = GRAD_TOL,
-           free_run_tol: float = FREE_RUN_PARAM_TOL, free_run_loss_tol: float = FREE_RUN_LOSS_TOL) -> bool:
+           free_run_tol: float = FREE_RUN_PARAM_TOL, free_run_loss_tol: float = FREE_RUN_LOSS_TOL,
+           grad_norm_tol: float = GRAD_NORM_TOL) -> bool:
         free, free_loss = self.max_rel_param_diff_free_run, self.max_rel_loss_diff_free_run
         return (self.max_rel_loss_diff <= loss_tol and self.max_rel_grad_diff <= grad_tol
+                and self.max_rel_grad_norm_diff <= grad_norm_tol
                 and (free is None or free <= free_run_tol)
                 and (free_loss is None or free_loss <= free_run_loss_tol))
 
@@ -173,8 +179,11 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
                   hooks=RunHooks(init_state=ref.initial_params, collect_grads=True))
         free = max(diff_by_category(got.params, ref.params).values())
         free_loss = max_rel_loss_diff(got.losses, ref.losses)
+    if len(het.grad_norms) != len(ref.grad_norms) or None in het.grad_norms + ref.grad_norms:
+        raise RuntimeError(f"gradient norms missing: HeterMoE {het.grad_norms}, Megatron EP {ref.grad_norms}")
+    norm = max(abs(h - r) / r for h, r in zip(het.grad_norms, ref.grad_norms))
     return ParityReport(ref.losses, het.losses, max_rel_loss_diff(het.losses, ref.losses),
-                        max(by_cat.values()), by_cat, by_step, worst, free, free_loss)
+                        max(by_cat.values()), by_cat, by_step, worst, free, free_loss, norm)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -215,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(bound {a.free_run_tol:.0e}), losses max rel diff {r.max_rel_loss_diff_free_run:.2e} "
                   f"(bound {a.free_run_loss_tol:.0e})")
         print(f"{'PASS' if ok else 'FAIL'} max_rel_loss_diff={r.max_rel_loss_diff:.3e} "
-              f"max_rel_grad_diff={r.max_rel_grad_diff:.3e}")
+              f"max_rel_grad_diff={r.max_rel_grad_diff:.3e} max_rel_grad_norm_diff={r.max_rel_grad_norm_diff:.3e} "
+              f"(bound {GRAD_NORM_TOL:.0e})")
     return 0 if ok else 1
 
 

@@ -20,7 +20,7 @@ import torch
 from megatron_hetermoe.config import HeteroRunConfig, PoolPrecision
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.shims import distributed_data_parallel, megatron_optimizer
-from megatron_hetermoe.training.world_stats import counts_here, world_count_zeros
+from megatron_hetermoe.training.world_stats import world_count_zeros, world_grad_norm
 from megatron_hetermoe.vocabulary import Role
 
 
@@ -72,7 +72,7 @@ def _grad_norm_groups_once(optimizer, hs: HeteroParallelState) -> None:
             opt._has_grad_norm_group_cache[group] = bool(flag.item())
 
 
-def _one_param_sync(optimizer, chunks: list) -> None:
+def _one_param_sync(optimizer, distributed: list) -> None:
     """Megatron's distributed optimizer all-gathers every bucket of the model (dense and expert)
     after each of its sub-optimizers steps, so a rank syncs its parameters once per
     sub-optimizer. HeterMoE ranks of one data-parallel group may hold different numbers of them
@@ -80,9 +80,10 @@ def _one_param_sync(optimizer, chunks: list) -> None:
     one only): their all-gathers over the attention DP group would not pair up. So the step's
     all-gathers run once, after every sub-optimizer stepped (the same parameters at the end)."""
     step = optimizer.step_with_ready_grads
+    chunks = distributed[0].model_chunks
 
     def stepped() -> bool:
-        with distributed_data_parallel.param_sync_deferred(chunks):
+        with distributed_data_parallel.param_sync_deferred(chunks, distributed):
             ok = step()
         for c in chunks:
             c.start_param_sync()
@@ -174,14 +175,16 @@ class RoleAssembly:
             local = tp_shards.shard_local_state(module, local, self.hs.megatron_group("tp"), glu)
         return local
 
-    def configure_optimizer(self, optimizer, opt_config):
+    def configure_optimizer(self, optimizer, opt_config, chunks: list):
         """Megatron's optimizer (get_megatron_optimizer's) as a HeterMoE rank steps it:
         - an empty sub-optimizer is dropped (Megatron always adds a dense one; an expert rank has
           no dense parameter, and an empty distributed optimizer cannot write its state);
         - the gradient norm is taken over the world, each gradient counted once (its owner,
           decided per sub-optimizer: dense on attention DP rank 0, experts in ZP group 0; the
           distributed optimizer counts each shard once already), so every rank clips by the one
-          global norm and steps in lockstep;
+          global norm and steps in lockstep; summed per parameter in a canonical order, so it
+          does not change when experts move (world_stats.py world_grad_norm; `chunks`: the
+          model chunks the optimizer steps, whose parameters name the slots);
         - the distributed optimizer all-gathers the parameters once per step (_one_param_sync);
         - zeros in the gradients (--log-num-zeros-in-grad) are counted like the norm (world_stats.py);
         - with fp16 on a pool, this rank's bf16 sub-optimizers take the world's dynamic scaler,
@@ -199,14 +202,16 @@ class RoleAssembly:
         chained = getattr(optimizer, "chained_optimizers", None)
         if chained and any(not o.get_parameters() for o in chained) and any(o.get_parameters() for o in chained):
             optimizer = ChainedOptimizer([o for o in chained if o.get_parameters()])
-        for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(optimizer, ChainedOptimizer):
+            raise TypeError(f"HeterMoE steps Megatron's ChainedOptimizer (get_megatron_optimizer's), not "
+                            f"{type(optimizer).__name__}")
+        for opt in optimizer.chained_optimizers:
             opt.grad_stats_parallel_group = hs.world_group
-            if not counts_here(opt, hs):
-                megatron_optimizer.no_grads_for_grad_norm(opt)
+        megatron_optimizer.replace_grad_norm(optimizer, world_grad_norm(optimizer, chunks, hs))
         distributed = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
                        if isinstance(o, DistributedOptimizer)]
         if distributed and not distributed[0].ddp_config.overlap_param_gather:
-            _one_param_sync(optimizer, distributed[0].model_chunks)
+            _one_param_sync(optimizer, distributed)
         if self.pools.dynamic_scale(opt_config.loss_scale) and opt_config.bf16:
             attach_dynamic_scaler(optimizer, opt_config)
         # The grad-stats group is the world (the norm): each sub-optimizer's found_inf check runs

@@ -1,5 +1,5 @@
-"""Megatron's logged model statistics (--log-params-norm, --log-num-zeros-in-grad) over a HeterMoE
-world, each parameter counted once.
+"""Megatron's model statistics over a HeterMoE world, each parameter counted once: the gradient norm
+that clipping divides by, and the logged ones (--log-params-norm, --log-num-zeros-in-grad).
 
 Megatron counts each parameter once by its groups: dense parameters over the model-parallel group,
 expert parameters over the expert-model-parallel one. On a HeterMoE world the copies sit elsewhere:
@@ -10,6 +10,8 @@ counts on its owner (RankLayout.owns_gradient: dense on attention DP rank 0, exp
 rank, the logging rank included, gets the one value.
 """
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -86,3 +88,97 @@ def world_count_zeros(optimizer, hs: HeteroParallelState):
                                 use_decoupled_grad=subs[0].config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
     return count_zeros
+
+
+def _main_and_model_params(opt) -> list[tuple[torch.Tensor, torch.Tensor, int | None]]:
+    """(main parameter, model parameter, start of the main parameter's range in the model
+    parameter; None: the whole) of a Megatron sub-optimizer: its fp32 copies of 16-bit
+    parameters, its fp32 parameters themselves, a distributed optimizer's shards."""
+    if hasattr(opt, "shard_fp32_groups"):  # DistributedOptimizer
+        out = []
+        for models, mains in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                              (opt.model_fp32_groups, opt.shard_fp32_groups)):
+            for model_group, main_group in zip(models, mains):
+                for model, main in zip(model_group, main_group):
+                    if main is not None:
+                        out.append((main, model, opt._get_model_param_range_map(model)["param"].start))
+        return out
+    if hasattr(opt, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
+        pairs = [(main, model) for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups)
+                 for model, main in zip(models, mains)]
+        return [(main, model, None) for main, model in pairs] + [
+            (p, p, None) for group in opt.fp32_from_fp32_groups for p in group]
+    return [(p, p, None) for p in opt.get_parameters()]  # FP32Optimizer
+
+
+def _megatron_grads_for_norm(opt, group: str | None) -> list[torch.Tensor]:
+    """The gradients Megatron's own filter puts in a sub-optimizer's norm (not None, not shared,
+    not a tensor-parallel duplicate; megatron-core 0.19: of the main norm, or of one separate
+    grad-norm group), read from the class so that an instance's replacement is bypassed."""
+    cls = type(opt)
+    if hasattr(cls, "get_grads_for_grad_norm"):  # megatron-core 0.19
+        return cls.get_grads_for_grad_norm(opt, group)
+    return cls.get_main_grads_for_grad_norm(opt) if group is None else []  # 0.16: no separate groups
+
+
+def world_grad_norm(optimizer, chunks: list, hs: HeteroParallelState) -> Callable[[str | None], float]:
+    """The world's L2 gradient norm as clipping uses it, the same wherever the experts sit.
+    Why: Megatron adds each rank's squares and reduces the ranks' sums; an expert moved to another
+    rank (a live move) regroups those partial sums, so the norm's rounding and, with clipping, the
+    update changed (rel 6.1e-8 in the norm measured, 5e-7 in a later loss). Here each parameter (each
+    expert of a GroupedMLP weight) has a slot of its own, named canonically (a dense parameter with
+    its rank too: a tensor-parallel shard; a distributed optimizer's shard with its range's start);
+    each rank puts its squared norms in its slots, one all-reduce adds them (one contributor per
+    slot: exact) and every rank sums the slots in the same sorted order. A distributed optimizer
+    whose expert shards span several ranks (ZP groups > 1) shards an expert differently per layout:
+    its norm is right but not placement-invariant. Counted as before (counts_here: dense on
+    attention DP rank 0, experts in ZP group 0, every shard). Returns norm(group): the main norm
+    (None) or, on megatron-core 0.19, that of a separate grad-norm group (the MTP block's)."""
+    from megatron_hetermoe.models.builder import canonical_names, unwrap
+    from megatron_hetermoe.plan import expert_names
+
+    canonical: dict[int, str] = {}
+    for chunk in chunks:
+        module = unwrap(chunk)
+        names = module.canonical_names() if hasattr(module, "canonical_names") else canonical_names(module)
+        canonical.update({id(p): names[n] for n, p in module.named_parameters()})
+    subs = [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if counts_here(o, hs)]
+    # main parameter -> (its slots' keys, the gradient cut into one piece per slot)
+    slots_of: dict[int, tuple[list[str], Callable[[torch.Tensor], list[torch.Tensor]]]] = {}
+    whole = lambda g: [g]  # noqa: E731
+    for opt in subs:
+        for main, model, start in _main_and_model_params(opt):
+            name = canonical[id(model)]
+            if start is not None and main.numel() != model.numel():  # a part of the parameter
+                slots_of[id(main)] = ([f"{name}@{hs.rank}:{start}"], whole)
+            elif not _is_expert(model):
+                slots_of[id(main)] = ([f"{name}@{hs.rank}"], whole)
+            elif expert_names.is_label(name):  # a GroupedMLP weight: one slot per expert
+                slots_of[id(main)] = (expert_names.label_members(name), lambda g, n=name, shape=model.shape: list(
+                    expert_names.unpack(n, g.view(shape)).values()))
+            else:
+                slots_of[id(main)] = ([name], whole)
+    mine = sorted({k for keys, _ in slots_of.values() for k in keys})
+    every: list = [None] * dist.get_world_size(hs.world_group)
+    dist.all_gather_object(every, mine, group=hs.world_group)
+    slot = {k: i for i, k in enumerate(sorted(set().union(*every)))}
+    decoupled = bool(getattr(getattr(optimizer, "config", None), "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
+                             False))
+
+    def norm(group: str | None = None) -> float:
+        keys, grads = [], []
+        for opt in subs:
+            main_of = {id(getattr(p, "decoupled_grad", None) if decoupled else p.grad): p
+                       for p in opt.get_parameters()}
+            for g in _megatron_grads_for_norm(opt, group):
+                names, split = slots_of[id(main_of[id(g)])]
+                keys += [slot[k] for k in names]
+                grads += split(g)
+        squares = torch.zeros(len(slot), dtype=torch.float64, device=hs.device)
+        if grads:
+            norms = torch.stack(torch._foreach_norm(grads)).double()  # main gradients: fp32
+            squares.index_put_((torch.tensor(keys, device=hs.device),), norms * norms, accumulate=True)
+        dist.all_reduce(squares, group=hs.world_group)
+        return squares.sum().item() ** 0.5
+
+    return norm

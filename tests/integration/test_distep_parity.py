@@ -8,6 +8,7 @@ from megatron_hetermoe.plan.layout import hetero_to_megatron, megatron_to_hetero
 from megatron_hetermoe.tools.parity import (
     FREE_RUN_LOSS_TOL,
     FREE_RUN_PARAM_TOL,
+    GRAD_NORM_TOL,
     GRAD_TOL,
     LOSS_TOL,
     run_parity,
@@ -27,6 +28,7 @@ def test_distep_matches_megatron_ep(tiny, M, N, G, R):
     assert len(r.ref_losses) == 5 and len(r.grad_diff_by_step) == 5
     within("loss", r.max_rel_loss_diff, LOSS_TOL)
     within("grad", r.max_rel_grad_diff, GRAD_TOL)
+    within("grad norm", r.max_rel_grad_norm_diff, GRAD_NORM_TOL)
     if R == 2:
         within("free-run params", r.max_rel_param_diff_free_run, FREE_RUN_PARAM_TOL)
         within("free-run loss", r.max_rel_loss_diff_free_run, FREE_RUN_LOSS_TOL)
@@ -110,3 +112,4 @@ def test_attention_ranks_need_not_come_first(tiny, schedule):
     r = run_parity(plan, tiny, steps=3, free_run=False)
     within("loss", r.max_rel_loss_diff, LOSS_TOL)
     within("grad", r.max_rel_grad_diff, GRAD_TOL)
+    within("grad norm", r.max_rel_grad_norm_diff, GRAD_NORM_TOL)

@@ -10,7 +10,14 @@ from margins import within
 from megatron_hetermoe.config import HeteroRunConfig, ParallelConfig, TrainConfig
 from megatron_hetermoe.parallel.launcher import launch
 from megatron_hetermoe.plan.hetero_plan import even_plan
-from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, max_rel_loss_diff, reference_ep, run_parity
+from megatron_hetermoe.tools.parity import (
+    GRAD_NORM_TOL,
+    GRAD_TOL,
+    LOSS_TOL,
+    max_rel_loss_diff,
+    reference_ep,
+    run_parity,
+)
 from megatron_hetermoe.training.run_hooks import RunHooks
 
 STEPS = 3  # odd: a bias moved by +-rate every step cannot be back at 0
@@ -84,3 +91,4 @@ def test_seq_aux_loss_matches_megatron_ep(tiny):
     r = run_parity(plan, model, steps=3, micro_batch_size=2, free_run=False)
     within("loss", r.max_rel_loss_diff, LOSS_TOL)
     within("grad", r.max_rel_grad_diff, GRAD_TOL)
+    within("grad norm", r.max_rel_grad_norm_diff, GRAD_NORM_TOL)

@@ -23,7 +23,7 @@ from megatron_hetermoe.config import ModelConfig
 from megatron_hetermoe.models.dispatcher import HeteroTokenDispatcher
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, even_plan
 from megatron_hetermoe.planner.search import build_plan
-from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
+from megatron_hetermoe.tools.parity import GRAD_NORM_TOL, GRAD_TOL, LOSS_TOL, run_parity
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +59,7 @@ def _check(report) -> None:
     # loss 8.6e-8, grads 7.0e-7: >= 11x inside the bounds.
     within("loss", report.max_rel_loss_diff, LOSS_TOL)
     within("grad", report.max_rel_grad_diff, GRAD_TOL)
+    within("grad norm", report.max_rel_grad_norm_diff, GRAD_NORM_TOL)
 
 
 def _tokens(model: ModelConfig, plan: HeteroPlan, mbs: int, steps: int) -> int:

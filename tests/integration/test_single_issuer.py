@@ -12,7 +12,7 @@ from megatron_hetermoe.parallel.launcher import LaunchError, launch
 from megatron_hetermoe.plan.hetero_plan import even_plan
 from megatron_hetermoe.plan.tasks import tasks_for_rank
 from megatron_hetermoe.reliability.faults import ENV, Fault
-from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
+from megatron_hetermoe.tools.parity import GRAD_NORM_TOL, GRAD_TOL, LOSS_TOL, run_parity
 from megatron_hetermoe.training.hetero import train_hetero
 
 pytestmark = pytest.mark.slow
@@ -35,6 +35,7 @@ def test_single_issuer_matches_megatron_ep(tiny, name):
     r = run_parity(PLANS[name](tiny), tiny, steps=3, micro_batch_size=1, free_run=False, issuer="single")
     within("loss", r.max_rel_loss_diff, LOSS_TOL)
     within("grad", r.max_rel_grad_diff, GRAD_TOL)
+    within("grad norm", r.max_rel_grad_norm_diff, GRAD_NORM_TOL)
 
 
 def _train(rank, world, cfg, plan, issuer):

@@ -6,7 +6,7 @@ from margins import within
 from shared_plans import sparse_asym_ea_plan
 
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup
-from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
+from megatron_hetermoe.tools.parity import GRAD_NORM_TOL, GRAD_TOL, LOSS_TOL, run_parity
 
 pytestmark = pytest.mark.slow
 
@@ -24,6 +24,7 @@ def test_expert_rank_without_experts_in_a_layer(tiny, make, schedule, issuer):
     r = run_parity(make(schedule), tiny, steps=2, micro_batch_size=1, free_run=False, issuer=issuer)
     within("loss", r.max_rel_loss_diff, LOSS_TOL)
     within("grad", r.max_rel_grad_diff, GRAD_TOL)
+    within("grad norm", r.max_rel_grad_norm_diff, GRAD_NORM_TOL)
 
 
 def _train(rank, world, cfg, plan, issuer):

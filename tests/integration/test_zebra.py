@@ -12,7 +12,7 @@ from megatron_hetermoe.parallel.launcher import launch
 from megatron_hetermoe.plan.hetero_plan import even_plan
 from megatron_hetermoe.plan.tasks import tasks_for_rank
 from megatron_hetermoe.schedules.timeline import load_events
-from megatron_hetermoe.tools.parity import GRAD_TOL, LOSS_TOL, run_parity
+from megatron_hetermoe.tools.parity import GRAD_NORM_TOL, GRAD_TOL, LOSS_TOL, run_parity
 from megatron_hetermoe.training.hetero import train_hetero
 from megatron_hetermoe.training.run_hooks import RunHooks
 
@@ -29,6 +29,7 @@ def test_zebra_matches_megatron_ep(tiny, M, N, G, R):
     r = run_parity(plan, tiny, steps=5, micro_batch_size=1, free_run=False)
     within("loss", r.max_rel_loss_diff, LOSS_TOL)
     within("grad", r.max_rel_grad_diff, GRAD_TOL)
+    within("grad norm", r.max_rel_grad_norm_diff, GRAD_NORM_TOL)
 
 
 def _train(rank, world, cfg, plan, run_dir=None, recompute=False, timing=None):
