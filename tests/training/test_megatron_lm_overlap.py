@@ -28,7 +28,7 @@ def overlapped_steps(trace: Path) -> dict[int, int]:
     """rank -> how many steps had a gradient-bucket reduction (issued by Megatron's DDP,
     param_and_grad_buffer.py) entered before one of that step's token transfers (all_to_all):
     the reduction started while backward still ran. A step ends at the gradient norm's all-reduce
-    (clip_grads.py)."""
+    (HeterMoE's, training/world_stats.py world_grad_norm; Megatron's in clip_grads.py)."""
     out = {}
     for f in sorted(trace.glob("collectives.rank*.jsonl")):
         steps, reducing = 0, False
@@ -41,7 +41,7 @@ def overlapped_steps(trace: Path) -> dict[int, int]:
                 reducing = reducing or "pending"
             elif rec["op"].startswith("all_to_all") and reducing == "pending":
                 reducing = "overlapped"
-            elif "clip_grads.py" in caller:
+            elif "world_stats.py" in caller or "clip_grads.py" in caller:
                 steps += reducing == "overlapped"
                 reducing = False
         out[int(f.name[len("collectives.rank"):-len(".jsonl")])] = steps
