@@ -208,8 +208,7 @@ class RoleAssembly:
         for opt in optimizer.chained_optimizers:
             opt.grad_stats_parallel_group = hs.world_group
         megatron_optimizer.replace_grad_norm(optimizer, world_grad_norm(optimizer, chunks, hs))
-        distributed = [o for o in getattr(optimizer, "chained_optimizers", [optimizer])
-                       if isinstance(o, DistributedOptimizer)]
+        distributed = [o for o in optimizer.chained_optimizers if isinstance(o, DistributedOptimizer)]
         if distributed and not distributed[0].ddp_config.overlap_param_gather:
             _one_param_sync(optimizer, distributed)
         if self.pools.dynamic_scale(opt_config.loss_scale) and opt_config.bf16:
