@@ -217,22 +217,24 @@ def rank1_collective_time(links: Links, s: list[float], w: list[float], c: float
     """`collective_time` for the bipartite all-to-alls of MoE, where rank i sends c*s[i]*w[j]
     bytes to rank j (e.g. s = tokens of each attention rank, w = fraction of the layer's experts
     each rank holds). O(n) instead of O(n^2), same result."""
-    n = len(s)
     tot_s, tot_w = sum(s), sum(w)
     node_s: dict[int, float] = {}
     node_w: dict[int, float] = {}
-    for i in range(n):
-        node_s[links.node[i]] = node_s.get(links.node[i], 0.0) + s[i]
-        node_w[links.node[i]] = node_w.get(links.node[i], 0.0) + w[i]
+    for nd, si, wi in zip(links.node, s, w):
+        node_s[nd] = node_s.get(nd, 0.0) + si
+        node_w[nd] = node_w.get(nd, 0.0) + wi
+    # the worst of each rank's intra- and inter-node seconds; `b if b > a else a` is max(a, b)
+    # without its call (this loop prices every collective the search simulates)
     worst = 0.0
-    for i in range(n):
-        nd = links.node[i]
-        send_intra = c * s[i] * (node_w[nd] - w[i])
-        send_inter = c * s[i] * (tot_w - node_w[nd])
-        recv_intra = c * w[i] * (node_s[nd] - s[i])
-        recv_inter = c * w[i] * (tot_s - node_s[nd])
-        worst = max(worst, max(send_intra, recv_intra) / (links.intra_gbs[i] * 1e9),
-                    max(send_inter, recv_inter) / (links.inter_gbs[i] * 1e9))
+    for nd, si, wi, intra, inter in zip(links.node, s, w, links.intra_gbs, links.inter_gbs):
+        a, b = c * si * (node_w[nd] - wi), c * wi * (node_s[nd] - si)  # send, receive
+        t_intra = (b if b > a else a) / (intra * 1e9)
+        a, b = c * si * (tot_w - node_w[nd]), c * wi * (tot_s - node_s[nd])
+        t_inter = (b if b > a else a) / (inter * 1e9)
+        if t_intra > worst:
+            worst = t_intra
+        if t_inter > worst:
+            worst = t_inter
     return links.latency_s + worst if worst > 0 else 0.0
 
 

@@ -28,6 +28,7 @@ import importlib
 import sys
 from dataclasses import dataclass, field
 from itertools import chain
+from typing import Callable
 
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
 from megatron_hetermoe.plan.tasks import (
@@ -35,6 +36,7 @@ from megatron_hetermoe.plan.tasks import (
     Task,
     distep_tasks,
     inputs,
+    offloaded_layers_of,
     stage_transfers,
     task_layers,
     zebra_tasks,
@@ -275,6 +277,97 @@ def rank_task_times(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_
             if with_transfers or not isinstance(t, PipeTask)]
 
 
+@dataclass(frozen=True, slots=True)
+class _ListShape:
+    """A rank's task list, its stage transfers inserted, reduced to what build_problem prices per
+    rank: which collectives it issues and waits for, and which compute it runs."""
+
+    tasks: tuple[Task | PipeTask, ...]
+    is_comm: tuple[int, ...]
+    colls: tuple[Task | PipeTask, ...]  # the collectives the list names, in first-use order
+    # their keys in the problem: a stage's collective by its stage, a transfer (its sender and
+    # receiver are on two stages) by -1; a tuple hashes far faster than the dataclass
+    coll_keys: tuple[tuple, ...]
+    issues: tuple[int, ...]  # per colls entry: how many of the list's comm tasks issue it
+    ref: tuple[int, ...]  # per task: its colls entry (comm: the one it issues; compute: the one it waits for) or -1
+    work: tuple[Task, ...]  # one compute task per (kind, layer, chunk) the list runs: what prices it
+    work_of: tuple[int, ...]  # per task: its work entry, or -1 for a comm task
+
+
+def _with_transfers(tasks: list[Task], stage: int, stages: int, n_local: tuple[int, ...]) -> tuple[list, dict]:
+    """An attention rank's list with plan.tasks.stage_transfers inserted, and the transfer each
+    compute task waits for (by list index): a stage's first piece, its last piece's backward."""
+    tl: list[Task | PipeTask] = []
+    received: dict[int, PipeTask] = {}
+    for t in tasks:
+        recv, send = stage_transfers(t, stage, stages, n_local)
+        if recv is not None:
+            tl.append(recv)
+            received[len(tl)] = recv
+        tl.append(t)
+        if send is not None:
+            tl.append(send)
+    return tl, received
+
+
+def _shape_of(tasks: list[Task], stage: int, stages: int, n_local: tuple[int, ...], transfers: bool) -> _ListShape:
+    """The shape of a list of pipeline stage `stage` with `n_local` MoE layers per chunk;
+    `transfers`: insert the stage transfers (an attention rank with pipeline stages)."""
+    tl, received = _with_transfers(tasks, stage, stages, n_local) if transfers else (tasks, {})
+    local: dict[tuple, int] = {}  # coll_keys' key -> its index
+    colls, keys, issues, ref, is_comm = [], [], [], [], []
+    work: dict[tuple, int] = {}  # (kind, layer, chunk) -> its index
+    first, work_of = [], []
+
+    def coll(t: Task | PipeTask) -> int:
+        key = (-1 if isinstance(t, PipeTask) else stage, t.kind, t.layer, t.microbatch)
+        if key not in local:
+            local[key] = len(colls)
+            colls.append(t)
+            keys.append(key)
+            issues.append(0)
+        return local[key]
+
+    for n_t, t in enumerate(tl):
+        is_comm.append(int(t.is_comm))
+        if t.is_comm:
+            ref.append(coll(t))
+            issues[ref[-1]] += 1
+            work_of.append(-1)
+            continue
+        dep = inputs(t, n_local) or received.get(n_t)
+        ref.append(coll(dep) if dep is not None else -1)
+        w = work.setdefault((t.kind, t.layer, t.chunk), len(first))
+        if w == len(first):
+            first.append(t)
+        work_of.append(w)
+    return _ListShape(tuple(tl), tuple(is_comm), tuple(colls), tuple(keys), tuple(issues), tuple(ref), tuple(first),
+                      tuple(work_of))
+
+
+_SHAPES: dict[tuple, _ListShape] = {}  # _list_shape's, by what a list depends on
+_SHAPES_MAX_TASKS = 1_000_000  # about 160 MB of lists; a 1024-GPU search keeps 143k tasks (71 lists)
+
+
+def _list_shape(plan: HeteroPlan, schedule: str, lister: Callable[[HeteroPlan, int], list[Task]], rank: int,
+                stage: int, role: Role) -> _ListShape:
+    """The shape of `rank`'s list (lister: plan.tasks' zebra_tasks or distep_tasks), built once
+    per key: the list depends on the rank only through its role, stage and offloaded layers, and
+    on the plan only through its microbatches, stages, waves and the stage's MoE layers per chunk,
+    so ranks, groups and the candidates of a search share it."""
+    n_local = task_layers(plan, stage)
+    off = frozenset(offloaded_layers_of(plan, rank)) if role == Role.ATTENTION else frozenset()
+    P = plan.pipeline_stages
+    key = (schedule, role, stage, off, n_local, plan.num_layers, plan.num_microbatches, P, plan.zebra_waves,
+           plan.zebra_wave_order)
+    shape = _SHAPES.get(key)
+    if shape is None:
+        if sum(len(s.tasks) for s in _SHAPES.values()) > _SHAPES_MAX_TASKS:
+            _SHAPES.clear()
+        shape = _SHAPES[key] = _shape_of(lister(plan, rank), stage, P, n_local, P > 1 and role == Role.ATTENTION)
+    return shape
+
+
 def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_batch: int,
                   schedule: str | None = None, group: int = 0, dedup: bool = True,
                   expert_load: ExpertLoad | None = None) -> SimProblem:
@@ -315,13 +408,13 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     G = len(plan.groups)
     V = plan.virtual_stages
     lay = layout_of_plan(plan, validate=False, virtual=True) if P > 1 else None
-    chunk_layers = [task_layers(plan, i) for i in range(P)]  # what inputs() and stage_transfers() take
     global_tokens = float(global_batch) * cost.settings.seq_len
     t_mb = tokens_per_microbatch(plan, global_tokens)
     stage = {r: plan.stage_of(r) for r in g.members}
     role = {r: plan.role(r) for r in g.members}
     layers = [plan.stage_moe_layers(i) for i in range(P)]  # a stage's task-list layer k is MoE layer layers[i][k]
-    counts = {r: [len(g.placement[l].get(r, [])) for l in layers[stage[r]]] for r in g.members}
+    placed = [[g.placement[l] for l in ls] for ls in layers]  # [stage][k]: rank -> its experts
+    counts = {r: [len(pl.get(r, ())) for pl in placed[stage[r]]] for r in g.members}
     load_mult = None
     if expert_load is not None:
         expert_load.check(plan.num_layers, E, "the expert load")
@@ -334,7 +427,7 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     layer_dur: list[list[dict]] = []  # [stage][k]
     for i in range(P):
         att, exp = plan.stage_ranks(group, i)
-        held = [tuple(weight[r][kk] for r in att + exp) for kk in range(len(layers[i]))]
+        held = list(zip(*(weight[r] for r in att + exp)))  # per layer: each member's weight
         layer_dur.append(layer_collectives(cost, cluster, att + exp, len(att), held, t_mb))
     # between stage b and b + 1 (virtual stages: P - 1 and 0 too): (b, False) the activations
     # forward, (b, True) their gradient back
@@ -360,11 +453,9 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     prob = SimProblem(ranks=reps, multiplicity=mult, roles=[role[r] for r in reps],
                       gpus=[plan.gpu_types[r] for r in reps], tasks=[], is_comm=[], dur=[], ref=[],
                       tokens_per_step=global_tokens)
-    coll_id: dict[tuple, int] = {}  # keyed by the task's fields: a tuple hashes far faster than the dataclass
+    coll_id: dict[tuple, int] = {}  # by _ListShape.coll_keys' key
 
-    def cid(i: int, t: Task | PipeTask) -> int:
-        # a stage's collective, or a transfer (its sender and receiver are on two stages)
-        key = (-1 if isinstance(t, PipeTask) else i, t.kind, t.layer, t.microbatch)
+    def cid(key: tuple, t: Task | PipeTask) -> int:
         c = coll_id.get(key)
         if c is None:
             c = coll_id[key] = len(prob.coll_dur)
@@ -374,9 +465,9 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
                 prob.coll_stream.append(4 * (t.layer % P) + STREAM_ID[t.kind])
                 back = t.kind == TaskKind.P_B
                 prob.coll_dur.append(p2p[((t.layer - back) % P, back)])
-            else:
-                prob.coll_stream.append(4 * i + STREAM_ID[t.stream])
-                prob.coll_dur.append(layer_dur[i][t.layer][t.kind])
+            else:  # keyed by its stage
+                prob.coll_stream.append(4 * key[0] + STREAM_ID[t.stream])
+                prob.coll_dur.append(layer_dur[key[0]][t.layer][t.kind])
         return c
 
     M_stage = len(plan.stage_ranks(group, 0)[0])
@@ -409,36 +500,18 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
         return cache[key]
 
     for r in reps:
-        i, n_local = stage[r], chunk_layers[stage[r]]
-        tl: list = []
-        received: dict[int, PipeTask] = {}  # list index of a compute task -> the transfer it waits for
-        for t in lister(plan, r):
-            recv = send = None
-            if lay is not None and role[r] == Role.ATTENTION:
-                recv, send = stage_transfers(t, i, P, n_local)
-            if recv is not None:
-                tl.append(recv)
-                received[len(tl)] = recv
-            tl.append(t)
-            if send is not None:
-                tl.append(send)
-        ic, du, rf = [], [], []
-        for n_t, t in enumerate(tl):
-            if t.is_comm:
-                c = cid(i, t)
-                prob.coll_members[c] += 1
-                ic.append(1)
-                du.append(0.0)
-                rf.append(c)
-            else:
-                ic.append(0)
-                du.append(compute_dur(r, t))
-                dep = inputs(t, n_local) or received.get(n_t)  # a stage's first piece, its last piece's backward
-                rf.append(cid(i, dep) if dep is not None else -1)
-        prob.tasks.append(tl)
-        prob.is_comm.append(ic)
-        prob.dur.append(du)
-        prob.ref.append(rf)
+        shape = _list_shape(plan, schedule, lister, r, stage[r], role[r])
+        ids = list(map(coll_id.get, shape.coll_keys))
+        if None in ids:  # the list names collectives no list before it did
+            ids = [cid(key, t) for key, t in zip(shape.coll_keys, shape.colls)]
+        for c, n in zip(ids, shape.issues):
+            prob.coll_members[c] += n
+        ids.append(-1)  # a ref of -1 (waits for nothing) indexes this last entry: stays -1
+        durs = [compute_dur(r, t) for t in shape.work] + [0.0]  # a comm task's work index -1: 0 s
+        prob.tasks.append(list(shape.tasks))
+        prob.is_comm.append(list(shape.is_comm))
+        prob.dur.append(list(map(durs.__getitem__, shape.work_of)))
+        prob.ref.append(list(map(ids.__getitem__, shape.ref)))
 
     if lay is not None:
         prob.post_step = [post_step(lay, cost, cluster)] * len(reps)  # stages step at once; the slowest counts
