@@ -823,7 +823,7 @@ class PoolPrecision:
 
     - Tokens cross roles in one wire dtype, the expert pool's: the attention ranks (the newer
       GPUs) cast at the boundary, both ways, and an attention rank's own experts (Asym-EA)
-      receive and send in it too (parallel/comm.py TokenRoute).
+      receive and send in it too (parallel/transport.py SplitRoute).
     - With fp16 on either pool the world takes Megatron's fp16 loss scaling (dynamic from
       --initial-loss-scale unless --loss-scale): gradients cross in fp16 scaled, so the bf16
       pool's optimizer holds the same scale (training/step.py build_optimizer) and every rank

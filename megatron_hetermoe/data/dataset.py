@@ -23,13 +23,14 @@ import argparse
 import re
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_hetermoe.config import DataConfig
 from megatron_hetermoe.data.tokenizer import build_tokenizer
 from megatron_hetermoe.errors import UserError
+from megatron_hetermoe.parallel.extension import MicrobatchSource
 
 if TYPE_CHECKING:
     from megatron_hetermoe.config import TrainConfig
@@ -130,10 +131,6 @@ def check_data(data: DataConfig, model) -> None:
     check_split(data.split)
     check_vocab(data_tokenizer(data).vocab_size, model.vocab_size, model.name)
     check_data_files(data)
-
-
-class MicrobatchSource(Protocol):
-    def microbatch(self, step: int, microbatch: int, micro_batch_size: int, global_batch_size: int) -> dict: ...
 
 
 class GPTDataReader:

@@ -147,7 +147,7 @@ class Emulator:
     def transfer_task_time(self, plan, rank: int):
         """(task, rows) -> emulated seconds of a token transfer (D_F, C_F, C_B, D_B) of `rank`'s ZP
         group (its stage's members) whose members sent each other `rows` in the dispatch direction
-        (TokenRoute.pair_rows, comm order: ascending rank): the rows scaled to the emulated
+        (Route.pair_rows, comm order: ascending rank): the rows scaled to the emulated
         microbatch's routed tokens (each attention rank's tokens x top-k) and priced as the
         simulator prices a collective (planner/cluster.collective_time, the same links). Balanced
         rows give task_times' time; a member that receives more waits longer, and so does every

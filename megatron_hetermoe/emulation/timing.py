@@ -10,8 +10,8 @@ import time
 from typing import Callable
 
 from megatron_hetermoe.emulation.clock import sleep_until
+from megatron_hetermoe.parallel.extension import ReceivedTokens
 from megatron_hetermoe.plan.tasks import Task
-from megatron_hetermoe.schedules.timing import ReceivedTokens
 
 
 class EmulatedTiming:

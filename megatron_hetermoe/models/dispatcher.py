@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 
-from megatron_hetermoe.parallel.comm import TokenRoute
+from megatron_hetermoe.parallel.extension import Route
 from megatron_hetermoe.parallel.state import HeteroParallelState
 
 
@@ -69,7 +69,7 @@ class DispatchMeta:
     probs: torch.Tensor  # routing probabilities, same order; applied at combine
     per_expert: torch.Tensor  # tokens per expert (travel order), on the device: the counts exchange sends it
     sorted_indices: torch.Tensor  # the permutation of tokens into expert order (fused: TE's row map)
-    route: TokenRoute | None = None  # after the counts exchange (it holds the split sizes)
+    route: Route | None = None  # the transport's handle, after the counts exchange
     # Where the experts weigh their outputs (probs permuted like the tokens), as Megatron's experts
     # do: only on MoELayer.forward's path in a ZP group of one; else None: `probs` apply after combine.
     permuted_probs: torch.Tensor | None = None
@@ -133,8 +133,8 @@ class HeteroTokenDispatcher(MoETokenDispatcher):
 
     def exchange_route(self, meta: DispatchMeta) -> DispatchMeta:
         # The wire dtype is params_dtype, as on the expert ranks (ExpertRuntime.forward_layer).
-        route, _ = TokenRoute.exchange(self.hs, self.layer, meta.per_expert, meta.hidden_shape[-1],
-                                       self.config.params_dtype)
+        route, _ = self.hs.transport.route(self.layer, meta.per_expert, meta.hidden_shape[-1],
+                                           self.config.params_dtype)
         return dataclasses.replace(meta, route=route)
 
     def postprocess(self, meta: DispatchMeta, combined: torch.Tensor,

@@ -17,7 +17,6 @@ import functools
 import torch
 import torch.utils.checkpoint
 
-from megatron_hetermoe.parallel.comm import TokenRoute
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan import expert_names
 
@@ -206,7 +205,7 @@ class ExpertRuntime(_megatron_module()):
         """Receive this layer's tokens, run the local experts, send the outputs back; returns the
         (empty) result of the combine, whose backward is the gradient's return trip. `spans`
         (schedules/distep.py ExpertSpans): time the experts' forward and backward as `microbatch`'s."""
-        route, _ = TokenRoute.exchange(self.hs, layer, None, hidden_size, self.config.params_dtype)
+        route, _ = self.hs.transport.route(layer, None, hidden_size, self.config.params_dtype)
         leaf = route.empty().requires_grad_()
         recv = route.dispatch(leaf)
         experts = functools.partial(run_local_experts, self.experts_of(layer), counts=route.local_counts,

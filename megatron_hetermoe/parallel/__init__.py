@@ -1,8 +1,9 @@
 """Ranks, process groups and token transport: layout.py (RankLayout: a rank's role and groups by
 plan arithmetic, no process group), state.py (HeteroParallelState: the "hetero" groups built from
-a plan, and the rank's device), transport.py (the Transport every token transfer of a ZP group
-goes through: all-to-all, or loopback in a one-rank group), comm.py (TokenRoute: one layer's
-tokens of one microbatch), megatron_globals.py (which of the plan's groups serves each of
+a plan, and the rank's device), extension.py (the protocols a new backend
+implements: Transport and its Route handle, TaskTiming, MicrobatchSource), transport.py (the
+split-size token backends every transfer of a ZP group goes through: all-to-all, or loopback in
+a one-rank group, and their SplitRoute), megatron_globals.py (which of the plan's groups serves each of
 megatron-core's parallel_state globals; shims/parallel_state.py writes them), expert_load.py
 (tokens each expert received and compute seconds per task kind, measured during training),
 device.py (a rank's device and group timeouts; torchrun ranks join with init_distributed, GPU

@@ -2,8 +2,8 @@
 rank's compute seconds per task kind, summed on the host between log intervals and reduced over
 the world once per interval.
 
-Tokens: every TokenRoute (parallel/comm.py) is made from its counts exchange, whose result is on
-the host already (the one read a (layer, microbatch) makes anyway); `TokenRoute.from_counts`
+Tokens: every SplitRoute (parallel/transport.py) is made from its counts exchange, whose result is on
+the host already (the one read a (layer, microbatch) makes anyway); `SplitRoute.from_counts`
 hands this rank's received counts per local expert to the rank's meter
 (HeteroParallelState.load_meter). Summed over the world, each expert is counted once per ZP
 group (one holder per ZP group and stage), so the totals are the tokens routed to each expert by

@@ -151,16 +151,17 @@ class HeteroParallelState:
 
     @functools.cached_property
     def transport(self):
-        """How this rank's ZP group moves tokens (parallel/transport.py): with no collective in a
-        group of one rank, else all_to_all over its dispatch, combine and counts groups."""
+        """How this rank's ZP group moves tokens (parallel/extension.py Transport; the backends in
+        parallel/transport.py): with no collective in a group of one rank, else all_to_all over its
+        dispatch, combine and counts groups. The state is the transport's ZPGeometry."""
         from megatron_hetermoe.parallel.transport import (
             AllToAllTransport,
             LoopbackTransport,
         )
 
         if len(self.stage_members) == 1:
-            return LoopbackTransport(str(dist.get_backend(self.dispatch_group)))
-        return AllToAllTransport(self.dispatch_group, self.combine_group, self.counts_group, self.device)
+            return LoopbackTransport(str(dist.get_backend(self.dispatch_group)), geometry=self)
+        return AllToAllTransport(self.dispatch_group, self.combine_group, self.counts_group, self.device, geometry=self)
 
     # ---- the groups megatron-core modules get --------------------------------------------------
     def group(self, kind: str) -> dist.ProcessGroup | None:

@@ -35,7 +35,7 @@ What the CUDA path achieves, and what it does not:
   its communicator's internal stream, fenced against the side stream (the current stream of
   the issuing worker thread) before and after, so the two groups' NCCL kernels run on two
   streams of two communicators, concurrently with compute.
-* It is not host-free: `TokenRoute.exchange` (D_F) reads the counts with `.tolist()`/`.item()`,
+* It is not host-free: `Transport.route` (D_F) reads the counts with `.tolist()`/`.item()`,
   which blocks that stream's worker thread until the side stream reached it, i.e. until the
   producer compute finished on the device. Only that worker blocks; the compute thread keeps
   enqueueing. schedules/issuer.py is the other executor: one issuing thread and no blocking
@@ -88,10 +88,10 @@ from typing import Any, Callable, Protocol
 import torch
 
 from megatron_hetermoe.parallel.device import bind_device
+from megatron_hetermoe.parallel.extension import TaskTiming
 from megatron_hetermoe.plan.tasks import Layers, Task, inputs
 from megatron_hetermoe.reliability import faults
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
-from megatron_hetermoe.schedules.timing import TaskTiming
 from megatron_hetermoe.vocabulary import StreamName
 
 OnDone = Callable[[str, Task, float], None]

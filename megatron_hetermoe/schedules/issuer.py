@@ -44,6 +44,7 @@ from typing import Any, Callable, Protocol
 
 import torch
 
+from megatron_hetermoe.parallel.extension import TaskTiming
 from megatron_hetermoe.plan.issue_order import Counts, Issue, PipeCall
 from megatron_hetermoe.plan.tasks import Layers, Task, inputs
 from megatron_hetermoe.schedules.executor import (
@@ -56,7 +57,6 @@ from megatron_hetermoe.schedules.executor import (
     run_compute,
 )
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
-from megatron_hetermoe.schedules.timing import TaskTiming
 from megatron_hetermoe.vocabulary import TaskKind
 
 WAKE_TIMEOUT_S = 0.05  # a host wait rechecks at least this often (see `until`)

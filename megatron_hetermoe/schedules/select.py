@@ -16,12 +16,12 @@ from typing import Callable
 
 from megatron_hetermoe.config import HeteroRunConfig
 from megatron_hetermoe.models.builder import unwrap
+from megatron_hetermoe.parallel.extension import TaskTiming
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.tasks import Task
 from megatron_hetermoe.plan.tasks import schedule as schedule_named
 from megatron_hetermoe.schedules.distep import ExpertSpans, expert_distep
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
-from megatron_hetermoe.schedules.timing import TaskTiming
 from megatron_hetermoe.schedules.zebra import AttentionZebra, ExpertZebra, ZebraRank
 from megatron_hetermoe.vocabulary import Role, ScheduleName
 

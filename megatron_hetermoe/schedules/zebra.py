@@ -9,11 +9,11 @@ autograd call, as the paper describes (backward stops at the attention output an
 the expert-input gradients are back). Expert ranks run their experts per (layer, microbatch) on
 received leaves.
 
-Each (layer, microbatch) makes one TokenRoute (parallel/comm.py) in its D_F transfer; the
-other three transfers reuse it. The task executor (schedules/executor.py) runs transfers on the
-dispatch and combine streams. The R microbatches' activations are all alive at once;
-`recompute=True` recomputes attention stages in backward (Megatron's --recompute-granularity
-full, per stage).
+Each (layer, microbatch) gets one Route from the transport (parallel/extension.py) in its D_F
+transfer; the other three transfers take the same handle. The task executor
+(schedules/executor.py) runs transfers on the dispatch and combine streams. The R microbatches'
+activations are all alive at once; `recompute=True` recomputes attention stages in backward
+(Megatron's --recompute-granularity full, per stage).
 """
 from __future__ import annotations
 
@@ -31,15 +31,15 @@ from megatron_hetermoe.models.dispatcher import DispatchMeta
 from megatron_hetermoe.models.experts import recomputes_experts, run_local_experts
 from megatron_hetermoe.models.stages import AttentionStages, StageContext
 from megatron_hetermoe.parallel import cpu_backend
-from megatron_hetermoe.parallel.comm import Move, TokenRoute
+from megatron_hetermoe.parallel.extension import ReceivedTokens, Route, TaskTiming
 from megatron_hetermoe.parallel.state import HeteroParallelState
 from megatron_hetermoe.plan.issue_order import Counts, PipeCall, issue_sequence, stage_pipe_calls
 from megatron_hetermoe.plan.tasks import ATTENTION_KINDS, Layers, PipeTask, Task, stage_transfers, task_layers
 from megatron_hetermoe.schedules.executor import CUDA, StageIO
 from megatron_hetermoe.schedules.issuer import IssueExecutor, make_executor
 from megatron_hetermoe.schedules.timeline import TimelineRecorder
-from megatron_hetermoe.schedules.timing import LoadedTiming, ReceivedTokens, TaskTiming
-from megatron_hetermoe.vocabulary import Role, TaskKind
+from megatron_hetermoe.schedules.timing import LoadedTiming
+from megatron_hetermoe.vocabulary import Role, StreamName, TaskKind
 
 
 def _recomputed(fn, *args):
@@ -91,7 +91,7 @@ class _IssueOps:
 class Slot:
     """What one rank keeps for one (layer, microbatch) between its tasks."""
     meta: DispatchMeta | None = None  # attention: the dispatch of this layer/microbatch
-    route: TokenRoute | None = None  # made by D_F
+    route: Route | None = None  # made by D_F
     # Set once D_F made the route: C_F runs on the other stream and may reach it first (a
     # rank that receives nothing in D_F has no compute task between them).
     routed: threading.Event = field(default_factory=threading.Event)
@@ -161,29 +161,25 @@ class ZebraRank:
     def holds(self, layer: int) -> bool:
         return bool(self.hs.local_experts(self.layer_ids[layer]))
 
-    def _timed(self, task: Task, started: float | None = None) -> Move | None:
-        """How one transfer moves its rows: the transport's synchronous move (None), or, with
-        emulated task times, that move taken to start when its last member could start it
+    def _move(self, task: Task, send: torch.Tensor | None, started: float | None = None) -> torch.Tensor:
+        """Transfer `task`'s rows over its (layer, microbatch)'s route, synchronously. With
+        emulated task times the transfer is taken to start when its last member could start it
         (issued, and its stream free): `started` (a D_F's, carried by its counts exchange), or
         else agreed on the transfer's own communicator just before the payload (Transport.latest:
         route metadata, never in the payload), and to end its emulated duration later, as the
         simulator has it; the real cost, and any host delay in reaching the call, hide inside the
         emulated time instead of adding to it."""
-        timing, transport = self.task_timing, self.hs.transport
+        route = self.slot(task.layer, task.microbatch).route
+        to_experts = task.kind in (TaskKind.D_F, TaskKind.C_B)
+        go = route.to_experts if to_experts else route.to_attention
+        timing = self.task_timing
         if timing is None:
-            return None
-
-        def move(send: torch.Tensor, outs: list, ins: list, direction: str) -> torch.Tensor:
-            begun = started if started is not None else transport.latest(self.ex.ready(task), direction)
-            out = transport.move(send, outs, ins, direction)
-            route = self.slot(task.layer, task.microbatch).route
-            timing.transfer(task, begun, time.perf_counter(), route.pair_rows if route is not None else None)
-            return out
-        return move
-
-    def _async(self, send: torch.Tensor, outs: list, ins: list, direction: str):
-        """The single issuer's move: issued, not waited ((received buffer, Work))."""
-        return self.hs.transport.move(send, outs, ins, direction, async_op=True)
+            return go(send)
+        direction = StreamName.DISPATCH if to_experts else StreamName.COMBINE
+        begun = started if started is not None else self.hs.transport.latest(self.ex.ready(task), direction)
+        out = go(send)
+        timing.transfer(task, begun, time.perf_counter(), route.pair_rows)
+        return out
 
     # ---- transfers (run on the streams; read the slot when they run) -----------------------
     def _dispatch_counts(self, st: Slot) -> torch.Tensor | None:
@@ -207,35 +203,31 @@ class ZebraRank:
 
         def d_f():
             stamp = int(self.ex.ready(task) * 1e9) if self.task_timing is not None else None
-            st.route, got = TokenRoute.exchange(self.hs, self.layer_ids[l], self._dispatch_counts(st), self.H,
-                                                self.dtype, stamp)
+            st.route, got = self.hs.transport.route(self.layer_ids[l], self._dispatch_counts(st), self.H, self.dtype,
+                                                    stamp)
             st.routed.set()
             started = got / 1e9 if got is not None else None  # the counts carried when each member could start
-            self._received(task, st, st.route.to_experts(self._send(task, st), self._timed(task, started)))
+            self._received(task, st, self._move(task, self._send(task, st), started))
 
         def c_f():
             st.routed.wait()
-            self._received(task, st, st.route.to_attention(self._send(task, st), self._timed(task)))
+            self._received(task, st, self._move(task, self._send(task, st)))
 
-        def c_b():
-            self._received(task, st, st.route.to_experts(self._send(task, st), self._timed(task)))
+        def gradient():  # C_B, D_B
+            self._received(task, st, self._move(task, self._send(task, st)))
             self._sent(task, st)
 
-        def d_b():
-            self._received(task, st, st.route.to_attention(self._send(task, st), self._timed(task)))
-            self._sent(task, st)
-
-        return {TaskKind.D_F: d_f, TaskKind.C_F: c_f, TaskKind.C_B: c_b, TaskKind.D_B: d_b}[task.kind]
+        return {TaskKind.D_F: d_f, TaskKind.C_F: c_f, TaskKind.C_B: gradient, TaskKind.D_B: gradient}[task.kind]
 
     # ---- the single issuer's operations (schedules/issuer.py IssueOps) ----------------------
     def counts(self, c: Counts):
         """Issue the counts exchange of D_F(c) asynchronously: (received counts, Work)."""
-        return TokenRoute.start_exchange(self.hs, self.layer_ids[c.layer], self._dispatch_counts(self.slot(c.layer,
-                                                                                                         c.microbatch)))
+        st = self.slot(c.layer, c.microbatch)
+        return self.hs.transport.start_route(self.layer_ids[c.layer], self._dispatch_counts(st))
 
     def routed(self, c: Counts, counts: torch.Tensor) -> None:
         st = self.slot(c.layer, c.microbatch)
-        st.route = TokenRoute.from_counts(self.hs, self.layer_ids[c.layer], counts, self.H, self.dtype)
+        st.route = self.hs.transport.finish_route(self.layer_ids[c.layer], counts, self.H, self.dtype)
         st.routed.set()
 
     def transfer_async(self, task: Task) -> list:
@@ -244,9 +236,9 @@ class ZebraRank:
         st = self.slot(task.layer, task.microbatch)
         send = self._send(task, st)
         if task.kind in (TaskKind.D_F, TaskKind.C_B):
-            out, work = st.route.to_experts(send, self._async)
+            out, work = st.route.to_experts(send, async_op=True)
         else:
-            out, work = st.route.to_attention(send, self._async)
+            out, work = st.route.to_attention(send, async_op=True)
         self._received(task, st, out)
         self._sent(task, st)
         return [work]

@@ -139,6 +139,8 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
     nmb = plan.num_microbatches
     torch_distributed.trace_collectives()  # $HETERMOE_TRACE_COLLECTIVES: every collective's order, to check
     hs = initialize_hetero_parallel(plan, device=hooks.device or rank_device(), wire_dtype=precision_dtype(pools.wire))
+    if hooks.transport is not None:
+        hs.transport = hooks.transport(hs)  # before anything holds the state's own
     assembly = RoleAssembly(hs, pools)
     precision = pools.of(hs.role)  # this rank's pool's
     if pools.mixed and hs.rank == 0 and not cfg.quiet:

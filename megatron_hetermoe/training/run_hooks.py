@@ -10,9 +10,9 @@ if TYPE_CHECKING:
 
     import torch
 
+    from megatron_hetermoe.parallel.extension import TaskTiming, Transport
+    from megatron_hetermoe.parallel.state import HeteroParallelState
     from megatron_hetermoe.plan.hetero_plan import HeteroPlan
-
-    from megatron_hetermoe.schedules.timing import TaskTiming
     from megatron_hetermoe.training.nan_check import NanInjection
 
 
@@ -29,6 +29,9 @@ class RunHooks:
     nan_injection: "NanInjection | None" = None
     # Time every task of a HeterMoE task list (tests; an --emulate run makes the emulated cluster's).
     task_timing: "TaskTiming | None" = None
+    # Another token backend (parallel/extension.Transport), made from the rank's state, instead of
+    # the split-size one HeteroParallelState.transport picks.
+    transport: "Callable[[HeteroParallelState], Transport] | None" = None
     # The rank's device when not the one its world's backend implies (parallel/device.rank_device:
     # CUDA under NCCL, else the CPU): CUDA tensors over gloo (scripts/gpu_check, 2 ranks on one GPU).
     device: "torch.device | None" = None

@@ -373,9 +373,9 @@ def _short(path: str) -> str:
     return path
 
 
-# Sites of the route's one host read of the counts per (layer, microbatch) (parallel/comm.py,
-# TokenRoute): the split sizes of the transfers must be on the host; not a compute task's sync.
-ROUTE_SITES = ("megatron_hetermoe/parallel/comm.py", "megatron_hetermoe/parallel/transport.py")
+# Sites of the route's one host read of the counts per (layer, microbatch) (parallel/transport.py,
+# SplitRoute): the split sizes of the transfers must be on the host; not a compute task's sync.
+ROUTE_SITES = ("megatron_hetermoe/parallel/transport.py",)
 
 
 def worker_host_syncs(a) -> int:

@@ -7,15 +7,14 @@ hooks' rule and the simulator."""
 from __future__ import annotations
 
 import pytest
+from emulated_small import CLUSTER, GB, MODEL, SEQ
 
 from megatron_hetermoe.config import EmulationSpec, ModelConfig
 from megatron_hetermoe.emulation.emulator import Emulator
+from megatron_hetermoe.parallel.extension import ReceivedTokens
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup
 from megatron_hetermoe.planner.expert_load import ExpertLoad
 from megatron_hetermoe.planner.simulator import balanced_tokens_per_expert, experts_time, simulate_plan
-from megatron_hetermoe.schedules.timing import ReceivedTokens
-
-from emulated_small import CLUSTER, GB, MODEL, SEQ
 
 
 def _plan() -> HeteroPlan:

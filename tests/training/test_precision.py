@@ -14,9 +14,8 @@ from routing import force_routing, initial_state
 from shared_plans import asym_ea_plan
 
 from megatron_hetermoe.config import HeteroRunConfig, ParallelConfig, TrainConfig
-from megatron_hetermoe.parallel.comm import TokenRoute
-from megatron_hetermoe.parallel.transport import LoopbackTransport
 from megatron_hetermoe.parallel.launcher import launch
+from megatron_hetermoe.parallel.transport import SplitRoute
 from megatron_hetermoe.plan.hetero_plan import even_plan
 from megatron_hetermoe.tools.parity import diff_by_category, run_parity
 from megatron_hetermoe.training import args as train_args
@@ -223,29 +222,35 @@ def test_loss_scale_flags(tiny):
         validate_job(_cfg(tiny, bf16=True, ckpt_reshard=True), 4)
 
 
-def test_token_route_casts_to_the_wire_dtype_and_back():
-    route = TokenRoute((0,), (0,), torch.zeros(1, 1, dtype=torch.int64), LoopbackTransport(), 8, torch.float16,
-                       torch.device("cpu"), torch.bfloat16)
-    sent = []
+class _Recorder:
+    """A split-size transport that records what it was given to send and sends it back."""
 
-    def a2a(x, outs, ins, direction):
-        sent.append(x)
+    def __init__(self):
+        self.sent = []
+
+    def move(self, x, out_splits, in_splits, direction, async_op=False):
+        self.sent.append(x)
         return x.clone()
 
+
+def test_split_route_casts_to_the_wire_dtype_and_back():
+    wire = _Recorder()
+    route = SplitRoute((0,), (0,), torch.zeros(1, 1, dtype=torch.int64), wire, 8, torch.float16,
+                       torch.device("cpu"), torch.bfloat16)
     x = torch.randn(3, 8, dtype=torch.bfloat16)
-    got = route.to_experts(x, a2a)
-    assert sent[-1].dtype == torch.float16 and got.dtype == torch.float16  # the wire's
+    got = route.to_experts(x)
+    assert wire.sent[-1].dtype == torch.float16 and got.dtype == torch.float16  # the wire's
     assert route.arrived(got).dtype == torch.bfloat16
     assert torch.equal(route.arrived(got), x)  # bf16 -> fp16 -> bf16 is exact in fp16's range
-    route.to_attention(torch.zeros(0, 8, dtype=torch.float16), a2a)  # the wire dtype passes as it is
-    assert sent[-1].dtype == torch.float16
-    with pytest.raises(TypeError, match=r"TokenRoute.to_attention: sending a torch.float32 tensor on a torch.float16 "
+    route.to_attention(torch.zeros(0, 8, dtype=torch.float16))  # the wire dtype passes as it is
+    assert wire.sent[-1].dtype == torch.float16
+    with pytest.raises(TypeError, match=r"SplitRoute.to_attention: sending a torch.float32 tensor on a torch.float16 "
                                         r"route whose rank computes in torch.bfloat16"):
-        route.to_attention(torch.zeros(0, 8), a2a)
-    one = TokenRoute((0,), (0,), torch.zeros(1, 1, dtype=torch.int64), LoopbackTransport(), 8, torch.bfloat16,
+        route.to_attention(torch.zeros(0, 8))
+    one = SplitRoute((0,), (0,), torch.zeros(1, 1, dtype=torch.int64), wire, 8, torch.bfloat16,
                      torch.device("cpu"))  # one precision: compute is the wire dtype
     with pytest.raises(TypeError, match=r"sending a torch.float32 tensor on a torch.bfloat16 route"):
-        one.to_experts(torch.zeros(0, 8), a2a)
+        one.to_experts(torch.zeros(0, 8))
 
 
 # ---- (d) per-pool precision: bf16 attention ranks, fp16 expert ranks ----------------------
