@@ -385,8 +385,7 @@ class HeteroPretrain:
         self._optimizer_call = (build, a, k)
         optimizer = build(*a, **{**k, "use_gloo_process_groups": False})
         hs = self.hs
-        optimizer = self.assembly.configure_optimizer(optimizer, a[0] if a else k["config"],
-                                                      a[1] if len(a) > 1 else k["model_chunks"])
+        optimizer = self.assembly.configure_optimizer(optimizer, a[0] if a else k["config"])
         # Its checkpoint keys: each data-parallel group named once in the job (name_dp_groups there).
         per_rank_optimizer_state(optimizer, hs.rank, dist.get_world_size(), reshard=self.reshard)
         return optimizer

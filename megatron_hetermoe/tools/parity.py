@@ -39,8 +39,9 @@ GRAD_TOL = 1e-5
 FREE_RUN_PARAM_TOL = 1e-2
 FREE_RUN_LOSS_TOL = 1e-5
 # The gradient norm clipping divides by, at identical parameters (Megatron's over its ranks vs
-# HeterMoE's canonical per-parameter sum, world_stats.world_grad_norm): measured worst 1.2e-7 over
-# 1+1, 2+2, 3+1, 2x(2+2) and sparse Asym-EA, DistEP and zebra, ATEN default/avx2/avx512 (docs/parity.md).
+# HeterMoE's exact sum of squares, world_stats.world_grad_norm): measured worst 1.7e-7 over 1+1, 2+2,
+# 3+1, 2x(2+2), sparse Asym-EA and Asym-EA 2x(1+1), DistEP and zebra, ATEN default/avx2/avx512
+# (docs/parity.md); most of it is Megatron EP's own fp32 rounding.
 GRAD_NORM_TOL = 1e-6
 CATEGORIES = ("embedding/output", "attention", "router", "experts")
 

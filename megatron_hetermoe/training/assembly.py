@@ -175,16 +175,15 @@ class RoleAssembly:
             local = tp_shards.shard_local_state(module, local, self.hs.megatron_group("tp"), glu)
         return local
 
-    def configure_optimizer(self, optimizer, opt_config, chunks: list):
+    def configure_optimizer(self, optimizer, opt_config):
         """Megatron's optimizer (get_megatron_optimizer's) as a HeterMoE rank steps it:
         - an empty sub-optimizer is dropped (Megatron always adds a dense one; an expert rank has
           no dense parameter, and an empty distributed optimizer cannot write its state);
         - the gradient norm is taken over the world, each gradient counted once (its owner,
           decided per sub-optimizer: dense on attention DP rank 0, experts in ZP group 0; the
           distributed optimizer counts each shard once already), so every rank clips by the one
-          global norm and steps in lockstep; summed per parameter in a canonical order, so it
-          does not change when experts move (world_stats.py world_grad_norm; `chunks`: the
-          model chunks the optimizer steps, whose parameters name the slots);
+          global norm and steps in lockstep; its squares summed exactly, so it does not change
+          when experts move (world_stats.py world_grad_norm);
         - the distributed optimizer all-gathers the parameters once per step (_one_param_sync);
         - zeros in the gradients (--log-num-zeros-in-grad) are counted like the norm (world_stats.py);
         - with fp16 on a pool, this rank's bf16 sub-optimizers take the world's dynamic scaler,
@@ -207,7 +206,7 @@ class RoleAssembly:
                             f"{type(optimizer).__name__}")
         for opt in optimizer.chained_optimizers:
             opt.grad_stats_parallel_group = hs.world_group
-        megatron_optimizer.replace_grad_norm(optimizer, world_grad_norm(optimizer, chunks, hs))
+        megatron_optimizer.replace_grad_norm(optimizer, world_grad_norm(optimizer, hs))
         distributed = [o for o in optimizer.chained_optimizers if isinstance(o, DistributedOptimizer)]
         if distributed and not distributed[0].ddp_config.overlap_param_gather:
             _one_param_sync(optimizer, distributed)

@@ -293,7 +293,7 @@ def build_rank(cfg: TrainConfig, hooks: RunHooks, assembly: RoleAssembly, kernel
                      hs.world_group, hooks.nan_injection, device=hs.device)
     optimizer, scheduler, opt_config = build_optimizer(cfg, model, cfg.clip_grad, cfg.use_distributed_optimizer,
                                                        pg_collection=pgc, precision=precision)
-    optimizer = assembly.configure_optimizer(optimizer, opt_config, [model])
+    optimizer = assembly.configure_optimizer(optimizer, opt_config)
     scheduler.optimizer = optimizer
     if carry is not None:
         scheduler.load_state_dict(carry.scheduler.state_dict())

@@ -11,6 +11,7 @@ rank, the logging rank included, gets the one value.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -90,27 +91,6 @@ def world_count_zeros(optimizer, hs: HeteroParallelState):
     return count_zeros
 
 
-def _main_and_model_params(opt) -> list[tuple[torch.Tensor, torch.Tensor, int | None]]:
-    """(main parameter, model parameter, start of the main parameter's range in the model
-    parameter; None: the whole) of a Megatron sub-optimizer: its fp32 copies of 16-bit
-    parameters, its fp32 parameters themselves, a distributed optimizer's shards."""
-    if hasattr(opt, "shard_fp32_groups"):  # DistributedOptimizer
-        out = []
-        for models, mains in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
-                              (opt.model_fp32_groups, opt.shard_fp32_groups)):
-            for model_group, main_group in zip(models, mains):
-                for model, main in zip(model_group, main_group):
-                    if main is not None:
-                        out.append((main, model, opt._get_model_param_range_map(model)["param"].start))
-        return out
-    if hasattr(opt, "fp32_from_float16_groups"):  # Float16OptimizerWithFloat16Params
-        pairs = [(main, model) for models, mains in zip(opt.float16_groups, opt.fp32_from_float16_groups)
-                 for model, main in zip(models, mains)]
-        return [(main, model, None) for main, model in pairs] + [
-            (p, p, None) for group in opt.fp32_from_fp32_groups for p in group]
-    return [(p, p, None) for p in opt.get_parameters()]  # FP32Optimizer
-
-
 def _megatron_grads_for_norm(opt, group: str | None) -> list[torch.Tensor]:
     """The gradients Megatron's own filter puts in a sub-optimizer's norm (not None, not shared,
     not a tensor-parallel duplicate; megatron-core 0.19: of the main norm, or of one separate
@@ -121,64 +101,88 @@ def _megatron_grads_for_norm(opt, group: str | None) -> list[torch.Tensor]:
     return cls.get_main_grads_for_grad_norm(opt) if group is None else []  # 0.16: no separate groups
 
 
-def world_grad_norm(optimizer, chunks: list, hs: HeteroParallelState) -> Callable[[str | None], float]:
-    """The world's L2 gradient norm as clipping uses it, the same wherever the experts sit.
-    Why: Megatron adds each rank's squares and reduces the ranks' sums; an expert moved to another
-    rank (a live move) regroups those partial sums, so the norm's rounding and, with clipping, the
-    update changed (rel 6.1e-8 in the norm measured, 5e-7 in a later loss). Here each parameter (each
-    expert of a GroupedMLP weight) has a slot of its own, named canonically (a dense parameter with
-    its rank too: a tensor-parallel shard; a distributed optimizer's shard with its range's start);
-    each rank puts its squared norms in its slots, one all-reduce adds them (one contributor per
-    slot: exact) and every rank sums the slots in the same sorted order. A distributed optimizer
-    whose expert shards span several ranks (ZP groups > 1) shards an expert differently per layout:
-    its norm is right but not placement-invariant. Counted as before (counts_here: dense on
-    attention DP rank 0, experts in ZP group 0, every shard). Returns norm(group): the main norm
-    (None) or, on megatron-core 0.19, that of a separate grad-norm group (the MTP block's)."""
-    from megatron_hetermoe.models.builder import canonical_names, unwrap
-    from megatron_hetermoe.plan import expert_names
+# What world_square_sum drops is below 2**-ACCURACY_BITS of the largest square (so of the sum): the
+# clipping coefficient Megatron computes from it is fp32 (2**-24).
+ACCURACY_BITS = 40
 
-    canonical: dict[int, str] = {}
-    for chunk in chunks:
-        module = unwrap(chunk)
-        names = module.canonical_names() if hasattr(module, "canonical_names") else canonical_names(module)
-        canonical.update({id(p): names[n] for n, p in module.named_parameters()})
+
+def _fold_steps(peak: float, n_bits: int) -> list[float]:
+    """The splitters of world_square_sum's folds: fold k rounds each value to a multiple of a grid
+    step u_k by (v + s_k) - s_k, s_k = 1.5 * 2**52 * u_k; u_1 = 2**(e + n_bits - 52) with peak below
+    2**e, so at most 2**(n_bits - 1) grid values of magnitude <= 2**e add up below 2**53 * u_1: every
+    sum of them, in any order and grouping, is exact. A fold's remainders are at most u_k / 2, the
+    next fold's peak. Folds go on until the dropped remainders, at most 2**(n_bits - 1) * u_K / 2,
+    are below 2**-ACCURACY_BITS of the peak."""
+    if not 1 <= n_bits <= 44:  # each fold must gain bits: 52 - n_bits of them
+        raise ValueError(f"world_square_sum: 2**{n_bits - 1} elements is beyond the folds' range (2**43)")
+    _, e = math.frexp(peak)  # peak = m * 2**e, m in [0.5, 1): peak < 2**e, peak >= 2**(e-1)
+    steps, u_exp = [], e + n_bits - 52  # grid step 2**u_exp
+    while True:
+        steps.append(1.5 * 2.0 ** (u_exp + 52))
+        if u_exp + n_bits - 2 < e - 1 - ACCURACY_BITS or u_exp < -1074 + 52:  # negligible, or subnormal grids
+            return steps
+        u_exp = u_exp - 1 + n_bits - 52  # the remainders' bound u/2 is the next fold's 2**e
+
+
+def fold_sums(values: list[torch.Tensor], steps: list[float]) -> torch.Tensor:
+    """Per fold of _fold_steps, the exact sum of every tensor's values rounded to its grid (the
+    remainders go to the next fold): float64 [len(steps)]. `values`: float64, non-negative."""
+    out = torch.zeros(len(steps), dtype=torch.float64, device=values[0].device if values else "cpu")
+    for v in values:
+        for k, s in enumerate(steps):
+            hi = (v + s) - s  # v on fold k's grid (exact: no rounding past the grid)
+            out[k] += hi.sum()
+            v = v - hi  # exact
+    return out
+
+
+def world_square_sum(grads: list[torch.Tensor], group, device: torch.device, n_bits: int) -> float:
+    """The sum of the squares of every element of `grads` over `group`'s ranks, the same bits
+    however the elements are spread over ranks, tensors and shards: each square is exact in float64
+    (fp32 or narrower gradients), and is summed in folds on grids fixed by the group's largest
+    square and `n_bits` (2**(n_bits-1) >= the group's element count; _fold_steps), where adding
+    is exact in any order; only the folds' few totals are rounded, in a fixed order. What the last
+    fold leaves is dropped: below 2**-ACCURACY_BITS of the sum. Two all-reduces: the largest
+    square, the folds' sums (2 folds up to 2**20 elements in the world, 4 at 2**30, 5 at 2**35;
+    each a pass over the gradients in float64)."""
+    squares = [g.detach().double().square().flatten() for g in grads]
+    peak = torch.zeros(1, dtype=torch.float64, device=device)
+    for sq in squares:
+        if sq.numel():
+            peak = torch.maximum(peak, sq.max())
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    top = peak.item()
+    if not math.isfinite(top) or top == 0.0:  # inf or nan (an overflowed step) as Megatron's norm gives it
+        return top
+    steps = _fold_steps(top, n_bits)
+    sums = fold_sums(squares, steps).to(device)
+    dist.all_reduce(sums, group=group)
+    total = 0.0
+    for x in sums.tolist():  # largest fold first: a fixed order
+        total += x
+    return total
+
+
+def world_grad_norm(optimizer, hs: HeteroParallelState) -> Callable[[str | None], float]:
+    """The world's L2 gradient norm as clipping uses it, the same bits wherever the experts sit.
+    Why: Megatron adds each rank's squares and reduces the ranks' sums; an expert moved to another
+    rank (a live move), or a distributed optimizer's shard cut elsewhere in the moved bucket layout,
+    regroups those partial sums, so the norm's rounding and, with clipping, the update changed (rel
+    6.1e-8 in the norm measured, 5e-7 in a later loss). Here the squares are summed exactly
+    (world_square_sum), so no grouping shows. Counted as before (counts_here: dense on attention DP
+    rank 0, experts in ZP group 0, every distributed optimizer's shard), by Megatron's own filter
+    of each sub-optimizer's gradients. Returns norm(group): the main norm (None) or, on megatron-core
+    0.19, that of a separate grad-norm group (the MTP block's)."""
     subs = [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if counts_here(o, hs)]
-    # main parameter -> (its slots' keys, the gradient cut into one piece per slot)
-    slots_of: dict[int, tuple[list[str], Callable[[torch.Tensor], list[torch.Tensor]]]] = {}
-    whole = lambda g: [g]  # noqa: E731
-    for opt in subs:
-        for main, model, start in _main_and_model_params(opt):
-            name = canonical[id(model)]
-            if start is not None and main.numel() != model.numel():  # a part of the parameter
-                slots_of[id(main)] = ([f"{name}@{hs.rank}:{start}"], whole)
-            elif not _is_expert(model):
-                slots_of[id(main)] = ([f"{name}@{hs.rank}"], whole)
-            elif expert_names.is_label(name):  # a GroupedMLP weight: one slot per expert
-                slots_of[id(main)] = (expert_names.label_members(name), lambda g, n=name, shape=model.shape: list(
-                    expert_names.unpack(n, g.view(shape)).values()))
-            else:
-                slots_of[id(main)] = ([name], whole)
-    mine = sorted({k for keys, _ in slots_of.values() for k in keys})
-    every: list = [None] * dist.get_world_size(hs.world_group)
-    dist.all_gather_object(every, mine, group=hs.world_group)
-    slot = {k: i for i, k in enumerate(sorted(set().union(*every)))}
-    decoupled = bool(getattr(getattr(optimizer, "config", None), "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
-                             False))
+    # The grid's headroom: 2**(n_bits-1) >= every element the world counts (each sub-optimizer's
+    # parameters, shards included: the same total in every layout), taken once here.
+    count = torch.tensor([sum(p.numel() for opt in subs for p in opt.get_parameters())], dtype=torch.float64,
+                         device=hs.device)
+    dist.all_reduce(count, group=hs.world_group)
+    n_bits = max(1, math.ceil(math.log2(count.item() + 1))) + 1
 
     def norm(group: str | None = None) -> float:
-        keys, grads = [], []
-        for opt in subs:
-            main_of = {id(getattr(p, "decoupled_grad", None) if decoupled else p.grad): p
-                       for p in opt.get_parameters()}
-            for g in _megatron_grads_for_norm(opt, group):
-                names, split = slots_of[id(main_of[id(g)])]
-                keys += [slot[k] for k in names]
-                grads += split(g)
-        squares = torch.zeros(len(slot), dtype=torch.float64, device=hs.device)
-        if grads:
-            norms = torch.stack(torch._foreach_norm(grads)).double()  # main gradients: fp32
-            squares.index_put_((torch.tensor(keys, device=hs.device),), norms * norms, accumulate=True)
-        dist.all_reduce(squares, group=hs.world_group)
-        return squares.sum().item() ** 0.5
+        grads = [g for opt in subs for g in _megatron_grads_for_norm(opt, group)]
+        return world_square_sum(grads, hs.world_group, hs.device, n_bits) ** 0.5
 
     return norm

@@ -16,7 +16,7 @@ import dataclasses
 import json
 
 import pytest
-from shared_plans import attention_tp_pair_moves, sparse_asym_ea_plan
+from shared_plans import asym_ea_plan, attention_tp_pair_moves, sparse_asym_ea_plan
 
 from megatron_hetermoe.checkpoint.format import MANIFEST, iter_dir_name
 from megatron_hetermoe.config import HeteroRunConfig, ParallelConfig, TrainConfig
@@ -71,7 +71,7 @@ def test_forced_moves_change_no_loss(tiny, tmp_path, case, monkeypatch):
     assert all(m["experts"] == 4 and m["bytes"] > 0 for m in moved.moves), moved.moves
     assert placement_key(HeteroPlan.from_dict(moved.plan)) == placement_key(with_placement(plan, SPARSE))
     assert moved.losses == static.losses  # bitwise
-    # The norm clipping divides by, too: summed per parameter in a canonical order (world_grad_norm).
+    # The norm clipping divides by, too: its squares summed exactly (world_stats.world_grad_norm).
     assert moved.grad_norms == static.grad_norms and all(n > 0 for n in static.grad_norms), (moved.grad_norms,
                                                                                              static.grad_norms)
     if case == "zebra bf16":
@@ -129,11 +129,36 @@ def test_forced_moves_with_attention_tensor_parallelism(tiny):
                 hooks=RunHooks(replan=_forcing(forced)))
     assert [(m["iteration"], m["experts"]) for m in moved.moves] == [(2, 2), (4, 6)], moved.moves
     assert moved.losses == static.losses  # bitwise (under ATEN_CPU_CAPABILITY default, avx2 and avx512)
-    # The gradient norms bitwise too: one slot per parameter, summed in a canonical order
-    # (world_stats.world_grad_norm; Megatron's per-rank partial sums moved 6.1e-8 here). The bug
+    # The gradient norms bitwise too: the squares summed exactly (world_stats.world_grad_norm;
+    # Megatron's per-rank partial sums moved 6.1e-8 here). The bug
     # this test was written for, TP rank 1's shards left out after a move, made them 10 % apart.
     assert len(static.grad_norms) == STEPS and all(n is not None and n > 0 for n in static.grad_norms)
     assert moved.grad_norms == static.grad_norms, (moved.grad_norms, static.grad_norms)
+
+
+# Two ZP groups of 1 attention + 1 expert rank (Asym-EA): each expert's gradient is sharded by the
+# distributed optimizer over its replica group (ranks 1 and 3; 0 and 2), cut where the bucket layout
+# puts it. The moves change every bucket: attention rank 0 gets 2 experts of layer 1, then none of
+# layer 0.
+ZP2_FORCED = {2: [{0: [1], 1: [0, 2, 3]}, {0: [0, 1], 1: [2, 3]}],
+              4: [{1: [0, 1, 2, 3]}, {0: [2], 1: [0, 1, 3]}]}
+
+
+@pytest.mark.parametrize("schedule", ["zebra", "distep"])
+def test_forced_moves_with_the_distributed_optimizer_over_two_zp_groups(tiny, schedule):
+    """The moved experts' shards are cut elsewhere in the replica group after each move; the norm
+    clipping divides by (clip 1.0) is an exact sum of squares (world_stats.world_square_sum), so the
+    norms and losses stay bitwise those of the run without moves. (Summed per shard, as Megatron and
+    this package's earlier per-slot norm did, they were not: a move regrouped the partial sums.)"""
+    plan = dataclasses.replace(asym_ea_plan(), schedule=schedule)
+    cfg = _cfg(tiny, use_distributed_optimizer=True)
+    static = run(cfg, 4, plan=plan, hetero=HeteroRunConfig(schedule=schedule))
+    moved = run(cfg, 4, plan=plan, hetero=HeteroRunConfig(schedule=schedule, replan_interval=1),
+                hooks=RunHooks(replan=_forcing(ZP2_FORCED)))
+    assert [m["iteration"] for m in moved.moves] == [2, 4], moved.moves
+    assert len(set(static.losses)) == STEPS and all(n > 0 for n in static.grad_norms)
+    assert moved.grad_norms == static.grad_norms, (moved.grad_norms, static.grad_norms)
+    assert moved.losses == static.losses  # bitwise
 
 
 def test_load_rule_splits_a_planted_hot_pair(tiny):

@@ -87,7 +87,7 @@ def test_pretrain_forced_moves_with_pipeline_stages(mlm, data, tmp_path, monkeyp
     nothing in layer 0 and rank 5 nothing in layer 1; losses and gradient norms bitwise the
     unmoved run's, clipped by the norm (under ATEN_CPU_CAPABILITY=default Megatron's per-rank
     partial sums moved the norm at iteration 4 and, clipped by it, the loss of iteration 6 by 5e-7;
-    world_stats.world_grad_norm sums per parameter in a canonical order)."""
+    world_stats.world_grad_norm sums the squares exactly)."""
     from megatron_hetermoe.plan.hetero_plan import even_plan
 
     plan = even_plan(2, 4, 1, 2, groups=1, num_microbatches=4, pipeline_stages=2, schedule="distep")
