@@ -136,6 +136,29 @@ def test_forced_moves_with_attention_tensor_parallelism(tiny):
     assert moved.grad_norms == static.grad_norms, (moved.grad_norms, static.grad_norms)
 
 
+# Attention TP 2 x 2 pipeline stages: per stage one TP pair (ranks 0, 1 | 4, 5) and 2 expert ranks
+# (2, 3 | 6, 7), one MoE layer each; each stage's experts move between its own expert ranks: one
+# expert of each stage at 2, then every expert onto one rank of each stage at 4 (3 moves each).
+TP_PP_FORCED = {2: [{2: [0, 1, 2], 3: [3]}, {6: [0], 7: [1, 2, 3]}],
+                4: [{3: [0, 1, 2, 3]}, {6: [0, 1, 2, 3]}]}
+
+
+@pytest.mark.parametrize("schedule", ["zebra", "distep"])
+def test_forced_moves_with_tensor_and_pipeline_parallelism_together(tiny, schedule):
+    """Losses and gradient norms (clipped at 1.0) bitwise the unmoved run's with the attention pool
+    tensor- and pipeline-parallel at once (8 ranks)."""
+    plan = even_plan(2, 4, 2, 2, num_microbatches=4, schedule=schedule, attention_tp=2, pipeline_stages=2)
+    cfg = TrainConfig(tiny, ParallelConfig(tp=2, pp=2, sequence_parallel=True), micro_batch_size=1,
+                      global_batch_size=4, quiet=True, train_iters=STEPS)
+    static = run(cfg, 8, plan=plan, hetero=HeteroRunConfig(schedule=schedule))
+    moved = run(cfg, 8, plan=plan, hetero=HeteroRunConfig(schedule=schedule, replan_interval=1),
+                hooks=RunHooks(replan=_forcing(TP_PP_FORCED)))
+    assert [(m["iteration"], m["experts"]) for m in moved.moves] == [(2, 2), (4, 6)], moved.moves
+    assert len(set(static.losses)) == STEPS and all(n is not None and n > 0 for n in static.grad_norms)
+    assert moved.grad_norms == static.grad_norms, (moved.grad_norms, static.grad_norms)
+    assert moved.losses == static.losses  # bitwise
+
+
 # Two ZP groups of 1 attention + 1 expert rank (Asym-EA): each expert's gradient is sharded by the
 # distributed optimizer over its replica group (ranks 1 and 3; 0 and 2), cut where the bucket layout
 # puts it. The moves change every bucket: attention rank 0 gets 2 experts of layer 1, then none of
