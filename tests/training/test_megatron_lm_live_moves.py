@@ -8,9 +8,13 @@ expert ranks' measured seconds); the others force the plugin trainer's test move
 sparse Asym-EA plan to the even plan at iteration 2 (attention rank 1 loses its experts and its
 expert sub-optimizer) and on to a plan where each expert rank holds nothing in one layer at 4,
 also under Megatron's model defaults with fp16's dynamic loss scale; others force moves with
-pipeline stages and with attention tensor parallelism.
+pipeline stages and with attention tensor parallelism; and on a real recipe (Megatron's MoE CI
+config, TP 2), planned from its flags and saved after a move.
 core_v0.19.0: test_megatron_lm_v019.py runs the same helpers (megatron_lm_run.py)."""
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 from megatron_lm_run import (
@@ -19,13 +23,15 @@ from megatron_lm_run import (
     DATA,
     MEGATRON_DEFAULTS,
     MODEL,
-    NO_EVAL,
     PRECISIONS,
     RECIPE,
+    NO_EVAL,
     forced_moves_change_no_loss,
     hetero_run,
     lopsided_plan,
+    moved_experts,
     moves_live_and_resumes,
+    tb_losses,
     torchrun,
 )
 
@@ -117,3 +123,56 @@ def test_pretrain_refuses_live_moves_with_flags_that_keep_old_objects(mlm, data,
     log = r.stdout + r.stderr
     assert r.returncode != 0
     assert "--overlap-grad-reduce with --hetero-replan-interval" in log, log[-3000:]
+
+
+@pytest.mark.slow
+def test_pretrain_forced_moves_on_a_recipe_planned_from_its_flags_and_saved(mlm, data, tmp_path, monkeypatch):
+    """Megatron's MoE CI config (test_megatron_lm_recipes.py's CI_CONFIG: TP 2 with sequence
+    parallelism, 8 experts top-2, Megatron's model defaults, --deterministic-mode), shrunk, planned
+    with `hetermoe plan --even -- <its flags>` (one TP pair + 2 expert ranks at the recipe's TP), with
+    moves forced at 2 (3 experts) and 4 (each layer's experts all on one expert rank) and --save at 4:
+    6 iterations' losses and gradient norms bitwise the unmoved run's; the checkpoint of iteration 4,
+    saved after the second move, records the moved plan and resumes on the starting plan with
+    iterations 5 and 6 as before. Left out of the recipe: --async-save, refused by name with
+    --hetero-replan-interval (its writer holds the old objects)."""
+    import json
+
+    from megatron.core.dist_checkpointing import load_common_state_dict
+    from test_megatron_lm_recipes import CI_CONFIG, EVAL_OFF, RECIPE_ENV, recipe_flags, shrunk
+
+    from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+    from megatron_hetermoe.planner.cli_plan import main as plan_main
+
+    for k, v in RECIPE_ENV["moe-ci-tp2-ep2-top2"].items():
+        monkeypatch.setenv(k, v)
+    recipe = [f for f in shrunk(recipe_flags(mlm, "CI_CONFIG")) if f != "--async-save"]
+    assert "--async-save" in CI_CONFIG and recipe[recipe.index("--tensor-model-parallel-size") + 1] == "2"
+    path = tmp_path / "plan.json"
+    assert plan_main(["--even", "--attention-ranks", "2", "--expert-ranks", "2", "--microbatches", "4", "-o",
+                      str(path), "--", *recipe, *EVAL_OFF]) == 0
+    plan = HeteroPlan.load(path)
+    assert plan.attention_tp == 2 and plan.groups[0].placement == [{2: [0, 1, 2, 3], 3: [4, 5, 6, 7]}] * 2
+    forced = {2: [{2: [0, 1, 2, 3, 4], 3: [5, 6, 7]}, {2: [0, 1, 2], 3: [3, 4, 5, 6, 7]}],
+              4: [{3: list(range(8))}, {2: list(range(8))}]}
+    six = ["--train-iters", "6"]
+    _, still = hetero_run(mlm, path, data, tmp_path / "still", six, evaluation=NO_EVAL, recipe=recipe)
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parents[1] / "forced_moves"))
+    monkeypatch.setenv("HETERMOE_TEST_FORCED_MOVES", json.dumps(forced))
+    ckpt = tmp_path / "ckpt"
+    log, moved = hetero_run(mlm, path, data, tmp_path / "moved",
+                            [*six, "--hetero-replan-interval", "1", "--save", str(ckpt), "--save-interval", "4"],
+                            evaluation=NO_EVAL, recipe=recipe)
+    assert re.findall(r" live move at iteration (\d+): (\d+) expert", log) == moved_experts(plan, forced), log[-3000:]
+    assert sorted(moved) == [1, 2, 3, 4, 5, 6] and len(set(moved.values())) == 6
+    assert moved == still  # bitwise
+    norms = tb_losses(tmp_path / "still", "grad-norm")
+    assert sorted(norms) == [1, 2, 3, 4, 5, 6] and tb_losses(tmp_path / "moved", "grad-norm") == norms
+    saved = HeteroPlan.from_dict(json.loads(load_common_state_dict(str(ckpt / "iter_0000004"))["args"]
+                                            .hetero_plan_json))
+    assert [{int(r): es for r, es in pl.items() if es} for pl in saved.groups[0].placement] == forced[4]
+    monkeypatch.delenv("HETERMOE_TEST_FORCED_MOVES")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("4")  # not the final save's 6
+    log, resumed = hetero_run(mlm, path, data, tmp_path / "resumed", [*six, "--load", str(ckpt)],
+                              evaluation=NO_EVAL, recipe=recipe)
+    assert sorted(resumed) == [5, 6], log[-3000:]
+    assert resumed == {i: still[i] for i in (5, 6)}
