@@ -160,8 +160,8 @@ class HeteroParallelState:
         )
 
         if len(self.stage_members) == 1:
-            return LoopbackTransport(str(dist.get_backend(self.dispatch_group)), geometry=self)
-        return AllToAllTransport(self.dispatch_group, self.combine_group, self.counts_group, self.device, geometry=self)
+            return LoopbackTransport(self, str(dist.get_backend(self.dispatch_group)))
+        return AllToAllTransport(self, self.dispatch_group, self.combine_group, self.counts_group)
 
     # ---- the groups megatron-core modules get --------------------------------------------------
     def group(self, kind: str) -> dist.ProcessGroup | None:

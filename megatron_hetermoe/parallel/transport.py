@@ -153,8 +153,8 @@ class _Transfer(torch.autograd.Function):
 
 class _SplitTransport:
     """The Transport methods both split-size backends share: a route is made from the counts
-    exchange (`counts`), its rows moved by `move`."""
-    geometry: ZPGeometry | None
+    exchange (`counts`) and the ZP group's `geometry`, its rows moved by `move`."""
+    geometry: ZPGeometry
 
     def counts(self, counts: torch.Tensor, async_op: bool = False):
         """Every member sends its int64 count vector to every member: [members, len(counts)], row k
@@ -167,16 +167,10 @@ class _SplitTransport:
         `direction` (DIRECTIONS)."""
         raise NotImplementedError
 
-    def _geometry(self) -> ZPGeometry:
-        if self.geometry is None:
-            raise ValueError(f"{type(self).__name__} was made without its ZP group's geometry, so it moves rows "
-                             f"but makes no route; use HeteroParallelState.transport")
-        return self.geometry
-
     def _counts_of(self, layer: int, per_expert: torch.Tensor | None) -> torch.Tensor:
         """What a rank sends in the counts exchange: its int64 token count per expert of `layer` in
         travel order; zeros on a rank that routes nothing (an expert rank)."""
-        g = self._geometry()
+        g = self.geometry
         if per_expert is None:
             return torch.zeros(len(g.layer_order(layer)), dtype=torch.int64, device=g.device)
         return per_expert.to(torch.int64)
@@ -196,16 +190,15 @@ class _SplitTransport:
         return self.counts(self._counts_of(layer, per_expert), async_op=True)
 
     def finish_route(self, layer: int, all_counts: torch.Tensor, width: int, dtype: torch.dtype) -> SplitRoute:
-        return SplitRoute.from_counts(self._geometry(), self, layer, all_counts, width, dtype)
+        return SplitRoute.from_counts(self.geometry, self, layer, all_counts, width, dtype)
 
 
 class AllToAllTransport(_SplitTransport):
     """all_to_all_single over the ZP group's dispatch, combine and counts process groups."""
 
-    def __init__(self, dispatch_group, combine_group, counts_group, device: torch.device,
-                 geometry: ZPGeometry | None = None):
+    def __init__(self, geometry: ZPGeometry, dispatch_group, combine_group, counts_group):
         self.groups = {"dispatch": dispatch_group, "combine": combine_group, "counts": counts_group}
-        self.device, self.geometry = device, geometry
+        self.geometry = geometry
         self.members = dist.get_world_size(dispatch_group)
         self.backend = str(dist.get_backend(dispatch_group))
 
@@ -233,7 +226,7 @@ class AllToAllTransport(_SplitTransport):
         return out
 
     def latest(self, value: float, direction: str) -> float:
-        t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        t = torch.tensor([value], dtype=torch.float64, device=self.geometry.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.groups[direction])
         return float(t)
 
@@ -253,8 +246,8 @@ class LoopbackTransport(_SplitTransport):
     the world's, for the executors' choice)."""
     members = 1
 
-    def __init__(self, backend: str = "gloo", geometry: ZPGeometry | None = None):
-        self.backend, self.geometry = backend, geometry
+    def __init__(self, geometry: ZPGeometry, backend: str):
+        self.geometry, self.backend = geometry, backend
 
     def counts(self, counts: torch.Tensor, async_op: bool = False):
         faults.checkpoint("exchange", "counts")

@@ -42,6 +42,14 @@ from megatron_hetermoe.schedules.timing import LoadedTiming
 from megatron_hetermoe.vocabulary import Role, StreamName, TaskKind
 
 
+_TO_EXPERTS = (TaskKind.D_F, TaskKind.C_B)  # the transfers in the dispatch direction
+
+
+def _transfer_of(route: Route, task: Task) -> Callable:
+    """The route's transfer that transfer task `task` makes: to the experts (D_F, C_B) or back."""
+    return route.to_experts if task.kind in _TO_EXPERTS else route.to_attention
+
+
 def _recomputed(fn, *args):
     """fn(*args) under torch's checkpoint (the stage is run again in its backward), with Megatron's
     RNG tracker states of the forward in place for the recomputation, as Megatron's own checkpoint
@@ -170,12 +178,11 @@ class ZebraRank:
         simulator has it; the real cost, and any host delay in reaching the call, hide inside the
         emulated time instead of adding to it."""
         route = self.slot(task.layer, task.microbatch).route
-        to_experts = task.kind in (TaskKind.D_F, TaskKind.C_B)
-        go = route.to_experts if to_experts else route.to_attention
+        go = _transfer_of(route, task)
         timing = self.task_timing
         if timing is None:
             return go(send)
-        direction = StreamName.DISPATCH if to_experts else StreamName.COMBINE
+        direction = StreamName.DISPATCH if task.kind in _TO_EXPERTS else StreamName.COMBINE
         begun = started if started is not None else self.hs.transport.latest(self.ex.ready(task), direction)
         out = go(send)
         timing.transfer(task, begun, time.perf_counter(), route.pair_rows)
@@ -234,11 +241,7 @@ class ZebraRank:
         """Issue transfer `task` asynchronously (its route exists); a sent buffer is released
         right away (`_sent`: kept for the side stream that reads it)."""
         st = self.slot(task.layer, task.microbatch)
-        send = self._send(task, st)
-        if task.kind in (TaskKind.D_F, TaskKind.C_B):
-            out, work = st.route.to_experts(send, async_op=True)
-        else:
-            out, work = st.route.to_attention(send, async_op=True)
+        out, work = _transfer_of(st.route, task)(self._send(task, st), async_op=True)
         self._received(task, st, out)
         self._sent(task, st)
         return [work]

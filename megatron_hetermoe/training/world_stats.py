@@ -12,7 +12,7 @@ rank, the logging rank included, gets the one value.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -124,10 +124,12 @@ def _fold_steps(peak: float, n_bits: int) -> list[float]:
         u_exp = u_exp - 1 + n_bits - 52  # the remainders' bound u/2 is the next fold's 2**e
 
 
-def fold_sums(values: list[torch.Tensor], steps: list[float]) -> torch.Tensor:
+def fold_sums(values: Iterable[torch.Tensor], steps: list[float],
+              device: torch.device = torch.device("cpu")) -> torch.Tensor:
     """Per fold of _fold_steps, the exact sum of every tensor's values rounded to its grid (the
-    remainders go to the next fold): float64 [len(steps)]. `values`: float64, non-negative."""
-    out = torch.zeros(len(steps), dtype=torch.float64, device=values[0].device if values else "cpu")
+    remainders go to the next fold): float64 [len(steps)] on `device`. `values`: float64, one at a
+    time (a generator keeps one float64 copy of a gradient alive, not all of them)."""
+    out = torch.zeros(len(steps), dtype=torch.float64, device=device)
     for v in values:
         for k, s in enumerate(steps):
             hi = (v + s) - s  # v on fold k's grid (exact: no rounding past the grid)
@@ -145,20 +147,19 @@ def world_square_sum(grads: list[torch.Tensor], group, device: torch.device, n_b
     fold leaves is dropped: below 2**-ACCURACY_BITS of the sum. Two all-reduces: the largest
     square, the folds' sums (2 folds up to 2**20 elements in the world, 4 at 2**30, 5 at 2**35;
     each a pass over the gradients in float64)."""
-    squares = [g.detach().double().square().flatten() for g in grads]
     peak = torch.zeros(1, dtype=torch.float64, device=device)
-    for sq in squares:
-        if sq.numel():
-            peak = torch.maximum(peak, sq.max())
+    for g in grads:
+        if g.numel():  # the largest square is the largest magnitude's, squared exactly in float64
+            peak = torch.maximum(peak, g.detach().abs().max().double().square())
     dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
     top = peak.item()
     if not math.isfinite(top) or top == 0.0:  # inf or nan (an overflowed step) as Megatron's norm gives it
         return top
     steps = _fold_steps(top, n_bits)
-    sums = fold_sums(squares, steps).to(device)
+    sums = fold_sums((g.detach().double().square() for g in grads), steps, device)
     dist.all_reduce(sums, group=group)
     total = 0.0
-    for x in sums.tolist():  # largest fold first: a fixed order
+    for x in sums.tolist():  # largest fold first: a fixed order (not sum(): Python 3.12's compensates)
         total += x
     return total
 
