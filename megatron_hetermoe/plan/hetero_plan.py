@@ -20,6 +20,13 @@ each of its ranks routes and dispatches its own sequence slice. Experts stay who
 parallelism 1), on expert ranks or, with Asym-EA, on single ranks of a member: the member's other TP
 ranks dispatch to that rank as to an expert rank.
 
+Context parallelism on attention ranks (`attention_cp`, Megatron's --context-parallel-size): a
+member is then attention_tp x attention_cp consecutive ranks, tensor-parallel position fastest
+(Megatron's tp-cp order); the member's ranks at one TP position are its CP group. Each CP rank
+holds its two of the sequence's 2 x attention_cp chunks (Megatron's load-balanced split), gathers
+the other ranks' keys and values for attention, and routes its own tokens to the experts like any
+other attention rank.
+
 Pipeline parallelism inside the pools (`pipeline_stages` P, Megatron's
 --pipeline-model-parallel-size): the decoder layers split evenly into P stages (Megatron's default
 split); a group's attention ranks are P runs of equal length, stage by stage, and so are its
@@ -90,6 +97,8 @@ class HeteroPlan:
     expert_recompute: str = "off"
     # Tensor-parallel size of each attention member (module docstring); 1: one rank per member.
     attention_tp: int = 1
+    # Context-parallel size of each attention member (module docstring); 1: no context parallelism.
+    attention_cp: int = 1
     # Pipeline stages of each ZP group (module docstring); 1: no pipeline parallelism.
     pipeline_stages: int = 1
     # Zebra inside pipeline stages: Theorem 1 over this many groups of R / zebra_waves microbatches,
@@ -146,17 +155,23 @@ class HeteroPlan:
     def expert_ranks(self) -> list[int]:
         return [r for g in self.groups for r in g.expert_ranks]
 
+    @property
+    def member_size(self) -> int:
+        """Ranks of one attention member of one stage: attention_tp x attention_cp."""
+        return self.attention_tp * self.attention_cp
+
     def attention_members(self, group: int) -> list[list[int]]:
-        """The attention members of ZP group `group`: its attention ranks in runs of attention_tp
-        (each one Megatron TP group, one copy of its stage's dense weights), stage by stage."""
-        a, t = self.groups[group].attention_ranks, self.attention_tp
+        """The attention members of ZP group `group`: its attention ranks in runs of member_size
+        (each one copy of its stage's dense weights reading one stream of microbatches), stage by
+        stage."""
+        a, t = self.groups[group].attention_ranks, self.member_size
         return [list(a[i:i + t]) for i in range(0, len(a), t)]
 
     @property
     def num_attention_members(self) -> int:
         """Data-parallel size of the dense weights: attention members of one pipeline stage over
         all ZP groups (each reads its own microbatches; the stages of a pipeline read the same)."""
-        return len(self.attention_ranks) // (self.attention_tp * self.pipeline_stages)
+        return len(self.attention_ranks) // (self.member_size * self.pipeline_stages)
 
     # ---- pipeline stages (pipeline_stages; one stage: the whole group) -----------------------
     def stage_ranks(self, group: int, stage: int) -> tuple[list[int], list[int]]:
@@ -335,12 +350,15 @@ class HeteroPlan:
         if type(self.attention_tp) is not int or self.attention_tp < 1:
             raise PlanError(f"plan attention_tp={self.attention_tp!r} must be a positive integer (the attention "
                             f"members' --tensor-model-parallel-size; 1 without tensor parallelism)")
-        if self.attention_tp > 1:
+        if type(self.attention_cp) is not int or self.attention_cp < 1:
+            raise PlanError(f"plan attention_cp={self.attention_cp!r} must be a positive integer (the attention "
+                            f"members' --context-parallel-size; 1 without context parallelism)")
+        if self.member_size > 1:
             for gi, g in enumerate(self.groups):
-                if len(g.attention_ranks) % self.attention_tp:
+                if len(g.attention_ranks) % self.member_size:
                     raise PlanError(f"ZP group {gi} has {len(g.attention_ranks)} attention ranks, not a multiple of "
-                                    f"attention_tp={self.attention_tp}; give each group M x {self.attention_tp} "
-                                    f"attention ranks")
+                                    f"attention_tp x attention_cp = {self.attention_tp} x {self.attention_cp}; give "
+                                    f"each group M x {self.member_size} attention ranks")
         self._validate_stages()
         if world_size is not None and world_size != self.world_size:
             raise PlanError(
@@ -494,12 +512,12 @@ class HeteroPlan:
             raise PlanError(f"model chunk(s) (pipeline stage, chunk) {dense_chunks} hold no MoE layer "
                             f"(dense_layers={self.dense_layers}) and zebra cuts a chunk's stages at its MoE layers; "
                             f"use fewer virtual stages, or schedule 'distep'")
-        per = P * self.attention_tp
+        per = P * self.member_size
         for gi, g in enumerate(self.groups):
             if len(g.attention_ranks) % per:
                 raise PlanError(f"ZP group {gi} has {len(g.attention_ranks)} attention ranks, not a multiple of "
-                                f"pipeline_stages x attention_tp = {P} x {self.attention_tp}; give each stage the same "
-                                f"attention members")
+                                f"pipeline_stages x attention_tp x attention_cp = {P} x {self.attention_tp} x "
+                                f"{self.attention_cp}; give each stage the same attention members")
             if len(g.expert_ranks) % P or not g.expert_ranks:
                 raise PlanError(f"ZP group {gi} has {len(g.expert_ranks)} expert ranks, not a positive multiple of "
                                 f"pipeline_stages={P}; give each stage the same number of expert ranks")
@@ -535,6 +553,8 @@ class HeteroPlan:
             del d["expert_recompute"]
         if d["attention_tp"] == 1:  # and without tensor parallelism
             del d["attention_tp"]
+        if d["attention_cp"] == 1:  # and without context parallelism
+            del d["attention_cp"]
         if d["pipeline_stages"] == 1:  # and without pipeline parallelism
             del d["pipeline_stages"]
         if d["zebra_waves"] == 1:  # and with Theorem 1 over all microbatches
@@ -553,8 +573,8 @@ class HeteroPlan:
         if not isinstance(d, dict):
             raise PlanError(f"a plan is a JSON object, got {type(d).__name__}")
         known = {"num_layers", "num_experts", "gpu_types", "groups", "num_microbatches", "schedule", "version", "meta",
-                 "dense_layers", "mtp_layers", "expert_recompute", "attention_tp", "pipeline_stages", "zebra_waves",
-                 "zebra_wave_order", "virtual_stages", "first_stage_layers", "last_stage_layers"}
+                 "dense_layers", "mtp_layers", "expert_recompute", "attention_tp", "attention_cp", "pipeline_stages",
+                 "zebra_waves", "zebra_wave_order", "virtual_stages", "first_stage_layers", "last_stage_layers"}
         unknown = set(d) - known
         if unknown:
             raise PlanError(f"plan has unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -580,7 +600,7 @@ class HeteroPlan:
                     f"expert_ranks and placement (a list of {{rank: [experts]}})"
                 ) from None
         rest = {k: d[k] for k in ("num_microbatches", "schedule", "version", "meta", "dense_layers", "mtp_layers",
-                                  "expert_recompute", "attention_tp", "pipeline_stages", "zebra_waves",
+                                  "expert_recompute", "attention_tp", "attention_cp", "pipeline_stages", "zebra_waves",
                                   "zebra_wave_order", "virtual_stages", "first_stage_layers",
                                   "last_stage_layers") if k in d}
         return cls(num_layers=d["num_layers"], num_experts=d["num_experts"], gpu_types=list(d["gpu_types"]),

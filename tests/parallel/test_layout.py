@@ -102,7 +102,7 @@ def test_tensor_parallel_members_by_hand():
 def test_tensor_parallel_plan_refusals():
     from megatron_hetermoe.plan.hetero_plan import PlanError
 
-    with pytest.raises(PlanError, match="3 attention ranks, not a multiple of attention_tp=2"):
+    with pytest.raises(PlanError, match="3 attention ranks, not a multiple of attention_tp x attention_cp = 2 x 1"):
         even_plan(1, 4, 3, 1, attention_tp=2)
     d = even_plan(1, 4, 2, 2, attention_tp=2).to_dict()
     assert d["attention_tp"] == 2 and "attention_tp" not in even_plan(1, 4, 2, 2).to_dict()
