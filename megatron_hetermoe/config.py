@@ -612,12 +612,15 @@ class ParallelConfig:
     """Megatron's parallel sizes and dispatcher. `sequence_parallel` is Megatron's
     --sequence-parallel: turned off at TP 1 (as Megatron-LM's validate_args does), required with
     TP > 1 (the model is always MoE: Megatron-LM refuses MoE with TP and no sequence parallelism).
-    Experts are never tensor-parallel here (Megatron's --expert-tensor-parallel-size 1)."""
+    Experts are never tensor-parallel here (Megatron's --expert-tensor-parallel-size 1). `cp` is
+    Megatron's --context-parallel-size: a HeterMoE plan's attention_cp (the Megatron EP trainer runs
+    without it)."""
     tp: int = 1
     pp: int = 1
     ep: int = 1
     dispatcher: str = "alltoall"  # Megatron's --moe-token-dispatcher-type
     sequence_parallel: bool = False  # Megatron's --sequence-parallel
+    cp: int = 1  # Megatron's --context-parallel-size
 
     def __post_init__(self) -> None:
         if self.dispatcher not in ("alltoall", "allgather"):

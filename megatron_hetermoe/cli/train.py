@@ -26,6 +26,10 @@ _RUN_FLAGS: FlagRows = (
     ("--sequence-parallel", dict(action="store_true"),
      "Megatron's sequence parallelism over the TP group (required with TP > 1; turned off at TP 1, "
      "as Megatron-LM does)"),
+    ("--context-parallel-size", dict(type=int, default=1),
+     "Megatron's context parallelism: with --hetero-plan, the plan's attention_cp (each attention "
+     "member's ranks at one TP position split every sequence into 2 x CP chunks, two each, and "
+     "gather keys and values for attention); without a plan (Megatron EP) only 1 runs here"),
     ("--expert-tensor-parallel-size", dict(type=int, default=None),
      "expert TP size; only 1 runs here (experts are whole). Megatron's default is the TP size, so "
      "with --tensor-model-parallel-size > 1 give 1 explicitly"),

@@ -96,7 +96,7 @@ class HeteroPretrain:
                            mtp_num_layers=args.mtp_num_layers)
         # --expert-tensor-parallel-size was replaced by the plan's whole experts (replace_flags).
         check_hetero_tp(self.plan, args.tensor_model_parallel_size, args.sequence_parallel,
-                        args.expert_tensor_parallel_size)
+                        args.expert_tensor_parallel_size, args.context_parallel_size)
         check_hetero_pp(self.plan, args.pipeline_model_parallel_size, self.schedule)
         check_hetero_split(self.plan, getattr(args, "decoder_first_pipeline_num_layers", None),
                            getattr(args, "decoder_last_pipeline_num_layers", None))

@@ -61,7 +61,8 @@ class CudaToCpuMode(TorchFunctionMode):
     """Maps `device="cuda"` (and `.cuda()`) to the CPU for every torch call.
 
     Why: schedules (total_num_tokens), grad buffers, the optimizer (found_inf, grad scaler),
-    clip_grads and MoE logging allocate with a literal `device="cuda"`. Also makes
+    clip_grads and MoE logging allocate with a literal `device="cuda"`; `pin_memory=True` (the
+    rotary embedding's CP slice) is dropped, as there is no pinned allocator without a GPU. Also makes
     `Tensor.type()` report `torch.cuda.*` names for the optimizer's dtype checks.
     """
 
@@ -74,6 +75,8 @@ class CudaToCpuMode(TorchFunctionMode):
             return _CUDA_TYPES.get(name, name)
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # e.g. rope_utils' CP index tensor: no pinned allocator without a GPU
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to:
             args = tuple("cpu" if _is_cuda_device(a) and i > 0 else a for i, a in enumerate(args))
         return func(*args, **kwargs)

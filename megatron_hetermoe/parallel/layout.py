@@ -32,29 +32,35 @@ from megatron_hetermoe.vocabulary import Role
 # pipeline's first and last stage: the tied embedding; the rank alone on other stages), "tp_pp" (an
 # attention member's TP ranks over its pipeline's stages: Megatron's model-parallel group), "self",
 # "world". With pipeline stages, "zp", "attention_dp" and "attention_tp_dp" are one stage's.
-GROUP_KINDS = ("zp", "tp", "attention_dp", "attention_tp_dp", "replica", "pp", "embd", "tp_pp", "self", "world")
+# Context parallelism (the plan's attention_cp > 1) adds "cp" (the member's ranks at this TP position),
+# "tp_cp" (the whole member), "attention_dp_cp" (the stage's attention ranks at this TP position: Megatron's
+# dp x cp, over which dense gradients are summed) and "attention_tp_dp_at_cp" (those at this CP position:
+# Megatron's tp x dp without cp); at attention_cp 1 they are "self", "tp", "attention_dp" and
+# "attention_tp_dp". "attention_dp" is then the ranks at this (TP, CP) position of every member.
+GROUP_KINDS = ("zp", "tp", "attention_dp", "attention_tp_dp", "replica", "pp", "embd", "tp_pp", "self", "world",
+               "cp", "tp_cp", "attention_dp_cp", "attention_tp_dp_at_cp")
+CP_KINDS = ("cp", "tp_cp", "attention_dp_cp", "attention_tp_dp_at_cp")  # made only at attention_cp > 1
 ZP_COMMUNICATORS = ("dispatch", "combine", "counts")
 
 
 @dataclass(frozen=True)
 class InnerLayout:
-    """Model parallelism inside a role's pool (issue: TP/PP inside the pools): tensor parallelism
-    on attention members (the plan's attention_tp, with sequence parallelism) and pipeline stages
-    (the plan's pipeline_stages, each with its own attention and expert ranks); cp and etp are 1
-    (not built yet)."""
+    """Model parallelism inside a role's pool (issue: TP/PP inside the pools): tensor and context
+    parallelism on attention members (the plan's attention_tp, with sequence parallelism, and
+    attention_cp) and pipeline stages (the plan's pipeline_stages, each with its own attention and
+    expert ranks); etp is 1 (not built yet)."""
     tp: int = 1
     cp: int = 1
     pp: int = 1
     etp: int = 1
 
     def __post_init__(self) -> None:
-        if (self.cp, self.etp) != (1, 1):
-            raise NotImplementedError(f"{self}: context and expert tensor parallelism inside a HeterMoE pool "
-                                      f"are not built yet")
+        if self.etp != 1:
+            raise NotImplementedError(f"{self}: expert tensor parallelism inside a HeterMoE pool is not built yet")
 
     @classmethod
     def of(cls, plan: HeteroPlan) -> "InnerLayout":
-        return cls(tp=plan.attention_tp, pp=plan.pipeline_stages)
+        return cls(tp=plan.attention_tp, cp=plan.attention_cp, pp=plan.pipeline_stages)
 
 
 # megatron-core dimension -> the group kind serving it, per role. "dp" is the role's data-parallel
@@ -62,20 +68,25 @@ class InnerLayout:
 # Tensor-parallel dimensions are the member's TP group on an attention rank (an attention rank has
 # no expert parallelism, so TP x EP is its TP group too; TP x PP and TP x EP x PP are its "tp_pp").
 # Megatron's position-embedding group (the first stage alone) is the rank alone.
-_TENSOR_PARALLEL = ("tp", "tp_cp", "tp_ep")
+# Context parallelism: "cp" the member's CP ranks, "tp_cp" the whole member; the data-parallel dimensions
+# that include CP (Megatron's dp_cp, over which dense gradients are reduced) its attention_dp_cp group.
+_TENSOR_PARALLEL = ("tp", "tp_ep")
 _TENSOR_PIPELINE = ("mp", "tp_ep_pp")
-_MODEL_PARALLEL = ("pos_embd", "cp", "ep", "expt_tp", "inter_dist_opt", "inter_partial_expt_dp")
-_DATA_PARALLEL = ("dp", "dp_cp", "intra_dp_cp", "intra_dist_opt")
-_TENSOR_DATA_PARALLEL = ("tp_dp_cp", "tp_dp")
+_MODEL_PARALLEL = ("pos_embd", "ep", "expt_tp", "inter_dist_opt", "inter_partial_expt_dp")
+_DATA_PARALLEL_CP = ("dp_cp", "intra_dp_cp", "intra_dist_opt")
 _EXPERT_DATA_PARALLEL = ("expt_dp", "intra_expt_dp")
 MEGATRON_DIMS: dict[str, dict[Role, str]] = {
     **{d: {"attention": "tp", "expert": "self"} for d in _TENSOR_PARALLEL},
+    "tp_cp": {"attention": "tp_cp", "expert": "self"},
+    "cp": {"attention": "cp", "expert": "self"},
     **{d: {"attention": "tp_pp", "expert": "self"} for d in _TENSOR_PIPELINE},
     "pp": {"attention": "pp", "expert": "self"},
     "embd": {"attention": "embd", "expert": "self"},
     **{d: {"attention": "self", "expert": "self"} for d in _MODEL_PARALLEL},
-    **{d: {"attention": "attention_dp", "expert": "replica"} for d in _DATA_PARALLEL},
-    **{d: {"attention": "attention_tp_dp", "expert": "replica"} for d in _TENSOR_DATA_PARALLEL},
+    "dp": {"attention": "attention_dp", "expert": "replica"},
+    **{d: {"attention": "attention_dp_cp", "expert": "replica"} for d in _DATA_PARALLEL_CP},
+    "tp_dp_cp": {"attention": "attention_tp_dp", "expert": "replica"},
+    "tp_dp": {"attention": "attention_tp_dp_at_cp", "expert": "replica"},
     **{d: {"attention": "replica", "expert": "replica"} for d in _EXPERT_DATA_PARALLEL},
 }
 # ProcessGroupCollection's fields this plugin fills (hcp, hierarchical context parallelism: none).
@@ -127,34 +138,53 @@ class RankLayout:
         return self.plan.attention_ranks.index(self.rank) % self.plan.attention_tp
 
     @property
+    def cp_rank(self) -> int:
+        """Position in its attention member's context-parallel group (0 on an expert rank): which
+        two of the sequence's 2 x attention_cp chunks it holds."""
+        if self.role != Role.ATTENTION:
+            return 0
+        plan = self.plan
+        return plan.attention_ranks.index(self.rank) % plan.member_size // plan.attention_tp
+
+    @property
     def attention_dp_rank(self) -> int | None:
         """Data-parallel rank: which attention member, over all ZP groups, this rank is part of
         (every rank of a member reads the same data); None on an expert rank."""
         if self.role != Role.ATTENTION:
             return None
         plan = self.plan
-        members = len(plan.groups[self.group_index].attention_ranks) // (plan.attention_tp * plan.pipeline_stages)
-        return self.group_index * members + self.stage_position // plan.attention_tp
+        members = len(plan.groups[self.group_index].attention_ranks) // (plan.member_size * plan.pipeline_stages)
+        return self.group_index * members + self.stage_position // plan.member_size
 
     def owns_gradient(self, is_expert: bool) -> bool:
         """Whether this rank counts a gradient it holds in the world's gradient norm, so that each
         distinct parameter is counted exactly once: a dense parameter (replicated on every
-        attention member) by the ranks of attention member 0 (each its own tensor-parallel shard;
-        Megatron's norm skips tensor-parallel duplicates on TP ranks > 0); an expert (replicated
-        across ZP groups, on an expert rank or, with Asym-EA, an attention rank) by its holder in
-        ZP group 0."""
+        attention member and on a member's CP ranks) by the ranks of attention member 0 at CP
+        position 0 (each its own tensor-parallel shard; Megatron's norm skips tensor-parallel
+        duplicates on TP ranks > 0); an expert (replicated across ZP groups, on an expert rank or,
+        with Asym-EA, an attention rank) by its holder in ZP group 0."""
         if is_expert:
             return self.group_index == 0
-        return self.attention_dp_rank == 0
+        return self.attention_dp_rank == 0 and self.cp_rank == 0
 
     def ranks(self, kind: str) -> list[int] | None:
         """The global ranks of this rank's group of `kind`, ascending as a process group numbers
         its members (None: it has none, an expert rank's attention_dp)."""
         plan = self.plan
-        t = plan.attention_tp
+        t, ms = plan.attention_tp, plan.member_size
         attention = plan.attention_ranks
-        if kind in ("attention_dp", "attention_tp_dp"):  # one stage's attention ranks over the groups
-            attention = plan.stage_attention_ranks(self.stage)
+        if kind in ("attention_dp", "attention_tp_dp", "attention_dp_cp", "attention_tp_dp_at_cp"):
+            attention = plan.stage_attention_ranks(self.stage)  # one stage's attention ranks over the groups
+        if kind in CP_KINDS and self.role != Role.ATTENTION:
+            return None if kind.startswith("attention") else [self.rank]
+        if kind in ("cp", "tp_cp"):
+            i = attention.index(self.rank)
+            member = attention[i - i % ms:i - i % ms + ms]
+            return sorted(member[self.tp_rank::t] if kind == "cp" else member)
+        if kind == "attention_dp_cp":
+            return sorted(attention[self.tp_rank::t])
+        if kind == "attention_tp_dp_at_cp":
+            return sorted(r for i, r in enumerate(attention) if i % ms // t == self.cp_rank)
         if kind == "zp":
             return sorted(plan.stage_members(self.group_index, self.stage))
         if kind == "tp":
@@ -162,8 +192,10 @@ class RankLayout:
                 return [self.rank]
             i = attention.index(self.rank) // t
             return sorted(attention[i * t:(i + 1) * t])
-        if kind == "attention_dp":
-            return sorted(attention[self.tp_rank::t]) if self.role == Role.ATTENTION else None
+        if kind == "attention_dp":  # this rank's (TP, CP) position in every member
+            if self.role != Role.ATTENTION:
+                return None
+            return sorted(attention[self.tp_rank + self.cp_rank * t::ms])
         if kind == "attention_tp_dp":
             return sorted(attention) if self.role == Role.ATTENTION else None
         if kind == "replica":
@@ -206,7 +238,7 @@ def group_plan(plan: HeteroPlan) -> list[tuple[str, list[int]]]:
     per TP position, and all attention ranks; with pipeline stages, those of each stage); with
     pipeline stages, each pipeline's pp and embedding groups (and, with attention_tp > 1, its
     members' tp_pp groups); one replica group per member position; one group per rank; and the
-    world."""
+    world. With attention_cp > 1, the CP_KINDS groups follow (cp_group_plan), each rank set once."""
     out: list[tuple[str, list[int]]] = []
     P = plan.pipeline_stages
     for gi in range(len(plan.groups)):  # one dispatch unit per stage (unit gi * P + stage)
@@ -215,11 +247,11 @@ def group_plan(plan: HeteroPlan) -> list[tuple[str, list[int]]]:
     if t > 1:
         out += [(f"tp[{i}]", sorted(attention[i:i + t])) for i in range(0, len(attention), t)]
     for s in range(P):
-        stage = plan.stage_attention_ranks(s)
-        if t == 1:  # "tp" is "self" and "attention_tp_dp" is "attention_dp": no more groups
+        stage, ms = plan.stage_attention_ranks(s), plan.member_size
+        if ms == 1:  # "tp" is "self" and "attention_tp_dp" is "attention_dp": no more groups
             out.append((staged_name("attention_dp", s, P), sorted(stage)))
         else:
-            out += [(staged_name(f"attention_dp[{j}]", s, P), sorted(stage[j::t])) for j in range(t)]
+            out += [(staged_name(f"attention_dp[{j}]", s, P), sorted(stage[j::ms])) for j in range(ms)]
             out.append((staged_name("attention_tp_dp", s, P), sorted(stage)))
     if P > 1:
         for gi in range(len(plan.groups)):
@@ -234,4 +266,21 @@ def group_plan(plan: HeteroPlan) -> list[tuple[str, list[int]]]:
         out.append((f"replica[{k}]", sorted(g.members[k] for g in plan.groups)))
     out += [(f"self[{r}]", [r]) for r in range(plan.world_size)]
     out.append(("world", list(range(plan.world_size))))
+    return out + cp_group_plan(plan, {tuple(r) for _, r in out})
+
+
+def cp_group_plan(plan: HeteroPlan, made: set[tuple[int, ...]]) -> list[tuple[str, list[int]]]:
+    """The context-parallel groups (CP_KINDS) of every attention rank, each rank set not in `made`
+    once, in rank order (none at attention_cp 1: the plans before context parallelism create the
+    same groups in the same order)."""
+    out: list[tuple[str, list[int]]] = []
+    if plan.attention_cp == 1:
+        return out
+    for r in plan.attention_ranks:
+        lay = RankLayout(plan, r)
+        for kind in CP_KINDS:
+            ranks = lay.ranks(kind)
+            if len(ranks) > 1 and tuple(ranks) not in made:
+                made.add(tuple(ranks))
+                out.append((f"{kind}{ranks}", ranks))
     return out

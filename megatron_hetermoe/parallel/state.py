@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import enum
 import functools
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
@@ -32,6 +33,7 @@ import torch.distributed as dist
 
 from megatron_hetermoe.parallel.layout import (
     COLLECTION_DIMS,
+    CP_KINDS,
     RankLayout,
     group_plan,
     staged_name,
@@ -90,6 +92,9 @@ class HeteroParallelState:
     pp_group: dist.ProcessGroup | None = None
     embd_group: dist.ProcessGroup | None = None
     tp_pp_group: dist.ProcessGroup | None = None
+    # With the plan's attention_cp > 1, an attention rank's layout.CP_KINDS groups by kind; absent:
+    # the group they equal at attention_cp 1 (group()).
+    cp_groups: dict[str, dist.ProcessGroup] = dataclasses.field(default_factory=dict)
     # Counts the tokens this rank's experts receive (parallel/expert_load.py); None: not measured.
     load_meter: "ExpertLoadMeter | None" = None
 
@@ -102,6 +107,7 @@ class HeteroParallelState:
     attention_dp_rank = _FromLayout[int | None]()
     stage = _FromLayout[int]()  # the pipeline stage this rank computes (0 without pipeline stages)
     tp_rank = _FromLayout[int]()
+    cp_rank = _FromLayout[int]()
 
     def owns_gradient(self, is_expert: bool) -> bool:
         return self.layout.owns_gradient(is_expert)
@@ -119,8 +125,8 @@ class HeteroParallelState:
     @property
     def num_members_per_group(self) -> int:
         """Attention members of the ZP group's stage: data-parallel copies of the stage's dense
-        weights, each with its own microbatches (its attention ranks / attention_tp)."""
-        return len(self.plan.stage_ranks(self.group_index, self.stage)[0]) // self.plan.attention_tp
+        weights, each with its own microbatches (its attention ranks / member_size)."""
+        return len(self.plan.stage_ranks(self.group_index, self.stage)[0]) // self.plan.member_size
 
     @property
     def comm_order(self) -> list[int]:
@@ -168,9 +174,14 @@ class HeteroParallelState:
         """This rank's process group of `kind` (parallel/layout.py GROUP_KINDS; "zp": the
         dispatch communicator)."""
         tp = self.tp_group or self.self_group
+        tp_dp = self.attention_tp_dp_group or self.attention_dp_group
+        at_cp1 = {"cp": self.self_group, "tp_cp": tp, "attention_dp_cp": self.attention_dp_group,
+                  "attention_tp_dp_at_cp": tp_dp}
+        if kind in at_cp1:
+            return self.cp_groups.get(kind, at_cp1[kind])
         return {"zp": self.dispatch_group, "tp": tp,
                 "attention_dp": self.attention_dp_group,
-                "attention_tp_dp": self.attention_tp_dp_group or self.attention_dp_group,
+                "attention_tp_dp": tp_dp,
                 "replica": self.replica_group, "pp": self.pp_group or self.self_group,
                 "embd": self.embd_group or self.self_group, "tp_pp": self.tp_pp_group or self.pp_group or tp,
                 "self": self.self_group, "world": self.world_group}[kind]
@@ -284,23 +295,29 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | N
             mine[name] = g
     k, P = layout.member_index, plan.pipeline_stages
     unit = layout.group_index * P + layout.stage  # the dispatch unit: this stage of the ZP group
-    tp = plan.attention_tp
+    tp, ms = plan.attention_tp, plan.member_size
     attention = layout.role == Role.ATTENTION
     gi = layout.group_index
+    cp_groups = {}
     if attention:
         pos = layout.stage_position  # this rank's pipeline within the ZP group (pp[gi.pos])
         first = plan.attention_ranks.index(rank) - layout.tp_rank  # its TP group: tp[first]
+        if plan.attention_cp > 1:  # cp_group_plan made each rank set once: find them by their ranks
+            by_ranks = {tuple(dist.get_process_group_ranks(g)): g for g in mine.values()}
+            cp_groups = {kind: by_ranks[tuple(layout.ranks(kind))] for kind in CP_KINDS}
 
     return HeteroParallelState(
         layout=layout, dispatch_group=mine[f"dispatch[{unit}]"], combine_group=mine[f"combine[{unit}]"],
         counts_group=mine[f"counts[{unit}]"],
-        attention_dp_group=mine.get(staged_name("attention_dp" if tp == 1 else f"attention_dp[{layout.tp_rank}]",
+        attention_dp_group=mine.get(staged_name("attention_dp" if ms == 1 else
+                                                f"attention_dp[{layout.tp_rank + layout.cp_rank * tp}]",
                                                 layout.stage, P)),
         replica_group=mine[f"replica[{k}]"], self_group=mine[f"self[{rank}]"], world_group=mine["world"],
         device=device, wire_dtype=wire_dtype,
         tp_group=mine[f"tp[{first}]"] if tp > 1 and attention else None,
-        attention_tp_dp_group=mine.get(staged_name("attention_tp_dp", layout.stage, P)) if tp > 1 else None,
+        attention_tp_dp_group=mine.get(staged_name("attention_tp_dp", layout.stage, P)) if ms > 1 else None,
         pp_group=mine[f"pp[{gi}.{pos}]"] if P > 1 and attention else None,
         embd_group=mine.get(f"embd[{gi}.{pos}]") if P > 1 and attention else None,  # None on a middle stage
         tp_pp_group=mine[f"tp_pp[{gi}.{pos - layout.tp_rank}]"] if P > 1 and tp > 1 and attention else None,
+        cp_groups=cp_groups,
     )

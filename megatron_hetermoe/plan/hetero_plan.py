@@ -447,6 +447,22 @@ class HeteroPlan:
                                 f"but member {k} of group 0 (rank {r0}) holds {a}; every group must "
                                 f"place experts alike so replicas line up"
                             )
+        if self.attention_cp > 1:
+            self._validate_context_parallel()
+
+    def _validate_context_parallel(self) -> None:
+        """PlanError for what has not run with attention_cp > 1: experts on attention ranks (their
+        gradient share over a member's CP ranks is not derived) and multi-token prediction
+        (Megatron rolls its tokens across the CP ranks' chunks)."""
+        held = sorted({r for g in self.groups for pl in g.placement for r, es in pl.items()
+                       if es and r in g.attention_ranks})
+        if held:
+            raise PlanError(f"plan attention_cp={self.attention_cp} with experts on attention ranks {held} (Asym-EA): "
+                            f"not built with context parallelism yet; place every expert on expert ranks "
+                            f"(hetermoe plan --asym none) or use attention_cp 1")
+        if self.mtp_layers:
+            raise PlanError(f"plan attention_cp={self.attention_cp} with mtp_layers={self.mtp_layers}: multi-token "
+                            f"prediction with context parallelism is not built yet; use attention_cp 1")
 
     def _validate_stages(self) -> None:
         """PlanError unless the pipeline stages divide the layers and every group's ranks, and
@@ -680,12 +696,14 @@ def even_plan(
     virtual_stages: int = 1,
     first_stage_layers: int | None = None,
     last_stage_layers: int | None = None,
+    attention_cp: int = 1,
 ) -> HeteroPlan:
     """G groups of M attention + N expert ranks laid out group by group; experts split evenly
     over each group's expert ranks in every MoE layer (`num_layers` of them; `dense_layers`: the
     model's layers without experts, by model index; `mtp_layers`: how many of the last model
-    layers are multi-token prediction layers; `attention_tp`: the M attention ranks are M /
-    attention_tp tensor-parallel members). With `pipeline_stages` P > 1, M and N are per stage:
+    layers are multi-token prediction layers; `attention_tp`, `attention_cp`: the M attention ranks
+    are M / (attention_tp x attention_cp) members, tensor- and context-parallel). With
+    `pipeline_stages` P > 1, M and N are per stage:
     a group is P stages of M attention + N expert ranks, laid out stage by stage, and a layer's
     experts split over its stage's N expert ranks; `zebra_waves`, `zebra_wave_order`,
     `virtual_stages`, `first_stage_layers`, `last_stage_layers`: the plan's."""
@@ -705,7 +723,8 @@ def even_plan(
         gpu_types = ([attention_gpu] * M + [expert_gpu] * N) * (groups * P)
     plan = HeteroPlan(num_layers, num_experts, gpu_types, zp, num_microbatches, schedule,
                       dense_layers=list(dense_layers or []), mtp_layers=mtp_layers, attention_tp=attention_tp,
-                      pipeline_stages=P, zebra_waves=zebra_waves, zebra_wave_order=zebra_wave_order,
+                      attention_cp=attention_cp, pipeline_stages=P, zebra_waves=zebra_waves,
+                      zebra_wave_order=zebra_wave_order,
                       virtual_stages=virtual_stages, first_stage_layers=first_stage_layers,
                       last_stage_layers=last_stage_layers)
     plan._validate_stages()  # the layer split, before placing by it

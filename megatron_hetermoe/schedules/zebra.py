@@ -399,7 +399,8 @@ class AttentionZebra(ZebraRank):
         per_token = config.calculate_per_token_loss
         scale_loss = config.grad_scale_func or (lambda t: t)
         one = scale_loss(torch.ones(1, device=self.hs.device))
-        MoEAuxLossAutoScaler.set_loss_scale(one if per_token else one / R)
+        # Megatron's forward_step scales the aux loss by the CP size too (its gradient is averaged over dp x cp).
+        MoEAuxLossAutoScaler.set_loss_scale(one if per_token else one * config.context_parallel_size / R)
         if config.mtp_num_layers:  # the MTP losses' backward scale, as Megatron's forward_step sets it
             from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
 
@@ -551,7 +552,7 @@ class _PipelineNeighbours:
         if seq_shape is not None:
             seq, mbs = seq_shape
             tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
-            self.shape = (seq // tp, mbs, config.hidden_size)
+            self.shape = (seq // (tp * config.context_parallel_size), mbs, config.hidden_size)  # Megatron's P2P shape
         self.a_index = {t: i for i, t in enumerate(t for t in tasks if t.kind in ATTENTION_KINDS)}
         self.calls_after: dict[int, list[PipeCall]] = {}  # A task index (-1: before the first) -> its calls
         if self.active:

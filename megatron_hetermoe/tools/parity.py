@@ -130,8 +130,8 @@ class ParityReport:
 
 def reference_ep(plan: HeteroPlan, num_experts: int) -> int:
     """Megatron EP size for the reference: the largest that divides both its world (the
-    attention ranks) over its pipeline stages and the expert count."""
-    return math.gcd(len(plan.attention_ranks) // plan.pipeline_stages, num_experts)
+    attention ranks over the plan's CP size) over its pipeline stages and the expert count."""
+    return math.gcd(len(plan.attention_ranks) // (plan.pipeline_stages * plan.attention_cp), num_experts)
 
 
 def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch_size: int = 2,
@@ -160,12 +160,15 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     prec = {"bf16": precision == "bf16", "fp16": precision == "fp16"}
     # The reference runs on as many ranks as the plan has attention ranks, at the plan's tensor
     # parallelism (sequence parallel, experts whole) and pipeline stages, so data parallelism is
-    # the attention members.
-    n_attn, t, pp = len(plan.attention_ranks), plan.attention_tp, plan.pipeline_stages
+    # the attention members; with the plan's context parallelism, on 1 / attention_cp of them
+    # without it (Megatron's local attention has none; CP changes no parameter or gradient).
+    t, pp, cp = plan.attention_tp, plan.pipeline_stages, plan.attention_cp
+    n_attn = len(plan.attention_ranks) // cp
     gbs = micro_batch_size * plan.num_microbatches * plan.num_attention_members
     ep = reference_ep(plan, model.num_experts)
-    cfg = TrainConfig(model, ParallelConfig(tp=t, pp=pp, sequence_parallel=t > 1), micro_batch_size=micro_batch_size,
-                      global_batch_size=gbs, train_iters=steps, seed=seed, quiet=True, **prec)
+    cfg = TrainConfig(model, ParallelConfig(tp=t, pp=pp, sequence_parallel=t > 1, cp=cp),
+                      micro_batch_size=micro_batch_size, global_batch_size=gbs, train_iters=steps, seed=seed,
+                      quiet=True, **prec)
     ref = run(dataclasses.replace(cfg, parallel=ParallelConfig(tp=t, pp=pp, ep=ep, sequence_parallel=t > 1)), n_attn,
               timeout_s=timeout_s, hooks=RunHooks(init_state=init_state, collect_grads=True))
     hetero = HeteroRunConfig(schedule=schedule, recompute=recompute, zebra_issuer=issuer)

@@ -51,7 +51,7 @@ def config_from_args(a: argparse.Namespace) -> TrainConfig:
         model=model,
         parallel=ParallelConfig(a.tensor_model_parallel_size, a.pipeline_model_parallel_size,
                                 a.expert_model_parallel_size, a.moe_token_dispatcher_type,
-                                sequence_parallel=a.sequence_parallel),
+                                sequence_parallel=a.sequence_parallel, cp=a.context_parallel_size),
         micro_batch_size=a.micro_batch_size, global_batch_size=a.global_batch_size,
         train_iters=a.train_iters, lr=a.lr, min_lr=a.min_lr, lr_warmup_iters=a.lr_warmup_iters,
         weight_decay=a.weight_decay, clip_grad=a.clip_grad, seed=a.seed,

@@ -28,8 +28,9 @@ def model_config(config, hs: HeteroParallelState | None = None, **overrides):
     """A role's TransformerConfig: Megatron's `config` with expert_model_parallel_size > 1, which
     marks expert weights allreduce=False (Megatron's expert parameters), so DDP reduces them over
     the expert replica group and the optimizer keeps them in their own sub-optimizer. With `hs`,
-    the role's tensor parallelism: an attention member's (the plan's attention_tp, sequence
-    parallel when > 1) and pipeline stages (the plan's pipeline_stages and virtual_stages), none on
+    the role's tensor and context parallelism: an attention member's (the plan's attention_tp,
+    sequence parallel when > 1, and attention_cp) and pipeline stages (the plan's pipeline_stages
+    and virtual_stages), none on
     an expert rank (it holds its stage's experts whole, for all of the stage's model chunks, in one
     module); experts are never tensor-parallel here."""
     if hs is not None:
@@ -37,6 +38,7 @@ def model_config(config, hs: HeteroParallelState | None = None, **overrides):
         t = hs.plan.attention_tp if attention else 1
         V = hs.plan.virtual_stages
         overrides = {"tensor_model_parallel_size": t, "sequence_parallel": t > 1, "expert_tensor_parallel_size": 1,
+                     "context_parallel_size": hs.plan.attention_cp if attention else 1,
                      "pipeline_model_parallel_size": hs.plan.pipeline_stages if attention else 1,
                      "virtual_pipeline_model_parallel_size": V if attention and V > 1 else None, **overrides}
         if not attention:  # outside Megatron's pipeline: no stage of an uneven split either
@@ -141,6 +143,10 @@ class RoleAssembly:
         elif hs.role == Role.ATTENTION and mtp is not None:
             raise ValueError(f"pipeline stage {hs.stage} was given the MTP block; Megatron builds it on the last stage")
         if hs.role == Role.ATTENTION:
+            if hs.plan.attention_cp > 1:  # megatron-core's local attention has no CP: ours gathers K and V
+                from megatron_hetermoe.models.context_attention import context_parallel_spec
+
+                base_spec = context_parallel_spec(base_spec)
             if mtp is not None:
                 gpt_kwargs = {**gpt_kwargs, "mtp_block_spec": hetero_mtp_block_spec(mtp, hs, pgc)}
             # This rank's pipeline stage: the embedding on the first, the head and loss on the last.
@@ -229,8 +235,9 @@ class RoleAssembly:
     def finish_gradients(self, model, num_tokens: torch.Tensor | None = None) -> None:
         """An expert rank's share of Megatron's data-parallel average, after its step: each expert
         saw the tokens of the M attention members of its ZP group, each a local-mean loss (a
-        tensor-parallel member's ranks each send their own sequence slice of it), so Megatron's
-        average needs 1/(M*G); DDP applied 1/G over the replica group. With
+        tensor-parallel member's ranks each send their own sequence slice of it) on each of the
+        member's CP ranks (each the mean over its own chunks: Megatron averages over dp x cp), so
+        Megatron's average needs 1/(M*CP*G); DDP applied 1/G over the replica group. With
         --calculate-per-token-loss (`num_tokens`: the step's tokens over the world) the losses are
         token sums, DDP summed, and Megatron divides every gradient by the step's tokens, as
         finalize_model_grads does on the attention ranks."""
@@ -239,7 +246,7 @@ class RoleAssembly:
         from megatron_hetermoe.models.builder import unwrap
 
         if num_tokens is None:
-            scale = 1.0 / self.hs.num_members_per_group
+            scale = 1.0 / (self.hs.num_members_per_group * self.hs.plan.attention_cp)
         elif num_tokens > 0:
             scale = 1.0 / num_tokens
         else:

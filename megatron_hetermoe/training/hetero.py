@@ -86,8 +86,8 @@ class HeteroStep:
         tot = torch.zeros(2, device=hs.device)
         if hs.role == Role.ATTENTION:
             d = hs.attention_dp_rank
-            batches = iter([batch_to(self.data.microbatch(it, d * nmb + m, cfg.micro_batch_size,
-                                                          cfg.global_batch_size), hs.device)
+            batches = iter([self._this_cp_rank(batch_to(self.data.microbatch(it, d * nmb + m, cfg.micro_batch_size,
+                                                                             cfg.global_batch_size), hs.device))
                             for m in range(nmb)])
             reduced = self.fwd_bwd(forward_step_func=forward_step, data_iterator=batches, model=[self.model],
                                    num_microbatches=nmb, seq_length=cfg.model.seq_length,
@@ -103,6 +103,15 @@ class HeteroStep:
 
     def local_loss(self):
         return self.tot
+
+    def _this_cp_rank(self, batch: dict) -> dict:
+        """A member's microbatch cut to this rank's two of the sequence's 2 x CP chunks (Megatron's
+        get_batch_on_this_cp_rank, as Megatron-LM's get_batch does); the batch itself at CP 1."""
+        if self.hs.plan.attention_cp == 1:
+            return batch
+        from megatron.core.utils import get_batch_on_this_cp_rank
+
+        return get_batch_on_this_cp_rank(batch, cp_group=self.hs.megatron_group("cp"))
 
     def adopt(self, rb: "RankBuild", fwd_bwd) -> None:
         """Run on a live move's rebuilt objects (training/replan.py) from the next step on."""

@@ -36,7 +36,7 @@ FLAGS = {
     "bf16": "--bf16", "fp16": "--fp16", "loss_scale": "--loss-scale", "initial_loss_scale": "--initial-loss-scale",
     "min_loss_scale": "--min-loss-scale", "loss_scale_window": "--loss-scale-window", "hysteresis": "--hysteresis",
     "tp": "--tensor-model-parallel-size", "pp": "--pipeline-model-parallel-size", "ep": "--expert-model-parallel-size",
-    "sequence_parallel": "--sequence-parallel",
+    "sequence_parallel": "--sequence-parallel", "cp": "--context-parallel-size",
 }
 SEED_LIMIT = 2**32  # data and init generators take seed * 1_000_003 + index: keep it in int64
 
@@ -186,6 +186,10 @@ def check_megatron_layout(cfg: "TrainConfig", world: int) -> None:
         v = getattr(par, name)
         if type(v) is not int or v < 1:
             raise _bad(name, v, "must be an integer >= 1", f"pass {FLAGS[name]} 1 or more")
+    if par.cp != 1:
+        raise _bad("cp", par.cp, "the Megatron EP trainer runs without context parallelism (megatron-core's "
+                   "local attention refuses it; transformer-engine's needs GPUs)",
+                   "pass --context-parallel-size 1, or train with --hetero-plan and a plan of that attention_cp")
     if world % (par.tp * par.pp):
         raise ConfigError(f"world size {world} is not divisible by TP {par.tp} x PP {par.pp}; launch a multiple "
                           f"of {par.tp * par.pp} ranks (--nproc) or change --pipeline-model-parallel-size")
@@ -285,10 +289,16 @@ def check_plan_for_job(plan: HeteroPlan, world: int, num_layers: int, num_expert
                           f"--global-batch-size {want}, or remake the plan with another --microbatches")
 
 
-def check_hetero_tp(plan: HeteroPlan, tp: int, sequence_parallel: bool, expert_tp: int | None = 1) -> None:
-    """Tensor parallelism of a HeterMoE job, the same rule for both hostings: the attention
-    members' TP size is the plan's attention_tp, with sequence parallelism (Megatron's rule for MoE
-    with TP: every TP rank routes its own sequence slice); experts are not tensor-parallel."""
+def check_hetero_tp(plan: HeteroPlan, tp: int, sequence_parallel: bool, expert_tp: int | None = 1,
+                    cp: int = 1) -> None:
+    """Tensor and context parallelism of a HeterMoE job, the same rule for both hostings: the
+    attention members' TP size is the plan's attention_tp, with sequence parallelism (Megatron's
+    rule for MoE with TP: every TP rank routes its own sequence slice), and their CP size (`cp`,
+    Megatron's --context-parallel-size) the plan's attention_cp; experts are not tensor-parallel."""
+    if cp != plan.attention_cp:
+        raise ConfigError(f"--context-parallel-size {cp}: the plan's attention members are context-parallel over "
+                          f"attention_cp={plan.attention_cp} ranks; pass --context-parallel-size "
+                          f"{plan.attention_cp}, or remake the plan with attention_cp {cp}")
     if tp != plan.attention_tp:
         raise ConfigError(f"--tensor-model-parallel-size {tp}: the plan's attention members are tensor-parallel over "
                           f"attention_tp={plan.attention_tp} ranks; pass --tensor-model-parallel-size "
@@ -370,7 +380,12 @@ def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str
     if par.ep != 1:
         raise ConfigError(f"--expert-model-parallel-size {par.ep} with --hetero-plan: the plan places the experts; "
                           f"leave --expert-model-parallel-size at 1")
-    check_hetero_tp(plan, par.tp, par.sequence_parallel)
+    check_hetero_tp(plan, par.tp, par.sequence_parallel, cp=par.cp)
+    split = 2 * plan.attention_cp * plan.attention_tp
+    if plan.attention_cp > 1 and cfg.model.seq_length % split:
+        raise ConfigError(f"--seq-length {cfg.model.seq_length}: context parallelism cuts every sequence into 2 x "
+                          f"attention_cp = {2 * plan.attention_cp} chunks, each split over attention_tp="
+                          f"{plan.attention_tp} ranks; use a multiple of {split}")
     if plan.virtual_stages > 1:
         raise ConfigError(f"plan virtual_stages={plan.virtual_stages}: the plugin's trainer builds one model chunk "
                           f"per rank (Megatron's non-interleaved schedules); train virtual pipeline stages in "

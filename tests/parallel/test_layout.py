@@ -61,12 +61,44 @@ def test_every_collection_dimension_has_a_group_on_both_roles():
     assert all(set(kinds) == {"attention", "expert"} for kinds in MEGATRON_DIMS.values())
 
 
-def test_context_and_expert_tensor_parallelism_inside_a_pool_are_not_built_yet():
+def test_expert_tensor_parallelism_inside_a_pool_is_not_built_yet():
     assert InnerLayout(tp=2).tp == 2
-    assert InnerLayout(tp=2, pp=2).pp == 2
-    for kw in ({"cp": 2}, {"etp": 2}):
-        with pytest.raises(NotImplementedError, match="not built yet"):
-            InnerLayout(**kw)
+    assert InnerLayout(tp=2, pp=2).pp == 2 and InnerLayout(cp=2).cp == 2
+    with pytest.raises(NotImplementedError, match="not built yet"):
+        InnerLayout(etp=2)
+
+
+def test_context_parallel_members_by_hand():
+    """attention_tp 2 x attention_cp 2: 2 ZP groups of 2 members (4 ranks each: TP position fastest)
+    + 1 expert rank: group 0 = attention [0..7] + expert [8], group 1 = attention [9..16] + expert [17]."""
+    plan = even_plan(1, 4, 8, 1, groups=2, attention_tp=2, attention_cp=2)
+    at = {r: RankLayout(plan, r) for r in range(18)}
+    assert plan.member_size == 4 and plan.num_attention_members == 4
+    assert plan.attention_members(0) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [at[r].tp_rank for r in range(9)] == [0, 1, 0, 1, 0, 1, 0, 1, 0]
+    assert [at[r].cp_rank for r in range(9)] == [0, 0, 1, 1, 0, 0, 1, 1, 0]
+    assert [at[r].attention_dp_rank for r in range(18)] == [0] * 4 + [1] * 4 + [None] + [2] * 4 + [3] * 4 + [None]
+    assert at[6].ranks("tp") == [6, 7] and at[6].ranks("cp") == [4, 6] and at[6].ranks("tp_cp") == [4, 5, 6, 7]
+    assert at[6].ranks("attention_dp") == [2, 6, 11, 15]  # TP 0, CP 1 of every member
+    assert at[6].ranks("attention_dp_cp") == [0, 2, 4, 6, 9, 11, 13, 15]  # TP 0: dense gradients summed here
+    assert at[6].ranks("attention_tp_dp_at_cp") == [2, 3, 6, 7, 11, 12, 15, 16]  # CP 1
+    assert at[6].ranks("attention_tp_dp") == [r for r in range(17) if r != 8]
+    assert at[8].ranks("cp") == [8] and at[8].ranks("attention_dp_cp") is None
+    assert [r for r in range(18) if at[r].owns_gradient(False)] == [0, 1]  # member 0 at CP 0, a TP shard each
+    assert at[6].megatron_kind("dp_cp") == "attention_dp_cp" and at[6].megatron_kind("cp") == "cp"
+    assert at[6].megatron_kind("tp_cp") == "tp_cp" and at[8].megatron_kind("dp_cp") == "replica"
+    made = [tuple(r) for _, r in group_plan(plan)]
+    assert len(made) == len(set(made)) + 2 * 2  # only a ZP unit's 3 communicators share a rank set (2 units)
+    for r in range(18):  # every group of two or more ranks a rank has is created
+        for kind in ("zp", "tp", "attention_dp", "attention_tp_dp", "cp", "tp_cp", "attention_dp_cp",
+                     "attention_tp_dp_at_cp", "replica", "world"):
+            got = at[r].ranks(kind)
+            assert got is None or len(got) == 1 or tuple(got) in made, (r, kind)
+    cp_only = even_plan(1, 4, 2, 1, attention_cp=2)  # TP 1: the CP group is the member
+    assert RankLayout(cp_only, 1).ranks("cp") == [0, 1] == RankLayout(cp_only, 1).ranks("tp_cp")
+    assert sum(r == [0, 1] for _, r in group_plan(cp_only)) == 1  # made once, whatever kinds it serves
+    assert "attention_cp" not in even_plan(1, 4, 2, 1).to_dict()
+    assert HeteroPlan.from_dict(cp_only.to_dict()).attention_cp == 2
 
 
 def _tp_two_groups() -> HeteroPlan:

@@ -168,11 +168,13 @@ def test_a_stage_without_moe_layers_is_refused():
 def test_attention_ranks_must_split_into_stages_of_tp_members():
     # 1 attention rank, 2 stages
     plan = _by_hand(2, [0], [1, 2], [{1: [0, 1]}, {2: [0, 1]}])
-    with pytest.raises(PlanError, match=r"1 attention ranks, not a multiple of pipeline_stages x attention_tp x attention_cp = 2 x 1 x 1"):
+    with pytest.raises(PlanError, match=r"1 attention ranks, not a multiple of pipeline_stages x "
+                                         r"attention_tp x attention_cp = 2 x 1 x 1"):
         plan.validate()
     # 2 attention ranks of TP 2 (one member), 2 stages
     plan = _by_hand(2, [0, 1], [2, 3], [{2: [0, 1]}, {3: [0, 1]}], attention_tp=2)
-    with pytest.raises(PlanError, match=r"2 attention ranks, not a multiple of pipeline_stages x attention_tp x attention_cp = 2 x 2 x 1"):
+    with pytest.raises(PlanError, match=r"2 attention ranks, not a multiple of pipeline_stages x "
+                                         r"attention_tp x attention_cp = 2 x 2 x 1"):
         plan.validate()
 
 

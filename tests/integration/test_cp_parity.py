@@ -1,0 +1,73 @@
+"""Context parallelism on the attention members (the plan's attention_cp, Megatron's
+--context-parallel-size): each CP rank holds two of the sequence's 2 x CP chunks, gathers the
+other ranks' keys and values for attention (models/context_attention.py) and routes its own
+tokens to the expert ranks. CP changes no parameter and no gradient, so HeterMoE at CP 2 trains
+like plain Megatron at CP 1 (megatron-core's local attention has no CP to compare with), at the
+same TP, under DistEP and zebra."""
+import pytest
+from margins import parity_within
+
+from megatron_hetermoe.config import ParallelConfig, TrainConfig
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError, ZPGroup, even_plan
+from megatron_hetermoe.tools.parity import run_parity
+from megatron_hetermoe.training.validation import ConfigError, check_hetero
+
+
+def _check(r, free: bool) -> None:
+    parity_within(r, free)
+
+
+@pytest.mark.parametrize("case", ["cp2+2", "2x(cp2)+2"])
+def test_distep_cp2_matches_megatron_cp1(tiny, case):
+    """One member of 2 CP ranks + 2 expert ranks; two such members sharing 2 expert ranks."""
+    M = {"cp2+2": 2, "2x(cp2)+2": 4}[case]
+    plan = even_plan(tiny.num_layers, tiny.num_experts, M, 2, num_microbatches=2, attention_cp=2)
+    _check(run_parity(plan, tiny, steps=3, free_run=case == "cp2+2"), case == "cp2+2")
+
+
+@pytest.mark.parametrize("issuer", ["threads", "single"])
+def test_zebra_cp2_matches_megatron_cp1(tiny, issuer):
+    plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=2, schedule="zebra", attention_cp=2)
+    _check(run_parity(plan, tiny, steps=3, free_run=issuer == "threads", issuer=issuer), issuer == "threads")
+
+
+@pytest.mark.parametrize("schedule", ["distep", "zebra"])
+def test_cp2_tp2_matches_megatron_tp2(tiny, schedule):
+    """A member of TP 2 x CP 2 (4 ranks, TP position fastest) + 2 expert ranks: each rank routes
+    its own quarter of every sequence (its CP chunks, sequence-parallel over TP)."""
+    plan = even_plan(tiny.num_layers, tiny.num_experts, 4, 2, num_microbatches=2, schedule=schedule,
+                     attention_tp=2, attention_cp=2)
+    _check(run_parity(plan, tiny, steps=3, free_run=False), False)
+
+
+@pytest.mark.parametrize("schedule", ["distep", "zebra"])
+def test_cp2_with_an_expert_rank_holding_no_expert_in_a_layer(tiny, schedule):
+    """A CP-2 member and 3 expert ranks; rank 4 holds no expert in layer 0 (it still joins every
+    transfer with empty splits)."""
+    placement = [{2: [0, 1], 3: [2, 3]}, {2: [0], 3: [1], 4: [2, 3]}]
+    plan = HeteroPlan(2, 4, ["cpu"] * 5, [ZPGroup([0, 1], [2, 3, 4], placement)], num_microbatches=2,
+                      schedule=schedule, attention_cp=2)
+    _check(run_parity(plan, tiny, steps=3, free_run=False), False)
+
+
+def test_context_parallel_refusals(tiny):
+    """The run's CP against the plan's; what has not run with CP is refused by name."""
+    plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=1, attention_cp=2)
+    ok = TrainConfig(tiny, ParallelConfig(cp=2), micro_batch_size=2, global_batch_size=2, train_iters=1)
+    check_hetero(ok, plan, 4)
+    with pytest.raises(ConfigError, match="--context-parallel-size 1: the plan's attention members are "
+                                          "context-parallel over attention_cp=2 ranks"):
+        check_hetero(TrainConfig(tiny, ParallelConfig(), micro_batch_size=2, global_batch_size=2, train_iters=1),
+                     plan, 4)
+    from megatron_hetermoe.training.validation import validate_job
+
+    with pytest.raises(ConfigError, match="--context-parallel-size 2: the Megatron EP trainer runs without"):
+        validate_job(TrainConfig(tiny, ParallelConfig(cp=2), micro_batch_size=1, global_batch_size=2,
+                                 train_iters=1), 2)
+    with pytest.raises(PlanError, match=r"attention_cp=2 with experts on attention ranks \[0\] \(Asym-EA\)"):
+        HeteroPlan(2, 4, ["cpu"] * 4, [ZPGroup([0, 1], [2, 3], [{0: [0], 2: [1], 3: [2, 3]}] * 2)],
+                   attention_cp=2).validate()
+    with pytest.raises(PlanError, match="attention_cp=0 must be a positive integer"):
+        even_plan(2, 4, 2, 2, attention_cp=0)
+    with pytest.raises(PlanError, match="3 attention ranks, not a multiple of attention_tp x attention_cp = 1 x 2"):
+        even_plan(2, 4, 3, 2, attention_cp=2)

@@ -1,0 +1,234 @@
+"""Context parallelism for megatron-core's local attention core (models/context_attention.py): on each
+CP rank of a launched gloo world, ContextParallelAttention's output rows and its query, key and value
+gradients (from a random upstream gradient) are those of megatron-core's DotProductAttention (CP 1,
+causal) run on the full sequence, sliced to the rank's tokens by Megatron's own
+get_batch_on_this_cp_rank; with GQA, with tensor parallelism beside CP, with a mask from the data, and
+in bf16 and fp16. With a CP group of one rank it is DotProductAttention bit for bit; what it does not
+support it refuses before any collective.
+
+The ranks are launched (parallel/launcher.py): no process group lives in the pytest process but the
+one-rank world of the `one_rank_groups` fixture, made and destroyed around each test that uses it."""
+from __future__ import annotations
+
+import pytest
+import torch
+from margins import within
+
+from megatron_hetermoe.parallel.launcher import launch
+
+S, B, HEADS, GROUPS, HEAD_DIM = 16, 2, 4, 2, 8
+# Max |diff| measured (ATEN_CPU_CAPABILITY default, avx2 and avx512 alike): output 0 (the same sums in
+# the same order), q/k/v gradients 7.2e-7 (k and v: the ranks' partial sums added by the reduce-scatter
+# in another order); bound 14x.
+TOL_F32 = 1e-5
+# Half precision: the k/v gradients are rounded per rank before the reduce-scatter adds them, the
+# reference rounds once. Measured: bf16 3.1e-2, fp16 3.9e-3 (one ulp of each at the gradients' 4..6;
+# output and q gradient 0); bounds 6x.
+TOL_HALF = {torch.bfloat16: 2e-1, torch.float16: 2.5e-2}
+
+
+def _config(cp: int, dtype: torch.dtype = torch.float32, **kw):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(**{"num_layers": 1, "hidden_size": HEADS * HEAD_DIM, "num_attention_heads": HEADS,
+                                "num_query_groups": GROUPS, "kv_channels": HEAD_DIM, "context_parallel_size": cp,
+                                "attention_dropout": 0.0, "masked_softmax_fusion": False,
+                                "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16, "params_dtype": dtype,
+                                **kw})
+
+
+def _full(seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The full sequence's q, k, v ([S, b, heads or groups, head dim]), an upstream gradient of the
+    output ([S, b, heads x head dim]) and a data mask [b, 1, S, S] (True = masked): causal, reset at
+    a document end (batch 0 at 5, batch 1 at 11)."""
+    g = torch.Generator().manual_seed(seed)
+    out = {"q": torch.randn(S, B, HEADS, HEAD_DIM, generator=g), "k": torch.randn(S, B, GROUPS, HEAD_DIM, generator=g),
+           "v": torch.randn(S, B, GROUPS, HEAD_DIM, generator=g),
+           "dout": torch.randn(S, B, HEADS * HEAD_DIM, generator=g)}
+    out = {k: v.to(dtype) for k, v in out.items()}
+    doc = torch.zeros(B, S, dtype=torch.long)
+    doc[0, 5:], doc[1, 11:] = 1, 1
+    future = torch.ones(S, S, dtype=torch.bool).triu(1)
+    out["mask"] = (future | (doc[:, :, None] != doc[:, None, :]))[:, None]
+    return out
+
+
+def _attend(core, t: dict[str, torch.Tensor], mask) -> dict[str, torch.Tensor]:
+    """core's output for leaf copies of t's q, k, v, and their gradients from t's upstream gradient."""
+    q, k, v = (t[n].detach().clone().requires_grad_() for n in "qkv")
+    out = core(q, k, v, mask)
+    out.backward(t["dout"])
+    return {"out": out.detach(), "q": q.grad, "k": k.grad, "v": v.grad}
+
+
+def _heads(t: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """TP rank `rank`'s heads (and query groups, and the output columns of its heads)."""
+    h, g = HEADS // tp, GROUPS // tp
+    cols = slice(rank * h * HEAD_DIM, (rank + 1) * h * HEAD_DIM)
+    out = {"q": t["q"][:, :, rank * h:(rank + 1) * h], "k": t["k"][:, :, rank * g:(rank + 1) * g],
+           "v": t["v"][:, :, rank * g:(rank + 1) * g], "dout": t["dout"][..., cols], "mask": t["mask"]}
+    if "out" in t:
+        out["out"] = t["out"][..., cols]
+    return out
+
+
+def _cp_slice(t: dict[str, torch.Tensor], cp_group) -> dict[str, torch.Tensor]:
+    """This CP rank's tokens of each tensor, by megatron-core's get_batch_on_this_cp_rank (it takes
+    [b, s, ...] and splits an attention_mask along its query dimension)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    batch = {k: (v if k == "mask" else v.transpose(0, 1)) for k, v in t.items()}
+    batch["attention_mask"] = batch.pop("mask")
+    got = get_batch_on_this_cp_rank(batch, cp_group)
+    out = {k: v.transpose(0, 1) for k, v in got.items() if k != "attention_mask"}
+    out["mask"] = got["attention_mask"]
+    return out
+
+
+def _compare(rank: int, world: int, tp: int, dtype: torch.dtype) -> dict[str, float]:
+    """On a world of tp x cp ranks (TP groups of consecutive ranks): the max |diff| of each of output,
+    q, k, v gradients against DotProductAttention on the full sequence and all heads, without and
+    with the data mask."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_hetermoe.models.context_attention import ContextParallelAttention
+
+    cp = world // tp
+    # Every rank joins every new_group call, in the same order (gloo).
+    ones = [dist.new_group([r]) for r in range(world)]
+    tps = [dist.new_group(list(range(i * tp, (i + 1) * tp))) for i in range(cp)]
+    cps = [dist.new_group(list(range(j, world, tp))) for j in range(tp)]
+    tp_group, cp_group = tps[rank // tp], cps[rank % tp]
+    ps._set_global_memory_buffer()  # DotProductAttention's score buffer (no explicit-group path)
+    _seed(1)  # the core's dropout forks the model-parallel RNG (dropout 0 here, the fork is still taken)
+
+    full = _full(seed=3, dtype=dtype)
+    reference = DotProductAttention(_config(1, dtype), 1, AttnMaskType.causal, "self",
+                                    pg_collection=ProcessGroupCollection(tp=ones[rank]))
+    core = ContextParallelAttention(_config(cp, dtype), 1, AttnMaskType.causal, "self",
+                                    pg_collection=ProcessGroupCollection(tp=tp_group, cp=cp_group))
+    diffs = {}
+    for case, use_mask in (("causal", False), ("data mask", True)):
+        want = _attend(reference, full, full["mask"] if use_mask else None)
+        want = _cp_slice(_heads({**full, **want}, tp, tp_group.rank()), cp_group)
+        mine = _cp_slice(_heads(full, tp, tp_group.rank()), cp_group)
+        got = _attend(core, mine, mine["mask"] if use_mask else None)
+        for n in ("out", "q", "k", "v"):
+            assert got[n].dtype == dtype and got[n].shape == want[n].shape, (n, got[n].shape, want[n].shape)
+            diffs[f"{case} {n}"] = (got[n].double() - want[n].double()).abs().max().item()
+    ps.destroy_global_memory_buffer()
+    return diffs
+
+
+def _check(diffs: list[dict[str, float]], what: str, tol: float) -> None:
+    for rank, d in enumerate(diffs):
+        for name, value in d.items():
+            within(f"{what}, rank {rank}, {name}", value, tol)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_each_cp_rank_computes_its_rows_and_gradients_of_full_attention(cp):
+    _check(launch(_compare, cp, 1, torch.float32, timeout_s=120), f"cp={cp}", TOL_F32)
+
+
+@pytest.mark.slow
+def test_tensor_parallel_beside_context_parallel():
+    """tp=2 x cp=2: each rank half of the heads (one query group) of its tokens."""
+    _check(launch(_compare, 4, 2, torch.float32, timeout_s=120), "tp=2 cp=2", TOL_F32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_as_the_parent_does_it(dtype):
+    _check(launch(_compare, 2, 1, dtype, timeout_s=120), f"cp=2 {dtype}", TOL_HALF[dtype])
+
+
+def test_the_load_balanced_positions_are_megatrons_split():
+    from megatron_hetermoe.models.context_attention import local_positions
+
+    assert local_positions(8, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert local_positions(8, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert local_positions(4, 4, 3).tolist() == [6, 7, 8, 9]
+
+
+def _seed(seed: int) -> None:
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0)
+
+
+def test_cp_1_is_the_parent_bit_for_bit(one_rank_groups):
+    """With and without a one-rank cp group, with dropout (the same RNG draws) and a given mask."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_hetermoe.models.context_attention import ContextParallelAttention
+
+    full = _full(seed=5, dtype=torch.float32)
+    for pgs in (one_rank_groups, ProcessGroupCollection(tp=one_rank_groups.tp, cp=one_rank_groups.tp)):
+        for dropout, mask in ((0.0, None), (0.3, None), (0.0, full["mask"])):
+            results = []
+            for cls in (DotProductAttention, ContextParallelAttention):
+                core = cls(_config(1, attention_dropout=dropout), 1, AttnMaskType.causal, "self", pg_collection=pgs)
+                _seed(11)
+                results.append(_attend(core, full, mask))
+            for n in ("out", "q", "k", "v"):
+                assert torch.equal(results[0][n], results[1][n]), (n, dropout, mask is not None)
+    core = ContextParallelAttention(_config(1), 1, AttnMaskType.causal, "self", pg_collection=one_rank_groups)
+    assert core.cp_size == 1 and core.attn_mask_type == core.scale_mask_softmax.attn_mask_type == AttnMaskType.causal
+
+
+class _Group:
+    """A stand-in CP group of `size` ranks: the refusals come before any collective."""
+
+    def __init__(self, size: int):
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return 0
+
+
+def test_what_it_does_not_support_it_refuses(one_rank_groups):
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_hetermoe.models.context_attention import ContextParallelAttention
+
+    tp = one_rank_groups.tp
+    two = ProcessGroupCollection(tp=tp, cp=_Group(2))
+
+    def build(config=None, mask_type=AttnMaskType.causal, pgs=two):
+        return ContextParallelAttention(config or _config(2), 1, mask_type, "self", pg_collection=pgs)
+
+    with pytest.raises(ValueError, match=r"attn_mask_type=AttnMaskType.padding .*use AttnMaskType.causal"):
+        build(mask_type=AttnMaskType.padding)
+    with pytest.raises(ValueError, match=r"window_size=\(4, 0\).*drop window_size"):
+        build(_config(2, window_size=(4, 0)))
+    with pytest.raises(ValueError, match=r"context_parallel_size=2 in the config but the CP group .* 1 rank"):
+        build(pgs=one_rank_groups)
+    with pytest.raises(ValueError, match=r"context_parallel_size=1 in the config but the CP group .* 2 rank"):
+        build(_config(1))
+
+    core = build()
+    local = {n: t[: S // 2] for n, t in _full(seed=0, dtype=torch.float32).items() if n != "mask"}
+    q, k, v = local["q"], local["k"], local["v"]
+    packed = PackedSeqParams(qkv_format="thd")
+    with pytest.raises(ValueError, match=r"packed_seq_params .*qkv_format='thd'.*use unpacked"):
+        core(q, k, v, None, packed_seq_params=packed)
+    with pytest.raises(ValueError, match=r"attention_bias of shape \(1, 4, 8, 16\).*pass attention_bias=None"):
+        core(q, k, v, None, attention_bias=torch.zeros(1, 4, 8, 16))
+    with pytest.raises(ValueError, match=r"attn_mask_type=AttnMaskType.no_mask.*pass attn_mask_type=None"):
+        core(q, k, v, None, attn_mask_type=AttnMaskType.no_mask)
+    with pytest.raises(ValueError, match=r"7/7/7 tokens.*multiple of 2 x context_parallel_size = 4"):
+        core(q[:7], k[:7], v[:7], None)
+    with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 1, 16, 16\).*expected \[b or 1, 1, s_local=8"):
+        core(q, k, v, torch.zeros(B, 1, S, S, dtype=torch.bool))
