@@ -127,11 +127,12 @@ class HeteroPretrain:
                 raise SystemExit(f"--hetero-plan: {e}") from None
             self.moves = PretrainMoves(self, dataclasses.replace(run, schedule=self.schedule))
         if args.rank == 0:
-            tp, pp = self.plan.attention_tp, self.plan.pipeline_stages
+            tp, pp, cp = self.plan.attention_tp, self.plan.pipeline_stages, self.plan.attention_cp
             dp = self.plan.num_attention_members
-            attn = (f"{n_attn} attention ranks (Megatron's data parallel size)" if tp == pp == 1 else
+            attn = (f"{n_attn} attention ranks (Megatron's data parallel size)" if tp == pp == cp == 1 else
                     f"{n_attn} attention ranks ({dp} member{'s' if dp != 1 else ''}"
                     + (f" of tensor parallel size {tp}" if tp > 1 else "")
+                    + (f" {'and' if tp > 1 else 'of'} context parallel size {cp}" if cp > 1 else "")
                     + (f" in each of {pp} pipeline stages" if pp > 1 else "")
                     + f": Megatron's data parallel size {dp})")
             print(f"> HeterMoE: plan {args.hetero_plan}, {attn} + {world - n_attn} expert ranks, schedule "

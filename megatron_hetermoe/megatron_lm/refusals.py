@@ -9,8 +9,8 @@ import torch
 # defaults). A flag's argparse dest is its name without dashes.
 _OFF, _UNSET, _ONE = (False,), (None,), (1,)
 _REFUSED: dict[str, dict[str, tuple]] = {
-    "HeterMoE's roles run without context parallelism inside a role (tensor parallelism and pipeline stages: "
-    "the plan's attention_tp and pipeline_stages, checked against the plan)": {"--context-parallel-size": _ONE},
+    "HeterMoE's context parallelism is one flat group per attention member and TP position (the plan's "
+    "attention_cp); hierarchical groups are not built": {"--hierarchical-context-parallel-sizes": _UNSET},
     "the plan's pipeline stages split the decoder layers evenly or by the first and last stages' counts "
     "(--decoder-first/last-pipeline-num-layers, checked against the plan); other layouts are not built yet": {
         "--pipeline-model-parallel-layout": _UNSET, "--account-for-embedding-in-pipeline-split": _OFF,

@@ -48,7 +48,8 @@ def test_megatron_defaults_are_not_refused():
 
 
 @pytest.mark.parametrize("given,expect", [
-    ({"context_parallel_size": 2}, "--context-parallel-size 2: HeterMoE's roles run without context parallelism"),
+    ({"hierarchical_context_parallel_sizes": [2, 2]},
+     "--hierarchical-context-parallel-sizes [2, 2]: HeterMoE's context parallelism is one flat group"),
     ({"pipeline_model_parallel_layout": "Et|tL"}, "--pipeline-model-parallel-layout 'Et|tL': the plan's pipeline "
                                                   "stages split the decoder layers evenly or by the first"),
     ({"num_experts": None}, "--num-experts: HeterMoE trains MoE models; give --num-experts"),
