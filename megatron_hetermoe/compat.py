@@ -115,6 +115,8 @@ What changed, and what the plugin does about it
      all_reduce per sub-optimizer, which hangs where roles hold different numbers of them (Asym-EA):
      decided once over the world in get_megatron_optimizer's hook. (MTP runs on 0.19: not run.)
    - CPU layer: no megatron.legacy.fused_kernels (nothing to skip); _warmup_jit_function takes tp_size.
+   - get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group) takes a required is_hybrid_cp
+     (0.16.1: batch, cp_group): `batch_on_this_cp_rank` passes False where it is asked for.
    - Not the plugin's: NullTokenizer --vocab-size N has N tokens (EOD N-1; core_v0.16.1 N+1, EOD N),
      and a run without --eval-interval fails in get_train_valid_test_num_samples.
 """
@@ -293,3 +295,15 @@ def megatron_lm_mtp_reduce() -> tuple[str, tuple[str, ...]]:
     if hasattr(MTPLossLoggingHelper, "reduce_loss_in_tracker"):
         return "reduce_loss_in_tracker", ("values",)
     return "reduce_metrics_in_tracker", ("loss_values", "correct_values", "total_values")
+
+
+def batch_on_this_cp_rank(batch: dict, cp_group) -> dict:
+    """megatron-core's get_batch_on_this_cp_rank over `cp_group` (Megatron's load-balanced split), with
+    hybrid context parallelism off where the release asks (0.19: a required is_hybrid_cp)."""
+    import inspect
+
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=cp_group)
+    return get_batch_on_this_cp_rank(batch, cp_group=cp_group)

@@ -109,9 +109,9 @@ class HeteroStep:
         get_batch_on_this_cp_rank, as Megatron-LM's get_batch does); the batch itself at CP 1."""
         if self.hs.plan.attention_cp == 1:
             return batch
-        from megatron.core.utils import get_batch_on_this_cp_rank
+        from megatron_hetermoe.compat import batch_on_this_cp_rank
 
-        return get_batch_on_this_cp_rank(batch, cp_group=self.hs.megatron_group("cp"))
+        return batch_on_this_cp_rank(batch, self.hs.megatron_group("cp"))
 
     def adopt(self, rb: "RankBuild", fwd_bwd) -> None:
         """Run on a live move's rebuilt objects (training/replan.py) from the next step on."""

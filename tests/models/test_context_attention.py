@@ -75,11 +75,11 @@ def _heads(t: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Te
 def _cp_slice(t: dict[str, torch.Tensor], cp_group) -> dict[str, torch.Tensor]:
     """This CP rank's tokens of each tensor, by megatron-core's get_batch_on_this_cp_rank (it takes
     [b, s, ...] and splits an attention_mask along its query dimension)."""
-    from megatron.core.utils import get_batch_on_this_cp_rank
+    from megatron_hetermoe.compat import batch_on_this_cp_rank
 
     batch = {k: (v if k == "mask" else v.transpose(0, 1)) for k, v in t.items()}
     batch["attention_mask"] = batch.pop("mask")
-    got = get_batch_on_this_cp_rank(batch, cp_group)
+    got = batch_on_this_cp_rank(batch, cp_group)
     out = {k: v.transpose(0, 1) for k, v in got.items() if k != "attention_mask"}
     out["mask"] = got["attention_mask"]
     return out

@@ -300,6 +300,17 @@ def test_core_v019_tensor_parallel_members_checkpoints_both_ways(mlm19, data, tm
 
 
 @pytest.mark.slow
+def test_core_v019_context_parallel_members_checkpoints_both_ways(mlm19, data, tmp_path):
+    """Context parallelism on attention members inside core_v0.19.0's pretrain(): plain Megatron CP 1
+    EP 2 saves; HeterMoE 1 x (a CP-2 attention member + 2 expert ranks), zebra, loads it and continues
+    with Megatron's losses, and back (test_megatron_lm_cp.py on core_v0.16.1)."""
+    from test_megatron_lm_cp import CP, _plan
+
+    checkpoints_both_ways(mlm19, _plan(tmp_path / "plan.json", "zebra"), data, tmp_path, data=DATA, extra=CP,
+                          plain_extra=[])
+
+
+@pytest.mark.slow
 def test_core_v019_pipeline_stages_checkpoints_both_ways(mlm19, data, tmp_path):
     """Pipeline stages inside core_v0.19.0's pretrain(): plain Megatron PP 1 EP 2 saves; HeterMoE with
     2 stages of 1 attention + 1 expert rank (--pipeline-model-parallel-size 2, zebra) loads it and
