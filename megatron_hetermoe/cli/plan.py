@@ -52,6 +52,12 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                    "--sequence-parallel; M must be a multiple of it; no experts on attention ranks with TP > 1). With "
                    "--even: the plan's attention_tp (default 1); with --cluster: search only this size (default: "
                    "1, 2, 4 and 8 where they divide the heads and fit in a node)")
+    p.add_argument("--attention-cp", type=int, default=None,
+                   help="context-parallel size of each attention member (Megatron's --context-parallel-size: a member "
+                   "is attention-tp x attention-cp ranks of one node, each CP rank two of every sequence's 2 x CP "
+                   "chunks; no experts on attention ranks with CP > 1). With --even: the plan's attention_cp (default "
+                   "1); with --cluster: search only this size (default: 1, 2, 4 and 8 where 2 x CP divides the "
+                   "sequence and the member fits in a node)")
     p.add_argument("--pipeline-stages", type=int, default=None,
                    help="P: pipeline stages of each ZP group (Megatron's --pipeline-model-parallel-size; the decoder "
                    "layers split evenly; each stage its own attention and expert ranks; with --cluster DistEP or zebra "
@@ -135,6 +141,7 @@ def megatron_flags_parser(recompute_modules: tuple[str, ...],
     for flag, default in (("--kv-lora-rank", 32), ("--qk-head-dim", 128), ("--qk-pos-emb-head-dim", 64),
                           ("--v-head-dim", 128), ("--make-vocab-size-divisible-by", 128),
                           ("--tensor-model-parallel-size", 1), ("--pipeline-model-parallel-size", 1),
+                          ("--context-parallel-size", 1),
                           ("--expert-model-parallel-size", 1), ("--micro-batch-size", 1)):
         p.add_argument(flag, type=int, default=default)
     p.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=None)

@@ -64,7 +64,7 @@ def run_of_flags(argv: list[str], schedule: str | None, padded_vocab: int | None
         schedule = ScheduleName.ZEBRA
     return AutoPlanRun(fm.model, fm.seq_length or fm.model.seq_length, fm.global_batch_size, run.micro_batch_size,
                        run.tensor_model_parallel_size, run.pipeline_model_parallel_size, run.distributed_optimizer,
-                       schedule)
+                       schedule, context_parallel=run.context_parallel_size)
 
 
 def flag_value(argv: list[str], name: str) -> str | None:

@@ -2,17 +2,18 @@
 
   hetermoe plan --even --attention-ranks M --expert-ranks N --groups G --model CFG
                 [--microbatches R] [--schedule distep|zebra] [--zebra-waves W [--zebra-wave-order gpipe|1f1b]]
-                [--attention-gpu T --expert-gpu T] [--attention-tp T] [--pipeline-stages P [--virtual-stages V]]
-                -o plan.json
+                [--attention-gpu T --expert-gpu T] [--attention-tp T] [--attention-cp C]
+                [--pipeline-stages P [--virtual-stages V]] -o plan.json
       G groups of M attention + N expert ranks, experts split evenly (plan.even_plan); with
-      --attention-tp T the M attention ranks are M/T tensor-parallel members; with
+      --attention-tp T the M attention ranks are M/T tensor-parallel members, with --attention-cp C
+      too M/(T C) members of T x C ranks (TP position fastest; Megatron's --context-parallel-size C); with
       --pipeline-stages P each group is P stages of M attention + N expert ranks (Megatron's
       --pipeline-model-parallel-size P, the layers split evenly, a stage's experts on its ranks).
   hetermoe plan --cluster CLUSTER --model CFG --seq-len S --global-batch B [-o plan.json] [--json]
                 [--asym optimal|greedy|none] [--engine auto|python|cpp] [--max-microbatches K]
-                [--expert-recompute auto|off|keep-inputs|resend-inputs] [--attention-tp T]
+                [--expert-recompute auto|off|keep-inputs|resend-inputs] [--attention-tp T] [--attention-cp C]
                 [--pipeline-stages P] [--distributed-optimizer]
-      searches ZP group shape, attention TP size, pipeline stages (P > 1: DistEP inside the
+      searches ZP group shape, attention TP and CP sizes, pipeline stages (P > 1: DistEP inside the
       stages with Megatron's 1F1B across them, or zebra inside them), R, expert placement and what expert ranks keep
       for backward;
       prints every strategy's predicted step.
@@ -21,11 +22,12 @@
       what megatron-core builds, with Megatron's meaning and default; planner/megatron_flags.py
       says which are read and which refused); --seq-len and --global-batch default to their
       --seq-length and --global-batch-size. An even plan follows the run's layout and batch as the
-      run checks them (even_layout): --tensor-model-parallel-size, --pipeline-model-parallel-size,
-      the virtual pipeline size and R = --global-batch-size / (--micro-batch-size x attention
-      members); --expert-ranks defaults to --expert-model-parallel-size. A search prices the run's
-      recomputation and distributed optimizer, and searches only the TP, PP and micro batch the
-      run's flags give (search_settings); it prints the flags its plan trains with.
+      run checks them (even_layout): --tensor-model-parallel-size, --context-parallel-size,
+      --pipeline-model-parallel-size, the virtual pipeline size and R = --global-batch-size /
+      (--micro-batch-size x attention members); --expert-ranks defaults to
+      --expert-model-parallel-size. A search prices the run's recomputation and distributed
+      optimizer, and searches only the TP, CP, PP and micro batch the run's flags give
+      (search_settings); it prints the flags its plan trains with.
   hetermoe plan [--even ... | --cluster CLUSTER ...] --expert-load STATS [--expert-load-intervals K]
                 [--expert-load-plan RUN_PLAN]
       places experts for the loads a run measured (--hetero-expert-load-stats; docs/expert-load.md):
@@ -66,7 +68,7 @@ from megatron_hetermoe.planner.load_placement import ExpertSpeeds, LoadPlacement
 from megatron_hetermoe.planner.megatron_flags import RunFlags, model_from_flags
 from megatron_hetermoe.planner.pipeline import PIPELINE_STAGES
 from megatron_hetermoe.planner.profiles import known_gpu_types, load_profiles
-from megatron_hetermoe.planner.search import ATTENTION_TP, SearchResult, search
+from megatron_hetermoe.planner.search import ATTENTION_CP, ATTENTION_TP, SearchResult, search
 from megatron_hetermoe.vocabulary import ScheduleName
 
 
@@ -109,9 +111,10 @@ def format_table(res: SearchResult, title: str) -> str:
             lines.append(f"note: {p.name} cannot use {layout}: {why}")
     if res.plan is not None:
         g0 = res.plan.groups[0]
-        tp, P = res.plan.attention_tp, res.plan.pipeline_stages
+        tp, cp, P = res.plan.attention_tp, res.plan.attention_cp, res.plan.pipeline_stages
         M, N = len(g0.attention_ranks) // P, len(g0.expert_ranks) // P
-        members = f" ({M // tp} member(s) of attention_tp {tp})" if tp > 1 else ""
+        sizes = " x ".join([f"attention_tp {tp}"] * (tp > 1) + [f"attention_cp {cp}"] * (cp > 1))
+        members = f" ({M // (tp * cp)} member(s) of {sizes})" if sizes else ""
         shape = f"{M} attention{members} + {N} expert ranks"
         if P > 1:
             shape = f"{P} pipeline stages of {shape} each"
@@ -203,35 +206,40 @@ def _agree(ours: str, mine, theirs: str, run_value) -> None:
 def even_layout(args: argparse.Namespace, model: ModelConfig, run: RunFlags | None) -> dict:
     """The even plan's layout: hetermoe plan's flags, or the run's (RunFlags) as the run reads
     them and checks them against the plan (training/validation.py): attention_tp is
-    --tensor-model-parallel-size, pipeline_stages --pipeline-model-parallel-size, virtual_stages
-    Megatron's virtual pipeline size, first/last_stage_layers --decoder-first/last-pipeline-num-layers,
-    R = --global-batch-size / (--micro-batch-size x attention
-    members), members = groups x attention ranks / attention_tp (Megatron's data-parallel size);
-    N defaults to --expert-model-parallel-size (the run replaces it by the plan's placement)."""
-    out = {"tp": args.attention_tp, "pp": args.pipeline_stages, "V": args.virtual_stages, "R": args.microbatches,
-           "N": args.expert_ranks, "first": None, "last": None, "notes": []}
+    --tensor-model-parallel-size, attention_cp --context-parallel-size, pipeline_stages
+    --pipeline-model-parallel-size, virtual_stages Megatron's virtual pipeline size,
+    first/last_stage_layers --decoder-first/last-pipeline-num-layers, R = --global-batch-size /
+    (--micro-batch-size x attention members), members = groups x attention ranks / (attention_tp x
+    attention_cp) (Megatron's data-parallel size); N defaults to --expert-model-parallel-size (the
+    run replaces it by the plan's placement)."""
+    out = {"tp": args.attention_tp, "cp": args.attention_cp, "pp": args.pipeline_stages, "V": args.virtual_stages,
+           "R": args.microbatches, "N": args.expert_ranks, "first": None, "last": None, "notes": []}
     if run is not None:
         _agree("--attention-tp", args.attention_tp, "--tensor-model-parallel-size", run.tensor_model_parallel_size)
+        _agree("--attention-cp", args.attention_cp, "--context-parallel-size", run.context_parallel_size)
         _agree("--pipeline-stages", args.pipeline_stages, "--pipeline-model-parallel-size",
                run.pipeline_model_parallel_size)
         _agree("--virtual-stages", args.virtual_stages, "virtual pipeline size (--num-virtual-stages-per-pipeline-rank"
                " / --num-layers-per-virtual-pipeline-stage)", run.virtual_stages)
-        out.update(tp=run.tensor_model_parallel_size, pp=run.pipeline_model_parallel_size, V=run.virtual_stages,
-                   first=run.first_stage_layers, last=run.last_stage_layers)
+        out.update(tp=run.tensor_model_parallel_size, cp=run.context_parallel_size, pp=run.pipeline_model_parallel_size,
+                   V=run.virtual_stages, first=run.first_stage_layers, last=run.last_stage_layers)
         ep = run.expert_model_parallel_size
         if args.expert_ranks is None and "--expert-model-parallel-size" in run.given:
             out["N"] = ep
         elif args.expert_ranks is not None and ep != 1 and ep != args.expert_ranks:
             out["notes"].append(f"--expert-model-parallel-size {ep}: the plan's placement wins (as in the run): "
                                 f"{model.num_experts} experts a layer over --expert-ranks {args.expert_ranks}")
-        if args.attention_ranks is not None and out["tp"] and args.attention_ranks % out["tp"] == 0:
-            members = args.groups * args.attention_ranks // out["tp"]
+        member = out["tp"] * out["cp"]  # ranks of one attention member
+        if args.attention_ranks is not None and member >= 1 and args.attention_ranks % member == 0:
+            members = args.groups * args.attention_ranks // member
             mbs = run.micro_batch_size
             gbs = run.global_batch_size if run.global_batch_size is not None else mbs * members
+            cp_note = f" x CP {out['cp']}" if out["cp"] > 1 else ""
             if gbs % (mbs * members):
                 raise ValueError(f"the run's --global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x "
                                  f"{members} attention members (--groups {args.groups} x --attention-ranks "
-                                 f"{args.attention_ranks} / TP {out['tp']}: Megatron's data-parallel size); pass "
+                                 f"{args.attention_ranks} / (TP {out['tp']}{cp_note}): Megatron's data-parallel "
+                                 f"size); pass "
                                  f"--global-batch-size {max(1, gbs // (mbs * members)) * mbs * members} after --, or "
                                  f"change --attention-ranks / --groups")
             _agree("--microbatches", args.microbatches, "--global-batch-size / (--micro-batch-size x attention "
@@ -240,7 +248,7 @@ def even_layout(args: argparse.Namespace, model: ModelConfig, run: RunFlags | No
         if out["tp"] > 1 and not run.sequence_parallel:
             out["notes"].append(f"--tensor-model-parallel-size {out['tp']} without --sequence-parallel: the run "
                                 f"refuses it (Megatron's rule for MoE with TP); add --sequence-parallel")
-    for key, default in (("tp", 1), ("pp", 1), ("V", 1), ("R", 1)):
+    for key, default in (("tp", 1), ("cp", 1), ("pp", 1), ("V", 1), ("R", 1)):
         if out[key] is None:
             out[key] = default
     return out
@@ -264,6 +272,8 @@ def run_flags_note(plan, global_batch: int, model: ModelConfig) -> str:
     flags = [f"--tensor-model-parallel-size {plan.attention_tp}"]
     if plan.attention_tp > 1:
         flags.append("--sequence-parallel")
+    if plan.attention_cp > 1:  # Megatron's default is 1: named only where the plan differs
+        flags.append(f"--context-parallel-size {plan.attention_cp}")
     flags += [f"--pipeline-model-parallel-size {plan.pipeline_stages}", f"--micro-batch-size {mbs}",
               f"--global-batch-size {global_batch}"]
     return "train it with: " + " ".join(flags) + f" --hetero-plan PLAN (schedule {plan.schedule})"
@@ -275,13 +285,15 @@ def search_settings(args: argparse.Namespace, run: RunFlags | None) -> dict:
     (full: zebra's per-stage recompute, the pick zebra, which is what the runtime runs with it;
     selective modules; --moe-layer-recompute: the experts keep their inputs, 'keep-inputs'), its
     --use-distributed-optimizer, and the layout values the run's flags give (TP, PP, micro batch)
-    fix what the search tries; values the flags leave to Megatron's defaults stay the search's."""
+    fix what the search tries (--context-parallel-size: attention_cp, as --tensor-model-parallel-size
+    fixes attention_tp); values the flags leave to Megatron's defaults stay the search's."""
     tp = None if args.attention_tp is None else (args.attention_tp,)
+    cp = None if args.attention_cp is None else (args.attention_cp,)
     pp = None if args.pipeline_stages is None else (args.pipeline_stages,)
     kw = {"expert_recompute": args.expert_recompute, "distributed_optimizer": args.distributed_optimizer,
           "notes": []}
     if run is None:
-        return {**kw, "attention_tp": tp, "pipeline_stages": pp}
+        return {**kw, "attention_tp": tp, "attention_cp": cp, "pipeline_stages": pp}
     if run.virtual_stages > 1:
         raise ValueError(f"the run's virtual pipeline size {run.virtual_stages} (after --): the search does not price "
                          f"virtual stages; make an even plan (--even), or drop the virtual-stage flag")
@@ -292,13 +304,17 @@ def search_settings(args: argparse.Namespace, run: RunFlags | None) -> dict:
     if "--tensor-model-parallel-size" in given:
         _agree("--attention-tp", args.attention_tp, "--tensor-model-parallel-size", run.tensor_model_parallel_size)
         tp = (run.tensor_model_parallel_size,)
+    if "--context-parallel-size" in given:
+        _agree("--attention-cp", args.attention_cp, "--context-parallel-size", run.context_parallel_size)
+        cp = (run.context_parallel_size,)
     if "--pipeline-model-parallel-size" in given:
         _agree("--pipeline-stages", args.pipeline_stages, "--pipeline-model-parallel-size",
                run.pipeline_model_parallel_size)
         pp = (run.pipeline_model_parallel_size,)
     for flag, v, ok in (("--tensor-model-parallel-size", tp, ATTENTION_TP),
+                        ("--context-parallel-size", cp if "--context-parallel-size" in given else None, ATTENTION_CP),
                         ("--pipeline-model-parallel-size", pp, PIPELINE_STAGES)):
-        if v is not None and v[0] not in ok:
+        if v is not None and v[0] not in ok:  # --attention-cp alone is checked by main, under its own name
             raise ValueError(f"{flag} {v[0]}: the search tries {list(ok)}")
     rec = run.recompute
     if rec.moe_layer:
@@ -308,7 +324,7 @@ def search_settings(args: argparse.Namespace, run: RunFlags | None) -> dict:
         kw["expert_recompute"] = "keep-inputs"
         kw["notes"].append("MoE-layer recomputation: priced as expert recompute 'keep-inputs', what the runtime runs "
                            "(the experts keep their inputs and recompute their forward; the dispatch is not replayed)")
-    kw.update(attention_tp=tp, pipeline_stages=pp, activation_checkpointing=rec.full,
+    kw.update(attention_tp=tp, attention_cp=cp, pipeline_stages=pp, activation_checkpointing=rec.full,
               recompute_modules=frozenset(rec.selective) & frozenset(SELECTIVE_PRICED),
               distributed_optimizer=args.distributed_optimizer or run.distributed_optimizer,
               micro_batch_size=run.micro_batch_size if "--micro-batch-size" in given else None)
@@ -403,16 +419,21 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
             # MTP layers come after the decoder's, of its last layer's kind (layer_pattern.model_dense_layers)
             mtp, dense = model.mtp_num_layers or 0, model.planned_dense_layers
-            tp, pp = lay["tp"], lay["pp"]
+            tp, cp, pp = lay["tp"], lay["cp"], lay["pp"]
             if tp < 1 or model.num_attention_heads % tp or model.query_groups % tp:
                 print(f"hetermoe plan: attention TP {tp} (--attention-tp, or the run's --tensor-model-parallel-size) "
                       f"must be a positive divisor of the model's {model.num_attention_heads} attention heads and "
                       f"{model.query_groups} query groups", file=sys.stderr)
                 return 2
+            if cp < 1 or (cp > 1 and args.seq_len is not None and args.seq_len % (2 * cp)):
+                print(f"hetermoe plan: attention CP {cp} (--attention-cp, or the run's --context-parallel-size) must "
+                      f"be a positive integer with 2 x CP dividing the sequence length {args.seq_len} (Megatron's "
+                      f"load-balanced split: each CP rank holds 2 of 2 x CP chunks)", file=sys.stderr)
+                return 2
             plan = even_plan(model.planned_num_moe_layers, model.num_experts, args.attention_ranks,
                              args.expert_ranks, args.groups, attention_gpu=args.attention_gpu,
                              expert_gpu=args.expert_gpu, num_microbatches=lay["R"], schedule=args.schedule,
-                             dense_layers=dense, mtp_layers=mtp, attention_tp=tp,
+                             dense_layers=dense, mtp_layers=mtp, attention_tp=tp, attention_cp=cp,
                              pipeline_stages=pp, zebra_waves=args.zebra_waves,
                              zebra_wave_order=args.zebra_wave_order, virtual_stages=lay["V"],
                              first_stage_layers=lay["first"], last_stage_layers=lay["last"])
@@ -437,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                 _print_placed(placed, load, speeds, sys.stdout if args.output else sys.stderr)
             if args.output:
                 plan.save(args.output)
-                tp_note = f", attention_tp {tp}" if tp > 1 else ""
+                tp_note = (f", attention_tp {tp}" if tp > 1 else "") + (f", attention_cp {cp}" if cp > 1 else "")
                 stages = f"{pp} stages of " if pp > 1 else ""
                 print(f"wrote {args.output}: {args.groups} x {stages}({args.attention_ranks} attention + "
                       f"{args.expert_ranks} expert ranks), world size {plan.world_size}{tp_note}")
@@ -466,6 +487,10 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         if args.attention_tp is not None and args.attention_tp not in ATTENTION_TP:
             print(f"hetermoe plan: --attention-tp {args.attention_tp}: the search tries {list(ATTENTION_TP)}",
+                  file=sys.stderr)
+            return 2
+        if args.attention_cp is not None and args.attention_cp not in ATTENTION_CP:
+            print(f"hetermoe plan: --attention-cp {args.attention_cp}: the search tries {list(ATTENTION_CP)}",
                   file=sys.stderr)
             return 2
         if args.pipeline_stages is not None and args.pipeline_stages not in PIPELINE_STAGES:

@@ -38,6 +38,21 @@ forward under checkpointing); its non-expert weights and state are split t ways 
 routers (non_expert_params_per_rank). TrainSettings.distributed_optimizer prices Megatron's
 --use-distributed-optimizer (state_bytes_per_param: 6 + 12/d bytes per parameter).
 
+Context parallelism on attention members (plan.attention_cp c, Megatron's --context-parallel-size;
+a member is t x c ranks): each CP rank holds 2 of the sequence's 2c chunks (Megatron's load-balanced
+split), so a rank's tokens are member tokens / (t c) and the linear parts, the elementwise work and
+the rank's queries' share of the causal attention core (each query still meets seq_len / 2 keys on
+average: 1/c of the core) are the stage on those tokens, as under TP. Each attention layer adds
+its K/V exchange over the CP group (cp_comm_time, not overlapped): forward one all-gather of the
+other c - 1 ranks' keys and values (kv_width channels of each of their tokens), backward one
+reduce-scatter of their gradients, and under activation checkpointing one all-gather more in the
+re-run forward, on the GPU profile's intra_node_gbs (a member sits in one node, as a TP member
+does). Dense weights are replicated over the CP group (Megatron's rule: CP splits activations
+only), their gradients all-reduced and, with the distributed optimizer, sharded over data x
+context parallel ranks; the gathered K/V are held by the layer being computed (with
+checkpointing: the recomputed stage's attention layers; without: every layer of every live
+microbatch, saved for the core's backward): cp_gathered_bytes.
+
 Which program is priced (`Program`): precision, attention kernel and recomputation change a
 step's cost, so a time is always for one program. `TrainSettings.program=None` prices each
 GPU type as its profile describes it (`program_of`): analytic profiles the paper's program (fp16
@@ -558,7 +573,7 @@ class CostModel:
         return (0 if stage == 0 else (2 if stage == L else 1), self.dense_in_stage[stage], self.mtp_in_stage[stage])
 
     def stage_time(self, gpu: str, stage: int, tokens: float, backward: bool = False, tp: int = 1,
-                   dense: int | None = None) -> float:
+                   dense: int | None = None, cp: int = 1) -> float:
         """Attention stage s of the zebra task list (0..L, L = MoE layers): s=0 embedding +
         attention_1 + router_1; 0<s<L combine of layer s-1 + residual + attention + router;
         s=L last combine + head + loss. A stage s<L also runs MoE layer s's shared expert, and
@@ -566,17 +581,21 @@ class CostModel:
         `tokens`: the rank's tokens; under tensor parallelism `tp` (with sequence parallelism) its
         sequence slice, member tokens / tp: the rank computes 1/tp of every GEMM, of the heads and
         of the elementwise work, priced as the stage on `tokens` tokens, plus the stage's TP
-        collectives (tp_comm_time), not overlapped. `dense`: how many dense layers the stage runs
-        (default dense_in_stage[stage]; a pipeline stage boundary may move a dense layer to the
-        neighbouring stage: planner/pipeline.py)."""
+        collectives (tp_comm_time), not overlapped. Under context parallelism `cp` `tokens` is the
+        rank's share of the member's, member tokens / (tp cp), priced alike (its queries' share of
+        the load-balanced causal core), plus the stage's K/V exchanges (cp_comm_time), not
+        overlapped. `dense`: how many dense layers the stage runs (default dense_in_stage[stage]; a
+        pipeline stage boundary may move a dense layer to the neighbouring stage: planner/pipeline.py)."""
         kind = self.stage_kind(stage)
         if dense is not None:
             kind = (kind[0], dense, kind[2])
-        key = ("stage", gpu, kind, tokens, backward, tp)
+        key = ("stage", gpu, kind, tokens, backward, tp, cp)
         if key not in self._memo:
             t = self._stage_time(gpu, stage, tokens, backward, dense)
             if tp > 1:
                 t += self.tp_comm_time(gpu, stage, tokens, tp, backward, dense)
+            if cp > 1:
+                t += self.cp_comm_time(gpu, stage, tokens, cp, backward, dense)
             self._memo[key] = t
         return self._memo[key]
 
@@ -624,6 +643,56 @@ class CostModel:
         if backward:
             n *= 2 if self.settings.activation_checkpointing else 1
         return n * self.tp_collective_time(gpu, tokens, tp)
+
+    # ---- context parallelism (Megatron's --context-parallel-size c) ----------------------------
+    def kv_width(self) -> int:
+        """Key and value channels of one token over all heads, what CP ranks exchange per token:
+        2 x query groups x head_dim; MLA's keys and values after their up projection (heads x
+        (qk_channels + v_channels): megatron-core gathers those, not the latent)."""
+        m = self.model
+        if m.multi_latent_attention:
+            return m.num_attention_heads * (m.qk_channels + m.v_channels)
+        return 2 * m.query_groups * m.head_dim
+
+    def cp_attention_layers(self, stage: int, dense: int | None = None) -> int:
+        """Attention layers of attention stage `stage`, each one K/V exchange per pass under CP:
+        MoE layer s's (s < L) and its dense layers' (`dense`: as stage_time)."""
+        self.stage_kind(stage)  # range check
+        n = self.dense_in_stage[stage] if dense is None else dense
+        return n + (1 if stage < self.num_layers else 0)
+
+    def cp_collective_time(self, gpu: str, tokens: float, cp: int) -> float:
+        """One K/V all-gather of one attention layer over a CP group of `cp` ranks (ring, inside one
+        node), or its gradient's reduce-scatter (the same volume): a rank holding `tokens` tokens
+        (member tokens / (tp cp)) receives the other cp-1 ranks' keys and values, (cp-1) x tokens x
+        kv_width x dtype bytes (under TP each rank exchanges its heads' share of the tp x tokens
+        its CP rank holds: the same bytes), at the GPU profile's intra_node_gbs + its link_latency_us
+        (tp_collective_time's link model)."""
+        if cp <= 1 or tokens <= 0:
+            return 0.0
+        p = self.profile(gpu)
+        nbytes = (cp - 1) * tokens * self.kv_width() * self.settings.dtype_bytes
+        return p.link_latency_us * 1e-6 + nbytes / (p.intra_node_gbs * 1e9)
+
+    def cp_comm_time(self, gpu: str, stage: int, tokens: float, cp: int, backward: bool = False,
+                     dense: int | None = None) -> float:
+        """K/V exchanges of attention stage `stage` on a rank holding `tokens` tokens: forward one
+        all-gather per attention layer (cp_attention_layers), backward one reduce-scatter of their
+        gradients per layer, plus one all-gather more under activation checkpointing (the re-run
+        forward gathers again), each cp_collective_time."""
+        if cp <= 1:
+            return 0.0
+        n = self.cp_attention_layers(stage, dense)
+        if backward:
+            n *= 2 if self.settings.activation_checkpointing else 1
+        return n * self.cp_collective_time(gpu, tokens, cp)
+
+    def cp_gathered_bytes(self, tokens_mb: float, cp: int) -> float:
+        """The other CP ranks' keys and values one attention layer holds on a rank of `tokens_mb`
+        tokens: (cp-1) x tokens_mb x kv_width x dtype bytes (0 without CP)."""
+        if cp <= 1:
+            return 0.0
+        return (cp - 1) * tokens_mb * self.kv_width() * self.settings.dtype_bytes
 
     def _stage_time(self, gpu: str, stage: int, tokens: float, backward: bool, n_dense: int | None = None) -> float:
         m = self.model
@@ -748,7 +817,7 @@ class CostModel:
         return units * b / 2
 
     def attention_rank_bytes(self, tokens_mb: float, microbatches_alive: int, layer_checkpoints: bool = False,
-                             tp: int = 1, dp: int = 1) -> float:
+                             tp: int = 1, dp: int = 1, cp: int = 1) -> float:
         """An attention rank without offloaded experts: non-expert weights and optimizer state
         (dense layers and shared experts included), plus activations. With checkpointing: each
         stage's input for every live microbatch, one stage's working set (a stage recomputed
@@ -761,7 +830,11 @@ class CostModel:
         dispatched tokens it sends again in backward (resent_bytes). Tensor parallelism `tp`
         (sequence parallel): `tokens_mb` is the rank's slice, so activations are the member's / tp;
         weights and state are non_expert_state_bytes(tp, dp); the working set adds the all-gathered
-        sequence, (tp-1) x tokens_mb x h x dtype bytes."""
+        sequence, (tp-1) x tokens_mb x h x dtype bytes. Context parallelism `cp`: `tokens_mb` is
+        member tokens / (tp cp); weights stay whole over CP (`dp` counts data x context parallel
+        ranks, the distributed optimizer's shards); the other ranks' keys and values
+        (cp_gathered_bytes) are kept per layer and live microbatch without checkpointing, else held
+        by the recomputed stage's attention layers (by one layer under `layer_checkpoints`)."""
         m, b = self.model, self.settings.dtype_bytes
         h, L = m.hidden_size, self.num_layers
         n_dense = len(m.planned_dense_layers)
@@ -769,17 +842,18 @@ class CostModel:
         logits = self.heads * tokens_mb * m.vocab_size * 4.0  # estimate: fp16 logits + their fp16 gradient, per head
         per_token = self.layer_activation_bytes_per_token()  # one whole layer's activations
         shared_working = tokens_mb * shared * b * 4  # as expert_working_bytes
+        gathered = self.cp_gathered_bytes(tokens_mb, cp)  # one attention layer's other CP ranks' K/V
         if self.settings.activation_checkpointing:
             stage_working = tokens_mb * h * b * 20
             if layer_checkpoints:  # one layer at a time: an MoE layer's working set, or a whole dense layer's
                 kept = (L + n_dense + 1) * tokens_mb * h * b * microbatches_alive
-                working = max(stage_working, tokens_mb * per_token if n_dense else 0.0)
+                working = max(stage_working, tokens_mb * per_token if n_dense else 0.0) + gathered
             else:  # zebra recomputes a stage whole: its MoE layer's attention and its dense layers
                 kept = (L + 1) * tokens_mb * h * b * microbatches_alive
-                working = stage_working + max(self.dense_in_stage) * tokens_mb * per_token
+                working = stage_working + max(self.dense_in_stage) * (tokens_mb * per_token + gathered) + gathered
             working += shared_working
         else:
-            kept = (L + n_dense) * tokens_mb * per_token * microbatches_alive
+            kept = (L + n_dense) * (tokens_mb * per_token + gathered) * microbatches_alive
             kept += L * tokens_mb * 3 * shared * b * microbatches_alive  # shared experts' SwiGLU intermediates
             working = 0.0
         working += (tp - 1) * tokens_mb * h * b if tp > 1 else 0.0
@@ -818,12 +892,13 @@ class CostModel:
 
     def pipeline_attention_rank_bytes(self, tokens_mb: float, microbatches_alive: int,
                                       pieces: list[tuple[int, int]], first: bool, last: bool,
-                                      tp: int = 1, dp: int = 1) -> float:
+                                      tp: int = 1, dp: int = 1, cp: int = 1) -> float:
         """attention_rank_bytes for an attention rank of one pipeline stage: the same terms over
         the stage's pieces only (weights and state of its pieces, the embedding on the first
         stage and output layer on the last; one checkpointed input per piece per live
         microbatch; a piece's working set; fp32 logits only on the last stage; resent tokens of
-        its MoE layers). With every piece, first and last, this is attention_rank_bytes."""
+        its MoE layers; under CP the gathered K/V as there). With every piece, first and last, this
+        is attention_rank_bytes."""
         m, b = self.model, self.settings.dtype_bytes
         h, L = m.hidden_size, self.num_layers
         n_moe = sum(1 for s, _ in pieces if s < L)
@@ -832,11 +907,13 @@ class CostModel:
         logits = self.heads * tokens_mb * m.vocab_size * 4.0 if last else 0.0
         per_token = self.layer_activation_bytes_per_token()
         shared_working = tokens_mb * shared * b * 4
+        gathered = self.cp_gathered_bytes(tokens_mb, cp)
         if self.settings.activation_checkpointing:
             kept = len(pieces) * tokens_mb * h * b * microbatches_alive
-            working = tokens_mb * h * b * 20 + max(d for _, d in pieces) * tokens_mb * per_token + shared_working
+            working = (tokens_mb * h * b * 20 + max(d for _, d in pieces) * (tokens_mb * per_token + gathered)
+                       + gathered + shared_working)
         else:
-            kept = (n_moe + n_dense) * tokens_mb * per_token * microbatches_alive
+            kept = (n_moe + n_dense) * (tokens_mb * per_token + gathered) * microbatches_alive
             kept += n_moe * tokens_mb * 3 * shared * b * microbatches_alive
             working = 0.0
         working += (tp - 1) * tokens_mb * h * b if tp > 1 else 0.0

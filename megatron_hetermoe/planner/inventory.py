@@ -116,6 +116,7 @@ class AutoPlanRun:
     pipeline_stages: int = 1
     distributed_optimizer: bool = False
     schedule: str | None = None  # --hetero-schedule: the pick must run it (None: either)
+    context_parallel: int = 1  # --context-parallel-size: the attention members' CP size the search keeps
 
 
 def _search(run: AutoPlanRun, inventory: Inventory):
@@ -123,6 +124,7 @@ def _search(run: AutoPlanRun, inventory: Inventory):
 
     return search(run.model, inventory.cluster(), run.seq_length, run.global_batch_size,
                   attention_tp=(run.tensor_parallel,), pipeline_stages=(run.pipeline_stages,),
+                  attention_cp=(run.context_parallel,),
                   micro_batch_size=run.micro_batch_size, distributed_optimizer=run.distributed_optimizer,
                   pick_schedules=(run.schedule,) if run.schedule else None, baselines=False)
 

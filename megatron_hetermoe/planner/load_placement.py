@@ -403,9 +403,9 @@ def candidates(prob: PlacementProblem, start: Placement) -> list[Placement]:
 # ---------------------------------------------------------------- from and to a plan
 def holds_on_attention(plan: HeteroPlan) -> bool:
     """Whether the load-aware placement may put experts on attention ranks (Asym-EA): under zebra
-    without attention TP (the planner builds no Asym-EA on TP members), or where the plan already
-    does."""
-    return (plan.schedule == ScheduleName.ZEBRA and plan.attention_tp == 1) or plan.experts_on_attention_ranks_any()
+    with one-rank attention members (the planner builds no Asym-EA on TP members, and a plan
+    refuses it with CP), or where the plan already does."""
+    return (plan.schedule == ScheduleName.ZEBRA and plan.member_size == 1) or plan.experts_on_attention_ranks_any()
 
 
 def _layout(plan: HeteroPlan) -> pipeline.PipelineLayout:
@@ -459,7 +459,7 @@ def problem_of_plan(plan: HeteroPlan, cost: CostModel, global_batch: int, load: 
         att, exp = lay.attention[0][i], lay.experts[0][i]
         smem = [index[r] for r in att + exp]
         attn_bytes = cost.pipeline_attention_rank_bytes(t_mb, alive, lay.pieces[i], i == 0, i == lay.P - 1, lay.tp,
-                                                        members_dp)
+                                                        members_dp, lay.cp)
         for j in smem:
             usable = cost.profile(plan.gpu_types[members[j]]).usable_memory_bytes
             capacity[j] = usable - (attn_bytes if members[j] in n_att else 0.0)
@@ -472,8 +472,8 @@ def problem_of_plan(plan: HeteroPlan, cost: CostModel, global_batch: int, load: 
                 r = members[j]
                 if r in n_att:
                     g = plan.gpu_types[r]
-                    base[l].append(cost.stage_time(g, s, t_mb, False, lay.tp, dense=d)
-                                   + cost.stage_time(g, s, t_mb, True, lay.tp, dense=d))
+                    base[l].append(cost.stage_time(g, s, t_mb, False, lay.tp, dense=d, cp=lay.cp)
+                                   + cost.stage_time(g, s, t_mb, True, lay.tp, dense=d, cp=lay.cp))
                 else:
                     base[l].append(0.0)
             holders[l] = [j for j in smem if attention_ok or members[j] not in n_att]

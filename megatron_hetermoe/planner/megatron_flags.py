@@ -25,8 +25,9 @@ for every flag that changes what megatron-core builds:
               default (32000), padded, with a note. The planner reads no tokenizer files (it sits
               below data/): with another --tokenizer-type, give --padded-vocab-size.
 The run (`FlagModel.run`, a RunFlags), as Megatron-LM's validate_args reads it: --tensor-model-parallel-size,
---pipeline-model-parallel-size, the virtual pipeline size (--num-virtual-stages-per-pipeline-rank, or
---num-layers-per-virtual-pipeline-stage as layers per stage / that), --expert-model-parallel-size,
+--context-parallel-size (the plan's attention_cp), --pipeline-model-parallel-size, the virtual pipeline
+size (--num-virtual-stages-per-pipeline-rank, or --num-layers-per-virtual-pipeline-stage as layers per
+stage / that), --expert-model-parallel-size,
 --micro-batch-size (default 1), --global-batch-size (default: micro batch x data-parallel size),
 --sequence-parallel, --use-distributed-optimizer and recomputation (--recompute-activations is
 --recompute-granularity selective; --moe-layer-recompute adds the module "moe", and Megatron refuses it
@@ -127,6 +128,7 @@ class RunFlags:
     # --decoder-first/last-pipeline-num-layers: an uneven pipeline split (None: Megatron's even one)
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    context_parallel_size: int = 1  # --context-parallel-size: the attention members' CP size (plan.attention_cp)
 
 
 @dataclass
@@ -228,6 +230,7 @@ def _recompute(a: argparse.Namespace) -> Recompute:
 def _run(a: argparse.Namespace, given: frozenset[str]) -> RunFlags:
     for flag, v in (("--tensor-model-parallel-size", a.tensor_model_parallel_size),
                     ("--pipeline-model-parallel-size", a.pipeline_model_parallel_size),
+                    ("--context-parallel-size", a.context_parallel_size),
                     ("--expert-model-parallel-size", a.expert_model_parallel_size),
                     ("--micro-batch-size", a.micro_batch_size)):
         if v < 1:
@@ -237,7 +240,8 @@ def _run(a: argparse.Namespace, given: frozenset[str]) -> RunFlags:
     return RunFlags(a.tensor_model_parallel_size, a.pipeline_model_parallel_size, _virtual_stages(a),
                     a.expert_model_parallel_size, a.micro_batch_size, a.global_batch_size,
                     a.sequence_parallel and a.tensor_model_parallel_size > 1, a.use_distributed_optimizer,
-                    _recompute(a), given, a.decoder_first_pipeline_num_layers, a.decoder_last_pipeline_num_layers)
+                    _recompute(a), given, a.decoder_first_pipeline_num_layers, a.decoder_last_pipeline_num_layers,
+                    context_parallel_size=a.context_parallel_size)
 
 
 def _vocab(a: argparse.Namespace, notes: list[str]) -> int:

@@ -133,6 +133,7 @@ class PipelineLayout:
     # With virtual stages (zebra's task lists only): [virtual stage u = chunk * P + stage]: its
     # attention pieces; `layers` and `pieces` then hold each stage's chunks' in chunk order.
     chunk_pieces: list[list[tuple[int, int]]] | None = None
+    cp: int = 1  # the attention members' context-parallel size (a member is tp x cp ranks, TP fastest)
 
     def __post_init__(self) -> None:
         if self.totals is None:
@@ -171,14 +172,15 @@ def layout_of_plan(plan: HeteroPlan, validate: bool = True, virtual: bool = Fals
     held = [[tuple(len(g0.placement[l].get(r, [])) for r in att[0][i] + exp[0][i]) for l in layers[i]]
             for i in range(P)]
     return PipelineLayout(P, G, plan.num_microbatches, plan.attention_tp, list(plan.gpu_types), att, exp, layers,
-                          pieces, held, chunk_pieces=chunk_pieces)
+                          pieces, held, chunk_pieces=chunk_pieces, cp=plan.attention_cp)
 
 
 def even_layout(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int, P: int,
-                R: int, tp: int = 1) -> PipelineLayout:
+                R: int, tp: int = 1, cp: int = 1) -> PipelineLayout:
     """The layout build_plan(..., pipeline_stages=P) makes without Asym-EA, without building the
     plan: group g's attention ranks attn[g*P*M:(g+1)*P*M], stage by stage M each (likewise the
-    experts), each layer's experts split evenly over its stage's N expert ranks."""
+    experts), each layer's experts split evenly over its stage's N expert ranks; attention members
+    of tp x cp ranks."""
     if len(attn) % (G * P) or len(expert) % (G * P):
         raise PlanError(f"{len(attn)} attention and {len(expert)} expert ranks do not split into {G} groups of {P} "
                         f"stages")
@@ -191,7 +193,7 @@ def even_layout(model: ModelConfig, gpu_types: list[str], attn: list[int], exper
     held = [[per] * len(layers[i]) for i in range(P)]
     totals = [tuple(c * len(layers[i]) for c in per) for i in range(P)]  # every layer of a stage alike
     gpus = [tuple(map(gpu_types.__getitem__, att[0][i] + exp[0][i])) for i in range(P)]
-    return PipelineLayout(P, G, R, tp, gpu_types, att, exp, layers, pieces, held, totals, gpus)
+    return PipelineLayout(P, G, R, tp, gpu_types, att, exp, layers, pieces, held, totals, gpus, cp=cp)
 
 
 def tokens(lay: PipelineLayout, cost: CostModel, global_batch: int) -> tuple[float, float]:
@@ -280,8 +282,8 @@ def stage_times(lay: PipelineLayout, cost: CostModel, cluster: Cluster, global_b
         members = att + exp
         types = [lay.gpu_types[r] for r in members]
         a_types = sorted(set(types[:len(att)]))
-        attn = {b: {g: sum(cost.stage_time(g, s, t, b, lay.tp, dense=d) for s, d in lay.pieces[i]) for g in a_types}
-                for b in (False, True)}
+        attn = {b: {g: sum(cost.stage_time(g, s, t, b, lay.tp, dense=d, cp=lay.cp) for s, d in lay.pieces[i])
+                    for g in a_types} for b in (False, True)}
         busy = [attn[False][types[j]] + attn[True][types[j]] if j < len(att) else 0.0 for j in range(len(members))]
         seen: dict[tuple, tuple] = {}  # layers placed alike cost alike
         fwd = max(attn[False].values())
@@ -351,7 +353,7 @@ def pipeline_memory(lay: PipelineLayout, cost: CostModel, global_batch: int, zeb
     (plan.tasks.zebra_tasks): a stage keeps its warm-up groups alive (tasks.wave_warmup), all R
     microbatches in GPipe's order."""
     t, tpe = tokens(lay, cost, global_batch)
-    members_dp = lay.G * len(lay.attention[0][0]) // lay.tp
+    members_dp = lay.G * len(lay.attention[0][0]) // lay.tp  # data x context parallel ranks: the optimizer's shards
     out = []
     for i in range(lay.P):
         alive = lay.R // waves * wave_warmup(order, waves, lay.P, i) if zebra else live_microbatches(lay.P, i, lay.R)
@@ -359,7 +361,8 @@ def pipeline_memory(lay: PipelineLayout, cost: CostModel, global_batch: int, zeb
         held = lay.totals[i]  # experts of all the stage's layers, per member
         per = cost.per_expert_bytes(tpe, alive, lay.G)
         work = cost.expert_working_bytes(tpe)
-        base = cost.pipeline_attention_rank_bytes(t, alive, lay.pieces[i], i == 0, i == lay.P - 1, lay.tp, members_dp)
+        base = cost.pipeline_attention_rank_bytes(t, alive, lay.pieces[i], i == 0, i == lay.P - 1, lay.tp, members_dp,
+                                                  lay.cp)
         worst: dict[str, tuple[float, dict]] = {}  # role -> (shortfall, its row)
         roles = ("attention",) * n_att + ("expert",) * n_exp
         kinds = dict(zip(zip(roles, lay.member_gpus[i], held), range(n_att + n_exp)))  # twins once: a member of each
@@ -415,13 +418,14 @@ def price(lay: PipelineLayout, cost: CostModel, cluster: Cluster, global_batch: 
 
 
 def lower_bound(cost: CostModel, a_gpus: set[str], x_gpus: set[str], t: float, tpe: float, per_rank_experts: int,
-                P: int, R: int, tp: int = 1) -> float:
+                P: int, R: int, tp: int = 1, cp: int = 1) -> float:
     """A lower bound on price(...).step_time_s without building the layout: the stages' T sum to at
     least one microbatch's attention compute through every piece (the fastest attention type) and
     the busiest expert rank's experts of every layer (`per_rank_experts`, the fastest expert type),
     and step >= sum T + (R - 1) sum T / P."""
     L = cost.num_layers
-    attn = min(sum(cost.stage_time(g, s, t, b, tp) for s in range(L + 1) for b in (False, True)) for g in a_gpus)
+    attn = min(sum(cost.stage_time(g, s, t, b, tp, cp=cp) for s in range(L + 1) for b in (False, True))
+               for g in a_gpus)
     exp = min(cost.expert_time(g, tpe, False) + cost.expert_time(g, tpe, True) for g in x_gpus)
     chain = attn + per_rank_experts * exp
     return chain * (1 + (R - 1) / P) * (1 - 1e-9)
@@ -441,8 +445,8 @@ def zebra_bound_terms(cost: CostModel, cluster: Cluster, a_gpus: set[str], x_gpu
         colls = stage_collectives(lay, cost, cluster, t)
 
     def attention(i: int, backward: bool) -> float:
-        return min(sum(cost.stage_time(g, s, t, backward, lay.tp, dense=d) for n, (s, d) in enumerate(lay.pieces[i])
-                       if not backward or i == 0 or n > 0) for g in a_gpus)
+        return min(sum(cost.stage_time(g, s, t, backward, lay.tp, dense=d, cp=lay.cp)
+                       for n, (s, d) in enumerate(lay.pieces[i]) if not backward or i == 0 or n > 0) for g in a_gpus)
 
     def experts(i: int, backward: bool) -> float:
         if attention_only:

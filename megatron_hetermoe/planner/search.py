@@ -3,8 +3,18 @@ expert placement for a cluster and model, by simulating every candidate; and pre
 baseline on the same cost model, for the report.
 
 Attention members may be tensor-parallel (plan.attention_tp in ATTENTION_TP, where it divides the
-heads and the sequence and each member sits in one node; such a candidate has no Asym-EA). A
-candidate whose lower bound (compute_lower_bound) cannot beat the best simulated step is skipped.
+heads and the sequence and each member sits in one node; such a candidate has no Asym-EA) and
+context-parallel (plan.attention_cp in ATTENTION_CP, where cp_sizes allows it: 2 cp chunks divide
+the sequence, each CP rank's tokens split over the TP size, and the member's tp x cp consecutive
+ranks sit in one node, so the K/V exchanges run on the intra-node link as TP's collectives do; no
+CP across nodes is searched; no multi-token prediction, and no Asym-EA, which plans refuse with
+CP). A member of tp x cp ranks reads whole sequences, each rank member tokens / (tp cp) of them
+(cost_model.py, "Context parallelism"). A candidate whose lower bound (compute_lower_bound) cannot
+beat the best simulated step is skipped. CP only pays where members without it cannot get as many
+microbatches (few whole sequences per rank: long sequences, small batches), so a CP shape the same
+shape without CP matches in R is not a candidate (candidates()), and the CP candidates come last,
+skipped before their memory check where a bound with the post-step cannot beat the steps without
+CP (_cp_cannot_beat): the 1,024-GPU search's time stays about the same.
 
 Candidates: each GPU type in turn takes the attention role and all other types the expert role
 (a homogeneous cluster is split at a few ratios instead); G divides both counts with N <= E;
@@ -67,7 +77,7 @@ from megatron_hetermoe.planner.baselines import (
     simulate_ep_ideal,
     simulate_hetero_pp,
 )
-from megatron_hetermoe.planner.cluster import Cluster, Links, rank1_collective_time
+from megatron_hetermoe.planner.cluster import Cluster, Links, allreduce_time, rank1_collective_time
 from megatron_hetermoe.planner.cost_model import (
     EXPERT_RECOMPUTE,
     CostModel,
@@ -140,6 +150,12 @@ class Candidate:
     R: int
     tp: int = 1  # attention_tp: each attention member is tp consecutive ranks (one TP group)
     P: int = 1  # pipeline stages: each group is P stages of len(attention_ranks) / (G P) attention ranks
+    cp: int = 1  # attention_cp: each attention member is tp x cp consecutive ranks, TP position fastest
+
+    @property
+    def member(self) -> int:
+        """Ranks of one attention member: tp x cp."""
+        return self.tp * self.cp
 
     @property
     def stage_shape(self) -> tuple[int, int]:
@@ -169,6 +185,42 @@ def tp_sizes(cluster: Cluster, model: ModelConfig, seq_len: int, attn: list[int]
             out[tp] = f"attention_tp {tp}: the attention ranks do not form members of {tp} ranks inside one node"
         else:
             out[tp] = ""
+    return out
+
+
+ATTENTION_CP = (1, 2, 4, 8)  # the attention members' context-parallel sizes the search tries
+
+
+def cp_sizes(cluster: Cluster, model: ModelConfig, seq_len: int, attn: list[int], tp: int = 1) -> dict[int, str]:
+    """attention_cp sizes for attention ranks `attn` (in the order the search groups them) with TP
+    size `tp`, each with '' if usable, else why not: the sequence must split into 2 x cp chunks
+    (Megatron's load-balanced split: each CP rank holds two), a CP rank's seq_len / cp tokens must
+    split over the tp ranks (sequence parallelism), and every member (tp x cp consecutive ranks of
+    `attn`) must sit inside one node (its K/V exchanges are priced on the intra-node link, as TP's
+    collectives are; CP across nodes is not searched). Heads need not divide by cp (every CP rank
+    computes every head of its own queries). No multi-token prediction with cp > 1: plans refuse it
+    (HeteroPlan.validate)."""
+    nodes = cluster.node_of()
+    out = {}
+    for cp in ATTENTION_CP:
+        n = tp * cp
+        if cp == 1:
+            out[cp] = ""
+        elif seq_len % (2 * cp):
+            out[cp] = (f"attention_cp {cp}: the sequence length {seq_len} does not split into 2 x {cp} = {2 * cp} "
+                       f"chunks (Megatron's load-balanced split); use a sequence length that is a multiple of "
+                       f"{2 * cp}, or a smaller attention_cp")
+        elif (seq_len // cp) % tp:
+            out[cp] = (f"attention_cp {cp}: a CP rank's {seq_len // cp} tokens do not split over attention_tp {tp} "
+                       f"(sequence parallelism)")
+        elif model.mtp_num_layers:
+            out[cp] = (f"attention_cp {cp} with {model.mtp_num_layers} multi-token prediction layer(s): not built "
+                       f"with context parallelism (plans refuse it); use attention_cp 1")
+        elif len(attn) % n or any(len({nodes[r] for r in attn[i:i + n]}) > 1 for i in range(0, len(attn), n)):
+            out[cp] = (f"attention_cp {cp} with attention_tp {tp}: the attention ranks do not form members of "
+                       f"{tp} x {cp} = {n} ranks inside one node (TP and CP run on the intra-node link)")
+        else:
+            out[cp] = ""
     return out
 
 
@@ -214,11 +266,12 @@ def _role_splits(cluster: Cluster) -> list[tuple[list[int], list[int]]]:
 
 def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert: list[int], G: int, R: int,
                  global_batch: int, forward_only: bool, microbatches_alive: int | None = None,
-                 tp: int = 1) -> asym_ea.AsymProblem:
+                 tp: int = 1, cp: int = 1) -> asym_ea.AsymProblem:
     """Asym-EA inputs for one ZP group shape: per-microbatch times (forward, or forward+backward)
     and memory limits, from the cost model. Mixed types on one side: the slowest / smallest.
     `microbatches_alive`: microbatches whose activations coexist (zebra: R, the default; DistEP: 1).
-    `tp`: the attention members' TP size (attention times and memory per rank, its sequence slice)."""
+    `tp`, `cp`: the attention members' TP and CP sizes (attention times and memory per rank, its
+    share of the member's tokens)."""
     alive = R if microbatches_alive is None else microbatches_alive
     if not 1 <= alive <= R:
         raise ValueError(f"microbatches_alive={alive} must be in 1..R={R} (zebra: R, DistEP: 1)")
@@ -232,13 +285,14 @@ def asym_problem(cost: CostModel, gpu_types: list[str], attn: list[int], expert:
     x_gpus = sorted({gpu_types[r] for r in expert})
 
     def stage(g: str, l: int) -> float:
-        return cost.stage_time(g, l, t_mb, False, tp) + (0.0 if forward_only else cost.stage_time(g, l, t_mb, True, tp))
+        return (cost.stage_time(g, l, t_mb, False, tp, cp=cp)
+                + (0.0 if forward_only else cost.stage_time(g, l, t_mb, True, tp, cp=cp)))
 
     t_attn = tuple(max(stage(g, l) for g in a_gpus) for l in range(L))
     extra = max(stage(g, L) for g in a_gpus)
-    members = G * M // tp  # the dense weights' data-parallel size
+    dp = G * M // tp  # the ranks at one TP position: the dense weights' data x context parallel size
     return _asym_with_experts(cost, a_gpus, x_gpus, M, N, G, tpe, alive, t_attn, extra, forward_only,
-                              cost.attention_rank_bytes(t_mb, alive, tp=tp, dp=members))
+                              cost.attention_rank_bytes(t_mb, alive, tp=tp, dp=dp, cp=cp))
 
 
 def _asym_with_experts(cost: CostModel, a_gpus: list[str], x_gpus: list[str], M: int, N: int, G: int, tpe: float,
@@ -263,7 +317,7 @@ def _asym_with_experts(cost: CostModel, a_gpus: list[str], x_gpus: list[str], M:
 def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int, R: int,
                k: list[int], schedule: str = ScheduleName.ZEBRA, validate: bool = True, skeleton: bool = False,
                attention_tp: int = 1, pipeline_stages: int = 1, zebra_waves: int = 1,
-               zebra_wave_order: str = "gpipe") -> HeteroPlan:
+               zebra_wave_order: str = "gpipe", attention_cp: int = 1) -> HeteroPlan:
     """G groups of M attention + N expert ranks (consecutive in `attn` / `expert`), experts placed
     by asym_ea.placement(k) (one entry per MoE layer) alike in every group; the model's dense
     layers are the plan's dense_layers. `skeleton`: only group 0 gets a placement (the
@@ -271,10 +325,14 @@ def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert
     `pipeline_stages` P > 1: each group's ranks are P stages of M / P attention and N / P expert
     ranks, stage by stage (even_plan's layout), each layer's experts split evenly over its
     stage's expert ranks; no Asym-EA (k all 0); zebra in `zebra_waves` groups of microbatches in
-    `zebra_wave_order`."""
+    `zebra_wave_order`. `attention_tp`, `attention_cp`: attention members of tp x cp consecutive
+    ranks (no Asym-EA with cp > 1: plans refuse it)."""
+    if any(k) and attention_cp > 1:
+        raise PlanError(f"experts on attention ranks (Asym-EA, {list(k)}) with attention_cp={attention_cp}: plans "
+                        f"refuse experts on context-parallel attention ranks; use k all 0")
     if pipeline_stages > 1:
         return _build_pipelined_plan(model, gpu_types, attn, expert, G, R, k, schedule, validate, skeleton,
-                                     attention_tp, pipeline_stages, zebra_waves, zebra_wave_order)
+                                     attention_tp, pipeline_stages, zebra_waves, zebra_wave_order, attention_cp)
     M, N = len(attn) // G, len(expert) // G
     local = asym_ea.placement(k, model.num_experts, list(range(M)), list(range(M, M + N)))
     groups = []
@@ -285,7 +343,7 @@ def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert
         groups.append(ZPGroup(a, x, pl))
     plan = HeteroPlan(model.planned_num_moe_layers, model.num_experts, list(gpu_types), groups, R, schedule,
                       dense_layers=model.planned_dense_layers, mtp_layers=model.mtp_num_layers or 0,
-                      attention_tp=attention_tp)
+                      attention_tp=attention_tp, attention_cp=attention_cp)
     if validate and not skeleton:
         plan.validate()
     return plan
@@ -293,7 +351,7 @@ def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert
 
 def _build_pipelined_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert: list[int], G: int,
                           R: int, k: list[int], schedule: str, validate: bool, skeleton: bool, attention_tp: int,
-                          P: int, W: int = 1, order: str = "gpipe") -> HeteroPlan:
+                          P: int, W: int = 1, order: str = "gpipe", cp: int = 1) -> HeteroPlan:
     if any(k) and attention_tp > 1:
         raise PlanError(f"experts on attention ranks (Asym-EA, {list(k)}) with attention_tp={attention_tp}: "
                         f"the planner builds TP attention members without Asym-EA; use k all 0")
@@ -307,7 +365,7 @@ def _build_pipelined_plan(model: ModelConfig, gpu_types: list[str], attn: list[i
     plan = HeteroPlan(model.planned_num_moe_layers, model.num_experts, list(gpu_types), groups, R, schedule,
                       dense_layers=model.planned_dense_layers, mtp_layers=model.mtp_num_layers or 0,
                       attention_tp=attention_tp, pipeline_stages=P, zebra_waves=W,
-                      zebra_wave_order=order)
+                      zebra_wave_order=order, attention_cp=cp)
     plan.place_evenly(range(1 if skeleton else G))
     if any(k):  # Asym-EA inside each stage: k[l] experts of layer l on the stage's attention ranks
         for g in range(1 if skeleton else G):
@@ -338,25 +396,37 @@ def stage_asym_problem(cost: CostModel, lay: pipeline.PipelineLayout, stage: int
     L_i = len(lay.layers[i])
 
     def piece(g: str, s: int, d: int) -> float:
-        return c.stage_time(g, s, t, False, lay.tp, dense=d) + c.stage_time(g, s, t, True, lay.tp, dense=d)
+        return (c.stage_time(g, s, t, False, lay.tp, dense=d, cp=lay.cp)
+                + c.stage_time(g, s, t, True, lay.tp, dense=d, cp=lay.cp))
 
     t_attn = tuple(max(piece(g, s, d) for g in a_gpus) for s, d in lay.pieces[i][:L_i])
     extra = max(sum(piece(g, s, d) for s, d in lay.pieces[i][L_i:]) for g in a_gpus)
     base = c.pipeline_attention_rank_bytes(t, lay.R, lay.pieces[i], i == 0, i == lay.P - 1, lay.tp,
-                                           lay.G * M // lay.tp)
+                                           lay.G * M // lay.tp, lay.cp)
     return _asym_with_experts(c, a_gpus, x_gpus, M, N, lay.G, tpe, lay.R, t_attn, extra, False, base)
 
 
 def candidates(cluster: Cluster, model: ModelConfig, global_batch: int, max_microbatches: int = 32,
                seq_len: int | None = None, attention_tp: tuple[int, ...] | None = None,
-               pipeline_stages: tuple[int, ...] | None = None, micro_batch_size: int | None = None) -> list[Candidate]:
-    """Every (role split, attention_tp, G, R) and pipeline size P: attention_tp from `attention_tp`
-    (default ATTENTION_TP) where tp_sizes allows it, P from `pipeline_stages` (default
-    PIPELINE_STAGES) where pipeline_sizes allows it, G dividing both sides into groups of P stages
-    with a stage's M a multiple of tp and its N <= E, R dividing the sequences each attention
-    member gets (whole sequences; with `micro_batch_size` m only R = those sequences / m, the run's
-    --micro-batch-size, whatever max_microbatches). Candidates with P = 1 come first (the bound of
-    a pipelined candidate is checked against the best DistEP step so far)."""
+               pipeline_stages: tuple[int, ...] | None = None, micro_batch_size: int | None = None,
+               attention_cp: tuple[int, ...] | None = None) -> list[Candidate]:
+    """Every (role split, attention_tp, attention_cp, G, R) and pipeline size P: attention_tp from
+    `attention_tp` (default ATTENTION_TP) where tp_sizes allows it, attention_cp from
+    `attention_cp` (default ATTENTION_CP) where cp_sizes allows it with that TP size, P from
+    `pipeline_stages` (default PIPELINE_STAGES) where pipeline_sizes allows it, G dividing both
+    sides into groups of P stages with a stage's M a multiple of tp x cp and its N <= E, R dividing
+    the sequences each attention member gets (whole sequences; with `micro_batch_size` m only R =
+    those sequences / m, the run's --micro-batch-size, whatever max_microbatches). Candidates with
+    cp = 1 come first, P = 1 before P > 1 (the bound of a pipelined candidate is checked against
+    the best DistEP step so far), then those with cp > 1 in the same order (each checked against
+    every step without CP: _cp_cannot_beat).
+    A CP candidate is left out where the same shape without CP (same role split, G, P, tp) is a
+    candidate at the same R: each rank then gets the same tokens per microbatch (member tokens
+    / (tp cp) with cp times fewer members), so the same compute, dispatch, gradient all-reduce
+    (the same ranks at each TP position) and expert work, and CP only adds its K/V exchanges
+    and their bytes (every task lasts at least as long, which no event of the simulator can gain
+    from, and every rank needs at least as much memory). CP pays where members without it cannot
+    get that R: too few whole sequences per rank (long sequences, small batches)."""
     out = []
     seq_len = seq_len or model.seq_length
     sizes = [P for P, why in pipeline_sizes(model, tuple(pipeline_stages or PIPELINE_STAGES)).items() if not why]
@@ -365,24 +435,42 @@ def candidates(cluster: Cluster, model: ModelConfig, global_batch: int, max_micr
             for tp, why in tp_sizes(cluster, model, seq_len, attn).items():
                 if why or tp not in (attention_tp or ATTENTION_TP):
                     continue
-                for G in _divisors(math.gcd(len(attn), len(expert))):
-                    if len(attn) % (G * P) or len(expert) % (G * P):
-                        continue  # each group's two sides split into P stages
-                    M, N = len(attn) // (G * P), len(expert) // (G * P)
-                    if N > model.num_experts or M % tp:
+                plain: set[tuple[int, int]] = set()  # (G, R) of this shape without CP
+                for cp, why_cp in cp_sizes(cluster, model, seq_len, attn, tp).items():
+                    if why_cp or cp not in (attention_cp or ATTENTION_CP):
                         continue
-                    members = G * M // tp  # attention members of one stage over all groups: the data-parallel size
-                    if global_batch % members:
-                        continue  # every attention member gets whole sequences
-                    spr = global_batch // members
-                    if micro_batch_size is not None:  # the run's micro batch fixes R
-                        if spr % micro_batch_size == 0:
-                            out.append(Candidate(attn, expert, G, spr // micro_batch_size, tp, P))
-                        continue
-                    # most microbatches first: zebra's best, so the bound prunes more
-                    for R in reversed(_divisors(spr)):
-                        if R <= max_microbatches:
-                            out.append(Candidate(attn, expert, G, R, tp, P))
+                    for cand in _shapes(model, global_batch, max_microbatches, micro_batch_size, attn, expert,
+                                        tp, cp, P):
+                        if cp == 1:
+                            plain.add((cand.G, cand.R))
+                        elif (cand.G, cand.R) in plain:
+                            continue  # dominated: the same shape without CP at this R
+                        out.append(cand)
+    return sorted(out, key=lambda c: c.cp > 1)  # stable: the order above, CP candidates last
+
+
+def _shapes(model: ModelConfig, global_batch: int, max_microbatches: int, micro_batch_size: int | None,
+            attn: list[int], expert: list[int], tp: int, cp: int, P: int) -> list[Candidate]:
+    """candidates() of one role split, member shape and pipeline size: every G and R."""
+    out = []
+    for G in _divisors(math.gcd(len(attn), len(expert))):
+        if len(attn) % (G * P) or len(expert) % (G * P):
+            continue  # each group's two sides split into P stages
+        M, N = len(attn) // (G * P), len(expert) // (G * P)
+        if N > model.num_experts or M % (tp * cp):
+            continue
+        members = G * M // (tp * cp)  # attention members of one stage over all groups: the data-parallel size
+        if global_batch % members:
+            continue  # every attention member gets whole sequences
+        spr = global_batch // members
+        if micro_batch_size is not None:  # the run's micro batch fixes R
+            if spr % micro_batch_size == 0:
+                out.append(Candidate(attn, expert, G, spr // micro_batch_size, tp, P, cp))
+            continue
+        # most microbatches first: zebra's best, so the bound prunes more
+        for R in reversed(_divisors(spr)):
+            if R <= max_microbatches:
+                out.append(Candidate(attn, expert, G, R, tp, P, cp))
     return out
 
 
@@ -417,7 +505,7 @@ def compute_lower_bound(cost: CostModel, gpu_types: list[str], cand: Candidate, 
     M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
     t_mb = global_batch * cost.settings.seq_len / (cand.G * M * cand.R)
     a_gpus = {gpu_types[r] for r in cand.attention_ranks[:M]}
-    attn = max(sum(cost.stage_time(g, s, t_mb, b, cand.tp) for s in range(L + 1) for b in (False, True))
+    attn = max(sum(cost.stage_time(g, s, t_mb, b, cand.tp, cp=cand.cp) for s in range(L + 1) for b in (False, True))
                for g in a_gpus)  # one microbatch on one attention rank
     lb = cand.R * attn
     if any(k) and len(k) == L:  # Asym-EA: an attention rank also runs its experts, an expert rank its share
@@ -542,6 +630,7 @@ class _Search:
     allowed: set[str]  # the schedules the pick may take
     p_try: tuple[int, ...]
     tp_try: tuple[int, ...]
+    cp_try: tuple[int, ...]
     types: list[str]
     cost: CostModel  # at the settings' default expert-recompute level
     levels: tuple[str, ...]  # the expert-recompute levels priced, lightest first
@@ -554,6 +643,7 @@ class _Search:
     why: dict[str, dict[str, tuple[float, str]]] = field(default_factory=lambda: {n: {} for n in VARIANTS})
     tried: list[Option] = field(default_factory=list)
     names: dict[tuple, str] = field(default_factory=dict)  # layout names, made once per role split
+    posts: dict[tuple, float] = field(default_factory=dict)  # post-step bounds of CP candidates (_cp_cannot_beat)
 
     def layout_of(self, cand: Candidate) -> str:
         key = (id(cand.attention_ranks), id(cand.expert_ranks), cand.P)  # the rank lists _role_splits made
@@ -579,10 +669,11 @@ class _Search:
     def refuse(self, names: tuple[str, ...], cand: Candidate, reason: tuple[float, str]) -> None:
         # a layout's reason is its candidate closest to fitting (smallest shortfall; first on ties)
         key = self.layout_of(cand)
-        tp = f", attention_tp={cand.tp}" if cand.tp > 1 else ""
+        shape = (f", attention_tp={cand.tp}" if cand.tp > 1 else "") + (f", attention_cp={cand.cp}" if cand.cp > 1
+                                                                         else "")
         for n in names:
             if key not in self.why[n] or reason[0] < self.why[n][key][0]:
-                self.why[n][key] = (reason[0], f"G={cand.G}, R={cand.R}{tp}: {reason[1]}")
+                self.why[n][key] = (reason[0], f"G={cand.G}, R={cand.R}{shape}: {reason[1]}")
 
     def excluded(self, name: str, picks: tuple[str, ...]) -> dict[str, str]:
         """Layouts this strategy could not use at this batch (a named reason for any jump)."""
@@ -597,7 +688,8 @@ class _Search:
 def _start(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int, asym: str, engine: str,
            activation_checkpointing: bool, expert_recompute: str, attention_tp: tuple[int, ...] | None,
            distributed_optimizer: bool, pipeline_stages: tuple[int, ...] | None, recompute_modules: frozenset[str],
-           pick_schedules: tuple[str, ...] | None, keep_tried: bool) -> _Search:
+           pick_schedules: tuple[str, ...] | None, keep_tried: bool,
+           attention_cp: tuple[int, ...] | None = None) -> _Search:
     """search()'s arguments checked, and its cost model at each expert-recompute level it prices."""
     if asym not in ("optimal", "greedy", "none"):
         raise ValueError(f"asym={asym!r}; use 'optimal', 'greedy' or 'none'")
@@ -611,6 +703,9 @@ def _start(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     bad_p = [P for P in p_try if P not in PIPELINE_STAGES]
     if bad_p:
         raise ValueError(f"pipeline_stages={bad_p}: the search tries {list(PIPELINE_STAGES)}")
+    bad_cp = [cp for cp in attention_cp or () if cp not in ATTENTION_CP]
+    if bad_cp:
+        raise ValueError(f"attention_cp={bad_cp}: the search tries {list(ATTENTION_CP)}")
     profiles = load_profiles(set(cluster.gpu_types()))
     cost = CostModel(model.replace(seq_length=seq_len), profiles,
                      TrainSettings(seq_len, activation_checkpointing, distributed_optimizer=distributed_optimizer,
@@ -620,17 +715,22 @@ def _start(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     costs = {lv: cost if lv == cost.settings.expert_recompute else
              CostModel(cost.model, profiles, dataclasses.replace(cost.settings, expert_recompute=lv)) for lv in levels}
     return _Search(model, cluster, seq_len, global_batch, asym, engine, distributed_optimizer, allowed, p_try,
-                   tuple(attention_tp or ATTENTION_TP), cluster.gpu_types(), cost, levels, costs, keep_tried)
+                   tuple(attention_tp or ATTENTION_TP), tuple(attention_cp or ATTENTION_CP), cluster.gpu_types(), cost,
+                   levels, costs, keep_tried)
 
 
 def _refuse_indivisible_batches(s: _Search) -> None:
-    """Every strategy's reason for a role split whose attention members (at every usable TP size)
-    cannot each get whole sequences of the global batch."""
+    """Every strategy's reason for a role split whose attention members (at every usable TP and CP
+    size) cannot each get whole sequences of the global batch."""
     for attn, expert in _role_splits(s.cluster):
-        ok = [tp for tp, w in tp_sizes(s.cluster, s.model, s.seq_len, attn).items() if not w and tp in s.tp_try]
-        if ok and all(s.global_batch % (len(attn) // tp) for tp in ok):
-            fewest = len(attn) // max(ok)  # attention members at the largest usable TP size
-            nor = f" nor of the {fewest} members of attention_tp {max(ok)}" if max(ok) > 1 else ""
+        ok = {tp * cp: (tp, cp) for tp, w in tp_sizes(s.cluster, s.model, s.seq_len, attn).items()
+              if not w and tp in s.tp_try
+              for cp, w_cp in cp_sizes(s.cluster, s.model, s.seq_len, attn, tp).items() if not w_cp and cp in s.cp_try}
+        if ok and all(s.global_batch % (len(attn) // n) for n in ok):
+            fewest = len(attn) // max(ok)  # attention members at the largest usable member size
+            tp, cp = ok[max(ok)]  # of the pairs of one size the most TP (the dict keeps the last)
+            shape = " x ".join([f"attention_tp {tp}"] * (tp > 1) + [f"attention_cp {cp}"] * (cp > 1))
+            nor = f" nor of the {fewest} members of {shape}" if max(ok) > 1 else ""
             for n in VARIANTS:
                 s.why[n][layout_name(s.types, attn, expert)] = (0.0,
                     f"global batch {s.global_batch} is not a multiple of the {len(attn)} attention ranks (each "
@@ -641,7 +741,9 @@ def _price_pipelined(s: _Search, cand: Candidate) -> None:
     """A candidate with P > 1 stages: DistEP and zebra in its even layout (no Asym-EA), each at the
     lightest level at which every rank fits, then zebra with Asym-EA inside each stage."""
     lay = pipeline.even_layout(s.cost.model, s.types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.P,
-                               cand.R, cand.tp)
+                               cand.R, cand.tp, cand.cp)
+    if _cp_cannot_beat(s, cand, lay):
+        return
     for level in s.levels:
         short = pipeline.memory_shortfall(lay, s.costs[level], s.global_batch)
         if short is None:
@@ -657,7 +759,7 @@ def _price_pipelined(s: _Search, cand: Candidate) -> None:
             left = [wo for wo in left if wo[0] not in priced]
         if not left:
             break
-    if cand.tp == 1 and s.asym != "none" and not _cannot_beat(s, cand, lay):
+    if cand.member == 1 and s.asym != "none" and not _cannot_beat(s, cand, lay):
         for level in s.levels:  # zebra with Asym-EA inside each stage (optimal per stage)
             try:
                 k = [x for i in range(cand.P)
@@ -686,7 +788,8 @@ def _price_distep_pipelined(s: _Search, cand: Candidate, lay: pipeline.PipelineL
     a_gpus = {s.types[r] for r in cand.attention_ranks[:M]}
     x_gpus = {s.types[r] for r in cand.expert_ranks[:N]}
     lb = pipeline.lower_bound(c, a_gpus, x_gpus, t, M * t * model.moe_router_topk / model.num_experts,
-                              model.planned_num_moe_layers * math.ceil(model.num_experts / N), cand.P, cand.R, cand.tp)
+                              model.planned_num_moe_layers * math.ceil(model.num_experts / N), cand.P, cand.R, cand.tp,
+                              cand.cp)
     bar = s.best_step()
     if bar is not None and lb >= bar:
         return  # cannot beat the pick so far
@@ -721,7 +824,7 @@ def _price_zebra_pipelined(s: _Search, cand: Candidate, lay: pipeline.PipelineLa
             continue
         plan = build_plan(model, s.types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k,
                           ScheduleName.ZEBRA, skeleton=True, attention_tp=cand.tp, pipeline_stages=cand.P,
-                          zebra_waves=W, zebra_wave_order=order)
+                          zebra_waves=W, zebra_wave_order=order, attention_cp=cand.cp)
         res = simulate_plan(plan, c, cluster, s.global_batch, engine=s.engine)
         if s.keep_tried and ScheduleName.ZEBRA in s.allowed:
             s.tried.append(Option(res.step_time_s, None, cand, list(k), ScheduleName.ZEBRA, level, (W, order)))
@@ -756,10 +859,75 @@ def _cannot_beat(s: _Search, cand: Candidate, lay: pipeline.PipelineLayout) -> b
                                       attention_only=True) >= bar
 
 
+def _attention_post_step(s: _Search, cand: Candidate) -> float:
+    """Seconds after a one-stage candidate's task lists that its step takes at least: an attention
+    rank's post-step (simulator.build_problem), the all-reduce of its dense gradients over the
+    attention ranks at its TP position (data x context parallel) and its optimizer step over its
+    dense parameters (experts it holds only add to both), the fastest attention type's."""
+    key = (id(cand.attention_ranks), cand.tp)
+    if key not in s.posts:
+        c = s.cost
+        dense = c.non_expert_params_per_rank(cand.tp)
+        links = Links.for_ranks(s.cluster, cand.attention_ranks[0::cand.tp], c.profiles)
+        s.posts[key] = allreduce_time(links, dense * c.settings.dtype_bytes) + min(
+            c.optimizer_time(g, dense) for g in {s.types[r] for r in cand.attention_ranks})
+    return s.posts[key]
+
+
+def _cp_cannot_beat(s: _Search, cand: Candidate, lay: pipeline.PipelineLayout | None = None) -> bool:
+    """A CP candidate (cp > 1) that no strategy it may take can use: its bound, at the lightest
+    expert-recompute level priced (no level's step is shorter), is no less than the best step of
+    each strategy it competes in: one stage, DistEP's row (compute_lower_bound under DistEP) and
+    zebra without Asym-EA's (under zebra), each with the attention ranks' post-step
+    (_attention_post_step); pipeline stages (`lay`), the best step of all (DistEP's 1F1B bound and
+    zebra's bound of the even layout in waves of one microbatch, the least of any waves, each with
+    the layout's post-step). The search skips such a candidate before its memory check, so where
+    CP only adds K/V exchanges (short sequences) its candidates cost little time; a skipped
+    candidate names no reason for its layout."""
+    if cand.cp == 1:
+        return False
+    c = s.costs[s.levels[0]]
+    if lay is None:
+        if DISTEP not in s.best or ZEBRA_NO_EA not in s.best:
+            return False
+        zero = [0] * s.model.planned_num_moe_layers
+        post = _attention_post_step(s, cand)
+        return all(compute_lower_bound(c, s.types, cand, s.global_batch, zero, s.cluster, schedule) + post
+                   >= s.best[name].step_s for name, schedule in ((DISTEP, ScheduleName.DISTEP),
+                                                                  (ZEBRA_NO_EA, ScheduleName.ZEBRA)))
+    bar = s.best_step()
+    if bar is None:
+        return False
+    model = s.model
+    M, N = cand.stage_shape
+    t = s.global_batch * c.settings.seq_len / (cand.G * M * cand.R)
+    a_gpus = {s.types[r] for r in cand.attention_ranks[:M]}
+    x_gpus = {s.types[r] for r in cand.expert_ranks[:N]}
+    distep = pipeline.lower_bound(c, a_gpus, x_gpus, t, M * t * model.moe_router_topk / model.num_experts,
+                                  model.planned_num_moe_layers * math.ceil(model.num_experts / N), cand.P, cand.R,
+                                  cand.tp, cand.cp)
+    key = (id(cand.attention_ranks), id(cand.expert_ranks), cand.G, cand.P, cand.tp)
+    if key not in s.posts:  # what follows the pipeline under either schedule: the same at any R and cp
+        s.posts[key] = pipeline.post_step(lay, c, s.cluster)
+    post = s.posts[key]
+    if distep + post < bar:
+        return False
+    tpe = M * t * model.moe_router_topk / model.num_experts
+    # zebra: experts as the even layout places them (no Asym-EA with CP), in waves of one microbatch
+    # (R / W x the stages before the last: the least of any W), first without the streams' load (cheap)
+    for streams in (False, True):
+        terms = pipeline.zebra_bound_terms(c, s.cluster, a_gpus, x_gpus, t, tpe, lay, streams=streams)
+        if pipeline.zebra_lower_bound(c, s.cluster, a_gpus, x_gpus, t, tpe, lay, cand.R, terms=terms) + post >= bar:
+            return True
+    return False
+
+
 def _price_one_stage(s: _Search, cand: Candidate) -> None:
-    """A candidate with one stage: DistEP, zebra without Asym-EA and (no TP) with it, optimal and
-    the paper's greedy, each at the lightest level at which it fits, heavier levels only where
-    memory binds."""
+    """A candidate with one stage: DistEP, zebra without Asym-EA and (one-rank members: no TP nor
+    CP) with it, optimal and the paper's greedy, each at the lightest level at which it fits,
+    heavier levels only where memory binds."""
+    if _cp_cannot_beat(s, cand):
+        return
     model, types, gb = s.model, s.types, s.global_batch
     M, N = len(cand.attention_ranks) // cand.G, len(cand.expert_ranks) // cand.G
     grp_a, grp_x = cand.attention_ranks[:M], cand.expert_ranks[:N]
@@ -768,10 +936,10 @@ def _price_one_stage(s: _Search, cand: Candidate) -> None:
     distep_fits = False
     for level in s.levels:  # lightest first; a heavier level only where memory binds at this one
         c = s.costs[level]
-        full = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, gb, forward_only=False, tp=cand.tp)
+        full = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, gb, forward_only=False, tp=cand.tp, cp=cand.cp)
         # DistEP keeps one microbatch alive, so it is checked on its own memory rule
         one = asym_problem(c, types, grp_a, grp_x, cand.G, cand.R, gb, forward_only=False,
-                           microbatches_alive=1, tp=cand.tp)
+                           microbatches_alive=1, tp=cand.tp, cp=cand.cp)
         if not distep_fits:
             if asym_ea.memory_ok(one, zero):
                 _price(s, DISTEP, cand, zero, ScheduleName.DISTEP, level)
@@ -786,8 +954,8 @@ def _price_one_stage(s: _Search, cand: Candidate) -> None:
             _price(s, ZEBRA_NO_EA, cand, zero, ScheduleName.ZEBRA, level)
         else:
             s.refuse((ZEBRA_NO_EA,), cand, _memory_reason(full, zero, a_gpu, x_gpu, cand.R, level))
-        if cand.tp > 1:  # the search tries no Asym-EA on TP members (the runtime runs it; the 1,024-GPU
-            # search spent 3 s more simulating such candidates, none of which won)
+        if cand.member > 1:  # the search tries no Asym-EA on TP members (the runtime runs it; the 1,024-GPU
+            # search spent 3 s more simulating such candidates, none of which won), nor on CP ones (plans refuse it)
             if no_ea_fits:
                 break
             continue
@@ -817,7 +985,8 @@ def _price(s: _Search, name: str, cand: Candidate, k: list[int], schedule: Sched
                                               schedule) >= s.best[name].step_s:
         return
     plan = build_plan(s.model, s.types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R, k, schedule,
-                      skeleton=True, attention_tp=cand.tp)  # the chosen plan is rebuilt in full (_chosen_plan)
+                      skeleton=True, attention_tp=cand.tp,
+                      attention_cp=cand.cp)  # the chosen plan is rebuilt in full (_chosen_plan)
     res = simulate_plan(plan, c, s.cluster, s.global_batch, engine=s.engine)
     if s.keep_tried and schedule in s.allowed:
         s.tried.append(Option(res.step_time_s, None, cand, list(k), schedule, level))
@@ -847,7 +1016,8 @@ def _strategy_rows(s: _Search, picks: tuple[str, ...], roof: BaselineResult,
             rows.append(_pred(name, res, roof.tokens_per_s, {
                 **extra,
                 "M": M, "N": N, "groups": cand.G, "microbatches": cand.R, "expert_recompute": opt.expert_recompute,
-                "attention_tp": cand.tp, "pipeline_stages": cand.P, "zebra_waves": opt.waves[0],
+                "attention_tp": cand.tp, "attention_cp": cand.cp, "pipeline_stages": cand.P,
+                "zebra_waves": opt.waves[0],
                 "zebra_wave_order": opt.waves[1],
                 "attention_gpu": s.types[cand.attention_ranks[0]],
                 "experts_on_attention_per_layer": list(opt.experts_on_attention),
@@ -863,9 +1033,9 @@ def _strategy_rows(s: _Search, picks: tuple[str, ...], roof: BaselineResult,
             reason = "no pipeline size can split this model: " + "; ".join(
                 f"{P}: {w}" for P, w in pipeline_sizes(s.model, s.p_try).items())
         elif not cands:
-            reason = (f"no ZP group shape with pipeline_stages in {list(s.p_try)} and attention_tp in "
-                      f"{list(s.tp_try)} gives every attention member whole sequences of the global batch "
-                      f"{s.global_batch}")
+            reason = (f"no ZP group shape with pipeline_stages in {list(s.p_try)}, attention_tp in "
+                      f"{list(s.tp_try)} and attention_cp in {list(s.cp_try)} gives every attention member whole "
+                      f"sequences of the global batch {s.global_batch}")
         rows.append(Prediction(name, float("inf"), 0.0, {}, 0.0, False,
                                {"reason": reason, "excluded_layouts": s.excluded(name, picks)}))
     return rows
@@ -901,7 +1071,7 @@ def _chosen_plan(s: _Search, picks: tuple[str, ...], preds: list[Prediction]) ->
     cand, level, (W, order) = pick.candidate, pick.expert_recompute, pick.waves
     plan = build_plan(s.model, s.types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R,
                       pick.experts_on_attention, pick.schedule, attention_tp=cand.tp, pipeline_stages=cand.P,
-                      zebra_waves=W, zebra_wave_order=order)
+                      zebra_waves=W, zebra_wave_order=order, attention_cp=cand.cp)
     plan.expert_recompute = level  # what its expert holders keep for backward, as priced
     source = next(n for n in picks if s.best.get(n) is pick)
     if source == DISTEP_PP:
@@ -936,7 +1106,8 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
            attention_tp: tuple[int, ...] | None = None, distributed_optimizer: bool = False,
            pipeline_stages: tuple[int, ...] | None = None, recompute_modules: frozenset[str] = frozenset(),
            micro_batch_size: int | None = None, pick_schedules: tuple[str, ...] | None = None,
-           expert_load: ExpertLoad | None = None, expert_speeds: ExpertSpeeds | None = None) -> SearchResult:
+           expert_load: ExpertLoad | None = None, expert_speeds: ExpertSpeeds | None = None,
+           attention_cp: tuple[int, ...] | None = None) -> SearchResult:
     """Best HeterMoE plan for the cluster, with every strategy's predicted step.
     `expert_recompute`: what expert holders keep for backward (cost_model.EXPERT_RECOMPUTE), or
     'auto': the settings' default level (keep-inputs with activation checkpointing, else off)
@@ -944,7 +1115,8 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     level, each level that keeps less, up to the first where they can; each strategy keeps its
     fastest simulated (candidate, level). `attention_tp`: the attention members' TP sizes to try
     (default ATTENTION_TP; a candidate with TP > 1 holds no experts on attention ranks, so only
-    zebra without Asym-EA and DistEP use it). `distributed_optimizer`: price Megatron's
+    zebra without Asym-EA and DistEP use it). `attention_cp`: the attention members' CP sizes to try
+    (default ATTENTION_CP where cp_sizes allows them; no Asym-EA either). `distributed_optimizer`: price Megatron's
     --use-distributed-optimizer (optimizer state sharded over each parameter's replicas).
     `pipeline_stages`: the pipeline sizes to try (default PIPELINE_STAGES; module docstring): the
     zebra and DistEP rows are one stage (searched when 1 is in it), P > 1 runs DistEP or zebra in
@@ -962,10 +1134,11 @@ def search(model: ModelConfig, cluster: Cluster, seq_len: int, global_batch: int
     t0 = time.perf_counter()
     s = _start(model, cluster, seq_len, global_batch, asym, engine, activation_checkpointing, expert_recompute,
                attention_tp, distributed_optimizer, pipeline_stages, recompute_modules, pick_schedules,
-               keep_tried=expert_load is not None)
+               keep_tried=expert_load is not None, attention_cp=attention_cp)
     limit = physical_limit(s.cost, cluster, global_batch)
     _refuse_indivisible_batches(s)
-    cands = candidates(cluster, model, global_batch, max_microbatches, seq_len, s.tp_try, s.p_try, micro_batch_size)
+    cands = candidates(cluster, model, global_batch, max_microbatches, seq_len, s.tp_try, s.p_try, micro_batch_size,
+                       s.cp_try)
     for cand in cands:
         if cand.P > 1:
             _price_pipelined(s, cand)
@@ -1011,7 +1184,7 @@ def _replan_for_load(model: ModelConfig, types: list[str], cluster: Cluster, cos
         seen.add(key)
         plan = build_plan(model, types, cand.attention_ranks, cand.expert_ranks, cand.G, cand.R,
                           opt.experts_on_attention, opt.schedule, attention_tp=cand.tp, pipeline_stages=cand.P,
-                          zebra_waves=opt.waves[0], zebra_wave_order=opt.waves[1])
+                          zebra_waves=opt.waves[0], zebra_wave_order=opt.waves[1], attention_cp=cand.cp)
         plan.expert_recompute = lv
         found.append((place_for_load(plan, costs[lv], cluster, global_batch, load, speeds, engine), opt))
     best, chosen = min(found, key=lambda f: min(f[0].uniform_step_s, f[0].load_aware_step_s))

@@ -229,17 +229,19 @@ def tokens_per_microbatch(plan: HeteroPlan, global_tokens: float) -> float:
 
 
 def compute_task_time(cost: CostModel, gpu: str, task: Task, tokens_per_microbatch: float,
-                      experts_held: int = 0, tokens_per_expert: float = 0.0, attention_tp: int = 1) -> float:
+                      experts_held: int = 0, tokens_per_expert: float = 0.0, attention_tp: int = 1,
+                      attention_cp: int = 1) -> float:
     """Seconds of one compute task of the task list on a GPU type: A_* is attention stage
-    `task.layer` on `tokens_per_microbatch` tokens (the rank's; under attention_tp its sequence
-    slice, and the stage's TP collectives are in its time: cost.stage_time); X_*/E_* run
+    `task.layer` on `tokens_per_microbatch` tokens (the rank's; under attention_tp x attention_cp
+    its share of the member's, and the stage's TP collectives and CP K/V exchanges are in its
+    time: cost.stage_time); X_*/E_* run
     `experts_held` experts of that layer, each on `tokens_per_expert` routed tokens (balanced
     routing: M * tokens * topk / E)."""
     if task.is_comm:
         raise ValueError(f"{task} is a comm task; its time comes from cluster.rank1_collective_time")
     bwd = task.kind.endswith("_B")
     if task.kind[0] == "A":
-        return cost.stage_time(gpu, task.layer, tokens_per_microbatch, bwd, attention_tp)
+        return cost.stage_time(gpu, task.layer, tokens_per_microbatch, bwd, attention_tp, cp=attention_cp)
     return experts_held * cost.expert_time(gpu, tokens_per_expert, bwd)
 
 
@@ -490,11 +492,11 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
             pieces = None if lay is None else lay.chunk_pieces[t.chunk * P + i] if V > 1 else lay.pieces[i]
             if lay is None or t.kind[0] != "A":
                 cache[key] = compute_task_time(cost, plan.gpu_types[r], t, t_mb, key[5], per_expert_tokens,
-                                               plan.attention_tp)
+                                               plan.attention_tp, plan.attention_cp)
             elif t.layer < len(pieces):  # the (chunk's) piece t.layer (its last only on the last virtual stage)
                 s, d = pieces[t.layer]
                 cache[key] = cost.stage_time(plan.gpu_types[r], s, t_mb, t.kind == TaskKind.A_B, plan.attention_tp,
-                                             dense=d)
+                                             dense=d, cp=plan.attention_cp)
             else:  # a stage's last piece before the last stage: only the send of its output
                 cache[key] = 0.0
         return cache[key]
@@ -519,7 +521,9 @@ def build_problem(plan: HeteroPlan, cost: CostModel, cluster: Cluster, global_ba
     # after the lists: grad all-reduce and optimizer step, per representative (an attention rank's
     # non-expert parameters include dense layers' MLPs and shared experts). Under attention_tp the
     # dense gradients are all-reduced over the members (rank i of every member: its shard of them,
-    # non_expert_params_per_rank) and each rank steps its shard.
+    # non_expert_params_per_rank) and each rank steps its shard; under attention_cp the ranks at
+    # one TP position of every member (data x context parallel, Megatron's dp-cp group) all-reduce
+    # the whole weights' gradients (CP replicates them): with TP fastest in a member, every tp-th rank.
     members = g.members
     tp = plan.attention_tp
     attn_all = plan.attention_ranks

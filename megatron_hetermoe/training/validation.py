@@ -386,6 +386,9 @@ def check_hetero(cfg: "TrainConfig", plan: HeteroPlan, world: int, schedule: str
         raise ConfigError(f"--seq-length {cfg.model.seq_length}: context parallelism cuts every sequence into 2 x "
                           f"attention_cp = {2 * plan.attention_cp} chunks, each split over attention_tp="
                           f"{plan.attention_tp} ranks; use a multiple of {split}")
+    if plan.attention_cp > 1 and cfg.emulate is not None:
+        raise ConfigError(f"--emulate with the plan's attention_cp={plan.attention_cp}: the emulated clock does not "
+                          f"time the CP ranks' key/value gathers yet; emulate attention_cp 1 (the planner prices CP)")
     if plan.virtual_stages > 1:
         raise ConfigError(f"plan virtual_stages={plan.virtual_stages}: the plugin's trainer builds one model chunk "
                           f"per rank (Megatron's non-interleaved schedules); train virtual pipeline stages in "
