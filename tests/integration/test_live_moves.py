@@ -136,6 +136,22 @@ def test_forced_moves_with_attention_tensor_parallelism(tiny):
     assert moved.grad_norms == static.grad_norms, (moved.grad_norms, static.grad_norms)
 
 
+@pytest.mark.parametrize("schedule", ["zebra", "distep"])
+def test_forced_moves_with_attention_context_parallelism(tiny, schedule):
+    """The attention pool one CP-2 member (ranks 0, 1: each routes its own sequence chunks) and
+    expert ranks 2, 3, the same forced moves as under TP: losses and gradient norms bitwise the
+    unmoved run's."""
+    _, forced = attention_tp_pair_moves()
+    plan = even_plan(2, 4, 2, 2, num_microbatches=4, schedule=schedule, attention_cp=2)
+    cfg = TrainConfig(tiny, ParallelConfig(cp=2), micro_batch_size=1, global_batch_size=4, quiet=True,
+                      train_iters=STEPS)
+    static = run(cfg, 4, plan=plan, hetero=HeteroRunConfig(schedule=schedule))
+    moved = run(cfg, 4, plan=plan, hetero=HeteroRunConfig(schedule=schedule, replan_interval=1),
+                hooks=RunHooks(replan=_forcing(forced)))
+    assert [(m["iteration"], m["experts"]) for m in moved.moves] == [(2, 2), (4, 6)], moved.moves
+    assert moved.losses == static.losses and moved.grad_norms == static.grad_norms, (moved, static)
+
+
 # Attention TP 2 x 2 pipeline stages: per stage one TP pair (ranks 0, 1 | 4, 5) and 2 expert ranks
 # (2, 3 | 6, 7), one MoE layer each; each stage's experts move between its own expert ranks: one
 # expert of each stage at 2, then every expert onto one rank of each stage at 4 (3 moves each).
