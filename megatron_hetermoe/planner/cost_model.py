@@ -627,9 +627,19 @@ class CostModel:
         (tp-1) x tokens x h x dtype bytes, at the GPU profile's intra_node_gbs, + its link_latency_us."""
         if tp <= 1 or tokens <= 0:
             return 0.0
+        return self.intra_node_time(gpu, (tp - 1) * tokens * self.token_bytes())
+
+    def intra_node_time(self, gpu: str, nbytes: float) -> float:
+        """One collective moving `nbytes` per rank inside a node: the GPU profile's link_latency_us
+        + nbytes at its intra_node_gbs."""
         p = self.profile(gpu)
-        nbytes = (tp - 1) * tokens * self.token_bytes()
         return p.link_latency_us * 1e-6 + nbytes / (p.intra_node_gbs * 1e9)
+
+    def passes(self, collectives: int, backward: bool) -> int:
+        """A stage's collectives per pass: forward as many as it has; backward the same volumes (the
+        all-gather's backward is a reduce-scatter and vice versa), twice under activation
+        checkpointing (the re-run forward gathers again)."""
+        return collectives * (2 if backward and self.settings.activation_checkpointing else 1)
 
     def tp_comm_time(self, gpu: str, stage: int, tokens: float, tp: int, backward: bool = False,
                      dense: int | None = None) -> float:
@@ -639,10 +649,7 @@ class CostModel:
         checkpointing (the re-run forward gathers again)."""
         if tp <= 1:
             return 0.0
-        n = self.tp_collectives(stage, dense)
-        if backward:
-            n *= 2 if self.settings.activation_checkpointing else 1
-        return n * self.tp_collective_time(gpu, tokens, tp)
+        return self.passes(self.tp_collectives(stage, dense), backward) * self.tp_collective_time(gpu, tokens, tp)
 
     # ---- context parallelism (Megatron's --context-parallel-size c) ----------------------------
     def kv_width(self) -> int:
@@ -670,9 +677,7 @@ class CostModel:
         (tp_collective_time's link model)."""
         if cp <= 1 or tokens <= 0:
             return 0.0
-        p = self.profile(gpu)
-        nbytes = (cp - 1) * tokens * self.kv_width() * self.settings.dtype_bytes
-        return p.link_latency_us * 1e-6 + nbytes / (p.intra_node_gbs * 1e9)
+        return self.intra_node_time(gpu, (cp - 1) * tokens * self.kv_width() * self.settings.dtype_bytes)
 
     def cp_comm_time(self, gpu: str, stage: int, tokens: float, cp: int, backward: bool = False,
                      dense: int | None = None) -> float:
@@ -682,10 +687,7 @@ class CostModel:
         forward gathers again), each cp_collective_time."""
         if cp <= 1:
             return 0.0
-        n = self.cp_attention_layers(stage, dense)
-        if backward:
-            n *= 2 if self.settings.activation_checkpointing else 1
-        return n * self.cp_collective_time(gpu, tokens, cp)
+        return self.passes(self.cp_attention_layers(stage, dense), backward) * self.cp_collective_time(gpu, tokens, cp)
 
     def cp_gathered_bytes(self, tokens_mb: float, cp: int) -> float:
         """The other CP ranks' keys and values one attention layer holds on a rank of `tokens_mb`
