@@ -280,9 +280,9 @@ def check_plan_for_job(plan: HeteroPlan, world: int, num_layers: int, num_expert
     check_plan_model(plan, num_layers, num_experts, moe_layer_freq, model, remake, mtp_num_layers)
     n_attn = plan.num_attention_members
     want = micro_batch_size * plan.num_microbatches * n_attn
-    what_dp = (f"{n_attn} attention ranks" if plan.attention_tp == plan.pipeline_stages == 1 else
-               f"{n_attn} attention members (attention ranks / (attention_tp {plan.attention_tp} x pipeline_stages "
-               f"{plan.pipeline_stages}))")
+    what_dp = (f"{n_attn} attention ranks" if plan.member_size == plan.pipeline_stages == 1 else
+               f"{n_attn} attention members (attention ranks / (attention_tp {plan.attention_tp} x attention_cp "
+               f"{plan.attention_cp} x pipeline_stages {plan.pipeline_stages}))")
     if global_batch_size != want:
         raise ConfigError(f"--global-batch-size {global_batch_size}: must be --micro-batch-size {micro_batch_size} x "
                           f"the plan's R={plan.num_microbatches} microbatches x {what_dp}; pass "

@@ -111,6 +111,7 @@ STEPS: tuple[StepDef, ...] = (
     StepDef("gloo-2ranks", "fallback: 2 ranks on one GPU over gloo", legacy.step_gloo2, StepGroup.FALLBACK, False),
     StepDef("zebra", "zebra, single issuer, fp32, 2+2 vs CPU", steps.step_zebra),
     StepDef("distep", "distep, 2+2 vs CPU", steps.step_distep, dry_run_as="zebra"),
+    StepDef("cp2", "context parallelism: CP-2 member + 2, zebra vs CPU", steps.step_cp2),
     StepDef("zebra-threads", "zebra, threads issuer: refused or equal", steps.step_threads),
     StepDef("resume", "save at step 3, resume: steps 4-6 bitwise", steps.step_resume),
     StepDef("pools", "bf16 attention + fp16 experts: dtypes, one scale", steps.step_pools),

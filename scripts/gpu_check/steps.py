@@ -111,6 +111,12 @@ def plan_tp2(ck: Check) -> Path:
     return _plan(ck, "tp2", attention_ranks=2, expert_ranks=2, attention_tp=2, num_microbatches=2, schedule="zebra")
 
 
+def plan_cp2(ck: Check) -> Path:
+    """2 attention ranks as one context-parallel member (each its two of the sequence's 4 chunks,
+    gathering the other's keys and values) + 2 expert ranks."""
+    return _plan(ck, "cp2", attention_ranks=2, expert_ranks=2, attention_cp=2, num_microbatches=4, schedule="zebra")
+
+
 def roles(plan: Path) -> dict[int, str]:
     from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 
@@ -324,6 +330,20 @@ def step_distep(ck: Check, r: StepResult) -> None:
                                         _side_label(ck, Side.DEVICE), _side_label(ck, Side.DEVICE))
         ck.log(f"  {line}")
         parts.append(line)  # two schedules on one device: reported, judged against CPU above
+    r.data = {"gpu": _losses(dev), "cpu": _losses(ref)}
+    _finish(r, fails, parts)
+
+
+def step_cp2(ck: Check, r: StepResult) -> None:
+    """A CP-2 attention member + 2 expert ranks, zebra's single issuer, vs the same on CPU ranks: the
+    K/V all-gather and its reduce-scatter over NCCL, the attention core on the GPU (transformer-
+    engine's, which does CP itself, where the kernels pick it; else models/context_attention.py)."""
+    plan = plan_cp2(ck)
+    flags = ("--hetero-zebra-issuer", "single", "--context-parallel-size", "2")
+    dev, ref = ck.pair("cp2", lambda side: train_entry(plan, *flags, gbs=4), RUN_TIMEOUT_S,  # 1 member x R 4
+                       dry_ref=True)
+    fails, parts = [], []
+    _compare(ck, "zebra CP 2 fp32", dev, ref, FP32_REL, fails, parts)
     r.data = {"gpu": _losses(dev), "cpu": _losses(ref)}
     _finish(r, fails, parts)
 

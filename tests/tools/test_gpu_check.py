@@ -52,7 +52,8 @@ def test_gpu_check_dry_run(tmp_path):
     # pretrain() runs where a core_v0.16.1 tree is at hand: MEGATRON_LM_DIR, or make gpu-wheels' tarball.
     tree = os.environ.get("MEGATRON_LM_DIR") or (REPO / ".whl" / "Megatron-LM-core_v0.16.1.tar.gz").exists()
     pretrain = "PASS" if tree else "SKIP"
-    assert status == {"env": "PASS", "preflight": "PASS", "zebra": "PASS", "distep": "SKIP", "zebra-threads": "PASS",
+    assert status == {"env": "PASS", "preflight": "PASS", "zebra": "PASS", "distep": "SKIP", "cp2": "PASS",
+                      "zebra-threads": "PASS",
                       "resume": "PASS", "pools": "PASS", "fp16-overflow": "PASS", "distopt": "SKIP",
                       "pretrain": pretrain, "host-syncs": "SKIP", "transformer-engine": "SKIP",
                       "pp2-1f1b": "PASS"}, summary  # no fallback listed: the preflight passed
@@ -70,6 +71,7 @@ def test_gpu_check_dry_run(tmp_path):
     z = steps["zebra"]["data"]
     assert len(z["gpu"]) == 6 and max(abs(a - b) / b for a, b in zip(z["gpu"], z["cpu"])) <= 3e-6
     assert "steps 4-6 bitwise the uninterrupted run's" in steps["resume"]["summary"]
+    assert steps["cp2"]["summary"].startswith("zebra CP 2 fp32: gloo vs CPU max rel diff"), steps["cp2"]
     assert "not refused; losses bitwise the single issuer's" in steps["zebra-threads"]["summary"]
     for name in ("pools", "fp16-overflow"):
         assert "alike on every rank" in steps[name]["summary"], steps[name]
