@@ -408,10 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         if a.cuda_device_max_connections == 1 and schedule_of(plan, train_args) == ScheduleName.ZEBRA:
             raise ValueError("--cuda-device-max-connections 1 with the zebra schedule: one hardware queue serialises "
                              "the streams zebra overlaps attention and expert work on; leave it at 8 (CUDA's default)")
-        if plan.attention_tp > 1 and a.entry in ("megatron-lm", "megatron-core") and a.cuda_device_max_connections != 1:
-            raise ValueError(f"the plan's attention members are tensor-parallel (attention_tp={plan.attention_tp}) and "
+        if plan.member_size > 1 and a.entry in ("megatron-lm", "megatron-core") and a.cuda_device_max_connections != 1:
+            raise ValueError(f"the plan's attention members are tensor- or context-parallel (attention_tp="
+                             f"{plan.attention_tp}, attention_cp={plan.attention_cp}) and "
                              f"--entry {a.entry} runs Megatron-LM's validate_args, which asserts "
-                             f"CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism on GPUs before Blackwell; pass "
+                             f"CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor or context parallelism on GPUs before "
+                             f"Blackwell; pass "
                              f"--cuda-device-max-connections 1 (with the distep schedule: one queue serialises zebra's "
                              f"streams), or use --entry plugin")
         # elastic: every start plans for the GPUs it finds; at first, all the allocation's

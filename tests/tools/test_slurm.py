@@ -252,9 +252,15 @@ def test_tensor_parallel_plan_needs_one_hardware_queue_under_megatron_lm(tmp_pat
             str(_fake_megatron_lm(tmp_path))]
     flags = ["--", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--hetero-schedule", "distep"]
     assert slurm.main([*base, *flags]) == 2
-    assert "asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor parallelism" in capsys.readouterr().err
+    assert "asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor or context parallelism" in capsys.readouterr().err
     assert slurm.main([*base, "--cuda-device-max-connections", "1", *flags]) == 0
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in capsys.readouterr().out
+    # Megatron-LM asserts the same with context parallelism.
+    even_plan(2, 4, 2, 2, attention_cp=2, attention_gpu="A40", expert_gpu="V100-32GB").save(plan)
+    flags = ["--", "--context-parallel-size", "2", "--hetero-schedule", "distep"]
+    assert slurm.main([*base, *flags]) == 2
+    assert "(attention_tp=1, attention_cp=2)" in capsys.readouterr().err
+    assert slurm.main([*base, "--cuda-device-max-connections", "1", *flags]) == 0
 
 
 ELASTIC_FLAGS = ["--save", "ck", "--load", "ck", "--save-interval", "1", "--hetero-ckpt-reshard"]
