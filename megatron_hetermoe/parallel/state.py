@@ -24,8 +24,7 @@ from __future__ import annotations
 import datetime
 import enum
 import functools
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
@@ -94,7 +93,7 @@ class HeteroParallelState:
     tp_pp_group: dist.ProcessGroup | None = None
     # With the plan's attention_cp > 1, an attention rank's layout.CP_KINDS groups by kind; absent:
     # the group they equal at attention_cp 1 (group()).
-    cp_groups: dict[str, dist.ProcessGroup] = dataclasses.field(default_factory=dict)
+    cp_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     # Counts the tokens this rank's experts receive (parallel/expert_load.py); None: not measured.
     load_meter: "ExpertLoadMeter | None" = None
 

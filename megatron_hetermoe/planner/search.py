@@ -166,6 +166,13 @@ class Candidate:
 ATTENTION_TP = (1, 2, 4, 8)  # the attention members' TP sizes the search tries
 
 
+def _members_in_nodes(attn: list[int], size: int, nodes: list[int]) -> bool:
+    """Whether attention ranks `attn` form members of `size` consecutive ranks, each inside one node
+    (`nodes`: the cluster's node of each rank): TP's and CP's collectives run on the intra-node link."""
+    return not len(attn) % size and all(len({nodes[r] for r in attn[i:i + size]}) == 1
+                                         for i in range(0, len(attn), size))
+
+
 def tp_sizes(cluster: Cluster, model: ModelConfig, seq_len: int, attn: list[int]) -> dict[int, str]:
     """attention_tp sizes for attention ranks `attn` (in the order the search groups them), each
     with '' if usable, else why not: tp must divide the heads (each rank holds heads / tp) and
@@ -181,7 +188,7 @@ def tp_sizes(cluster: Cluster, model: ModelConfig, seq_len: int, attn: list[int]
                        f"{model.query_groups} query groups")
         elif seq_len % tp:
             out[tp] = f"attention_tp {tp} does not divide the sequence length {seq_len}"
-        elif len(attn) % tp or any(len({nodes[r] for r in attn[i:i + tp]}) > 1 for i in range(0, len(attn), tp)):
+        elif not _members_in_nodes(attn, tp, nodes):
             out[tp] = f"attention_tp {tp}: the attention ranks do not form members of {tp} ranks inside one node"
         else:
             out[tp] = ""
@@ -216,7 +223,7 @@ def cp_sizes(cluster: Cluster, model: ModelConfig, seq_len: int, attn: list[int]
         elif model.mtp_num_layers:
             out[cp] = (f"attention_cp {cp} with {model.mtp_num_layers} multi-token prediction layer(s): not built "
                        f"with context parallelism (plans refuse it); use attention_cp 1")
-        elif len(attn) % n or any(len({nodes[r] for r in attn[i:i + n]}) > 1 for i in range(0, len(attn), n)):
+        elif not _members_in_nodes(attn, n, nodes):
             out[cp] = (f"attention_cp {cp} with attention_tp {tp}: the attention ranks do not form members of "
                        f"{tp} x {cp} = {n} ranks inside one node (TP and CP run on the intra-node link)")
         else:
