@@ -47,3 +47,37 @@ def test_pretrain_cp2_two_groups_resumes_bitwise(mlm, data, tmp_path):
     log, full = hetero_run(mlm, plan, data, tmp_path / "full", CP, nproc=8)
     assert "4 attention ranks (2 members of context parallel size 2: Megatron's data parallel size 2)" in log
     resumes_bitwise(mlm, plan, data, tmp_path, CP, 8, full)
+
+
+@pytest.mark.slow
+def test_pretrain_cp2_on_megatrons_moe_ci_recipe(mlm, data, tmp_path, monkeypatch):
+    """Megatron's MoE CI config (test_megatron_lm_recipes.py's CI_CONFIG: Megatron's model defaults,
+    learned-absolute positions, GeLU, LayerNorm; TP 2 + SP, 8 experts top-2, --deterministic-mode),
+    shrunk, with --context-parallel-size 2 added and planned as a user does (`hetermoe plan --even
+    --attention-cp 2 -- <its flags>`: a TP-2 x CP-2 member + 1 expert rank), continues plain Megatron
+    EP's checkpoint (its TP 2, CP 1) with its losses (measured bitwise on native, default and avx2 kernels)."""
+    from margins import within
+    from test_megatron_lm_recipes import EVAL_OFF, RECIPE_ENV, _resume, recipe_flags, shrunk
+
+    from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+    from megatron_hetermoe.planner.cli_plan import main as plan_main
+    from megatron_lm_run import CPU, DATA, run_losses
+
+    for k, v in RECIPE_ENV["moe-ci-tp2-ep2-top2"].items():
+        monkeypatch.setenv(k, v)
+    flags = [*shrunk(recipe_flags(mlm, "CI_CONFIG")), *DATA, *CPU, *EVAL_OFF, "--data-path", data]
+    assert "--position-embedding-type" not in flags and "--swiglu" not in flags  # Megatron's defaults
+    ckpt = tmp_path / "ckpt"
+    run_losses(mlm, tmp_path, 4, [*flags, "--save", str(ckpt), "--save-interval", "1", "--train-iters", "1",
+                                  "--lr-warmup-iters", "0"], "tb")
+    ep = _resume(mlm, tmp_path, 4, flags, ckpt, "ep")
+    plan = tmp_path / "plan.json"
+    assert plan_main(["--even", "--attention-ranks", "4", "--expert-ranks", "1", "--attention-cp", "2", "-o",
+                      str(plan), "--", *flags, *CP]) == 0
+    p = HeteroPlan.load(plan)
+    assert (p.attention_tp, p.attention_cp, p.world_size) == (2, 2, 5)
+    het, log = run_losses(mlm, tmp_path, 5, [*flags, *CP, "--hetero-plan", str(plan), "--load", str(ckpt),
+                                             "--ckpt-step", "1", "--no-load-optim", "--no-load-rng"], "het")
+    assert "4 attention ranks (1 member of tensor parallel size 2 and context parallel size 2" in log, log[-3000:]
+    assert sorted(het) == sorted(ep) == [2, 3, 4], (het, ep)
+    within(f"MoE CI recipe, CP 2 vs Megatron EP ({het} vs {ep})", max(abs(het[i] - ep[i]) for i in ep), 3e-6)
