@@ -97,7 +97,7 @@ def hetero_rank_state(cfg, hs, module, names: dict[str, str], optimizer, schedul
     train = _train_dict(cfg)
     train["expert_precision"] = expert_precision or cfg.precision
     return RankState("hetero", hs.rank, hs.plan.world_size, hs.role, module, dict(names), optimizer,
-                     scheduler, asdict(cfg.model), {"plan": hs.plan.to_dict()}, train, group=hs.world_group)
+                     scheduler, asdict(cfg.model), {"plan": hs.plan.to_dict()}, train, group=hs.group("world"))
 
 
 def hetero_checkpointer(cfg, hs, module, names: dict[str, str], optimizer, scheduler,

@@ -208,7 +208,7 @@ class HeteroPretrain:
         built; the first rank prints them on CUDA ranks."""
         from megatron_hetermoe.models.builder import gather_rank_envs, megatron_lm_kernels
 
-        self.envs = gather_rank_envs(self.hs.device, self.hs.world_group)
+        self.envs = gather_rank_envs(self.hs.device, self.hs.group("world"))
         given = "--transformer-impl" in given_flags(self.argv)
         self.kernels = {role: megatron_lm_kernels(args.transformer_impl, given, bool(args.moe_grouped_gemm),
                                                   self.pools.of(role), [self.envs[r] for r in ranks])
@@ -351,7 +351,7 @@ class HeteroPretrain:
         for r in reported or []:
             if "lm loss" in r:
                 tot += r["lm loss"].detach().float().view(-1)
-        dist.all_reduce(tot, group=hs.world_group)
+        dist.all_reduce(tot, group=hs.group("world"))
         if not forward_only:
             # --calculate-per-token-loss: the step's tokens (the loss mask's, which lm loss counts).
             from megatron.core.utils import get_model_config
@@ -361,7 +361,7 @@ class HeteroPretrain:
             self.assembly.finish_gradients(chunk, tot[1] if per_token else None)
         if hs.role == Role.ATTENTION:
             return reported
-        return [{"lm loss": tot / dist.get_world_size(hs.replica_group)}]
+        return [{"lm loss": tot / dist.get_world_size(hs.group("replica"))}]
 
     def data_iterators(self, build, provider):
         """Megatron-LM's build_train_valid_test_data_iterators, which pretrain() calls once per
@@ -454,7 +454,7 @@ class HeteroPretrain:
             # Megatron sizes an untouched tracker by --num-layers, the routers by their layers
             # with the MTP layers; only the first attention rank's values are kept.
             values = values.new_zeros(self.plan.model_layers)
-        dist.broadcast(values, src=self.plan.attention_ranks[0], group=self.hs.world_group)
+        dist.broadcast(values, src=self.plan.attention_ranks[0], group=self.hs.group("world"))
         return values
 
     def reduce_mtp_losses(self, reduce):
@@ -473,7 +473,7 @@ class HeteroPretrain:
             if key not in tracker:  # an expert rank: no MTP layer ran here
                 tracker[key] = torch.zeros(self.plan.mtp_layers, device=self.hs.device)
             last = self.plan.stage_attention_ranks(self.plan.pipeline_stages - 1)[0]
-            dist.broadcast(tracker[key], src=last, group=self.hs.world_group)
+            dist.broadcast(tracker[key], src=last, group=self.hs.group("world"))
 
     # ---- 8. the end of each step: live moves (--hetero-replan-interval) -------------------------
     def post_training_step(self, callbacks, model, optimizer, opt_param_scheduler, iteration, *a, **k):

@@ -169,7 +169,7 @@ class ExpertRuntime(_megatron_module()):
 
         hs, out = self.hs, {}
         L, E = hs.plan.decoder_layers, hs.plan.num_experts
-        replica = dist.get_rank(hs.replica_group)
+        replica = dist.get_rank(hs.group("replica"))
         freq = getattr(self.config, "moe_layer_freq", 1)
         # TransformerBlock's rule: dense layers (or a pattern) make its layers non-homogeneous.
         separate = ((metadata or {}).get("non_homogeneous_layers", False) or isinstance(freq, list) or freq > 1

@@ -75,7 +75,7 @@ class HeteroMoELayer(MoELayer):
             mine = f"{prefix}experts."
             sd = {k: v for k, v in sd.items() if not k.startswith(mine)}
             sd.update(experts_sharded_state_dict(self.experts, self.local_expert_indices, self.config.num_moe_experts,
-                                                 dist.get_rank(self.hs.replica_group), mine, sharded_offsets,
+                                                 dist.get_rank(self.hs.group("replica")), mine, sharded_offsets,
                                                  metadata))
         return sd
 

@@ -1,6 +1,8 @@
-"""Ranks, process groups and token transport: layout.py (RankLayout: a rank's role and groups by
-plan arithmetic, no process group), state.py (HeteroParallelState: the "hetero" groups built from
-a plan, and the rank's device), extension.py (the protocols a new backend
+"""Ranks, process groups and token transport: grid.py (PoolGrid: each pool as a grid of named
+axes, megatron-core's HyperCommGrid arithmetic over the plan's ranks), layout.py (RankLayout: a
+rank's coordinates, role and groups by plan arithmetic, no process group), state.py
+(HeteroParallelState: the "hetero" groups built from a plan, and the rank's device),
+extension.py (the protocols a new backend
 implements: Transport and its Route handle, TaskTiming, MicrobatchSource), transport.py (the
 split-size token backends every transfer of a ZP group goes through: all-to-all, or loopback in
 a one-rank group, and their SplitRoute), megatron_globals.py (which of the plan's groups serves each of

@@ -3,8 +3,10 @@ process group (what torchtitan's ParallelDims is for its mesh).
 
 Two things live here, and the process groups (parallel/state.py) and megatron-core's globals
 (parallel/megatron_globals.py) are both derived from them, so they cannot disagree:
-- `RankLayout`: one rank's role, ZP group, position, data-parallel rank, which gradients it
-  counts in the global norm, and the groups it belongs to as rank lists (`GROUP_KINDS`);
+- `RankLayout`: one rank's coordinates on its pool's grid (parallel/grid.py: the attention pool
+  `tp x cp x dp x pp x zp`, the expert pool `ep x pp x zp`), hence its role, ZP group, stage,
+  data-parallel rank, which gradients it counts in the global norm, and its group of each kind
+  (`GROUP_KINDS`) as the ranks along that kind's axes (`ATTENTION_KIND_AXES`);
   `group_plan(plan)`: every group of the job, in the order every rank creates them.
 - `MEGATRON_DIMS`: each megatron-core process-group dimension (ProcessGroupCollection's fields,
   and the parallel_state globals that have none) -> the group kind that serves it on a rank of
@@ -17,8 +19,11 @@ Two things live here, and the process groups (parallel/state.py) and megatron-co
 """
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
+from megatron_hetermoe.parallel.grid import UNIT_AXES, PoolGrid, plan_grids
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.vocabulary import Role
 
@@ -95,9 +100,20 @@ COLLECTION_DIMS = ("tp", "pp", "mp", "embd", "pos_embd", "cp", "tp_cp", "ep", "e
                    "inter_dist_opt")
 
 
+# Each group kind of an attention rank as its axes of the attention grid (parallel/grid.py); an expert
+# rank's "replica" is its expert grid's zp axis, its model-parallel kinds the rank alone, its
+# attention kinds none. "zp" (both pools at one (pp, zp)), "embd", "self" and "world" are no axes.
+ATTENTION_KIND_AXES: dict[str, tuple[str, ...]] = {
+    "tp": ("tp",), "cp": ("cp",), "tp_cp": ("tp", "cp"), "pp": ("pp",), "tp_pp": ("tp", "pp"),
+    "attention_dp": ("dp", "zp"), "attention_dp_cp": ("cp", "dp", "zp"),
+    "attention_tp_dp": ("tp", "cp", "dp", "zp"), "attention_tp_dp_at_cp": ("tp", "dp", "zp"),
+    "replica": ("zp",),
+}
+
+
 @dataclass(frozen=True)
 class RankLayout:
-    """One rank of a plan, by arithmetic alone."""
+    """One rank of a plan, by arithmetic alone: its coordinates on its pool's grid."""
     plan: HeteroPlan
     rank: int
 
@@ -105,13 +121,27 @@ class RankLayout:
     def inner(self) -> InnerLayout:
         return InnerLayout.of(self.plan)
 
-    @property
+    @functools.cached_property
+    def grids(self) -> dict[Role, PoolGrid]:
+        return plan_grids(self.plan)
+
+    @functools.cached_property
     def role(self) -> Role:
         return self.plan.role(self.rank)
 
     @property
+    def grid(self) -> PoolGrid:
+        """This rank's pool."""
+        return self.grids[self.role]
+
+    @functools.cached_property
+    def coords(self) -> dict[str, int]:
+        """This rank's coordinate on each axis of its pool's grid."""
+        return self.grid.coords(self.rank)
+
+    @property
     def group_index(self) -> int:
-        return self.plan.group_of(self.rank)
+        return self.coords["zp"]
 
     @property
     def member_index(self) -> int:
@@ -121,30 +151,24 @@ class RankLayout:
     @property
     def stage(self) -> int:
         """The pipeline stage this rank computes (0 without pipeline stages)."""
-        return self.plan.stage_of(self.rank)
+        return self.coords["pp"]
 
     @property
     def stage_position(self) -> int:
         """An attention rank's position among its stage's attention ranks (TP positions included)."""
-        g = self.plan.groups[self.group_index]
-        per = len(g.attention_ranks) // self.plan.pipeline_stages
-        return g.attention_ranks.index(self.rank) % per
+        c, plan = self.coords, self.plan
+        return c["tp"] + plan.attention_tp * (c["cp"] + plan.attention_cp * c["dp"])
 
     @property
     def tp_rank(self) -> int:
         """Position in its attention member's tensor-parallel group (0 on an expert rank)."""
-        if self.role != Role.ATTENTION:
-            return 0
-        return self.plan.attention_ranks.index(self.rank) % self.plan.attention_tp
+        return self.coords.get("tp", 0)
 
     @property
     def cp_rank(self) -> int:
         """Position in its attention member's context-parallel group (0 on an expert rank): which
         two of the sequence's 2 x attention_cp chunks it holds."""
-        if self.role != Role.ATTENTION:
-            return 0
-        plan = self.plan
-        return plan.attention_ranks.index(self.rank) % plan.member_size // plan.attention_tp
+        return self.coords.get("cp", 0)
 
     @property
     def attention_dp_rank(self) -> int | None:
@@ -152,9 +176,7 @@ class RankLayout:
         (every rank of a member reads the same data); None on an expert rank."""
         if self.role != Role.ATTENTION:
             return None
-        plan = self.plan
-        members = len(plan.groups[self.group_index].attention_ranks) // (plan.member_size * plan.pipeline_stages)
-        return self.group_index * members + self.stage_position // plan.member_size
+        return self.coords["zp"] * self.grid.size("dp") + self.coords["dp"]
 
     def owns_gradient(self, is_expert: bool) -> bool:
         """Whether this rank counts a gradient it holds in the world's gradient norm, so that each
@@ -169,55 +191,27 @@ class RankLayout:
 
     def ranks(self, kind: str) -> list[int] | None:
         """The global ranks of this rank's group of `kind`, ascending as a process group numbers
-        its members (None: it has none, an expert rank's attention_dp)."""
-        plan = self.plan
-        t, ms = plan.attention_tp, plan.member_size
-        attention = plan.attention_ranks
-        if kind in ("attention_dp", "attention_tp_dp", "attention_dp_cp", "attention_tp_dp_at_cp"):
-            attention = plan.stage_attention_ranks(self.stage)  # one stage's attention ranks over the groups
-        if kind in CP_KINDS and self.role != Role.ATTENTION:
-            return None if kind.startswith("attention") else [self.rank]
-        if kind in ("cp", "tp_cp"):
-            i = attention.index(self.rank)
-            member = attention[i - i % ms:i - i % ms + ms]
-            return sorted(member[self.tp_rank::t] if kind == "cp" else member)
-        if kind == "attention_dp_cp":
-            return sorted(attention[self.tp_rank::t])
-        if kind == "attention_tp_dp_at_cp":
-            return sorted(r for i, r in enumerate(attention) if i % ms // t == self.cp_rank)
-        if kind == "zp":
-            return sorted(plan.stage_members(self.group_index, self.stage))
-        if kind == "tp":
-            if self.role != Role.ATTENTION:
-                return [self.rank]
-            i = attention.index(self.rank) // t
-            return sorted(attention[i * t:(i + 1) * t])
-        if kind == "attention_dp":  # this rank's (TP, CP) position in every member
-            if self.role != Role.ATTENTION:
-                return None
-            return sorted(attention[self.tp_rank + self.cp_rank * t::ms])
-        if kind == "attention_tp_dp":
-            return sorted(attention) if self.role == Role.ATTENTION else None
-        if kind == "replica":
-            return sorted(g.members[self.member_index] for g in plan.groups)
-        if kind in ("pp", "embd", "tp_pp"):
-            if self.role != Role.ATTENTION:
-                return [self.rank]
-            pipelines = plan.attention_pipelines(self.group_index)
-            pos = self.stage_position
-            pipeline = pipelines[pos]
-            if kind == "pp":
-                return pipeline
-            if kind == "embd":
-                ends = (0, plan.pipeline_stages - 1)
-                return sorted({pipeline[0], pipeline[-1]}) if self.stage in ends else [self.rank]
-            first = pos - pos % t
-            return sorted(r for p in pipelines[first:first + t] for r in p)
+        its members ("pp": stage 0 first), from its pool's grid (None: it has none, an expert
+        rank's attention kinds)."""
+        c, grid = self.coords, self.grid
+        if kind == "zp":  # the dispatch unit: both pools' ranks at this rank's (pp, zp)
+            unit = {a: c[a] for a in UNIT_AXES}
+            return sorted(r for pool in self.grids.values() for r in pool.where(**unit))
         if kind == "self":
             return [self.rank]
         if kind == "world":
-            return list(range(plan.world_size))
-        raise ValueError(f"group kind {kind!r} is unknown; one of {GROUP_KINDS}")
+            return list(range(self.plan.world_size))
+        if kind not in GROUP_KINDS:
+            raise ValueError(f"group kind {kind!r} is unknown; one of {GROUP_KINDS}")
+        if self.role != Role.ATTENTION:
+            if kind == "replica":
+                return sorted(grid.group(self.rank, ("zp",)))
+            return None if kind.startswith("attention") else [self.rank]
+        if kind == "embd":  # a pipeline's first and last stage; the rank alone on the others
+            pipeline = grid.group(self.rank, ("pp",))
+            return sorted({pipeline[0], pipeline[-1]}) if c["pp"] in (0, grid.size("pp") - 1) else [self.rank]
+        group = grid.group(self.rank, ATTENTION_KIND_AXES[kind])
+        return group if kind == "pp" else sorted(group)
 
     def megatron_kind(self, dim: str) -> str:
         """The group kind serving megatron-core dimension `dim` on this rank."""
@@ -240,33 +234,42 @@ def group_plan(plan: HeteroPlan) -> list[tuple[str, list[int]]]:
     members' tp_pp groups); one replica group per member position; one group per rank; and the
     world. With attention_cp > 1, the CP_KINDS groups follow (cp_group_plan), each rank set once."""
     out: list[tuple[str, list[int]]] = []
-    P = plan.pipeline_stages
-    for gi in range(len(plan.groups)):  # one dispatch unit per stage (unit gi * P + stage)
-        out += [(f"{c}[{gi * P + s}]", sorted(plan.stage_members(gi, s))) for s in range(P) for c in ZP_COMMUNICATORS]
-    t, attention = plan.attention_tp, plan.attention_ranks
+    grids = plan_grids(plan)
+    att, exp = grids[Role.ATTENTION], grids[Role.EXPERT]
+    G, P, t, ms = len(plan.groups), plan.pipeline_stages, plan.attention_tp, plan.member_size
+    for gi in range(G):  # one dispatch unit per stage (unit gi * P + stage)
+        for s in range(P):
+            unit = sorted(att.where(pp=s, zp=gi) + exp.where(pp=s, zp=gi))
+            out += [(f"{c}[{gi * P + s}]", unit) for c in ZP_COMMUNICATORS]
     if t > 1:
-        out += [(f"tp[{i}]", sorted(attention[i:i + t])) for i in range(0, len(attention), t)]
-    for s in range(P):
-        stage, ms = plan.stage_attention_ranks(s), plan.member_size
+        out += [(f"tp[{i * t}]", sorted(g)) for i, g in enumerate(att.groups(("tp",)))]
+    for s in range(P):  # one data-parallel group per (TP, CP) position of a stage, then the stage's
+        dp = [g for g in att.groups(ATTENTION_KIND_AXES["attention_dp"]) if att.coords(g[0])["pp"] == s]
         if ms == 1:  # "tp" is "self" and "attention_tp_dp" is "attention_dp": no more groups
-            out.append((staged_name("attention_dp", s, P), sorted(stage)))
+            out.append((staged_name("attention_dp", s, P), sorted(dp[0])))
         else:
-            out += [(staged_name(f"attention_dp[{j}]", s, P), sorted(stage[j::ms])) for j in range(ms)]
-            out.append((staged_name("attention_tp_dp", s, P), sorted(stage)))
+            out += [(staged_name(f"attention_dp[{j}]", s, P), sorted(g)) for j, g in enumerate(dp)]
+            out.append((staged_name("attention_tp_dp", s, P), sorted(att.where(pp=s))))
     if P > 1:
-        for gi in range(len(plan.groups)):
-            pipelines = plan.attention_pipelines(gi)
+        for gi in range(G):
+            pipelines = [att.group(r, ("pp",)) for r in att.where(pp=0, zp=gi)]  # by position in a stage
             for pos, pipeline in enumerate(pipelines):
                 out.append((f"pp[{gi}.{pos}]", pipeline))
                 out.append((f"embd[{gi}.{pos}]", sorted({pipeline[0], pipeline[-1]})))
             if t > 1:
                 for first in range(0, len(pipelines), t):
-                    out.append((f"tp_pp[{gi}.{first}]", sorted(r for p in pipelines[first:first + t] for r in p)))
-    for k in range(len(plan.groups[0].members)):
-        out.append((f"replica[{k}]", sorted(g.members[k] for g in plan.groups)))
+                    out.append((f"tp_pp[{gi}.{first}]", sorted(att.group(pipelines[first][0], ("tp", "pp")))))
+    for k, r in enumerate(plan.groups[0].members):  # member k of every ZP group
+        out.append((f"replica[{k}]", sorted(grids[plan.role(r)].group(r, ("zp",)))))
     out += [(f"self[{r}]", [r]) for r in range(plan.world_size)]
     out.append(("world", list(range(plan.world_size))))
     return out + cp_group_plan(plan, {tuple(r) for _, r in out})
+
+
+def group_kind(name: str) -> str:
+    """The kind of a group_plan group from its name ("attention_dp[1]@2" -> "attention_dp";
+    a ZP group's communicators are "dispatch", "combine", "counts")."""
+    return re.split(r"[\[@]", name, maxsplit=1)[0]
 
 
 def cp_group_plan(plan: HeteroPlan, made: set[tuple[int, ...]]) -> list[tuple[str, list[int]]]:

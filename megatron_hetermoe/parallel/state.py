@@ -24,7 +24,7 @@ from __future__ import annotations
 import datetime
 import enum
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch
@@ -32,10 +32,11 @@ import torch.distributed as dist
 
 from megatron_hetermoe.parallel.layout import (
     COLLECTION_DIMS,
-    CP_KINDS,
+    GROUP_KINDS,
+    ZP_COMMUNICATORS,
     RankLayout,
+    group_kind,
     group_plan,
-    staged_name,
 )
 from megatron_hetermoe.plan.hetero_plan import RUNTIME_EXPERT_RECOMPUTE, HeteroPlan, PlanError, ZPGroup
 from megatron_hetermoe.vocabulary import Role
@@ -64,36 +65,21 @@ class _FromLayout(Generic[_T]):
 
 @dataclass
 class HeteroParallelState:
-    """A rank's plan arithmetic (`layout`) and its process groups, one per group kind
-    (parallel/layout.py): the ZP group's three communicators, the attention DP group, the
-    replica group, the rank alone and the world."""
+    """A rank's plan arithmetic (`layout`: its coordinates on its pool's grid) and its process
+    groups, one per group kind (parallel/layout.py): the ZP group's three communicators, the
+    attention pool's groups along its axes (tp, cp, dp, pp), the replica group, the rank alone and
+    the world."""
     layout: RankLayout
-    dispatch_group: dist.ProcessGroup
-    combine_group: dist.ProcessGroup
-    counts_group: dist.ProcessGroup
-    attention_dp_group: dist.ProcessGroup | None
-    replica_group: dist.ProcessGroup
-    self_group: dist.ProcessGroup
-    world_group: dist.ProcessGroup
+    # Every group kind (layout.GROUP_KINDS, and the ZP group's communicators "dispatch", "combine",
+    # "counts") -> this rank's process group of that kind; None where it has none (an expert rank's
+    # attention kinds). Read it with group(kind).
+    groups: dict[str, dist.ProcessGroup | None]
     # Where every tensor this rank's plugin code allocates lives; worker threads read it
     # here, never from torch.cuda.current_device().
     device: torch.device = torch.device("cpu")
     # The dtype tokens cross roles in, the same on every rank (config.PoolPrecision.wire);
     # None: each rank's params_dtype, one precision on every rank.
     wire_dtype: torch.dtype | None = None
-    # With the plan's attention_tp > 1, an attention rank's member TP group and the group of every
-    # attention rank (Megatron's tensor x data); None: they are self_group and attention_dp_group.
-    tp_group: dist.ProcessGroup | None = None
-    attention_tp_dp_group: dist.ProcessGroup | None = None
-    # With the plan's pipeline_stages > 1, an attention rank's pipeline (member k of every stage),
-    # its first and last stage (the tied embedding; None on a middle stage) and, with attention_tp
-    # > 1, its member's TP ranks over the stages; None: the rank alone (and the TP group).
-    pp_group: dist.ProcessGroup | None = None
-    embd_group: dist.ProcessGroup | None = None
-    tp_pp_group: dist.ProcessGroup | None = None
-    # With the plan's attention_cp > 1, an attention rank's layout.CP_KINDS groups by kind; absent:
-    # the group they equal at attention_cp 1 (group()).
-    cp_groups: dict[str, dist.ProcessGroup] = field(default_factory=dict)
     # Counts the tokens this rank's experts receive (parallel/expert_load.py); None: not measured.
     load_meter: "ExpertLoadMeter | None" = None
 
@@ -165,25 +151,18 @@ class HeteroParallelState:
         )
 
         if len(self.stage_members) == 1:
-            return LoopbackTransport(self, str(dist.get_backend(self.dispatch_group)))
-        return AllToAllTransport(self, self.dispatch_group, self.combine_group, self.counts_group)
+            return LoopbackTransport(self, str(dist.get_backend(self.group("dispatch"))))
+        return AllToAllTransport(self, *(self.group(c) for c in ZP_COMMUNICATORS))
 
     # ---- the groups megatron-core modules get --------------------------------------------------
     def group(self, kind: str) -> dist.ProcessGroup | None:
-        """This rank's process group of `kind` (parallel/layout.py GROUP_KINDS; "zp": the
-        dispatch communicator)."""
-        tp = self.tp_group or self.self_group
-        tp_dp = self.attention_tp_dp_group or self.attention_dp_group
-        at_cp1 = {"cp": self.self_group, "tp_cp": tp, "attention_dp_cp": self.attention_dp_group,
-                  "attention_tp_dp_at_cp": tp_dp}
-        if kind in at_cp1:
-            return self.cp_groups.get(kind, at_cp1[kind])
-        return {"zp": self.dispatch_group, "tp": tp,
-                "attention_dp": self.attention_dp_group,
-                "attention_tp_dp": tp_dp,
-                "replica": self.replica_group, "pp": self.pp_group or self.self_group,
-                "embd": self.embd_group or self.self_group, "tp_pp": self.tp_pp_group or self.pp_group or tp,
-                "self": self.self_group, "world": self.world_group}[kind]
+        """This rank's process group of `kind` (parallel/layout.py GROUP_KINDS, or one of the ZP
+        group's communicators; "zp": the dispatch communicator)."""
+        if kind == "zp":
+            kind = "dispatch"
+        if kind not in self.groups:
+            raise KeyError(f"group kind {kind!r} is unknown; one of {sorted(self.groups)} or 'zp'")
+        return self.groups[kind]
 
     def megatron_group(self, dim: str) -> dist.ProcessGroup:
         """The group serving megatron-core dimension `dim` on this rank (layout.MEGATRON_DIMS)."""
@@ -283,40 +262,36 @@ def initialize_hetero_parallel(plan: HeteroPlan, timeout: datetime.timedelta | N
     timeout = timeout or group_timeout()
     layout = RankLayout(plan, rank)
     one = _one_rank_group(rank, world, timeout, one_rank_groups())  # every rank, at this point
-    mine = {}
+    made: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}  # (kind, ranks) -> this rank's group
+    first: dict[tuple[int, ...], dist.ProcessGroup] = {}  # ranks -> the first group made of them
     for name, ranks in group_plan(plan):
         if len(ranks) == 1:  # the rank alone: no world-wide call
-            if ranks[0] == rank:
-                mine[name] = one
             continue
         g = dist.new_group(ranks, timeout=timeout)  # every rank creates every such group, in this order
         if rank in ranks:
-            mine[name] = g
-    k, P = layout.member_index, plan.pipeline_stages
-    unit = layout.group_index * P + layout.stage  # the dispatch unit: this stage of the ZP group
-    tp, ms = plan.attention_tp, plan.member_size
-    attention = layout.role == Role.ATTENTION
-    gi = layout.group_index
-    cp_groups = {}
-    if attention:
-        pos = layout.stage_position  # this rank's pipeline within the ZP group (pp[gi.pos])
-        first = plan.attention_ranks.index(rank) - layout.tp_rank  # its TP group: tp[first]
-        if plan.attention_cp > 1:  # cp_group_plan made each rank set once: find them by their ranks
-            by_ranks = {tuple(dist.get_process_group_ranks(g)): g for g in mine.values()}
-            cp_groups = {kind: by_ranks[tuple(layout.ranks(kind))] for kind in CP_KINDS}
+            key = tuple(sorted(ranks))
+            made[group_kind(name), key] = g
+            first.setdefault(key, g)
+    return HeteroParallelState(layout=layout, groups=rank_groups(layout, made, first, one), device=device,
+                               wire_dtype=wire_dtype)
 
-    return HeteroParallelState(
-        layout=layout, dispatch_group=mine[f"dispatch[{unit}]"], combine_group=mine[f"combine[{unit}]"],
-        counts_group=mine[f"counts[{unit}]"],
-        attention_dp_group=mine.get(staged_name("attention_dp" if ms == 1 else
-                                                f"attention_dp[{layout.tp_rank + layout.cp_rank * tp}]",
-                                                layout.stage, P)),
-        replica_group=mine[f"replica[{k}]"], self_group=mine[f"self[{rank}]"], world_group=mine["world"],
-        device=device, wire_dtype=wire_dtype,
-        tp_group=mine[f"tp[{first}]"] if tp > 1 and attention else None,
-        attention_tp_dp_group=mine.get(staged_name("attention_tp_dp", layout.stage, P)) if ms > 1 else None,
-        pp_group=mine[f"pp[{gi}.{pos}]"] if P > 1 and attention else None,
-        embd_group=mine.get(f"embd[{gi}.{pos}]") if P > 1 and attention else None,  # None on a middle stage
-        tp_pp_group=mine[f"tp_pp[{gi}.{pos - layout.tp_rank}]"] if P > 1 and tp > 1 and attention else None,
-        cp_groups=cp_groups,
-    )
+
+def rank_groups(layout: RankLayout, made: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup],
+                first: dict[tuple[int, ...], dist.ProcessGroup], one: dist.ProcessGroup,
+                ) -> dict[str, dist.ProcessGroup | None]:
+    """Each group kind's process group on this rank, from its ranks on the grid: the rank alone is
+    its one-rank group; a kind made under its own name (group_plan) is that group; a kind whose
+    ranks equal another's where a dimension is 1 (tp_cp is tp at CP 1, tp_pp is pp at TP 1, the
+    CP kinds made once per rank set) is the first group made of those ranks."""
+    zp = tuple(layout.ranks("zp"))
+    groups: dict[str, dist.ProcessGroup | None] = {c: one if len(zp) == 1 else made[c, zp] for c in ZP_COMMUNICATORS}
+    for kind in GROUP_KINDS:
+        if kind == "zp":
+            continue
+        ranks = layout.ranks(kind)
+        if ranks is None or len(ranks) == 1:
+            groups[kind] = None if ranks is None else one
+            continue
+        key = tuple(sorted(ranks))
+        groups[kind] = made.get((kind, key)) or first[key]
+    return groups

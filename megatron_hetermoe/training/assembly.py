@@ -67,7 +67,7 @@ def _grad_norm_groups_once(optimizer, hs: HeteroParallelState) -> None:
     for group in SEPARATE_GRAD_NORM_GROUPS:
         local = any(getattr(p, GRAD_NORM_GROUP_ATTR, None) == group for opt in subs for p in opt.get_parameters())
         flag = torch.tensor([int(local)], dtype=torch.int, device=hs.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=hs.world_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=hs.group("world"))
         for opt in {id(o): o for o in [optimizer, *subs]}.values():
             if getattr(opt, "_has_grad_norm_group_cache", None) is None:
                 opt._has_grad_norm_group_cache = {}
@@ -211,7 +211,7 @@ class RoleAssembly:
             raise TypeError(f"HeterMoE steps Megatron's ChainedOptimizer (get_megatron_optimizer's), not "
                             f"{type(optimizer).__name__}")
         for opt in optimizer.chained_optimizers:
-            opt.grad_stats_parallel_group = hs.world_group
+            opt.grad_stats_parallel_group = hs.group("world")
         megatron_optimizer.replace_grad_norm(optimizer, world_grad_norm(optimizer, hs))
         distributed = [o for o in optimizer.chained_optimizers if isinstance(o, DistributedOptimizer)]
         if distributed and not distributed[0].ddp_config.overlap_param_gather:
@@ -220,7 +220,7 @@ class RoleAssembly:
             attach_dynamic_scaler(optimizer, opt_config)
         # The grad-stats group is the world (the norm): each sub-optimizer's found_inf check runs
         # over this rank alone, and share_loss_scale ORs the findings over the world once.
-        share_loss_scale(optimizer, hs.world_group, hs.device, check_group=hs.self_group)
+        share_loss_scale(optimizer, hs.group("world"), hs.device, check_group=hs.group("self"))
         # --log-num-zeros-in-grad: Megatron's count per sub-optimizer group would count every copy.
         megatron_optimizer.replace_count_zeros(optimizer, world_count_zeros(optimizer, hs))
         _grad_norm_groups_once(optimizer, hs)

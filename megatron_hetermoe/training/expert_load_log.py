@@ -50,7 +50,7 @@ class ExpertLoadLog:
 
     def interval(self, iteration: int) -> ExpertLoad:
         """Collective over the world: the interval ending at `iteration`; writes the stats file."""
-        tokens = self.meter.reduce_into(self.stats, iteration, self.hs.world_group, self.hs.device)
+        tokens = self.meter.reduce_into(self.stats, iteration, self.hs.group("world"), self.hs.device)
         self.reduced_at = iteration
         self.last = ExpertLoad.of(tokens)
         if self.writes and self.path:

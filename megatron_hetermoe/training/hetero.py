@@ -158,7 +158,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
               f"{pools.wire}, one {scale} loss scale", flush=True)
     if precision == "bf16":
         check_native_bf16(hs.device)
-    envs = gather_rank_envs(hs.device, hs.world_group)
+    envs = gather_rank_envs(hs.device, hs.group("world"))
     kernels = pool_kernels(cfg, plan, pools, envs, quiet=cfg.quiet)[hs.role]
     fusions = choose_fusions(envs[hs.rank], kernels.name, hs.role)
     with megatron_globals(hs, cfg.seed):
@@ -170,12 +170,12 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         recorder = TimelineRecorder(hs.rank, hs.role, keep_history=run.timeline_dir is not None)
         loads = ExpertLoadLog(hs, [plan.role(r) for r in range(plan.world_size)], stats_path(run), recorder,
                               writes=dist.get_rank() == 0)
-        steplog = StepLogger(cfg, hs.role, recorder, hs.world_group, dist.get_rank() == 0, loads)
+        steplog = StepLogger(cfg, hs.role, recorder, hs.group("world"), dist.get_rank() == 0, loads)
         # The last step's order and activation peak (only that step is metered: HeteroStep.before_step).
         executed = ExecutedSteps(maxlen=1, meter=False)
         clock, task_timing = None, hooks.task_timing
         if emulator is not None:
-            clock = emulator.hetero_clock(plan, schedule, hs.world_group, run.recompute)
+            clock = emulator.hetero_clock(plan, schedule, hs.group("world"), run.recompute)
             task_timing = emulator.task_timing(plan, hs.rank, schedule, clock)
         run = dataclasses.replace(run, schedule=schedule)
         fwd_bwd = assembly.schedule(run, recorder, executed, task_timing)
@@ -183,7 +183,7 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         role.names = names
         parts = LoopParts(cfg, model, optimizer, scheduler, guard, recorder, steplog,
                           hetero_checkpointer(cfg, hs, module, names, optimizer, scheduler, pools.expert),
-                          hs.world_group, clock)
+                          hs.group("world"), clock)
         if run.replan_interval:
             from megatron_hetermoe.training.replan import Replanner
 
@@ -215,21 +215,21 @@ def train_hetero(cfg: TrainConfig, plan: HeteroPlan, run: HeteroRunConfig | None
         reset_peak_memory(hs.device)  # the GPU peak counts from here (model and optimizer already allocated)
         res = train_loop(parts, role)
         model, module = role.model, role.module  # the last plan's, after live moves
-        gpu = peak_gpu_mib(hs.role, hs.device, hs.world_group)  # before the exports below; None on CPU ranks
+        gpu = peak_gpu_mib(hs.role, hs.device, hs.group("world"))  # before the exports below; None on CPU ranks
         emulation = clock.report() if clock is not None else None
         params = export_megatron(hs, model, "data") if hooks.collect_grads else None
         if run.timeline_dir is not None:
             recorder.save(run.timeline_dir)
         peak = [None] * dist.get_world_size()
         dist.all_gather_object(peak, (hs.role, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
-                               group=hs.world_group)
+                               group=hs.group("world"))
         return TrainResult(
             losses=res.losses, step_times=res.step_times, start_iteration=res.start_iteration, num_microbatches=nmb,
             dp=plan.num_attention_members, skipped=guard.skipped, loss_scales=res.loss_scales,
             overflow_skipped=res.overflow_skipped, grad_norms=res.grad_norms,
             param_dtypes=sorted({str(p.dtype) for p in module.parameters()}),
             kernels=kernels.name, kernels_reason=kernels.reason,
-            busy_s=last_step_busy(recorder, cfg.train_iters - 1, hs.world_group), emulation=emulation,
+            busy_s=last_step_busy(recorder, cfg.train_iters - 1, hs.group("world")), emulation=emulation,
             peak_gpu_mib=gpu, params=params, grads=role.grads, schedule=schedule,
             executed=[(list(a), {k: list(v) for k, v in b.items()}) for a, b, _ in executed],
             peak_activation_mib=max((m for _, _, m in executed if m is not None), default=0) / 2**20,
@@ -299,7 +299,7 @@ def build_rank(cfg: TrainConfig, hooks: RunHooks, assembly: RoleAssembly, kernel
     model = DistributedDataParallel(config, ddp_config, wrap_precision(config, module), pg_collection=pgc)
     guard = NanGuard(cfg.nan_check_mode(pools), [model],
                      {p: names[n] for n, p in module.named_parameters()}, hs.rank, hs.role,
-                     hs.world_group, hooks.nan_injection, device=hs.device)
+                     hs.group("world"), hooks.nan_injection, device=hs.device)
     optimizer, scheduler, opt_config = build_optimizer(cfg, model, cfg.clip_grad, cfg.use_distributed_optimizer,
                                                        pg_collection=pgc, precision=precision)
     optimizer = assembly.configure_optimizer(optimizer, opt_config)
@@ -350,5 +350,5 @@ def export_megatron(hs: HeteroParallelState, model, attr: str = "data", scale: f
                                                     tp).cpu()
              for n, p in model.named_parameters()}
     world = [None] * dist.get_world_size()
-    dist.all_gather_object(world, local, group=hs.world_group)
+    dist.all_gather_object(world, local, group=hs.group("world"))
     return hetero_to_megatron(world, hs.plan)

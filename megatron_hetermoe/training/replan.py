@@ -81,7 +81,7 @@ class Replanner:
         decision = [None]
         if hs.rank == 0:
             decision[0] = self._decide(iteration, step_s)
-        dist.broadcast_object_list(decision, src=0, group=hs.world_group)
+        dist.broadcast_object_list(decision, src=0, group=hs.group("world"))
         self.last = iteration
         got = decision[0]
         if got is not None:
@@ -140,7 +140,7 @@ class Replanner:
         old = hs.plan
         t0 = time.perf_counter()
         states, gather_s = timed(whole_states, role.module, role.names, parts.optimizer)
-        (kept, nbytes), exchange_s = timed(exchange, states, old, new, hs.rank, hs.world_group, hs.device)
+        (kept, nbytes), exchange_s = timed(exchange, states, old, new, hs.rank, hs.group("world"), hs.device)
         del states
         built = getattr(role.fwd_bwd, "keywords", {}).get("built")
         if built is not None:
@@ -154,7 +154,7 @@ class Replanner:
         _set_rng_state(rng)  # building draws from the RNG; training must not see it
         took = torch.tensor([gather_s, exchange_s, rebuild_s, time.perf_counter() - t0], dtype=torch.float64,
                             device=hs.device)
-        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=hs.world_group)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=hs.group("world"))
         gather_s, exchange_s, rebuild_s, total = took.tolist()
         moved = moves(old, new)
         self.measured = MoveStats(len(moved), nbytes, gather_s, exchange_s, rebuild_s, total)

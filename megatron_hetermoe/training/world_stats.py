@@ -67,7 +67,7 @@ def params_l2_norm(model_chunks: list, hs: HeteroParallelState, use_main_params:
                 data = None
             if data is not None:
                 squares += data.detach().float().pow(2).sum()
-    dist.all_reduce(squares, group=hs.world_group)
+    dist.all_reduce(squares, group=hs.group("world"))
     return squares.item() ** 0.5
 
 
@@ -85,7 +85,7 @@ def world_count_zeros(optimizer, hs: HeteroParallelState):
         for opt in subs:
             if counts_here(opt, hs):
                 params += opt.get_parameters()
-        return count_zeros_fp32(params, grad_stats_parallel_group=hs.world_group,
+        return count_zeros_fp32(params, grad_stats_parallel_group=hs.group("world"),
                                 use_decoupled_grad=subs[0].config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
 
     return count_zeros
@@ -179,11 +179,11 @@ def world_grad_norm(optimizer, hs: HeteroParallelState) -> Callable[[str | None]
     # parameters, shards included: the same total in every layout), taken once here.
     count = torch.tensor([sum(p.numel() for opt in subs for p in opt.get_parameters())], dtype=torch.float64,
                          device=hs.device)
-    dist.all_reduce(count, group=hs.world_group)
+    dist.all_reduce(count, group=hs.group("world"))
     n_bits = max(1, math.ceil(math.log2(count.item() + 1))) + 1
 
     def norm(group: str | None = None) -> float:
         grads = [g for opt in subs for g in _megatron_grads_for_norm(opt, group)]
-        return world_square_sum(grads, hs.world_group, hs.device, n_bits) ** 0.5
+        return world_square_sum(grads, hs.group("world"), hs.device, n_bits) ** 0.5
 
     return norm

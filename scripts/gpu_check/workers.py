@@ -149,7 +149,7 @@ def _three_communicators(hs, device) -> str:
     import torch
     import torch.distributed as dist
 
-    members = sorted(dist.get_process_group_ranks(hs.dispatch_group))
+    members = sorted(dist.get_process_group_ranks(hs.group("dispatch")))
     me = members.index(hs.rank)
     works, checks = [], []
     for salt, comm, dtype in ((0, "dispatch", torch.float32), (1, "combine", torch.float32),

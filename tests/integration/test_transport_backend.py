@@ -89,10 +89,10 @@ class P2PRoute:
         return out
 
     def to_experts(self, x, async_op=False):
-        return self._move(x, self.send, self.recv, self.backend.hs.dispatch_group, async_op)
+        return self._move(x, self.send, self.recv, self.backend.hs.group("dispatch"), async_op)
 
     def to_attention(self, x, async_op=False):
-        return self._move(x, self.recv, self.send, self.backend.hs.combine_group, async_op)
+        return self._move(x, self.recv, self.send, self.backend.hs.group("combine"), async_op)
 
     def dispatch(self, x):
         return _Transfer.apply(x, self, True)
@@ -119,7 +119,7 @@ class P2PTransport:
         return allc
 
     def start_route(self, layer, per_expert):
-        return self._counts(layer, per_expert, self.hs.counts_group, True)
+        return self._counts(layer, per_expert, self.hs.group("counts"), True)
 
     def finish_route(self, layer, all_counts, width, dtype):
         hs = self.hs
@@ -133,7 +133,7 @@ class P2PTransport:
 
     def route(self, layer, per_expert, width, dtype, stamp=None):
         assert stamp is None  # no emulation here
-        return self.finish_route(layer, self._counts(layer, per_expert, self.hs.dispatch_group, False), width,
+        return self.finish_route(layer, self._counts(layer, per_expert, self.hs.group("dispatch"), False), width,
                                  dtype), None
 
     def latest(self, value, direction):

@@ -19,7 +19,7 @@ def _measure(rank: int, world: int, tokens: int) -> dict:
     x = lb.make_input(pair, tokens, seed=rank)
     reads = lb.host_reads(pair.hetero, x)
     meter.add_seconds(1, {"E_F": 0.5 * (rank + 1)})
-    total, seconds = meter.reduce(hs.world_group, hs.device)
+    total, seconds = meter.reduce(hs.group("world"), hs.device)
     return {"reads": reads.count, "tokens": total, "seconds": seconds, "layer": pair.hetero.token_dispatcher.layer,
             "topk": pair.hetero.config.moe_router_topk, "mine": hs.local_experts(pair.hetero.token_dispatcher.layer)}
 
