@@ -20,6 +20,7 @@ DotProductAttention unchanged.
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any, Optional
 
 import torch
@@ -42,11 +43,27 @@ def local_positions(s_local: int, cp_size: int, cp_rank: int, device: torch.devi
                       torch.arange(second, second + chunk, device=device)])
 
 
+_TOLD: set[str] = set()  # the cp_comm_type values already named in the log
+
+
+def _say_all_gather(cp_comm_type: Optional[str]) -> None:
+    """Name, once per process and value, a `--cp-comm-type` other than all_gather that this core
+    does not do (Megatron's default p2p is transformer-engine's ring)."""
+    if cp_comm_type in (None, "all_gather") or cp_comm_type in _TOLD:
+        return
+    _TOLD.add(cp_comm_type)
+    logging.getLogger(__name__).warning(
+        "cp_comm_type=%r (--cp-comm-type) is transformer-engine's CP communication; megatron-core's local "
+        "attention core has none, and ContextParallelAttention all-gathers keys and values instead (the same "
+        "numbers). Pass --cp-comm-type all_gather to say so, or use the transformer-engine spec for a ring.",
+        cp_comm_type)
+
+
 class ContextParallelAttention(DotProductAttention):
     """DotProductAttention with context parallelism over `pg_collection.cp` by an all-gather of keys and
     values (causal self-attention only). Constructor and forward take DotProductAttention's arguments;
-    `cp_comm_type` is accepted for the layer spec's call and not used (the communication is always an
-    all-gather); extra keywords go to DotProductAttention (k_channels / v_channels where
+    `cp_comm_type` is accepted for the layer spec's call (the communication is always an all-gather;
+    another value is named in the log once); extra keywords go to DotProductAttention (k_channels / v_channels where
     shims/dot_product_attention.kv_channels is installed)."""
 
     def __init__(
@@ -91,6 +108,7 @@ class ContextParallelAttention(DotProductAttention):
                 f"context_parallel_size={cp_size}: not supported by ContextParallelAttention; drop "
                 f"window_size or use context_parallel_size=1")
 
+        _say_all_gather(cp_comm_type)
         # The parent asserts context_parallel_size == 1. copy.copy, not dataclasses.replace: a shallow
         # copy does not run TransformerConfig.__post_init__ again (its derivations and checks ran on
         # `config`), so the copy differs from `config` in that one field only.

@@ -116,7 +116,14 @@ def _showwarning_once(message, category, filename, lineno, file=None, line=None)
 
 class _LogOnce(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.WARNING or first_time(f"{record.levelname}: {record.getMessage()}")
+        if record.levelno < logging.WARNING:
+            return True
+        # One verdict per record, kept on it: every handler this filter sits on gets the record or
+        # none does (asked per handler, the first would take the "first time" from the others).
+        first = getattr(record, "_hetermoe_first_time", None)
+        if first is None:
+            first = record._hetermoe_first_time = first_time(f"{record.levelname}: {record.getMessage()}")
+        return first
 
 
 _log_once = _LogOnce()

@@ -10,6 +10,8 @@ The ranks are launched (parallel/launcher.py): no process group lives in the pyt
 one-rank world of the `one_rank_groups` fixture, made and destroyed around each test that uses it."""
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from margins import within
@@ -232,3 +234,27 @@ def test_what_it_does_not_support_it_refuses(one_rank_groups):
         core(q[:7], k[:7], v[:7], None)
     with pytest.raises(ValueError, match=r"attention_mask of shape \(2, 1, 16, 16\).*expected \[b or 1, 1, s_local=8"):
         core(q, k, v, torch.zeros(B, 1, S, S, dtype=torch.bool))
+
+
+def test_a_cp_comm_type_it_does_not_do_is_named_once(one_rank_groups):
+    """Megatron's default --cp-comm-type p2p (transformer-engine's ring) builds, all-gathers, and says so
+    once per process; all_gather and None say nothing."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from megatron_hetermoe.models import context_attention as ca
+
+    two = ProcessGroupCollection(tp=one_rank_groups.tp, cp=_Group(2))
+    ca._TOLD.discard("p2p")
+    said: list[str] = []
+    catch = logging.Handler(logging.WARNING)  # on the module's logger: no root filter between
+    catch.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger(ca.__name__)
+    logger.addHandler(catch)
+    try:
+        for comm in ("all_gather", None, "p2p", "p2p"):
+            ca.ContextParallelAttention(_config(2), 1, AttnMaskType.causal, "self", cp_comm_type=comm,
+                                        pg_collection=two)
+    finally:
+        logger.removeHandler(catch)
+    assert len(said) == 1 and "cp_comm_type='p2p'" in said[0] and "all-gathers keys and values" in said[0], said

@@ -71,3 +71,33 @@ def test_a_rank_done_with_its_groups_does_not_exit_under_a_connecting_peer():
     # failed in each of 3 tries, and passed 60 of 60 with it.
     for _ in range(30):
         assert launch(_pair_groups_then_return, 6, timeout_s=60) == list(range(6))
+
+
+def test_a_warning_shown_once_reaches_every_handler_the_first_time():
+    """The once-per-job filter on two handlers: both get a warning's first record, neither the
+    second (asked per handler, the first handler took it from the second)."""
+    import logging
+
+    from megatron_hetermoe.parallel.launcher import _LogOnce
+
+    once = _LogOnce()
+    got: dict[str, list[str]] = {"a": [], "b": []}
+    logger = logging.getLogger("hetermoe-test-once")
+    logger.propagate = False
+    handlers = []
+    for name in got:
+        h = logging.Handler()
+        h.emit = lambda record, name=name: got[name].append(record.getMessage())
+        h.addFilter(once)
+        logger.addHandler(h)
+        handlers.append(h)
+    try:
+        text = f"shown once {id(got)}"
+        logger.warning(text)
+        logger.warning(text)
+        logger.info("info passes every time")
+        logger.info("info passes every time")
+    finally:
+        for h in handlers:
+            logger.removeHandler(h)
+    assert got["a"] == got["b"] == [text]
