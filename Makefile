@@ -32,7 +32,7 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	if [ -n "$$MEGATRON_LM_DIR" ]; then $(PIP_INSTALL) --no-build-isolation -e '.[megatron-lm]'; fi
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30 -m slow tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=60 -m slow tests
 
 test-all: $(STAMP)
 	if [ -n "$$MEGATRON_LM_DIR" ]; then $(PIP_INSTALL) --no-build-isolation -e '.[megatron-lm]'; fi
