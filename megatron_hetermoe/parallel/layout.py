@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 
 from megatron_hetermoe.parallel.grid import UNIT_AXES, PoolGrid, plan_grids
-from megatron_hetermoe.plan.hetero_plan import HeteroPlan
+from megatron_hetermoe.plan.hetero_plan import HeteroPlan, PlanError
 from megatron_hetermoe.vocabulary import Role
 
 # Group kinds: "zp" (the members of a ZP group: the dispatch, combine and counts communicators),
@@ -216,6 +216,21 @@ class RankLayout:
     def megatron_kind(self, dim: str) -> str:
         """The group kind serving megatron-core dimension `dim` on this rank."""
         return MEGATRON_DIMS[dim][self.role]
+
+    def moved_to(self, plan: HeteroPlan) -> "RankLayout":
+        """This rank in `plan`, the plan a live expert move goes to: only where experts sit may differ,
+        so the process groups made for this layout serve it. PlanError if either pool's grid differs
+        (a rank changing role or position would keep groups of the old plan)."""
+        new = RankLayout(plan, self.rank)
+        for role, grid in self.grids.items():
+            other = new.grids[role]
+            if other != grid:
+                raise PlanError(
+                    f"a live move to a plan whose {role} pool differs: {dict(zip(grid.axes, grid.shape))} of "
+                    f"ranks {list(grid.ranks)} before, {dict(zip(other.axes, other.shape))} of ranks "
+                    f"{list(other.ranks)} after; a move may change where experts sit only (restart on the new "
+                    f"plan to change roles or positions)")
+        return new
 
 
 def staged_name(name: str, stage: int, stages: int) -> str:

@@ -26,7 +26,6 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_hetermoe.parallel.layout import RankLayout
 from megatron_hetermoe.plan.hetero_plan import HeteroPlan
 from megatron_hetermoe.planner.rebalance import (
     Proposal,
@@ -138,6 +137,7 @@ class Replanner:
     def _move(self, new: HeteroPlan, iteration: int, note: dict) -> None:
         hs, role, parts = self.hs, self.role, self.parts
         old = hs.plan
+        layout = hs.layout.moved_to(new)  # refused before any state moves if the pools differ
         t0 = time.perf_counter()
         states, gather_s = timed(whole_states, role.module, role.names, parts.optimizer)
         (kept, nbytes), exchange_s = timed(exchange, states, old, new, hs.rank, hs.group("world"), hs.device)
@@ -145,7 +145,7 @@ class Replanner:
         built = getattr(role.fwd_bwd, "keywords", {}).get("built")
         if built is not None:
             built.close()  # the old task lists' executor and stream workers
-        hs.layout = RankLayout(new, hs.rank)  # the same groups serve the new plan (same roles and positions)
+        hs.layout = layout  # the same groups serve the new plan (same roles and positions)
         rng = _rng_state()
         t1 = time.perf_counter()
         rb = self.rebuild(kept)

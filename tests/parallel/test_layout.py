@@ -184,3 +184,19 @@ def test_megatron_globals_equal_the_modules_groups(name):
         assert dp_world == plan.num_attention_members  # the job's data-parallel size on every rank
         want = RankLayout(plan, rank).ranks("attention_dp" if plan.role(rank) == "attention" else "replica")
         assert dp_ranks == want  # the rank's own data-parallel group (gradients are reduced over it)
+
+
+def test_a_live_move_keeps_the_pools_or_is_refused():
+    """A move's new plan may place the experts anywhere (the same groups serve it); one where a rank
+    changes role or a pool changes shape is refused before anything moves."""
+    from megatron_hetermoe.plan.hetero_plan import PlanError
+
+    plan = _two_by_two_plus_two()
+    moved = HeteroPlan(1, 4, ["cpu"] * 8, [ZPGroup([0, 5], [2, 3], [{2: [0], 3: [1, 2, 3]}]),
+                                           ZPGroup([4, 1], [6, 7], [{6: [], 7: [0, 1, 2, 3]}])])
+    assert RankLayout(plan, 6).moved_to(moved).ranks("replica") == [2, 6]
+    swapped = HeteroPlan(1, 4, ["cpu"] * 8, [ZPGroup([0, 2], [5, 3], [{5: [0, 1], 3: [2, 3]}]),
+                                             ZPGroup([4, 1], [6, 7], [{6: [0, 1], 7: [2, 3]}])])
+    with pytest.raises(PlanError, match=r"attention pool differs: .* ranks \[0, 5, 4, 1\] before, .* ranks "
+                                        r"\[0, 2, 4, 1\] after; a move may change where experts sit only"):
+        RankLayout(plan, 6).moved_to(swapped)
