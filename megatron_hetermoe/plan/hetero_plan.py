@@ -451,15 +451,10 @@ class HeteroPlan:
             self._validate_context_parallel()
 
     def _validate_context_parallel(self) -> None:
-        """PlanError for what has not run with attention_cp > 1: experts on attention ranks (their
-        gradient share over a member's CP ranks is not derived) and multi-token prediction
-        (Megatron rolls its tokens across the CP ranks' chunks)."""
-        held = sorted({r for g in self.groups for pl in g.placement for r, es in pl.items()
-                       if es and r in g.attention_ranks})
-        if held:
-            raise PlanError(f"plan attention_cp={self.attention_cp} with experts on attention ranks {held} (Asym-EA): "
-                            f"not built with context parallelism yet; place every expert on expert ranks "
-                            f"(hetermoe plan --asym none) or use attention_cp 1")
+        """PlanError for what has not run with attention_cp > 1: multi-token prediction (Megatron
+        rolls its tokens across the CP ranks' chunks). Experts on attention ranks (Asym-EA) run: they
+        receive every CP rank's tokens like an expert rank's experts, and Megatron's DDP scales their
+        gradients by its dp x cp group, as the expert ranks' share does (training/assembly.py)."""
         if self.mtp_layers:
             raise PlanError(f"plan attention_cp={self.attention_cp} with mtp_layers={self.mtp_layers}: multi-token "
                             f"prediction with context parallelism is not built yet; use attention_cp 1")

@@ -7,8 +7,9 @@ heads and the sequence and each member sits in one node; such a candidate has no
 context-parallel (plan.attention_cp in ATTENTION_CP, where cp_sizes allows it: 2 cp chunks divide
 the sequence, each CP rank's tokens split over the TP size, and the member's tp x cp consecutive
 ranks sit in one node, so the K/V exchanges run on the intra-node link as TP's collectives do; no
-CP across nodes is searched; no multi-token prediction, and no Asym-EA, which plans refuse with
-CP). A member of tp x cp ranks reads whole sequences, each rank member tokens / (tp cp) of them
+CP across nodes is searched; no multi-token prediction, which plans refuse with CP, and no Asym-EA:
+as with TP, the search's Asym-EA model prices one-rank members; a hand-made plan may hold experts on
+CP ranks). A member of tp x cp ranks reads whole sequences, each rank member tokens / (tp cp) of them
 (cost_model.py, "Context parallelism"). A candidate whose lower bound (compute_lower_bound) cannot
 beat the best simulated step is skipped. CP only pays where members without it cannot get as many
 microbatches (few whole sequences per rank: long sequences, small batches), so a CP shape the same
@@ -333,10 +334,10 @@ def build_plan(model: ModelConfig, gpu_types: list[str], attn: list[int], expert
     ranks, stage by stage (even_plan's layout), each layer's experts split evenly over its
     stage's expert ranks; no Asym-EA (k all 0); zebra in `zebra_waves` groups of microbatches in
     `zebra_wave_order`. `attention_tp`, `attention_cp`: attention members of tp x cp consecutive
-    ranks (no Asym-EA with cp > 1: plans refuse it)."""
+    ranks (no Asym-EA with cp > 1: the search's Asym-EA model prices one-rank members)."""
     if any(k) and attention_cp > 1:
-        raise PlanError(f"experts on attention ranks (Asym-EA, {list(k)}) with attention_cp={attention_cp}: plans "
-                        f"refuse experts on context-parallel attention ranks; use k all 0")
+        raise PlanError(f"experts on attention ranks (Asym-EA, {list(k)}) with attention_cp={attention_cp}: the "
+                        f"search prices Asym-EA on one-rank members only; use k all 0")
     if pipeline_stages > 1:
         return _build_pipelined_plan(model, gpu_types, attn, expert, G, R, k, schedule, validate, skeleton,
                                      attention_tp, pipeline_stages, zebra_waves, zebra_wave_order, attention_cp)
@@ -920,7 +921,7 @@ def _cp_cannot_beat(s: _Search, cand: Candidate, lay: pipeline.PipelineLayout | 
     if distep + post < bar:
         return False
     tpe = M * t * model.moe_router_topk / model.num_experts
-    # zebra: experts as the even layout places them (no Asym-EA with CP), in waves of one microbatch
+    # zebra: experts as the even layout places them (the search has no Asym-EA with CP), in waves of one microbatch
     # (R / W x the stages before the last: the least of any W), first without the streams' load (cheap)
     for streams in (False, True):
         terms = pipeline.zebra_bound_terms(c, s.cluster, a_gpus, x_gpus, t, tpe, lay, streams=streams)
@@ -962,7 +963,7 @@ def _price_one_stage(s: _Search, cand: Candidate) -> None:
         else:
             s.refuse((ZEBRA_NO_EA,), cand, _memory_reason(full, zero, a_gpu, x_gpu, cand.R, level))
         if cand.member > 1:  # the search tries no Asym-EA on TP members (the runtime runs it; the 1,024-GPU
-            # search spent 3 s more simulating such candidates, none of which won), nor on CP ones (plans refuse it)
+            # search spent 3 s more simulating such candidates, none of which won), nor on CP ones (likewise)
             if no_ea_fits:
                 break
             continue

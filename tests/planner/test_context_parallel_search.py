@@ -239,7 +239,7 @@ def test_short_sequences_keep_cp_1():
 
 
 def test_no_asym_ea_on_context_parallel_members():
-    with pytest.raises(PlanError, match="attention_cp=2: plans refuse experts on context-parallel attention ranks"):
+    with pytest.raises(PlanError, match="attention_cp=2: the search prices Asym-EA on one-rank members only"):
         build_plan(GQA, CLUSTER.gpu_types(), list(range(8)), list(range(8, 16)), 1, 2, [1] * 8, attention_cp=2)
     plan = build_plan(GQA, CLUSTER.gpu_types(), list(range(8)), list(range(8, 16)), 1, 2, [0] * 8, attention_cp=2)
     assert plan.attention_cp == 2 and plan.num_attention_members == 4

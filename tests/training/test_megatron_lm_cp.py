@@ -32,6 +32,18 @@ def test_pretrain_cp2_from_and_to_a_cp1_checkpoint(mlm, data, tmp_path, schedule
 
 
 @pytest.mark.slow
+def test_pretrain_cp2_asym_ea_from_and_to_a_cp1_checkpoint(mlm, data, tmp_path):
+    """Asym-EA under CP in pretrain(): CP rank 0 of the member holds expert 0 of each layer, zebra;
+    plain Megatron's checkpoint loads into it and it continues with plain Megatron's losses, and back."""
+    from megatron_hetermoe.plan.hetero_plan import HeteroPlan, ZPGroup
+
+    plan = tmp_path / "plan.json"
+    HeteroPlan(2, 4, ["cpu"] * 4, [ZPGroup([0, 1], [2, 3], [{0: [0], 2: [1], 3: [2, 3]} for _ in range(2)])],
+               num_microbatches=4, schedule="zebra", attention_cp=2).save(plan)
+    checkpoints_both_ways(mlm, plan, data, tmp_path, extra=CP, plain_extra=[])
+
+
+@pytest.mark.slow
 def test_pretrain_cp2_tp2_from_a_tp2_checkpoint(mlm, data, tmp_path):
     """A TP-2 x CP-2 member (4 ranks) + 2 expert ranks against plain Megatron at TP 2, CP 1."""
     checkpoints_both_ways(mlm, _plan(tmp_path / "plan.json", "zebra", tp=2), data, tmp_path,
