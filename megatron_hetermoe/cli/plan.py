@@ -55,9 +55,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--attention-cp", type=int, default=None,
                    help="context-parallel size of each attention member (Megatron's --context-parallel-size: a member "
                    "is attention-tp x attention-cp ranks of one node, each CP rank two of every sequence's 2 x CP "
-                   "chunks; no experts on attention ranks with CP > 1). With --even: the plan's attention_cp (default "
-                   "1); with --cluster: search only this size (default: 1, 2, 4 and 8 where 2 x CP divides the "
-                   "sequence and the member fits in a node)")
+                   "chunks; the search places no experts on attention ranks with CP > 1). With --even: the "
+                   "plan's attention_cp (default 1); with --cluster: search only this size (default: 1, 2, 4 "
+                   "and 8 where 2 x CP divides the sequence and the member fits in a node)")
     p.add_argument("--pipeline-stages", type=int, default=None,
                    help="P: pipeline stages of each ZP group (Megatron's --pipeline-model-parallel-size; the decoder "
                    "layers split evenly; each stage its own attention and expert ranks; with --cluster DistEP or zebra "
