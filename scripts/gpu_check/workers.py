@@ -137,7 +137,7 @@ def _groups_check(hs, device) -> dict:
         ok = sorted(got) == sorted(want or []) and float(t.item()) == float(sum(got))
         out[kind] = f"ok {len(got)}" if ok else f"WRONG members {got} want {want}, sum {t.item()}"
     for comm in ("dispatch", "combine", "counts"):
-        g = getattr(hs, f"{comm}_group")
+        g = hs.group(comm)
         got = dist.get_process_group_ranks(g)
         out[comm] = f"ok {len(got)}" if sorted(got) == sorted(hs.layout.ranks("zp")) else f"WRONG {got}"
     return out
@@ -154,7 +154,7 @@ def _three_communicators(hs, device) -> str:
     works, checks = [], []
     for salt, comm, dtype in ((0, "dispatch", torch.float32), (1, "combine", torch.float32),
                               (2, "counts", torch.int64)):
-        g = getattr(hs, f"{comm}_group")
+        g = hs.group(comm)
         width = 1 if dtype == torch.int64 else A2A_ROW
         send = _splits(me, members, salt)
         recv = [_splits(k, members, salt)[me] for k in range(len(members))]
