@@ -68,13 +68,12 @@ class PoolGrid:
             raise KeyError(f"{self.role} grid has no axis {axis!r}; its axes are {self.axes}")
         return self.axes.index(axis)
 
-    def __contains__(self, rank: int) -> bool:
-        return rank in self._position
+    def _coords_at(self, p: int) -> dict[str, int]:
+        return {a: p // self._strides[a] % n for a, n in zip(self.axes, self.shape)}
 
     def coords(self, rank: int) -> dict[str, int]:
         """`rank`'s coordinate on every axis."""
-        p = self._position[rank]
-        return {a: p // self._strides[a] % n for a, n in zip(self.axes, self.shape)}
+        return self._coords_at(self._position[rank])
 
     def at(self, **coords: int) -> int:
         """The rank at the given coordinates (every axis named)."""
@@ -103,7 +102,7 @@ class PoolGrid:
         """Every group along `axes`, as HyperCommGrid.get_rank_enum lists them (the other axes'
         coordinates ascending, the first fastest; each group in grid order)."""
         offsets = self._offsets(axes)
-        fixed = [p for p in range(len(self.ranks)) if all(self.coords(self.ranks[p])[a] == 0 for a in axes)]
+        fixed = [p for p in range(len(self.ranks)) if not any(self._coords_at(p)[a] for a in axes)]
         return [[self.ranks[p + o] for o in offsets] for p in fixed]
 
     def where(self, **coords: int) -> list[int]:

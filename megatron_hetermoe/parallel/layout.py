@@ -258,8 +258,9 @@ def group_plan(plan: HeteroPlan) -> list[tuple[str, list[int]]]:
             out += [(f"{c}[{gi * P + s}]", unit) for c in ZP_COMMUNICATORS]
     if t > 1:
         out += [(f"tp[{i * t}]", sorted(g)) for i, g in enumerate(att.groups(("tp",)))]
+    dp_groups = att.groups(ATTENTION_KIND_AXES["attention_dp"])  # stage by stage, (TP, CP) positions fastest
     for s in range(P):  # one data-parallel group per (TP, CP) position of a stage, then the stage's
-        dp = [g for g in att.groups(ATTENTION_KIND_AXES["attention_dp"]) if att.coords(g[0])["pp"] == s]
+        dp = [g for g in dp_groups if att.coords(g[0])["pp"] == s]
         if ms == 1:  # "tp" is "self" and "attention_tp_dp" is "attention_dp": no more groups
             out.append((staged_name("attention_dp", s, P), sorted(dp[0])))
         else:
