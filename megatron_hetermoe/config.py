@@ -607,6 +607,9 @@ class ModelConfig:
         return self.non_expert_params() + self.planned_num_moe_layers * self.num_experts * self.expert_params()
 
 
+CP_COMM_TYPES = ("p2p", "all_gather")  # Megatron's --cp-comm-type values the local attention core runs
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Megatron's parallel sizes and dispatcher. `sequence_parallel` is Megatron's
@@ -614,15 +617,24 @@ class ParallelConfig:
     TP > 1 (the model is always MoE: Megatron-LM refuses MoE with TP and no sequence parallelism).
     Experts are never tensor-parallel here (Megatron's --expert-tensor-parallel-size 1). `cp` is
     Megatron's --context-parallel-size: a HeterMoE plan's attention_cp (the Megatron EP trainer runs
-    without it)."""
+    without it). `cp_comm_type` is Megatron's --cp-comm-type: one value for every layer or one per
+    layer; p2p (a ring, Megatron's default) or all_gather (models/context_attention.py)."""
     tp: int = 1
     pp: int = 1
     ep: int = 1
     dispatcher: str = "alltoall"  # Megatron's --moe-token-dispatcher-type
     sequence_parallel: bool = False  # Megatron's --sequence-parallel
     cp: int = 1  # Megatron's --context-parallel-size
+    cp_comm_type: str | tuple[str, ...] = "p2p"  # Megatron's --cp-comm-type
 
     def __post_init__(self) -> None:
+        comms = (self.cp_comm_type,) if isinstance(self.cp_comm_type, str) else tuple(self.cp_comm_type)
+        bad = [c for c in comms if c not in CP_COMM_TYPES]
+        if bad or not comms:
+            raise ValueError(
+                f"--cp-comm-type {' '.join(comms)}: runs here are {' or '.join(CP_COMM_TYPES)} (a ring, or an "
+                f"all-gather of keys and values); transformer-engine's a2a and a2a+p2p are not built")
+        object.__setattr__(self, "cp_comm_type", comms[0] if len(comms) == 1 else comms)
         if self.dispatcher not in ("alltoall", "allgather"):
             raise ValueError(
                 f"moe token dispatcher {self.dispatcher!r} is not available on CPU; use alltoall or "

@@ -29,7 +29,11 @@ _RUN_FLAGS: FlagRows = (
     ("--context-parallel-size", dict(type=int, default=1),
      "Megatron's context parallelism: with --hetero-plan, the plan's attention_cp (each attention "
      "member's ranks at one TP position split every sequence into 2 x CP chunks, two each, and "
-     "gather keys and values for attention); without a plan (Megatron EP) only 1 runs here"),
+     "attend over the others' by --cp-comm-type); without a plan (Megatron EP) only 1 runs here"),
+    ("--cp-comm-type", dict(nargs="+", default=["p2p"]),
+     "Megatron's CP communication, one value for every layer or one per layer: p2p (a ring that "
+     "passes keys and values around the CP group) or all_gather (each rank gathers them); "
+     "transformer-engine's a2a and a2a+p2p are not built"),
     ("--expert-tensor-parallel-size", dict(type=int, default=None),
      "expert TP size; only 1 runs here (experts are whole). Megatron's default is the TP size, so "
      "with --tensor-model-parallel-size > 1 give 1 explicitly"),

@@ -517,6 +517,8 @@ def transformer_config(model: ModelConfig, par: ParallelConfig, precision: str =
         expert_tensor_parallel_size=1,  # experts are never tensor-parallel here (tp_shards.py)
         pipeline_model_parallel_size=par.pp,
         expert_model_parallel_size=par.ep,
+        # A list when per layer (megatron-core checks its length against num_layers at CP > 1).
+        cp_comm_type=par.cp_comm_type if isinstance(par.cp_comm_type, str) else list(par.cp_comm_type),
         **(fusions or NO_FUSIONS).config_kwargs(),
         transformer_impl="transformer_engine" if kernels in TE_KERNELS else "local",
         moe_grouped_gemm=kernels in ("te", "grouped"),

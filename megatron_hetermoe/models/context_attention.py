@@ -2,23 +2,28 @@
 
 megatron-core's DotProductAttention asserts context_parallel_size == 1 (only transformer-engine's
 core does CP, and transformer-engine does not install on CPU). ContextParallelAttention is that core
-with CP by all-gather: each rank gathers the keys and values of its CP group, puts them in sequence
-order and attends from its own queries, masked at their true positions in the sequence.
+with CP, by Megatron's `--cp-comm-type` (TransformerConfig.cp_comm_type, per layer):
+- `p2p` (Megatron-LM's default; None too, as transformer-engine reads it): a ring that passes keys and
+  values around the CP group and merges partial softmaxes (models/ring_attention.py). Per rank: two
+  key/value blocks and one s_local x s_local score block at a time.
+- `all_gather`: each rank gathers the keys and values of its CP group, puts them in sequence order
+  and attends from its own queries, masked at their true positions: S x b x (query groups / TP) x head
+  dim of keys and of values all-gathered in forward and reduce-scattered in backward (megatron-core's
+  sequence-parallel gather, given the CP group), and an s_local x S score matrix. Its outputs are
+  DotProductAttention's on the full sequence bit for bit (the same sums in the same order).
+- `a2a` and `a2a+p2p` (transformer-engine's head-scattering all-to-all): not built here; those layers
+  all-gather, and the log says so once per process.
 
 Sequence layout: Megatron's load-balanced split (megatron.core.utils.get_batch_on_this_cp_rank). The
 sequence of S tokens is cut into 2 x cp chunks; CP rank r holds chunk r followed by chunk
 2 x cp - 1 - r (S / cp tokens), so every rank has the same causal work.
-
-Communication per layer and step: keys and values, S x b x (query groups / TP) x head dim each,
-all-gathered in forward and reduce-scattered in backward (megatron-core's sequence-parallel gather,
-given the CP group); no ring of partial softmaxes. Each rank holds the full sequence's keys and
-values and an s_local x S score matrix (not S x S).
 
 Only causal self-attention (GPT's) is supported under CP; with a CP group of one rank the class is
 DotProductAttention unchanged.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from typing import Any, Optional
@@ -33,37 +38,40 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
-
-def local_positions(s_local: int, cp_size: int, cp_rank: int, device: torch.device | str | None = None) -> Tensor:
-    """The positions in the full sequence of CP rank `cp_rank`'s `s_local` tokens, in the order it holds
-    them (get_batch_on_this_cp_rank's load-balanced split: chunk cp_rank, then chunk 2 x cp - 1 - cp_rank)."""
-    chunk = s_local // 2
-    first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
-    return torch.cat([torch.arange(first, first + chunk, device=device),
-                      torch.arange(second, second + chunk, device=device)])
+from megatron_hetermoe.models.ring_attention import RingConfig, local_positions, ring_attention
 
 
+RING = "p2p"  # Megatron's --cp-comm-type for the ring (its default)
+GATHER = "all_gather"
 _TOLD: set[str] = set()  # the cp_comm_type values already named in the log
 
 
-def _say_all_gather(cp_comm_type: Optional[str]) -> None:
-    """Name, once per process and value, a `--cp-comm-type` other than all_gather that this core
-    does not do (Megatron's default p2p is transformer-engine's ring)."""
-    if cp_comm_type in (None, "all_gather") or cp_comm_type in _TOLD:
-        return
-    _TOLD.add(cp_comm_type)
-    logging.getLogger(__name__).warning(
-        "cp_comm_type=%r (--cp-comm-type) is transformer-engine's CP communication; megatron-core's local "
-        "attention core has none, and ContextParallelAttention all-gathers keys and values instead (the same "
-        "numbers). Pass --cp-comm-type all_gather to say so, or use the transformer-engine spec for a ring.",
-        cp_comm_type)
+def comm_of(cp_comm_type: Optional[str]) -> str:
+    """The communication this core does for a layer's cp_comm_type: the ring for p2p (and None, which
+    transformer-engine reads as p2p), the all-gather for all_gather and (named in the log once per
+    process) for transformer-engine's a2a and a2a+p2p, which are not built here."""
+    if cp_comm_type in (None, RING):
+        return RING
+    if cp_comm_type == GATHER:
+        return GATHER
+    if cp_comm_type not in ("a2a", "a2a+p2p"):
+        raise ValueError(f"cp_comm_type={cp_comm_type!r} (--cp-comm-type): Megatron's values are p2p, all_gather, "
+                         f"a2a and a2a+p2p")
+    if cp_comm_type not in _TOLD:
+        _TOLD.add(cp_comm_type)
+        logging.getLogger(__name__).warning(
+            "cp_comm_type=%r (--cp-comm-type) is transformer-engine's all-to-all CP communication; megatron-core's "
+            "local attention core has none, and ContextParallelAttention all-gathers keys and values for those "
+            "layers instead (the same numbers). Pass --cp-comm-type p2p (a ring) or all_gather to choose, or use "
+            "the transformer-engine spec.", cp_comm_type)
+    return GATHER
 
 
 class ContextParallelAttention(DotProductAttention):
-    """DotProductAttention with context parallelism over `pg_collection.cp` by an all-gather of keys and
-    values (causal self-attention only). Constructor and forward take DotProductAttention's arguments;
-    `cp_comm_type` is accepted for the layer spec's call (the communication is always an all-gather;
-    another value is named in the log once); extra keywords go to DotProductAttention (k_channels / v_channels where
+    """DotProductAttention with context parallelism over `pg_collection.cp` (causal self-attention only):
+    a ring for cp_comm_type p2p or None, an all-gather of keys and values for all_gather (and for a2a
+    and a2a+p2p, named in the log once). Constructor and forward take DotProductAttention's arguments;
+    extra keywords go to DotProductAttention (k_channels / v_channels where
     shims/dot_product_attention.kv_channels is installed)."""
 
     def __init__(
@@ -95,6 +103,7 @@ class ContextParallelAttention(DotProductAttention):
                              softmax_scale, cp_comm_type, pg_collection, **kwargs)
             self.cp_group: Optional[torch.distributed.ProcessGroup] = cp_group
             self.cp_size: int = 1
+            self.cp_comm: Optional[str] = None
             return
 
         if attn_mask_type != AttnMaskType.causal:
@@ -108,7 +117,11 @@ class ContextParallelAttention(DotProductAttention):
                 f"context_parallel_size={cp_size}: not supported by ContextParallelAttention; drop "
                 f"window_size or use context_parallel_size=1")
 
-        _say_all_gather(cp_comm_type)
+        self.cp_comm = comm_of(cp_comm_type)
+        if self.cp_comm == RING and getattr(config, "softmax_type", "vanilla") != "vanilla":
+            raise ValueError(
+                f"softmax_type={config.softmax_type!r} with cp_comm_type={cp_comm_type!r} (the ring): the ring "
+                f"merges vanilla softmaxes only; pass --cp-comm-type all_gather, or softmax_type 'vanilla'")
         # The parent asserts context_parallel_size == 1. copy.copy, not dataclasses.replace: a shallow
         # copy does not run TransformerConfig.__post_init__ again (its derivations and checks ran on
         # `config`), so the copy differs from `config` in that one field only.
@@ -174,6 +187,8 @@ class ContextParallelAttention(DotProductAttention):
                 f"expected [b or 1, 1, s_local={s_local}, S={seq}] (get_batch_on_this_cp_rank's split of "
                 f"a [b, 1, S, S] mask), or None for the causal mask alone")
 
+        if self.cp_comm == RING:
+            return ring_attention(query, key, value, attention_mask, self._ring_config())
         # Forward: all-gather along dim 0. Backward: reduce-scatter (sum): every rank's queries attend
         # to every rank's keys, so a rank's key/value gradient is the sum of all ranks' contributions.
         key = gather_from_sequence_parallel_region(key, tensor_parallel_output_grad=True, group=self.cp_group)
@@ -194,6 +209,16 @@ class ContextParallelAttention(DotProductAttention):
             # place of the causal one: the same result for any mask that masks the future.
             mask = mask | attention_mask.to(torch.bool)
         return super().forward(query, key, value, mask, attn_mask_type=AttnMaskType.arbitrary)
+
+    def _ring_config(self) -> RingConfig:
+        """The ring's scale and dropout, as DotProductAttention applies them: q.k x softmax_scale, then x the
+        query-key layer scaling coefficient inside its softmax; dropout on the probabilities in training, in
+        the model-parallel RNG unless sequence parallelism is on."""
+        from megatron.core import tensor_parallel
+
+        scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
+        rng = contextlib.nullcontext if self.config.sequence_parallel else tensor_parallel.get_cuda_rng_tracker().fork
+        return RingConfig(self.cp_group, scale, self.attention_dropout.p if self.training else 0.0, rng)
 
     def _sequence_order(self, gathered: Tensor) -> Tensor:
         """[cp x s_local, ...] in the CP ranks' order -> [S, ...] in sequence order."""

@@ -137,14 +137,15 @@ def reference_ep(plan: HeteroPlan, num_experts: int) -> int:
 def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch_size: int = 2,
                seed: int = 1234, timeout_s: float = 600.0, schedule: str | None = None,
                recompute: bool = False, init_state: dict | None = None, free_run: bool = True,
-               precision: str = "fp32", issuer: str = "auto") -> ParityReport:
+               precision: str = "fp32", issuer: str = "auto", cp_comm_type: str = "p2p") -> ParityReport:
     """Megatron EP runs free; HeterMoE computes every step's loss and gradients at the
     reference's parameters of that step (loaded through the layout conversion), so round-off
     cannot compound across steps. free_run: also train HeterMoE on its own trajectory and report
     its final weights' difference. init_state: start from this plain Megatron state dict
     (canonical names) instead of the seed's layout-invariant init, e.g. weights crafted to force
     a routing. precision: "fp32", "bf16" or "fp16" on both sides (the tolerances above are fp32's;
-    pass measured ones to ok() for the others). issuer: zebra's (--hetero-zebra-issuer)."""
+    pass measured ones to ok() for the others). issuer: zebra's (--hetero-zebra-issuer). cp_comm_type:
+    HeterMoE's --cp-comm-type when the plan's attention_cp > 1."""
     from megatron_hetermoe.training.args import run
     from megatron_hetermoe.training.run_hooks import RunHooks
 
@@ -166,7 +167,7 @@ def run_parity(plan: HeteroPlan, model: ModelConfig, steps: int = 5, micro_batch
     n_attn = len(plan.attention_ranks) // cp
     gbs = micro_batch_size * plan.num_microbatches * plan.num_attention_members
     ep = reference_ep(plan, model.num_experts)
-    cfg = TrainConfig(model, ParallelConfig(tp=t, pp=pp, sequence_parallel=t > 1, cp=cp),
+    cfg = TrainConfig(model, ParallelConfig(tp=t, pp=pp, sequence_parallel=t > 1, cp=cp, cp_comm_type=cp_comm_type),
                       micro_batch_size=micro_batch_size, global_batch_size=gbs, train_iters=steps, seed=seed,
                       quiet=True, **prec)
     ref = run(dataclasses.replace(cfg, parallel=ParallelConfig(tp=t, pp=pp, ep=ep, sequence_parallel=t > 1)), n_attn,

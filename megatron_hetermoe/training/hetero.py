@@ -283,7 +283,9 @@ def build_rank(cfg: TrainConfig, hooks: RunHooks, assembly: RoleAssembly, kernel
     hs, pools = assembly.hs, assembly.pools
     precision = pools.of(hs.role)
     pgc = hs.pg_collection()
-    config = model_config(transformer_config(cfg.model, ParallelConfig(), precision, kernels=kernels.name,
+    # The plan gives the role's parallel sizes (model_config); the run's config its CP communication.
+    par = ParallelConfig(cp_comm_type=cfg.parallel.cp_comm_type)
+    config = model_config(transformer_config(cfg.model, par, precision, kernels=kernels.name,
                                              fusions=fusions, deterministic_mode=cfg.deterministic), hs)
     spec = block_spec(cfg.model, kernels.name, config, get_pg_rank(pgc.pp), hs.device)
     # A live move loads every parameter from the moved states: no random init (expert_move.rebuild_config).

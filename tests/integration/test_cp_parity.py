@@ -1,7 +1,7 @@
 """Context parallelism on the attention members (the plan's attention_cp, Megatron's
---context-parallel-size): each CP rank holds two of the sequence's 2 x CP chunks, gathers the
-other ranks' keys and values for attention (models/context_attention.py) and routes its own
-tokens to the expert ranks. CP changes no parameter and no gradient, so HeterMoE at CP 2 trains
+--context-parallel-size): each CP rank holds two of the sequence's 2 x CP chunks, attends over the
+other ranks' keys and values (models/context_attention.py: passed around a ring, Megatron's default
+--cp-comm-type p2p, or all-gathered) and routes its own tokens to the expert ranks. CP changes no parameter and no gradient, so HeterMoE at CP 2 trains
 like plain Megatron at CP 1 (megatron-core's local attention has no CP to compare with), at the
 same TP, under DistEP and zebra."""
 import pytest
@@ -23,6 +23,13 @@ def test_distep_cp2_matches_megatron_cp1(tiny, case):
     M = {"cp2+2": 2, "2x(cp2)+2": 4}[case]
     plan = even_plan(tiny.num_layers, tiny.num_experts, M, 2, num_microbatches=2, attention_cp=2)
     _check(run_parity(plan, tiny, steps=3, free_run=case == "cp2+2"), case == "cp2+2")
+
+
+@pytest.mark.parametrize("schedule", ["distep", "zebra"])
+def test_cp2_all_gather_matches_megatron_cp1(tiny, schedule):
+    """--cp-comm-type all_gather in place of the ring."""
+    plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=2, schedule=schedule, attention_cp=2)
+    _check(run_parity(plan, tiny, steps=3, free_run=False, cp_comm_type="all_gather"), False)
 
 
 @pytest.mark.parametrize("issuer", ["threads", "single"])

@@ -19,13 +19,15 @@ from margins import within
 from megatron_hetermoe.parallel.launcher import launch
 
 S, B, HEADS, GROUPS, HEAD_DIM = 16, 2, 4, 2, 8
-# Max |diff| measured (ATEN_CPU_CAPABILITY default, avx2 and avx512 alike): output 0 (the same sums in
-# the same order), q/k/v gradients 7.2e-7 (k and v: the ranks' partial sums added by the reduce-scatter
-# in another order); bound 14x.
+# Max |diff| measured (ATEN_CPU_CAPABILITY default, avx2 and avx512 alike). all_gather: output 0 (the
+# same sums in the same order), q/k/v gradients 7.2e-7 (k and v: the ranks' partial sums added by the
+# reduce-scatter in another order). p2p (the ring: partial softmaxes merged): output 3.6e-7, gradients
+# 9.5e-7 (1.2e-6 on default kernels). Bound 8.6x.
 TOL_F32 = 1e-5
 # Half precision: the k/v gradients are rounded per rank before the reduce-scatter adds them, the
-# reference rounds once. Measured: bf16 3.1e-2, fp16 3.9e-3 (one ulp of each at the gradients' 4..6;
-# output and q gradient 0); bounds 6x.
+# reference rounds once (all_gather; output and q gradient 0); the ring accumulates in fp32 and rounds
+# its results once. Measured, both: bf16 3.1e-2, fp16 3.9e-3 (one ulp of each at the gradients' 4..6);
+# bounds 6x.
 TOL_HALF = {torch.bfloat16: 2e-1, torch.float16: 2.5e-2}
 
 
@@ -87,10 +89,10 @@ def _cp_slice(t: dict[str, torch.Tensor], cp_group) -> dict[str, torch.Tensor]:
     return out
 
 
-def _compare(rank: int, world: int, tp: int, dtype: torch.dtype) -> dict[str, float]:
+def _compare(rank: int, world: int, tp: int, dtype: torch.dtype, comm: str = "all_gather") -> dict[str, float]:
     """On a world of tp x cp ranks (TP groups of consecutive ranks): the max |diff| of each of output,
     q, k, v gradients against DotProductAttention on the full sequence and all heads, without and
-    with the data mask."""
+    with the data mask, under cp_comm_type `comm`."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -111,8 +113,9 @@ def _compare(rank: int, world: int, tp: int, dtype: torch.dtype) -> dict[str, fl
     full = _full(seed=3, dtype=dtype)
     reference = DotProductAttention(_config(1, dtype), 1, AttnMaskType.causal, "self",
                                     pg_collection=ProcessGroupCollection(tp=ones[rank]))
-    core = ContextParallelAttention(_config(cp, dtype), 1, AttnMaskType.causal, "self",
+    core = ContextParallelAttention(_config(cp, dtype), 1, AttnMaskType.causal, "self", cp_comm_type=comm,
                                     pg_collection=ProcessGroupCollection(tp=tp_group, cp=cp_group))
+    assert core.cp_comm == comm
     diffs = {}
     for case, use_mask in (("causal", False), ("data mask", True)):
         want = _attend(reference, full, full["mask"] if use_mask else None)
@@ -132,21 +135,27 @@ def _check(diffs: list[dict[str, float]], what: str, tol: float) -> None:
             within(f"{what}, rank {rank}, {name}", value, tol)
 
 
+COMMS = ["p2p", "all_gather"]
+
+
+@pytest.mark.parametrize("comm", COMMS)
 @pytest.mark.parametrize("cp", [2, 4])
-def test_each_cp_rank_computes_its_rows_and_gradients_of_full_attention(cp):
-    _check(launch(_compare, cp, 1, torch.float32, timeout_s=120), f"cp={cp}", TOL_F32)
+def test_each_cp_rank_computes_its_rows_and_gradients_of_full_attention(cp, comm):
+    _check(launch(_compare, cp, 1, torch.float32, comm, timeout_s=120), f"cp={cp} {comm}", TOL_F32)
 
 
 @pytest.mark.slow
-def test_tensor_parallel_beside_context_parallel():
+@pytest.mark.parametrize("comm", COMMS)
+def test_tensor_parallel_beside_context_parallel(comm):
     """tp=2 x cp=2: each rank half of the heads (one query group) of its tokens."""
-    _check(launch(_compare, 4, 2, torch.float32, timeout_s=120), "tp=2 cp=2", TOL_F32)
+    _check(launch(_compare, 4, 2, torch.float32, comm, timeout_s=120), f"tp=2 cp=2 {comm}", TOL_F32)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("comm", COMMS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_as_the_parent_does_it(dtype):
-    _check(launch(_compare, 2, 1, dtype, timeout_s=120), f"cp=2 {dtype}", TOL_HALF[dtype])
+def test_half_precision_as_the_parent_does_it(dtype, comm):
+    _check(launch(_compare, 2, 1, dtype, comm, timeout_s=120), f"cp=2 {dtype} {comm}", TOL_HALF[dtype])
 
 
 def test_the_load_balanced_positions_are_megatrons_split():
@@ -236,25 +245,34 @@ def test_what_it_does_not_support_it_refuses(one_rank_groups):
         core(q, k, v, torch.zeros(B, 1, S, S, dtype=torch.bool))
 
 
-def test_a_cp_comm_type_it_does_not_do_is_named_once(one_rank_groups):
-    """Megatron's default --cp-comm-type p2p (transformer-engine's ring) builds, all-gathers, and says so
-    once per process; all_gather and None say nothing."""
+def test_each_cp_comm_type_is_megatrons_or_named(one_rank_groups):
+    """p2p (Megatron-LM's default) and None are the ring, all_gather the all-gather; transformer-engine's
+    a2a and a2a+p2p all-gather and say so once per process each; a value Megatron does not have is
+    refused by name, as is a softmax the ring cannot merge."""
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.enums import AttnMaskType
 
     from megatron_hetermoe.models import context_attention as ca
 
     two = ProcessGroupCollection(tp=one_rank_groups.tp, cp=_Group(2))
-    ca._TOLD.discard("p2p")
+    ca._TOLD.difference_update({"a2a", "a2a+p2p"})
     said: list[str] = []
     catch = logging.Handler(logging.WARNING)  # on the module's logger: no root filter between
     catch.emit = lambda record: said.append(record.getMessage())
     logger = logging.getLogger(ca.__name__)
     logger.addHandler(catch)
     try:
-        for comm in ("all_gather", None, "p2p", "p2p"):
-            ca.ContextParallelAttention(_config(2), 1, AttnMaskType.causal, "self", cp_comm_type=comm,
-                                        pg_collection=two)
+        comms = [ca.ContextParallelAttention(_config(2), 1, AttnMaskType.causal, "self", cp_comm_type=comm,
+                                             pg_collection=two).cp_comm
+                 for comm in ("all_gather", None, "p2p", "a2a", "a2a", "a2a+p2p")]
     finally:
         logger.removeHandler(catch)
-    assert len(said) == 1 and "cp_comm_type='p2p'" in said[0] and "all-gathers keys and values" in said[0], said
+    assert comms == ["all_gather", "p2p", "p2p", "all_gather", "all_gather", "all_gather"], comms
+    assert len(said) == 2 and "cp_comm_type='a2a'" in said[0] and "cp_comm_type='a2a+p2p'" in said[1], said
+    assert "all-gathers keys and values" in said[0], said
+    with pytest.raises(ValueError, match=r"cp_comm_type='ring' .*Megatron's values are p2p, all_gather, a2a"):
+        ca.ContextParallelAttention(_config(2), 1, AttnMaskType.causal, "self", cp_comm_type="ring",
+                                    pg_collection=two)
+    with pytest.raises(ValueError, match=r"softmax_type='off-by-one' with cp_comm_type='p2p'.*all_gather"):
+        ca.ContextParallelAttention(_config(2, softmax_type="off-by-one"), 1, AttnMaskType.causal, "self",
+                                    cp_comm_type="p2p", pg_collection=two)
