@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 CONSTRAINTS := constraints/ci.txt
 PIP_INSTALL := $(BIN)/pip install -q -c $(CONSTRAINTS)
 
-.PHONY: demo test test-slow test-all test-install install wheel clean lint
+.PHONY: demo test test-slow slow-deps test-slow-run test-all test-install install wheel clean lint
 
 $(STAMP): setup.py pyproject.toml $(CONSTRAINTS)
 	test -d $(VENV) || $(PY) -m venv $(VENV)
@@ -30,9 +30,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=15 -m "not slow" tests
 
-test-slow: $(STAMP)
+# The slow tests run in parts side by side (tests/run_slow.sh: each part's session leaves cores idle).
+test-slow: slow-deps
+	$(MAKE) --no-print-directory test-slow-run
+
+slow-deps: $(STAMP)
 	if [ -n "$$MEGATRON_LM_DIR" ]; then $(PIP_INSTALL) --no-build-isolation -e '.[megatron-lm]'; fi
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=60 -m slow tests
+
+# The slow tests without the install step (CI installs first: editable installs rewrite the
+# source tree's egg-info, which a running test may read).
+test-slow-run:
+	bash tests/run_slow.sh $(BIN)/python
 
 test-all: $(STAMP)
 	if [ -n "$$MEGATRON_LM_DIR" ]; then $(PIP_INSTALL) --no-build-isolation -e '.[megatron-lm]'; fi
@@ -88,7 +96,7 @@ $(COMPAT_STAMP): setup.py pyproject.toml
 V019_TESTS := tests/training/test_megatron_lm_v019.py tests/training/test_hetermoe_pretrain.py \
 	'tests/integration/test_distep_parity.py::test_distep_matches_megatron_ep[2x(2+2)-2]' \
 	tests/integration/test_distributed_optimizer.py tests/integration/test_live_moves.py
-.PHONY: test-v019 compat-env compat-deps
+.PHONY: test-v019 test-v019-run compat-env compat-deps
 # The download of .venv-compat's megatron-core and its (CUDA) torch, nothing of this project built:
 # CI runs it while its first line tests (.ci/run), the download overlapping CPU-bound tests.
 compat-deps:
@@ -101,8 +109,13 @@ compat-env: $(COMPAT_STAMP)
 	$(COMPAT_VENV)/bin/pip install -q --no-build-isolation 'megatron-core==$(COMPAT_MCORE)' -e '.[megatron-lm]'
 
 test-v019: compat-env
+	$(MAKE) --no-print-directory test-v019-run
+
+# test-v019 without the install step (CI installs first, then runs this beside the slow tests).
+test-v019-run:
 	@test -n "$$MEGATRON_LM_DIR" || { echo "make test-v019: set MEGATRON_LM_DIR to a Megatron-LM core_v0.19.0 tree" >&2; exit 2; }
-	HETERMOE_REQUIRE_V019=1 OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -rs $(V019_TESTS)
+	HETERMOE_REQUIRE_V019=1 OMP_NUM_THREADS=1 $(COMPAT_VENV)/bin/python -m pytest -q -rs -p no:cacheprovider \
+		--durations=15 $(V019_TESTS)
 
 # With MEGATRON_LM_DIR (a core_v0.19.0 checkout) Megatron-LM's own pretrain() runs too
 # (test_megatron_lm_v019.py): its training side needs the megatron-lm extra.

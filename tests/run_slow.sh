@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# `make test-slow`: the tests marked slow, in parts run side by side, each its own pytest session
+# (its own --basetemp; no shared cache), their outputs shown one after the other once all end.
+# Most slow tests start several processes that wait on each other (rendezvous, collectives,
+# checkpoints): one session keeps about half of 2 cores busy. The parts: the tests of Megatron-LM's
+# pretrain() (tests/training: one session compiles and uses the checkout's dataset helpers), and
+# the rest. Exit status: nonzero if any part failed.
+#   tests/run_slow.sh PYTHON [pytest args...]
+set -u
+py=${1:?usage: tests/run_slow.sh PYTHON [pytest args...]}
+shift
+cd "$(dirname "$0")/.." || exit 2
+out=$(mktemp -d)
+parts=("tests/training" "tests --ignore=tests/training")
+pids=()
+for i in "${!parts[@]}"; do
+  # shellcheck disable=SC2086  # a part is a list of pytest arguments
+  OMP_NUM_THREADS=1 "$py" -m pytest -q -p no:cacheprovider --basetemp="$out/tmp$i" --durations=40 -m slow \
+    ${parts[$i]} "$@" > "$out/part$i.log" 2>&1 &
+  pids+=($!)
+done
+rc=0
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}"
+  code=$?
+  echo "==== slow tests, part $((i + 1)) of ${#parts[@]} (${parts[$i]}): exit $code ===="
+  cat "$out/part$i.log"
+  [ "$code" -eq 0 ] || [ "$code" -eq 5 ] || rc=1  # 5: nothing collected (a part with no slow test)
+done
+if [ "$rc" -eq 0 ]; then rm -rf "$out"; else echo "the parts' logs and temporary files: $out"; fi
+exit $rc
