@@ -1,9 +1,9 @@
 """Context parallelism on the attention members (the plan's attention_cp, Megatron's
 --context-parallel-size): each CP rank holds two of the sequence's 2 x CP chunks, attends over the
 other ranks' keys and values (models/context_attention.py: passed around a ring, Megatron's default
---cp-comm-type p2p, or all-gathered) and routes its own tokens to the expert ranks. CP changes no parameter and no gradient, so HeterMoE at CP 2 trains
-like plain Megatron at CP 1 (megatron-core's local attention has no CP to compare with), at the
-same TP, under DistEP and zebra."""
+--cp-comm-type p2p, or all-gathered) and routes its own tokens to the expert ranks. CP changes no
+parameter and no gradient, so HeterMoE at CP 2 trains like plain Megatron at CP 1 (megatron-core's
+local attention has no CP to compare with), at the same TP, under DistEP and zebra."""
 import pytest
 from margins import parity_within
 
