@@ -106,6 +106,22 @@ def _to_groups(grad: Tensor, groups: int) -> Tensor:
     return grad.view(b, groups, heads // groups, s, hn).sum(2) if heads != groups else grad
 
 
+def _block_scores(qf: Tensor, kv: list[Tensor], cp_rank: int, src: int, q_pos: Tensor, data_mask: Optional[Tensor],
+                  cp: int, scale: float) -> tuple[slice, slice, Tensor, Tensor, Tensor]:
+    """Source rank `src`'s key/value block `kv` against this rank's queries qf [b, heads, s, hn]: the
+    live rows and columns (live_block), the block's keys and values there [b, heads, cols, hn] and the
+    scaled scores [b, heads, rows, cols], -inf where masked."""
+    s, heads = qf.size(2), qf.size(1)
+    rows, cols = live_block(cp_rank, src, s)
+    k_pos = local_positions(s, cp, src, device=qf.device)[cols]
+    kb = _heads_first(kv[0], heads)[:, :, cols]
+    vb = _heads_first(kv[1], heads)[:, :, cols]
+    scores = torch.matmul(qf[:, :, rows], kb.transpose(-1, -2)) * scale
+    cols_of_data = None if data_mask is None else data_mask[:, :, rows][..., k_pos]
+    scores = scores.masked_fill(_mask(q_pos[rows], k_pos, cols_of_data), float("-inf"))
+    return rows, cols, kb, vb, scores
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, data_mask: Optional[Tensor], cfg: RingConfig) -> Tensor:
@@ -123,13 +139,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(c):
             src = (r - step) % c
             wait = _shift(kv, group) if step < c - 1 else None  # the next block travels while this one computes
-            rows, cols = live_block(r, src, s)
-            k_pos = local_positions(s, c, src, device=q.device)[cols]
-            kb = _heads_first(kv[0], heads)[:, :, cols]
-            vb = _heads_first(kv[1], heads)[:, :, cols]
-            scores = torch.matmul(qf[:, :, rows], kb.transpose(-1, -2)) * cfg.scale
-            cols_of_data = None if data_mask is None else data_mask[:, :, rows][..., k_pos]
-            scores = scores.masked_fill(_mask(q_pos[rows], k_pos, cols_of_data), float("-inf"))
+            rows, cols, _, vb, scores = _block_scores(qf, kv, r, src, q_pos, data_mask, c, cfg.scale)
             new_max = torch.maximum(row_max[:, :, rows], scores.amax(-1))
             # A row with nothing seen yet keeps max -inf: shift by 0 there (exp(-inf) = 0, no NaN).
             shift = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
@@ -177,14 +187,8 @@ class _RingAttention(torch.autograd.Function):
         for step in range(c):
             src = (r - step) % c
             wait = _shift(kv, group) if step < c - 1 else None  # the next block travels while this one computes
-            rows, cols = live_block(r, src, s)
-            k_pos = local_positions(s, c, src, device=q.device)[cols]
-            kb = _heads_first(kv[0], heads)[:, :, cols]
-            vb = _heads_first(kv[1], heads)[:, :, cols]
+            rows, cols, kb, vb, scores = _block_scores(qf, kv, r, src, q_pos, data_mask, c, cfg.scale)
             q_rows = qf[:, :, rows]
-            scores = torch.matmul(q_rows, kb.transpose(-1, -2)) * cfg.scale
-            cols_of_data = None if data_mask is None else data_mask[:, :, rows][..., k_pos]
-            scores = scores.masked_fill(_mask(q_pos[rows], k_pos, cols_of_data), float("-inf"))
             probs = torch.exp(scores - lse[:, :, rows, None])  # the softmax's probabilities, masked = 0
             d_rows = dout[:, :, rows]
             d_probs = torch.matmul(d_rows, vb.transpose(-1, -2))
