@@ -607,7 +607,7 @@ class ModelConfig:
         return self.non_expert_params() + self.planned_num_moe_layers * self.num_experts * self.expert_params()
 
 
-CP_COMM_TYPES = ("p2p", "all_gather")  # Megatron's --cp-comm-type values the local attention core runs
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # Megatron's --cp-comm-type values the local attention core runs
 
 
 @dataclass(frozen=True)
@@ -618,7 +618,7 @@ class ParallelConfig:
     Experts are never tensor-parallel here (Megatron's --expert-tensor-parallel-size 1). `cp` is
     Megatron's --context-parallel-size: a HeterMoE plan's attention_cp (the Megatron EP trainer runs
     without it). `cp_comm_type` is Megatron's --cp-comm-type: one value for every layer or one per
-    layer; p2p (a ring, Megatron's default) or all_gather (models/context_attention.py)."""
+    layer; p2p (a ring, Megatron's default), all_gather or a2a (models/context_attention.py)."""
     tp: int = 1
     pp: int = 1
     ep: int = 1
@@ -632,8 +632,8 @@ class ParallelConfig:
         bad = [c for c in comms if c not in CP_COMM_TYPES]
         if bad or not comms:
             raise ValueError(
-                f"--cp-comm-type {' '.join(comms)}: runs here are {' or '.join(CP_COMM_TYPES)} (a ring, or an "
-                f"all-gather of keys and values); transformer-engine's a2a and a2a+p2p are not built")
+                f"--cp-comm-type {' '.join(comms)}: runs here are {', '.join(CP_COMM_TYPES)} (a ring, an all-gather "
+                f"of keys and values, an all-to-all of heads); transformer-engine's hierarchical a2a+p2p is not built")
         object.__setattr__(self, "cp_comm_type", comms[0] if len(comms) == 1 else comms)
         if self.dispatcher not in ("alltoall", "allgather"):
             raise ValueError(

@@ -32,8 +32,9 @@ _RUN_FLAGS: FlagRows = (
      "attend over the others' by --cp-comm-type); without a plan (Megatron EP) only 1 runs here"),
     ("--cp-comm-type", dict(nargs="+", default=["p2p"]),
      "Megatron's CP communication, one value for every layer or one per layer: p2p (a ring that "
-     "passes keys and values around the CP group) or all_gather (each rank gathers them); "
-     "transformer-engine's a2a and a2a+p2p are not built"),
+     "passes keys and values around the CP group), all_gather (each rank gathers them) or a2a "
+     "(an all-to-all gives each CP rank the whole sequence of heads / CP); transformer-engine's "
+     "hierarchical a2a+p2p is not built"),
     ("--expert-tensor-parallel-size", dict(type=int, default=None),
      "expert TP size; only 1 runs here (experts are whole). Megatron's default is the TP size, so "
      "with --tensor-model-parallel-size > 1 give 1 explicitly"),

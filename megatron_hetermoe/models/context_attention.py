@@ -11,8 +11,13 @@ with CP, by Megatron's `--cp-comm-type` (TransformerConfig.cp_comm_type, per lay
   dim of keys and of values all-gathered in forward and reduce-scattered in backward (megatron-core's
   sequence-parallel gather, given the CP group), and an s_local x S score matrix. Its outputs are
   DotProductAttention's on the full sequence bit for bit (the same sums in the same order).
-- `a2a` and `a2a+p2p` (transformer-engine's head-scattering all-to-all): not built here; those layers
-  all-gather, and the log says so once per process.
+- `a2a` (DeepSpeed-Ulysses, as transformer-engine does it): an all-to-all gives each CP rank the whole
+  sequence of 1/cp of the heads, it attends with megatron-core's DotProductAttention, and an all-to-all
+  returns its tokens of every head: the outputs are DotProductAttention's on the full sequence bit for
+  bit. The heads per TP rank must divide by cp (query groups that do not are repeated to the heads
+  first); a mask from the data is all-gathered over the CP group (every query's row).
+- `a2a+p2p` (transformer-engine's hierarchical CP): not built here; those layers all-gather, and the
+  log says so once per process.
 
 Sequence layout: Megatron's load-balanced split (megatron.core.utils.get_batch_on_this_cp_rank). The
 sequence of S tokens is cut into 2 x cp chunks; CP rank r holds chunk r followed by chunk
@@ -43,35 +48,36 @@ from megatron_hetermoe.models.ring_attention import RingConfig, local_positions,
 
 RING = "p2p"  # Megatron's --cp-comm-type for the ring (its default)
 GATHER = "all_gather"
+A2A = "a2a"  # Ulysses: heads scattered, sequence gathered
 _TOLD: set[str] = set()  # the cp_comm_type values already named in the log
 
 
 def comm_of(cp_comm_type: Optional[str]) -> str:
     """The communication this core does for a layer's cp_comm_type: the ring for p2p (and None, which
-    transformer-engine reads as p2p), the all-gather for all_gather and (named in the log once per
-    process) for transformer-engine's a2a and a2a+p2p, which are not built here."""
+    transformer-engine reads as p2p), the all-gather for all_gather, the all-to-all for a2a, and (named
+    in the log once per process) the all-gather for transformer-engine's a2a+p2p, not built here."""
     if cp_comm_type in (None, RING):
         return RING
-    if cp_comm_type == GATHER:
-        return GATHER
-    if cp_comm_type not in ("a2a", "a2a+p2p"):
+    if cp_comm_type in (GATHER, A2A):
+        return cp_comm_type
+    if cp_comm_type != "a2a+p2p":
         raise ValueError(f"cp_comm_type={cp_comm_type!r} (--cp-comm-type): Megatron's values are p2p, all_gather, "
                          f"a2a and a2a+p2p")
     if cp_comm_type not in _TOLD:
         _TOLD.add(cp_comm_type)
         logging.getLogger(__name__).warning(
-            "cp_comm_type=%r (--cp-comm-type) is transformer-engine's all-to-all CP communication; megatron-core's "
-            "local attention core has none, and ContextParallelAttention all-gathers keys and values for those "
-            "layers instead (the same numbers). Pass --cp-comm-type p2p (a ring) or all_gather to choose, or use "
-            "the transformer-engine spec.", cp_comm_type)
+            "cp_comm_type=%r (--cp-comm-type) is transformer-engine's hierarchical CP communication; "
+            "ContextParallelAttention (megatron-core's local attention core) all-gathers keys and values for those "
+            "layers instead (the same numbers). Pass --cp-comm-type p2p (a ring), a2a or all_gather to choose, or "
+            "use the transformer-engine spec.", cp_comm_type)
     return GATHER
 
 
 class ContextParallelAttention(DotProductAttention):
     """DotProductAttention with context parallelism over `pg_collection.cp` (causal self-attention only):
-    a ring for cp_comm_type p2p or None, an all-gather of keys and values for all_gather (and for a2a
-    and a2a+p2p, named in the log once). Constructor and forward take DotProductAttention's arguments;
-    extra keywords go to DotProductAttention (k_channels / v_channels where
+    a ring for cp_comm_type p2p or None, an all-gather of keys and values for all_gather (and for
+    a2a+p2p, named in the log once), an all-to-all of heads for a2a. Constructor and forward take
+    DotProductAttention's arguments; extra keywords go to DotProductAttention (k_channels / v_channels where
     shims/dot_product_attention.kv_channels is installed)."""
 
     def __init__(
@@ -118,10 +124,11 @@ class ContextParallelAttention(DotProductAttention):
                 f"window_size or use context_parallel_size=1")
 
         self.cp_comm = comm_of(cp_comm_type)
-        if self.cp_comm == RING and getattr(config, "softmax_type", "vanilla") != "vanilla":
+        if self.cp_comm in (RING, A2A) and getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(
-                f"softmax_type={config.softmax_type!r} with cp_comm_type={cp_comm_type!r} (the ring): the ring "
-                f"merges vanilla softmaxes only; pass --cp-comm-type all_gather, or softmax_type 'vanilla'")
+                f"softmax_type={config.softmax_type!r} with cp_comm_type={cp_comm_type!r}: the ring merges "
+                f"vanilla softmaxes only, and the all-to-all keeps no per-head offsets; pass --cp-comm-type "
+                f"all_gather, or softmax_type 'vanilla'")
         # The parent asserts context_parallel_size == 1. copy.copy, not dataclasses.replace: a shallow
         # copy does not run TransformerConfig.__post_init__ again (its derivations and checks ran on
         # `config`), so the copy differs from `config` in that one field only.
@@ -138,6 +145,29 @@ class ContextParallelAttention(DotProductAttention):
         self.attn_mask_type = AttnMaskType.causal
         self.cp_group = cp_group
         self.cp_size = cp_size
+        if self.cp_comm == A2A:
+            self._init_a2a(local_config, layer_number, attention_type, attention_dropout, softmax_scale,
+                           pg_collection, **kwargs)
+
+    def _init_a2a(self, local_config: TransformerConfig, layer_number: int, attention_type: str,
+                  attention_dropout: Optional[float], softmax_scale: Optional[float],
+                  pg_collection: ProcessGroupCollection, **kwargs: Any) -> None:
+        """The all-to-all's core: DotProductAttention over the whole sequence for 1/cp of this TP rank's
+        heads (and of its query groups where they divide by cp; else the groups are repeated to the
+        heads before the exchange). A child module without parameters: train()/eval() reach it."""
+        cp, heads, groups = self.cp_size, self.num_attention_heads_per_partition, self.num_query_groups_per_partition
+        if heads % cp:
+            raise ValueError(
+                f"cp_comm_type='a2a' with {heads} attention heads per tensor-parallel rank and "
+                f"context_parallel_size={cp}: the all-to-all gives each CP rank heads / cp of them; use a CP size "
+                f"that divides {heads}, or --cp-comm-type p2p")
+        self.a2a_repeat_kv = groups % cp != 0
+        inner = copy.copy(local_config)
+        inner.num_attention_heads = local_config.num_attention_heads // cp
+        inner.num_query_groups = (inner.num_attention_heads if self.a2a_repeat_kv
+                                  else local_config.num_query_groups // cp)
+        self.a2a_core = DotProductAttention(inner, layer_number, AttnMaskType.arbitrary, attention_type,
+                                            attention_dropout, softmax_scale, None, pg_collection, **kwargs)
 
     def forward(
         self,
@@ -189,6 +219,8 @@ class ContextParallelAttention(DotProductAttention):
 
         if self.cp_comm == RING:
             return ring_attention(query, key, value, attention_mask, self._ring_config())
+        if self.cp_comm == A2A:
+            return self._a2a_forward(query, key, value, attention_mask)
         # Forward: all-gather along dim 0. Backward: reduce-scatter (sum): every rank's queries attend
         # to every rank's keys, so a rank's key/value gradient is the sum of all ranks' contributions.
         key = gather_from_sequence_parallel_region(key, tensor_parallel_output_grad=True, group=self.cp_group)
@@ -219,6 +251,50 @@ class ContextParallelAttention(DotProductAttention):
         scale = self.softmax_scale * (self.layer_number if self.config.apply_query_key_layer_scaling else 1)
         rng = contextlib.nullcontext if self.config.sequence_parallel else tensor_parallel.get_cuda_rng_tracker().fork
         return RingConfig(self.cp_group, scale, self.attention_dropout.p if self.training else 0.0, rng)
+
+    def _a2a_forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Optional[Tensor]) -> Tensor:
+        """Ulysses: this rank's tokens of every head -> the whole sequence of heads / cp of them, causal
+        attention there (the mask's rows of every CP rank all-gathered), and back."""
+        cp, s_local = self.cp_size, query.size(0)
+        if self.a2a_repeat_kv:
+            rep = self.num_attention_heads_per_partition // self.num_query_groups_per_partition
+            key, value = key.repeat_interleave(rep, dim=2), value.repeat_interleave(rep, dim=2)
+        q, k, v = (self._heads_to_sequence(t) for t in (query, key, value))
+        seq = s_local * cp
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=query.device).triu(1)[None, None]  # the future
+        if attention_mask is not None:
+            rows = attention_mask.to(torch.uint8).contiguous()  # gloo all-gathers no bool
+            got = [torch.empty_like(rows) for _ in range(cp)]
+            torch.distributed.all_gather(got, rows, group=self.cp_group)
+            # [b, 1, cp x s_local, S] in the CP ranks' order -> rows in sequence order
+            mask = mask | self._sequence_order(torch.cat(got, dim=2).transpose(0, 2)).transpose(0, 2).to(torch.bool)
+        out = self.a2a_core(q, k, v, mask, attn_mask_type=AttnMaskType.arbitrary)  # [S, b, heads / cp x hn]
+        return self._sequence_to_heads(out.view(seq, out.size(1), q.size(2), q.size(3)))
+
+    def _heads_to_sequence(self, t: Tensor) -> Tensor:
+        """[s_local, b, n, hn] (this rank's tokens, all n heads) -> [S, b, n / cp, hn] (the whole sequence in
+        sequence order, this CP rank's n / cp heads): part j of the heads goes to CP rank j."""
+        from megatron.core.tensor_parallel.mappings import all_to_all
+
+        cp = self.cp_size
+        s_local, b, n, hn = t.shape
+        parts = t.reshape(s_local, b, cp, n // cp, hn).permute(2, 0, 1, 3, 4).reshape(cp * s_local, b, n // cp, hn)
+        return self._sequence_order(all_to_all(self.cp_group, parts))
+
+    def _sequence_to_heads(self, t: Tensor) -> Tensor:
+        """_heads_to_sequence's inverse, heads flattened: [S, b, n', hn] -> [s_local, b, cp x n' x hn]."""
+        from megatron.core.tensor_parallel.mappings import all_to_all
+
+        cp = self.cp_size
+        seq, b, n, hn = t.shape
+        mine = all_to_all(self.cp_group, self._rank_order(t))  # part i: this rank's tokens of CP rank i's heads
+        return mine.view(cp, seq // cp, b, n, hn).permute(1, 2, 0, 3, 4).reshape(seq // cp, b, cp * n * hn)
+
+    def _rank_order(self, t: Tensor) -> Tensor:
+        """_sequence_order's inverse: [S, ...] in sequence order -> [cp x s_local, ...] in the CP ranks' order."""
+        cp = self.cp_size
+        chunks = t.view(2 * cp, t.size(0) // (2 * cp), *t.shape[1:])
+        return torch.stack([chunks[:cp], chunks[cp:].flip(0)], dim=1).reshape(t.shape)
 
     def _sequence_order(self, gathered: Tensor) -> Tensor:
         """[cp x s_local, ...] in the CP ranks' order -> [S, ...] in sequence order."""

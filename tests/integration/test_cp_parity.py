@@ -25,11 +25,12 @@ def test_distep_cp2_matches_megatron_cp1(tiny, case):
     _check(run_parity(plan, tiny, steps=3, free_run=case == "cp2+2"), case == "cp2+2")
 
 
+@pytest.mark.parametrize("comm", ["all_gather", "a2a"])
 @pytest.mark.parametrize("schedule", ["distep", "zebra"])
-def test_cp2_all_gather_matches_megatron_cp1(tiny, schedule):
-    """--cp-comm-type all_gather in place of the ring."""
+def test_cp2_other_comm_types_match_megatron_cp1(tiny, schedule, comm):
+    """--cp-comm-type all_gather or a2a in place of the ring."""
     plan = even_plan(tiny.num_layers, tiny.num_experts, 2, 2, num_microbatches=2, schedule=schedule, attention_cp=2)
-    _check(run_parity(plan, tiny, steps=3, free_run=False, cp_comm_type="all_gather"), False)
+    _check(run_parity(plan, tiny, steps=3, free_run=False, cp_comm_type=comm), False)
 
 
 @pytest.mark.parametrize("issuer", ["threads", "single"])

@@ -113,5 +113,5 @@ def test_the_runs_cp_comm_type_reaches_megatrons_config(tiny):
     assert transformer_config(model, ParallelConfig(cp_comm_type=("all_gather",))).cp_comm_type == "all_gather"
     both = transformer_config(model, ParallelConfig(cp_comm_type=("p2p", "all_gather")))
     assert both.cp_comm_type == ["p2p", "all_gather"]
-    with pytest.raises(ValueError, match=r"--cp-comm-type p2p a2a: runs here are p2p or all_gather"):
-        ParallelConfig(cp_comm_type=("p2p", "a2a"))
+    with pytest.raises(ValueError, match=r"--cp-comm-type p2p a2a\+p2p: runs here are p2p, all_gather, a2a"):
+        ParallelConfig(cp_comm_type=("p2p", "a2a+p2p"))

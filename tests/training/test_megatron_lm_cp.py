@@ -24,11 +24,14 @@ def _plan(path, schedule: str, tp: int = 1, groups: int = 1):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("schedule", ["distep", "zebra"])
-def test_pretrain_cp2_from_and_to_a_cp1_checkpoint(mlm, data, tmp_path, schedule):
+@pytest.mark.parametrize("schedule,comm", [("distep", None), ("zebra", None), ("distep", "all_gather"),
+                                           ("zebra", "a2a")])
+def test_pretrain_cp2_from_and_to_a_cp1_checkpoint(mlm, data, tmp_path, schedule, comm):
     """Plain Megatron (EP 2, CP 1) saves; HeterMoE with a CP-2 member + 2 expert ranks loads it and
-    continues as plain Megatron does (3e-6), and back."""
-    checkpoints_both_ways(mlm, _plan(tmp_path / "plan.json", schedule), data, tmp_path, extra=CP, plain_extra=[])
+    continues as plain Megatron does (3e-6), and back; under Megatron's default --cp-comm-type (p2p:
+    the ring) and the two other kinds the local core does."""
+    extra = [*CP, "--cp-comm-type", comm] if comm else CP
+    checkpoints_both_ways(mlm, _plan(tmp_path / "plan.json", schedule), data, tmp_path, extra=extra, plain_extra=[])
 
 
 @pytest.mark.slow
