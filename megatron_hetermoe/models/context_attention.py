@@ -269,7 +269,8 @@ class ContextParallelAttention(DotProductAttention):
             # [b, 1, cp x s_local, S] in the CP ranks' order -> rows in sequence order
             mask = mask | self._sequence_order(torch.cat(got, dim=2).transpose(0, 2)).transpose(0, 2).to(torch.bool)
         out = self.a2a_core(q, k, v, mask, attn_mask_type=AttnMaskType.arbitrary)  # [S, b, heads / cp x hn]
-        return self._sequence_to_heads(out.view(seq, out.size(1), q.size(2), q.size(3)))
+        # [S, b, heads / cp, the values' head dim] (MLA's differs from the queries')
+        return self._sequence_to_heads(out.view(seq, out.size(1), q.size(2), v.size(3)))
 
     def _heads_to_sequence(self, t: Tensor) -> Tensor:
         """[s_local, b, n, hn] (this rank's tokens, all n heads) -> [S, b, n / cp, hn] (the whole sequence in

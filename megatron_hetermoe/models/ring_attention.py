@@ -131,7 +131,8 @@ class _RingAttention(torch.autograd.Function):
         groups = k.size(2)
         q_pos = local_positions(s, c, r, device=q.device)
         qf = _acc(q).permute(1, 2, 0, 3)  # [b, heads, s, hn]
-        acc = torch.zeros_like(qf)
+        hv = v.size(3)  # the values' head dim (MLA's differs from the queries' and keys')
+        acc = torch.zeros((b, heads, s, hv), device=q.device, dtype=qf.dtype)
         row_max = torch.full((b, heads, s), float("-inf"), device=q.device, dtype=qf.dtype)
         row_sum = torch.zeros((b, heads, s), device=q.device, dtype=qf.dtype)
         keeps: list[Optional[Tensor]] = []
@@ -164,7 +165,7 @@ class _RingAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, data_mask, out, lse, *[t for t in keeps if t is not None])
         ctx.cfg, ctx.has_keep = cfg, [t is not None for t in keeps]
         ctx.groups = groups
-        return out.to(q.dtype).permute(2, 0, 1, 3).reshape(s, b, heads * hn)
+        return out.to(q.dtype).permute(2, 0, 1, 3).reshape(s, b, heads * hv)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
@@ -178,12 +179,13 @@ class _RingAttention(torch.autograd.Function):
         keeps = [next(it) if has else None for has in ctx.has_keep]
         q_pos = local_positions(s, c, r, device=q.device)
         qf = _acc(q).permute(1, 2, 0, 3)
-        dout = _acc(grad_out).reshape(s, b, heads, hn).permute(1, 2, 0, 3)  # [b, heads, s, hn]
+        hv = v.size(3)
+        dout = _acc(grad_out).reshape(s, b, heads, hv).permute(1, 2, 0, 3)  # [b, heads, s, hv]
         delta = (dout * out).sum(-1)  # rowsum(P o dP): the softmax's backward term
         dq = torch.zeros_like(qf)
         kv = [k.contiguous(), v.contiguous()]
-        # The key/value gradient of the block in hand, fp32, groups' layout; it travels with its block.
-        dkv = torch.zeros((2, b, groups, s, hn), device=q.device, dtype=qf.dtype)
+        # The key and value gradients of the block in hand, fp32, groups' layout; they travel with it.
+        dkv = [torch.zeros((b, groups, s, t.size(3)), device=q.device, dtype=qf.dtype) for t in (k, v)]
         for step in range(c):
             src = (r - step) % c
             wait = _shift(kv, group) if step < c - 1 else None  # the next block travels while this one computes
@@ -202,7 +204,7 @@ class _RingAttention(torch.autograd.Function):
             dkv[1][:, :, cols] += _to_groups(torch.matmul(kept.transpose(-1, -2), d_rows), groups)
             # The gradient follows its block one hop; after cp hops it is home with every rank's part.
             if c > 1:
-                dkv = _shift([dkv], group)()[0]
+                dkv = _shift(dkv, group)()
             if wait is not None:
                 kv = wait()
         dk, dv = (g.permute(2, 0, 1, 3).to(t.dtype) for g, t in zip(dkv, (k, v)))
@@ -211,8 +213,8 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, attention_mask: Optional[Tensor], cfg: RingConfig) -> Tensor:
     """Causal attention of this CP rank's queries over the whole sequence, passing keys and values
-    around cfg.group. q [s_local, b, heads, hn], k and v [s_local, b, groups, hn] (this rank's tokens in
+    around cfg.group. q and k [s_local, b, heads or groups, hn], v [s_local, b, groups, hv] (this rank's tokens in
     get_batch_on_this_cp_rank's order); attention_mask None or [b or 1, 1, s_local, S] (True = masked,
-    columns in sequence order), on top of the causal mask. Returns [s_local, b, heads x hn] in q's dtype."""
+    columns in sequence order), on top of the causal mask. Returns [s_local, b, heads x hv] in q's dtype."""
     mask = None if attention_mask is None else attention_mask.to(torch.bool)
     return _RingAttention.apply(q, k, v, mask, cfg)

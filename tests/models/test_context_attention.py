@@ -41,14 +41,14 @@ def _config(cp: int, dtype: torch.dtype = torch.float32, **kw):
                                 **kw})
 
 
-def _full(seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The full sequence's q, k, v ([S, b, heads or groups, head dim]), an upstream gradient of the
-    output ([S, b, heads x head dim]) and a data mask [b, 1, S, S] (True = masked): causal, reset at
-    a document end (batch 0 at 5, batch 1 at 11)."""
+def _full(seed: int, dtype: torch.dtype, v_dim: int = HEAD_DIM) -> dict[str, torch.Tensor]:
+    """The full sequence's q, k, v ([S, b, heads or groups, head dim]; v's head dim `v_dim`), an
+    upstream gradient of the output ([S, b, heads x v_dim]) and a data mask [b, 1, S, S] (True =
+    masked): causal, reset at a document end (batch 0 at 5, batch 1 at 11)."""
     g = torch.Generator().manual_seed(seed)
     out = {"q": torch.randn(S, B, HEADS, HEAD_DIM, generator=g), "k": torch.randn(S, B, GROUPS, HEAD_DIM, generator=g),
-           "v": torch.randn(S, B, GROUPS, HEAD_DIM, generator=g),
-           "dout": torch.randn(S, B, HEADS * HEAD_DIM, generator=g)}
+           "v": torch.randn(S, B, GROUPS, v_dim, generator=g),
+           "dout": torch.randn(S, B, HEADS * v_dim, generator=g)}
     out = {k: v.to(dtype) for k, v in out.items()}
     doc = torch.zeros(B, S, dtype=torch.long)
     doc[0, 5:], doc[1, 11:] = 1, 1
@@ -67,8 +67,8 @@ def _attend(core, t: dict[str, torch.Tensor], mask) -> dict[str, torch.Tensor]:
 
 def _heads(t: dict[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
     """TP rank `rank`'s heads (and query groups, and the output columns of its heads)."""
-    h, g = HEADS // tp, GROUPS // tp
-    cols = slice(rank * h * HEAD_DIM, (rank + 1) * h * HEAD_DIM)
+    h, g, v_dim = HEADS // tp, GROUPS // tp, t["v"].size(3)
+    cols = slice(rank * h * v_dim, (rank + 1) * h * v_dim)
     out = {"q": t["q"][:, :, rank * h:(rank + 1) * h], "k": t["k"][:, :, rank * g:(rank + 1) * g],
            "v": t["v"][:, :, rank * g:(rank + 1) * g], "dout": t["dout"][..., cols], "mask": t["mask"]}
     if "out" in t:
@@ -89,10 +89,12 @@ def _cp_slice(t: dict[str, torch.Tensor], cp_group) -> dict[str, torch.Tensor]:
     return out
 
 
-def _compare(rank: int, world: int, tp: int, dtype: torch.dtype, comm: str = "all_gather") -> dict[str, float]:
+def _compare(rank: int, world: int, tp: int, dtype: torch.dtype, comm: str = "all_gather",
+             v_dim: int = HEAD_DIM) -> dict[str, float]:
     """On a world of tp x cp ranks (TP groups of consecutive ranks): the max |diff| of each of output,
     q, k, v gradients against DotProductAttention on the full sequence and all heads, without and
-    with the data mask, under cp_comm_type `comm`."""
+    with the data mask, under cp_comm_type `comm`. A `v_dim` other than HEAD_DIM builds both cores as
+    multi-latent attention does (k_channels, v_channels and a softmax_scale; shims' kv_channels)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -110,11 +112,17 @@ def _compare(rank: int, world: int, tp: int, dtype: torch.dtype, comm: str = "al
     ps._set_global_memory_buffer()  # DotProductAttention's score buffer (no explicit-group path)
     _seed(1)  # the core's dropout forks the model-parallel RNG (dropout 0 here, the fork is still taken)
 
-    full = _full(seed=3, dtype=dtype)
+    full = _full(seed=3, dtype=dtype, v_dim=v_dim)
+    mla = {}
+    if v_dim != HEAD_DIM:
+        from megatron_hetermoe.shims.dot_product_attention import kv_channels
+
+        kv_channels()  # in this forked rank only
+        mla = {"k_channels": HEAD_DIM, "v_channels": v_dim, "softmax_scale": HEAD_DIM ** -0.5}
     reference = DotProductAttention(_config(1, dtype), 1, AttnMaskType.causal, "self",
-                                    pg_collection=ProcessGroupCollection(tp=ones[rank]))
+                                    pg_collection=ProcessGroupCollection(tp=ones[rank]), **mla)
     core = ContextParallelAttention(_config(cp, dtype), 1, AttnMaskType.causal, "self", cp_comm_type=comm,
-                                    pg_collection=ProcessGroupCollection(tp=tp_group, cp=cp_group))
+                                    pg_collection=ProcessGroupCollection(tp=tp_group, cp=cp_group), **mla)
     assert core.cp_comm == comm
     diffs = {}
     for case, use_mask in (("causal", False), ("data mask", True)):
@@ -149,6 +157,13 @@ def _bound(comm: str, tol: float) -> float:
 @pytest.mark.parametrize("cp", [2, 4])
 def test_each_cp_rank_computes_its_rows_and_gradients_of_full_attention(cp, comm):
     _check(launch(_compare, cp, 1, torch.float32, comm, timeout_s=120), f"cp={cp} {comm}", _bound(comm, TOL_F32))
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_values_of_another_head_dim_as_multi_latent_attention_has(comm):
+    """MLA's core: values 4 wide per head, queries and keys 8 (k_channels, v_channels), cp=2."""
+    _check(launch(_compare, 2, 1, torch.float32, comm, 4, timeout_s=120), f"cp=2 v_dim=4 {comm}",
+           _bound(comm, TOL_F32))
 
 
 @pytest.mark.slow
