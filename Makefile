@@ -34,8 +34,14 @@ test: $(STAMP)
 test-slow: slow-deps
 	$(MAKE) --no-print-directory test-slow-run
 
+# With MEGATRON_LM_DIR: the megatron-lm extra, and the checkout's dataset helpers built once (what
+# Megatron-LM's first pretrain() builds with `make`, with this interpreter's pybind11 and python3-config),
+# before the parts of tests/run_slow.sh could build them at once.
 slow-deps: $(STAMP)
 	if [ -n "$$MEGATRON_LM_DIR" ]; then $(PIP_INSTALL) --no-build-isolation -e '.[megatron-lm]'; fi
+	if [ -f "$$MEGATRON_LM_DIR/megatron/core/datasets/Makefile" ]; then \
+		PATH="$(abspath $(BIN)):$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_config_var("BINDIR"))'):$$PATH" \
+		$(MAKE) -s -C "$$MEGATRON_LM_DIR/megatron/core/datasets"; fi
 
 # The slow tests without the install step (CI installs first: editable installs rewrite the
 # source tree's egg-info, which a running test may read).

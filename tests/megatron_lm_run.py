@@ -151,15 +151,23 @@ def _forked_run(work: Path, nproc: int, port: int, argv: list[str], environ: dic
 
 def torchrun(work: Path, nproc: int, flags: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node nproc pretrain_gpt.py flags` in `work`; stdout carries every rank's
-    output (stderr too, in the forked runs)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    if os.environ.get("HETERMOE_TESTS_TORCHRUN") == "1":
-        return subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node",
-                               str(nproc), "--master-port", str(port), "pretrain_gpt.py", *flags],
-                              cwd=work, env=env(), capture_output=True, text=True, timeout=timeout)
-    return _forked_run(work, nproc, port, ["pretrain_gpt.py", *flags], env(), timeout)
+    output (stderr too, in the forked runs). The master port is one the OS just gave out and took back;
+    until the store listens on it another process (the other slow-test session's gloo pairs, a
+    parallel part's run) may take it: a run whose store could not listen there (EADDRINUSE, before any
+    rank did anything) is started again on a new port, twice at most."""
+    for attempt in range(3):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if os.environ.get("HETERMOE_TESTS_TORCHRUN") == "1":
+            r = subprocess.run([sys.executable, "-W", "ignore", "-m", "torch.distributed.run", "--nproc-per-node",
+                                str(nproc), "--master-port", str(port), "pretrain_gpt.py", *flags],
+                               cwd=work, env=env(), capture_output=True, text=True, timeout=timeout)
+        else:
+            r = _forked_run(work, nproc, port, ["pretrain_gpt.py", *flags], env(), timeout)
+        if r.returncode == 0 or "EADDRINUSE" not in r.stdout + r.stderr or attempt == 2:
+            return r
+    raise AssertionError("unreachable")
 
 
 def failure(log: str) -> str:
