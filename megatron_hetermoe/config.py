@@ -15,6 +15,7 @@ from pathlib import Path
 from megatron_hetermoe.errors import UserError
 from megatron_hetermoe.limits import MODEL_LIMITS
 from megatron_hetermoe.paths import read_yaml_mapping, resolve_config
+from megatron_hetermoe.vocabulary import CpComm
 from megatron_hetermoe import layer_pattern as moe_layers  # layer 0: no torch, no megatron
 from megatron_hetermoe.vocabulary import Role
 
@@ -607,7 +608,7 @@ class ModelConfig:
         return self.non_expert_params() + self.planned_num_moe_layers * self.num_experts * self.expert_params()
 
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")  # Megatron's --cp-comm-type values the local attention core runs
+CP_COMM_TYPES = (CpComm.P2P, CpComm.ALL_GATHER, CpComm.A2A)  # the --cp-comm-type values the local core runs
 
 
 @dataclass(frozen=True)
@@ -625,7 +626,7 @@ class ParallelConfig:
     dispatcher: str = "alltoall"  # Megatron's --moe-token-dispatcher-type
     sequence_parallel: bool = False  # Megatron's --sequence-parallel
     cp: int = 1  # Megatron's --context-parallel-size
-    cp_comm_type: str | tuple[str, ...] = "p2p"  # Megatron's --cp-comm-type
+    cp_comm_type: str | tuple[str, ...] = CpComm.P2P.value  # Megatron's --cp-comm-type
 
     def __post_init__(self) -> None:
         comms = (self.cp_comm_type,) if isinstance(self.cp_comm_type, str) else tuple(self.cp_comm_type)

@@ -1,7 +1,7 @@
-"""The closed vocabularies of a run: a rank's role, a schedule's name, a task's kind and the stream
-it runs on. StrEnums, so that a member equals, hashes and formats as its value: plans, manifests,
-logs and Megatron's args keep the plain strings they always had, and code compares against the
-members (tests/test_imports.py refuses a comparison with the bare string). Ground layer: no torch.
+"""The closed vocabularies of a run: a rank's role, a schedule's name, a task's kind, the stream
+it runs on, the CP communication. StrEnums, so that a member equals, hashes and formats as its
+value: plans, manifests, logs and Megatron's args keep the plain strings they always had, and code
+compares against the members (tests/test_imports.py refuses a comparison with the bare string). Ground layer: no torch.
 """
 from __future__ import annotations
 
@@ -53,3 +53,12 @@ class StreamName(Word):
     DISPATCH = "dispatch"  # attention -> expert direction (D_F, C_B)
     COMBINE = "combine"  # expert -> attention direction (C_F, D_B)
     PIPELINE = "pipeline"  # between pipeline stages (P_F, P_B)
+
+
+class CpComm(Word):
+    """Megatron's --cp-comm-type (TransformerConfig.cp_comm_type): how context-parallel ranks exchange
+    what attention needs (models/context_attention.py)."""
+    P2P = "p2p"  # a ring of key/value blocks (Megatron's default)
+    ALL_GATHER = "all_gather"  # keys and values gathered
+    A2A = "a2a"  # Ulysses: heads scattered, the sequence gathered
+    A2A_P2P = "a2a+p2p"  # transformer-engine's hierarchical CP (not built on the local core)

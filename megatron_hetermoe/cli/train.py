@@ -9,6 +9,7 @@ from megatron_hetermoe.cli.data import add_data_args
 from megatron_hetermoe.cli.flags import FlagRows, add_flags
 from megatron_hetermoe.cli.formatter import HelpFormatter
 from megatron_hetermoe.cli.hetero import add_hetero_args
+from megatron_hetermoe.vocabulary import CpComm
 
 # Forked CPU ranks share one host: more than this is a typo, not a job (each rank holds ~400 MB).
 MAX_FORKED_RANKS = 1024
@@ -30,7 +31,7 @@ _RUN_FLAGS: FlagRows = (
      "Megatron's context parallelism: with --hetero-plan, the plan's attention_cp (each attention "
      "member's ranks at one TP position split every sequence into 2 x CP chunks, two each, and "
      "attend over the others' by --cp-comm-type); without a plan (Megatron EP) only 1 runs here"),
-    ("--cp-comm-type", dict(nargs="+", default=["p2p"]),
+    ("--cp-comm-type", dict(nargs="+", default=[CpComm.P2P.value]),
      "Megatron's CP communication, one value for every layer or one per layer: p2p (a ring that "
      "passes keys and values around the CP group), all_gather (each rank gathers them) or a2a "
      "(an all-to-all gives each CP rank the whole sequence of heads / CP); transformer-engine's "

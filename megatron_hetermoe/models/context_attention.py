@@ -44,23 +44,21 @@ from megatron.core.transformer.utils import is_layer_window_attention
 from torch import Tensor
 
 from megatron_hetermoe.models.ring_attention import RingConfig, local_positions, ring_attention
+from megatron_hetermoe.vocabulary import CpComm
 
 
-RING = "p2p"  # Megatron's --cp-comm-type for the ring (its default)
-GATHER = "all_gather"
-A2A = "a2a"  # Ulysses: heads scattered, sequence gathered
 _TOLD: set[str] = set()  # the cp_comm_type values already named in the log
 
 
-def comm_of(cp_comm_type: Optional[str]) -> str:
+def comm_of(cp_comm_type: Optional[str]) -> CpComm:
     """The communication this core does for a layer's cp_comm_type: the ring for p2p (and None, which
     transformer-engine reads as p2p), the all-gather for all_gather, the all-to-all for a2a, and (named
     in the log once per process) the all-gather for transformer-engine's a2a+p2p, not built here."""
-    if cp_comm_type in (None, RING):
-        return RING
-    if cp_comm_type in (GATHER, A2A):
-        return cp_comm_type
-    if cp_comm_type != "a2a+p2p":
+    if cp_comm_type in (None, CpComm.P2P):
+        return CpComm.P2P
+    if cp_comm_type in (CpComm.ALL_GATHER, CpComm.A2A):
+        return CpComm(cp_comm_type)
+    if cp_comm_type != CpComm.A2A_P2P:
         raise ValueError(f"cp_comm_type={cp_comm_type!r} (--cp-comm-type): Megatron's values are p2p, all_gather, "
                          f"a2a and a2a+p2p")
     if cp_comm_type not in _TOLD:
@@ -70,7 +68,7 @@ def comm_of(cp_comm_type: Optional[str]) -> str:
             "ContextParallelAttention (megatron-core's local attention core) all-gathers keys and values for those "
             "layers instead (the same numbers). Pass --cp-comm-type p2p (a ring), a2a or all_gather to choose, or "
             "use the transformer-engine spec.", cp_comm_type)
-    return GATHER
+    return CpComm.ALL_GATHER
 
 
 class ContextParallelAttention(DotProductAttention):
@@ -109,7 +107,7 @@ class ContextParallelAttention(DotProductAttention):
                              softmax_scale, cp_comm_type, pg_collection, **kwargs)
             self.cp_group: Optional[torch.distributed.ProcessGroup] = cp_group
             self.cp_size: int = 1
-            self.cp_comm: Optional[str] = None
+            self.cp_comm: Optional[CpComm] = None
             return
 
         if attn_mask_type != AttnMaskType.causal:
@@ -124,7 +122,7 @@ class ContextParallelAttention(DotProductAttention):
                 f"window_size or use context_parallel_size=1")
 
         self.cp_comm = comm_of(cp_comm_type)
-        if self.cp_comm in (RING, A2A) and getattr(config, "softmax_type", "vanilla") != "vanilla":
+        if self.cp_comm in (CpComm.P2P, CpComm.A2A) and getattr(config, "softmax_type", "vanilla") != "vanilla":
             raise ValueError(
                 f"softmax_type={config.softmax_type!r} with cp_comm_type={cp_comm_type!r}: the ring merges "
                 f"vanilla softmaxes only, and the all-to-all keeps no per-head offsets; pass --cp-comm-type "
@@ -145,7 +143,7 @@ class ContextParallelAttention(DotProductAttention):
         self.attn_mask_type = AttnMaskType.causal
         self.cp_group = cp_group
         self.cp_size = cp_size
-        if self.cp_comm == A2A:
+        if self.cp_comm == CpComm.A2A:
             self._init_a2a(local_config, layer_number, attention_type, attention_dropout, softmax_scale,
                            pg_collection, **kwargs)
 
@@ -217,9 +215,9 @@ class ContextParallelAttention(DotProductAttention):
                 f"expected [b or 1, 1, s_local={s_local}, S={seq}] (get_batch_on_this_cp_rank's split of "
                 f"a [b, 1, S, S] mask), or None for the causal mask alone")
 
-        if self.cp_comm == RING:
+        if self.cp_comm == CpComm.P2P:
             return ring_attention(query, key, value, attention_mask, self._ring_config())
-        if self.cp_comm == A2A:
+        if self.cp_comm == CpComm.A2A:
             return self._a2a_forward(query, key, value, attention_mask)
         # Forward: all-gather along dim 0. Backward: reduce-scatter (sum): every rank's queries attend
         # to every rank's keys, so a rank's key/value gradient is the sum of all ranks' contributions.

@@ -127,8 +127,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, data_mask: Optional[Tensor], cfg: RingConfig) -> Tensor:
         group = cfg.group
         c, r = group.size(), group.rank()
-        s, b, heads, hn = q.shape
-        groups = k.size(2)
+        s, b, heads, _ = q.shape
         q_pos = local_positions(s, c, r, device=q.device)
         qf = _acc(q).permute(1, 2, 0, 3)  # [b, heads, s, hn]
         hv = v.size(3)  # the values' head dim (MLA's differs from the queries' and keys')
@@ -164,7 +163,6 @@ class _RingAttention(torch.autograd.Function):
                           torch.full_like(row_sum, float("inf")))
         ctx.save_for_backward(q, k, v, data_mask, out, lse, *[t for t in keeps if t is not None])
         ctx.cfg, ctx.has_keep = cfg, [t is not None for t in keeps]
-        ctx.groups = groups
         return out.to(q.dtype).permute(2, 0, 1, 3).reshape(s, b, heads * hv)
 
     @staticmethod
@@ -173,8 +171,8 @@ class _RingAttention(torch.autograd.Function):
         cfg: RingConfig = ctx.cfg
         group = cfg.group
         c, r = group.size(), group.rank()
-        s, b, heads, hn = q.shape
-        groups = ctx.groups
+        s, b, heads, _ = q.shape
+        groups = k.size(2)
         it = iter(saved_keeps)
         keeps = [next(it) if has else None for has in ctx.has_keep]
         q_pos = local_positions(s, c, r, device=q.device)
